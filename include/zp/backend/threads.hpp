@@ -1,0 +1,514 @@
+// zp/backend/threads.hpp: ranks are threads of one process sharing host memory.
+//
+// The embedded default and the way zp's tests run many ranks. Collectives work directly on the
+// ranks' own buffers, with no staging copies: at each operation the ranks publish their buffer
+// pointers, then rank r reduces (or copies) its slice across all ranks' buffers and writes the
+// result wherever it belongs, then the ranks meet again so no buffer is released early.
+//
+// Waiting spins briefly only when there are no more ranks than cores, then sleeps on a
+// condition variable, so 8 ranks on 2 cores do not burn the CPU. Failure: a rank that throws
+// (under run_threads), leaves (its backend is destroyed) or mismatches a call poisons the
+// communicator, and every rank waiting in it throws zp::Error(Errc::aborted) naming the cause;
+// a rank that waits longer than Options::timeout throws Errc::timeout and poisons it too.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/detail/reduce.hpp"
+#include "zp/error.hpp"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace zp::backend {
+
+class Threads;
+
+namespace threads_detail {
+
+// What one rank asked for in the current operation; compared across ranks to catch mismatches.
+struct Call {
+  CollOp op{};
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::size_t count = 0;
+  DType dtype{};
+  ReduceOp reduce{};
+  int root = 0;
+  int color = -1;  // split only (op == barrier)
+  int key = 0;
+  bool is_split = false;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace threads_detail
+
+struct ThreadsOptions {
+  // How long a rank waits for its peers inside one operation before it gives up.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+// The state the ranks of one communicator share. Created by run_threads (or World::create for
+// callers that manage their own threads) and held by every rank's backend.
+class World {
+ public:
+  using Options = ThreadsOptions;
+
+  static std::shared_ptr<World> create(int ranks, Options opt = {}) {
+    ZP_EXPECT(ranks >= 1, "threads backend: world size must be >= 1, got ", ranks);
+    return std::shared_ptr<World>(new World(ranks, opt));
+  }
+
+  int size() const { return n_; }
+  const Options& options() const { return opt_; }
+  bool poisoned() const { return poisoned_.load(std::memory_order_acquire); }
+
+  // Marks the communicator failed; the first reason wins and is what every rank reports.
+  void poison(const std::string& why) {
+    {
+      std::lock_guard lk(m_);
+      if (!poisoned_.load(std::memory_order_relaxed)) {
+        reason_ = why;
+        poisoned_.store(true, std::memory_order_release);
+      }
+    }
+    cv_.notify_all();
+  }
+  std::string reason() const {
+    std::lock_guard lk(m_);
+    return reason_;
+  }
+
+ private:
+  friend class Threads;
+  World(int n, Options opt)
+      : n_(n), opt_(opt), calls_(std::size_t(n)), seqs_(std::size_t(n), 0), split_(std::size_t(n)) {}
+
+  [[noreturn]] void throw_poisoned(int rank, const threads_detail::Call& c) const {
+    throw Error(Errc::aborted, detail::cat("threads backend: rank ", rank, " in ", name(c.op),
+                                           " (call #", seq_of(rank), "): the communicator was "
+                                           "poisoned: ", reason()));
+  }
+  std::uint64_t seq_of(int rank) const { return seqs_[std::size_t(rank)]; }
+
+  // Rendezvous of all ranks. Throws if the communicator is or becomes poisoned, or on timeout.
+  void arrive(int rank, const threads_detail::Call& c) {
+    std::unique_lock lk(m_);
+    if (poisoned_.load(std::memory_order_relaxed)) {
+      lk.unlock();
+      throw_poisoned(rank, c);
+    }
+    const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      generation_.store(gen + 1, std::memory_order_release);
+      lk.unlock();
+      cv_.notify_all();
+      return;
+    }
+    lk.unlock();
+    // Spin a little when every rank can have its own core: an operation's two rendezvous then
+    // cost microseconds instead of a sleep and wake-up.
+    if (n_ <= int(std::thread::hardware_concurrency())) {
+      for (int i = 0; i < 4000; ++i) {
+        if (generation_.load(std::memory_order_acquire) != gen || poisoned()) break;
+        threads_detail::cpu_relax();
+      }
+    }
+    lk.lock();
+    const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
+    const bool done = cv_.wait_until(lk, deadline, [&] {
+      return generation_.load(std::memory_order_relaxed) != gen ||
+             poisoned_.load(std::memory_order_relaxed);
+    });
+    if (generation_.load(std::memory_order_relaxed) != gen) return;  // completed, even if poisoned later
+    lk.unlock();
+    if (!done) {
+      const std::string why = detail::cat(
+          "rank ", rank, " timed out after ", opt_.timeout.count(), " ms in ", name(c.op),
+          " (call #", seq_of(rank), ") waiting for the other ranks");
+      poison(why);
+      throw Error(Errc::timeout, "threads backend: " + why);
+    }
+    throw_poisoned(rank, c);
+  }
+
+  int n_;
+  Options opt_;
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> poisoned_{false};
+  std::string reason_;
+  std::vector<threads_detail::Call> calls_;   // slot r: rank r's current call
+  std::vector<std::uint64_t> seqs_;            // operations issued, per rank (for messages)
+  std::vector<std::shared_ptr<World>> split_;  // split results, by the group's first rank
+};
+
+// The backend. One per rank; move-only. Destroying it while it is still a member (not moved
+// from) tells the other ranks it has left: any of them still inside, or later entering, a
+// collective fails instead of waiting for it.
+class Threads {
+ public:
+  static constexpr MemorySpace memory = MemorySpace::host;
+  static constexpr const char* name = "threads";
+
+  class Work {
+   public:
+    Work() = default;
+    void wait() {
+      if (!state_) return;
+      std::unique_lock lk(state_->m);
+      state_->cv.wait(lk, [&] { return state_->done; });
+      if (state_->error) {
+        auto e = state_->error;
+        state_.reset();
+        std::rethrow_exception(e);
+      }
+      state_.reset();
+    }
+    bool test() {
+      if (!state_) return true;
+      {
+        std::lock_guard lk(state_->m);
+        if (!state_->done) return false;
+      }
+      wait();
+      return true;
+    }
+
+   private:
+    friend class Threads;
+    struct State {
+      std::mutex m;
+      std::condition_variable cv;
+      bool done = false;
+      std::exception_ptr error;
+    };
+    explicit Work(std::shared_ptr<State> s) : state_(std::move(s)) {}
+    std::shared_ptr<State> state_;
+  };
+
+  Threads(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {
+    ZP_EXPECT(world_ != nullptr, "threads backend: null world");
+    ZP_EXPECT(rank >= 0 && rank < world_->size(), "threads backend: rank ", rank,
+              " is not in [0, ", world_->size(), ")");
+  }
+  Threads(Threads&& o) noexcept
+      : world_(std::move(o.world_)), rank_(o.rank_), progress_(std::move(o.progress_)) {}
+  Threads& operator=(Threads&& o) noexcept {
+    if (this != &o) {
+      leave();
+      world_ = std::move(o.world_);
+      rank_ = o.rank_;
+      progress_ = std::move(o.progress_);
+    }
+    return *this;
+  }
+  ~Threads() { leave(); }
+
+  int rank() const { return rank_; }
+  int size() const { return world_->size(); }
+  World& world() { return *world_; }
+
+  Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return submit({CollOp::all_reduce, src, dst, n, t, op}, l);
+  }
+  Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return submit({CollOp::reduce_scatter, src, dst, n, t, op}, l);
+  }
+  Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    return submit({CollOp::all_gather, src, dst, n, t}, l);
+  }
+  Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
+    threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
+    c.root = root;
+    return submit(c, l);
+  }
+  Work barrier(Launch l) { return submit({CollOp::barrier}, l); }
+
+  Threads split(int color, int key) {
+    drain();
+    threads_detail::Call c{CollOp::barrier};
+    c.is_split = true;
+    c.color = color;
+    c.key = key;
+    std::shared_ptr<World> mine;
+    int my_rank = 0;
+    run(*world_, rank_, c, [&](const Calls& calls) {
+      std::vector<int> members;
+      for (int r = 0; r < size(); ++r)
+        if (calls[std::size_t(r)].color == color) members.push_back(r);
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+        return calls[std::size_t(a)].key < calls[std::size_t(b)].key;
+      });
+      my_rank = int(std::find(members.begin(), members.end(), rank_) - members.begin());
+      const int leader = *std::min_element(members.begin(), members.end());
+      if (leader == rank_) {
+        auto w = World::create(int(members.size()), world_->options());
+        std::lock_guard lk(world_->m_);
+        world_->split_[std::size_t(leader)] = w;
+      }
+      world_->arrive(rank_, c);  // the leader has published the group
+      {
+        std::lock_guard lk(world_->m_);
+        mine = world_->split_[std::size_t(leader)];
+      }
+    });
+    return Threads(std::move(mine), my_rank);
+  }
+
+ private:
+  using Calls = std::vector<threads_detail::Call>;
+
+  // Async operations run, in issue order, on one progress thread per rank, started on first
+  // use. A blocking call runs on the caller's thread once the earlier async ones are done, so
+  // the order every rank sees is the order it issued.
+  struct Progress {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;
+    std::size_t pending = 0;  // queued or running
+    bool stop = false;
+    std::thread thread;
+
+    ~Progress() {
+      {
+        std::lock_guard lk(m);
+        stop = true;
+      }
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+    void loop() {
+      for (;;) {
+        std::function<void()> job;
+        {
+          std::unique_lock lk(m);
+          cv.wait(lk, [&] { return stop || !queue.empty(); });
+          if (queue.empty()) return;
+          job = std::move(queue.front());
+          queue.pop_front();
+        }
+        job();
+        {
+          std::lock_guard lk(m);
+          --pending;
+        }
+        cv.notify_all();
+      }
+    }
+  };
+
+  void drain() {
+    if (!progress_) return;
+    std::unique_lock lk(progress_->m);
+    progress_->cv.wait(lk, [&] { return progress_->pending == 0; });
+  }
+
+  void leave() {
+    if (!world_) return;
+    progress_.reset();  // finishes queued operations first
+    if (!world_->poisoned())
+      world_->poison(detail::cat("rank ", rank_, " left the communicator (its backend was "
+                                 "destroyed) while other ranks may still call collectives"));
+    world_.reset();
+  }
+
+  Work submit(threads_detail::Call c, Launch l) {
+    if (l == Launch::blocking) {
+      drain();
+      execute(*world_, rank_, c);
+      return Work{};
+    }
+    if (!progress_) {
+      progress_ = std::make_unique<Progress>();
+      progress_->thread = std::thread([p = progress_.get()] { p->loop(); });
+    }
+    auto state = std::make_shared<Work::State>();
+    {
+      std::lock_guard lk(progress_->m);
+      ++progress_->pending;
+      progress_->queue.push_back([w = world_, r = rank_, c, state] {
+        std::exception_ptr err;
+        try {
+          execute(*w, r, c);
+        } catch (...) {
+          err = std::current_exception();
+        }
+        std::lock_guard lk2(state->m);
+        state->error = err;
+        state->done = true;
+        state->cv.notify_all();
+      });
+    }
+    progress_->cv.notify_all();
+    return Work(std::move(state));
+  }
+
+  // Publishes this rank's call, meets the others, checks that all calls agree, runs body, and
+  // meets again so no rank's buffers are released while another still reads or writes them.
+  // Static, over (world, rank), because async jobs outlive moves of the backend object.
+  template <class Body>
+  static void run(World& w, int rank, const threads_detail::Call& c, Body&& body) {
+    ++w.seqs_[std::size_t(rank)];
+    w.calls_[std::size_t(rank)] = c;
+    w.arrive(rank, c);
+    const Calls& calls = w.calls_;
+    const auto& c0 = calls[0];
+    for (int r = 1; r < w.size(); ++r) {
+      const auto& cr = calls[std::size_t(r)];
+      if (cr.op != c0.op || cr.is_split != c0.is_split || cr.count != c0.count ||
+          cr.dtype != c0.dtype || cr.reduce != c0.reduce || cr.root != c0.root) {
+        const std::string why = detail::cat(
+            "mismatched collective calls: rank 0 called ", c0.is_split ? "split" : zp::name(c0.op),
+            "(count=", c0.count, ", dtype=", zp::name(c0.dtype), ", op=", zp::name(c0.reduce),
+            ", root=", c0.root, ") but rank ", r, " called ", cr.is_split ? "split" : zp::name(cr.op),
+            "(count=", cr.count, ", dtype=", zp::name(cr.dtype), ", op=", zp::name(cr.reduce),
+            ", root=", cr.root, "); every rank must issue the same operations in the same order");
+        w.poison(why);
+        throw Error(Errc::invalid_argument, "threads backend: " + why);
+      }
+    }
+    body(calls);
+    w.arrive(rank, c);
+  }
+
+  static void execute(World& w, int rank, const threads_detail::Call& c) {
+    run(w, rank, c, [&](const Calls& calls) {
+      if (c.op == CollOp::barrier) return;
+      const int n = w.size();
+      visit_dtype(c.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        switch (c.op) {
+          case CollOp::all_reduce: all_reduce_slice<T>(calls, c, rank, n); break;
+          case CollOp::reduce_scatter: reduce_scatter_shard<T>(calls, c, rank, n); break;
+          case CollOp::all_gather: all_gather_into<T>(calls, c, n); break;
+          case CollOp::broadcast: broadcast_into<T>(calls, c); break;
+          case CollOp::barrier: break;
+        }
+      });
+    });
+  }
+
+  // Rank r's slice of [0, count): equal parts, cut at 64-element boundaries so no two ranks
+  // write the same cache line.
+  static std::pair<std::size_t, std::size_t> slice(std::size_t count, int rank, int n) {
+    const std::size_t blocks = (count + 63) / 64, per = blocks / std::size_t(n),
+                      extra = blocks % std::size_t(n), r = std::size_t(rank);
+    const std::size_t b0 = r * per + std::min(r, extra), b1 = b0 + per + (r < extra ? 1 : 0);
+    return {std::min(count, b0 * 64), std::min(count, b1 * 64)};
+  }
+
+  template <class T>
+  static void all_reduce_slice(const Calls& calls, const threads_detail::Call& c, int rank, int n) {
+    const auto [lo, hi] = slice(c.count, rank, n);
+    if (lo == hi) return;
+    std::vector<const T*> in(static_cast<std::size_t>(n));
+    std::vector<T*> out(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      in[std::size_t(r)] = static_cast<const T*>(calls[std::size_t(r)].src) + lo;
+      out[std::size_t(r)] = static_cast<T*>(calls[std::size_t(r)].dst) + lo;
+    }
+    detail::reduce_chunks(in.data(), n, out.data(), n, hi - lo, c.reduce);
+  }
+
+  template <class T>
+  static void reduce_scatter_shard(const Calls& calls, const threads_detail::Call& c, int rank,
+                                   int n) {
+    const std::size_t off = std::size_t(rank) * c.count;
+    std::vector<const T*> in(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r)
+      in[std::size_t(r)] = static_cast<const T*>(calls[std::size_t(r)].src) + off;
+    T* out = static_cast<T*>(c.dst);
+    detail::reduce_chunks(in.data(), n, &out, 1, c.count, c.reduce);
+  }
+
+  template <class T>
+  static void all_gather_into(const Calls& calls, const threads_detail::Call& c, int n) {
+    T* out = static_cast<T*>(c.dst);
+    for (int r = 0; r < n; ++r) {
+      const T* src = static_cast<const T*>(calls[std::size_t(r)].src);
+      T* dst = out + std::size_t(r) * c.count;
+      if (src != dst && c.count) std::memcpy(dst, src, c.count * sizeof(T));
+    }
+  }
+
+  template <class T>
+  static void broadcast_into(const Calls& calls, const threads_detail::Call& c) {
+    const T* src = static_cast<const T*>(calls[std::size_t(c.root)].src);
+    if (src != c.dst && c.count) std::memcpy(c.dst, src, c.count * sizeof(T));
+  }
+
+  std::shared_ptr<World> world_;
+  int rank_ = 0;
+  std::unique_ptr<Progress> progress_;
+};
+
+static_assert(Backend<Threads>);
+
+// Runs fn(Collective<Threads>&) on `ranks` threads and joins them. If any rank throws, the
+// communicator is poisoned so the others fail fast, and the first failure (not the aborts it
+// caused) is rethrown here.
+template <class F>
+void run_threads(int ranks, F&& fn, World::Options opt = {}) {
+  auto world = World::create(ranks, opt);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
+  std::atomic<int> first{-1};
+  std::vector<std::thread> threads;
+  threads.reserve(std::size_t(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      // Constructed outside the try so the cause is published before the backend's
+      // destructor reports this rank as gone.
+      Collective<Threads> comm{Threads(world, r)};
+      try {
+        fn(comm);
+        // Leaving normally is not a failure: wait for every rank to finish before the
+        // communicator is torn down.
+        comm.barrier();
+      } catch (const std::exception& e) {
+        errors[std::size_t(r)] = std::current_exception();
+        const auto* ze = dynamic_cast<const Error*>(&e);
+        if (!ze || ze->category() != Errc::aborted) {
+          int expected = -1;
+          first.compare_exchange_strong(expected, r);
+        }
+        world->poison(detail::cat("rank ", r, " failed: ", e.what()));
+      } catch (...) {
+        errors[std::size_t(r)] = std::current_exception();
+        int expected = -1;
+        first.compare_exchange_strong(expected, r);
+        world->poison(detail::cat("rank ", r, " failed with a non-standard exception"));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first.load() >= 0) std::rethrow_exception(errors[std::size_t(first.load())]);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace zp::backend

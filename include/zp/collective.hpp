@@ -1,0 +1,334 @@
+// zp/collective.hpp: Collective<Backend>, the typed front end every ZeRO stage communicates
+// through, and the Backend concept that threads, mpi and nccl model.
+//
+// Conventions (the ZeRO layout; the same as NCCL's):
+//  - all_reduce: in place when input and output are the same buffer.
+//  - reduce_scatter: input holds size() * n elements, rank r receives the reduction of input
+//    elements [r*n, r*n + n). In place when output == input + r*n.
+//  - all_gather: every rank contributes n elements; output holds size() * n elements with rank
+//    r's contribution at [r*n, r*n + n). In place when input == output + r*n.
+//  - Buffers live in the backend's memory space (host for threads and mpi, device for nccl).
+//  - Every rank of the communicator must issue the same operations in the same order with the
+//    same counts and element types; a mismatch the backend can see is an Errc::invalid_argument
+//    on every rank, and a peer that never arrives is an Errc::timeout (or a job abort for mpi)
+//    after the backend's timeout, never a hang.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp {
+
+enum class ReduceOp : std::uint8_t { sum, avg, max, min };
+
+// Collective operations, for accounting and error messages.
+enum class CollOp : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier };
+inline constexpr std::size_t coll_op_count = 5;
+
+constexpr const char* name(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "?";
+}
+constexpr const char* name(CollOp op) noexcept {
+  switch (op) {
+    case CollOp::all_reduce: return "all_reduce";
+    case CollOp::reduce_scatter: return "reduce_scatter";
+    case CollOp::all_gather: return "all_gather";
+    case CollOp::broadcast: return "broadcast";
+    case CollOp::barrier: return "barrier";
+  }
+  return "?";
+}
+
+enum class MemorySpace : std::uint8_t { host, device };
+
+// Whether a backend call returns after the operation completed (blocking) or as soon as it is
+// enqueued (async; completion through the returned work handle).
+enum class Launch : std::uint8_t { blocking, async };
+
+// nccl-tests' bus-bandwidth factor: busbw = algbw * factor, comparable with link bandwidth for
+// any rank count (REFERENCE.md).
+constexpr double bus_factor(CollOp op, int ranks) noexcept {
+  if (ranks <= 1) return op == CollOp::broadcast ? 1.0 : 0.0;
+  const double n = ranks;
+  switch (op) {
+    case CollOp::all_reduce: return 2.0 * (n - 1.0) / n;
+    case CollOp::reduce_scatter:
+    case CollOp::all_gather: return (n - 1.0) / n;
+    case CollOp::broadcast: return 1.0;
+    case CollOp::barrier: return 0.0;
+  }
+  return 0.0;
+}
+
+// A handle on an issued operation: wait() blocks until it completed (rethrowing its error),
+// test() polls without blocking.
+template <class W>
+concept WorkHandle = std::movable<W> && requires(W& w) {
+  w.wait();
+  { w.test() } -> std::same_as<bool>;
+};
+
+// What Collective asks of a backend: an untyped core over {pointer, count, dtype}. Counts are
+// elements; for reduce_scatter and all_gather they are the per-rank shard. Optional extras
+// (streams, events) are the backend's own and found by the caller with `requires`.
+template <class B>
+concept Backend =
+    std::movable<B> && WorkHandle<typename B::Work> &&
+    requires(B& b, const B& cb, const void* src, void* dst, std::size_t n, DType t, ReduceOp op,
+             int root, int color, int key, Launch launch) {
+      { B::memory } -> std::convertible_to<MemorySpace>;
+      { B::name } -> std::convertible_to<const char*>;
+      { cb.rank() } -> std::same_as<int>;
+      { cb.size() } -> std::same_as<int>;
+      { b.all_reduce(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
+      { b.reduce_scatter(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
+      { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
+      { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
+      { b.barrier(launch) } -> std::same_as<typename B::Work>;
+      { b.split(color, key) } -> std::same_as<B>;
+    };
+
+// Per-operation counters. bytes follows nccl-tests' S (the full buffer: for reduce_scatter and
+// all_gather size() * shard); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
+// link. seconds is issue-to-completion as the caller observed it.
+struct OpStats {
+  std::uint64_t calls = 0;
+  std::uint64_t bytes = 0;
+  double bus_bytes = 0;
+  double seconds = 0;
+
+  OpStats& operator+=(const OpStats& o) {
+    calls += o.calls;
+    bytes += o.bytes;
+    bus_bytes += o.bus_bytes;
+    seconds += o.seconds;
+    return *this;
+  }
+};
+
+struct CommStats {
+  std::array<OpStats, coll_op_count> ops{};
+
+  const OpStats& operator[](CollOp op) const { return ops[std::size_t(op)]; }
+  OpStats& operator[](CollOp op) { return ops[std::size_t(op)]; }
+  OpStats total() const {
+    OpStats t;
+    for (const auto& o : ops) t += o;
+    return t;
+  }
+};
+
+// The typed front end. Thin: it checks sizes and types, forwards to the backend's untyped core
+// and counts. Holds the backend by value; split() returns a new Collective over a sub-group.
+template <Backend B>
+class Collective {
+ public:
+  using backend_type = B;
+  static constexpr MemorySpace memory = B::memory;
+
+  // An issued operation; wait() completes it and books its time in the communicator's stats.
+  class Work {
+   public:
+    Work() = default;
+    void wait() {
+      if (!stats_) return;
+      work_.wait();
+      (*stats_)[op_].seconds += seconds_since(start_);
+      stats_ = nullptr;
+    }
+    bool test() {
+      if (!stats_) return true;
+      if (!work_.test()) return false;
+      wait();
+      return true;
+    }
+
+   private:
+    friend class Collective;
+    Work(typename B::Work w, CommStats* s, CollOp op, std::chrono::steady_clock::time_point t)
+        : work_(std::move(w)), stats_(s), op_(op), start_(t) {}
+    typename B::Work work_{};
+    CommStats* stats_ = nullptr;
+    CollOp op_{};
+    std::chrono::steady_clock::time_point start_{};
+  };
+
+  explicit Collective(B backend) : backend_(std::move(backend)) {}
+  Collective(Collective&&) noexcept = default;
+  Collective& operator=(Collective&&) noexcept = default;
+
+  int rank() const { return backend_.rank(); }
+  int size() const { return backend_.size(); }
+  B& backend() { return backend_; }
+  const B& backend() const { return backend_; }
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
+  // --- all_reduce: 2(N-1)/N * bytes over the busiest link -----------------------------------
+  template <Element T>
+  Work all_reduce_async(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
+    ZP_EXPECT(in.size() == out.size(), "all_reduce: input has ", in.size(),
+              " elements but output has ", out.size(), "; they must be equal");
+    return issue(CollOp::all_reduce, out.size_bytes(), [&] {
+      return backend_.all_reduce(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::async);
+    });
+  }
+  template <Element T>
+  Work all_reduce_async(std::span<T> inout, ReduceOp op = ReduceOp::sum) {
+    return all_reduce_async(std::span<const T>(inout), inout, op);
+  }
+  template <Element T>
+  void all_reduce(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
+    ZP_EXPECT(in.size() == out.size(), "all_reduce: input has ", in.size(),
+              " elements but output has ", out.size(), "; they must be equal");
+    blocking(CollOp::all_reduce, out.size_bytes(), [&] {
+      return backend_.all_reduce(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::blocking);
+    });
+  }
+  template <Element T>
+  void all_reduce(std::span<T> inout, ReduceOp op = ReduceOp::sum) {
+    all_reduce(std::span<const T>(inout), inout, op);
+  }
+
+  // --- reduce_scatter: in has size()*out.size() elements; (N-1)/N * bytes(in) ----------------
+  template <Element T>
+  Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
+    check_scatter("reduce_scatter", in.size(), out.size());
+    return issue(CollOp::reduce_scatter, in.size_bytes(), [&] {
+      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::async);
+    });
+  }
+  template <Element T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
+    check_scatter("reduce_scatter", in.size(), out.size());
+    blocking(CollOp::reduce_scatter, in.size_bytes(), [&] {
+      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::blocking);
+    });
+  }
+  // In place (ZeRO layout): buf.size() must divide by size(); this rank's result is left in
+  // shard(buf), the rest of buf is unspecified afterwards.
+  template <Element T>
+  Work reduce_scatter_async(std::span<T> buf, ReduceOp op = ReduceOp::sum) {
+    return reduce_scatter_async(std::span<const T>(buf), shard(buf), op);
+  }
+  template <Element T>
+  void reduce_scatter(std::span<T> buf, ReduceOp op = ReduceOp::sum) {
+    reduce_scatter(std::span<const T>(buf), shard(buf), op);
+  }
+
+  // --- all_gather: out has size()*in.size() elements; (N-1)/N * bytes(out) -------------------
+  template <Element T>
+  Work all_gather_async(std::span<const T> in, std::span<T> out) {
+    check_scatter("all_gather", out.size(), in.size());
+    return issue(CollOp::all_gather, out.size_bytes(), [&] {
+      return backend_.all_gather(in.data(), out.data(), in.size(), dtype_of<T>, Launch::async);
+    });
+  }
+  template <Element T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    check_scatter("all_gather", out.size(), in.size());
+    blocking(CollOp::all_gather, out.size_bytes(), [&] {
+      return backend_.all_gather(in.data(), out.data(), in.size(), dtype_of<T>, Launch::blocking);
+    });
+  }
+  // In place (ZeRO layout): this rank's contribution already sits in shard(buf).
+  template <Element T>
+  Work all_gather_async(std::span<T> buf) {
+    return all_gather_async(std::span<const T>(shard(buf)), buf);
+  }
+  template <Element T>
+  void all_gather(std::span<T> buf) {
+    all_gather(std::span<const T>(shard(buf)), buf);
+  }
+
+  // --- broadcast from root into every rank's buf: bytes over every link ---------------------
+  template <Element T>
+  Work broadcast_async(std::span<T> buf, int root) {
+    check_root(root);
+    return issue(CollOp::broadcast, buf.size_bytes(), [&] {
+      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::async);
+    });
+  }
+  template <Element T>
+  void broadcast(std::span<T> buf, int root) {
+    check_root(root);
+    blocking(CollOp::broadcast, buf.size_bytes(), [&] {
+      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::blocking);
+    });
+  }
+
+  void barrier() {
+    blocking(CollOp::barrier, 0, [&] { return backend_.barrier(Launch::blocking); });
+  }
+
+  // Sub-groups: ranks passing the same colour form a new communicator, ordered by (key, rank).
+  // Collective over this communicator: every rank must call it.
+  Collective split(int color, int key) {
+    ZP_EXPECT(color >= 0, "split: colour must be >= 0, got ", color);
+    return Collective(backend_.split(color, key));
+  }
+
+  // This rank's shard of a buffer cut into size() equal parts (the ZeRO layout).
+  template <class T>
+  std::span<T> shard(std::span<T> buf) const {
+    ZP_EXPECT(buf.size() % std::size_t(size()) == 0, "shard: buffer of ", buf.size(),
+              " elements does not divide into ", size(), " equal shards");
+    const std::size_t n = buf.size() / std::size_t(size());
+    return buf.subspan(std::size_t(rank()) * n, n);
+  }
+
+ private:
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+  void count(CollOp op, std::size_t bytes) {
+    auto& s = stats_[op];
+    s.calls += 1;
+    s.bytes += bytes;
+    s.bus_bytes += double(bytes) * bus_factor(op, size());
+  }
+  template <class F>
+  Work issue(CollOp op, std::size_t bytes, F&& launch) {
+    const auto t = std::chrono::steady_clock::now();
+    auto w = launch();
+    count(op, bytes);
+    return Work(std::move(w), &stats_, op, t);
+  }
+  template <class F>
+  void blocking(CollOp op, std::size_t bytes, F&& launch) {
+    const auto t = std::chrono::steady_clock::now();
+    launch().wait();
+    count(op, bytes);
+    stats_[op].seconds += seconds_since(t);
+  }
+  void check_scatter(const char* what, std::size_t full, std::size_t part) const {
+    ZP_EXPECT(full == part * std::size_t(size()), what, ": the full buffer has ", full,
+              " elements but the shard has ", part, " and there are ", size(),
+              " ranks; expected full = ranks * shard = ", part * std::size_t(size()));
+  }
+  void check_root(int root) const {
+    ZP_EXPECT(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank in [0, ",
+              size(), ")");
+  }
+
+  B backend_;
+  CommStats stats_{};
+};
+
+}  // namespace zp

@@ -1,0 +1,28 @@
+// zp/config.hpp: the few macros every zp header relies on.
+#pragma once
+
+// Per-element math is written once and compiled for host and device: under nvcc these
+// functions become __host__ __device__, under a plain C++ compiler they are ordinary inline.
+#if defined(__CUDACC__)
+#define ZP_HOST_DEVICE __host__ __device__
+#define ZP_COMPILING_CUDA 1
+#else
+#define ZP_HOST_DEVICE
+#define ZP_COMPILING_CUDA 0
+#endif
+
+// 1 when the CUDA runtime headers are reachable (the nccl backend and device allocations need
+// them). Never changes the layout of a type, so translation units may disagree safely.
+#if defined(__has_include)
+#if __has_include(<cuda_runtime_api.h>)
+#define ZP_HAS_CUDA_HEADERS 1
+#else
+#define ZP_HAS_CUDA_HEADERS 0
+#endif
+#else
+#define ZP_HAS_CUDA_HEADERS 0
+#endif
+
+#define ZP_VERSION_MAJOR 0
+#define ZP_VERSION_MINOR 1
+#define ZP_VERSION_PATCH 0

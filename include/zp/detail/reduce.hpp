@@ -1,0 +1,83 @@
+// zp/detail/reduce.hpp: the host reduction loops of the untyped core, shared by the threads
+// backend (reducing across ranks' buffers in place) and the mpi backend's 16-bit path.
+// 16-bit floats accumulate in float across all inputs and round once at the end.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+#include "zp/collective.hpp"
+#include "zp/dtype.hpp"
+
+namespace zp::detail {
+
+template <class T> struct accum { using type = T; };
+template <> struct accum<bf16> { using type = float; };
+template <> struct accum<fp16> { using type = float; };
+
+template <class A>
+inline void combine(A* acc, const A* x, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      for (std::size_t i = 0; i < n; ++i) acc[i] += x[i];
+      break;
+    case ReduceOp::max:
+      for (std::size_t i = 0; i < n; ++i) acc[i] = acc[i] < x[i] ? x[i] : acc[i];
+      break;
+    case ReduceOp::min:
+      for (std::size_t i = 0; i < n; ++i) acc[i] = x[i] < acc[i] ? x[i] : acc[i];
+      break;
+  }
+}
+
+template <class T, class A>
+inline void load(A* acc, const T* x, std::size_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    std::memcpy(acc, x, n * sizeof(T));
+  } else {
+    for (std::size_t i = 0; i < n; ++i) acc[i] = A(x[i]);
+  }
+}
+
+template <class T, class A>
+inline void store(T* out, const A* acc, std::size_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    std::memcpy(out, acc, n * sizeof(T));
+  } else {
+    for (std::size_t i = 0; i < n; ++i) out[i] = T(acc[i]);
+  }
+}
+
+// out[k][i] = reduce_r in[r][i] for i in [0, n), for every one of the n_out outputs. Inputs are
+// combined in rank order 0, 1, ..., so the result is identical on every rank and every run.
+// An output may alias an input (in-place collectives): each chunk is read completely before
+// any of it is written.
+template <class T>
+void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::size_t n,
+                   ReduceOp op) {
+  using A = typename accum<T>::type;
+  constexpr std::size_t chunk = 2048;
+  alignas(64) A acc[chunk];
+  alignas(64) A tmp[chunk];
+  for (std::size_t lo = 0; lo < n; lo += chunk) {
+    const std::size_t m = std::min(chunk, n - lo);
+    load(acc, in[0] + lo, m);
+    for (int r = 1; r < n_in; ++r) {
+      if constexpr (std::is_same_v<T, A>) {
+        combine(acc, in[r] + lo, m, op);
+      } else {
+        load(tmp, in[r] + lo, m);
+        combine(acc, tmp, m, op);
+      }
+    }
+    if (op == ReduceOp::avg) {
+      const A div = A(n_in);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
+    }
+    for (int k = 0; k < n_out; ++k) store(out[k] + lo, acc, m);
+  }
+}
+
+}  // namespace zp::detail

@@ -1,0 +1,154 @@
+// zp/optim/detail/simd.hpp: the x86 vector types the CPU optimizer path runs its element math on.
+//
+// Each ISA level gets a float vector type with the operators the element math uses (+ - * /,
+// fma, sqrt, sign) and loads/stores that convert from and to the storage types. Every function
+// carries its own target attribute, so this header compiles with any -m flags and the code is
+// only run after a run-time CPU check (cpu.hpp). Loops calling these are marked
+// [[gnu::flatten]] with the same target, which inlines the (target-less) element templates of
+// optimizer.hpp and these operators into one vectorised loop body.
+//
+// Conversions match zp::bf16 / zp::fp16 bit for bit on non-nan values: bf16 rounds to nearest
+// even with integer arithmetic (the AVX-512 BF16 instruction would flush subnormals), fp16 uses
+// the F16C/AVX-512 conversion with round-to-nearest-even. A nan stored as bf16 is quieted as in
+// zp::bf16; a nan stored as fp16 keeps the hardware's payload (zp::fp16 gives 0x7e00).
+#pragma once
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ZP_OPTIM_X86 1
+#include <immintrin.h>
+#else
+#define ZP_OPTIM_X86 0
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "zp/dtype.hpp"
+
+#if ZP_OPTIM_X86
+namespace zp::optim::detail::simd {
+
+#define ZP_TARGET_AVX2 gnu::target("avx2,fma,f16c")
+#define ZP_TARGET_AVX512 gnu::target("avx512f,avx2,fma,f16c")
+
+// ---- AVX2 + FMA + F16C: 8 floats ----
+struct V8 {
+  __m256 v;
+  static constexpr int width = 8;
+  V8() = default;
+  [[ZP_TARGET_AVX2]] explicit V8(__m256 x) : v(x) {}
+  [[ZP_TARGET_AVX2]] explicit V8(float x) : v(_mm256_set1_ps(x)) {}
+};
+[[ZP_TARGET_AVX2]] inline V8 operator+(const V8& a, const V8& b) { return V8(_mm256_add_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX2]] inline V8 operator-(const V8& a, const V8& b) { return V8(_mm256_sub_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX2]] inline V8 operator*(const V8& a, const V8& b) { return V8(_mm256_mul_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX2]] inline V8 operator/(const V8& a, const V8& b) { return V8(_mm256_div_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX2]] inline V8 fma(const V8& a, const V8& b, const V8& c) {
+  return V8(_mm256_fmadd_ps(a.v, b.v, c.v));
+}
+[[ZP_TARGET_AVX2]] inline V8 sqrt(const V8& a) { return V8(_mm256_sqrt_ps(a.v)); }
+[[ZP_TARGET_AVX2]] inline V8 sign(const V8& a) {
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 pos = _mm256_and_ps(_mm256_cmp_ps(a.v, z, _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+  const __m256 neg = _mm256_and_ps(_mm256_cmp_ps(a.v, z, _CMP_LT_OQ), _mm256_set1_ps(1.0f));
+  return V8(_mm256_sub_ps(pos, neg));  // same operation as the scalar float(a>0) - float(a<0)
+}
+
+[[ZP_TARGET_AVX2]] inline V8 load(const float* p, std::type_identity<V8>) { return V8(_mm256_loadu_ps(p)); }
+[[ZP_TARGET_AVX2]] inline V8 load(const bf16* p, std::type_identity<V8>) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return V8(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+}
+[[ZP_TARGET_AVX2]] inline V8 load(const fp16* p, std::type_identity<V8>) {
+  return V8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+[[ZP_TARGET_AVX2]] inline void store(float* p, const V8& x) { _mm256_storeu_ps(p, x.v); }
+[[ZP_TARGET_AVX2]] inline void store(bf16* p, const V8& x) {
+  const __m256i u = _mm256_castps_si256(x.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  // Pack the 16-bit halves of the 8 lanes (all <= 0xffff, so unsigned saturation is exact).
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b11'01'10'00);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+[[ZP_TARGET_AVX2]] inline void store(fp16* p, const V8& x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Sum of squares of 8 floats into two double accumulators (4 lanes each).
+[[ZP_TARGET_AVX2]] inline void add_squares(const V8& x, __m256d& lo, __m256d& hi) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x.v));
+  const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(x.v, 1));
+  lo = _mm256_fmadd_pd(a, a, lo);
+  hi = _mm256_fmadd_pd(b, b, hi);
+}
+[[ZP_TARGET_AVX2]] inline double hsum(__m256d a) {
+  alignas(32) double t[4];
+  _mm256_store_pd(t, a);
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+// ---- AVX-512F: 16 floats ----
+struct V16 {
+  __m512 v;
+  static constexpr int width = 16;
+  V16() = default;
+  [[ZP_TARGET_AVX512]] explicit V16(__m512 x) : v(x) {}
+  [[ZP_TARGET_AVX512]] explicit V16(float x) : v(_mm512_set1_ps(x)) {}
+};
+[[ZP_TARGET_AVX512]] inline V16 operator+(const V16& a, const V16& b) { return V16(_mm512_add_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX512]] inline V16 operator-(const V16& a, const V16& b) { return V16(_mm512_sub_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX512]] inline V16 operator*(const V16& a, const V16& b) { return V16(_mm512_mul_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX512]] inline V16 operator/(const V16& a, const V16& b) { return V16(_mm512_div_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX512]] inline V16 fma(const V16& a, const V16& b, const V16& c) {
+  return V16(_mm512_fmadd_ps(a.v, b.v, c.v));
+}
+[[ZP_TARGET_AVX512]] inline V16 sqrt(const V16& a) { return V16(_mm512_sqrt_ps(a.v)); }
+[[ZP_TARGET_AVX512]] inline V16 sign(const V16& a) {
+  const __m512 z = _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 pos = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, z, _CMP_GT_OQ), one);
+  const __m512 neg = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, z, _CMP_LT_OQ), one);
+  return V16(_mm512_sub_ps(pos, neg));
+}
+
+[[ZP_TARGET_AVX512]] inline V16 load(const float* p, std::type_identity<V16>) { return V16(_mm512_loadu_ps(p)); }
+[[ZP_TARGET_AVX512]] inline V16 load(const bf16* p, std::type_identity<V16>) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return V16(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+}
+[[ZP_TARGET_AVX512]] inline V16 load(const fp16* p, std::type_identity<V16>) {
+  return V16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+[[ZP_TARGET_AVX512]] inline void store(float* p, const V16& x) { _mm512_storeu_ps(p, x.v); }
+[[ZP_TARGET_AVX512]] inline void store(bf16* p, const V16& x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), rounded, quiet);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+[[ZP_TARGET_AVX512]] inline void store(fp16* p, const V16& x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+[[ZP_TARGET_AVX512]] inline void add_squares(const V16& x, __m512d& lo, __m512d& hi) {
+  const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(x.v));
+  const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
+  lo = _mm512_fmadd_pd(a, a, lo);
+  hi = _mm512_fmadd_pd(b, b, hi);
+}
+[[ZP_TARGET_AVX512]] inline double hsum(__m512d a) {
+  alignas(64) double t[8];
+  _mm512_store_pd(t, a);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+}  // namespace zp::optim::detail::simd
+#endif  // ZP_OPTIM_X86

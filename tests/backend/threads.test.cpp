@@ -1,0 +1,188 @@
+#include "zp/backend/threads.hpp"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "../collective_cases.hpp"
+
+using zp::Collective;
+using zp::Errc;
+using zp::ReduceOp;
+using zp::backend::run_threads;
+using zp::backend::Threads;
+using zp::backend::World;
+
+namespace {
+std::uint64_t fresh_seed() { return std::random_device{}() * 2654435761ull + std::random_device{}(); }
+}  // namespace
+
+TEST_CASE("every operation and element type matches the serial reference at every world size") {
+  for (int ranks : {1, 2, 3, 4, 8}) {
+    for (std::size_t n : {0, 1, 7, 64, 1000, 4099}) {
+      const auto seed = fresh_seed();
+      run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_every_type(comm, seed, n); });
+    }
+  }
+}
+
+TEST_CASE("a million-element operation with a count not divisible by the world size is exact") {
+  for (int ranks : {3, 4}) {
+    const auto seed = fresh_seed();
+    const std::size_t n = 1000003;
+    run_threads(ranks, [&](Collective<Threads>& comm) {
+      for (bool in_place : {false, true}) {
+        zp::test::check_all_reduce<float>(comm, seed, n, ReduceOp::sum, in_place);
+        zp::test::check_reduce_scatter<zp::bf16>(comm, seed, n, ReduceOp::avg, in_place);
+        zp::test::check_all_gather<float>(comm, seed, n, in_place);
+      }
+    });
+  }
+}
+
+TEST_CASE("async operations complete in issue order and overlap the caller") {
+  const auto seed = fresh_seed();
+  run_threads(4, [&](Collective<Threads>& comm) {
+    const int N = comm.size(), r = comm.rank();
+    std::vector<std::vector<float>> bufs;
+    for (int k = 0; k < 6; ++k) bufs.push_back(zp::test::inputs<float>(seed + k, r, 5000 + k, N, ReduceOp::sum));
+    std::vector<Collective<Threads>::Work> works;
+    for (auto& b : bufs) works.push_back(comm.all_reduce_async(std::span<float>(b)));
+    comm.barrier();  // a blocking call after async ones runs after them
+    for (auto& w : works) CHECK(w.test());
+    for (auto& w : works) w.wait();
+    for (int k = 0; k < 6; ++k) {
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < bufs[std::size_t(k)].size(); ++i) {
+        double want = 0;
+        for (int q = 0; q < N; ++q) want += zp::test::input<float>(seed + k, q, i, N, ReduceOp::sum);
+        wrong += bufs[std::size_t(k)][i] != float(want);
+      }
+      CHECK(wrong == 0);
+    }
+  });
+}
+
+TEST_CASE("split forms sub-groups ordered by key whose collectives stay inside the group") {
+  const auto seed = fresh_seed();
+  run_threads(6, [&](Collective<Threads>& comm) {
+    const int r = comm.rank();
+    // colour by parity, keys reversed: the sub-rank order is the reverse of the world order
+    auto sub = comm.split(r % 2, -r);
+    CHECK(sub.size() == 3);
+    CHECK(sub.rank() == 2 - r / 2);
+    zp::test::check_every_operation<float>(sub, seed, 1001);
+    // the group's sum counts only its own members
+    std::int64_t x = r;
+    sub.all_reduce(std::span<std::int64_t>(&x, 1));
+    CHECK(x == (r % 2 == 0 ? 0 + 2 + 4 : 1 + 3 + 5));
+  });
+}
+
+TEST_CASE("the communicator counts calls, bytes and bus bytes per operation") {
+  run_threads(4, [&](Collective<Threads>& comm) {
+    std::vector<float> a(1000, 1.0f), g(4000);
+    comm.all_reduce(std::span<float>(a));
+    comm.all_gather(std::span<float>(g));
+    comm.reduce_scatter(std::span<float>(g));
+    const auto& s = comm.stats();
+    CHECK(s[zp::CollOp::all_reduce].calls == 1);
+    CHECK(s[zp::CollOp::all_reduce].bytes == 4000);
+    CHECK(s[zp::CollOp::all_reduce].bus_bytes == doctest::Approx(4000 * 2.0 * 3 / 4));
+    CHECK(s[zp::CollOp::all_gather].bytes == 16000);
+    CHECK(s[zp::CollOp::all_gather].bus_bytes == doctest::Approx(16000 * 3.0 / 4));
+    CHECK(s[zp::CollOp::reduce_scatter].bus_bytes == doctest::Approx(16000 * 3.0 / 4));
+    CHECK(s.total().calls == 3);
+    CHECK(s[zp::CollOp::all_reduce].seconds > 0);
+  });
+}
+
+TEST_CASE("bad arguments are errors that name the values") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    std::vector<float> a(10), b(11), c(5);
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<const float>(a), std::span<float>(b)),
+                         doctest::Contains("input has 10 elements but output has 11"), zp::Error);
+    CHECK_THROWS_WITH_AS(comm.all_gather(std::span<const float>(c), std::span<float>(b)),
+                         doctest::Contains("full buffer has 11 elements but the shard has 5"), zp::Error);
+    CHECK_THROWS_WITH_AS(comm.broadcast(std::span<float>(a), 2), doctest::Contains("root 2"), zp::Error);
+    CHECK_THROWS_WITH_AS(comm.split(-1, 0), doctest::Contains("got -1"), zp::Error);
+  });
+  CHECK_THROWS_WITH_AS(World::create(0), doctest::Contains("got 0"), zp::Error);
+}
+
+TEST_CASE("mismatched calls on different ranks are an error on every rank, not a hang") {
+  std::atomic<int> invalid{0};
+  CHECK_THROWS_AS(run_threads(3, [&](Collective<Threads>& comm) {
+    std::vector<float> a(comm.rank() == 1 ? 9 : 8);
+    try {
+      comm.all_reduce(std::span<float>(a));
+    } catch (const zp::Error& e) {
+      if (e.category() == Errc::invalid_argument &&
+          std::string(e.what()).find("rank 1 called all_reduce(count=9") != std::string::npos)
+        ++invalid;
+      throw;
+    }
+  }), zp::Error);
+  CHECK(invalid == 3);
+
+  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
+    std::vector<zp::bf16> h(4);
+    std::vector<float> f(4);
+    if (comm.rank() == 0) comm.all_reduce(std::span<zp::bf16>(h));
+    else comm.all_reduce(std::span<float>(f));
+  }), doctest::Contains("dtype=f32"), zp::Error);
+}
+
+TEST_CASE("a rank that throws makes the others fail promptly with the cause") {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::atomic<int> aborted{0};
+  try {
+    run_threads(4, [&](Collective<Threads>& comm) {
+      std::vector<float> a(100);
+      comm.all_reduce(std::span<float>(a));
+      if (comm.rank() == 2) throw std::runtime_error("loss exploded on rank 2");
+      try {
+        comm.all_reduce(std::span<float>(a));
+      } catch (const zp::Error& e) {
+        if (e.category() == Errc::aborted && std::string(e.what()).find("loss exploded") != std::string::npos)
+          ++aborted;
+        throw;
+      }
+    }, World::Options{std::chrono::seconds(60)});
+    FAIL("run_threads should have rethrown");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "loss exploded on rank 2");  // the cause, not an abort
+  }
+  CHECK(aborted == 3);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+}
+
+TEST_CASE("a rank that leaves early fails the others, and a silent one times out") {
+  SUBCASE("left") {
+    auto world = World::create(2);
+    std::thread gone([&] { Threads t(world, 1); });  // joins, then destroys its backend
+    gone.join();
+    Collective<Threads> comm{Threads(world, 0)};
+    std::vector<float> a(3);
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(a)),
+                         doctest::Contains("rank 1 left the communicator"), zp::Error);
+  }
+  SUBCASE("silent") {
+    auto world = World::create(2, {std::chrono::milliseconds(200)});
+    Threads idle(world, 1);  // a member that never calls
+    Collective<Threads> comm{Threads(world, 0)};
+    std::vector<float> a(3);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      comm.all_reduce(std::span<float>(a));
+      FAIL("expected a timeout");
+    } catch (const zp::Error& e) {
+      CHECK(e.category() == Errc::timeout);
+      CHECK(std::string(e.what()).find("rank 0 timed out after 200 ms in all_reduce") != std::string::npos);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  }
+}
