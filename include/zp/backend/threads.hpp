@@ -180,14 +180,14 @@ class Threads {
     Work() = default;
     void wait() {
       if (!state_) return;
-      std::unique_lock lk(state_->m);
-      state_->cv.wait(lk, [&] { return state_->done; });
-      if (state_->error) {
-        auto e = state_->error;
-        state_.reset();
-        std::rethrow_exception(e);
+      const auto s = std::move(state_);
+      std::exception_ptr error;
+      {
+        std::unique_lock lk(s->m);
+        s->cv.wait(lk, [&] { return s->done; });
+        error = s->error;
       }
-      state_.reset();
+      if (error) std::rethrow_exception(error);
     }
     bool test() {
       if (!state_) return true;

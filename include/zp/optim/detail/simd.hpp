@@ -13,7 +13,9 @@
 // zp::bf16; a nan stored as fp16 keeps the hardware's payload (zp::fp16 gives 0x7e00).
 #pragma once
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// nvcc's device pass (__CUDA_ARCH__) never sees the vector code: the element templates are
+// __host__ __device__ and must not be instantiated for the device with x86 vector types.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDA_ARCH__)
 #define ZP_OPTIM_X86 1
 #include <immintrin.h>
 #else
@@ -36,6 +38,15 @@ struct V8 {
   __m256 v;
   static constexpr int width = 8;
   V8() = default;
+  // User-provided copies make the type a MEMORY-class aggregate in the x86-64 ABI: passed and
+  // returned through memory whether or not the caller was compiled with AVX, so unoptimised
+  // builds (where the element templates are not inlined into the target functions) agree with
+  // the target functions on how values travel. Optimised builds inline everything away.
+  V8(const V8& o) : v(o.v) {}
+  V8& operator=(const V8& o) {
+    v = o.v;
+    return *this;
+  }
   [[ZP_TARGET_AVX2]] explicit V8(__m256 x) : v(x) {}
   [[ZP_TARGET_AVX2]] explicit V8(float x) : v(_mm256_set1_ps(x)) {}
 };
@@ -97,6 +108,15 @@ struct V16 {
   __m512 v;
   static constexpr int width = 16;
   V16() = default;
+  // User-provided copies make the type a MEMORY-class aggregate in the x86-64 ABI: passed and
+  // returned through memory whether or not the caller was compiled with AVX, so unoptimised
+  // builds (where the element templates are not inlined into the target functions) agree with
+  // the target functions on how values travel. Optimised builds inline everything away.
+  V16(const V16& o) : v(o.v) {}
+  V16& operator=(const V16& o) {
+    v = o.v;
+    return *this;
+  }
   [[ZP_TARGET_AVX512]] explicit V16(__m512 x) : v(x) {}
   [[ZP_TARGET_AVX512]] explicit V16(float x) : v(_mm512_set1_ps(x)) {}
 };

@@ -1,0 +1,825 @@
+// zp/backend/mpi.hpp: ranks are MPI processes, buffers are host memory (multi-node CPU).
+//
+// Speed: blocking operations are exactly one blocking MPI collective on the caller's buffers
+// (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast; MPI_IN_PLACE for the
+// in-place ZeRO layouts), so they run at the speed of the MPI library. Async operations use the
+// MPI-3 nonblocking collectives (MPI_Iallreduce, ...); their post-step (avg division, the
+// conversion of a 16-bit result) runs when the work handle completes. Everything is standard
+// MPI-3: OpenMPI, MPICH and their derivatives work.
+//
+// Element types: f32/f64/i32/i64 map to MPI types. bf16 and fp16 reductions are staged through a
+// float buffer (convert every element once, reduce with MPI_FLOAT, round once at the end), so
+// sums accumulate in fp32 as in the threads backend; the staging costs 2 bytes in and 4 out per
+// element of host traffic and 4 bytes per element of memory. 16-bit all_gather and broadcast move
+// raw 16-bit words. avg is a sum followed by a division by size() (integers truncate toward
+// zero, like C++ division).
+//
+// Failure semantics (nothing hangs):
+//  - Mismatch check (Options::check_calls, on by default): before each operation the ranks
+//    exchange a signature (operation, count, element type, reduce op, root) in one small
+//    MPI_Allreduce(MAX) over {s, -s}; if any field differs, every rank throws
+//    zp::Error(Errc::invalid_argument) naming the first rank whose call differs from rank 0's,
+//    and the communicator stays usable (the data operation was never issued). Cost: one
+//    96-byte allreduce per operation, a few microseconds (bench/RESULTS.md has the numbers);
+//    an async launch waits for that exchange, so it synchronises with the peers' launch of the
+//    same operation. Turn it off to shave that latency; then a mismatch is undefined behaviour
+//    of the MPI library (usually an MPI error or a watchdog abort).
+//  - Watchdog (Options::timeout): one thread per process. A rank blocked inside a zp MPI call
+//    (a blocking operation, the mismatch check, split, or Work::wait) for longer than timeout
+//    prints a message naming the rank, the operation, its call number, count and type to
+//    stderr and calls MPI_Abort, so the whole job ends in bounded time with the reason.
+//  - A backend destroyed while an exception propagates (its rank failed; the others may be
+//    waiting for it in a collective) prints the rank and calls MPI_Abort instead of hanging.
+//    Exceptions every rank raises together (a detected mismatch) do not abort.
+//  - Every MPI call is checked (MPI_ERRORS_RETURN on zp's communicator): a failure throws
+//    zp::Error(Errc::mpi) with MPI_Error_string and the native code.
+// Counts are limited to INT_MAX elements per call (MPI's int counts).
+// One backend object is used by one thread at a time; different backends may be used by
+// different threads when MPI provides MPI_THREAD_MULTIPLE.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp::backend {
+
+struct MpiOptions {
+  // How long a rank may stay blocked in one zp MPI call before the watchdog aborts the job.
+  // Zero or negative disables the watchdog.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Exchange a signature of every call first, so mismatched calls are an error on every rank.
+  bool check_calls = true;
+};
+
+namespace mpi_detail {
+
+inline std::string error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "unknown MPI error";
+  return std::string(buf, std::size_t(len));
+}
+
+inline int world_rank() {
+  int init = 0, fin = 0, r = -1;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+inline void check(int rc, const char* call, int rank) {
+  if (rc != MPI_SUCCESS) [[unlikely]]
+    throw Error(Errc::mpi, detail::cat("mpi backend: ", call, " failed on rank ", rank, ": ",
+                                       error_string(rc)),
+                rc);
+}
+
+// The thread that initialised MPI through MpiEnvironment (or first constructed a backend).
+inline std::thread::id& main_thread_id_storage() {
+  static std::thread::id id = std::this_thread::get_id();
+  return id;
+}
+inline std::thread::id main_thread_id() { return main_thread_id_storage(); }
+
+// Ends the job after printing why: MPI_Abort when MPI may be called from any thread,
+// otherwise _Exit (mpirun/mpiexec then terminate the other ranks).
+[[noreturn]] inline void abort_job(const std::string& why) {
+  std::fputs(("zp: mpi backend: " + why + "\n").c_str(), stderr);
+  std::fflush(stderr);
+  int init = 0, fin = 0, level = MPI_THREAD_SINGLE;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) {
+    MPI_Query_thread(&level);
+    if (level == MPI_THREAD_MULTIPLE || std::this_thread::get_id() == main_thread_id())
+      MPI_Abort(MPI_COMM_WORLD, 134);
+  }
+  std::_Exit(134);
+}
+
+// What a rank is blocked in, for the watchdog's message.
+struct Blocked {
+  std::chrono::steady_clock::time_point deadline;
+  long long timeout_ms = 0;
+  int rank = 0, size = 0, world_rank = 0;
+  const char* what = "";  // operation name
+  std::uint64_t call = 0;
+  std::size_t count = 0;
+  DType dtype{};
+  ReduceOp reduce{};
+  bool has_reduce = false;
+};
+
+// One thread per process that aborts the job when a registered wait outlives its deadline.
+// Shared by every backend of the process; stops when the last one is gone.
+class Watchdog {
+ public:
+  static std::shared_ptr<Watchdog> get() {
+    static std::mutex m;
+    static std::weak_ptr<Watchdog> instance;
+    std::lock_guard lk(m);
+    auto p = instance.lock();
+    if (!p) {
+      p = std::shared_ptr<Watchdog>(new Watchdog());
+      instance = p;
+    }
+    return p;
+  }
+  ~Watchdog() {
+    {
+      std::lock_guard lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void add(Blocked* b) {
+    std::lock_guard lk(m_);
+    active_.push_back(b);
+  }
+  void remove(Blocked* b) {
+    std::lock_guard lk(m_);
+    auto it = std::find(active_.begin(), active_.end(), b);
+    if (it != active_.end()) {
+      *it = active_.back();
+      active_.pop_back();
+    }
+  }
+
+ private:
+  Watchdog() : thread_([this] { loop(); }) {}
+  void loop() {
+    std::unique_lock lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, std::chrono::milliseconds(50));
+      const auto now = std::chrono::steady_clock::now();
+      for (const Blocked* b : active_) {
+        if (now < b->deadline) continue;
+        std::string why = detail::cat(
+            "rank ", b->rank, " of ", b->size, " (world rank ", b->world_rank, ") timed out after ",
+            b->timeout_ms, " ms in ", b->what, " (call #", b->call, ", count=", b->count,
+            ", dtype=", name(b->dtype));
+        if (b->has_reduce) why += detail::cat(", op=", name(b->reduce));
+        why += ") waiting for the other ranks (one failed, left or skipped the call); aborting "
+               "the job";
+        abort_job(why);
+      }
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::vector<Blocked*> active_;
+  std::thread thread_;
+};
+
+// RAII registration of a blocking region with the watchdog.
+class Guard {
+ public:
+  Guard(Watchdog* w, Blocked& b, std::chrono::milliseconds timeout) : w_(timeout.count() > 0 ? w : nullptr), b_(b) {
+    if (!w_) return;
+    b_.timeout_ms = timeout.count();
+    b_.deadline = std::chrono::steady_clock::now() + timeout;
+    w_->add(&b_);
+  }
+  ~Guard() {
+    if (w_) w_->remove(&b_);
+  }
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+
+ private:
+  Watchdog* w_;
+  Blocked& b_;
+};
+
+inline MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::bf16:
+    case DType::f16: return MPI_UINT16_T;  // moved as raw words; reductions are staged
+  }
+  return MPI_BYTE;
+}
+
+inline MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+inline bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
+
+// Operation codes of the signature (CollOp values, plus split).
+inline constexpr std::int64_t split_code = 5;
+
+inline const char* op_name(std::int64_t code) {
+  return code == split_code ? "split" : name(CollOp(code));
+}
+
+// The fields every rank must agree on.
+struct Signature {
+  static constexpr int fields = 6;
+  std::int64_t v[fields]{};  // op, count, dtype, reduce, root, rejected (local argument error)
+
+  std::string describe() const {
+    return detail::cat(op_name(v[0]), "(count=", v[1], ", dtype=", name(DType(v[2])),
+                       ", op=", name(ReduceOp(v[3])), ", root=", v[4], ")");
+  }
+};
+
+// The part of a backend that outlives moves of the backend object and is shared with its
+// outstanding work handles.
+struct Context {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 1, world_rank = 0;
+  MpiOptions opt;
+  std::uint64_t calls = 0;
+  std::vector<float> scratch;  // 16-bit staging of blocking calls, reused
+  std::shared_ptr<Watchdog> watchdog;
+
+  ~Context() {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (comm != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm);
+  }
+};
+
+// What runs after the MPI call completed: convert a float staging buffer back to 16 bits,
+// move an in-place reduce_scatter result to the rank's shard, divide for avg.
+struct Post {
+  void* dst = nullptr;
+  const void* from = nullptr;  // memmove source (in-place reduce_scatter), or nullptr
+  const float* stage = nullptr;
+  std::size_t n = 0;
+  DType t{};
+  int divisor = 0;  // 0: no division
+
+  void run() const {
+    if (n == 0) return;
+    if (stage) {
+      const float d = divisor ? float(divisor) : 1.0f;
+      if (t == DType::bf16) {
+        auto* o = static_cast<bf16*>(dst);
+        if (divisor) for (std::size_t i = 0; i < n; ++i) o[i] = bf16(stage[i] / d);
+        else for (std::size_t i = 0; i < n; ++i) o[i] = bf16(stage[i]);
+      } else {
+        auto* o = static_cast<fp16*>(dst);
+        if (divisor) for (std::size_t i = 0; i < n; ++i) o[i] = fp16(stage[i] / d);
+        else for (std::size_t i = 0; i < n; ++i) o[i] = fp16(stage[i]);
+      }
+      return;
+    }
+    (void)from;
+    if (divisor) {
+      visit_dtype(t, [&](auto tag) {
+        using T = decltype(tag);
+        if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, fp16>) {
+          return;  // staged above
+        } else {
+          T* o = static_cast<T*>(dst);
+          const T d = T(divisor);
+          for (std::size_t i = 0; i < n; ++i) o[i] = o[i] / d;
+        }
+      });
+    }
+  }
+};
+
+// One MPI call, fully described, so the blocking and the nonblocking paths share the setup.
+struct Plan {
+  CollOp op{};
+  const void* send = nullptr;
+  void* recv = nullptr;
+  int count = 0;
+  MPI_Datatype type = MPI_BYTE;
+  MPI_Op reduce = MPI_SUM;
+  int root = 0;
+  bool skip = false;  // nothing to send (barrier already implied by the signature check)
+  Post post;
+};
+
+// An issued nonblocking operation.
+struct Pending {
+  std::shared_ptr<Context> ctx;
+  MPI_Request req = MPI_REQUEST_NULL;
+  Post post;
+  std::vector<float> stage;
+  Blocked info;
+};
+
+}  // namespace mpi_detail
+
+// The backend: one MPI communicator (a private duplicate of the one it was given, so zp's
+// traffic never matches the application's own calls). Move-only.
+class Mpi {
+ public:
+  using Options = MpiOptions;
+  static constexpr MemorySpace memory = MemorySpace::host;
+  static constexpr const char* name = "mpi";
+
+  // A nonblocking operation; wait() completes it (guarded by the watchdog) and runs its
+  // post-step. A handle destroyed without wait() waits in its destructor (MPI must complete
+  // every request before its buffers may be reused).
+  class Work {
+   public:
+    Work() = default;
+    Work(Work&&) noexcept = default;
+    Work& operator=(Work&& o) noexcept {
+      if (this != &o) {
+        finish_quietly();
+        p_ = std::move(o.p_);
+      }
+      return *this;
+    }
+    ~Work() { finish_quietly(); }
+
+    void wait() {
+      if (!p_) return;
+      auto p = std::move(p_);
+      {
+        mpi_detail::Guard g(p->ctx->watchdog.get(), p->info, p->ctx->opt.timeout);
+        mpi_detail::check(MPI_Wait(&p->req, MPI_STATUS_IGNORE), "MPI_Wait", p->ctx->rank);
+      }
+      p->post.run();
+    }
+    bool test() {
+      if (!p_) return true;
+      int done = 0;
+      mpi_detail::check(MPI_Test(&p_->req, &done, MPI_STATUS_IGNORE), "MPI_Test", p_->ctx->rank);
+      if (!done) return false;
+      auto p = std::move(p_);
+      p->post.run();
+      return true;
+    }
+
+   private:
+    friend class Mpi;
+    explicit Work(std::unique_ptr<mpi_detail::Pending> p) : p_(std::move(p)) {}
+    void finish_quietly() noexcept {
+      try {
+        wait();
+      } catch (...) {
+      }
+    }
+    std::unique_ptr<mpi_detail::Pending> p_;
+  };
+
+  // Duplicates comm (collective over comm). MPI must be initialised (MpiEnvironment).
+  explicit Mpi(MPI_Comm comm = MPI_COMM_WORLD, Options opt = {}) {
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    if (!init || fin)
+      throw Error(Errc::mpi, "mpi backend: MPI is not initialised (or already finalised); create "
+                             "a zp::backend::MpiEnvironment first");
+    MPI_Comm dup = MPI_COMM_NULL;
+    mpi_detail::check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", mpi_detail::world_rank());
+    adopt(dup, opt);
+  }
+  Mpi(Mpi&& o) noexcept
+      : ctx_(std::move(o.ctx_)), unwinding_(o.unwinding_), rejected_together_(o.rejected_together_) {}
+  Mpi& operator=(Mpi&& o) noexcept {
+    if (this != &o) {
+      leave();
+      ctx_ = std::move(o.ctx_);
+      unwinding_ = o.unwinding_;
+      rejected_together_ = o.rejected_together_;
+    }
+    return *this;
+  }
+  ~Mpi() { leave(); }
+
+  int rank() const { return ctx_->rank; }
+  int size() const { return ctx_->size; }
+  // zp's private communicator (for bootstrapping, e.g. the nccl backend).
+  MPI_Comm comm() const { return ctx_->comm; }
+  const Options& options() const { return ctx_->opt; }
+
+  Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return issue(CollOp::all_reduce, src, dst, n, t, op, 0, l);
+  }
+  Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return issue(CollOp::reduce_scatter, src, dst, n, t, op, 0, l);
+  }
+  Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    return issue(CollOp::all_gather, src, dst, n, t, ReduceOp::sum, 0, l);
+  }
+  Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
+    return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, l);
+  }
+  Work barrier(Launch l) {
+    return issue(CollOp::barrier, nullptr, nullptr, 0, DType::f32, ReduceOp::sum, 0, l);
+  }
+
+  // MPI_Comm_split: ranks with the same colour form a group ordered by (key, rank).
+  Mpi split(int color, int key) {
+    auto& c = *ctx_;
+    ++c.calls;
+    mpi_detail::Signature s;
+    s.v[0] = mpi_detail::split_code;
+    mpi_detail::Blocked info = blocked("split", 0, DType::f32, ReduceOp::sum, false);
+    mpi_detail::Guard g(c.watchdog.get(), info, c.opt.timeout);
+    if (c.opt.check_calls) agree(s, "");
+    MPI_Comm sub = MPI_COMM_NULL;
+    mpi_detail::check(MPI_Comm_split(c.comm, color, key, &sub), "MPI_Comm_split", c.rank);
+    Mpi out{Adopt{}};
+    out.adopt(sub, c.opt);
+    out.unwinding_ = unwinding_;
+    return out;
+  }
+
+ private:
+  struct Adopt {};
+  explicit Mpi(Adopt) {}
+
+  void adopt(MPI_Comm comm, const Options& opt) {
+    (void)mpi_detail::main_thread_id();
+    auto c = std::make_shared<mpi_detail::Context>();
+    c->comm = comm;
+    c->opt = opt;
+    c->world_rank = mpi_detail::world_rank();
+    mpi_detail::check(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler",
+                      c->world_rank);
+    mpi_detail::check(MPI_Comm_rank(comm, &c->rank), "MPI_Comm_rank", c->world_rank);
+    mpi_detail::check(MPI_Comm_size(comm, &c->size), "MPI_Comm_size", c->world_rank);
+    if (opt.timeout.count() > 0) c->watchdog = mpi_detail::Watchdog::get();
+    ctx_ = std::move(c);
+    unwinding_ = std::uncaught_exceptions();
+  }
+
+  void leave() noexcept {
+    if (!ctx_) return;
+    if (std::uncaught_exceptions() > unwinding_ && ctx_->size > 1 && !ctx_rejected_together())
+      mpi_detail::abort_job(detail::cat(
+          "rank ", ctx_->rank, " of ", ctx_->size, " (world rank ", ctx_->world_rank,
+          ") is leaving its communicator because an exception is propagating (after call #",
+          ctx_->calls, "); the other ranks may be waiting for it in a collective, so the job is "
+          "aborted"));
+    ctx_.reset();
+  }
+  bool ctx_rejected_together() const noexcept { return rejected_together_; }
+
+  mpi_detail::Blocked blocked(const char* what, std::size_t n, DType t, ReduceOp op,
+                              bool has_reduce) const {
+    mpi_detail::Blocked b;
+    b.rank = ctx_->rank;
+    b.size = ctx_->size;
+    b.world_rank = ctx_->world_rank;
+    b.what = what;
+    b.call = ctx_->calls;
+    b.count = n;
+    b.dtype = t;
+    b.reduce = op;
+    b.has_reduce = has_reduce;
+    return b;
+  }
+
+  // The signature exchange. `local_error` is this rank's own argument error ("" if none).
+  // Throws the same category on every rank when any field differs or any rank rejected its
+  // arguments.
+  void agree(mpi_detail::Signature s, const std::string& local_error) {
+    auto& c = *ctx_;
+    constexpr int F = mpi_detail::Signature::fields;
+    s.v[F - 1] = local_error.empty() ? 0 : 1;
+    std::int64_t buf[2 * F];
+    for (int i = 0; i < F; ++i) {
+      buf[i] = s.v[i];
+      buf[F + i] = -s.v[i];
+    }
+    mpi_detail::check(MPI_Allreduce(MPI_IN_PLACE, buf, 2 * F, MPI_INT64_T, MPI_MAX, c.comm),
+                      "MPI_Allreduce (call signature check)", c.rank);
+    bool same = true;
+    for (int i = 0; i < F - 1; ++i) same = same && buf[i] == -buf[F + i];
+    if (same && buf[F - 1] == 0) {
+      rejected_together_ = false;
+      return;
+    }
+    // Slow path: learn every rank's call to name the difference.
+    std::vector<std::int64_t> all(std::size_t(F) * std::size_t(c.size));
+    mpi_detail::check(MPI_Allgather(s.v, F, MPI_INT64_T, all.data(), F, MPI_INT64_T, c.comm),
+                      "MPI_Allgather (call signature check)", c.rank);
+    rejected_together_ = true;  // every rank throws now: no need to abort the job on unwinding
+    auto sig = [&](int r) {
+      mpi_detail::Signature x;
+      std::copy_n(all.data() + std::size_t(r) * F, F, x.v);
+      return x;
+    };
+    const auto s0 = sig(0);
+    for (int r = 1; r < c.size; ++r) {
+      const auto sr = sig(r);
+      if (!std::equal(sr.v, sr.v + F - 1, s0.v))
+        throw Error(Errc::invalid_argument,
+                    detail::cat("mpi backend: mismatched collective calls: rank 0 called ",
+                                s0.describe(), " but rank ", r, " called ", sr.describe(),
+                                " (call #", c.calls, " on rank ", c.rank,
+                                "); every rank must issue the same operations in the same order"));
+    }
+    if (!local_error.empty()) throw Error(Errc::invalid_argument, "mpi backend: " + local_error);
+    int first = 0;
+    while (first < c.size && sig(first).v[F - 1] == 0) ++first;
+    throw Error(Errc::invalid_argument,
+                detail::cat("mpi backend: rank ", first, " rejected its arguments to ",
+                            s.describe(), " (call #", c.calls, "); see that rank's error"));
+  }
+
+  // Argument problems MPI cannot express; "" when fine.
+  std::string validate(CollOp op, const void* src, void* dst, std::size_t n, DType t,
+                       int root) const {
+    const int N = ctx_->size;
+    if (n > std::size_t(INT_MAX))
+      return detail::cat(zp::name(op), ": count ", n, " exceeds MPI's limit of ", INT_MAX,
+                         " elements per call; split the buffer");
+    if (op == CollOp::broadcast && (root < 0 || root >= N))
+      return detail::cat("broadcast: root ", root, " is not a rank in [0, ", N, ")");
+    if (n == 0 || (op != CollOp::reduce_scatter && op != CollOp::all_gather)) return {};
+    const std::size_t es = size_of(t), part = n * es, full = part * std::size_t(N);
+    const auto* s = static_cast<const char*>(src);
+    const auto* d = static_cast<const char*>(dst);
+    const std::size_t off = std::size_t(ctx_->rank) * part;
+    if (op == CollOp::reduce_scatter) {
+      const bool overlap = d < s + full && s < d + part;
+      if (overlap && d != s + off)
+        return detail::cat("reduce_scatter: the output overlaps the input but is not this "
+                           "rank's shard (in place means output == input + rank * count)");
+    } else {
+      const bool overlap = s < d + full && d < s + part;
+      if (overlap && s != d + off)
+        return detail::cat("all_gather: the input overlaps the output but is not this rank's "
+                           "shard (in place means input == output + rank * count)");
+    }
+    return {};
+  }
+
+  mpi_detail::Plan plan(CollOp op, const void* src, void* dst, std::size_t n, DType t,
+                        ReduceOp rop, int root, std::vector<float>& stage) const {
+    const auto& c = *ctx_;
+    mpi_detail::Plan p;
+    p.op = op;
+    p.count = int(n);
+    p.type = mpi_detail::mpi_type(t);
+    p.reduce = mpi_detail::mpi_op(rop);
+    p.root = root;
+    const int div = rop == ReduceOp::avg ? c.size : 0;
+    const std::size_t es = size_of(t);
+    switch (op) {
+      case CollOp::all_reduce:
+        if (mpi_detail::is_16bit(t)) {
+          stage.resize(n);
+          to_float(src, t, stage.data(), n);
+          p.send = MPI_IN_PLACE;
+          p.recv = stage.data();
+          p.type = MPI_FLOAT;
+          p.post = {dst, nullptr, stage.data(), n, t, div};
+        } else {
+          p.send = src == dst ? MPI_IN_PLACE : src;
+          p.recv = dst;
+          p.post = {dst, nullptr, nullptr, n, t, div};
+        }
+        break;
+      case CollOp::reduce_scatter: {
+        char* base = static_cast<char*>(dst) - std::size_t(c.rank) * n * es;
+        const bool in_place = n > 0 && static_cast<const void*>(base) == src;
+        if (mpi_detail::is_16bit(t)) {
+          stage.resize(n * std::size_t(c.size));
+          to_float(src, t, stage.data(), stage.size());
+          p.send = MPI_IN_PLACE;
+          p.recv = stage.data();
+          p.type = MPI_FLOAT;
+          p.post = {dst, nullptr, stage.data(), n, t, div};
+        } else if (in_place) {  // MPI leaves the result at the buffer's start
+          p.send = MPI_IN_PLACE;
+          p.recv = base;
+          p.post = {dst, base, nullptr, n, t, div};
+        } else {
+          p.send = src;
+          p.recv = dst;
+          p.post = {dst, nullptr, nullptr, n, t, div};
+        }
+        break;
+      }
+      case CollOp::all_gather: {
+        const char* own = static_cast<const char*>(dst) + std::size_t(c.rank) * n * es;
+        p.send = n > 0 && static_cast<const void*>(own) == src ? MPI_IN_PLACE : src;
+        p.recv = dst;
+        break;
+      }
+      case CollOp::broadcast:
+        if (c.rank == root && src != dst && n) std::memcpy(dst, src, n * es);
+        p.recv = dst;
+        break;
+      case CollOp::barrier:
+        p.skip = c.opt.check_calls;  // the signature exchange already met every rank
+        break;
+    }
+    return p;
+  }
+
+  static void to_float(const void* src, DType t, float* out, std::size_t n) {
+    if (t == DType::bf16) {
+      const auto* s = static_cast<const bf16*>(src);
+      for (std::size_t i = 0; i < n; ++i) out[i] = float(s[i]);
+    } else {
+      const auto* s = static_cast<const fp16*>(src);
+      for (std::size_t i = 0; i < n; ++i) out[i] = float(s[i]);
+    }
+  }
+
+  void call_blocking(const mpi_detail::Plan& p) {
+    const auto& c = *ctx_;
+    int rc = MPI_SUCCESS;
+    const char* fn = "";
+    switch (p.op) {
+      case CollOp::all_reduce:
+        fn = "MPI_Allreduce";
+        rc = MPI_Allreduce(p.send, p.recv, p.count, p.type, p.reduce, c.comm);
+        break;
+      case CollOp::reduce_scatter:
+        fn = "MPI_Reduce_scatter_block";
+        rc = MPI_Reduce_scatter_block(p.send, p.recv, p.count, p.type, p.reduce, c.comm);
+        break;
+      case CollOp::all_gather:
+        fn = "MPI_Allgather";
+        rc = p.send == MPI_IN_PLACE
+                 ? MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type, c.comm)
+                 : MPI_Allgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm);
+        break;
+      case CollOp::broadcast:
+        fn = "MPI_Bcast";
+        rc = MPI_Bcast(p.recv, p.count, p.type, p.root, c.comm);
+        break;
+      case CollOp::barrier:
+        fn = "MPI_Barrier";
+        rc = MPI_Barrier(c.comm);
+        break;
+    }
+    mpi_detail::check(rc, fn, c.rank);
+  }
+
+  void call_async(const mpi_detail::Plan& p, MPI_Request* req) {
+    const auto& c = *ctx_;
+    int rc = MPI_SUCCESS;
+    const char* fn = "";
+    switch (p.op) {
+      case CollOp::all_reduce:
+        fn = "MPI_Iallreduce";
+        rc = MPI_Iallreduce(p.send, p.recv, p.count, p.type, p.reduce, c.comm, req);
+        break;
+      case CollOp::reduce_scatter:
+        fn = "MPI_Ireduce_scatter_block";
+        rc = MPI_Ireduce_scatter_block(p.send, p.recv, p.count, p.type, p.reduce, c.comm, req);
+        break;
+      case CollOp::all_gather:
+        fn = "MPI_Iallgather";
+        rc = p.send == MPI_IN_PLACE
+                 ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type,
+                                  c.comm, req)
+                 : MPI_Iallgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm, req);
+        break;
+      case CollOp::broadcast:
+        fn = "MPI_Ibcast";
+        rc = MPI_Ibcast(p.recv, p.count, p.type, p.root, c.comm, req);
+        break;
+      case CollOp::barrier:
+        fn = "MPI_Ibarrier";
+        rc = MPI_Ibarrier(c.comm, req);
+        break;
+    }
+    mpi_detail::check(rc, fn, c.rank);
+  }
+
+  Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
+             int root, Launch l) {
+    auto& c = *ctx_;
+    ++c.calls;
+    const bool has_reduce = op == CollOp::all_reduce || op == CollOp::reduce_scatter;
+    if (!has_reduce) rop = ReduceOp::sum;
+    if (op != CollOp::broadcast) root = 0;
+    const std::string bad = validate(op, src, dst, n, t, root);
+    mpi_detail::Blocked info = blocked(zp::name(op), n, t, rop, has_reduce);
+    if (c.opt.check_calls) {
+      mpi_detail::Signature s;
+      s.v[0] = std::int64_t(op);
+      s.v[1] = std::int64_t(n);
+      s.v[2] = std::int64_t(t);
+      s.v[3] = std::int64_t(rop);
+      s.v[4] = root;
+      mpi_detail::Guard g(c.watchdog.get(), info, c.opt.timeout);
+      agree(s, bad);
+    } else if (!bad.empty()) {
+      throw Error(Errc::invalid_argument, "mpi backend: " + bad);
+    }
+    if (l == Launch::blocking) {
+      auto p = plan(op, src, dst, n, t, rop, root, c.scratch);
+      if (!p.skip) {
+        mpi_detail::Guard g(c.watchdog.get(), info, c.opt.timeout);
+        call_blocking(p);
+      }
+      p.post.run();
+      return Work{};
+    }
+    auto pending = std::make_unique<mpi_detail::Pending>();
+    auto p = plan(op, src, dst, n, t, rop, root, pending->stage);
+    if (p.skip) {
+      p.post.run();
+      return Work{};
+    }
+    call_async(p, &pending->req);
+    pending->ctx = ctx_;
+    pending->post = p.post;
+    pending->info = info;
+    return Work(std::move(pending));
+  }
+
+  std::shared_ptr<mpi_detail::Context> ctx_;
+  int unwinding_ = 0;  // std::uncaught_exceptions() when this backend was made
+  bool rejected_together_ = false;
+};
+
+static_assert(Backend<Mpi>);
+
+// Initialises MPI for the lifetime of the object, asking for MPI_THREAD_MULTIPLE (the watchdog
+// calls MPI_Abort from its own thread), and finalises it on destruction. If MPI was already
+// initialised (by the application), it does nothing either way. Destroyed while an exception
+// propagates with more than one rank, it aborts the job instead of finalising (MPI_Finalize is
+// collective: the others would wait for this rank forever).
+class MpiEnvironment {
+ public:
+  MpiEnvironment() : MpiEnvironment(nullptr, nullptr) {}
+  MpiEnvironment(int* argc, char*** argv, int required = MPI_THREAD_MULTIPLE) {
+    int init = 0;
+    mpi_detail::check(MPI_Initialized(&init), "MPI_Initialized", -1);
+    if (init) {
+      MPI_Query_thread(&provided_);
+    } else {
+      (void)mpi_detail::main_thread_id();
+      mpi_detail::check(MPI_Init_thread(argc, argv, required, &provided_), "MPI_Init_thread", -1);
+      owner_ = true;
+    }
+    unwinding_ = std::uncaught_exceptions();
+  }
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+  ~MpiEnvironment() {
+    if (!owner_) return;
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) return;
+    int size = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (std::uncaught_exceptions() > unwinding_ && size > 1)
+      mpi_detail::abort_job(detail::cat("world rank ", mpi_detail::world_rank(),
+                                        " is finalising MPI while an exception propagates; "
+                                        "aborting the job"));
+    MPI_Finalize();
+  }
+
+  // The thread support level MPI provides (MPI_THREAD_*).
+  int thread_level() const { return provided_; }
+  // Whether this object initialised MPI (and will finalise it).
+  bool owns() const { return owner_; }
+  int world_rank() const { return mpi_detail::world_rank(); }
+  int world_size() const {
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+  }
+  // A backend over (a duplicate of) MPI_COMM_WORLD.
+  Mpi world(MpiOptions opt = {}) const { return Mpi(MPI_COMM_WORLD, opt); }
+
+ private:
+  int provided_ = MPI_THREAD_SINGLE;
+  int unwinding_ = 0;
+  bool owner_ = false;
+};
+
+}  // namespace zp::backend

@@ -1,0 +1,215 @@
+// zp/bucket.hpp: gradient buckets. Gradients are written by the model's backward straight into
+// bucket memory (the model's grad views point into it); a bucket launches its reduction, async,
+// as soon as every gradient in it is written, so communication overlaps the rest of backward.
+//
+// One bucket per Layout segment, numbered in backward order. Buckets launch strictly in that
+// order on every rank: a bucket that becomes ready early waits for the ones before it, so the
+// ranks' collective sequences agree even if their gradients become ready in different orders.
+//
+// Reductions (ReduceOp::avg over ranks; the sum runs in rank order in the threads backend):
+//   Reduction::all_reduce           stage 0: the whole bucket, in place in the full gradient buffer
+//   Reduction::scatter_in_place     stage 1: reduce_scatter in place in the full gradient buffer;
+//                                   this rank's piece holds the result (half all_reduce's bytes)
+//   Reduction::scatter_accumulate   stage 2/3: the bucket lives in a scratch slot from a small
+//                                   pool; after the reduce_scatter this rank's piece is copied
+//                                   (first micro-step of an accumulation window) or added (later
+//                                   ones) into the shard accumulator and the slot is recycled.
+// Stage 0/1 reduce only at the accumulation boundary (sync on); in between, gradients accumulate
+// locally in the full buffer without communication.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/memory.hpp"
+#include "zp/partition.hpp"
+
+namespace zp {
+
+enum class Reduction : std::uint8_t { all_reduce, scatter_in_place, scatter_accumulate };
+
+// The state of one bucket within a micro-step.
+template <class Work>
+struct GradBucket {
+  enum class State : std::uint8_t { idle, filling, ready, launched };
+  int segment = 0;
+  State state = State::idle;
+  int slot = -1;             // scratch slot (scatter_accumulate), -1 otherwise
+  Work work{};
+};
+
+// All buckets of one rank. Holds references to the communicator and the gradient memory; the
+// owner (the engine) keeps both alive.
+template <class T, Backend B, MemorySpace S = B::memory>
+class GradBuckets {
+ public:
+  using Work = typename Collective<B>::Work;
+  using Bucket = GradBucket<Work>;
+
+  // full_grads: the full gradient buffer (all_reduce, scatter_in_place); shard_accumulator: the
+  // shard-space gradient (scatter_accumulate). slots: scratch buckets for scatter_accumulate
+  // (at least the largest number of segments in one module, plus one for overlap).
+  GradBuckets(Collective<B>& comm, const Layout& layout, Reduction reduction, std::span<T> full_grads,
+              std::span<T> shard_accumulator, std::size_t slots)
+      : comm_(&comm), layout_(&layout), reduction_(reduction), full_(full_grads), acc_(shard_accumulator) {
+    buckets_.resize(std::size_t(layout.segment_count()));
+    for (int s = 0; s < layout.segment_count(); ++s) buckets_[std::size_t(s)].segment = s;
+    if (reduction_ == Reduction::scatter_accumulate) {
+      int most = 1;
+      for (const auto& m : layout.modules()) most = std::max(most, m.end_segment - m.first_segment);
+      const std::size_t n = std::max<std::size_t>(slots, std::size_t(most) + 1);
+      for (std::size_t i = 0; i < n; ++i) {
+        slots_.emplace_back(layout.largest_segment());
+        free_.push_back(int(i));
+      }
+    } else {
+      ZP_EXPECT(full_.size() == layout.total(), "buckets: the full gradient buffer has ", full_.size(),
+                " elements, the layout ", layout.total());
+    }
+  }
+  GradBuckets(const GradBuckets&) = delete;
+  GradBuckets& operator=(const GradBuckets&) = delete;
+
+  int count() const noexcept { return int(buckets_.size()); }
+  Reduction reduction() const noexcept { return reduction_; }
+  // Bytes of scratch bucket memory (stage 2/3; 0 when buckets are the full gradient buffer).
+  std::size_t scratch_bytes() const noexcept {
+    std::size_t b = 0;
+    for (const auto& s : slots_) b += s.bytes();
+    return b;
+  }
+
+  // Whether this micro-step reduces (stage 0/1: only at the accumulation boundary), and whether
+  // it is the first of its accumulation window (scatter_accumulate copies instead of adding).
+  void begin_micro_step(bool sync, bool first_in_window) {
+    ZP_EXPECT(inflight_.empty() && next_ == 0, "buckets: a micro-step began before the last one finished");
+    sync_ = sync || reduction_ == Reduction::scatter_accumulate;
+    first_ = first_in_window;
+  }
+
+  // The memory the model writes bucket s's gradients into (full-space segment layout: parameter
+  // p at p.offset - segment.offset). scatter_accumulate takes a zeroed scratch slot, waiting for
+  // the oldest in-flight bucket if none is free.
+  std::span<T> acquire(int s) {
+    Bucket& b = at(s);
+    if (reduction_ != Reduction::scatter_accumulate) return segment_span(s);
+    if (b.state == Bucket::State::idle) {
+      while (free_.empty()) {
+        ZP_EXPECT(!inflight_.empty(), "buckets: no free scratch bucket for segment ", s, " (",
+                  slots_.size(), " slots, all filling): enter fewer backward guards at once");
+        complete(inflight_.front());
+      }
+      b.slot = free_.back();
+      free_.pop_back();
+      b.state = Bucket::State::filling;
+      Ops<S>::zero(slot_span(b));
+    }
+    ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s,
+              " was already reduced in this micro-step; each module's backward runs once per micro-step");
+    return slot_span(b);
+  }
+
+  // Bucket s's gradients are all written. Launches every ready bucket in bucket order (when this
+  // micro-step reduces).
+  void ready(int s) {
+    Bucket& b = at(s);
+    if (reduction_ == Reduction::scatter_accumulate)
+      ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
+    if (b.state == Bucket::State::launched) return;
+    b.state = Bucket::State::ready;
+    if (sync_) launch_ready();
+  }
+
+  // Launches every bucket not launched yet (their untouched gradients count as written: an
+  // unused parameter contributes zero, it does not hang the step), in order.
+  void launch_all() {
+    if (!sync_) return;
+    for (std::size_t s = next_; s < buckets_.size(); ++s) {
+      Bucket& b = buckets_[s];
+      if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate) acquire(int(s));
+      b.state = Bucket::State::ready;
+    }
+    launch_ready();
+  }
+
+  // Waits for every launched bucket and folds scratch buckets into the accumulator; the
+  // micro-step's bucket bookkeeping starts over.
+  void finish() {
+    while (!inflight_.empty()) complete(inflight_.front());
+    for (auto& b : buckets_) {
+      if (b.state == Bucket::State::launched) b.work.wait();
+      ZP_EXPECT(b.slot < 0, "buckets: segment ", b.segment, " still holds scratch memory");
+      b.state = Bucket::State::idle;
+    }
+    next_ = 0;
+  }
+
+ private:
+  Bucket& at(int s) {
+    ZP_EXPECT(s >= 0 && s < count(), "buckets: no segment ", s, " (", count(), " buckets)");
+    return buckets_[std::size_t(s)];
+  }
+  std::span<T> segment_span(int s) const {
+    const auto& g = layout_->segment(s);
+    return full_.subspan(g.offset, g.size);
+  }
+  std::span<T> slot_span(const Bucket& b) const {
+    return slots_[std::size_t(b.slot)].span(0, layout_->segment(b.segment).size);
+  }
+
+  void launch_ready() {
+    while (next_ < buckets_.size() && buckets_[next_].state == Bucket::State::ready) {
+      Bucket& b = buckets_[next_];
+      const int s = int(next_);
+      switch (reduction_) {
+        case Reduction::all_reduce: b.work = comm_->all_reduce_async(segment_span(s), ReduceOp::avg); break;
+        case Reduction::scatter_in_place:
+          b.work = comm_->reduce_scatter_async(segment_span(s), ReduceOp::avg);
+          break;
+        case Reduction::scatter_accumulate:
+          b.work = comm_->reduce_scatter_async(slot_span(b), ReduceOp::avg);
+          inflight_.push_back(s);
+          break;
+      }
+      b.state = Bucket::State::launched;
+      ++next_;
+    }
+  }
+
+  // Waits for bucket s (scatter_accumulate) and folds this rank's piece into the accumulator.
+  void complete(int s) {
+    Bucket& b = at(s);
+    ZP_EXPECT(!inflight_.empty() && inflight_.front() == s, "buckets: completion out of order");
+    inflight_.pop_front();
+    b.work.wait();
+    const auto& g = layout_->segment(s);
+    const std::span<T> mine = slot_span(b).subspan(std::size_t(comm_->rank()) * g.piece, g.piece);
+    const std::span<T> dst = acc_.subspan(g.shard_offset, g.piece);
+    if (first_)
+      Ops<S>::copy(dst, std::span<const T>(mine));
+    else
+      Ops<S>::accumulate(dst, std::span<const T>(mine));
+    free_.push_back(b.slot);
+    b.slot = -1;
+    b.state = Bucket::State::idle;
+  }
+
+  Collective<B>* comm_;
+  const Layout* layout_;
+  Reduction reduction_;
+  std::span<T> full_, acc_;
+  std::vector<Bucket> buckets_;
+  std::vector<Buffer<T, S>> slots_;
+  std::vector<int> free_;
+  std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
+  std::size_t next_ = 0;      // the next bucket to launch
+  bool sync_ = true, first_ = true;
+};
+
+}  // namespace zp

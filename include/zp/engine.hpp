@@ -1,0 +1,582 @@
+// zp/engine.hpp: Engine<Backend, T, Stage, Optimizer>, ZeRO data parallelism for a model that
+// brings its own forward and backward.
+//
+//   zp::Engine<zp::backend::Threads, zp::bf16, 3> engine(comm, model, config, zp::optim::AdamW{});
+//   for (;;) {                                  // one micro-step
+//     for (int m = 0; m < M; ++m)      { auto g = engine.forward(m);  model.forward(m, batch); }
+//     for (int m = M - 1; m >= 0; --m) { auto g = engine.backward(m); model.backward(m, engine.loss_scale()); }
+//     engine.step();                            // applies the update at the accumulation boundary
+//   }
+//
+// The guards mark module boundaries. forward(m)/backward(m) make module m's parameters readable
+// (stage 3: gathered, waiting for the prefetch issued while the previous module ran, and
+// prefetching the next one); backward(m) also points m's gradient views at bucket memory. When a
+// backward guard ends, m's buckets are complete and launch their reductions asynchronously
+// (stage 0/1 only at the accumulation boundary). Stage 0/1 work without guards too (all
+// reductions then start in step()); stage 2/3 need the backward guards, stage 3 also the forward
+// ones. Every rank must run the same sequence of guards and steps (SPMD), as with any collective.
+//
+// step(), called after every micro-step's backward, at the accumulation boundary: waits for the
+// buckets, one all_reduce of two doubles (sum of squared gradient norms and count of non-finite
+// shards), unscale + clip + optimizer update of this rank's shard (optim::cpu::step), writes the
+// T shard, then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
+// An overflow anywhere skips the update on every rank and changes nothing but the loss scaler.
+//
+// Averaging: buckets reduce with ReduceOp::avg (sum in rank order, one division, one rounding to
+// T), and the 1/(loss_scale * accumulation_steps * clip) factor is folded into the optimizer's
+// grad_mul (exact when accumulation_steps and the loss scale are powers of two). The model's loss
+// is the mean over its micro-batch, multiplied by loss_scale() before backward.
+//
+// Communication per optimizer step (elements of T, nccl-tests bus bytes, P = padded parameters):
+//   stage 0: all_reduce P                          -> 2(N-1)/N P
+//   stage 1/2: reduce_scatter P + all_gather P    -> 2(N-1)/N P   (stage 2: GAS reduce_scatters)
+//   stage 3: all_gather P twice + reduce_scatter P -> 3(N-1)/N P   (persistent modules gather once)
+// plus the 16-byte statistics all_reduce.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zp/bucket.hpp"
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/memory.hpp"
+#include "zp/model.hpp"
+#include "zp/optim/cpu.hpp"
+#include "zp/optim/optimizer.hpp"
+#include "zp/partition.hpp"
+#include "zp/precision.hpp"
+
+namespace zp {
+
+// DeepSpeed's batch triad: train_batch_size = micro_batch_per_rank * gradient_accumulation_steps
+// * ranks. 0 means "not given"; any two determine the third; with only one batch size the
+// accumulation is 1.
+struct BatchConfig {
+  std::int64_t train_batch_size = 0;
+  std::int64_t micro_batch_per_rank = 0;
+  std::int64_t gradient_accumulation_steps = 0;
+};
+
+// Completes and checks a batch configuration for `ranks` data-parallel ranks.
+inline BatchConfig resolve_batch(BatchConfig b, int ranks) {
+  auto describe = [&] {
+    return detail::cat("train_batch_size=", b.train_batch_size, ", micro_batch_per_rank=",
+                       b.micro_batch_per_rank, ", gradient_accumulation_steps=",
+                       b.gradient_accumulation_steps, ", ranks=", ranks);
+  };
+  ZP_EXPECT(ranks >= 1, "batch: ranks must be >= 1, got ", ranks);
+  ZP_EXPECT(b.train_batch_size >= 0 && b.micro_batch_per_rank >= 0 && b.gradient_accumulation_steps >= 0,
+            "batch: sizes must be positive (0 = not given): ", describe());
+  const std::int64_t n = ranks;
+  const bool t = b.train_batch_size > 0, m = b.micro_batch_per_rank > 0, g = b.gradient_accumulation_steps > 0;
+  ZP_EXPECT(t || m, "batch: give train_batch_size or micro_batch_per_rank (or both): ", describe());
+  BatchConfig r = b;
+  if (t && m && g) {
+    ZP_EXPECT(b.train_batch_size == b.micro_batch_per_rank * b.gradient_accumulation_steps * n,
+              "batch: train_batch_size must equal micro_batch_per_rank * gradient_accumulation_steps * "
+              "ranks, but ", b.micro_batch_per_rank, " * ", b.gradient_accumulation_steps, " * ", n, " = ",
+              b.micro_batch_per_rank * b.gradient_accumulation_steps * n, ": ", describe());
+  } else if (t && m) {
+    ZP_EXPECT(b.train_batch_size % (b.micro_batch_per_rank * n) == 0,
+              "batch: train_batch_size is not a multiple of micro_batch_per_rank * ranks = ",
+              b.micro_batch_per_rank * n, ": ", describe());
+    r.gradient_accumulation_steps = b.train_batch_size / (b.micro_batch_per_rank * n);
+  } else if (t && g) {
+    ZP_EXPECT(b.train_batch_size % (b.gradient_accumulation_steps * n) == 0,
+              "batch: train_batch_size is not a multiple of gradient_accumulation_steps * ranks = ",
+              b.gradient_accumulation_steps * n, ": ", describe());
+    r.micro_batch_per_rank = b.train_batch_size / (b.gradient_accumulation_steps * n);
+  } else if (t) {
+    ZP_EXPECT(b.train_batch_size % n == 0, "batch: train_batch_size is not a multiple of ranks: ", describe());
+    r.gradient_accumulation_steps = 1;
+    r.micro_batch_per_rank = b.train_batch_size / n;
+  } else {
+    if (!g) r.gradient_accumulation_steps = 1;
+    r.train_batch_size = b.micro_batch_per_rank * r.gradient_accumulation_steps * n;
+  }
+  return r;
+}
+
+struct EngineConfig {
+  BatchConfig batch{.micro_batch_per_rank = 1};
+  // Gradient bucket size (DDP uses 25 MiB; DeepSpeed's 5e8 elements is its top memory
+  // complaint) and the smaller first bucket, so the first reduction starts early.
+  std::size_t bucket_bytes = std::size_t(16) << 20;
+  std::size_t first_bucket_bytes = std::size_t(1) << 20;
+  std::size_t align = 16;      // elements; shard pieces are multiples of it
+  float max_grad_norm = 0;     // clip by global L2 norm; <= 0: no clipping
+  LossScaler loss_scaler = LossScaler::none();
+  // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
+  // module, room for one module and its prefetch); modules with at most persist_threshold
+  // elements stay gathered until the next optimizer step; modules prefetched ahead (0 or 1).
+  std::size_t max_live_params = 0;
+  std::size_t persist_threshold = 0;
+  int prefetch = 1;
+  std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
+  optim::cpu::Options optimizer_options{};
+  bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
+};
+
+// What step() did.
+struct StepResult {
+  bool boundary = false;   // this micro-step ended an accumulation window
+  bool applied = false;    // the optimizer update ran (boundary and no overflow)
+  bool overflow = false;   // an inf/nan gradient on some rank: skipped everywhere
+  float loss_scale = 1;    // the scale to use from now on
+  double grad_norm = 0;    // global L2 norm of the unscaled, averaged gradient (before clipping)
+  std::int64_t step = 0;   // optimizer updates applied so far
+};
+
+template <Backend B, class T, int Stage, class Opt = optim::AdamW>
+  requires optim::Optimizer<Opt>
+class Engine {
+  static_assert(Stage >= 0 && Stage <= 3, "ZeRO stage must be 0, 1, 2 or 3");
+  static constexpr MemorySpace S = B::memory;
+  using Work = typename Collective<B>::Work;
+  using Host = Ops<S>;
+
+ public:
+  static constexpr int stage = Stage;
+  using value_type = T;
+  using optimizer_type = Opt;
+
+  // RAII module boundary (see the top of this file). Move-only; errors raised when it ends are
+  // rethrown by the engine's next call.
+  class [[nodiscard]] ModuleGuard {
+   public:
+    ModuleGuard(ModuleGuard&& o) noexcept : e_(std::exchange(o.e_, nullptr)), m_(o.m_), backward_(o.backward_) {}
+    ModuleGuard& operator=(ModuleGuard&&) = delete;
+    ~ModuleGuard() { release(); }
+    // Ends the module early (the destructor then does nothing).
+    void release() {
+      if (!e_) return;
+      Engine* e = std::exchange(e_, nullptr);
+      try {
+        e->exit_module(m_, backward_);
+      } catch (...) {
+        if (!e->pending_) e->pending_ = std::current_exception();
+      }
+    }
+
+   private:
+    friend class Engine;
+    ModuleGuard(Engine* e, int m, bool backward) : e_(e), m_(m), backward_(backward) {}
+    Engine* e_;
+    int m_;
+    bool backward_;
+  };
+
+  // Takes over the model's parameters: lays them out, checks the layout is identical on every
+  // rank (one all_reduce), copies the initial values (broadcast from rank 0 unless disabled) and
+  // rebinds the model's views into zp memory. Collective. The model must not move while the
+  // engine lives.
+  template <class M>
+    requires Model<M, T>
+  Engine(Collective<B>& comm, M& model, EngineConfig config = {}, Opt optimizer = {})
+      : comm_(&comm),
+        config_(std::move(config)),
+        batch_(resolve_batch(config_.batch, comm.size())),
+        opt_(optimizer),
+        part_(make_layout(describe_parameters<T>(model), comm.size(), config_), comm.rank(),
+              optim::state_slots<Opt>),
+        buckets_(comm, part_.layout(), Stage == 0 ? Reduction::all_reduce
+                                       : Stage == 1 ? Reduction::scatter_in_place
+                                                    : Reduction::scatter_accumulate,
+                 Stage < 2 ? part_.grads() : std::span<T>{}, Stage < 2 ? std::span<T>{} : part_.grads(),
+                 config_.bucket_slots) {
+    ZP_EXPECT(config_.prefetch == 0 || config_.prefetch == 1, "engine: prefetch must be 0 or 1, got ",
+              config_.prefetch);
+    const Layout& L = part_.layout();
+    check_same_layout_everywhere(L);
+    visit_parameters<T>(model, [&](std::string_view, int, View<T>& value, View<T>& grad) {
+      values_.push_back(&value);
+      grads_.push_back(&grad);
+    });
+    load_initial_values(L);
+    mods_.resize(std::size_t(L.module_count()));
+    if constexpr (Stage == 3) {
+      std::size_t largest = 0;
+      for (int m = 0; m < L.module_count(); ++m) {
+        mods_[std::size_t(m)].persistent = L.module(m).used <= config_.persist_threshold;
+        if (!mods_[std::size_t(m)].persistent) largest = std::max(largest, L.module(m).size);
+      }
+      cap_ = config_.max_live_params ? config_.max_live_params : 2 * largest;
+      for (int m = 0; m < L.module_count(); ++m)
+        ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
+                  " has ", L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
+                  "; raise the cap or split the module");
+    }
+    buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
+    mark_ = comm_->stats();
+  }
+
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  ~Engine() {
+    // Leave the model's views pointing at nothing rather than at freed memory.
+    for (auto* v : values_) v->rebind(nullptr);
+    for (auto* g : grads_) g->rebind(nullptr);
+  }
+
+  // ---- the training loop ----------------------------------------------------------------------
+
+  ModuleGuard forward(int m) {
+    rethrow_pending();
+    check_module(m);
+    if constexpr (Stage == 3) {
+      ensure_gathered(m);
+      ++mods_[std::size_t(m)].in_use;
+      if (config_.prefetch) prefetch(m + 1);
+    }
+    return ModuleGuard(this, m, false);
+  }
+
+  ModuleGuard backward(int m) {
+    rethrow_pending();
+    check_module(m);
+    if constexpr (Stage == 3) {
+      ensure_gathered(m);
+      ++mods_[std::size_t(m)].in_use;
+      if (config_.prefetch) prefetch(m - 1);
+    }
+    if constexpr (Stage >= 2) {
+      const Layout& L = part_.layout();
+      const auto& mod = L.module(m);
+      for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+        const std::span<T> mem = buckets_.acquire(s);
+        const auto& seg = L.segment(s);
+        for (int p : seg.params) grads_[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
+      }
+    }
+    return ModuleGuard(this, m, true);
+  }
+
+  // Ends a micro-step (call it after every backward). At the accumulation boundary it runs the
+  // optimizer step described at the top of this file. Collective.
+  StepResult step() {
+    rethrow_pending();
+    const std::int64_t gas = batch_.gradient_accumulation_steps;
+    const bool boundary = micro_ + 1 == gas;
+    const Layout& L = part_.layout();
+    buckets_.launch_all();
+    buckets_.finish();
+    StepResult r;
+    r.loss_scale = config_.loss_scaler.scale();
+    r.step = step_;
+    if (!boundary) {
+      ++micro_;
+      buckets_.begin_micro_step(micro_ + 1 == gas, false);
+      return r;
+    }
+    micro_ = 0;
+    r.boundary = true;
+
+    // Global statistics: each rank over its own pieces, so the norm is computed once overall.
+    optim::GradStats local;
+    for (int s = 0; s < L.segment_count(); ++s)
+      local = local + optim::cpu::grad_stats(std::span<const T>(part_.grad_piece(s)), config_.optimizer_options);
+    double global[2] = {local.sumsq, local.finite ? 0.0 : 1.0};
+    comm_->all_reduce(std::span<double>(global), ReduceOp::sum);
+    r.overflow = global[1] > 0 || !std::isfinite(global[0]);
+    const float scale = config_.loss_scaler.scale();
+    const float unscale = float(double(scale) * double(gas));  // exact for powers of two
+    r.grad_norm = std::sqrt(global[0]) / double(unscale);
+    const bool apply = config_.loss_scaler.update(r.overflow);
+    r.loss_scale = config_.loss_scaler.scale();
+
+    if (apply) {
+      ++step_;
+      const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
+      const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
+      for (int s = 0; s < L.segment_count(); ++s) optim::cpu::step(opt_, scalars, shard_view(s), config_.optimizer_options);
+      if constexpr (Stage == 1 || Stage == 2) {
+        std::vector<Work> works;
+        works.reserve(std::size_t(L.segment_count()));
+        for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
+        for (auto& w : works) w.wait();
+      }
+    }
+    if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
+      for (int m = 0; m < L.module_count(); ++m) release(m);
+    if constexpr (Stage < 2) Host::zero(part_.grads());
+    r.step = step_;
+    const CommStats now = comm_->stats();
+    for (std::size_t i = 0; i < coll_op_count; ++i) {
+      last_.ops[i] = now.ops[i];
+      last_.ops[i].calls -= mark_.ops[i].calls;
+      last_.ops[i].bytes -= mark_.ops[i].bytes;
+      last_.ops[i].bus_bytes -= mark_.ops[i].bus_bytes;
+      last_.ops[i].seconds -= mark_.ops[i].seconds;
+    }
+    mark_ = now;
+    buckets_.begin_micro_step(gas == 1, true);
+    return r;
+  }
+
+  // ---- state and accounting ----------------------------------------------------------------
+
+  // Multiply the loss (the gradient seeding backward) by this.
+  float loss_scale() const noexcept { return config_.loss_scaler.scale(); }
+  const LossScaler& loss_scaler() const noexcept { return config_.loss_scaler; }
+  Opt& optimizer() noexcept { return opt_; }  // e.g. to set the learning rate of a schedule
+  const BatchConfig& batch() const noexcept { return batch_; }
+  std::int64_t steps() const noexcept { return step_; }
+  const Layout& layout() const noexcept { return part_.layout(); }
+  const Partitioned<T, Stage, S>& partition() const noexcept { return part_; }
+  Collective<B>& comm() noexcept { return *comm_; }
+  // Stage 3: the live-parameter cap in elements (0 for other stages).
+  std::size_t max_live_params() const noexcept { return cap_; }
+
+  // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
+  MemoryReport memory() const {
+    MemoryReport r = part_.memory();
+    r.buckets = buckets_.scratch_bytes();
+    r.gathered = (live_ + persistent_live_) * sizeof(T);
+    r.gathered_peak = peak_live_ * sizeof(T);
+    r.persistent = persistent_live_ * sizeof(T);
+    return r;
+  }
+
+  // The communicator's counters over the last optimizer step (from the previous accumulation
+  // boundary to the last one: every micro-step's reductions, gathers and the statistics).
+  const CommStats& last_step_comm() const noexcept { return last_; }
+
+  // The parameters (T) or fp32 master weights of the whole model, unpadded, in forward order
+  // (the concatenation of the parameters as visited). Collective for sharded buffers.
+  std::vector<T> gather_params() {
+    if constexpr (Stage < 3) return extract<T>(part_.params());
+    else return extract<T>(gather_pieces<T>([&](int s) { return part_.param_piece(s); }).span());
+  }
+  std::vector<float> gather_master() {
+    if constexpr (Stage < 1) return extract<float>(part_.master());
+    else return extract<float>(gather_pieces<float>([&](int s) { return part_.master_piece(s); }).span());
+  }
+
+ private:
+  struct ModuleState {
+    enum class State : std::uint8_t { released, gathering, gathered };
+    State state = State::released;
+    bool persistent = false;
+    int in_use = 0;
+    Buffer<T, S> buffer;
+    std::vector<Work> works;
+  };
+
+  static Layout make_layout(const std::vector<ParamInfo>& params, int ranks, const EngineConfig& c) {
+    LayoutOptions o;
+    o.bucket_elems = std::max<std::size_t>(1, c.bucket_bytes / sizeof(T));
+    o.first_bucket_elems = std::max<std::size_t>(1, c.first_bucket_bytes / sizeof(T));
+    o.align = c.align;
+    return Layout(params, ranks, o);
+  }
+
+  void rethrow_pending() {
+    if (pending_) std::rethrow_exception(std::exchange(pending_, nullptr));
+  }
+  void check_module(int m) const {
+    ZP_EXPECT(m >= 0 && m < part_.layout().module_count(), "engine: module ", m, " is not in [0, ",
+              part_.layout().module_count(), ")");
+  }
+
+  void check_same_layout_everywhere(const Layout& L) {
+    std::uint64_t h = L.hash();
+    h = (h ^ std::uint64_t(Stage)) * 1099511628211ull;
+    h = (h ^ std::uint64_t(dtype_of<T>)) * 1099511628211ull;
+    const auto hi = std::int64_t(h >> 32), lo = std::int64_t(h & 0xffffffffu);
+    std::int64_t v[4] = {hi, -hi, lo, -lo};
+    comm_->all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    if (v[0] != hi || -v[1] != hi || v[2] != lo || -v[3] != lo)
+      throw Error(Errc::invalid_argument,
+                  detail::cat("engine: the parameter layout differs between ranks (rank ", comm_->rank(),
+                              " has ", L.params().size(), " parameters, ", L.used(), " elements, ", L.segment_count(),
+                              " buckets, stage ", Stage, ", dtype ", name(dtype_of<T>),
+                              "); every rank must build the same model with the same zp configuration"));
+  }
+
+  void load_initial_values(const Layout& L) {
+    Buffer<T, S> init(L.total());
+    Host::zero(init.span());
+    const auto& ps = L.params();
+    for (std::size_t p = 0; p < ps.size(); ++p) {
+      View<T>& v = *values_[p];
+      if (v.bound()) {
+        Host::copy(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));
+      } else {
+        ZP_EXPECT(config_.broadcast_initial_params && comm_->rank() != 0, "engine: parameter '", ps[p].name,
+                  "' has no initial values on rank ", comm_->rank(),
+                  " (its value view is unbound); point it at the model's initial weights");
+      }
+    }
+    if (config_.broadcast_initial_params && comm_->size() > 1) comm_->broadcast(init.span(), 0);
+    for (int s = 0; s < L.segment_count(); ++s) {
+      const auto& g = L.segment(s);
+      const std::size_t mine = g.offset + std::size_t(comm_->rank()) * g.piece;
+      if constexpr (Stage < 3)
+        Host::copy(part_.param_segment(s), std::span<const T>(init.span(g.offset, g.size)));
+      else
+        Host::copy(part_.param_piece(s), std::span<const T>(init.span(mine, g.piece)));
+      if constexpr (Stage < 1)
+        Host::convert(part_.master_segment(s), std::span<const T>(init.span(g.offset, g.size)));
+      else
+        Host::convert(part_.master_piece(s), std::span<const T>(init.span(mine, g.piece)));
+    }
+    for (std::size_t p = 0; p < ps.size(); ++p) {
+      values_[p]->rebind(Stage < 3 ? part_.params().data() + ps[p].offset : nullptr);
+      grads_[p]->rebind(Stage < 2 ? part_.grads().data() + ps[p].offset : nullptr);
+    }
+  }
+
+  optim::ShardView<T, T> shard_view(int s) const {
+    optim::ShardView<T, T> v;
+    if constexpr (Stage == 0) {  // replicated: every rank updates the whole segment
+      v.master = part_.master_segment(s);
+      v.grad = part_.grad_segment(s);
+      v.param = part_.param_segment(s);
+      for (int k = 0; k < part_.state_slots(); ++k) v.state[std::size_t(k)] = part_.state_segment(k, s);
+    } else {
+      v.master = part_.master_piece(s);
+      v.grad = part_.grad_piece(s);
+      v.param = part_.param_piece(s);
+      for (int k = 0; k < part_.state_slots(); ++k) v.state[std::size_t(k)] = part_.state_piece(k, s);
+    }
+    return v;
+  }
+
+  void exit_module(int m, bool backward) {
+    const Layout& L = part_.layout();
+    const auto& mod = L.module(m);
+    if constexpr (Stage == 3) {
+      ModuleState& st = mods_[std::size_t(m)];
+      --st.in_use;
+      if (!st.persistent && st.in_use == 0) release(m);
+    }
+    if (backward) {
+      if constexpr (Stage >= 2)
+        for (int s = mod.first_segment; s < mod.end_segment; ++s)
+          for (int p : L.segment(s).params) grads_[std::size_t(p)]->rebind(nullptr);
+      for (int s = mod.first_segment; s < mod.end_segment; ++s) buckets_.ready(s);
+    }
+  }
+
+  // ---- stage 3: gather, prefetch, release ----------------------------------------------------
+
+  void gather(int m) {
+    const Layout& L = part_.layout();
+    const auto& mod = L.module(m);
+    ModuleState& st = mods_[std::size_t(m)];
+    st.buffer = Buffer<T, S>(mod.size);
+    (st.persistent ? persistent_live_ : live_) += mod.size;
+    peak_live_ = std::max(peak_live_, live_);
+    st.works.clear();
+    for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+      const auto& g = L.segment(s);
+      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_.param_piece(s)),
+                                                 st.buffer.span(g.offset - mod.offset, g.size)));
+    }
+    st.state = ModuleState::State::gathering;
+  }
+
+  // Makes room for `need` more live elements by releasing gathered modules nobody uses.
+  bool fits(std::size_t need) {
+    if (live_ + need <= cap_) return true;
+    for (int m = 0; m < part_.layout().module_count() && live_ + need > cap_; ++m) {
+      const ModuleState& st = mods_[std::size_t(m)];
+      if (!st.persistent && st.in_use == 0 && st.state != ModuleState::State::released) release(m);
+    }
+    return live_ + need <= cap_;
+  }
+
+  void ensure_gathered(int m) {
+    ModuleState& st = mods_[std::size_t(m)];
+    if (st.state == ModuleState::State::released) {
+      const std::size_t need = part_.layout().module(m).size;
+      ZP_EXPECT(st.persistent || fits(need), "engine: gathering module ", m, " (", need,
+                " elements) would exceed max_live_params = ", cap_, " with ", live_,
+                " elements gathered by modules still in use; end the previous module's guard first");
+      gather(m);
+    }
+    if (st.state == ModuleState::State::gathering) {
+      for (auto& w : st.works) w.wait();
+      st.works.clear();
+      st.state = ModuleState::State::gathered;
+      bind_values(m, st.buffer.data());
+    }
+  }
+
+  void prefetch(int m) {
+    if (m < 0 || m >= part_.layout().module_count()) return;
+    ModuleState& st = mods_[std::size_t(m)];
+    if (st.state != ModuleState::State::released) return;
+    const std::size_t need = part_.layout().module(m).size;
+    if (!st.persistent && live_ + need > cap_) return;  // never evicts for a prefetch
+    gather(m);
+  }
+
+  void release(int m) {
+    ModuleState& st = mods_[std::size_t(m)];
+    if (st.state == ModuleState::State::released) return;
+    for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
+    st.works.clear();
+    bind_values(m, nullptr);
+    (st.persistent ? persistent_live_ : live_) -= part_.layout().module(m).size;
+    st.buffer = Buffer<T, S>();
+    st.state = ModuleState::State::released;
+  }
+
+  void bind_values(int m, T* base) {
+    const Layout& L = part_.layout();
+    const auto& mod = L.module(m);
+    for (int s = mod.first_segment; s < mod.end_segment; ++s)
+      for (int p : L.segment(s).params)
+        values_[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
+  }
+
+  // ---- whole-model views -------------------------------------------------------------------
+
+  template <class U, class Piece>
+  Buffer<U, S> gather_pieces(Piece&& piece) {
+    const Layout& L = part_.layout();
+    Buffer<U, S> full(L.total());
+    for (int s = 0; s < L.segment_count(); ++s) {
+      const auto& g = L.segment(s);
+      comm_->all_gather(std::span<const U>(piece(s)), full.span(g.offset, g.size));
+    }
+    return full;
+  }
+  template <class U>
+  std::vector<U> extract(std::span<const U> full) const {
+    std::vector<U> out;
+    out.reserve(part_.layout().used());
+    for (const auto& p : part_.layout().params())
+      out.insert(out.end(), full.begin() + std::ptrdiff_t(p.offset), full.begin() + std::ptrdiff_t(p.offset + p.size));
+    return out;
+  }
+  template <class U>
+  std::vector<U> extract(std::span<U> full) const {
+    return extract<U>(std::span<const U>(full));
+  }
+
+  Collective<B>* comm_;
+  EngineConfig config_;
+  BatchConfig batch_;
+  Opt opt_;
+  Partitioned<T, Stage, S> part_;
+  GradBuckets<T, B, S> buckets_;
+  std::vector<View<T>*> values_, grads_;
+  std::vector<ModuleState> mods_;
+  std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
+  std::int64_t micro_ = 0, step_ = 0;
+  CommStats mark_{}, last_{};
+  std::exception_ptr pending_;
+};
+
+}  // namespace zp

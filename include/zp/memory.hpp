@@ -1,0 +1,100 @@
+// zp/memory.hpp: where zp's buffers live and the few element-wise operations the engine runs on
+// them outside collectives and the optimizer (zero, copy, accumulate, convert).
+//
+// Both are selected by a MemorySpace, which is a property of the backend (Backend::memory): the
+// threads and mpi backends use MemorySpace::host; the nccl backend will provide device
+// specialisations (cudaMallocAsync on its stream, kernels for the operations), so the engine does
+// not change when its buffers move to a GPU. Nothing here initialises memory implicitly: a new
+// Buffer's contents are unspecified until written, as with cudaMalloc.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+
+namespace zp {
+
+template <MemorySpace S>
+struct Allocator;
+
+// Host memory, 64-byte aligned (a cache line; also the widest SIMD load).
+template <>
+struct Allocator<MemorySpace::host> {
+  static constexpr std::size_t alignment = 64;
+  static void* allocate(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    return ::operator new(bytes, std::align_val_t(alignment));
+  }
+  static void deallocate(void* p) noexcept {
+    if (p) ::operator delete(p, std::align_val_t(alignment));
+  }
+};
+
+// An owning, move-only array of trivially copyable elements in memory space S.
+template <class T, MemorySpace S = MemorySpace::host>
+class Buffer {
+  static_assert(std::is_trivially_copyable_v<T>);
+
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t n) : data_(static_cast<T*>(Allocator<S>::allocate(n * sizeof(T)))), size_(n) {}
+  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      Allocator<S>::deallocate(data_);
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~Buffer() { Allocator<S>::deallocate(data_); }
+
+  T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  std::span<T> span() const noexcept { return {data_, size_}; }
+  std::span<T> span(std::size_t offset, std::size_t n) const noexcept { return {data_ + offset, n}; }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// Element-wise operations on buffers of one memory space.
+template <MemorySpace S>
+struct Ops;
+
+template <>
+struct Ops<MemorySpace::host> {
+  template <class T>
+  static void zero(std::span<T> x) {
+    if (!x.empty()) std::memset(static_cast<void*>(x.data()), 0, x.size_bytes());
+  }
+  template <class T>
+  static void copy(std::span<T> dst, std::span<const T> src) {
+    ZP_EXPECT(dst.size() == src.size(), "copy: ", src.size(), " elements into ", dst.size());
+    if (!src.empty()) std::memmove(static_cast<void*>(dst.data()), src.data(), src.size_bytes());
+  }
+  // dst += src in float, rounded once to T (gradient accumulation).
+  template <class T>
+  static void accumulate(std::span<T> dst, std::span<const T> src) {
+    ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
+    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = T(float(dst[i]) + float(src[i]));
+  }
+  // dst[i] = To(src[i]), rounding to nearest even.
+  template <class To, class From>
+  static void convert(std::span<To> dst, std::span<const From> src) {
+    ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
+    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = To(float(src[i]));
+  }
+};
+
+}  // namespace zp

@@ -1,0 +1,146 @@
+// zp/model.hpp: how a C++ model hands its parameters to zp. No base class, no registration
+// macro, no copies.
+//
+// A model opts in with one function found by argument-dependent lookup:
+//
+//   template <class Visit>
+//   void for_each_parameter(MyModel& m, Visit&& visit) {
+//     visit("fc1.weight", 0, m.w1, m.gw1);   // name, module, View<T>& value, View<T>& grad
+//     visit("fc1.bias",   0, m.fc1_bias);    // or a zp::Param<T> holding both views
+//     visit("fc2.weight", 1, m.w2, m.gw2);
+//   }
+//
+// Rules (checked by zp::describe_parameters, with messages naming the parameter):
+//  - Parameters are visited in forward order; `module` numbers the units that stage 3 gathers
+//    before they run and releases after: 0, 1, 2, ... non-decreasing, without gaps. A module is
+//    also never split across gradient buckets, so make it a meaningful unit (a layer, a
+//    transformer block), not a single bias.
+//  - Every visit of the same model visits the same parameters with the same sizes.
+//  - Before zp takes over, a value view may point at the model's own storage holding the initial
+//    values (zp copies them once); afterwards zp rebinds every view into its flat buffers. The
+//    views are plain {pointer, size} pairs kept as members of the model, so the model must not
+//    move while an engine refers to it.
+//  - Gradients accumulate: the model's backward adds (+=) into the grad view; zp zeroes the
+//    gradient memory when a new accumulation window (or, stage 2/3, a micro-step) starts.
+//  - Stage 3 binds a module's value and grad views only inside the engine's guards for that
+//    module; outside them data() is null.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "zp/error.hpp"
+
+namespace zp {
+
+// A rebindable view of one parameter's values or gradient: a pointer zp may change and a size
+// fixed by the model. Reads and writes go straight to wherever zp put the parameter.
+template <class T>
+class View {
+ public:
+  using element_type = T;
+
+  View() = default;
+  explicit View(std::size_t size) : size_(size) {}
+  View(T* data, std::size_t size) : data_(data), size_(size) {}
+  explicit View(std::span<T> s) : data_(s.data()), size_(s.size()) {}
+
+  T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  bool bound() const noexcept { return data_ != nullptr; }
+  T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  T* begin() const noexcept { return data_; }
+  T* end() const noexcept { return data_ + size_; }
+  std::span<T> span() const noexcept { return {data_, size_}; }
+  operator std::span<T>() const noexcept { return span(); }
+  operator std::span<const T>() const noexcept { return {data_, size_}; }
+
+  // Points the view at new memory of the same size (zp calls this; a model never needs to).
+  void rebind(T* data) noexcept { data_ = data; }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// Convenience pair for models that keep value and gradient together.
+template <class T>
+struct Param {
+  View<T> value;
+  View<T> grad;
+
+  Param() = default;
+  explicit Param(std::size_t size) : value(size), grad(size) {}
+  std::size_t size() const noexcept { return value.size(); }
+};
+
+// What zp learns about one parameter from the model.
+struct ParamInfo {
+  std::string name;
+  int module = 0;
+  std::size_t size = 0;
+};
+
+namespace detail {
+
+// The visitor zp passes to for_each_parameter: accepts both spellings and forwards to f.
+template <class T, class F>
+struct ParamVisitor {
+  F& f;
+  void operator()(std::string_view name, int module, View<T>& value, View<T>& grad) {
+    f(name, module, value, grad);
+  }
+  void operator()(std::string_view name, int module, Param<T>& p) { f(name, module, p.value, p.grad); }
+};
+
+}  // namespace detail
+
+// A type whose parameters of element type T zp can manage.
+namespace detail {
+struct IgnoreParam {
+  template <class... A>
+  void operator()(A&&...) const {}
+};
+}  // namespace detail
+
+template <class M, class T>
+concept Model = requires(M& m, detail::ParamVisitor<T, detail::IgnoreParam>& v) {
+  for_each_parameter(m, v);
+};
+
+// Calls f(name, module, View<T>& value, View<T>& grad) for each parameter, in forward order.
+template <class T, class M, class F>
+  requires Model<M, T>
+void visit_parameters(M& model, F&& f) {
+  detail::ParamVisitor<T, std::remove_reference_t<F>> v{f};
+  for_each_parameter(model, v);
+}
+
+// The parameter list of a model, checked: sizes of value and grad agree, modules are numbered
+// 0, 1, ... in non-decreasing order without gaps, names are not empty.
+template <class T, class M>
+  requires Model<M, T>
+std::vector<ParamInfo> describe_parameters(M& model) {
+  std::vector<ParamInfo> out;
+  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad) {
+    const std::string n(name);
+    ZP_EXPECT(!n.empty(), "model: parameter #", out.size(), " has an empty name");
+    ZP_EXPECT(value.size() == grad.size(), "model: parameter '", n, "' has a value view of ",
+              value.size(), " elements but a gradient view of ", grad.size());
+    const int prev = out.empty() ? 0 : out.back().module;
+    ZP_EXPECT(module == prev || module == prev + 1, "model: parameter '", n, "' is in module ",
+              module, " but the previous parameter was in module ", prev,
+              "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
+    ZP_EXPECT(!out.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
+              module, "; modules are numbered from 0");
+    out.push_back({n, module, value.size()});
+  });
+  ZP_EXPECT(!out.empty(), "model: for_each_parameter visited no parameter");
+  return out;
+}
+
+}  // namespace zp

@@ -1,0 +1,293 @@
+// zp/partition.hpp: the flat, padded, sharded layout of a model's parameters (Layout) and the
+// buffers each ZeRO stage keeps for it on one rank (Partitioned<T, Stage>).
+//
+// Layout. The parameters are laid out in backward order (last module first) in one flat buffer
+// of T, cut into segments: a segment holds whole parameters of one module, at most
+// bucket_elems of them (the first segment at most first_bucket_elems, so the first reduction
+// starts early), unless a single parameter is larger. Each segment is padded to a multiple of
+// ranks * align and cut into `ranks` equal contiguous pieces, piece r at segment.offset + r *
+// piece: that is the ZeRO layout of Collective's in-place reduce_scatter and all_gather, so a
+// segment is reduced and gathered in place with one call. Rank r's shard is the concatenation
+// of its pieces (shard space, `shard` elements, piece of segment s at segment.shard_offset).
+// Shards are disjoint, cover the buffer and have equal sizes. Padding per segment is less than
+// ranks * align elements, so total - Psi < segments * ranks * align.
+//
+// A segment is also a gradient bucket (bucket.hpp) and a unit of stage 3's gather, so a module
+// is one or more whole segments and its parameters occupy one contiguous range.
+//
+// What each stage keeps per rank (P = padded total, N = ranks, K = 4 * state slots):
+//   stage | 16-bit params | gradients (T)      | fp32 master | optimizer state
+//   0     | P             | P                  | P           | K/4 * P
+//   1     | P             | P                  | P/N         | K/4 * P/N
+//   2     | P             | P/N (+ buckets)    | P/N         | K/4 * P/N
+//   3     | P/N (+ gathered modules) | P/N (+ buckets) | P/N | K/4 * P/N
+// which is REFERENCE.md's (2 + 2 + K)Psi, 4Psi + KPsi/N, 2Psi + (2 + K)Psi/N, (2 + 2 + K)Psi/N
+// for 16-bit T with Psi replaced by the padded P.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/memory.hpp"
+#include "zp/model.hpp"
+
+namespace zp {
+
+struct LayoutOptions {
+  std::size_t bucket_elems = std::size_t(1) << 23;        // per segment (bucket), at most
+  std::size_t first_bucket_elems = std::size_t(1) << 19;  // the first bucket in backward order
+  std::size_t align = 16;                                 // piece sizes are multiples of this
+};
+
+class Layout {
+ public:
+  struct Param {
+    std::string name;
+    int module = 0;
+    std::size_t size = 0;
+    std::size_t offset = 0;  // in the full buffer
+    int segment = 0;
+  };
+  struct Segment {
+    int module = 0;
+    std::size_t offset = 0;        // in the full buffer
+    std::size_t size = 0;          // padded: ranks * piece
+    std::size_t used = 0;          // parameter elements, the rest is padding
+    std::size_t piece = 0;         // per rank
+    std::size_t shard_offset = 0;  // of every rank's piece, in its shard
+    std::vector<int> params;       // indices into params(), in layout order
+  };
+  struct Module {
+    int first_segment = 0, end_segment = 0;  // segments [first, end)
+    std::size_t offset = 0, size = 0;        // contiguous range in the full buffer (padded)
+    std::size_t used = 0;                    // parameter elements
+  };
+
+  Layout() = default;
+
+  // Lays out `params` (forward order, as describe_parameters returns them) for `ranks` ranks.
+  Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {}) : ranks_(ranks) {
+    ZP_EXPECT(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
+    ZP_EXPECT(opt.align >= 1, "layout: align must be >= 1");
+    ZP_EXPECT(opt.bucket_elems >= 1 && opt.first_bucket_elems >= 1,
+              "layout: bucket sizes must be >= 1 element, got ", opt.bucket_elems, " and ",
+              opt.first_bucket_elems);
+    ZP_EXPECT(!params.empty(), "layout: no parameters");
+    const int modules = params.back().module + 1;
+    params_.resize(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i)
+      params_[i] = {params[i].name, params[i].module, params[i].size, 0, 0};
+    modules_.resize(std::size_t(modules));
+    const std::size_t quantum = std::size_t(ranks) * opt.align;
+    auto close = [&](Segment& s) {
+      s.size = std::max<std::size_t>(quantum, (s.used + quantum - 1) / quantum * quantum);
+      s.piece = s.size / std::size_t(ranks);
+      s.shard_offset = shard_;
+      shard_ += s.piece;
+      total_ += s.size;
+      used_ += s.used;
+      segments_.push_back(std::move(s));
+    };
+    // Backward order: modules from last to first, parameters from last to first.
+    std::size_t i = params.size();
+    for (int m = modules - 1; m >= 0; --m) {
+      Module& mod = modules_[std::size_t(m)];
+      mod.first_segment = int(segments_.size());
+      mod.offset = total_;
+      Segment seg;
+      seg.module = m;
+      seg.offset = total_;
+      bool any = false;
+      while (i > 0 && params[i - 1].module == m) {
+        --i;
+        const std::size_t cap = segments_.empty() ? opt.first_bucket_elems : opt.bucket_elems;
+        if (any && seg.used + params[i].size > cap) {
+          close(seg);
+          seg = Segment{};
+          seg.module = m;
+          seg.offset = total_;
+        }
+        Param& p = params_[i];
+        p.offset = seg.offset + seg.used;
+        p.segment = int(segments_.size());
+        seg.used += p.size;
+        seg.params.push_back(int(i));
+        any = true;
+      }
+      ZP_EXPECT(any, "layout: module ", m, " has no parameters; number modules without gaps");
+      close(seg);
+      mod.end_segment = int(segments_.size());
+      mod.size = total_ - mod.offset;
+      for (int s = mod.first_segment; s < mod.end_segment; ++s) mod.used += segments_[std::size_t(s)].used;
+    }
+    hash_ = compute_hash();
+  }
+
+  int ranks() const noexcept { return ranks_; }
+  std::size_t total() const noexcept { return total_; }  // padded elements, ranks * shard
+  std::size_t shard() const noexcept { return shard_; }  // per rank
+  std::size_t used() const noexcept { return used_; }    // Psi, the parameter elements
+  const std::vector<Param>& params() const noexcept { return params_; }
+  const std::vector<Segment>& segments() const noexcept { return segments_; }
+  const std::vector<Module>& modules() const noexcept { return modules_; }
+  int segment_count() const noexcept { return int(segments_.size()); }
+  int module_count() const noexcept { return int(modules_.size()); }
+  const Segment& segment(int s) const { return segments_.at(std::size_t(s)); }
+  const Module& module(int m) const { return modules_.at(std::size_t(m)); }
+  std::size_t largest_segment() const noexcept {
+    std::size_t n = 0;
+    for (const auto& s : segments_) n = std::max(n, s.size);
+    return n;
+  }
+  // Offset in the full buffer of rank r's piece of segment s.
+  std::size_t piece_offset(int s, int r) const {
+    const Segment& g = segment(s);
+    return g.offset + std::size_t(r) * g.piece;
+  }
+  // A fingerprint of everything that must agree across ranks (names, modules, sizes, offsets).
+  std::uint64_t hash() const noexcept { return hash_; }
+
+ private:
+  std::uint64_t compute_hash() const {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+    auto mix = [&](const void* p, std::size_t n) {
+      const auto* b = static_cast<const unsigned char*>(p);
+      for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    };
+    auto mix_n = [&](std::uint64_t v) { mix(&v, sizeof v); };
+    mix_n(std::uint64_t(ranks_));
+    for (const auto& p : params_) {
+      mix(p.name.data(), p.name.size());
+      mix_n(std::uint64_t(p.module));
+      mix_n(p.size);
+      mix_n(p.offset);
+    }
+    for (const auto& s : segments_) mix_n(s.size);
+    return h;
+  }
+
+  int ranks_ = 1;
+  std::size_t total_ = 0, shard_ = 0, used_ = 0;
+  std::vector<Param> params_;
+  std::vector<Segment> segments_;
+  std::vector<Module> modules_;
+  std::uint64_t hash_ = 0;
+};
+
+// Bytes per rank by category. model_states() is what the ZeRO formulas count.
+struct MemoryReport {
+  std::size_t params = 0;           // the model's 16-bit (T) parameters kept between steps
+  std::size_t grads = 0;            // gradients kept between micro-steps (full or shard)
+  std::size_t master = 0;           // fp32 master weights
+  std::size_t optimizer_state = 0;  // fp32 optimizer state (AdamW: m and v)
+  std::size_t buckets = 0;          // gradient bucket scratch (stage 2/3)
+  std::size_t gathered = 0;         // stage 3: gathered parameters live now
+  std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
+  std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
+
+  std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
+  std::size_t total() const noexcept { return model_states() + buckets + gathered; }
+};
+
+// REFERENCE.md's per-rank model-state bytes: params, gradients (both elem bytes each), fp32
+// master and `state_slots` fp32 state arrays, for `psi` elements on `ranks` ranks.
+constexpr std::size_t zero_model_state_bytes(int stage, std::size_t psi, int ranks, std::size_t elem,
+                                             int state_slots) {
+  const std::size_t n = std::size_t(ranks), k = 4 + 4 * std::size_t(state_slots);
+  switch (stage) {
+    case 0: return (2 * elem + k) * psi;
+    case 1: return 2 * elem * psi + k * psi / n;
+    case 2: return elem * psi + (elem + k) * psi / n;
+    default: return (2 * elem + k) * psi / n;
+  }
+}
+
+// The buffers of one rank for a ZeRO stage; see the table at the top of this file. Owns memory,
+// knows no communicator: the engine moves data between ranks, this class says where it lives.
+template <class T, int Stage, MemorySpace S = MemorySpace::host>
+class Partitioned {
+  static_assert(Stage >= 0 && Stage <= 3, "ZeRO stage must be 0, 1, 2 or 3");
+
+ public:
+  static constexpr int stage = Stage;
+  using value_type = T;
+
+  Partitioned(Layout layout, int rank, int state_slots)
+      : layout_(std::move(layout)), rank_(rank), slots_(state_slots) {
+    ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
+              layout_.ranks(), ")");
+    ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ", state_slots);
+    const std::size_t full = layout_.total(), shard = layout_.shard();
+    params_ = Buffer<T, S>(Stage < 3 ? full : shard);
+    grads_ = Buffer<T, S>(Stage < 2 ? full : shard);
+    master_ = Buffer<float, S>(Stage < 1 ? full : shard);
+    for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(master_.size());
+    Ops<S>::zero(params_.span());
+    Ops<S>::zero(grads_.span());
+    Ops<S>::zero(master_.span());
+    for (int k = 0; k < slots_; ++k) Ops<S>::zero(state_[std::size_t(k)].span());
+  }
+
+  const Layout& layout() const noexcept { return layout_; }
+  int rank() const noexcept { return rank_; }
+  int ranks() const noexcept { return layout_.ranks(); }
+  int state_slots() const noexcept { return slots_; }
+
+  // Whole buffers (full or shard space, per the table).
+  std::span<T> params() const noexcept { return params_.span(); }
+  std::span<T> grads() const noexcept { return grads_.span(); }
+  std::span<float> master() const noexcept { return master_.span(); }
+  std::span<float> state(int k) const { return state_.at(std::size_t(k)).span(); }
+
+  // This rank's piece of segment s in each buffer.
+  std::span<T> param_piece(int s) const { return piece(params_, s, Stage < 3); }
+  std::span<T> grad_piece(int s) const { return piece(grads_, s, Stage < 2); }
+  std::span<float> master_piece(int s) const { return piece(master_, s, Stage < 1); }
+  std::span<float> state_piece(int k, int s) const { return piece(state_.at(std::size_t(k)), s, Stage < 1); }
+
+  // Whole segment s in a full-space buffer (params for stage < 3, grads for stage < 2, master
+  // and state for stage 0).
+  std::span<T> param_segment(int s) const { return segment(params_, s, Stage < 3); }
+  std::span<T> grad_segment(int s) const { return segment(grads_, s, Stage < 2); }
+  std::span<float> master_segment(int s) const { return segment(master_, s, Stage < 1); }
+  std::span<float> state_segment(int k, int s) const { return segment(state_.at(std::size_t(k)), s, Stage < 1); }
+
+  // Model-state bytes by category (buckets and gathered parameters are the engine's).
+  MemoryReport memory() const {
+    MemoryReport r;
+    r.params = params_.bytes();
+    r.grads = grads_.bytes();
+    r.master = master_.bytes();
+    for (int k = 0; k < slots_; ++k) r.optimizer_state += state_[std::size_t(k)].bytes();
+    return r;
+  }
+
+ private:
+  template <class U>
+  std::span<U> piece(const Buffer<U, S>& b, int s, bool full) const {
+    const auto& g = layout_.segment(s);
+    return b.span(full ? g.offset + std::size_t(rank_) * g.piece : g.shard_offset, g.piece);
+  }
+  template <class U>
+  std::span<U> segment(const Buffer<U, S>& b, int s, bool full) const {
+    ZP_EXPECT(full, "partition: stage ", Stage, " keeps only a shard of this buffer");
+    const auto& g = layout_.segment(s);
+    return b.span(g.offset, g.size);
+  }
+
+  Layout layout_;
+  int rank_;
+  int slots_;
+  Buffer<T, S> params_, grads_;
+  Buffer<float, S> master_;
+  std::array<Buffer<float, S>, 2> state_;
+};
+
+}  // namespace zp

@@ -1,0 +1,123 @@
+// zp/precision.hpp: the loss scaler of mixed-precision training.
+//
+// fp16 gradients underflow unless the loss is multiplied by a large factor before backward; the
+// optimizer step divides it out again (StepScalars::grad_mul). A dynamic scaler follows the
+// DeepSpeed/Megatron algorithm: on an overflowing step (any inf/nan in any rank's gradients) the
+// step is skipped and, after `hysteresis` overflows, the scale halves; after `window` clean steps
+// since the last overflow it doubles. bf16 and fp32 training need no scaling: LossScaler::none().
+//
+// Every rank must call update() with the same (all-reduced) overflow flag, so all ranks hold
+// the same scale. The whole state is a small value (State) that checkpoints save and restore.
+#pragma once
+
+#include <cstdint>
+
+#include "zp/error.hpp"
+
+namespace zp {
+
+// Settings of a dynamic scale; the defaults are DeepSpeed's (initial_scale_power 16,
+// loss_scale_window 1000, hysteresis 2, min_loss_scale 1).
+struct DynamicScale {
+  float initial_scale = 65536.0f;
+  std::int64_t window = 1000;          // clean steps since the last overflow before the scale grows
+  int hysteresis = 2;                  // overflows tolerated before the scale shrinks
+  bool consecutive_hysteresis = false; // refill hysteresis on every clean step, not only on growth
+  float min_scale = 1.0f;
+  float factor = 2.0f;                 // growth and backoff factor
+  bool error_at_min_scale = true;      // overflow at min_scale throws instead of looping forever
+};
+
+class LossScaler {
+ public:
+  enum class Kind : std::uint8_t { none = 0, fixed = 1, dynamic = 2 };
+
+  // Everything that changes during training; saved and restored by checkpoints.
+  struct State {
+    float scale = 1.0f;
+    std::int64_t iter = 0;            // update() calls so far
+    std::int64_t last_overflow = -1;  // iter of the most recent overflow, -1 if none
+    int hysteresis = 1;               // overflows left before the next shrink
+    std::int64_t skipped = 0;         // steps skipped for overflow
+    friend bool operator==(const State&, const State&) = default;
+  };
+
+  // bf16 / fp32: scale 1 forever; an overflow still skips the step.
+  static LossScaler none() { return LossScaler(Kind::none, DynamicScale{.initial_scale = 1.0f}); }
+  // A constant scale (DeepSpeed's "loss_scale": value > 0).
+  static LossScaler fixed(float scale) {
+    ZP_EXPECT(scale > 0 && scale < 3.0e38f, "loss scaler: a fixed scale must be positive and finite, got ", scale);
+    return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale});
+  }
+  static LossScaler dynamic(const DynamicScale& config = {}) {
+    ZP_EXPECT(config.initial_scale > 0, "loss scaler: initial_scale must be positive, got ", config.initial_scale);
+    ZP_EXPECT(config.min_scale > 0 && config.min_scale <= config.initial_scale,
+              "loss scaler: min_scale must be in (0, initial_scale = ", config.initial_scale, "], got ",
+              config.min_scale);
+    ZP_EXPECT(config.window >= 1, "loss scaler: window must be at least 1, got ", config.window);
+    ZP_EXPECT(config.hysteresis >= 1, "loss scaler: hysteresis must be at least 1, got ", config.hysteresis);
+    ZP_EXPECT(config.factor > 1, "loss scaler: factor must be > 1, got ", config.factor);
+    return LossScaler(Kind::dynamic, config);
+  }
+
+  Kind kind() const noexcept { return kind_; }
+  const DynamicScale& config() const noexcept { return config_; }
+  // Multiply the loss by this before backward.
+  float scale() const noexcept { return state_.scale; }
+  // 1/scale, the factor that unscales the gradients (fold a clip coefficient in with
+  // optim::grad_mul(scale(), clip)).
+  float inv_scale() const noexcept { return float(1.0 / double(state_.scale)); }
+
+  // Records one step's global overflow flag and adjusts the scale. Returns true when the step
+  // must be applied, false when it must be skipped. Throws zp::Error when a dynamic scale
+  // overflows while already at min_scale (training has diverged; looping would never end).
+  bool update(bool overflow) {
+    if (overflow) ++state_.skipped;
+    if (kind_ == Kind::dynamic) {
+      if (overflow) {
+        if (config_.hysteresis == 1 || state_.hysteresis == 1) {
+          if (config_.error_at_min_scale && state_.scale <= config_.min_scale)
+            throw Error(Errc::invalid_argument,
+                        detail::cat("loss scaler: gradients overflow at the minimum loss scale ",
+                                    config_.min_scale, " (step ", state_.iter, ", ", state_.skipped,
+                                    " steps skipped); lower the learning rate or min_scale"));
+          const float next = state_.scale / config_.factor;
+          state_.scale = next > config_.min_scale ? next : config_.min_scale;
+        } else {
+          --state_.hysteresis;
+        }
+        state_.last_overflow = state_.iter;
+      } else {
+        if (config_.consecutive_hysteresis) state_.hysteresis = config_.hysteresis;
+        if ((state_.iter - state_.last_overflow) % config_.window == 0) {
+          if (!config_.consecutive_hysteresis) state_.hysteresis = config_.hysteresis;
+          state_.scale *= config_.factor;
+        }
+      }
+    }
+    ++state_.iter;
+    return !overflow;
+  }
+
+  const State& state() const noexcept { return state_; }
+  // Restores a saved state; the settings (kind, config) come from the constructor.
+  void load(const State& s) {
+    ZP_EXPECT(s.scale > 0, "loss scaler: saved scale must be positive, got ", s.scale);
+    ZP_EXPECT(s.hysteresis >= 1, "loss scaler: saved hysteresis must be at least 1, got ", s.hysteresis);
+    ZP_EXPECT(kind_ == Kind::dynamic || s.scale == state_.scale, "loss scaler: saved scale ", s.scale,
+              " differs from this non-dynamic scaler's ", state_.scale);
+    state_ = s;
+  }
+
+ private:
+  LossScaler(Kind kind, const DynamicScale& config) : kind_(kind), config_(config) {
+    state_.scale = config.initial_scale;
+    state_.hysteresis = config.hysteresis;
+  }
+
+  Kind kind_;
+  DynamicScale config_;
+  State state_;
+};
+
+}  // namespace zp

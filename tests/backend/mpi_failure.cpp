@@ -1,0 +1,38 @@
+// Provokes the two abort paths of the mpi backend; ctest checks the message on stderr
+// (tests/CMakeLists.txt) and that the job ends well within its TIMEOUT instead of hanging.
+//   mpi_failure throw   rank 1 throws before the third collective while the others wait in it:
+//                       its backend, destroyed during unwinding, aborts the job naming rank 1.
+//   mpi_failure silent  rank 1 skips the third collective (and stays busy): the others' watchdog
+//                       aborts the job after the 1.5 s timeout, naming the operation.
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zp/backend/mpi.hpp"
+
+int main(int argc, char** argv) {
+  zp::backend::MpiEnvironment env(&argc, &argv);
+  const std::string mode = argc > 1 ? argv[1] : "";
+  try {
+    zp::backend::Mpi::Options opt;
+    opt.timeout = std::chrono::milliseconds(1500);
+    zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
+    std::vector<float> a(1000, 1.0f);
+    comm.all_reduce(std::span<float>(a));  // call #1
+    comm.barrier();                        // call #2
+    if (comm.rank() == 1 && mode == "throw") throw std::runtime_error("loss exploded on rank 1");
+    if (comm.rank() == 1 && mode == "silent") {
+      std::this_thread::sleep_for(std::chrono::seconds(40));
+      return 0;
+    }
+    comm.all_reduce(std::span<float>(a));  // call #3
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank failed: %s\n", e.what());
+    return 1;
+  }
+  std::printf("unexpected: the collective completed\n");
+  return 0;
+}

@@ -1,0 +1,112 @@
+// Tests of zp/precision.hpp: the loss scaler's scale sequence on scripted overflow patterns,
+// checkpoint state, the minimum-scale error and the no-scaling mode for bf16.
+#include <doctest/doctest.h>
+
+#include <zp/precision.hpp>
+
+#include <string>
+#include <vector>
+
+namespace {
+struct Expected {
+  bool overflow;
+  bool applied;
+  float scale_after;
+};
+void run_script(zp::LossScaler& s, const std::vector<Expected>& script) {
+  for (std::size_t i = 0; i < script.size(); ++i) {
+    CAPTURE(i);
+    CHECK(s.update(script[i].overflow) == script[i].applied);
+    CHECK(s.scale() == script[i].scale_after);
+  }
+}
+}  // namespace
+
+TEST_CASE("a dynamic scale follows the DeepSpeed hysteresis algorithm on a scripted overflow pattern") {
+  // window 4, hysteresis 2, start 16 (worked out by hand from the algorithm in REFERENCE.md).
+  auto s = zp::LossScaler::dynamic({.initial_scale = 16.0f, .window = 4, .hysteresis = 2});
+  run_script(s, {
+                    {false, true, 16}, {false, true, 16}, {false, true, 16},
+                    {false, true, 32},   // 4 clean steps: grow, refill hysteresis
+                    {true, false, 32},   // first overflow uses up hysteresis
+                    {true, false, 16},   // second halves
+                    {false, true, 16},
+                    {true, false, 8},    // hysteresis was not refilled by one clean step
+                    {false, true, 8}, {false, true, 8}, {false, true, 8},
+                    {false, true, 16},   // window clean steps after the last overflow
+                    {true, false, 16},   // hysteresis refilled at growth
+                    {false, true, 16},
+                    {true, false, 8},
+                });
+  CHECK(s.state().skipped == 5);
+  CHECK(s.state().iter == 15);
+  CHECK(s.state().last_overflow == 14);
+}
+
+TEST_CASE("consecutive hysteresis refills on every clean step") {
+  auto s = zp::LossScaler::dynamic(
+      {.initial_scale = 16.0f, .window = 4, .hysteresis = 2, .consecutive_hysteresis = true});
+  run_script(s, {{true, false, 16}, {false, true, 16}, {true, false, 16}, {true, false, 8}, {false, true, 8}});
+}
+
+TEST_CASE("DeepSpeed's defaults: 2^16, doubling after 1000 clean steps, hysteresis 2, minimum 1") {
+  auto s = zp::LossScaler::dynamic();
+  CHECK(s.scale() == 65536.0f);
+  for (int i = 0; i < 999; ++i) s.update(false);
+  CHECK(s.scale() == 65536.0f);
+  s.update(false);
+  CHECK(s.scale() == 131072.0f);
+  s.update(true);
+  CHECK(s.scale() == 131072.0f);
+  s.update(true);
+  CHECK(s.scale() == 65536.0f);
+  CHECK(s.inv_scale() == 1.0f / 65536.0f);
+}
+
+TEST_CASE("an overflow at the minimum scale is an error instead of an endless loop") {
+  auto s = zp::LossScaler::dynamic({.initial_scale = 4.0f, .hysteresis = 1, .min_scale = 2.0f});
+  CHECK_FALSE(s.update(true));
+  CHECK(s.scale() == 2.0f);
+  try {
+    s.update(true);
+    FAIL("no error at the minimum scale");
+  } catch (const zp::Error& e) {
+    CHECK(std::string(e.what()).find("minimum loss scale 2") != std::string::npos);
+  }
+  auto lenient = zp::LossScaler::dynamic(
+      {.initial_scale = 4.0f, .hysteresis = 1, .min_scale = 2.0f, .error_at_min_scale = false});
+  lenient.update(true);
+  lenient.update(true);
+  CHECK(lenient.scale() == 2.0f);
+}
+
+TEST_CASE("the scaler's state survives a checkpoint round trip") {
+  auto a = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .window = 3});
+  for (bool o : {false, true, false, false, true, true, false}) a.update(o);
+  const auto saved = a.state();
+  auto b = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .window = 3});
+  b.load(saved);
+  CHECK(b.state() == a.state());
+  for (bool o : {false, false, false, true, false, false, false, false}) CHECK(a.update(o) == b.update(o));
+  CHECK(b.state() == a.state());
+}
+
+TEST_CASE("bf16 and fixed scales never change, but overflowing steps are still skipped") {
+  auto none = zp::LossScaler::none();
+  CHECK(none.scale() == 1.0f);
+  CHECK_FALSE(none.update(true));
+  CHECK(none.update(false));
+  for (int i = 0; i < 3000; ++i) none.update(i % 7 == 0);
+  CHECK(none.scale() == 1.0f);
+  auto fixed = zp::LossScaler::fixed(128.0f);
+  for (int i = 0; i < 3000; ++i) fixed.update(i % 5 == 0);
+  CHECK(fixed.scale() == 128.0f);
+  CHECK(fixed.state().skipped == 600);
+}
+
+TEST_CASE("invalid scaler settings are errors that name the value") {
+  CHECK_THROWS_WITH_AS(zp::LossScaler::fixed(0.0f), doctest::Contains("got 0"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.window = 0}), doctest::Contains("window"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.initial_scale = 1.0f, .min_scale = 2.0f}),
+                       doctest::Contains("min_scale"), zp::Error);
+}

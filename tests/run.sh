@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# zp's whole test suite, exactly as README's quick start and CI (.ci/run) run it:
+#   dev   Debug build of everything (tests, examples, benchmarks; CUDA sources with nvcc when
+#         present) and every test: cpu, mpi (under mpiexec), package, gpu (skipped without one)
+#   asan  ASan + UBSan build of the host tests labelled 'sanitize'
+#   tsan  TSan build of the same tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash cmake/install-deps.sh
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+# mpiexec as root (containers, CI) must be allowed explicitly.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+for preset in dev asan tsan; do
+  echo "=== zp tests: preset $preset"
+  cmake --workflow --preset "$preset"
+done
