@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,10 +29,8 @@ inline void parallel_copy(char* dst, const char* src, std::size_t bytes, int thr
   std::memcpy(dst, src, std::min(bytes, chunk));
 }
 
-// benchmark body: state.range(0) = threads, state.range(1) = bytes per buffer.
-inline void membw_copy(benchmark::State& state) {
-  const int threads = int(state.range(0));
-  const std::size_t bytes = std::size_t(state.range(1));
+// Benchmark body: `threads` copy two buffers of `bytes` each.
+inline void membw_copy(benchmark::State& state, int threads, std::size_t bytes) {
   std::vector<char> src(bytes, 1), dst(bytes, 0);  // touched: no page faults while timing
   parallel_copy(dst.data(), src.data(), bytes, threads);
   if (std::memcmp(dst.data(), src.data(), bytes) != 0) {
@@ -48,8 +48,8 @@ inline void membw_copy(benchmark::State& state) {
 
 inline void register_membw_copy(std::size_t bytes, std::initializer_list<int> threads) {
   for (int t : threads)
-    benchmark::RegisterBenchmark(("membw/copy/threads:" + std::to_string(t)).c_str(), membw_copy)
-        ->Args({t, std::int64_t(bytes)})
+    benchmark::RegisterBenchmark(("membw/copy/threads:" + std::to_string(t)).c_str(),
+                                 [=](benchmark::State& s) { membw_copy(s, t, bytes); })
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
 }

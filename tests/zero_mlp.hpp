@@ -2,12 +2,14 @@
 // (model, partition, bucket, engine). One module per layer; sizes not divisible by 2, 3 or 4.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "zp/dtype.hpp"
 #include "zp/model.hpp"
 
 namespace zp::test {
@@ -144,9 +146,23 @@ struct Mlp {
   }
 };
 
-// One micro-step of an engine over the MLP: forward with guards, loss, backward with guards,
-// step. Samples of global batch `sample0` (rank r takes its micro-batch slice).
-template <class Engine, class T>
-StepResult_t<Engine> micro_step(Engine& e, Mlp<T>& m, std::int64_t sample0, int micro_batch, float* loss_out = nullptr);
+// One micro-step of an engine over the MLP: forward and backward inside the engine's module
+// guards, then step(). The rank's micro-batch is samples [first, first + micro_batch).
+template <class E, class T>
+auto micro_step(E& e, Mlp<T>& m, std::int64_t first, int micro_batch, float* loss_out = nullptr) {
+  std::vector<int> labels;
+  m.load(first, micro_batch, labels);
+  for (int l = 0; l < m.modules(); ++l) {
+    auto g = e.forward(l);
+    m.forward(l);
+  }
+  const float loss = m.loss(labels, e.loss_scale());
+  if (loss_out) *loss_out = loss;
+  for (int l = m.modules() - 1; l >= 0; --l) {
+    auto g = e.backward(l);
+    m.backward(l);
+  }
+  return e.step();
+}
 
 }  // namespace zp::test

@@ -132,10 +132,11 @@ class GradBuckets {
     if (!sync_) return;
     for (std::size_t s = next_; s < buckets_.size(); ++s) {
       Bucket& b = buckets_[s];
+      if (b.state == Bucket::State::launched) continue;
       if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate) acquire(int(s));
       b.state = Bucket::State::ready;
+      launch_ready();  // one at a time, so scratch slots recycle
     }
-    launch_ready();
   }
 
   // Waits for every launched bucket and folds scratch buckets into the accumulator; the

@@ -291,6 +291,7 @@ class Engine {
     const float unscale = float(double(scale) * double(gas));  // exact for powers of two
     r.grad_norm = std::sqrt(global[0]) / double(unscale);
     const bool apply = config_.loss_scaler.update(r.overflow);
+    r.applied = apply;
     r.loss_scale = config_.loss_scaler.scale();
 
     if (apply) {
@@ -343,6 +344,7 @@ class Engine {
     r.gathered = (live_ + persistent_live_) * sizeof(T);
     r.gathered_peak = peak_live_ * sizeof(T);
     r.persistent = persistent_live_ * sizeof(T);
+    for (const auto& b : spare_) r.gather_cache += b.bytes();
     return r;
   }
 
@@ -473,7 +475,7 @@ class Engine {
     const Layout& L = part_.layout();
     const auto& mod = L.module(m);
     ModuleState& st = mods_[std::size_t(m)];
-    st.buffer = Buffer<T, S>(mod.size);
+    st.buffer = take_spare(mod.size);
     (st.persistent ? persistent_live_ : live_) += mod.size;
     peak_live_ = std::max(peak_live_, live_);
     st.works.clear();
@@ -528,8 +530,23 @@ class Engine {
     st.works.clear();
     bind_values(m, nullptr);
     (st.persistent ? persistent_live_ : live_) -= part_.layout().module(m).size;
+    // Keep a couple of released buffers for the next gathers: re-allocating them every time
+    // costs page faults (host) or allocator calls (device) on every module of every step.
+    if (spare_.size() < 2) spare_.push_back(std::move(st.buffer));
     st.buffer = Buffer<T, S>();
     st.state = ModuleState::State::released;
+  }
+
+  Buffer<T, S> take_spare(std::size_t n) {
+    for (auto& b : spare_)
+      if (b.size() == n) {
+        Buffer<T, S> out = std::move(b);
+        b = std::move(spare_.back());
+        spare_.pop_back();
+        return out;
+      }
+    if (spare_.size() >= 2) spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
+    return Buffer<T, S>(n);
   }
 
   void bind_values(int m, T* base) {
@@ -573,6 +590,7 @@ class Engine {
   GradBuckets<T, B, S> buckets_;
   std::vector<View<T>*> values_, grads_;
   std::vector<ModuleState> mods_;
+  std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   CommStats mark_{}, last_{};

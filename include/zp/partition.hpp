@@ -191,9 +191,10 @@ struct MemoryReport {
   std::size_t gathered = 0;         // stage 3: gathered parameters live now
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
+  std::size_t gather_cache = 0;     // stage 3: released gather buffers kept for reuse (at most 2)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
-  std::size_t total() const noexcept { return model_states() + buckets + gathered; }
+  std::size_t total() const noexcept { return model_states() + buckets + gathered + gather_cache; }
 };
 
 // REFERENCE.md's per-rank model-state bytes: params, gradients (both elem bytes each), fp32

@@ -299,7 +299,7 @@ struct Post {
       }
       return;
     }
-    (void)from;
+    if (from && from != dst) std::memmove(dst, from, n * size_of(t));
     if (divisor) {
       visit_dtype(t, [&](auto tag) {
         using T = decltype(tag);

@@ -32,6 +32,24 @@ inline void combine(A* acc, const A* x, std::size_t n, ReduceOp op) {
   }
 }
 
+// acc = a (op) b: the first combine of a chunk, fused with its load (same result as
+// load(acc, a) followed by combine(acc, b)).
+template <class A>
+inline void combine2(A* acc, const A* a, const A* b, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
+      break;
+    case ReduceOp::max:
+      for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] < b[i] ? b[i] : a[i];
+      break;
+    case ReduceOp::min:
+      for (std::size_t i = 0; i < n; ++i) acc[i] = b[i] < a[i] ? b[i] : a[i];
+      break;
+  }
+}
+
 template <class T, class A>
 inline void load(A* acc, const T* x, std::size_t n) {
   if constexpr (std::is_same_v<T, A>) {
@@ -63,8 +81,18 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
   alignas(64) A tmp[chunk];
   for (std::size_t lo = 0; lo < n; lo += chunk) {
     const std::size_t m = std::min(chunk, n - lo);
-    load(acc, in[0] + lo, m);
-    for (int r = 1; r < n_in; ++r) {
+    int r = 1;
+    if constexpr (std::is_same_v<T, A>) {
+      if (n_in >= 2) {
+        combine2(acc, in[0] + lo, in[1] + lo, m, op);
+        r = 2;
+      } else {
+        load(acc, in[0] + lo, m);
+      }
+    } else {
+      load(acc, in[0] + lo, m);
+    }
+    for (; r < n_in; ++r) {
       if constexpr (std::is_same_v<T, A>) {
         combine(acc, in[r] + lo, m, op);
       } else {

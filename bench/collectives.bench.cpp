@@ -1,0 +1,355 @@
+// zp_bench_collectives: collective bandwidth in nccl-tests' conventions (REFERENCE.md).
+//
+// <backend>/<op>/ranks:N/bytes:S  one in-place operation (the ZeRO layout) on float buffers.
+//   S is the full buffer (for all_gather and reduce_scatter: N x shard). Counters:
+//   algbw_GBps = S / t, busbw_GBps = algbw x (2(N-1)/N for all_reduce, (N-1)/N for all_gather
+//   and reduce_scatter, 1 for broadcast), wrong = elements that differed from the exact result
+//   in the check run before timing (any difference skips the benchmark with an error).
+//   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
+//   on), mpi_unchecked (check_calls = false), mpi_raw (the bare MPI call: the baseline),
+//   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
+// membw/copy/threads:T  the memory-bandwidth limit measured in the same run (bench/membw.hpp):
+//   a 2-rank in-place all_reduce moves at least 4 bytes per byte of S through memory (each
+//   rank's half: read both inputs, write both outputs, plus write-allocate), so busbw of
+//   threads/all_reduce/ranks:2 is bounded by GBps(threads:2) / 4.
+//
+// Running:
+//   zp_bench_collectives                      threads, membw (and nccl); no MPI launcher needed
+//   mpirun -n 2 zp_bench_collectives          mpi, mpi_unchecked and mpi_raw at 2 ranks
+//   mpirun -n 4 --oversubscribe zp_bench_collectives   the same at 4 ranks (more ranks than
+//                                             cores needs --oversubscribe)
+// Under a launcher with >= 2 ranks only the MPI benchmarks are registered (idle ranks polling
+// in MPI would distort the threads numbers); every rank runs the same list with fixed
+// iteration counts, so the collectives match; rank 0 alone reports.
+#include <benchmark/benchmark.h>
+
+#include <zp/backend/threads.hpp>
+#include <zp/collective.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "membw.hpp"
+
+#if ZP_BENCH_MPI
+#include <zp/backend/mpi.hpp>
+#endif
+#if ZP_BENCH_NCCL
+#include <cuda_runtime_api.h>
+
+#include <zp/backend/nccl.hpp>
+#endif
+
+namespace {
+
+using zp::CollOp;
+
+constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
+const std::vector<std::size_t> sizes = {4 * KiB,   16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
+                                        4 * MiB,   16 * MiB, 64 * MiB, 256 * MiB};
+
+// Fixed iteration counts (identical on every MPI rank): about 1 GiB of S per benchmark,
+// between 5 and 2000 iterations.
+benchmark::IterationCount iterations(std::size_t bytes) {
+  return std::clamp<benchmark::IterationCount>(benchmark::IterationCount((1024 * MiB) / bytes), 5, 2000);
+}
+
+// Exact inputs: small integers, so sums over <= 64 ranks are exact in float.
+inline float value(int rank, std::size_t i) { return float(int((i + 3 * std::size_t(rank)) % 13) - 6); }
+constexpr float poison = -1000.0f;
+
+// Fills this rank's buffer of `elems` floats for an in-place `op` over N ranks.
+void fill(std::vector<float>& buf, CollOp op, int rank, int N) {
+  const std::size_t n = buf.size() / std::size_t(N);
+  for (std::size_t i = 0; i < buf.size(); ++i) {
+    switch (op) {
+      case CollOp::all_gather: buf[i] = i / n == std::size_t(rank) ? value(rank, i) : poison; break;
+      case CollOp::broadcast: buf[i] = rank == 0 ? value(0, i) : poison; break;
+      default: buf[i] = value(rank, i); break;
+    }
+  }
+}
+
+// Elements of this rank's result that differ from the exact one. shard_at_start: the raw
+// MPI_Reduce_scatter_block in place leaves the shard at the start of the buffer.
+std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N, bool shard_at_start = false) {
+  const std::size_t n = buf.size() / std::size_t(N);
+  auto sum = [&](std::size_t i) {
+    float s = 0;
+    for (int q = 0; q < N; ++q) s += value(q, i);
+    return s;
+  };
+  std::uint64_t w = 0;
+  switch (op) {
+    case CollOp::all_reduce:
+      for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != sum(i);
+      break;
+    case CollOp::reduce_scatter: {
+      const std::size_t at = shard_at_start ? 0 : std::size_t(rank) * n;
+      for (std::size_t i = 0; i < n; ++i) w += buf[at + i] != sum(std::size_t(rank) * n + i);
+      break;
+    }
+    case CollOp::all_gather:
+      for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != value(int(i / n), i);
+      break;
+    case CollOp::broadcast:
+      for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != value(0, i);
+      break;
+    case CollOp::barrier: break;
+  }
+  return w;
+}
+
+void set_counters(benchmark::State& state, CollOp op, int N, std::size_t bytes, std::uint64_t bad) {
+  const double s = double(bytes) * double(state.iterations());
+  state.counters["algbw_GBps"] = benchmark::Counter(s, benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.counters["busbw_GBps"] =
+      benchmark::Counter(s * zp::bus_factor(op, N), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.counters["wrong"] = double(bad);
+}
+
+template <class B>
+void run_op(zp::Collective<B>& comm, CollOp op, std::span<float> buf) {
+  switch (op) {
+    case CollOp::all_reduce: comm.all_reduce(buf); break;
+    case CollOp::reduce_scatter: comm.reduce_scatter(buf); break;
+    case CollOp::all_gather: comm.all_gather(buf); break;
+    case CollOp::broadcast: comm.broadcast(buf, 0); break;
+    case CollOp::barrier: comm.barrier(); break;
+  }
+}
+
+std::string bench_name(const char* backend, CollOp op, int N, std::size_t bytes) {
+  return std::string(backend) + "/" + zp::name(op) + "/ranks:" + std::to_string(N) +
+         "/bytes:" + std::to_string(bytes);
+}
+
+const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather, CollOp::broadcast};
+
+// --- threads: rank 0 is the benchmark's thread, ranks 1..N-1 persistent threads that run
+// the same number of operations; the timed region is rank 0's loop of collectives.
+void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes) {
+  using zp::backend::Threads;
+  auto world = zp::backend::World::create(N, {std::chrono::seconds(120)});
+  const std::size_t elems = bytes / sizeof(float);
+  std::vector<std::vector<float>> bufs(std::size_t(N), std::vector<float>(elems, 0.0f));
+  std::vector<std::uint64_t> bad(std::size_t(N), 0);
+  const auto iters = state.max_iterations;
+  auto rank_body = [&](zp::Collective<Threads>& comm, int r, bool timed) {
+    auto& buf = bufs[std::size_t(r)];
+    fill(buf, op, r, N);
+    run_op(comm, op, std::span<float>(buf));  // the check run (and warm-up)
+    std::int64_t w = std::int64_t(wrong(buf, op, r, N));
+    comm.all_reduce(std::span<std::int64_t>(&w, 1));
+    bad[std::size_t(r)] = std::uint64_t(w);
+    if (w) return;
+    if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
+    comm.barrier();
+    if (timed) {
+      for (auto _ : state) run_op(comm, op, std::span<float>(buf));
+    } else {
+      for (benchmark::IterationCount k = 0; k < iters; ++k) run_op(comm, op, std::span<float>(buf));
+    }
+  };
+  std::vector<std::jthread> peers;
+  for (int r = 1; r < N; ++r)
+    peers.emplace_back([&, r] {
+      zp::Collective<Threads> comm{Threads(world, r)};
+      rank_body(comm, r, false);
+      comm.barrier();
+    });
+  {
+    zp::Collective<Threads> comm{Threads(world, 0)};
+    rank_body(comm, 0, true);
+    comm.barrier();
+  }
+  peers.clear();
+  if (bad[0]) {
+    state.SkipWithError(("threads: " + std::to_string(bad[0]) + " wrong elements").c_str());
+    return;
+  }
+  set_counters(state, op, N, bytes, bad[0]);
+}
+
+void register_threads() {
+  for (int N : {2, 4})
+    for (CollOp op : ops)
+      for (std::size_t bytes : sizes)
+        benchmark::RegisterBenchmark(bench_name("threads", op, N, bytes).c_str(),
+                                     [=](benchmark::State& s) { bench_threads(s, op, N, bytes); })
+            ->Iterations(iterations(bytes))
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+}
+
+#if ZP_BENCH_MPI
+// --- mpi: every rank runs the same registered list; rank 0's loop is the timed region.
+std::uint64_t mpi_total(std::uint64_t w, MPI_Comm comm) {
+  MPI_Allreduce(MPI_IN_PLACE, &w, 1, MPI_UINT64_T, MPI_SUM, comm);
+  return w;
+}
+
+void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check_calls) {
+  zp::backend::Mpi::Options opt;
+  opt.check_calls = check_calls;
+  zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
+  const int N = comm.size(), r = comm.rank();
+  std::vector<float> buf(bytes / sizeof(float));
+  fill(buf, op, r, N);
+  run_op(comm, op, std::span<float>(buf));
+  const auto bad = mpi_total(wrong(buf, op, r, N), comm.backend().comm());
+  if (bad) {
+    state.SkipWithError(("mpi: " + std::to_string(bad) + " wrong elements").c_str());
+    return;
+  }
+  if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
+  MPI_Barrier(comm.backend().comm());
+  for (auto _ : state) run_op(comm, op, std::span<float>(buf));
+  MPI_Barrier(comm.backend().comm());
+  set_counters(state, op, N, bytes, bad);
+}
+
+int raw_op(CollOp op, float* buf, std::size_t elems, int N, MPI_Comm comm) {
+  const int n = int(elems / std::size_t(N));
+  switch (op) {
+    case CollOp::all_reduce: return MPI_Allreduce(MPI_IN_PLACE, buf, int(elems), MPI_FLOAT, MPI_SUM, comm);
+    case CollOp::reduce_scatter: return MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm);
+    case CollOp::all_gather: return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, MPI_FLOAT, comm);
+    case CollOp::broadcast: return MPI_Bcast(buf, int(elems), MPI_FLOAT, 0, comm);
+    case CollOp::barrier: return MPI_Barrier(comm);
+  }
+  return MPI_SUCCESS;
+}
+
+void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes) {
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  int N = 1, r = 0;
+  MPI_Comm_size(comm, &N);
+  MPI_Comm_rank(comm, &r);
+  std::vector<float> buf(bytes / sizeof(float));
+  fill(buf, op, r, N);
+  int rc = raw_op(op, buf.data(), buf.size(), N, comm);
+  const auto bad = mpi_total(rc == MPI_SUCCESS ? wrong(buf, op, r, N, true) : buf.size(), comm);
+  if (bad) {
+    state.SkipWithError(("mpi_raw: " + std::to_string(bad) + " wrong elements").c_str());
+  } else {
+    if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
+    MPI_Barrier(comm);
+    for (auto _ : state) raw_op(op, buf.data(), buf.size(), N, comm);
+    MPI_Barrier(comm);
+    set_counters(state, op, N, bytes, bad);
+  }
+  MPI_Comm_free(&comm);
+}
+
+void register_mpi(int N) {
+  for (CollOp op : ops)
+    for (std::size_t bytes : sizes) {
+      auto reg = [&](const char* backend, auto fn) {
+        benchmark::RegisterBenchmark(bench_name(backend, op, N, bytes).c_str(), fn)
+            ->Iterations(iterations(bytes))
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+      };
+      reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes); });
+      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, true); });
+      reg("mpi_unchecked", [=](benchmark::State& s) { bench_mpi(s, op, bytes, false); });
+    }
+}
+
+// Launched by mpirun/mpiexec/srun? (Initialising MPI otherwise would need a singleton launch.)
+bool under_mpi_launcher() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_PROCID"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+#endif
+
+#if ZP_BENCH_NCCL
+// --- nccl: one process drives every GPU of a single-process communicator (ranks:1 on one GPU).
+void bench_nccl(benchmark::State& state, CollOp op, std::size_t bytes) {
+  auto comms = zp::backend::Nccl::create_local({0});
+  zp::Collective<zp::backend::Nccl> comm{std::move(comms[0])};
+  const int N = comm.size(), r = comm.rank();
+  const std::size_t elems = bytes / sizeof(float);
+  std::vector<float> host(elems);
+  fill(host, op, r, N);
+  float* dev = nullptr;
+  if (cudaMalloc(&dev, bytes) != cudaSuccess) {
+    state.SkipWithError("nccl: cudaMalloc failed");
+    return;
+  }
+  cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice);
+  run_op(comm, op, std::span<float>(dev, elems));
+  cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost);
+  const auto bad = wrong(host, op, r, N);
+  if (bad) {
+    cudaFree(dev);
+    state.SkipWithError(("nccl: " + std::to_string(bad) + " wrong elements").c_str());
+    return;
+  }
+  for (auto _ : state) run_op(comm, op, std::span<float>(dev, elems));
+  cudaFree(dev);
+  set_counters(state, op, N, bytes, bad);
+}
+
+void register_nccl() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) return;
+  for (CollOp op : ops)
+    for (std::size_t bytes : sizes)
+      benchmark::RegisterBenchmark(bench_name("nccl", op, 1, bytes).c_str(),
+                                   [=](benchmark::State& s) { bench_nccl(s, op, bytes); })
+          ->Iterations(iterations(bytes) * 4)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+}
+#endif
+
+// Rank != 0 under MPI: runs everything, prints nothing.
+class NullReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int mpi_size = 1, mpi_rank = 0;
+#if ZP_BENCH_MPI
+  std::unique_ptr<zp::backend::MpiEnvironment> env;
+  if (under_mpi_launcher()) {
+    env = std::make_unique<zp::backend::MpiEnvironment>(&argc, &argv);
+    mpi_size = env->world_size();
+    mpi_rank = env->world_rank();
+  }
+#endif
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  if (mpi_size >= 2) {
+#if ZP_BENCH_MPI
+    register_mpi(mpi_size);
+#endif
+  } else {
+    zp::bench::register_membw_copy(256 * MiB, {1, 2});
+    register_threads();
+#if ZP_BENCH_NCCL
+    register_nccl();
+#endif
+  }
+  if (mpi_rank == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    NullReporter null;
+    benchmark::RunSpecifiedBenchmarks(&null);
+  }
+  benchmark::Shutdown();
+  return 0;
+}

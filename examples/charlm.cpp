@@ -1,0 +1,449 @@
+// zp_demo: a character-level language model with hand-written forward and backward, trained
+// with ZeRO data parallelism on the licence texts every Debian machine has.
+//
+// The model predicts the next character from the previous `context` characters: an embedding
+// (module 0), two tanh layers (modules 1 and 2) and a softmax output layer (module 3). It knows
+// nothing of zp except for_each_parameter; the training loop wraps each module's forward and
+// backward in the engine's guards, which is all stage 3 needs to gather, prefetch and release.
+//
+//   zp_demo [--stage 0-3] [--backend threads|mpi] [--ranks N] [--precision fp32|bf16|fp16]
+//           [--accum N] [--steps N] [--micro-batch N] [--lr X] [--log-every N] [--text PATH]...
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "zp/backend/threads.hpp"
+#include "zp/engine.hpp"
+#include "zp/schedule.hpp"
+#if ZP_DEMO_MPI
+#include "zp/backend/mpi.hpp"
+#endif
+
+namespace {
+
+// ---- the model ------------------------------------------------------------------------------
+
+struct Dims {
+  int vocab = 0, embed = 24, context = 16, hidden = 256;
+};
+
+// y[b][o] = sum_i w[o][i] x[b][i] + bias[o]; eight partial sums so the compiler vectorises it.
+inline float dot(const float* a, const float* b, int n) {
+  float s[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) s[k] += a[i + k] * b[i + k];
+  float t = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) t += a[i] * b[i];
+  return t;
+}
+
+template <class T>
+void to_float(std::vector<float>& out, const zp::View<T>& v) {
+  out.resize(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = float(v[i]);
+}
+template <class T>
+void add_into(zp::View<T>& g, const std::vector<float>& d) {
+  for (std::size_t i = 0; i < d.size(); ++i) g[i] = T(float(g[i]) + d[i]);
+}
+
+template <class T>
+struct CharLm {
+  struct Dense {
+    int in, out;
+    zp::Param<T> w, b;
+    std::vector<T> w0, b0;
+  };
+  Dims d;
+  zp::Param<T> emb;
+  std::vector<T> emb0;
+  Dense layer[3];  // hidden1, hidden2, output
+  // activations of the current micro-batch
+  int batch = 0;
+  std::vector<int> ctx, target;
+  std::vector<float> h[4], dh[4], wf;  // h[0] = concatenated embeddings, h[3] = logits
+
+  explicit CharLm(Dims dims, std::uint64_t seed = 1) : d(dims) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    emb = zp::Param<T>(std::size_t(d.vocab * d.embed));
+    for (std::size_t i = 0; i < emb.size(); ++i) emb0.push_back(T(0.5f * u(rng)));
+    emb.value.rebind(emb0.data());
+    const int ins[3] = {d.context * d.embed, d.hidden, d.hidden}, outs[3] = {d.hidden, d.hidden, d.vocab};
+    for (int l = 0; l < 3; ++l) {
+      Dense& L = layer[l];
+      L.in = ins[l];
+      L.out = outs[l];
+      L.w = zp::Param<T>(std::size_t(L.in * L.out));
+      L.b = zp::Param<T>(std::size_t(L.out));
+      const float s = (l == 2 ? 0.5f : 1.0f) / std::sqrt(float(L.in));
+      for (std::size_t i = 0; i < L.w.size(); ++i) L.w0.push_back(T(s * u(rng)));
+      L.b0.assign(L.b.size(), T(0.0f));
+      L.w.value.rebind(L.w0.data());
+      L.b.value.rebind(L.b0.data());
+    }
+  }
+  CharLm(const CharLm&) = delete;
+
+  template <class V>
+  friend void for_each_parameter(CharLm& m, V&& visit) {
+    visit("embedding", 0, m.emb);
+    visit("hidden1.weight", 1, m.layer[0].w);
+    visit("hidden1.bias", 1, m.layer[0].b);
+    visit("hidden2.weight", 2, m.layer[1].w);
+    visit("hidden2.bias", 2, m.layer[1].b);
+    visit("output.weight", 3, m.layer[2].w);
+    visit("output.bias", 3, m.layer[2].b);
+  }
+  static constexpr int modules = 4;
+
+  void forward(int m) {
+    if (m == 0) {
+      const int w = d.context * d.embed;
+      h[0].assign(std::size_t(batch * w), 0.0f);
+      for (int b = 0; b < batch; ++b)
+        for (int c = 0; c < d.context; ++c)
+          for (int e = 0; e < d.embed; ++e)
+            h[0][std::size_t(b * w + c * d.embed + e)] =
+                float(emb.value[std::size_t(ctx[std::size_t(b * d.context + c)] * d.embed + e)]);
+      return;
+    }
+    Dense& L = layer[m - 1];
+    to_float(wf, L.w.value);
+    const auto& x = h[m - 1];
+    auto& y = h[m];
+    y.assign(std::size_t(batch * L.out), 0.0f);
+    for (int b = 0; b < batch; ++b)
+      for (int o = 0; o < L.out; ++o) {
+        const float a = dot(wf.data() + std::size_t(o) * std::size_t(L.in), x.data() + std::size_t(b * L.in), L.in) +
+                        float(L.b.value[std::size_t(o)]);
+        y[std::size_t(b * L.out + o)] = m < 3 ? std::tanh(a) : a;
+      }
+  }
+
+  // Mean cross-entropy of the micro-batch; seeds dh[3] with d(scale * loss)/d(logits).
+  float loss(float scale) {
+    const auto& z = h[3];
+    auto& g = dh[3];
+    g.assign(z.size(), 0.0f);
+    double total = 0;
+    for (int b = 0; b < batch; ++b) {
+      const float* zb = z.data() + std::size_t(b * d.vocab);
+      const float mx = *std::max_element(zb, zb + d.vocab);
+      double se = 0;
+      for (int c = 0; c < d.vocab; ++c) se += std::exp(double(zb[c] - mx));
+      const int t = target[std::size_t(b)];
+      total += std::log(se) + mx - zb[t];
+      for (int c = 0; c < d.vocab; ++c) {
+        const float p = float(std::exp(double(zb[c] - mx)) / se);
+        g[std::size_t(b * d.vocab + c)] = (p - (c == t ? 1.0f : 0.0f)) * scale / float(batch);
+      }
+    }
+    return float(total / batch);
+  }
+
+  void backward(int m) {
+    if (m == 0) {
+      std::vector<float> ge(emb.size(), 0.0f);
+      const int w = d.context * d.embed;
+      for (int b = 0; b < batch; ++b)
+        for (int c = 0; c < d.context; ++c)
+          for (int e = 0; e < d.embed; ++e)
+            ge[std::size_t(ctx[std::size_t(b * d.context + c)] * d.embed + e)] += dh[0][std::size_t(b * w + c * d.embed + e)];
+      add_into(emb.grad, ge);
+      return;
+    }
+    Dense& L = layer[m - 1];
+    const auto& x = h[m - 1];
+    auto& dy = dh[m];
+    if (m < 3)  // through tanh: dy *= 1 - y^2
+      for (std::size_t i = 0; i < dy.size(); ++i) dy[i] *= 1.0f - h[m][i] * h[m][i];
+    std::vector<float> gw(L.w.size(), 0.0f), gb(L.b.size(), 0.0f);
+    to_float(wf, L.w.value);
+    auto& dx = dh[m - 1];
+    dx.assign(std::size_t(batch * L.in), 0.0f);
+    for (int b = 0; b < batch; ++b) {
+      const float* xb = x.data() + std::size_t(b * L.in);
+      float* dxb = dx.data() + std::size_t(b * L.in);
+      for (int o = 0; o < L.out; ++o) {
+        const float g = dy[std::size_t(b * L.out + o)];
+        gb[std::size_t(o)] += g;
+        float* gwo = gw.data() + std::size_t(o) * std::size_t(L.in);
+        const float* wo = wf.data() + std::size_t(o) * std::size_t(L.in);
+        for (int i = 0; i < L.in; ++i) {
+          gwo[i] += g * xb[i];
+          dxb[i] += g * wo[i];
+        }
+      }
+    }
+    add_into(L.w.grad, gw);
+    add_into(L.b.grad, gb);
+  }
+};
+
+// ---- data -----------------------------------------------------------------------------------
+
+struct Corpus {
+  std::vector<int> ids;
+  std::vector<char> chars;  // id -> character
+};
+
+Corpus load_corpus(const std::vector<std::string>& paths) {
+  std::string text;
+  for (const auto& p : paths) {
+    std::ifstream f(p, std::ios::binary);
+    if (!f) throw zp::Error(zp::Errc::io, "cannot read text file '" + p + "'");
+    text.append(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    text.push_back('\n');
+  }
+  int map[256];
+  std::fill(std::begin(map), std::end(map), -1);
+  Corpus c;
+  for (unsigned char ch : text) {
+    if (map[ch] < 0) {
+      map[ch] = int(c.chars.size());
+      c.chars.push_back(char(ch));
+    }
+    c.ids.push_back(map[ch]);
+  }
+  return c;
+}
+
+// ---- command line ---------------------------------------------------------------------------
+
+struct Options {
+  int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
+  std::string backend = "threads", precision = "bf16";
+  float lr = 3e-3f;
+  std::vector<std::string> text;
+};
+
+const char* usage =
+    "usage: zp_demo [options]\n"
+    "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
+    "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default threads)\n"
+    "  --ranks N          thread ranks for the threads backend (default 4)\n"
+    "  --precision P      fp32, bf16 or fp16 (fp16 uses dynamic loss scaling) (default bf16)\n"
+    "  --accum N          gradient accumulation steps (default 1)\n"
+    "  --steps N          optimizer steps (default 600)\n"
+    "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
+    "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --log-every N      progress line every N steps (default 50)\n"
+    "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
+    "  --help             this text\n";
+
+[[noreturn]] void bad(const std::string& msg) {
+  std::fprintf(stderr, "zp_demo: %s\n\n%s", msg.c_str(), usage);
+  std::exit(2);
+}
+
+int to_int(const std::string& flag, const std::string& v, int lo, int hi) {
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < lo || x > hi)
+    bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+  return int(x);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) bad("unknown flag or missing value: '" + a + "'");
+    const std::string v = argv[++i];
+    if (a == "--stage") o.stage = to_int(a, v, 0, 3);
+    else if (a == "--ranks") o.ranks = to_int(a, v, 1, 256);
+    else if (a == "--accum") o.accum = to_int(a, v, 1, 1024);
+    else if (a == "--steps") o.steps = to_int(a, v, 1, 10000000);
+    else if (a == "--micro-batch") o.micro_batch = to_int(a, v, 1, 65536);
+    else if (a == "--log-every") o.log_every = to_int(a, v, 1, 10000000);
+    else if (a == "--backend") {
+      if (v != "threads" && v != "mpi") bad("--backend expects threads or mpi, got '" + v + "'");
+      o.backend = v;
+    } else if (a == "--precision") {
+      if (v != "fp32" && v != "bf16" && v != "fp16") bad("--precision expects fp32, bf16 or fp16, got '" + v + "'");
+      o.precision = v;
+    } else if (a == "--lr") {
+      char* end = nullptr;
+      o.lr = std::strtof(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f) bad("--lr expects a number in (0, 1], got '" + v + "'");
+    } else if (a == "--text") {
+      o.text.push_back(v);
+    } else {
+      bad("unknown flag '" + a + "'");
+    }
+  }
+  if (o.text.empty()) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/usr/share/common-licenses", ec))
+      if (e.is_regular_file()) o.text.push_back(e.path().string());
+    std::sort(o.text.begin(), o.text.end());
+    if (o.text.empty()) bad("no --text given and /usr/share/common-licenses has no files");
+  }
+  return o;
+}
+
+// ---- training -------------------------------------------------------------------------------
+
+double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
+
+template <class T, int Stage, class B>
+void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
+  const int n = comm.size(), r = comm.rank();
+  const bool lead = r == 0;
+  Dims dims;
+  dims.vocab = int(corpus.chars.size());
+  CharLm<T> model(dims);
+  zp::EngineConfig cfg;
+  cfg.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
+  cfg.max_grad_norm = 1.0f;
+  cfg.bucket_bytes = std::size_t(256) << 10;  // several buckets even for this small model
+  cfg.first_bucket_bytes = std::size_t(64) << 10;
+  cfg.persist_threshold = 10000;              // the output bias and small layers stay gathered
+  if (o.precision == "fp16") cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
+  zp::Engine<B, T, Stage> engine(comm, model, cfg, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
+  const zp::schedule::WarmupCosineLR schedule{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
+                                    .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+
+  const auto& L = engine.layout();
+  if (lead) {
+    std::printf("zp_demo: char-level LM on %zu characters (vocabulary %d), %zu parameters in %d modules, %d buckets\n",
+                corpus.ids.size(), dims.vocab, L.used(), L.module_count(), L.segment_count());
+    std::printf("         ZeRO stage %d, backend %s, %d ranks, %s, micro-batch %d x accumulation %d x ranks %d = %lld sequences/step\n",
+                Stage, B::name, n, o.precision.c_str(), o.micro_batch, o.accum, n,
+                static_cast<long long>(engine.batch().train_batch_size));
+  }
+  std::mt19937_64 rng(1000003ull * std::uint64_t(r) + 17);
+  const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
+  std::uniform_int_distribution<std::size_t> pick(0, last_start);
+  auto next_batch = [&] {
+    model.batch = o.micro_batch;
+    model.ctx.resize(std::size_t(o.micro_batch * dims.context));
+    model.target.resize(std::size_t(o.micro_batch));
+    for (int b = 0; b < o.micro_batch; ++b) {
+      const std::size_t s = pick(rng);
+      for (int c = 0; c < dims.context; ++c) model.ctx[std::size_t(b * dims.context + c)] = corpus.ids[s + std::size_t(c)];
+      model.target[std::size_t(b)] = corpus.ids[s + std::size_t(dims.context)];
+    }
+  };
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t_log = t0;
+  double window_loss = 0, first_loss = -1, last_loss = 0;
+  int window_steps = 0;
+  std::int64_t window_tokens = 0;
+  std::uint64_t skipped = 0;
+  for (int step = 0; step < o.steps; ++step) {
+    engine.optimizer().lr = float(schedule.lr(engine.steps()));
+    double loss = 0;
+    zp::StepResult res;
+    for (int a = 0; a < o.accum; ++a) {
+      next_batch();
+      for (int m = 0; m < model.modules; ++m) {
+        auto g = engine.forward(m);
+        model.forward(m);
+      }
+      loss += model.loss(engine.loss_scale()) / float(o.accum);
+      for (int m = model.modules - 1; m >= 0; --m) {
+        auto g = engine.backward(m);
+        model.backward(m);
+      }
+      res = engine.step();
+    }
+    skipped += res.overflow;
+    window_loss += loss;
+    ++window_steps;
+    window_tokens += std::int64_t(o.micro_batch) * o.accum * n;
+    if ((step + 1) % o.log_every == 0 || step == 0 || step + 1 == o.steps) {
+      double mean = window_loss / window_steps;
+      comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);  // the global mean loss
+      const auto now = std::chrono::steady_clock::now();
+      const double dt = std::chrono::duration<double>(now - t_log).count();
+      if (first_loss < 0) first_loss = mean;
+      last_loss = mean;
+      if (lead)
+        std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
+                    step + 1, mean, double(window_tokens) / dt, double(res.loss_scale),
+                    static_cast<unsigned long long>(skipped), mib(engine.memory().model_states()),
+                    double(comm.stats().total().bytes) / 1e9);
+      std::fflush(stdout);
+      t_log = now;
+      window_loss = 0;
+      window_steps = 0;
+      window_tokens = 0;
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto mem = engine.memory();
+  const auto& c = engine.last_step_comm();
+  const double f = n > 1 ? double(n - 1) / n : 0.0;
+  const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
+  if (lead) {
+    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n", first_loss, last_loss,
+                o.steps, static_cast<long long>(engine.steps()), static_cast<unsigned long long>(skipped), secs);
+    std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
+                "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
+                mib(mem.params), mib(mem.grads), mib(mem.master), mib(mem.optimizer_state), mib(mem.model_states()),
+                mib(mem.buckets), mib(mem.gathered_peak));
+    std::printf("communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f MB), "
+                "%llu calls; total %.3f GB\n",
+                c.total().bus_bytes / 1e6, want / 1e6, static_cast<unsigned long long>(c.total().calls),
+                double(comm.stats().total().bytes) / 1e9);
+  }
+}
+
+template <class T, class B>
+void dispatch_stage(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
+  switch (o.stage) {
+    case 0: return train<T, 0>(comm, o, c);
+    case 1: return train<T, 1>(comm, o, c);
+    case 2: return train<T, 2>(comm, o, c);
+    default: return train<T, 3>(comm, o, c);
+  }
+}
+
+template <class B>
+void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
+  if (o.precision == "fp32") return dispatch_stage<float>(comm, o, c);
+  if (o.precision == "fp16") return dispatch_stage<zp::fp16>(comm, o, c);
+  return dispatch_stage<zp::bf16>(comm, o, c);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  try {
+    const Corpus corpus = load_corpus(o.text);
+    if (corpus.ids.size() < 100) bad("the training text is too short (" + std::to_string(corpus.ids.size()) + " characters)");
+    if (o.backend == "mpi") {
+#if ZP_DEMO_MPI
+      zp::backend::MpiEnvironment env(&argc, &argv);
+      zp::Collective<zp::backend::Mpi> comm(env.world());
+      dispatch(comm, o, corpus);
+#else
+      bad("this zp_demo was built without MPI (zp::mpi was not found at configure time)");
+#endif
+    } else {
+      zp::backend::run_threads(o.ranks, [&](zp::Collective<zp::backend::Threads>& comm) { dispatch(comm, o, corpus); });
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zp_demo: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

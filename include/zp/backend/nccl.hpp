@@ -1,0 +1,420 @@
+// zp/backend/nccl.hpp: ranks are GPUs, buffers are device memory, operations run on a CUDA
+// stream through NCCL. Needs the CUDA runtime and NCCL headers (link zp::nccl); builds with a
+// plain C++ compiler (no kernels here).
+//
+// Getting communicators:
+//  - one process per GPU, bootstrapped over MPI: nccl_from_mpi(comm) (available when <mpi.h>
+//    is reachable, i.e. when zp::mpi is linked too). Rank 0 creates the ncclUniqueId and
+//    MPI_Bcasts it; each process takes the GPU numbered by its rank among the processes of its
+//    node (MPI_Comm_split_type SHARED), modulo the GPUs it sees.
+//  - one process driving several GPUs: Nccl::create_local({0, 1, ...}) (ncclCommInitAll),
+//    one backend per device, rank i on devices[i]. Issue a collective on every one of them
+//    (from one thread, async, or one thread per device) before waiting on any.
+//  - any other bootstrap: Nccl::create(id, rank, size, device) with an ncclUniqueId you
+//    distributed yourself.
+//
+// Semantics: every operation is enqueued on the backend's stream (stream()), followed by a
+// CUDA event; the Work handle waits on that event. Launch::blocking waits before returning.
+// Waiting polls the event and ncclCommGetAsyncError; an asynchronous NCCL error or a wait
+// longer than Options::timeout aborts the communicator (ncclCommAbort, so the GPU work does not
+// hang either) and throws zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every
+// call on it throws Errc::aborted. A backend destroyed during stack unwinding aborts its
+// communicator instead of destroying it (ncclCommDestroy could wait for peers that never come).
+// bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
+// 16 bits between steps, unlike the host backends' fp32 accumulation); avg is ncclAvg.
+// reduce_scatter and all_gather are in place when the buffers follow the ZeRO layout (NCCL's
+// own in-place convention). barrier is a one-element all_reduce on a device scratch word.
+// Every CUDA and NCCL call is checked (Errc::cuda / Errc::nccl with the native code).
+#pragma once
+
+#if !defined(__has_include)
+#error "zp/backend/nccl.hpp needs __has_include to find the CUDA and NCCL headers"
+#elif !__has_include(<cuda_runtime_api.h>)
+#error "zp/backend/nccl.hpp needs the CUDA runtime headers (<cuda_runtime_api.h>): install the CUDA toolkit and link zp::nccl (or zp::cuda)"
+#elif !__has_include(<nccl.h>)
+#error "zp/backend/nccl.hpp needs NCCL (<nccl.h>): install NCCL (or set NCCL_ROOT) and link zp::nccl"
+#endif
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#if __has_include(<mpi.h>)
+#include <mpi.h>
+#define ZP_NCCL_HAS_MPI_BOOTSTRAP 1
+#else
+#define ZP_NCCL_HAS_MPI_BOOTSTRAP 0
+#endif
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp::backend {
+
+struct NcclOptions {
+  // How long a wait may last before the communicator is aborted (Errc::timeout).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+namespace nccl_detail {
+
+inline void cuda_check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) [[unlikely]]
+    throw Error(Errc::cuda, detail::cat("nccl backend: ", call, " failed: ", cudaGetErrorName(e),
+                                        ": ", cudaGetErrorString(e)),
+                int(e));
+}
+
+inline void nccl_check(ncclResult_t r, const char* call, ncclComm_t comm = nullptr) {
+  if (r != ncclSuccess && r != ncclInProgress) [[unlikely]] {
+    std::string msg = detail::cat("nccl backend: ", call, " failed: ", ncclGetErrorString(r));
+    const char* last = ncclGetLastError(comm);
+    if (last && *last) msg += detail::cat(" (", last, ")");
+    throw Error(Errc::nccl, msg, int(r));
+  }
+}
+
+inline ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
+  }
+  return ncclFloat32;
+}
+
+inline ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+// Makes `device` current for the scope, restoring the caller's device afterwards.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cuda_check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    else prev_ = -1;
+  }
+  ~DeviceScope() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+// Shared by a backend and its outstanding work handles.
+struct Context {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  int device = 0, rank = 0, size = 1;
+  NcclOptions opt;
+  bool aborted = false;
+  std::string abort_reason;
+  void* scratch = nullptr;  // one device word for barrier
+  std::uint64_t calls = 0;
+
+  void abort(const std::string& why) noexcept {
+    if (aborted) return;
+    aborted = true;
+    abort_reason = why;
+    if (comm) ncclCommAbort(comm);
+    comm = nullptr;
+  }
+  ~Context() {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device);
+    if (comm) {
+      if (stream) cudaStreamSynchronize(stream);
+      ncclCommDestroy(comm);
+    }
+    if (scratch) cudaFree(scratch);
+    if (stream) cudaStreamDestroy(stream);
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+};
+
+}  // namespace nccl_detail
+
+// The backend over one NCCL communicator, one device and one stream it owns. Move-only.
+class Nccl {
+ public:
+  using Options = NcclOptions;
+  static constexpr MemorySpace memory = MemorySpace::device;
+  static constexpr const char* name = "nccl";
+
+  // The completion of an enqueued operation: a CUDA event recorded after it on stream().
+  class Work {
+   public:
+    Work() = default;
+    Work(Work&&) noexcept = default;
+    Work& operator=(Work&& o) noexcept {
+      if (this != &o) {
+        release();
+        ctx_ = std::move(o.ctx_);
+        event_ = std::exchange(o.event_, nullptr);
+        what_ = o.what_;
+      }
+      return *this;
+    }
+    ~Work() { release(); }
+
+    // Waits for the event, polling NCCL's asynchronous error state; aborts the communicator
+    // and throws on an NCCL error or after Options::timeout.
+    void wait() {
+      if (!event_) return;
+      const auto start = std::chrono::steady_clock::now();
+      auto& c = *ctx_;
+      for (int spins = 0;; ++spins) {
+        const cudaError_t q = cudaEventQuery(event_);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) {
+          release();
+          nccl_detail::cuda_check(q, "cudaEventQuery");
+        }
+        if (c.aborted) {
+          release();
+          throw Error(Errc::aborted, "nccl backend: communicator aborted: " + c.abort_reason);
+        }
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(c.comm, &async);
+        if (async != ncclSuccess && async != ncclInProgress) {
+          const std::string why = detail::cat("rank ", c.rank, ": asynchronous NCCL error in ",
+                                              what_, ": ", ncclGetErrorString(async));
+          c.abort(why);
+          release();
+          throw Error(Errc::nccl, "nccl backend: " + why, int(async));
+        }
+        if (std::chrono::steady_clock::now() - start > c.opt.timeout) {
+          const std::string why = detail::cat("rank ", c.rank, " of ", c.size, " timed out after ",
+                                              c.opt.timeout.count(), " ms in ", what_,
+                                              " waiting for the other ranks; communicator aborted");
+          c.abort(why);
+          release();
+          throw Error(Errc::timeout, "nccl backend: " + why);
+        }
+        if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        else std::this_thread::yield();
+      }
+      release();
+    }
+    bool test() {
+      if (!event_) return true;
+      const cudaError_t q = cudaEventQuery(event_);
+      if (q == cudaErrorNotReady) {
+        ncclResult_t async = ncclSuccess;
+        if (!ctx_->aborted) ncclCommGetAsyncError(ctx_->comm, &async);
+        if (async == ncclSuccess || async == ncclInProgress) return false;
+      }
+      wait();  // completes, or throws the error
+      return true;
+    }
+
+   private:
+    friend class Nccl;
+    Work(std::shared_ptr<nccl_detail::Context> c, cudaEvent_t e, const char* what)
+        : ctx_(std::move(c)), event_(e), what_(what) {}
+    void release() noexcept {
+      if (event_) cudaEventDestroy(event_);
+      event_ = nullptr;
+      ctx_.reset();
+    }
+    std::shared_ptr<nccl_detail::Context> ctx_;
+    cudaEvent_t event_ = nullptr;
+    const char* what_ = "";
+  };
+
+  // Joins communicator `id` as `rank` of `size` on `device` (ncclCommInitRank; collective over
+  // the ranks). The backend creates and owns a non-blocking stream on that device.
+  static Nccl create(const ncclUniqueId& id, int rank, int size, int device, Options opt = {}) {
+    ZP_EXPECT(size >= 1 && rank >= 0 && rank < size, "nccl backend: rank ", rank,
+              " is not in [0, ", size, ")");
+    nccl_detail::DeviceScope dev(device);
+    ncclComm_t comm = nullptr;
+    nccl_detail::nccl_check(ncclCommInitRank(&comm, size, id, rank), "ncclCommInitRank");
+    return Nccl(comm, device, opt);
+  }
+
+  // One communicator over several GPUs driven by this process (ncclCommInitAll): element i is
+  // rank i on devices[i].
+  static std::vector<Nccl> create_local(const std::vector<int>& devices, Options opt = {}) {
+    ZP_EXPECT(!devices.empty(), "nccl backend: create_local needs at least one device");
+    std::vector<ncclComm_t> comms(devices.size());
+    nccl_detail::nccl_check(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()),
+                            "ncclCommInitAll");
+    std::vector<Nccl> out;
+    out.reserve(devices.size());
+    for (std::size_t i = 0; i < devices.size(); ++i) out.push_back(Nccl(comms[i], devices[i], opt));
+    return out;
+  }
+
+  // A fresh ncclUniqueId (call on one rank, distribute to the others).
+  static ncclUniqueId unique_id() {
+    ncclUniqueId id;
+    nccl_detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    return id;
+  }
+
+  Nccl(Nccl&& o) noexcept : ctx_(std::move(o.ctx_)), unwinding_(o.unwinding_) {}
+  Nccl& operator=(Nccl&& o) noexcept {
+    if (this != &o) {
+      leave();
+      ctx_ = std::move(o.ctx_);
+      unwinding_ = o.unwinding_;
+    }
+    return *this;
+  }
+  ~Nccl() { leave(); }
+
+  int rank() const { return ctx_->rank; }
+  int size() const { return ctx_->size; }
+  int device() const { return ctx_->device; }
+  cudaStream_t stream() const { return ctx_->stream; }
+  ncclComm_t comm() const { return ctx_->comm; }
+
+  Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return enqueue("all_reduce", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
+    });
+  }
+  Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    return enqueue("reduce_scatter", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
+    });
+  }
+  Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    return enqueue("all_gather", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllGather(src, dst, n, nccl_detail::nccl_type(t), c, s);
+    });
+  }
+  Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
+    ZP_EXPECT(root >= 0 && root < size(), "nccl backend: broadcast root ", root,
+              " is not a rank in [0, ", size(), ")");
+    return enqueue("broadcast", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclBroadcast(src, dst, n, nccl_detail::nccl_type(t), root, c, s);
+    });
+  }
+  Work barrier(Launch l) {
+    auto& c = live();
+    if (!c.scratch) {
+      nccl_detail::DeviceScope dev(c.device);
+      nccl_detail::cuda_check(cudaMalloc(&c.scratch, sizeof(std::int32_t)), "cudaMalloc");
+      nccl_detail::cuda_check(cudaMemsetAsync(c.scratch, 0, sizeof(std::int32_t), c.stream),
+                              "cudaMemsetAsync");
+    }
+    return enqueue("barrier", l, [&](ncclComm_t cm, cudaStream_t s) {
+      return ncclAllReduce(c.scratch, c.scratch, 1, ncclInt32, ncclSum, cm, s);
+    });
+  }
+
+  // ncclCommSplit: ranks with the same colour form a group ordered by (key, rank); the new
+  // backend has its own stream on the same device. Collective over this communicator.
+  Nccl split(int color, int key) {
+    auto& c = live();
+    nccl_detail::DeviceScope dev(c.device);
+    nccl_detail::cuda_check(cudaStreamSynchronize(c.stream), "cudaStreamSynchronize");
+    ncclComm_t sub = nullptr;
+    nccl_detail::nccl_check(ncclCommSplit(c.comm, color, key, &sub, nullptr), "ncclCommSplit", c.comm);
+    ZP_EXPECT(sub != nullptr, "nccl backend: split with colour ", color, " produced no communicator");
+    return Nccl(sub, c.device, c.opt);
+  }
+
+ private:
+  Nccl(ncclComm_t comm, int device, Options opt) : unwinding_(std::uncaught_exceptions()) {
+    auto c = std::make_shared<nccl_detail::Context>();
+    c->comm = comm;
+    c->device = device;
+    c->opt = opt;
+    ctx_ = c;  // owns comm from here, even if what follows throws
+    nccl_detail::DeviceScope dev(device);
+    nccl_detail::cuda_check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
+                            "cudaStreamCreateWithFlags");
+    nccl_detail::nccl_check(ncclCommUserRank(comm, &c->rank), "ncclCommUserRank", comm);
+    nccl_detail::nccl_check(ncclCommCount(comm, &c->size), "ncclCommCount", comm);
+  }
+
+  nccl_detail::Context& live() {
+    auto& c = *ctx_;
+    if (c.aborted)
+      throw Error(Errc::aborted, "nccl backend: communicator aborted earlier: " + c.abort_reason);
+    return c;
+  }
+
+  void leave() noexcept {
+    if (!ctx_) return;
+    if (std::uncaught_exceptions() > unwinding_)
+      ctx_->abort(detail::cat("rank ", ctx_->rank, " left during stack unwinding"));
+    ctx_.reset();
+  }
+
+  template <class F>
+  Work enqueue(const char* what, Launch l, F&& call) {
+    auto& c = live();
+    ++c.calls;
+    nccl_detail::DeviceScope dev(c.device);
+    nccl_detail::nccl_check(call(c.comm, c.stream), what, c.comm);
+    cudaEvent_t e = nullptr;
+    nccl_detail::cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    Work w(ctx_, e, what);
+    nccl_detail::cuda_check(cudaEventRecord(e, c.stream), "cudaEventRecord");
+    if (l == Launch::blocking) {
+      w.wait();
+      return Work{};
+    }
+    return w;
+  }
+
+  std::shared_ptr<nccl_detail::Context> ctx_;
+  int unwinding_ = 0;
+};
+
+static_assert(Backend<Nccl>);
+
+#if ZP_NCCL_HAS_MPI_BOOTSTRAP
+// One process per GPU over an MPI communicator (collective over comm): rank 0's ncclUniqueId
+// goes to everyone by MPI_Bcast; the device is this process's rank among those on its node,
+// modulo the visible GPUs. NCCL ranks equal the ranks in comm.
+inline Nccl nccl_from_mpi(MPI_Comm comm, NcclOptions opt = {}) {
+  auto mpi = [](int rc, const char* call) {
+    if (rc != MPI_SUCCESS)
+      throw Error(Errc::mpi, detail::cat("nccl backend bootstrap: ", call, " failed"), rc);
+  };
+  int rank = 0, size = 1;
+  mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  MPI_Comm node = MPI_COMM_NULL;
+  mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
+      "MPI_Comm_split_type");
+  int local = 0;
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_free(&node);
+  int devices = 0;
+  nccl_detail::cuda_check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  ncclUniqueId id{};
+  if (rank == 0) id = Nccl::unique_id();
+  mpi(MPI_Bcast(&id, int(sizeof id), MPI_BYTE, 0, comm), "MPI_Bcast");
+  return Nccl::create(id, rank, size, local % devices, opt);
+}
+#endif
+
+}  // namespace zp::backend

@@ -1,0 +1,367 @@
+#include "zp/engine.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "zp/backend/threads.hpp"
+#include "zero_mlp.hpp"
+
+using zp::Collective;
+using zp::CollOp;
+using zp::EngineConfig;
+using zp::backend::run_threads;
+using zp::backend::Threads;
+using zp::test::Mlp;
+
+namespace {
+
+// Small buckets, so modules span several buckets and buckets of different sizes meet.
+EngineConfig test_config(int micro_batch, int gas) {
+  EngineConfig c;
+  c.batch = {.micro_batch_per_rank = micro_batch, .gradient_accumulation_steps = gas};
+  c.bucket_bytes = 4096;
+  c.first_bucket_bytes = 512;
+  c.align = 4;
+  return c;
+}
+
+template <class T>
+struct Trained {
+  std::vector<T> params;
+  std::vector<float> master;
+  std::vector<float> losses;  // rank 0's micro-step losses
+};
+
+template <class T, int Stage>
+Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cfg) {
+  Trained<T> out;
+  run_threads(ranks, [&](Collective<Threads>& comm) {
+    const int n = comm.size(), r = comm.rank();
+    Mlp<T> model;
+    zp::Engine<Threads, T, Stage> engine(comm, model, cfg, zp::optim::AdamW{.lr = 1e-2f});
+    std::vector<float> losses;
+    for (int t = 0; t < steps; ++t)
+      for (int i = 0; i < gas; ++i) {
+        float loss = 0;
+        const auto res = zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch,
+                                              micro_batch, &loss);
+        CHECK(res.boundary == (i + 1 == gas));
+        CHECK(!res.overflow);
+        losses.push_back(loss);
+      }
+    CHECK(engine.steps() == steps);
+    auto p = engine.gather_params();
+    auto m = engine.gather_master();
+    if (r == 0) out = {std::move(p), std::move(m), std::move(losses)};
+  });
+  return out;
+}
+
+template <class T>
+Trained<T> train_stage(int stage, int ranks, int steps, int gas, int mb) {
+  const auto cfg = test_config(mb, gas);
+  switch (stage) {
+    case 0: return train<T, 0>(ranks, steps, gas, mb, cfg);
+    case 1: return train<T, 1>(ranks, steps, gas, mb, cfg);
+    case 2: return train<T, 2>(ranks, steps, gas, mb, cfg);
+    default: return train<T, 3>(ranks, steps, gas, mb, cfg);
+  }
+}
+
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+struct Diff {
+  double max = 0, mean = 0;
+};
+Diff diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  Diff d;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = std::fabs(double(a[i]) - double(b[i]));
+    d.max = std::max(d.max, x);
+    d.mean += x / double(a.size());
+  }
+  return d;
+}
+
+// How close two runs that differ only in rounding must stay (fp32 master weights after 20 AdamW
+// steps at lr 1e-2). fp32: gradients differ by a few ulp, Adam's update by about as much
+// relative, so 1e-4 absolute is a loose bound (we measure 1e-7 to 2e-5). bf16: the gradients
+// themselves are rounded to 8 bits, and Adam divides by sqrt(v), so elements whose gradient is
+// near zero can take updates of +-lr in one run and smaller ones in the other; the bound on any
+// element is Adam's largest possible drift, steps * lr = 0.2, and on average the runs must agree
+// to 5e-3 (a quarter of one step's size; we measure 1e-3 to 3e-3).
+template <class T>
+void check_close(const Diff& d) {
+  if constexpr (std::is_same_v<T, float>) {
+    CHECK(d.max <= 1e-4);
+  } else {
+    CHECK(d.max <= 0.2);
+    CHECK(d.mean <= 5e-3);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("stages 0-3 give bitwise identical parameters after 20 steps without accumulation", T,
+                   float, zp::bf16) {
+  for (int ranks : {1, 2, 3, 4}) {
+    CAPTURE(ranks);
+    const auto s0 = train_stage<T>(0, ranks, 20, 1, 3);
+    REQUIRE(s0.losses.size() == 20);
+    CHECK(s0.losses.back() < s0.losses.front());  // it learns
+    for (int stage : {1, 2, 3}) {
+      CAPTURE(stage);
+      const auto s = train_stage<T>(stage, ranks, 20, 1, 3);
+      CHECK(bitwise_equal(s.params, s0.params));
+      CHECK(bitwise_equal(s.master, s0.master));
+      CHECK(bitwise_equal(s.losses, s0.losses));
+    }
+  }
+}
+
+// Stage 0 and 1 accumulate locally in T and reduce once; stage 2 and 3 reduce every micro-step
+// and accumulate the reduced shards: within each pair the order of every addition is the same,
+// across pairs it differs, so they agree only to the rounding of T (check_close).
+TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bitwise identical", T, float,
+                   zp::bf16) {
+  for (int ranks : {2, 3}) {
+    CAPTURE(ranks);
+    const auto s0 = train_stage<T>(0, ranks, 20, 4, 2);
+    const auto s1 = train_stage<T>(1, ranks, 20, 4, 2);
+    const auto s2 = train_stage<T>(2, ranks, 20, 4, 2);
+    const auto s3 = train_stage<T>(3, ranks, 20, 4, 2);
+    CHECK(bitwise_equal(s0.master, s1.master));
+    CHECK(bitwise_equal(s2.master, s3.master));
+    CHECK(bitwise_equal(s2.params, s3.params));
+    const Diff d = diff(s0.master, s2.master);
+    MESSAGE("stage 0 vs 2 with accumulation, ", ranks, " ranks: |diff| max ", d.max, " mean ", d.mean);
+    check_close<T>(d);
+  }
+}
+
+// A single rank on the same global batch sums each gradient over the whole batch in one pass,
+// N ranks sum partial batches and then average: same math, different rounding (check_close).
+TEST_CASE_TEMPLATE("every stage agrees with a single-rank run on the same global batch", T, float, zp::bf16) {
+  for (int ranks : {2, 4}) {
+    const auto one = train_stage<T>(0, 1, 20, 2, 3 * ranks);
+    for (int stage : {0, 3}) {
+      CAPTURE(ranks);
+      CAPTURE(stage);
+      const auto s = train_stage<T>(stage, ranks, 20, 2, 3);
+      const Diff d = diff(one.master, s.master);
+      MESSAGE("single rank vs ", ranks, " ranks, stage ", stage, ": |diff| max ", d.max, " mean ", d.mean);
+      check_close<T>(d);
+    }
+  }
+}
+
+namespace {
+
+template <class T, int Stage>
+void check_accounting(int ranks) {
+  run_threads(ranks, [&](Collective<Threads>& comm) {
+    const int n = comm.size();
+    Mlp<T> model;
+    auto cfg = test_config(2, 1);
+    zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
+    for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * n + comm.rank()) * 2, 2);
+    const auto& L = engine.layout();
+    const std::size_t P = L.total(), elem = sizeof(T);
+    // padding bound: less than ranks * align elements per segment
+    CHECK(P >= L.used());
+    CHECK(P - L.used() < std::size_t(L.segment_count()) * std::size_t(n) * cfg.align);
+    const auto mem = engine.memory();
+    CHECK(mem.model_states() == zp::zero_model_state_bytes(Stage, P, n, elem, 2));
+    CHECK(mem.params == (Stage < 3 ? P : P / std::size_t(n)) * elem);
+    CHECK(mem.master == (Stage < 1 ? P : P / std::size_t(n)) * 4);
+    CHECK((mem.buckets > 0) == (Stage >= 2));
+    if (Stage == 3) CHECK(mem.gathered_peak <= engine.max_live_params() * elem);
+
+    const auto& c = engine.last_step_comm();
+    const double f = double(n - 1) / n, bytes = double(P * elem);
+    const double stats_bus = 16.0 * 2.0 * f;  // the two-double statistics all_reduce
+    if (Stage == 0) {
+      CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(2 * f * bytes + stats_bus).epsilon(1e-12));
+      CHECK(c[CollOp::reduce_scatter].calls == 0);
+      CHECK(c[CollOp::all_gather].calls == 0);
+    } else {
+      CHECK(c[CollOp::all_reduce].calls == 1);
+      CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
+      CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(f * bytes).epsilon(1e-12));
+      CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx((Stage == 3 ? 2 : 1) * f * bytes).epsilon(1e-12));
+    }
+    const double total = c.total().bus_bytes - stats_bus;
+    CHECK(total == doctest::Approx((Stage == 3 ? 3 : 2) * f * bytes).epsilon(1e-12));
+  });
+}
+
+}  // namespace
+
+TEST_CASE("per-rank model-state bytes and per-step bus bytes follow the ZeRO formulas") {
+  for (int ranks : {1, 2, 3, 4}) {
+    CAPTURE(ranks);
+    check_accounting<zp::bf16, 0>(ranks);
+    check_accounting<zp::bf16, 1>(ranks);
+    check_accounting<zp::bf16, 2>(ranks);
+    check_accounting<zp::bf16, 3>(ranks);
+    check_accounting<float, 3>(ranks);
+  }
+}
+
+TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent parameters") {
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<zp::bf16> model;
+    auto cfg = test_config(2, 1);
+    cfg.persist_threshold = 500;  // the last layer (53*7+7 = 378) stays gathered
+    Mlp<zp::bf16> probe;
+    const auto L = zp::Layout(zp::describe_parameters<zp::bf16>(probe), 3,
+                              {.bucket_elems = 2048, .first_bucket_elems = 256, .align = 4});
+    cfg.max_live_params = L.module(1).size;  // exactly the largest module: no room to prefetch
+    zp::Engine<Threads, zp::bf16, 3> engine(comm, model, cfg);
+    std::size_t worst = 0, persistent = 0;
+    for (int t = 0; t < 3; ++t) {
+      std::vector<int> labels;
+      model.load(t * 6 + comm.rank() * 2, 2, labels);
+      for (int l = 0; l < model.modules(); ++l) {
+        auto g = engine.forward(l);
+        model.forward(l);
+        worst = std::max(worst, engine.memory().gathered);
+        persistent = std::max(persistent, engine.memory().persistent);
+      }
+      model.loss(labels, 1.0f);
+      for (int l = model.modules() - 1; l >= 0; --l) {
+        auto g = engine.backward(l);
+        model.backward(l);
+        worst = std::max(worst, engine.memory().gathered);
+      }
+      engine.step();
+    }
+    const auto mem = engine.memory();
+    CHECK(persistent == L.module(3).size * 2);
+    CHECK(mem.gathered_peak <= cfg.max_live_params * 2);
+    CHECK(worst <= cfg.max_live_params * 2 + persistent);
+    CHECK(worst > persistent);
+    // outside the guards nothing but the persistent module stays gathered
+    CHECK(!model.layers[1].w.value.bound());
+  });
+}
+
+namespace {
+
+template <int Stage>
+void check_overflow_skip(int ranks) {
+  run_threads(ranks, [&](Collective<Threads>& comm) {
+    const int n = comm.size(), r = comm.rank();
+    Mlp<zp::fp16> model;
+    auto cfg = test_config(2, 1);
+    cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .hysteresis = 1});
+    zp::Engine<Threads, zp::fp16, Stage> engine(comm, model, cfg);
+    for (int t = 0; t < 3; ++t) CHECK(zp::test::micro_step(engine, model, (t * n + r) * 2, 2).applied);
+    const auto& P = engine.partition();
+    auto copy = [](auto span) { return std::vector<std::remove_cv_t<typename decltype(span)::element_type>>(span.begin(), span.end()); };
+    const auto params = copy(P.params()), master = copy(P.master()), m = copy(P.state(0)), v = copy(P.state(1));
+    model.poison = r == n - 1;  // only the last rank sees an inf
+    const auto res = zp::test::micro_step(engine, model, (3 * n + r) * 2, 2);
+    model.poison = false;
+    CHECK(res.overflow);
+    CHECK(!res.applied);
+    CHECK(res.loss_scale == 512.0f);
+    CHECK(engine.steps() == 3);
+    CHECK(engine.loss_scaler().state().skipped == 1);
+    CHECK(bitwise_equal(copy(P.params()), params));
+    CHECK(bitwise_equal(copy(P.master()), master));
+    CHECK(bitwise_equal(copy(P.state(0)), m));
+    CHECK(bitwise_equal(copy(P.state(1)), v));
+    const auto next = zp::test::micro_step(engine, model, (4 * n + r) * 2, 2);
+    CHECK(next.applied);
+    CHECK(engine.steps() == 4);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("an inf in one rank's gradient skips the step on every rank and halves the loss scale") {
+  for (int ranks : {1, 3}) {
+    check_overflow_skip<0>(ranks);
+    check_overflow_skip<1>(ranks);
+    check_overflow_skip<2>(ranks);
+    check_overflow_skip<3>(ranks);
+  }
+}
+
+TEST_CASE("fp16 with dynamic loss scaling trains like fp32") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<zp::fp16> model;
+    auto cfg = test_config(4, 1);
+    cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 5});
+    zp::Engine<Threads, zp::fp16, 3> engine(comm, model, cfg, zp::optim::AdamW{.lr = 1e-2f});
+    float first = 0, last = 0;
+    for (int t = 0; t < 30; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 4, 4, t == 0 ? &first : &last);
+    CHECK(last < first);
+  });
+}
+
+TEST_CASE("the batch triad follows DeepSpeed's rules with clear errors") {
+  using zp::BatchConfig;
+  using zp::resolve_batch;
+  auto r = resolve_batch({.train_batch_size = 32, .micro_batch_per_rank = 2}, 4);
+  CHECK(r.gradient_accumulation_steps == 4);
+  r = resolve_batch({.train_batch_size = 32, .gradient_accumulation_steps = 2}, 4);
+  CHECK(r.micro_batch_per_rank == 4);
+  r = resolve_batch({.micro_batch_per_rank = 3, .gradient_accumulation_steps = 2}, 4);
+  CHECK(r.train_batch_size == 24);
+  r = resolve_batch({.train_batch_size = 8}, 4);
+  CHECK((r.micro_batch_per_rank == 2 && r.gradient_accumulation_steps == 1));
+  r = resolve_batch({.micro_batch_per_rank = 5}, 3);
+  CHECK((r.train_batch_size == 15 && r.gradient_accumulation_steps == 1));
+  CHECK_THROWS_WITH_AS(resolve_batch({.train_batch_size = 30, .micro_batch_per_rank = 2, .gradient_accumulation_steps = 4}, 4),
+                       doctest::Contains("2 * 4 * 4 = 32"), zp::Error);
+  CHECK_THROWS_WITH_AS(resolve_batch({.gradient_accumulation_steps = 4}, 4), doctest::Contains("give train_batch_size"),
+                       zp::Error);
+  CHECK_THROWS_WITH_AS(resolve_batch({.train_batch_size = 30, .micro_batch_per_rank = 4}, 4),
+                       doctest::Contains("not a multiple"), zp::Error);
+  CHECK_THROWS_AS(resolve_batch({.train_batch_size = -1}, 4), zp::Error);
+}
+
+TEST_CASE("a layout that differs between ranks is a clear error on every rank") {
+  std::mutex m;
+  int errors = 0;
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<float> model(comm.rank() == 1 ? std::vector<int>{13, 61, 68, 53, 7} : std::vector<int>{13, 61, 67, 53, 7});
+    try {
+      zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    } catch (const zp::Error& e) {
+      CHECK(std::string(e.what()).find("layout differs between ranks") != std::string::npos);
+      std::lock_guard lk(m);
+      ++errors;
+    }
+  });
+  CHECK(errors == 3);
+}
+
+TEST_CASE("parameters never touched by backward count as zero gradients instead of hanging") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    std::vector<int> labels;
+    model.load(comm.rank() * 2, 2, labels);
+    for (int l = 0; l < model.modules(); ++l) {
+      auto g = engine.forward(l);
+      model.forward(l);
+    }
+    model.loss(labels, 1.0f);
+    for (int l = model.modules() - 1; l >= 2; --l) {  // layers 0 and 1 frozen this time
+      auto g = engine.backward(l);
+      model.backward(l);
+    }
+    const auto r = engine.step();
+    CHECK(r.applied);
+  });
+}

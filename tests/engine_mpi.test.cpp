@@ -1,0 +1,94 @@
+// The engine on the mpi backend (ctest runs it at 2 and 4 processes): every stage agrees with a
+// single-rank run of the same global batch (computed in each process on the threads backend)
+// and with each other, to rounding. MPI's reduction order is the library's own, so stages are
+// compared to rounding here, not bitwise (the threads tests pin the bitwise guarantees).
+#include "zp/backend/mpi.hpp"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "zp/backend/threads.hpp"
+#include "zp/engine.hpp"
+#include "zero_mlp.hpp"
+
+using zp::Collective;
+using zp::backend::Mpi;
+using zp::test::Mlp;
+
+namespace {
+
+zp::EngineConfig config(int micro_batch, int gas) {
+  zp::EngineConfig c;
+  c.batch = {.micro_batch_per_rank = micro_batch, .gradient_accumulation_steps = gas};
+  c.bucket_bytes = 4096;
+  c.first_bucket_bytes = 512;
+  c.align = 4;
+  return c;
+}
+
+template <class T, int Stage, class B>
+std::vector<float> train(Collective<B>& comm, int steps, int gas, int micro_batch) {
+  const int n = comm.size(), r = comm.rank();
+  Mlp<T> model;
+  zp::Engine<B, T, Stage> engine(comm, model, config(micro_batch, gas), zp::optim::AdamW{.lr = 1e-2f});
+  for (int t = 0; t < steps; ++t)
+    for (int i = 0; i < gas; ++i)
+      zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch, micro_batch);
+  return engine.gather_master();
+}
+
+template <class T>
+std::vector<float> single_rank(int ranks, int steps, int gas, int micro_batch) {
+  std::vector<float> out;
+  zp::backend::run_threads(1, [&](Collective<zp::backend::Threads>& comm) {
+    out = train<T, 0>(comm, steps, gas, micro_batch * ranks);
+  });
+  return out;
+}
+
+// Same bounds as the threads tests (engine.test.cpp, check_close).
+template <class T>
+void check_close(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double mx = 0, mean = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(b[i]));
+    mx = std::max(mx, d);
+    mean += d / double(a.size());
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    CHECK(mx <= 1e-4);
+  } else {
+    CHECK(mx <= 0.2);
+    CHECK(mean <= 5e-3);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same global batch", T, float,
+                   zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  for (int gas : {1, 2}) {
+    CAPTURE(gas);
+    const auto one = single_rank<T>(comm.size(), 20, gas, 3);
+    const auto s0 = train<T, 0>(comm, 20, gas, 3);
+    const auto s1 = train<T, 1>(comm, 20, gas, 3);
+    const auto s2 = train<T, 2>(comm, 20, gas, 3);
+    const auto s3 = train<T, 3>(comm, 20, gas, 3);
+    check_close<T>(one, s0);
+    check_close<T>(one, s1);
+    check_close<T>(one, s2);
+    check_close<T>(one, s3);
+    check_close<T>(s0, s3);
+  }
+}
+
+int main(int argc, char** argv) {
+  zp::backend::MpiEnvironment env(&argc, &argv);
+  doctest::Context ctx(argc, argv);
+  if (env.world_rank() != 0) ctx.setOption("minimal", true);
+  return ctx.run();
+}

@@ -1,0 +1,132 @@
+#include "zp/partition.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "zero_mlp.hpp"
+
+using zp::Layout;
+using zp::ParamInfo;
+
+namespace {
+
+std::vector<ParamInfo> params_of(const std::vector<std::vector<std::size_t>>& modules) {
+  std::vector<ParamInfo> out;
+  for (std::size_t m = 0; m < modules.size(); ++m)
+    for (std::size_t i = 0; i < modules[m].size(); ++i)
+      out.push_back({"m" + std::to_string(m) + ".p" + std::to_string(i), int(m), modules[m][i]});
+  return out;
+}
+
+void check_invariants(const Layout& L, const zp::LayoutOptions& o) {
+  const std::size_t n = std::size_t(L.ranks());
+  CHECK(L.total() == n * L.shard());
+  std::size_t offset = 0, shard = 0, used = 0;
+  for (int s = 0; s < L.segment_count(); ++s) {
+    const auto& g = L.segment(s);
+    CHECK(g.offset == offset);            // segments tile the buffer
+    CHECK(g.shard_offset == shard);       // pieces tile every shard
+    CHECK(g.size == n * g.piece);         // equal pieces
+    CHECK(g.piece % o.align == 0);
+    CHECK(g.used <= g.size);
+    CHECK(g.size - g.used < n * o.align + (g.used == 0 ? n * o.align : 0));
+    if (s > 0) CHECK(g.module <= L.segment(s - 1).module);  // backward order
+    // whole parameters, packed, of one module; the bucket cap holds unless one parameter is larger
+    std::size_t at = g.offset;
+    for (int p : g.params) {
+      const auto& P = L.params()[std::size_t(p)];
+      CHECK(P.module == g.module);
+      CHECK(P.segment == s);
+      CHECK(P.offset == at);
+      at += P.size;
+    }
+    const std::size_t cap = s == 0 ? o.first_bucket_elems : o.bucket_elems;
+    CHECK((g.used <= cap || g.params.size() == 1));
+    offset += g.size;
+    shard += g.piece;
+    used += g.used;
+  }
+  CHECK(offset == L.total());
+  CHECK(used == L.used());
+  CHECK(L.total() - L.used() < std::size_t(L.segment_count()) * n * o.align);
+  for (int m = 0; m < L.module_count(); ++m) {
+    const auto& M = L.module(m);
+    std::size_t size = 0;
+    for (int s = M.first_segment; s < M.end_segment; ++s) {
+      CHECK(L.segment(s).module == m);
+      size += L.segment(s).size;
+    }
+    CHECK(M.offset == L.segment(M.first_segment).offset);
+    CHECK(M.size == size);
+  }
+  // every rank's pieces are disjoint and cover the buffer exactly once
+  std::vector<int> owners(L.total(), 0);
+  for (int r = 0; r < L.ranks(); ++r)
+    for (int s = 0; s < L.segment_count(); ++s)
+      for (std::size_t i = 0; i < L.segment(s).piece; ++i) ++owners[L.piece_offset(s, r) + i];
+  CHECK(std::count(owners.begin(), owners.end(), 1) == std::ptrdiff_t(L.total()));
+}
+
+}  // namespace
+
+TEST_CASE("shards are equal, disjoint and cover the buffer for sizes 0, 1, primes and rank counts 1-5") {
+  const std::vector<std::vector<std::size_t>> model = {{0, 1, 7}, {4099, 13}, {1, 1, 1, 1}, {65537}, {2, 3, 5, 11}};
+  for (int ranks : {1, 2, 3, 4, 5})
+    for (zp::LayoutOptions o : {zp::LayoutOptions{}, zp::LayoutOptions{.bucket_elems = 100, .first_bucket_elems = 10, .align = 1},
+                                zp::LayoutOptions{.bucket_elems = 5000, .first_bucket_elems = 3, .align = 16}}) {
+      CAPTURE(ranks);
+      CAPTURE(o.bucket_elems);
+      const Layout L(params_of(model), ranks, o);
+      check_invariants(L, o);
+      CHECK(L.used() == 0 + 1 + 7 + 4099 + 13 + 4 + 65537 + 21);
+      CHECK(L.segment(0).module == 4);  // the last module first
+    }
+}
+
+TEST_CASE("the layout fingerprint changes with any name, size, module or rank count") {
+  const auto base = params_of({{10, 20}, {30}});
+  const std::uint64_t h = Layout(base, 2).hash();
+  CHECK(Layout(base, 2).hash() == h);
+  CHECK(Layout(base, 3).hash() != h);
+  auto renamed = base;
+  renamed[1].name = "other";
+  CHECK(Layout(renamed, 2).hash() != h);
+  auto resized = base;
+  resized[2].size = 31;
+  CHECK(Layout(resized, 2).hash() != h);
+  auto moved = base;
+  moved[1].module = 1;
+  CHECK(Layout(moved, 2).hash() != h);
+}
+
+TEST_CASE("each stage keeps the buffers of the ZeRO table") {
+  zp::test::Mlp<zp::bf16> mlp;
+  const Layout L(zp::describe_parameters<zp::bf16>(mlp), 4, {.bucket_elems = 1000, .first_bucket_elems = 100, .align = 8});
+  const std::size_t P = L.total(), S = L.shard();
+  auto check = [&](auto part, std::size_t params, std::size_t grads, std::size_t master) {
+    const auto mem = part.memory();
+    CHECK(mem.params == params * 2);
+    CHECK(mem.grads == grads * 2);
+    CHECK(mem.master == master * 4);
+    CHECK(mem.optimizer_state == master * 8);
+    CHECK(mem.model_states() == zp::zero_model_state_bytes(decltype(part)::stage, P, 4, 2, 2));
+  };
+  check(zp::Partitioned<zp::bf16, 0>(L, 1, 2), P, P, P);
+  check(zp::Partitioned<zp::bf16, 1>(L, 1, 2), P, P, S);
+  check(zp::Partitioned<zp::bf16, 2>(L, 1, 2), P, S, S);
+  check(zp::Partitioned<zp::bf16, 3>(L, 1, 2), S, S, S);
+  // pieces: full-space buffers at segment.offset + rank * piece, shard-space at shard_offset
+  zp::Partitioned<zp::bf16, 1> p1(L, 3, 2);
+  const int s = 2;
+  CHECK(p1.grad_piece(s).data() == p1.grads().data() + L.piece_offset(s, 3));
+  CHECK(p1.master_piece(s).data() == p1.master().data() + L.segment(s).shard_offset);
+  CHECK_THROWS_AS(p1.master_segment(s), zp::Error);
+  // REFERENCE.md's 7.5B on 64 ranks, K = 12: 120, 31.4, 16.6, 1.9 GB
+  const std::size_t psi = 7'500'000'000ull;
+  CHECK(zp::zero_model_state_bytes(0, psi, 64, 2, 2) == 120'000'000'000ull);
+  CHECK(double(zp::zero_model_state_bytes(1, psi, 64, 2, 2)) == doctest::Approx(31.4e9).epsilon(0.01));
+  CHECK(double(zp::zero_model_state_bytes(2, psi, 64, 2, 2)) == doctest::Approx(16.6e9).epsilon(0.01));
+  CHECK(double(zp::zero_model_state_bytes(3, psi, 64, 2, 2)) == doctest::Approx(1.875e9).epsilon(0.01));
+}
