@@ -5,6 +5,7 @@
 #   zp::cuda  + CUDA runtime (device memory, the optimizer kernels in .cuh headers)
 #   zp::nccl  + the nccl backend (zp::cuda and NCCL)
 include_guard(GLOBAL)
+include(GNUInstallDirs)
 find_package(Threads REQUIRED)
 
 if(NOT TARGET zp)

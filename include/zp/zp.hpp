@@ -1,8 +1,19 @@
-// zp/zp.hpp: everything that builds with a plain C++20 compiler (no MPI, CUDA or NCCL headers).
+// zp/zp.hpp: everything that builds with a plain C++20 compiler: the collectives and the threads
+// backend, the ZeRO engine, the CPU optimizers, the loss scaler and the LR schedules. The mpi
+// and nccl backends and the CUDA kernels have their own headers (README.md, "Using zp").
 #pragma once
 
 #include "zp/backend/threads.hpp"
+#include "zp/bucket.hpp"
 #include "zp/collective.hpp"
 #include "zp/config.hpp"
 #include "zp/dtype.hpp"
+#include "zp/engine.hpp"
 #include "zp/error.hpp"
+#include "zp/memory.hpp"
+#include "zp/model.hpp"
+#include "zp/optim/cpu.hpp"
+#include "zp/optim/optimizer.hpp"
+#include "zp/partition.hpp"
+#include "zp/precision.hpp"
+#include "zp/schedule.hpp"
