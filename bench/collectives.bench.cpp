@@ -8,10 +8,13 @@
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
 //   on), mpi_unchecked (check_calls = false), mpi_raw (the bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
+// mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
+//   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
+//   ratio = zp busbw / raw busbw, free of the drift between two separate benchmark runs.
 // membw/copy/threads:T  the memory-bandwidth limit measured in the same run (bench/membw.hpp):
 //   a 2-rank in-place all_reduce moves at least 4 bytes per byte of S through memory (each
-//   rank's half: read both inputs, write both outputs, plus write-allocate), so busbw of
-//   threads/all_reduce/ranks:2 is bounded by GBps(threads:2) / 4.
+//   rank's half: read both inputs, write both outputs), so busbw of threads/all_reduce/ranks:2
+//   is bounded by GBps(threads:2) / 4.
 //
 // Running:
 //   zp_bench_collectives                      threads, membw (and nccl); no MPI launcher needed
@@ -27,6 +30,7 @@
 #include <zp/collective.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -248,6 +252,44 @@ void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes) {
   MPI_Comm_free(&comm);
 }
 
+// zp and the bare call alternately, each timed on its own, so machine drift (other tenants,
+// frequency, OpenMPI's protocol choices) hits both alike: the ratio is zp's own overhead.
+void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
+  zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD)};
+  MPI_Comm raw;
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+  const int N = comm.size(), r = comm.rank();
+  std::vector<float> buf(bytes / sizeof(float));
+  fill(buf, op, r, N);
+  run_op(comm, op, std::span<float>(buf));
+  const auto bad = mpi_total(wrong(buf, op, r, N), raw);
+  double t_zp = 0, t_raw = 0;
+  if (bad == 0) {
+    using clock = std::chrono::steady_clock;
+    MPI_Barrier(raw);
+    for (auto _ : state) {
+      const auto t0 = clock::now();
+      raw_op(op, buf.data(), buf.size(), N, raw);
+      const auto t1 = clock::now();
+      run_op(comm, op, std::span<float>(buf));
+      const auto t2 = clock::now();
+      t_raw += std::chrono::duration<double>(t1 - t0).count();
+      t_zp += std::chrono::duration<double>(t2 - t1).count();
+      state.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
+    }
+    MPI_Barrier(raw);
+  }
+  MPI_Comm_free(&raw);
+  if (bad) {
+    state.SkipWithError(("mpi_paired: " + std::to_string(bad) + " wrong elements").c_str());
+    return;
+  }
+  set_counters(state, op, N, bytes, bad);  // rates over the manual (zp) time
+  const double bus = double(bytes) * zp::bus_factor(op, N) * double(state.iterations());
+  state.counters["raw_busbw_GBps"] = bus / t_raw / 1e9;
+  state.counters["ratio"] = t_raw / t_zp;  // zp busbw / raw busbw
+}
+
 void register_mpi(int N) {
   for (CollOp op : ops)
     for (std::size_t bytes : sizes) {
@@ -260,6 +302,11 @@ void register_mpi(int N) {
       reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes); });
       reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, true); });
       reg("mpi_unchecked", [=](benchmark::State& s) { bench_mpi(s, op, bytes, false); });
+      benchmark::RegisterBenchmark(bench_name("mpi_paired", op, N, bytes).c_str(),
+                                   [=](benchmark::State& s) { bench_mpi_paired(s, op, bytes); })
+          ->Iterations(iterations(bytes))
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
     }
 }
 

@@ -15,16 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "random.hpp"
 #include "zp/collective.hpp"
 
 namespace zp::test {
-
-inline std::uint64_t mix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // Largest |partial sum| still exact in T.
 template <class T> constexpr double exact_limit() {

@@ -115,7 +115,10 @@ TEST_CASE_TEMPLATE("stages 0-3 give bitwise identical parameters after 20 steps 
     CAPTURE(ranks);
     const auto s0 = train_stage<T>(0, ranks, 20, 1, 3);
     REQUIRE(s0.losses.size() == 20);
-    CHECK(s0.losses.back() < s0.losses.front());  // it learns
+    // it learns: each loss is one micro-batch's, so compare the means of the first and last 5
+    const auto mean5 = [](auto first) { return (first[0] + first[1] + first[2] + first[3] + first[4]) / 5; };
+    INFO("losses ", s0.losses.front(), " ... ", s0.losses.back());
+    CHECK(mean5(s0.losses.end() - 5) < mean5(s0.losses.begin()));
     for (int stage : {1, 2, 3}) {
       CAPTURE(stage);
       const auto s = train_stage<T>(stage, ranks, 20, 1, 3);

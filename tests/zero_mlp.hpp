@@ -9,19 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "random.hpp"
 #include "zp/dtype.hpp"
 #include "zp/model.hpp"
 
 namespace zp::test {
-
-// Deterministic pseudo-random numbers in [-1, 1) from (seed, index).
-inline float hash_uniform(std::uint64_t seed, std::uint64_t i) {
-  std::uint64_t z = seed * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull + 0x94d049bb133111ebull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return float(double(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-}
 
 template <class T>
 struct Mlp {

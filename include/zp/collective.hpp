@@ -19,6 +19,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -119,6 +120,13 @@ struct OpStats {
     seconds += o.seconds;
     return *this;
   }
+  OpStats& operator-=(const OpStats& o) {  // the counts since an earlier snapshot o
+    calls -= o.calls;
+    bytes -= o.bytes;
+    bus_bytes -= o.bus_bytes;
+    seconds -= o.seconds;
+    return *this;
+  }
 };
 
 struct CommStats {
@@ -177,8 +185,8 @@ class Collective {
   B& backend() { return backend_; }
   const B& backend() const { return backend_; }
 
-  const CommStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = {}; }
+  const CommStats& stats() const { return *stats_; }
+  void reset_stats() { *stats_ = {}; }
 
   // --- all_reduce: 2(N-1)/N * bytes over the busiest link -----------------------------------
   template <Element T>
@@ -298,7 +306,7 @@ class Collective {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   }
   void count(CollOp op, std::size_t bytes) {
-    auto& s = stats_[op];
+    auto& s = (*stats_)[op];
     s.calls += 1;
     s.bytes += bytes;
     s.bus_bytes += double(bytes) * bus_factor(op, size());
@@ -308,14 +316,14 @@ class Collective {
     const auto t = std::chrono::steady_clock::now();
     auto w = launch();
     count(op, bytes);
-    return Work(std::move(w), &stats_, op, t);
+    return Work(std::move(w), stats_.get(), op, t);
   }
   template <class F>
   void blocking(CollOp op, std::size_t bytes, F&& launch) {
     const auto t = std::chrono::steady_clock::now();
     launch().wait();
     count(op, bytes);
-    stats_[op].seconds += seconds_since(t);
+    (*stats_)[op].seconds += seconds_since(t);
   }
   void check_scatter(const char* what, std::size_t full, std::size_t part) const {
     ZP_EXPECT(full == part * std::size_t(size()), what, ": the full buffer has ", full,
@@ -328,7 +336,8 @@ class Collective {
   }
 
   B backend_;
-  CommStats stats_{};
+  // On the heap so pending Work handles keep a valid pointer when the Collective moves.
+  std::unique_ptr<CommStats> stats_ = std::make_unique<CommStats>();
 };
 
 }  // namespace zp

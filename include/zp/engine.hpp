@@ -230,24 +230,12 @@ class Engine {
   // ---- the training loop ----------------------------------------------------------------------
 
   ModuleGuard forward(int m) {
-    rethrow_pending();
-    check_module(m);
-    if constexpr (Stage == 3) {
-      ensure_gathered(m);
-      ++mods_[std::size_t(m)].in_use;
-      if (config_.prefetch) prefetch(m + 1);
-    }
+    enter(m, m + 1);
     return ModuleGuard(this, m, false);
   }
 
   ModuleGuard backward(int m) {
-    rethrow_pending();
-    check_module(m);
-    if constexpr (Stage == 3) {
-      ensure_gathered(m);
-      ++mods_[std::size_t(m)].in_use;
-      if (config_.prefetch) prefetch(m - 1);
-    }
+    enter(m, m - 1);
     if constexpr (Stage >= 2) {
       const Layout& L = part_.layout();
       const auto& mod = L.module(m);
@@ -311,13 +299,7 @@ class Engine {
     if constexpr (Stage < 2) Host::zero(part_.grads());
     r.step = step_;
     const CommStats now = comm_->stats();
-    for (std::size_t i = 0; i < coll_op_count; ++i) {
-      last_.ops[i] = now.ops[i];
-      last_.ops[i].calls -= mark_.ops[i].calls;
-      last_.ops[i].bytes -= mark_.ops[i].bytes;
-      last_.ops[i].bus_bytes -= mark_.ops[i].bus_bytes;
-      last_.ops[i].seconds -= mark_.ops[i].seconds;
-    }
+    for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
     mark_ = now;
     buckets_.begin_micro_step(gas == 1, true);
     return r;
@@ -384,6 +366,18 @@ class Engine {
   void rethrow_pending() {
     if (pending_) std::rethrow_exception(std::exchange(pending_, nullptr));
   }
+  // A guard's start: stage 3 gathers module m (waiting for its prefetch) and prefetches the
+  // module that runs next (m + 1 in forward, m - 1 in backward).
+  void enter(int m, int next) {
+    rethrow_pending();
+    check_module(m);
+    if constexpr (Stage == 3) {
+      ensure_gathered(m);
+      ++mods_[std::size_t(m)].in_use;
+      if (config_.prefetch) prefetch(next);
+    }
+  }
+
   void check_module(int m) const {
     ZP_EXPECT(m >= 0 && m < part_.layout().module_count(), "engine: module ", m, " is not in [0, ",
               part_.layout().module_count(), ")");

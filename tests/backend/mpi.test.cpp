@@ -30,7 +30,7 @@ Collective<Mpi> world(Mpi::Options opt = {}) {
 }
 
 std::uint64_t fresh_seed(Collective<Mpi>& comm) {
-  return zp::test::shared_seed(comm, std::random_device{}() * 2654435761ull + std::random_device{}());
+  return zp::test::shared_seed(comm, zp::test::fresh_seed());
 }
 
 // Number of ranks for which `flag` is true.

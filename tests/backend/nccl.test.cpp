@@ -22,7 +22,7 @@ using zp::backend::Nccl;
 
 namespace {
 
-std::uint64_t fresh_seed() { return std::random_device{}() * 2654435761ull + std::random_device{}(); }
+using zp::test::fresh_seed;
 
 template <class T>
 struct DeviceBuf {

@@ -16,9 +16,7 @@ using zp::backend::run_threads;
 using zp::backend::Threads;
 using zp::backend::World;
 
-namespace {
-std::uint64_t fresh_seed() { return std::random_device{}() * 2654435761ull + std::random_device{}(); }
-}  // namespace
+using zp::test::fresh_seed;
 
 TEST_CASE("every operation and element type matches the serial reference at every world size") {
   for (int ranks : {1, 2, 3, 4, 8}) {

@@ -3,6 +3,8 @@
 // against each other (bitwise), threads, tails, overflow, clipping and size checks.
 #include <doctest/doctest.h>
 
+#include "../random.hpp"
+
 #include <zp/optim/cpu.hpp>
 
 #include <cmath>
@@ -22,7 +24,7 @@ namespace {
 
 // One seed per run, printed on failure through doctest's INFO.
 std::uint64_t run_seed() {
-  static const std::uint64_t seed = std::random_device{}() | (std::uint64_t(std::random_device{}()) << 32);
+  static const std::uint64_t seed = zp::test::fresh_seed();
   return seed;
 }
 
@@ -84,9 +86,12 @@ struct Expect {
 };
 constexpr double u32 = 1.0 / (1 << 23);  // float's epsilon; tolerances are a few of these
 
-Expect reference(const AdamW& o, std::int64_t t, double gm, double gs, double p, double m, double v) {
-  const double g = gs * gm;
-  const double p1 = p * (1.0 - double(o.lr) * double(o.weight_decay));
+// The moments and bias correction AdamW and Adam share. g is the gradient the moments see, sg
+// the scale of its rounding error, p the weight before and p_decayed after any decoupled decay;
+// v_tol adds to the scale of v's error.
+template <class O>
+Expect adam_reference(const O& o, std::int64_t t, double g, double sg, double p, double p_decayed,
+                      double m, double v, double v_tol) {
   const double m1 = double(o.beta1) * m + (1.0 - double(o.beta1)) * g;
   const double v1 = double(o.beta2) * v + (1.0 - double(o.beta2)) * g * g;
   const double bc1 = 1.0 - std::pow(double(o.beta1), double(t));
@@ -94,23 +99,18 @@ Expect reference(const AdamW& o, std::int64_t t, double gm, double gs, double p,
   const double denom = std::sqrt(v1) / std::sqrt(bc2) + double(o.eps);
   const double step = double(o.lr) / bc1;
   const double upd = step * m1 / denom;
-  return {p1 - upd, m1, v1,
-          4 * u32 * (std::abs(p) + std::abs(upd) + step * (std::abs(m) + std::abs(g)) / denom),
-          4 * u32 * (std::abs(m) + std::abs(g)), 4 * u32 * v1};
+  return {p_decayed - upd, m1, v1,
+          4 * u32 * (std::abs(p) + std::abs(upd) + step * (std::abs(m) + sg) / denom),
+          4 * u32 * (std::abs(m) + sg), 4 * u32 * (v1 + v_tol)};
+}
+Expect reference(const AdamW& o, std::int64_t t, double gm, double gs, double p, double m, double v) {
+  const double g = gs * gm;
+  return adam_reference(o, t, g, std::abs(g), p, p * (1.0 - double(o.lr) * double(o.weight_decay)), m, v, 0);
 }
 Expect reference(const Adam& o, std::int64_t t, double gm, double gs, double p, double m, double v) {
   const double g = gs * gm + double(o.weight_decay) * p;
   const double sg = std::abs(gs * gm) + std::abs(double(o.weight_decay) * p);  // scale of g's error
-  const double m1 = double(o.beta1) * m + (1.0 - double(o.beta1)) * g;
-  const double v1 = double(o.beta2) * v + (1.0 - double(o.beta2)) * g * g;
-  const double bc1 = 1.0 - std::pow(double(o.beta1), double(t));
-  const double bc2 = 1.0 - std::pow(double(o.beta2), double(t));
-  const double denom = std::sqrt(v1) / std::sqrt(bc2) + double(o.eps);
-  const double step = double(o.lr) / bc1;
-  const double upd = step * m1 / denom;
-  return {p - upd, m1, v1,
-          4 * u32 * (std::abs(p) + std::abs(upd) + step * (std::abs(m) + sg) / denom),
-          4 * u32 * (std::abs(m) + sg), 4 * u32 * (v1 + (1.0 - double(o.beta2)) * sg * sg)};
+  return adam_reference(o, t, g, sg, p, p, m, v, (1.0 - double(o.beta2)) * sg * sg);
 }
 Expect reference(const Sgd& o, std::int64_t t, double gm, double gs, double p, double buf, double) {
   double g = gs * gm + double(o.weight_decay) * p;

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/reduce.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
 
@@ -279,7 +280,7 @@ struct Context {
 struct Post {
   void* dst = nullptr;
   const void* from = nullptr;  // memmove source (in-place reduce_scatter), or nullptr
-  const float* stage = nullptr;
+  float* stage = nullptr;
   std::size_t n = 0;
   DType t{};
   int divisor = 0;  // 0: no division
@@ -287,16 +288,7 @@ struct Post {
   void run() const {
     if (n == 0) return;
     if (stage) {
-      const float d = divisor ? float(divisor) : 1.0f;
-      if (t == DType::bf16) {
-        auto* o = static_cast<bf16*>(dst);
-        if (divisor) for (std::size_t i = 0; i < n; ++i) o[i] = bf16(stage[i] / d);
-        else for (std::size_t i = 0; i < n; ++i) o[i] = bf16(stage[i]);
-      } else {
-        auto* o = static_cast<fp16*>(dst);
-        if (divisor) for (std::size_t i = 0; i < n; ++i) o[i] = fp16(stage[i] / d);
-        else for (std::size_t i = 0; i < n; ++i) o[i] = fp16(stage[i]);
-      }
+      detail::narrow_16bit(stage, t, dst, n, divisor);
       return;
     }
     if (from && from != dst) std::memmove(dst, from, n * size_of(t));
@@ -595,7 +587,7 @@ class Mpi {
       case CollOp::all_reduce:
         if (mpi_detail::is_16bit(t)) {
           stage.resize(n);
-          to_float(src, t, stage.data(), n);
+          detail::widen_16bit(src, t, stage.data(), n);
           p.send = MPI_IN_PLACE;
           p.recv = stage.data();
           p.type = MPI_FLOAT;
@@ -611,7 +603,7 @@ class Mpi {
         const bool in_place = n > 0 && static_cast<const void*>(base) == src;
         if (mpi_detail::is_16bit(t)) {
           stage.resize(n * std::size_t(c.size));
-          to_float(src, t, stage.data(), stage.size());
+          detail::widen_16bit(src, t, stage.data(), stage.size());
           p.send = MPI_IN_PLACE;
           p.recv = stage.data();
           p.type = MPI_FLOAT;
@@ -642,16 +634,6 @@ class Mpi {
         break;
     }
     return p;
-  }
-
-  static void to_float(const void* src, DType t, float* out, std::size_t n) {
-    if (t == DType::bf16) {
-      const auto* s = static_cast<const bf16*>(src);
-      for (std::size_t i = 0; i < n; ++i) out[i] = float(s[i]);
-    } else {
-      const auto* s = static_cast<const fp16*>(src);
-      for (std::size_t i = 0; i < n; ++i) out[i] = float(s[i]);
-    }
   }
 
   void call_blocking(const mpi_detail::Plan& p) {

@@ -16,26 +16,10 @@ template <class T> struct accum { using type = T; };
 template <> struct accum<bf16> { using type = float; };
 template <> struct accum<fp16> { using type = float; };
 
+// acc = a (op) b, element-wise; acc may be a (the running accumulator), and the first combine of
+// a chunk reads two inputs directly, so no separate load pass touches memory.
 template <class A>
-inline void combine(A* acc, const A* x, std::size_t n, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg:
-      for (std::size_t i = 0; i < n; ++i) acc[i] += x[i];
-      break;
-    case ReduceOp::max:
-      for (std::size_t i = 0; i < n; ++i) acc[i] = acc[i] < x[i] ? x[i] : acc[i];
-      break;
-    case ReduceOp::min:
-      for (std::size_t i = 0; i < n; ++i) acc[i] = x[i] < acc[i] ? x[i] : acc[i];
-      break;
-  }
-}
-
-// acc = a (op) b: the first combine of a chunk, fused with its load (same result as
-// load(acc, a) followed by combine(acc, b)).
-template <class A>
-inline void combine2(A* acc, const A* a, const A* b, std::size_t n, ReduceOp op) {
+inline void combine(A* acc, const A* a, const A* b, std::size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
@@ -84,7 +68,7 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
     int r = 1;
     if constexpr (std::is_same_v<T, A>) {
       if (n_in >= 2) {
-        combine2(acc, in[0] + lo, in[1] + lo, m, op);
+        combine(acc, in[0] + lo, in[1] + lo, m, op);
         r = 2;
       } else {
         load(acc, in[0] + lo, m);
@@ -94,10 +78,10 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
     }
     for (; r < n_in; ++r) {
       if constexpr (std::is_same_v<T, A>) {
-        combine(acc, in[r] + lo, m, op);
+        combine(acc, acc, in[r] + lo, m, op);
       } else {
         load(tmp, in[r] + lo, m);
-        combine(acc, tmp, m, op);
+        combine(acc, acc, tmp, m, op);
       }
     }
     if (op == ReduceOp::avg) {
@@ -106,6 +90,19 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
     }
     for (int k = 0; k < n_out; ++k) store(out[k] + lo, acc, m);
   }
+}
+
+// Backends that reduce 16-bit floats through a float staging buffer (mpi): widen the input, and
+// narrow the reduced values once, rounding to nearest even, after the avg division if any.
+inline void widen_16bit(const void* src, DType t, float* out, std::size_t n) {
+  if (t == DType::bf16) load(out, static_cast<const bf16*>(src), n);
+  else load(out, static_cast<const fp16*>(src), n);
+}
+inline void narrow_16bit(float* stage, DType t, void* dst, std::size_t n, int divisor) {
+  if (divisor)
+    for (std::size_t i = 0; i < n; ++i) stage[i] = stage[i] / float(divisor);
+  if (t == DType::bf16) store(static_cast<bf16*>(dst), stage, n);
+  else store(static_cast<fp16*>(dst), stage, n);
 }
 
 }  // namespace zp::detail

@@ -1,0 +1,29 @@
+// Test inputs: a counter-based hash (splitmix64's finaliser) so every rank can derive any
+// element of any rank's input from (seed, index), and a fresh seed per run.
+#pragma once
+
+#include <cstdint>
+#include <random>
+
+namespace zp::test {
+
+inline std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in [-1, 1) from (seed, index).
+inline float hash_uniform(std::uint64_t seed, std::uint64_t i) {
+  const std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull;
+  return float(double(mix(x + 0x94d049bb133111ebull - 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+}
+
+// A new seed every run (print it with the failure to reproduce one).
+inline std::uint64_t fresh_seed() {
+  std::random_device rd;
+  return (std::uint64_t(rd()) << 32) | rd();
+}
+
+}  // namespace zp::test
