@@ -29,13 +29,13 @@ std::uint64_t run_seed() {
 }
 
 template <class X>
-std::string type_name() {
+const char* type_name() {
   if constexpr (std::is_same_v<X, float>) return "f32";
   else if constexpr (std::is_same_v<X, bf16>) return "bf16";
   else return "f16";
 }
 template <class O>
-std::string opt_name(const O&) {
+const char* opt_name(const O&) {
   if constexpr (std::is_same_v<O, AdamW>) return "AdamW";
   else if constexpr (std::is_same_v<O, Adam>) return "Adam";
   else if constexpr (std::is_same_v<O, Sgd>) return "Sgd";
@@ -177,7 +177,10 @@ template <class O, class T, class G>
 void check_against_reference(O base, std::size_t n, int steps, const Options& options) {
   const int slots = detail::uses_slot(base, 1) ? 2 : detail::uses_slot(base, 0) ? 1 : 0;
   INFO("optimizer ", opt_name(base), " T ", type_name<T>(), " G ", type_name<G>(), " n ", n, " seed ", run_seed());
-  std::mt19937_64 rng(run_seed() ^ (std::hash<std::string>{}(opt_name(base) + type_name<T>() + type_name<G>())));
+  std::string key = opt_name(base);
+  key += type_name<T>();
+  key += type_name<G>();
+  std::mt19937_64 rng(run_seed() ^ std::hash<std::string>{}(key));
   Shard<T, G> sh(n, slots);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& x : sh.master) x = normal(rng);
@@ -298,7 +301,10 @@ TEST_CASE("every optimizer, model type and gradient type matches a float64 refer
 TEST_CASE("every SIMD level gives bitwise the same step as the portable code") {
   const auto levels = cpu::supported_isas();
   std::string names;
-  for (cpu::Isa i : levels) names += std::string(cpu::name(i)) + " ";
+  for (cpu::Isa i : levels) {
+    names += cpu::name(i);
+    names += ' ';
+  }
   MESSAGE("instruction set levels tested on this CPU: ", names);
   if (!cpu::supported(cpu::Isa::avx512)) MESSAGE("avx512 is not supported here: that level was compiled, not run");
   for (cpu::Isa isa : levels) {
