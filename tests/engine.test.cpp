@@ -60,6 +60,26 @@ Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cf
   return out;
 }
 
+// Mean loss over 512 samples no step trained on, of the model with parameters p (forward
+// order, as gather_params returns them), or of its initial parameters when p is empty.
+template <class T>
+double held_out_loss(std::vector<T> p) {
+  Mlp<T> m;
+  std::size_t off = 0;
+  if (!p.empty())
+    for (auto& L : m.layers) {
+      L.w.value.rebind(p.data() + off);
+      off += L.w.size();
+      L.b.value.rebind(p.data() + off);
+      off += L.b.size();
+    }
+  REQUIRE(off == p.size());
+  std::vector<int> labels;
+  m.load(std::int64_t(1) << 30, 512, labels);
+  for (int l = 0; l < m.modules(); ++l) m.forward(l);
+  return m.loss(labels, 1.0f);
+}
+
 template <class T>
 Trained<T> train_stage(int stage, int ranks, int steps, int gas, int mb) {
   const auto cfg = test_config(mb, gas);
@@ -91,19 +111,21 @@ Diff diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // How close two runs that differ only in rounding must stay (fp32 master weights after 20 AdamW
-// steps at lr 1e-2). fp32: gradients differ by a few ulp, Adam's update by about as much
-// relative, so 1e-4 absolute is a loose bound (we measure 1e-7 to 2e-5). bf16: the gradients
-// themselves are rounded to 8 bits, and Adam divides by sqrt(v), so elements whose gradient is
-// near zero can take updates of +-lr in one run and smaller ones in the other; the bound on any
-// element is Adam's largest possible drift, steps * lr = 0.2, and on average the runs must agree
-// to 5e-3 (a quarter of one step's size; we measure 1e-3 to 3e-3).
+// steps at lr 1e-2, on fresh data and weights every run). Adam divides by sqrt(v), so an element
+// whose gradient is near zero can take an update of up to about lr in one run and a smaller or
+// opposite one in the other: no element can drift apart by more than 2 * steps * lr = 0.4, and
+// rounding differences show in the mean. Measured over 30 seeds (180 comparisons each):
+//   fp32: max 1.4e-4, mean 2.2e-7  -> bounds max 1e-3, mean 1e-5
+//   bf16: max 0.19,   mean 5.7e-3  -> bounds max 0.4 (the drift bound), mean 1e-2
+// (bf16 rounds the gradients themselves to 8 bits, so more elements sit near the sign flip.)
 template <class T>
 void check_close(const Diff& d) {
   if constexpr (std::is_same_v<T, float>) {
-    CHECK(d.max <= 1e-4);
+    CHECK(d.max <= 1e-3);
+    CHECK(d.mean <= 1e-5);
   } else {
-    CHECK(d.max <= 0.2);
-    CHECK(d.mean <= 5e-3);
+    CHECK(d.max <= 0.4);
+    CHECK(d.mean <= 1e-2);
   }
 }
 
@@ -115,10 +137,11 @@ TEST_CASE_TEMPLATE("stages 0-3 give bitwise identical parameters after 20 steps 
     CAPTURE(ranks);
     const auto s0 = train_stage<T>(0, ranks, 20, 1, 3);
     REQUIRE(s0.losses.size() == 20);
-    // it learns: each loss is one micro-batch's, so compare the means of the first and last 5
-    const auto mean5 = [](auto first) { return (first[0] + first[1] + first[2] + first[3] + first[4]) / 5; };
-    INFO("losses ", s0.losses.front(), " ... ", s0.losses.back());
-    CHECK(mean5(s0.losses.end() - 5) < mean5(s0.losses.begin()));
+    if (ranks == 4) {  // it learns: with 12 samples a step, the loss on unseen samples falls
+      const double before = held_out_loss<T>({}), after = held_out_loss(s0.params);
+      INFO("held-out loss ", before, " -> ", after);
+      CHECK(after < before);
+    }
     for (int stage : {1, 2, 3}) {
       CAPTURE(stage);
       const auto s = train_stage<T>(stage, ranks, 20, 1, 3);
@@ -299,16 +322,27 @@ TEST_CASE("an inf in one rank's gradient skips the step on every rank and halves
   }
 }
 
-TEST_CASE("fp16 with dynamic loss scaling trains like fp32") {
+TEST_CASE("fp16 with dynamic loss scaling backs off from overflow and learns") {
+  // From 2^16 the first steps overflow: they are skipped and the scale falls until steps apply.
+  std::vector<zp::fp16> params;
+  zp::LossScaler::State scaler;
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<zp::fp16> model;
     auto cfg = test_config(4, 1);
     cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 5});
     zp::Engine<Threads, zp::fp16, 3> engine(comm, model, cfg, zp::optim::AdamW{.lr = 1e-2f});
-    float first = 0, last = 0;
-    for (int t = 0; t < 30; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 4, 4, t == 0 ? &first : &last);
-    CHECK(last < first);
+    for (int t = 0; t < 30; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 4, 4);
+    auto p = engine.gather_params();
+    if (comm.rank() == 0) {
+      params = std::move(p);
+      scaler = engine.loss_scaler().state();
+      CHECK(engine.steps() + scaler.skipped == 30);
+    }
   });
+  const double before = held_out_loss<zp::fp16>({}), after = held_out_loss(params);
+  INFO("held-out loss ", before, " -> ", after, ", skipped ", scaler.skipped, ", scale ", scaler.scale);
+  CHECK(scaler.skipped > 0);
+  CHECK(after < before);
 }
 
 TEST_CASE("the batch triad follows DeepSpeed's rules with clear errors") {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 
 namespace zp::test {
@@ -20,8 +21,10 @@ inline float hash_uniform(std::uint64_t seed, std::uint64_t i) {
   return float(double(mix(x + 0x94d049bb133111ebull - 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
 }
 
-// A new seed every run (print it with the failure to reproduce one).
+// A new seed every run, or ZP_TEST_SEED's value to repeat a failing one (tests print the
+// seeds they use).
 inline std::uint64_t fresh_seed() {
+  if (const char* e = std::getenv("ZP_TEST_SEED")) return std::strtoull(e, nullptr, 10);
   std::random_device rd;
   return (std::uint64_t(rd()) << 32) | rd();
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -14,6 +15,19 @@
 #include "zp/model.hpp"
 
 namespace zp::test {
+
+// The data set and initial weights of every Mlp in this process: fresh each run (the MPI
+// tests use rank 0's on every rank), printed once so a failure can be repeated with
+// ZP_TEST_SEED.
+inline std::uint64_t& mlp_seed() {
+  static std::uint64_t seed = [] {
+    const std::uint64_t s = fresh_seed();
+    std::printf("zero_mlp: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", (unsigned long long)s,
+                (unsigned long long)s);
+    return s;
+  }();
+  return seed;
+}
 
 template <class T>
 struct Mlp {
@@ -28,7 +42,7 @@ struct Mlp {
   int batch = 0;
   bool poison = false;  // backward writes an inf into layer 0's weight gradient
 
-  explicit Mlp(std::vector<int> widths = {inputs, 61, 67, 53, classes}, std::uint64_t seed = 7) {
+  explicit Mlp(std::vector<int> widths = {inputs, 61, 67, 53, classes}, std::uint64_t seed = mlp_seed()) {
     layers.resize(widths.size() - 1);
     for (std::size_t l = 0; l + 1 < widths.size(); ++l) {
       Layer& L = layers[l];
@@ -64,7 +78,7 @@ struct Mlp {
     for (int k = 0; k < n; ++k) {
       float sum = 0;
       for (int i = 0; i < inputs; ++i) {
-        const float x = hash_uniform(12345, std::uint64_t(g0 + k) * inputs + std::uint64_t(i));
+        const float x = hash_uniform(mlp_seed() ^ 0x5eed, std::uint64_t(g0 + k) * inputs + std::uint64_t(i));
         act[0][std::size_t(k * inputs + i)] = x;
         sum += x * float(i % 3 - 1);
       }
