@@ -27,6 +27,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <span>
 #include <string>
 #include <string_view>
@@ -36,6 +38,20 @@
 #include "zp/error.hpp"
 
 namespace zp {
+
+namespace detail {
+// Debug builds: a clear message instead of a crash for the commonest stage 3 mistake.
+[[noreturn]] inline void bad_view_access(bool bound, std::size_t i, std::size_t size) noexcept {
+  if (!bound)
+    std::fprintf(stderr, "zp: a parameter view was used while unbound: with ZeRO stage 3 a module's "
+                         "values and gradients are bound only inside engine.forward(m) / "
+                         "engine.backward(m) for that module (and stage 2 binds gradients only "
+                         "inside backward(m))\n");
+  else
+    std::fprintf(stderr, "zp: parameter view index %zu out of range [0, %zu)\n", i, size);
+  std::abort();
+}
+}  // namespace detail
 
 // A rebindable view of one parameter's values or gradient: a pointer zp may change and a size
 // fixed by the model. Reads and writes go straight to wherever zp put the parameter.
@@ -52,7 +68,12 @@ class View {
   T* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
   bool bound() const noexcept { return data_ != nullptr; }
-  T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  T& operator[](std::size_t i) const noexcept {
+#ifndef NDEBUG
+    if (!data_ || i >= size_) detail::bad_view_access(data_ != nullptr, i, size_);
+#endif
+    return data_[i];
+  }
   T* begin() const noexcept { return data_; }
   T* end() const noexcept { return data_ + size_; }
   std::span<T> span() const noexcept { return {data_, size_}; }
