@@ -434,7 +434,14 @@ int main(int argc, char** argv) {
 #if ZP_DEMO_MPI
       zp::backend::MpiEnvironment env(&argc, &argv);
       zp::Collective<zp::backend::Mpi> comm(env.world());
-      dispatch(comm, o, corpus);
+      try {
+        dispatch(comm, o, corpus);
+      } catch (const std::exception& e) {
+        // Print the cause while this rank can: leaving the communicator with an exception in
+        // flight aborts the whole job (mpi.hpp), and the abort message cannot see the text.
+        std::fprintf(stderr, "zp_demo: rank %d: %s\n", comm.rank(), e.what());
+        throw;
+      }
 #else
       bad("this zp_demo was built without MPI (zp::mpi was not found at configure time)");
 #endif

@@ -8,13 +8,17 @@
 
 #include <doctest/doctest.h>
 
+#include <climits>
 #include <cmath>
+#include <initializer_list>
+#include <memory>
 #include <cstdint>
 #include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "random.hpp"
 #include "zp/collective.hpp"
 
@@ -199,6 +203,94 @@ void check_every_type(Collective<B>& comm, std::uint64_t seed, std::size_t n) {
   check_every_operation<std::int64_t>(comm, seed, n);
   check_every_operation<bf16>(comm, seed, n);
   check_every_operation<fp16>(comm, seed, n);
+}
+
+// Argument errors the backend itself must catch (so they are errors on every rank, and the
+// communicator stays usable): every rank passes the same bad call, or one rank a bad root.
+template <class B>
+void check_bad_arguments(Collective<B>& comm) {
+  auto& b = comm.backend();
+  const int N = comm.size(), r = comm.rank();
+  std::vector<float> buf(std::size_t(N) * 8 + 1, 1.0f);
+  float* p = buf.data();
+  const auto blocking = Launch::blocking;
+  // Overlapping but not identical: all_reduce shifted by one element, a misplaced all_gather
+  // input and reduce_scatter output (in place is rank * count, here off by one element).
+  expect_invalid([&] { b.all_reduce(p, p + 1, 8, DType::f32, ReduceOp::sum, blocking).wait(); },
+                 {"all_reduce: the input and output buffers overlap", "4 bytes apart"});
+  expect_invalid([&] { b.all_gather(p + std::size_t(r) * 8 + 1, p, 8, DType::f32, blocking).wait(); },
+                 {"all_gather: the input overlaps the output but is not this rank's shard"});
+  expect_invalid([&] { b.reduce_scatter(p, p + std::size_t(r) * 8 + 1, 8, DType::f32, ReduceOp::sum, blocking).wait(); },
+                 {"reduce_scatter: the output overlaps the input but is not this rank's shard"});
+  // A null buffer with a nonzero count (an unbound view), unknown reduction and element type.
+  expect_invalid([&] { b.all_reduce(nullptr, p, 5, DType::f32, ReduceOp::sum, blocking).wait(); },
+                 {"all_reduce: the input buffer is null but count is 5"});
+  expect_invalid([&] { b.all_gather(p, nullptr, 3, DType::f32, blocking).wait(); },
+                 {"all_gather: the output buffer is null but count is 3"});
+  expect_invalid([&] { b.all_reduce(p, p, 4, DType::f32, ReduceOp(9), blocking).wait(); },
+                 {"reduction ReduceOp(9) is not one of"});
+  expect_invalid([&] { b.all_reduce(p, p, 4, DType(17), ReduceOp::sum, blocking).wait(); },
+                 {"element type DType(17) is not one of"});
+  expect_invalid([&] { b.all_reduce(p, p, std::size_t(1) << 62, DType::f64, ReduceOp::sum, blocking).wait(); },
+                 {"count 4611686018427387904"});
+  // A bad root on one rank only: every rank gets an error that names it.
+  const std::string bad_root = "root" + std::string(N > 1 ? "=" : " ") + std::to_string(N + 3);
+  expect_invalid([&] { comm.broadcast(std::span<float>(buf), r == N - 1 ? N + 3 : 0); }, {bad_root.c_str()});
+  // Still usable: a well-formed call after all of the above.
+  std::int64_t x = r + 1;
+  comm.all_reduce(std::span<std::int64_t>(&x, 1));
+  CHECK(x == std::int64_t(N) * (N + 1) / 2);
+}
+
+// Integer sums wrap around (two's complement) instead of being undefined behaviour.
+template <class B>
+void check_integer_wraparound(Collective<B>& comm) {
+  const int N = comm.size();
+  std::int32_t a[2] = {INT32_MAX, INT32_MIN + comm.rank()};
+  std::int64_t c[1] = {INT64_MAX};
+  comm.all_reduce(std::span<std::int32_t>(a));
+  comm.all_reduce(std::span<std::int64_t>(c));
+  std::uint32_t want0 = 0, want1 = 0;
+  std::uint64_t want2 = 0;
+  for (int q = 0; q < N; ++q) {
+    want0 += std::uint32_t(INT32_MAX);
+    want1 += std::uint32_t(INT32_MIN) + std::uint32_t(q);
+    want2 += std::uint64_t(INT64_MAX);
+  }
+  CHECK(a[0] == std::int32_t(want0));
+  CHECK(a[1] == std::int32_t(want1));
+  CHECK(c[0] == std::int64_t(want2));
+}
+
+// A Work dropped without wait() completes its operation first: the results are in place when
+// the handle is gone, and the buffer may be freed at once (ASan sees any late write).
+template <class B>
+void check_dropped_work(Collective<B>& comm, std::uint64_t seed, int rounds) {
+  const int N = comm.size(), r = comm.rank();
+  for (int k = 0; k < rounds; ++k) {
+    const std::size_t n = 1000 + std::size_t(k);
+    auto in = std::make_unique<std::vector<float>>(inputs<float>(seed + k, r, n, N, ReduceOp::sum));
+    auto mine = std::make_unique<std::vector<float>>(*in);  // both ops in flight: separate inputs
+    auto out = std::make_unique<std::vector<float>>(std::size_t(N) * n, -1.0f);
+    {
+      auto w1 = comm.all_reduce_async(std::span<float>(*in));
+      auto w2 = comm.all_gather_async(std::span<const float>(*mine), std::span<float>(*out));
+    }  // both handles dropped
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double want = 0;
+      for (int q = 0; q < N; ++q) {
+        const double x = input<float>(seed + k, q, i, N, ReduceOp::sum);
+        want += x;
+        wrong += (*out)[std::size_t(q) * n + i] != float(x);
+      }
+      wrong += (*in)[i] != float(want);
+    }
+    CHECK(wrong == 0);
+    mine.reset();
+    in.reset();
+    out.reset();
+  }
 }
 
 }  // namespace zp::test

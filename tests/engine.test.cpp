@@ -2,11 +2,13 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 
 #include "zp/backend/threads.hpp"
+#include "expect_error.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -14,6 +16,7 @@ using zp::CollOp;
 using zp::EngineConfig;
 using zp::backend::run_threads;
 using zp::backend::Threads;
+using zp::backend::World;
 using zp::test::Mlp;
 
 namespace {
@@ -212,7 +215,8 @@ void check_accounting(int ranks) {
 
     const auto& c = engine.last_step_comm();
     const double f = double(n - 1) / n, bytes = double(P * elem);
-    const double stats_bus = 16.0 * 2.0 * f;  // the two-double statistics all_reduce
+    // the statistics all_reduce of statistics_count doubles
+    const double stats_bus = double(zp::Engine<Threads, T, Stage>::statistics_count * sizeof(double)) * 2.0 * f;
     if (Stage == 0) {
       CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(2 * f * bytes + stats_bus).epsilon(1e-12));
       CHECK(c[CollOp::reduce_scatter].calls == 0);
@@ -367,20 +371,28 @@ TEST_CASE("the batch triad follows DeepSpeed's rules with clear errors") {
   CHECK_THROWS_AS(resolve_batch({.train_batch_size = -1}, 4), zp::Error);
 }
 
-TEST_CASE("a layout that differs between ranks is a clear error on every rank") {
+TEST_CASE("a layout that differs between ranks is a clear error on every rank naming the parameter") {
   std::mutex m;
-  int errors = 0;
+  std::vector<std::string> errors;
   run_threads(3, [&](Collective<Threads>& comm) {
     Mlp<float> model(comm.rank() == 1 ? std::vector<int>{13, 61, 68, 53, 7} : std::vector<int>{13, 61, 67, 53, 7});
     try {
       zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
     } catch (const zp::Error& e) {
-      CHECK(std::string(e.what()).find("layout differs between ranks") != std::string::npos);
       std::lock_guard lk(m);
-      ++errors;
+      errors.push_back(e.what());
     }
   });
-  CHECK(errors == 3);
+  REQUIRE(errors.size() == 3);
+  // layer1.weight is the first parameter that differs (61 x 67 against 61 x 68).
+  for (const auto& e : errors) {
+    CHECK(e.find("models differ between ranks") != std::string::npos);
+    CHECK(e.find("the first parameter that differs is #2") != std::string::npos);
+  }
+  const auto named = std::count_if(errors.begin(), errors.end(), [](const std::string& e) {
+    return e.find("'layer1.weight' (module 1, 4148 elements)") != std::string::npos;
+  });
+  CHECK(named == 1);  // rank 1 has 61 x 68
 }
 
 TEST_CASE("parameters never touched by backward count as zero gradients instead of hanging") {
@@ -401,4 +413,215 @@ TEST_CASE("parameters never touched by backward count as zero gradients instead 
     const auto r = engine.step();
     CHECK(r.applied);
   });
+}
+
+// ---- teardown, wrong call sequences, cross-rank agreement (the reliability issue) ------------
+
+namespace {
+
+// Forward and backward through every module of the MLP without step(): the backward guards
+// launch their buckets' reductions, which are still in flight when this returns.
+template <class E, class T>
+void forward_backward(E& e, Mlp<T>& m, std::int64_t first, int throw_in_backward_of = -1) {
+  std::vector<int> labels;
+  m.load(first, 2, labels);
+  for (int l = 0; l < m.modules(); ++l) {
+    auto g = e.forward(l);
+    m.forward(l);
+  }
+  m.loss(labels, e.loss_scale());
+  for (int l = m.modules() - 1; l >= 0; --l) {
+    auto g = e.backward(l);
+    m.backward(l);
+    if (l == throw_in_backward_of) throw std::runtime_error("model failed in backward");
+  }
+}
+
+template <int Stage>
+void destroy_in_flight(int reps) {
+  for (int rep = 0; rep < reps; ++rep)
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model;
+      {
+        zp::Engine<Threads, zp::bf16, Stage> engine(comm, model, test_config(2, 1));
+        zp::test::micro_step(engine, model, comm.rank() * 2, 2);
+        forward_backward(engine, model, 6 + comm.rank() * 2);
+      }  // left between backward and step: the reductions must finish before the buckets go
+      CHECK(!model.layers[0].w.value.bound());
+      // The communicator is still in step: a collective after the teardown sums correctly.
+      std::int64_t x = 1;
+      comm.all_reduce(std::span<std::int64_t>(&x, 1));
+      CHECK(x == 3);
+    });
+}
+
+template <int Stage>
+void exception_in_backward(int reps) {
+  for (int rep = 0; rep < reps; ++rep) {
+    // Every rank throws in the same guard and catches outside the engine's scope.
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      try {
+        zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
+        forward_backward(engine, model, comm.rank() * 2, /*throw_in_backward_of=*/1);
+        FAIL("not reached");
+      } catch (const std::runtime_error& e) {
+        CHECK(std::string(e.what()) == "model failed in backward");
+      }
+    });
+    // Caught inside the engine's scope: the incomplete micro-step is never reduced or applied,
+    // and the engine says so on its next call.
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
+      const auto before = engine.gather_params();
+      try {
+        forward_backward(engine, model, comm.rank() * 2, 2);
+      } catch (const std::runtime_error&) {
+      }
+      zp::test::expect_invalid([&] { engine.step(); },
+                               {"engine: unusable since an exception ended the backward guard of module 2"});
+      zp::test::expect_invalid([&] { (void)engine.forward(0); }, {"unusable"});
+      CHECK(engine.steps() == 0);
+      if constexpr (Stage < 3) CHECK(engine.gather_params() == before);
+    });
+    // Only rank 0 fails: the others get an error in bounded time, and nothing leaks or races.
+    CHECK_THROWS_WITH_AS(run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
+      forward_backward(engine, model, comm.rank() * 2, comm.rank() == 0 ? 1 : -1);
+      engine.step();
+    }, World::Options{std::chrono::seconds(60)}), doctest::Contains("model failed in backward"), std::runtime_error);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("an engine destroyed while its reductions are in flight completes them first") {
+  destroy_in_flight<0>(4);
+  destroy_in_flight<1>(4);
+  destroy_in_flight<2>(4);
+  destroy_in_flight<3>(4);
+}
+
+TEST_CASE("an exception inside a backward guard leaves nothing in flight and poisons no data") {
+  exception_in_backward<0>(2);
+  exception_in_backward<1>(2);
+  exception_in_backward<2>(2);
+  exception_in_backward<3>(2);
+}
+
+TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard or the step", E,
+                   zp::Engine<Threads, float, 0>, zp::Engine<Threads, float, 1>, zp::Engine<Threads, float, 2>,
+                   zp::Engine<Threads, float, 3>) {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    E engine(comm, model, test_config(2, 1));
+    std::vector<int> labels;
+    model.load(comm.rank() * 2, 2, labels);
+    for (int l = 0; l < model.modules(); ++l) {
+      auto g = engine.forward(l);
+      model.forward(l);
+    }
+    model.loss(labels, 1.0f);
+    {
+      auto open = engine.forward(1);
+      zp::test::expect_invalid([&] { engine.step(); }, {"step() called in optimizer step 1", "forward guard of module 1 is still open"});
+    }
+    for (int l = model.modules() - 1; l >= 2; --l) {
+      auto g = engine.backward(l);
+      model.backward(l);
+    }
+    zp::test::expect_invalid([&] { (void)engine.backward(3); }, {"backward(3) entered a second time in optimizer step 1"});
+    {
+      auto g = engine.backward(1);
+      model.backward(1);
+      zp::test::expect_invalid([&] { engine.step(); }, {"backward guard of module 1 is still open"});
+    }
+    {
+      auto g = engine.backward(0);
+      model.backward(0);
+    }
+    CHECK(engine.step().applied);
+  });
+}
+
+TEST_CASE("a rank that skips step() is an error naming step() on every rank") {
+  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    forward_backward(engine, model, comm.rank() * 2);
+    if (comm.rank() == 0) engine.step();
+    forward_backward(engine, model, 4 + comm.rank() * 2);  // rank 1 went on without step()
+    engine.step();
+  }, World::Options{std::chrono::seconds(60)}), doctest::Contains("call step() after every micro-step"), zp::Error);
+}
+
+TEST_CASE("settings that must agree across ranks are checked, naming what differs") {
+  auto differs = [](auto make_config, auto make_optimizer, const char* part) {
+    std::mutex m;
+    std::vector<std::string> errors;
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      try {
+        zp::Engine<Threads, float, 1> engine(comm, model, make_config(comm.rank()), make_optimizer(comm.rank()));
+      } catch (const zp::Error& e) {
+        std::lock_guard lk(m);
+        errors.push_back(e.what());
+      }
+    });
+    REQUIRE(errors.size() == 3);
+    for (const auto& e : errors) CHECK_MESSAGE(e.find(part) != std::string::npos, e);
+  };
+  const auto same_cfg = [](int) { return test_config(2, 1); };
+  const auto same_opt = [](int) { return zp::optim::AdamW{}; };
+  differs([](int r) { return test_config(2, r == 2 ? 2 : 1); }, same_opt, "differ in their batch");
+  differs(same_cfg, [](int r) { return zp::optim::AdamW{.weight_decay = r == 1 ? 0.1f : 0.01f}; },
+          "differ in their optimizer (this rank: AdamW(");
+  differs([](int r) {
+    auto c = test_config(2, 1);
+    c.max_grad_norm = r == 0 ? 1.0f : 0.0f;
+    return c;
+  }, same_opt, "clipping or loss scaling");
+  differs([](int r) {
+    auto c = test_config(2, 1);
+    c.align = r == 0 ? 8 : 4;
+    return c;
+  }, same_opt, "the parameters agree but their bucket layout does not");
+}
+
+TEST_CASE("a learning rate that differs between ranks at a step is an error on every rank") {
+  std::atomic<int> named{0};
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    zp::test::micro_step(engine, model, comm.rank() * 2, 2);
+    engine.optimizer().lr = comm.rank() == 1 ? 2e-3f : 1e-3f;  // a schedule evaluated differently
+    const auto before = engine.gather_master();
+    try {
+      zp::test::micro_step(engine, model, 6 + comm.rank() * 2, 2);
+    } catch (const zp::Error& e) {
+      named += std::string(e.what()).find("hyper-parameters differ between ranks at optimizer step 2") != std::string::npos;
+    }
+    engine.optimizer().lr = 1e-3f;
+    CHECK(engine.gather_master() == before);  // nothing was applied
+  });
+  CHECK(named == 3);
+}
+
+TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at construction") {
+  run_threads(1, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto c = test_config(2, 1);
+    c.max_grad_norm = std::nanf("");
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); }, {"max_grad_norm is NaN"});
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, test_config(2, 1), zp::optim::AdamW{.lr = -1}); },
+                             {"lr"});
+  });
+}
+
+TEST_CASE("batch products that overflow are errors, not wrapped sizes") {
+  CHECK_THROWS_WITH_AS(zp::resolve_batch({.micro_batch_per_rank = std::int64_t(1) << 40,
+                                          .gradient_accumulation_steps = std::int64_t(1) << 30}, 64),
+                       doctest::Contains("overflows a 64-bit integer"), zp::Error);
 }

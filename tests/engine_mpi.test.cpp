@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <stdexcept>
 
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
@@ -85,6 +86,48 @@ TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same
     check_close<T>(one, s3);
     check_close<T>(s0, s3);
   }
+}
+
+// The teardown rules on MPI (its Work waits in its destructor; the buckets complete before
+// their slots go): an engine left between backward and step, and an exception inside a
+// backward guard caught outside the engine, on every rank, for every stage, repeatedly.
+template <int Stage>
+void teardown(Collective<Mpi>& comm) {
+  const int r = comm.rank();
+  for (int rep = 0; rep < 5; ++rep) {
+    Mlp<zp::bf16> model;
+    {
+      zp::Engine<Mpi, zp::bf16, Stage> engine(comm, model, config(2, 1));
+      zp::test::micro_step(engine, model, r * 2, 2);
+      std::vector<int> labels;
+      model.load(8 + r * 2, 2, labels);
+      for (int l = 0; l < model.modules(); ++l) {
+        auto g = engine.forward(l);
+        model.forward(l);
+      }
+      model.loss(labels, 1.0f);
+      try {
+        for (int l = model.modules() - 1; l >= 0; --l) {
+          auto g = engine.backward(l);
+          model.backward(l);
+          if (rep % 2 == 1 && l == 1) throw std::runtime_error("stop");
+        }
+      } catch (const std::runtime_error&) {
+      }
+    }  // reductions of the launched buckets are in flight here
+    CHECK(!model.layers[0].w.value.bound());
+    std::int64_t x = 1;
+    comm.all_reduce(std::span<std::int64_t>(&x, 1));  // the communicator is still in step
+    CHECK(x == comm.size());
+  }
+}
+
+TEST_CASE("on mpi an engine destroyed with reductions in flight, or by an exception in backward, completes them first") {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  teardown<0>(comm);
+  teardown<1>(comm);
+  teardown<2>(comm);
+  teardown<3>(comm);
 }
 
 int main(int argc, char** argv) {

@@ -79,3 +79,56 @@ TEST_CASE("describe_parameters rejects broken module numbering and mismatched vi
   CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(sizes), doctest::Contains("'w' has a value view of 3"),
                        zp::Error);
 }
+
+namespace {
+// A model that can misregister its parameters in the ways bind_parameters must catch.
+struct Faulty {
+  std::vector<float> w0 = {1, 2, 3};
+  Param<float> p{3}, q{3};
+  View<float> empty_value{0}, empty_grad{0};
+  enum class Fault { none, same_param_twice, value_as_grad, grows, renames, empty } fault = Fault::none;
+  int visits = 0;
+
+  template <class V>
+  friend void for_each_parameter(Faulty& m, V&& visit) {
+    ++m.visits;
+    visit("p", 0, m.p);
+    switch (m.fault) {
+      case Fault::none: visit("q", 0, m.q); break;
+      case Fault::same_param_twice: visit("q", 0, m.p); break;
+      case Fault::value_as_grad: visit("q", 0, m.q.value, m.q.value); break;
+      case Fault::grows:  // one parameter more on every visit
+        visit("q", 0, m.q);
+        if (m.visits > 1) visit("r", 0, m.q);
+        break;
+      case Fault::renames: visit(m.visits > 1 ? "r" : "q", 0, m.q); break;
+      case Fault::empty: visit("e", 0, m.empty_value, m.empty_grad); break;
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("bind_parameters names a model that registers views twice, changes between visits or has empty parameters") {
+  using F = Faulty::Fault;
+  auto fails = [](F f, std::initializer_list<const char*> parts) {
+    Faulty m;
+    m.fault = f;
+    try {
+      zp::bind_parameters<float>(m);
+      FAIL_CHECK("no error for fault ", int(f));
+    } catch (const zp::Error& e) {
+      CHECK(e.category() == zp::Errc::invalid_argument);
+      for (const char* p : parts) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, std::string(e.what()));
+    }
+  };
+  fails(F::same_param_twice, {"parameters 'p' and 'q' share one View object"});
+  fails(F::value_as_grad, {"parameters 'q' and 'q' share one View object", "its own gradient"});
+  fails(F::grows, {"visited 'r'", "it must visit the same parameters"});
+  fails(F::renames, {"visited 'r' (module 0) as parameter #1 the second time, but 'q' the first time"});
+  fails(F::empty, {"parameter 'e' has 0 elements"});
+  Faulty ok;
+  const auto bound = zp::bind_parameters<float>(ok);
+  REQUIRE(bound.params.size() == 2);
+  CHECK((bound.values[0] == &ok.p.value && bound.grads[1] == &ok.q.grad));
+  CHECK(ok.visits == 2);  // visited twice: once to learn, once to check
+}

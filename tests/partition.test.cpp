@@ -130,3 +130,31 @@ TEST_CASE("each stage keeps the buffers of the ZeRO table") {
   CHECK(double(zp::zero_model_state_bytes(2, psi, 64, 2, 2)) == doctest::Approx(16.6e9).epsilon(0.01));
   CHECK(double(zp::zero_model_state_bytes(3, psi, 64, 2, 2)) == doctest::Approx(1.875e9).epsilon(0.01));
 }
+
+TEST_CASE("sizes that would wrap around are errors naming the values, never a small buffer") {
+  const std::vector<zp::ParamInfo> one = {{"w", 0, 100}};
+  // ranks * align wraps: the old layout padded to a multiple of 0 and wrote through a null buffer.
+  CHECK_THROWS_WITH_AS(Layout(one, 4, {.align = std::size_t(1) << 62}), doctest::Contains("layout: ranks * align"),
+                       zp::Error);
+  // the padded total of two huge parameters wraps
+  const std::vector<zp::ParamInfo> huge = {{"a", 0, std::size_t(1) << 63}, {"b", 1, std::size_t(1) << 63}};
+  CHECK_THROWS_WITH_AS(Layout(huge, 1), doctest::Contains("overflows a 64-bit size"), zp::Error);
+  // n * sizeof(T) wraps
+  CHECK_THROWS_WITH_AS((zp::Buffer<double>(std::size_t(1) << 62, "test buffer")),
+                       doctest::Contains("test buffer: 4611686018427387904 elements of 8 bytes"), zp::Error);
+  // An allocation that cannot succeed names what and how much, and the largest parameter. The
+  // sanitizers' operator new aborts on such a request instead of throwing bad_alloc, so this
+  // part runs in the plain builds only.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  const std::vector<zp::ParamInfo> big = {{"small", 0, 10}, {"enormous.weight", 1, std::size_t(1) << 60}};
+  try {
+    zp::Partitioned<float, 0> p(Layout(big, 1), 0, 2);
+    FAIL_CHECK("expected out_of_memory");
+  } catch (const zp::Error& e) {
+    CHECK(e.category() == zp::Errc::out_of_memory);
+    CHECK_MESSAGE(std::string(e.what()).find("partition: parameters: cannot allocate") != std::string::npos, std::string(e.what()));
+    CHECK(std::string(e.what()).find("the largest is 'enormous.weight' with 1152921504606846976 elements") !=
+          std::string::npos);
+  }
+#endif
+}

@@ -4,10 +4,28 @@
 
 #include <zp/precision.hpp>
 
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
+
 namespace {
+
+constexpr float inf = std::numeric_limits<float>::infinity();
+constexpr float qnan = std::numeric_limits<float>::quiet_NaN();  // not `nan`: ::nan() is a function
+
+// A bad value and how the message prints it.
+struct Bad {
+  float value;
+  const char* text;
+};
+constexpr Bad not_positive_or_finite[] = {
+    {qnan, "got nan"}, {inf, "got inf"}, {-inf, "got -inf"}, {0.0f, "got 0"}, {-2.0f, "got -2"}};
+
 struct Expected {
   bool overflow;
   bool applied;
@@ -109,4 +127,61 @@ TEST_CASE("invalid scaler settings are errors that name the value") {
   CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.window = 0}), doctest::Contains("window"), zp::Error);
   CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.initial_scale = 1.0f, .min_scale = 2.0f}),
                        doctest::Contains("min_scale"), zp::Error);
+}
+
+TEST_CASE("every non-finite or out-of-range scaler setting is an error naming it and its value") {
+  for (const Bad& b : not_positive_or_finite) {
+    const float bad = b.value;
+    const std::string got = b.text;
+    CAPTURE(bad);
+    zp::test::expect_invalid([&] { zp::LossScaler::fixed(bad); }, {"loss scaler: a fixed scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.initial_scale = bad}); }, {"loss scaler: initial_scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.min_scale = bad}); }, {"loss scaler: min_scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.factor = bad}); },
+                   {"loss scaler: factor must be finite and > 1", got});
+  }
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 1.0f}); }, {"loss scaler: factor", "got 1"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 0.5f}); }, {"loss scaler: factor", "got 0.5"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.window = -5}); }, {"loss scaler: window", "got -5"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.hysteresis = 0}); }, {"loss scaler: hysteresis", "got 0"});
+  // The boundaries stay valid.
+  CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = 8.0f, .window = 1, .hysteresis = 1, .min_scale = 8.0f,
+                                         .factor = std::nextafter(1.0f, 2.0f)}));
+  CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = std::numeric_limits<float>::max()}));
+  CHECK_NOTHROW(zp::LossScaler::fixed(std::numeric_limits<float>::denorm_min()));
+}
+
+TEST_CASE("loading a saved scaler state rejects every impossible value and keeps the old state") {
+  auto s = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .window = 3});
+  for (bool o : {false, true, false}) s.update(o);
+  const auto good = s.state();  // iter 3, last_overflow 1, skipped 1
+  const auto load_with = [&](auto&& change) {
+    auto st = good;
+    change(st);
+    s.load(st);
+  };
+  using State = zp::LossScaler::State;
+  for (const Bad& b : not_positive_or_finite) {
+    const float bad = b.value;
+    const std::string got = b.text;
+    CAPTURE(bad);
+    zp::test::expect_invalid([&] { load_with([&](State& st) { st.scale = bad; }); },
+                   {"loss scaler: saved scale must be positive and finite", got});
+  }
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.iter = -1; }); }, {"loss scaler: saved iter", "got -1"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped = -1; }); }, {"loss scaler: saved skipped", "got -1"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped = 4; }); },
+                 {"saved skipped must be in [0, iter = 3]", "got 4"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.last_overflow = -2; }); },
+                 {"loss scaler: saved last_overflow", "got -2"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.last_overflow = 3; }); },
+                 {"saved last_overflow must be in [-1, iter = 3)", "got 3"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.hysteresis = 0; }); }, {"loss scaler: saved hysteresis", "got 0"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.iter = std::numeric_limits<std::int64_t>::min(); }); },
+                 {"saved iter", "got -9223372036854775808"});
+  CHECK(s.state() == good);  // a rejected load changes nothing
+  // The boundaries stay valid: a fresh state, and every step skipped with the last one overflowing.
+  CHECK_NOTHROW(s.load(State{.scale = 1.0f, .iter = 0, .last_overflow = -1, .hysteresis = 1, .skipped = 0}));
+  CHECK_NOTHROW(s.load(State{.scale = 2.0f, .iter = 5, .last_overflow = 4, .hysteresis = 1, .skipped = 5}));
+  CHECK(s.state().skipped == 5);
 }

@@ -75,6 +75,14 @@ class GradBuckets {
   }
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
+  // Completes every reduction still in flight before the scratch slots (and the gradient memory
+  // the owner frees next) go: a reduction must never outlive the memory it writes.
+  ~GradBuckets() { wait_all_quietly(); }
+
+  // Waits for every launched reduction, dropping errors (teardown and unwinding paths).
+  void wait_all_quietly() noexcept {
+    for (auto& b : buckets_) b.work = Work{};
+  }
 
   int count() const noexcept { return int(buckets_.size()); }
   Reduction reduction() const noexcept { return reduction_; }
@@ -119,9 +127,11 @@ class GradBuckets {
   // micro-step reduces).
   void ready(int s) {
     Bucket& b = at(s);
+    ZP_EXPECT(b.state != Bucket::State::launched, "buckets: segment ", s,
+              " was written after its reduction started in this micro-step; each module's backward "
+              "runs once per micro-step");
     if (reduction_ == Reduction::scatter_accumulate)
       ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
-    if (b.state == Bucket::State::launched) return;
     b.state = Bucket::State::ready;
     if (sync_) launch_ready();
   }

@@ -15,12 +15,14 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -76,8 +78,77 @@ constexpr double bus_factor(CollOp op, int ranks) noexcept {
   return 0.0;
 }
 
+namespace detail {
+
+// The argument checks every backend runs on its untyped core (so the rules are one, whatever
+// the backend): a known element type and reduction, no null buffer with a nonzero count, sizes
+// that do not wrap, a root inside the communicator, and input/output buffers either identical
+// (or at the in-place ZeRO offset) or disjoint. Returns "" when the call is well-formed, else
+// what is wrong, naming the argument and its value. mpi exchanges the verdict so every rank
+// throws together; threads throws and poisons the communicator.
+inline std::string check_call(CollOp op, const void* src, const void* dst, std::size_t n, DType t,
+                              ReduceOp rop, int root, int rank, int ranks) {
+  const char* what = name(op);
+  if (std::uint8_t(t) > std::uint8_t(DType::f16))
+    return cat(what, ": element type DType(", int(t), ") is not one of f32, f64, i32, i64, bf16, f16");
+  const bool reduces = op == CollOp::all_reduce || op == CollOp::reduce_scatter;
+  if (reduces && std::uint8_t(rop) > std::uint8_t(ReduceOp::min))
+    return cat(what, ": reduction ReduceOp(", int(rop), ") is not one of sum, avg, max, min");
+  if (op == CollOp::broadcast && (root < 0 || root >= ranks))
+    return cat("broadcast: root ", root, " is not a rank in [0, ", ranks, ")");
+  if (op == CollOp::barrier || n == 0) return {};
+  const bool scatter = op == CollOp::reduce_scatter, gather = op == CollOp::all_gather;
+  std::size_t part = 0, full = 0;
+  if (__builtin_mul_overflow(n, size_of(t), &part) ||
+      __builtin_mul_overflow(part, std::size_t(scatter || gather ? ranks : 1), &full))
+    return cat(what, ": count ", n, " of ", name(t), " over ", ranks, " ranks overflows a 64-bit size");
+  if (!src && (op != CollOp::broadcast || rank == root))
+    return cat(what, ": the input buffer is null but count is ", n);
+  if (!dst) return cat(what, ": the output buffer is null but count is ", n);
+  // Byte ranges [s, s + in) and [d, d + out): overlap is allowed only where it is in place.
+  const auto s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
+  const std::size_t in = scatter ? full : part, out = gather ? full : part;
+  const bool overlap = src && s < d + out && d < s + in;
+  const std::uintptr_t own = std::uintptr_t(rank) * part;
+  if (!overlap || (scatter && d == s + own) || (gather && s == d + own) || (!scatter && !gather && s == d))
+    return {};
+  if (scatter)
+    return cat("reduce_scatter: the output overlaps the input but is not this rank's shard (in place "
+               "means output == input + rank * count = input + ", own, " bytes; it is input + ",
+               std::intptr_t(d - s), ")");
+  if (gather)
+    return cat("all_gather: the input overlaps the output but is not this rank's shard (in place "
+               "means input == output + rank * count = output + ", own, " bytes; it is output + ",
+               std::intptr_t(s - d), ")");
+  return cat(what, ": the input and output buffers overlap but are not the same buffer (in place "
+                   "means input == output; they are ", std::intptr_t(d - s), " bytes apart)");
+}
+
+// Held while a rank issues a call, over a flag per rank: two threads calling as the same rank
+// at once would interleave that rank's operations (and, on threads, meet each other instead of
+// their peers), so the second one is an error instead.
+class OneCaller {
+ public:
+  OneCaller(std::atomic<bool>& flag, const char* backend, const char* what, int rank) : flag_(flag) {
+    if (flag_.exchange(true, std::memory_order_acquire)) [[unlikely]]
+      throw Error(Errc::invalid_argument,
+                  cat(backend, " backend: two threads issued ", what, " and another call as rank ", rank,
+                      " at the same time; each rank's calls must come from one thread at a time"));
+  }
+  ~OneCaller() { flag_.store(false, std::memory_order_release); }
+  OneCaller(const OneCaller&) = delete;
+  OneCaller& operator=(const OneCaller&) = delete;
+
+ private:
+  std::atomic<bool>& flag_;
+};
+
+}  // namespace detail
+
 // A handle on an issued operation: wait() blocks until it completed (rethrowing its error),
-// test() polls without blocking.
+// test() polls without blocking. A handle destroyed without wait() must complete (or, for
+// stream-ordered backends, order) its operation before it is gone, so no operation outlives
+// the buffers its caller frees next.
 template <class W>
 concept WorkHandle = std::movable<W> && requires(W& w) {
   w.wait();
@@ -150,6 +221,8 @@ class Collective {
   static constexpr MemorySpace memory = B::memory;
 
   // An issued operation; wait() completes it and books its time in the communicator's stats.
+  // Destroyed or assigned over without wait(), it waits for the operation (every backend's Work
+  // does), dropping its error: the buffers belong to the caller and may be freed right after.
   class Work {
    public:
     Work() = default;
@@ -266,16 +339,16 @@ class Collective {
   }
 
   // --- broadcast from root into every rank's buf: bytes over every link ---------------------
+  // The root is checked by the backend (collectively on mpi, so a bad root on one rank is an
+  // error on every rank instead of a job abort).
   template <Element T>
   Work broadcast_async(std::span<T> buf, int root) {
-    check_root(root);
     return issue(CollOp::broadcast, buf.size_bytes(), [&] {
       return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::async);
     });
   }
   template <Element T>
   void broadcast(std::span<T> buf, int root) {
-    check_root(root);
     blocking(CollOp::broadcast, buf.size_bytes(), [&] {
       return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::blocking);
     });
@@ -329,10 +402,6 @@ class Collective {
     ZP_EXPECT(full == part * std::size_t(size()), what, ": the full buffer has ", full,
               " elements but the shard has ", part, " and there are ", size(),
               " ranks; expected full = ranks * shard = ", part * std::size_t(size()));
-  }
-  void check_root(int root) const {
-    ZP_EXPECT(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank in [0, ",
-              size(), ")");
   }
 
   B backend_;

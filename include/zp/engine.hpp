@@ -78,6 +78,13 @@ inline BatchConfig resolve_batch(BatchConfig b, int ranks) {
   const std::int64_t n = ranks;
   const bool t = b.train_batch_size > 0, m = b.micro_batch_per_rank > 0, g = b.gradient_accumulation_steps > 0;
   ZP_EXPECT(t || m, "batch: give train_batch_size or micro_batch_per_rank (or both): ", describe());
+  // Every product below is of factors that are each at most this one, so none can wrap.
+  std::int64_t product = 0;
+  ZP_EXPECT(!__builtin_mul_overflow(std::max<std::int64_t>(b.micro_batch_per_rank, 1),
+                                    std::max<std::int64_t>(b.gradient_accumulation_steps, 1), &product) &&
+                !__builtin_mul_overflow(product, n, &product),
+            "batch: micro_batch_per_rank * gradient_accumulation_steps * ranks overflows a 64-bit integer: ",
+            describe());
   BatchConfig r = b;
   if (t && m && g) {
     ZP_EXPECT(b.train_batch_size == b.micro_batch_per_rank * b.gradient_accumulation_steps * n,
@@ -150,28 +157,34 @@ class Engine {
 
   // RAII module boundary (see the top of this file). Move-only; errors raised when it ends are
   // rethrown by the engine's next call.
+  // A backward guard ended by an exception (unwinding) does not launch its buckets: the module's
+  // gradients are incomplete, so the engine refuses every later call but destruction.
   class [[nodiscard]] ModuleGuard {
    public:
-    ModuleGuard(ModuleGuard&& o) noexcept : e_(std::exchange(o.e_, nullptr)), m_(o.m_), backward_(o.backward_) {}
+    ModuleGuard(ModuleGuard&& o) noexcept
+        : e_(std::exchange(o.e_, nullptr)), m_(o.m_), backward_(o.backward_), unwinding_(o.unwinding_) {}
     ModuleGuard& operator=(ModuleGuard&&) = delete;
-    ~ModuleGuard() { release(); }
+    ~ModuleGuard() { end(std::uncaught_exceptions() > unwinding_); }
     // Ends the module early (the destructor then does nothing).
-    void release() {
+    void release() { end(false); }
+
+   private:
+    friend class Engine;
+    ModuleGuard(Engine* e, int m, bool backward)
+        : e_(e), m_(m), backward_(backward), unwinding_(std::uncaught_exceptions()) {}
+    void end(bool by_exception) noexcept {
       if (!e_) return;
       Engine* e = std::exchange(e_, nullptr);
       try {
-        e->exit_module(m_, backward_);
+        e->exit_module(m_, backward_, by_exception);
       } catch (...) {
         if (!e->pending_) e->pending_ = std::current_exception();
       }
     }
-
-   private:
-    friend class Engine;
-    ModuleGuard(Engine* e, int m, bool backward) : e_(e), m_(m), backward_(backward) {}
     Engine* e_;
     int m_;
     bool backward_;
+    int unwinding_;
   };
 
   // Takes over the model's parameters: lays them out, checks the layout is identical on every
@@ -185,8 +198,8 @@ class Engine {
         config_(std::move(config)),
         batch_(resolve_batch(config_.batch, comm.size())),
         opt_(optimizer),
-        part_(make_layout(describe_parameters<T>(model), comm.size(), config_), comm.rank(),
-              optim::state_slots<Opt>),
+        bound_(bind_parameters<T>(model)),
+        part_(make_layout(bound_.params, comm.size(), config_), comm.rank(), optim::state_slots<Opt>),
         buckets_(comm, part_.layout(), Stage == 0 ? Reduction::all_reduce
                                        : Stage == 1 ? Reduction::scatter_in_place
                                                     : Reduction::scatter_accumulate,
@@ -194,12 +207,11 @@ class Engine {
                  config_.bucket_slots) {
     ZP_EXPECT(config_.prefetch == 0 || config_.prefetch == 1, "engine: prefetch must be 0 or 1, got ",
               config_.prefetch);
+    ZP_EXPECT(!std::isnan(config_.max_grad_norm), "engine: max_grad_norm is NaN; use a positive norm to "
+              "clip, or 0 for no clipping");
+    optim::validate(opt_);
     const Layout& L = part_.layout();
-    check_same_layout_everywhere(L);
-    visit_parameters<T>(model, [&](std::string_view, int, View<T>& value, View<T>& grad) {
-      values_.push_back(&value);
-      grads_.push_back(&grad);
-    });
+    check_same_config_everywhere(L);
     load_initial_values(L);
     mods_.resize(std::size_t(L.module_count()));
     if constexpr (Stage == 3) {
@@ -221,30 +233,41 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Completes every reduction and gather still in flight before any memory goes (also while an
+  // exception unwinds the training loop), then leaves the model's views pointing at nothing
+  // rather than at freed memory.
   ~Engine() {
-    // Leave the model's views pointing at nothing rather than at freed memory.
-    for (auto* v : values_) v->rebind(nullptr);
-    for (auto* g : grads_) g->rebind(nullptr);
+    buckets_.wait_all_quietly();
+    for (auto& st : mods_) st.works.clear();
+    for (auto* v : bound_.values) v->rebind(nullptr);
+    for (auto* g : bound_.grads) g->rebind(nullptr);
   }
 
   // ---- the training loop ----------------------------------------------------------------------
 
   ModuleGuard forward(int m) {
     enter(m, m + 1);
+    ++mods_[std::size_t(m)].forward_open;
     return ModuleGuard(this, m, false);
   }
 
   ModuleGuard backward(int m) {
+    check_module(m);
+    ZP_EXPECT(!mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ",
+              where(), "; each module's backward runs once per micro-step (call step() after every micro-step)");
     enter(m, m - 1);
+    mods_[std::size_t(m)].backward_done = true;
     if constexpr (Stage >= 2) {
       const Layout& L = part_.layout();
       const auto& mod = L.module(m);
       for (int s = mod.first_segment; s < mod.end_segment; ++s) {
-        const std::span<T> mem = buckets_.acquire(s);
+        std::span<T> mem;
+        in_context("backward()", [&] { mem = buckets_.acquire(s); });
         const auto& seg = L.segment(s);
-        for (int p : seg.params) grads_[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
+        for (int p : seg.params) bound_.grads[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
       }
     }
+    ++mods_[std::size_t(m)].backward_open;
     return ModuleGuard(this, m, true);
   }
 
@@ -252,11 +275,20 @@ class Engine {
   // optimizer step described at the top of this file. Collective.
   StepResult step() {
     rethrow_pending();
+    for (int m = 0; m < part_.layout().module_count(); ++m) {
+      const ModuleState& st = mods_[std::size_t(m)];
+      ZP_EXPECT(st.forward_open == 0 && st.backward_open == 0, "engine: step() called in ", where(),
+                " while the ", st.backward_open ? "backward" : "forward", " guard of module ", m,
+                " is still open; end every guard (let it leave its scope, or call release()) before step()");
+    }
+    for (auto& st : mods_) st.backward_done = false;
     const std::int64_t gas = batch_.gradient_accumulation_steps;
     const bool boundary = micro_ + 1 == gas;
     const Layout& L = part_.layout();
-    buckets_.launch_all();
-    buckets_.finish();
+    in_context("step()", [&] {
+      buckets_.launch_all();
+      buckets_.finish();
+    });
     StepResult r;
     r.loss_scale = config_.loss_scaler.scale();
     r.step = step_;
@@ -269,11 +301,24 @@ class Engine {
     r.boundary = true;
 
     // Global statistics: each rank over its own pieces, so the norm is computed once overall.
+    // The same all_reduce checks that every rank runs this step with the same optimizer
+    // hyper-parameters (a rank whose lr differs would update its shard differently): the 32-bit
+    // fingerprint, as two 16-bit halves h, is summed with h^2, exactly in double; the ranks agree
+    // iff sum(h) = N h and sum(h^2) = N h^2 on every rank (the variance is then zero), and when
+    // they do not, every rank sees it.
+    optim::validate(opt_);
     optim::GradStats local;
     for (int s = 0; s < L.segment_count(); ++s)
       local = local + optim::cpu::grad_stats(std::span<const T>(part_.grad_piece(s)), config_.optimizer_options);
-    double global[2] = {local.sumsq, local.finite ? 0.0 : 1.0};
-    comm_->all_reduce(std::span<double>(global), ReduceOp::sum);
+    const std::uint64_t fp = optim::fingerprint(opt_);
+    const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
+    double global[statistics_count] = {local.sumsq, local.finite ? 0.0 : 1.0, h0, h0 * h0, h1, h1 * h1};
+    in_context("step()", [&] { comm_->all_reduce(std::span<double>(global), ReduceOp::sum); });
+    const double n = double(comm_->size());
+    ZP_EXPECT(global[2] == n * h0 && global[3] == n * h0 * h0 && global[4] == n * h1 && global[5] == n * h1 * h1,
+              "engine: the optimizer's hyper-parameters differ between ranks at ", where(), " (rank ",
+              comm_->rank(), " has ", optim::describe(opt_), "); every rank must set them identically, e.g. from "
+              "the same schedule");
     r.overflow = global[1] > 0 || !std::isfinite(global[0]);
     const float scale = config_.loss_scaler.scale();
     const float unscale = float(double(scale) * double(gas));  // exact for powers of two
@@ -288,10 +333,12 @@ class Engine {
       const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
       for (int s = 0; s < L.segment_count(); ++s) optim::cpu::step(opt_, scalars, shard_view(s), config_.optimizer_options);
       if constexpr (Stage == 1 || Stage == 2) {
-        std::vector<Work> works;
-        works.reserve(std::size_t(L.segment_count()));
-        for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
-        for (auto& w : works) w.wait();
+        in_context("step()", [&] {
+          std::vector<Work> works;
+          works.reserve(std::size_t(L.segment_count()));
+          for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
+          for (auto& w : works) w.wait();
+        });
       }
     }
     if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
@@ -306,6 +353,10 @@ class Engine {
   }
 
   // ---- state and accounting ----------------------------------------------------------------
+
+  // The per-step statistics all_reduce: doubles (squared norm, overflow count, and the four
+  // terms of the cross-rank hyper-parameter check), bytes = statistics_count * 8.
+  static constexpr std::size_t statistics_count = 6;
 
   // Multiply the loss (the gradient seeding backward) by this.
   float loss_scale() const noexcept { return config_.loss_scaler.scale(); }
@@ -350,9 +401,11 @@ class Engine {
     enum class State : std::uint8_t { released, gathering, gathered };
     State state = State::released;
     bool persistent = false;
-    int in_use = 0;
+    int forward_open = 0, backward_open = 0;  // guards of this module not ended yet
+    bool backward_done = false;               // backward(m) ran in this micro-step
     Buffer<T, S> buffer;
-    std::vector<Work> works;
+    std::vector<Work> works;  // after buffer: destroyed (so waited for) before it
+    int in_use() const noexcept { return forward_open + backward_open; }
   };
 
   static Layout make_layout(const std::vector<ParamInfo>& params, int ranks, const EngineConfig& c) {
@@ -364,46 +417,132 @@ class Engine {
   }
 
   void rethrow_pending() {
+    ZP_EXPECT(broken_.empty(), "engine: unusable since ", broken_,
+              "; destroy it (and build a new one from a checkpoint or the model) to go on");
     if (pending_) std::rethrow_exception(std::exchange(pending_, nullptr));
+  }
+
+  // "optimizer step k (micro-step j)", for messages.
+  std::string where() const {
+    return detail::cat("optimizer step ", step_ + 1, " (micro-step ", micro_ + 1, " of ",
+                       batch_.gradient_accumulation_steps, ")");
+  }
+
+  // Runs communication, naming the engine call and the step in any error it raises (keeping
+  // the category): a rank that skipped step() or ran other guards shows up as mismatched or
+  // aborted collectives, which alone do not say which engine call diverged.
+  template <class F>
+  void in_context(const char* call, F&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      throw Error(e.category(),
+                  detail::cat("engine: ", call, " at ", where(), " on rank ", comm_->rank(), ": ", e.message(),
+                              " (every rank must run the same guards and call step() after every micro-step)"),
+                  e.native_code());
+    }
   }
   // A guard's start: stage 3 gathers module m (waiting for its prefetch) and prefetches the
   // module that runs next (m + 1 in forward, m - 1 in backward).
   void enter(int m, int next) {
-    rethrow_pending();
     check_module(m);
     if constexpr (Stage == 3) {
-      ensure_gathered(m);
-      ++mods_[std::size_t(m)].in_use;
-      if (config_.prefetch) prefetch(next);
+      in_context(next > m ? "forward()" : "backward()", [&] {
+        ensure_gathered(m);
+        if (config_.prefetch) prefetch(next);
+      });
     }
   }
 
-  void check_module(int m) const {
+  void check_module(int m) {
+    rethrow_pending();
     ZP_EXPECT(m >= 0 && m < part_.layout().module_count(), "engine: module ", m, " is not in [0, ",
               part_.layout().module_count(), ")");
   }
 
-  void check_same_layout_everywhere(const Layout& L) {
-    std::uint64_t h = L.hash();
-    h = (h ^ std::uint64_t(Stage)) * 1099511628211ull;
-    h = (h ^ std::uint64_t(dtype_of<T>)) * 1099511628211ull;
-    const auto hi = std::int64_t(h >> 32), lo = std::int64_t(h & 0xffffffffu);
-    std::int64_t v[4] = {hi, -hi, lo, -lo};
+  // Everything that must agree across ranks, as fingerprints compared in one all_reduce (MAX
+  // of h and -h), so a difference names what differs, on every rank.
+  void check_same_config_everywhere(const Layout& L) {
+    const EngineConfig& c = config_;
+    const LossScaler& ls = c.loss_scaler;
+    const DynamicScale& d = ls.config();
+    const std::string parts[] = {
+        "the model's parameters and their layout",
+        detail::cat("ZeRO stage and element type (this rank: stage ", Stage, ", ", name(dtype_of<T>), ")"),
+        detail::cat("batch (this rank: micro_batch_per_rank=", batch_.micro_batch_per_rank,
+                    ", gradient_accumulation_steps=", batch_.gradient_accumulation_steps, ")"),
+        detail::cat("optimizer (this rank: ", optim::describe(opt_), ")"),
+        detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm, ", loss scaler kind ",
+                    int(ls.kind()), ", scale ", ls.scale(), ")"),
+        detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
+                    ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch, ", bucket_slots=",
+                    c.bucket_slots, ", broadcast_initial_params=", c.broadcast_initial_params, ")")};
+    const std::uint64_t h[] = {
+        L.hash(),
+        detail::Fnv1a().all(Stage, dtype_of<T>).value(),
+        detail::Fnv1a().all(batch_.micro_batch_per_rank, batch_.gradient_accumulation_steps).value(),
+        optim::fingerprint(opt_),
+        detail::Fnv1a()
+            .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
+                 d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
+            .value(),
+        detail::Fnv1a()
+            .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots, c.broadcast_initial_params)
+            .value()};
+    constexpr std::size_t K = std::size(h);
+    std::int64_t v[2 * K];
+    for (std::size_t k = 0; k < K; ++k) {
+      v[k] = std::int64_t(h[k] >> 2);  // 62 bits: negation cannot overflow
+      v[K + k] = -v[k];
+    }
     comm_->all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
-    if (v[0] != hi || -v[1] != hi || v[2] != lo || -v[3] != lo)
+    for (std::size_t k = 0; k < K; ++k) {
+      if (v[k] == -v[K + k]) continue;
+      if (k == 0) throw_layout_difference(L);
       throw Error(Errc::invalid_argument,
-                  detail::cat("engine: the parameter layout differs between ranks (rank ", comm_->rank(),
-                              " has ", L.params().size(), " parameters, ", L.used(), " elements, ", L.segment_count(),
-                              " buckets, stage ", Stage, ", dtype ", name(dtype_of<T>),
-                              "); every rank must build the same model with the same zp configuration"));
+                  detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
+                              comm_->rank(), "; every rank must build the same model with the same zp configuration"));
+    }
+  }
+
+  // The slow path of a layout difference: names the first parameter that differs (name, module
+  // or size), or says that only the bucket layout does. Every rank throws.
+  [[noreturn]] void throw_layout_difference(const Layout& L) {
+    const auto& ps = L.params();
+    std::int64_t count[2] = {std::int64_t(ps.size()), -std::int64_t(ps.size())};
+    comm_->all_reduce(std::span<std::int64_t>(count), ReduceOp::max);
+    const auto most = std::size_t(count[0]);
+    std::vector<std::int64_t> v(2 * most, 0);  // absent parameters contribute 0 to both halves
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      v[i] = std::int64_t(detail::Fnv1a().all(std::string_view(ps[i].name), ps[i].module, ps[i].size).value() >> 2) | 1;
+      v[most + i] = -v[i];
+    }
+    comm_->all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    std::size_t i = 0;
+    while (i < most && v[i] == -v[most + i]) ++i;
+    const std::string head = detail::cat("engine: the models differ between ranks (rank ", comm_->rank(), " has ",
+                                         ps.size(), " parameters, ", L.used(), " elements): ");
+    const std::string tail = "; every rank must build the same model with the same zp configuration";
+    if (i == most)
+      throw Error(Errc::invalid_argument,
+                  detail::cat(head, "the parameters agree but their bucket layout does not (this rank: ",
+                              L.segment_count(), " buckets from bucket_bytes=", config_.bucket_bytes,
+                              ", first_bucket_bytes=", config_.first_bucket_bytes, ", align=", config_.align, ")",
+                              tail));
+    if (i >= ps.size())
+      throw Error(Errc::invalid_argument,
+                  detail::cat(head, "the first difference is parameter #", i, ", which this rank does not have", tail));
+    throw Error(Errc::invalid_argument,
+                detail::cat(head, "the first parameter that differs is #", i, ", on this rank '", ps[i].name,
+                            "' (module ", ps[i].module, ", ", ps[i].size, " elements)", tail));
   }
 
   void load_initial_values(const Layout& L) {
-    Buffer<T, S> init(L.total());
+    Buffer<T, S> init(L.total(), "engine: initial parameter values");
     Host::zero(init.span());
     const auto& ps = L.params();
     for (std::size_t p = 0; p < ps.size(); ++p) {
-      View<T>& v = *values_[p];
+      View<T>& v = *bound_.values[p];
       if (v.bound()) {
         Host::copy(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));
       } else {
@@ -426,8 +565,8 @@ class Engine {
         Host::convert(part_.master_piece(s), std::span<const T>(init.span(mine, g.piece)));
     }
     for (std::size_t p = 0; p < ps.size(); ++p) {
-      values_[p]->rebind(Stage < 3 ? part_.params().data() + ps[p].offset : nullptr);
-      grads_[p]->rebind(Stage < 2 ? part_.grads().data() + ps[p].offset : nullptr);
+      bound_.values[p]->rebind(Stage < 3 ? part_.params().data() + ps[p].offset : nullptr);
+      bound_.grads[p]->rebind(Stage < 2 ? part_.grads().data() + ps[p].offset : nullptr);
     }
   }
 
@@ -447,18 +586,23 @@ class Engine {
     return v;
   }
 
-  void exit_module(int m, bool backward) {
+  void exit_module(int m, bool backward, bool by_exception) {
     const Layout& L = part_.layout();
     const auto& mod = L.module(m);
-    if constexpr (Stage == 3) {
-      ModuleState& st = mods_[std::size_t(m)];
-      --st.in_use;
-      if (!st.persistent && st.in_use == 0) release(m);
-    }
+    ModuleState& st = mods_[std::size_t(m)];
+    --(backward ? st.backward_open : st.forward_open);
+    if constexpr (Stage == 3)
+      if (!st.persistent && st.in_use() == 0) release(m);
     if (backward) {
       if constexpr (Stage >= 2)
         for (int s = mod.first_segment; s < mod.end_segment; ++s)
-          for (int p : L.segment(s).params) grads_[std::size_t(p)]->rebind(nullptr);
+          for (int p : L.segment(s).params) bound_.grads[std::size_t(p)]->rebind(nullptr);
+      if (by_exception) {
+        if (broken_.empty())
+          broken_ = detail::cat("an exception ended the backward guard of module ", m, " in ", where(),
+                                ", so that micro-step's gradients are incomplete");
+        return;
+      }
       for (int s = mod.first_segment; s < mod.end_segment; ++s) buckets_.ready(s);
     }
   }
@@ -486,7 +630,7 @@ class Engine {
     if (live_ + need <= cap_) return true;
     for (int m = 0; m < part_.layout().module_count() && live_ + need > cap_; ++m) {
       const ModuleState& st = mods_[std::size_t(m)];
-      if (!st.persistent && st.in_use == 0 && st.state != ModuleState::State::released) release(m);
+      if (!st.persistent && st.in_use() == 0 && st.state != ModuleState::State::released) release(m);
     }
     return live_ + need <= cap_;
   }
@@ -548,7 +692,7 @@ class Engine {
     const auto& mod = L.module(m);
     for (int s = mod.first_segment; s < mod.end_segment; ++s)
       for (int p : L.segment(s).params)
-        values_[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
+        bound_.values[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
   }
 
   // ---- whole-model views -------------------------------------------------------------------
@@ -580,13 +724,14 @@ class Engine {
   EngineConfig config_;
   BatchConfig batch_;
   Opt opt_;
+  BoundParameters<T> bound_;  // the model's parameter list and views
   Partitioned<T, Stage, S> part_;
   GradBuckets<T, B, S> buckets_;
-  std::vector<View<T>*> values_, grads_;
   std::vector<ModuleState> mods_;
   std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
+  std::string broken_;  // why the engine refuses further calls ("" while usable)
   CommStats mark_{}, last_{};
   std::exception_ptr pending_;
 };

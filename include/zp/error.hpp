@@ -1,10 +1,15 @@
 // zp/error.hpp: the one exception type zp throws, and the argument checks that raise it.
 #pragma once
 
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <limits>
 #include <source_location>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace zp {
@@ -19,6 +24,7 @@ enum class Errc {
   timeout,           // a peer did not arrive within the communicator's timeout
   aborted,           // another rank failed, so this communicator was poisoned
   io,                // a file could not be read or written
+  out_of_memory,     // an allocation failed; the message names what was being allocated
 };
 
 inline const char* to_string(Errc c) noexcept {
@@ -31,6 +37,7 @@ inline const char* to_string(Errc c) noexcept {
     case Errc::timeout: return "timeout";
     case Errc::aborted: return "aborted";
     case Errc::io: return "I/O error";
+    case Errc::out_of_memory: return "out of memory";
   }
   return "unknown error";
 }
@@ -68,12 +75,50 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// Floats in their shortest exact form (1.0000001f is not "1"); anything else as streamed.
+template <class T>
+void put(std::ostringstream& os, const T& x) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, x);
+    os.write(buf, r.ptr - buf);
+  } else {
+    os << x;
+  }
+}
+
 // Concatenates anything streamable: messages name the offending values.
 template <class... Args>
 std::string cat(const Args&... args) {
   std::ostringstream os;
-  (os << ... << args);
+  (put(os, args), ...);
   return os.str();
+}
+
+// Size arithmetic that cannot wrap: an overflow is an invalid_argument naming `what` and both
+// operands (a wrapped size would allocate a small buffer and then write past it).
+template <class... Ctx>
+std::size_t checked_mul(std::size_t a, std::size_t b, const Ctx&... what) {
+  std::size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) [[unlikely]]
+    throw Error(Errc::invalid_argument, cat(what..., ": ", a, " * ", b, " overflows a 64-bit size"));
+  return r;
+}
+template <class... Ctx>
+std::size_t checked_add(std::size_t a, std::size_t b, const Ctx&... what) {
+  std::size_t r;
+  if (__builtin_add_overflow(a, b, &r)) [[unlikely]]
+    throw Error(Errc::invalid_argument, cat(what..., ": ", a, " + ", b, " overflows a 64-bit size"));
+  return r;
+}
+
+// The deadline `timeout` from now; time_point::max() ("never") for timeouts so long that
+// now() + timeout would overflow (milliseconds::max() means "never").
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  using clock = std::chrono::steady_clock;
+  const auto now = clock::now();
+  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(clock::time_point::max() - now);
+  return timeout >= room ? clock::time_point::max() : now + timeout;
 }
 }  // namespace detail
 

@@ -45,7 +45,18 @@ class Buffer {
 
  public:
   Buffer() = default;
-  explicit Buffer(std::size_t n) : data_(static_cast<T*>(Allocator<S>::allocate(n * sizeof(T)))), size_(n) {}
+  // Throws Errc::invalid_argument when n * sizeof(T) overflows and Errc::out_of_memory, naming
+  // the size and `what`, when the allocation fails.
+  explicit Buffer(std::size_t n, const char* what = "buffer") : size_(n) {
+    const std::size_t bytes = detail::checked_mul(n, sizeof(T), what, ": ", n, " elements of ", sizeof(T), " bytes");
+    try {
+      data_ = static_cast<T*>(Allocator<S>::allocate(bytes));
+    } catch (const std::bad_alloc&) {
+      throw Error(Errc::out_of_memory, detail::cat(what, ": cannot allocate ", n, " elements (", bytes,
+                                                   " bytes) in ", S == MemorySpace::host ? "host" : "device",
+                                                   " memory"));
+    }
+  }
   Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
   Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {

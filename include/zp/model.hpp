@@ -10,7 +10,7 @@
 //     visit("fc2.weight", 1, m.w2, m.gw2);
 //   }
 //
-// Rules (checked by zp::describe_parameters, with messages naming the parameter):
+// Rules (checked by zp::bind_parameters, with messages naming the parameter):
 //  - Parameters are visited in forward order; `module` numbers the units that stage 3 gathers
 //    before they run and releases after: 0, 1, 2, ... non-decreasing, without gaps. A module is
 //    also never split across gradient buckets, so make it a meaningful unit (a layer, a
@@ -26,9 +26,11 @@
 //    module; outside them data() is null.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -141,27 +143,77 @@ void visit_parameters(M& model, F&& f) {
   for_each_parameter(model, v);
 }
 
-// The parameter list of a model, checked: sizes of value and grad agree, modules are numbered
-// 0, 1, ... in non-decreasing order without gaps, names are not empty.
+// A model's parameters as zp takes them over: the list and, per parameter, the model's value and
+// gradient views.
+template <class T>
+struct BoundParameters {
+  std::vector<ParamInfo> params;
+  std::vector<View<T>*> values, grads;
+};
+
+// Visits the model twice and checks what model.hpp's rules promise, with messages naming the
+// parameter: sizes of value and grad agree and are not zero, modules are numbered 0, 1, ... in
+// non-decreasing order without gaps, names are not empty, every view is a distinct object (the
+// same Param registered twice, or a value view passed as its own gradient, would have zp write
+// two things into one view), and the second visit sees exactly what the first did.
 template <class T, class M>
   requires Model<M, T>
-std::vector<ParamInfo> describe_parameters(M& model) {
-  std::vector<ParamInfo> out;
+BoundParameters<T> bind_parameters(M& model) {
+  BoundParameters<T> out;
+  std::vector<std::pair<const View<T>*, std::size_t>> seen;  // every view, with its parameter
   visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad) {
     const std::string n(name);
-    ZP_EXPECT(!n.empty(), "model: parameter #", out.size(), " has an empty name");
+    const auto& ps = out.params;
+    ZP_EXPECT(!n.empty(), "model: parameter #", ps.size(), " has an empty name");
     ZP_EXPECT(value.size() == grad.size(), "model: parameter '", n, "' has a value view of ",
               value.size(), " elements but a gradient view of ", grad.size());
-    const int prev = out.empty() ? 0 : out.back().module;
+    ZP_EXPECT(value.size() > 0, "model: parameter '", n,
+              "' has 0 elements; leave empty parameters out of for_each_parameter");
+    const int prev = ps.empty() ? 0 : ps.back().module;
     ZP_EXPECT(module == prev || module == prev + 1, "model: parameter '", n, "' is in module ",
               module, " but the previous parameter was in module ", prev,
               "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
-    ZP_EXPECT(!out.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
+    ZP_EXPECT(!ps.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
               module, "; modules are numbered from 0");
-    out.push_back({n, module, value.size()});
+    out.params.push_back({n, module, value.size()});
+    out.values.push_back(&value);
+    out.grads.push_back(&grad);
+    seen.push_back({&value, ps.size() - 1});
+    seen.push_back({&grad, ps.size() - 1});
   });
-  ZP_EXPECT(!out.empty(), "model: for_each_parameter visited no parameter");
+  ZP_EXPECT(!out.params.empty(), "model: for_each_parameter visited no parameter");
+  std::sort(seen.begin(), seen.end(), [](const auto& a, const auto& b) {
+    return std::less<const View<T>*>()(a.first, b.first);
+  });
+  for (std::size_t i = 1; i < seen.size(); ++i) {
+    if (seen[i].first != seen[i - 1].first) continue;
+    const auto& a = out.params[seen[i - 1].second];
+    const auto& b = out.params[seen[i].second];
+    throw Error(Errc::invalid_argument,
+                detail::cat("model: parameters '", a.name, "' and '", b.name,
+                            "' share one View object", a.name == b.name ? " (a value view passed as its own gradient?)" : "",
+                            "; every parameter needs its own value and gradient views"));
+  }
+  std::size_t k = 0;
+  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad) {
+    const auto& ps = out.params;
+    ZP_EXPECT(k < ps.size() && ps[k].name == name && ps[k].module == module && out.values[k] == &value &&
+                  out.grads[k] == &grad,
+              "model: for_each_parameter visited '", name, "' (module ", module, ") as parameter #", k,
+              " the second time, but ", k < ps.size() ? "'" + ps[k].name + "'" : std::string("nothing"),
+              " the first time; it must visit the same parameters (and views) every time");
+    ++k;
+  });
+  ZP_EXPECT(k == out.params.size(), "model: for_each_parameter visited ", out.params.size(),
+            " parameters the first time but ", k, " the second; it must visit the same parameters every time");
   return out;
+}
+
+// The parameter list of a model, checked as bind_parameters does.
+template <class T, class M>
+  requires Model<M, T>
+std::vector<ParamInfo> describe_parameters(M& model) {
+  return bind_parameters<T>(model).params;
 }
 
 }  // namespace zp

@@ -31,9 +31,11 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/hash.hpp"
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
@@ -85,13 +87,16 @@ class Layout {
     for (std::size_t i = 0; i < params.size(); ++i)
       params_[i] = {params[i].name, params[i].module, params[i].size, 0, 0};
     modules_.resize(std::size_t(modules));
-    const std::size_t quantum = std::size_t(ranks) * opt.align;
+    // Sizes are checked as they add up: a wrapped total would allocate too little and then be
+    // written past (an align so large that ranks * align wraps, parameters summing past 2^64).
+    const std::size_t quantum = detail::checked_mul(std::size_t(ranks), opt.align, "layout: ranks * align");
     auto close = [&](Segment& s) {
-      s.size = std::max<std::size_t>(quantum, (s.used + quantum - 1) / quantum * quantum);
+      const std::size_t quanta = s.used / quantum + (s.used % quantum != 0);
+      s.size = std::max<std::size_t>(quantum, detail::checked_mul(quanta, quantum, "layout: padded segment"));
       s.piece = s.size / std::size_t(ranks);
       s.shard_offset = shard_;
       shard_ += s.piece;
-      total_ += s.size;
+      total_ = detail::checked_add(total_, s.size, "layout: total elements");
       used_ += s.used;
       segments_.push_back(std::move(s));
     };
@@ -117,7 +122,7 @@ class Layout {
         Param& p = params_[i];
         p.offset = seg.offset + seg.used;
         p.segment = int(segments_.size());
-        seg.used += p.size;
+        seg.used = detail::checked_add(seg.used, p.size, "layout: elements of module ", m);
         seg.params.push_back(int(i));
         any = true;
       }
@@ -156,21 +161,11 @@ class Layout {
 
  private:
   std::uint64_t compute_hash() const {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
-    auto mix = [&](const void* p, std::size_t n) {
-      const auto* b = static_cast<const unsigned char*>(p);
-      for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-    };
-    auto mix_n = [&](std::uint64_t v) { mix(&v, sizeof v); };
-    mix_n(std::uint64_t(ranks_));
-    for (const auto& p : params_) {
-      mix(p.name.data(), p.name.size());
-      mix_n(std::uint64_t(p.module));
-      mix_n(p.size);
-      mix_n(p.offset);
-    }
-    for (const auto& s : segments_) mix_n(s.size);
-    return h;
+    detail::Fnv1a h;
+    h.add(std::uint64_t(ranks_));
+    for (const auto& p : params_) h.all(std::string_view(p.name), std::uint64_t(p.module), p.size, p.offset);
+    for (const auto& s : segments_) h.add(s.size);
+    return h.value();
   }
 
   int ranks_ = 1;
@@ -226,10 +221,20 @@ class Partitioned {
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ", state_slots);
     const std::size_t full = layout_.total(), shard = layout_.shard();
-    params_ = Buffer<T, S>(Stage < 3 ? full : shard);
-    grads_ = Buffer<T, S>(Stage < 2 ? full : shard);
-    master_ = Buffer<float, S>(Stage < 1 ? full : shard);
-    for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(master_.size());
+    try {
+      params_ = Buffer<T, S>(Stage < 3 ? full : shard, "partition: parameters");
+      grads_ = Buffer<T, S>(Stage < 2 ? full : shard, "partition: gradients");
+      master_ = Buffer<float, S>(Stage < 1 ? full : shard, "partition: fp32 master weights");
+      for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(master_.size(), "partition: optimizer state");
+    } catch (const Error& e) {
+      if (e.category() != Errc::out_of_memory) throw;
+      const auto& ps = layout_.params();
+      const auto big = std::max_element(ps.begin(), ps.end(), [](const auto& a, const auto& b) { return a.size < b.size; });
+      throw Error(Errc::out_of_memory,
+                  detail::cat(e.message(), " for ", ps.size(), " parameters of ", layout_.used(),
+                              " elements in all (ZeRO stage ", Stage, ", ", layout_.ranks(),
+                              " ranks); the largest is '", big->name, "' with ", big->size, " elements"));
+    }
     Ops<S>::zero(params_.span());
     Ops<S>::zero(grads_.span());
     Ops<S>::zero(master_.span());

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "zp/error.hpp"
 
@@ -50,13 +51,17 @@ class LossScaler {
     return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale});
   }
   static LossScaler dynamic(const DynamicScale& config = {}) {
-    ZP_EXPECT(config.initial_scale > 0, "loss scaler: initial_scale must be positive, got ", config.initial_scale);
+    // Every float test is written so that NaN fails it; the upper bounds reject inf.
+    constexpr float most = std::numeric_limits<float>::max();
+    ZP_EXPECT(config.initial_scale > 0 && config.initial_scale <= most,
+              "loss scaler: initial_scale must be positive and finite, got ", config.initial_scale);
     ZP_EXPECT(config.min_scale > 0 && config.min_scale <= config.initial_scale,
               "loss scaler: min_scale must be in (0, initial_scale = ", config.initial_scale, "], got ",
               config.min_scale);
     ZP_EXPECT(config.window >= 1, "loss scaler: window must be at least 1, got ", config.window);
     ZP_EXPECT(config.hysteresis >= 1, "loss scaler: hysteresis must be at least 1, got ", config.hysteresis);
-    ZP_EXPECT(config.factor > 1, "loss scaler: factor must be > 1, got ", config.factor);
+    ZP_EXPECT(config.factor > 1 && config.factor <= most, "loss scaler: factor must be finite and > 1, got ",
+              config.factor);
     return LossScaler(Kind::dynamic, config);
   }
 
@@ -102,8 +107,15 @@ class LossScaler {
   const State& state() const noexcept { return state_; }
   // Restores a saved state; the settings (kind, config) come from the constructor.
   void load(const State& s) {
-    ZP_EXPECT(s.scale > 0, "loss scaler: saved scale must be positive, got ", s.scale);
+    ZP_EXPECT(s.scale > 0 && s.scale <= std::numeric_limits<float>::max(),
+              "loss scaler: saved scale must be positive and finite, got ", s.scale);
     ZP_EXPECT(s.hysteresis >= 1, "loss scaler: saved hysteresis must be at least 1, got ", s.hysteresis);
+    ZP_EXPECT(s.iter >= 0, "loss scaler: saved iter must be >= 0, got ", s.iter);
+    ZP_EXPECT(s.skipped >= 0 && s.skipped <= s.iter, "loss scaler: saved skipped must be in [0, iter = ", s.iter,
+              "], got ", s.skipped);
+    // update() records an overflow at iter, then counts that iter: a saved one is always older.
+    ZP_EXPECT(s.last_overflow >= -1 && s.last_overflow < s.iter,
+              "loss scaler: saved last_overflow must be in [-1, iter = ", s.iter, "), got ", s.last_overflow);
     ZP_EXPECT(kind_ == Kind::dynamic || s.scale == state_.scale, "loss scaler: saved scale ", s.scale,
               " differs from this non-dynamic scaler's ", state_.scale);
     state_ = s;

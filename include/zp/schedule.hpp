@@ -4,11 +4,16 @@
 // (DeepSpeed's last_batch_iteration: 0 for the first step). A step skipped for overflow does not
 // advance it. Pass the result into the optimizer's lr field before each step. OneCycle also
 // gives the momentum (beta1) to use.
+//
+// Each schedule's check() throws zp::Error(invalid_argument) naming a bad setting (a negative or
+// non-finite learning rate, steps out of order); lr() calls it, and rejects a negative iteration,
+// so no setting can yield a nan or negative rate silently.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numbers>
 #include <variant>
 
@@ -26,12 +31,21 @@ inline double warmup_fraction(Warmup type, std::int64_t it, std::int64_t steps) 
   return double(it) / double(steps);
 }
 inline std::int64_t warmup_steps(std::int64_t n) { return std::max<std::int64_t>(n, 2); }
+
+inline void check_iteration(std::int64_t it) { ZP_EXPECT(it >= 0, "schedule: iteration must be >= 0, got ", it); }
 }  // namespace detail
 
 // A constant learning rate.
 struct Constant {
   double value = 1e-3;
-  double lr(std::int64_t) const { return value; }
+  void check() const {
+    ZP_EXPECT(std::isfinite(value) && value >= 0.0, "schedule: Constant: value must be finite and >= 0, got ", value);
+  }
+  double lr(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
+    return value;
+  }
 };
 
 // DeepSpeed WarmupLR: from min_lr to max_lr over warmup_num_steps (log or linear), then max_lr.
@@ -39,7 +53,16 @@ struct WarmupLR {
   double warmup_min_lr = 0.0, warmup_max_lr = 1e-3;
   std::int64_t warmup_num_steps = 1000;
   Warmup warmup_type = Warmup::log;
+  void check() const {
+    ZP_EXPECT(std::isfinite(warmup_min_lr) && warmup_min_lr >= 0.0,
+              "schedule: WarmupLR: warmup_min_lr must be finite and >= 0, got ", warmup_min_lr);
+    ZP_EXPECT(std::isfinite(warmup_max_lr) && warmup_max_lr >= 0.0,
+              "schedule: WarmupLR: warmup_max_lr must be finite and >= 0, got ", warmup_max_lr);
+    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupLR: warmup_num_steps must be >= 0, got ", warmup_num_steps);
+  }
   double lr(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
     const double f = detail::warmup_fraction(warmup_type, it, detail::warmup_steps(warmup_num_steps));
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * f;
   }
@@ -51,7 +74,19 @@ struct WarmupDecayLR {
   std::int64_t warmup_num_steps = 1000;
   std::int64_t total_num_steps = 10000;
   Warmup warmup_type = Warmup::log;
+  void check() const {
+    ZP_EXPECT(std::isfinite(warmup_min_lr) && warmup_min_lr >= 0.0,
+              "schedule: WarmupDecayLR: warmup_min_lr must be finite and >= 0, got ", warmup_min_lr);
+    ZP_EXPECT(std::isfinite(warmup_max_lr) && warmup_max_lr >= 0.0,
+              "schedule: WarmupDecayLR: warmup_max_lr must be finite and >= 0, got ", warmup_max_lr);
+    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupDecayLR: warmup_num_steps must be >= 0, got ",
+              warmup_num_steps);
+    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupDecayLR: total_num_steps (", total_num_steps,
+              ") must be >= warmup_num_steps (", warmup_num_steps, ")");
+  }
   double lr(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
     const std::int64_t w = detail::warmup_steps(warmup_num_steps);
     double f;
     if (it < w) {
@@ -73,6 +108,19 @@ struct WarmupCosineLR {
   std::int64_t warmup_num_steps = 1000;
   double cos_min_ratio = 0.0001;
   Warmup warmup_type = Warmup::log;
+  void check() const {
+    ZP_EXPECT(std::isfinite(base_lr) && base_lr >= 0.0,
+              "schedule: WarmupCosineLR: base_lr must be finite and >= 0, got ", base_lr);
+    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupCosineLR: warmup_num_steps must be >= 0, got ",
+              warmup_num_steps);
+    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupCosineLR: total_num_steps (", total_num_steps,
+              ") must be >= warmup_num_steps (", warmup_num_steps, ")");
+    ZP_EXPECT(warmup_min_ratio >= 0.0 && warmup_min_ratio <= 1.0,
+              "schedule: WarmupCosineLR: warmup_min_ratio must be in [0, 1], got ", warmup_min_ratio);
+    ZP_EXPECT(cos_min_ratio >= 0.0 && cos_min_ratio <= 1.0,
+              "schedule: WarmupCosineLR: cos_min_ratio must be in [0, 1], got ", cos_min_ratio);
+  }
+  // The multiplier of base_lr; does not check (lr() does).
   double ratio(std::int64_t it) const {
     const std::int64_t w = detail::warmup_steps(warmup_num_steps);
     if (it < w) {
@@ -83,7 +131,11 @@ struct WarmupCosineLR {
     const double c = (1.0 + std::cos(std::numbers::pi * done / span)) / 2.0;
     return std::max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * c);
   }
-  double lr(std::int64_t it) const { return base_lr * ratio(it); }
+  double lr(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
+    return base_lr * ratio(it);
+  }
 };
 
 // DeepSpeed OneCycle: lr rises linearly from cycle_min_lr to cycle_max_lr over
@@ -98,6 +150,32 @@ struct OneCycle {
   std::int64_t decay_step_size = 0;
   bool cycle_momentum = true;
   double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
+
+  void check() const {
+    ZP_EXPECT(std::isfinite(cycle_min_lr) && cycle_min_lr >= 0.0,
+              "schedule: OneCycle: cycle_min_lr must be finite and >= 0, got ", cycle_min_lr);
+    ZP_EXPECT(std::isfinite(cycle_max_lr) && cycle_max_lr >= 0.0,
+              "schedule: OneCycle: cycle_max_lr must be finite and >= 0, got ", cycle_max_lr);
+    ZP_EXPECT(std::isfinite(decay_lr_rate) && decay_lr_rate >= 0.0,
+              "schedule: OneCycle: decay_lr_rate must be finite and >= 0, got ", decay_lr_rate);
+    ZP_EXPECT(cycle_first_step_size >= 1, "schedule: OneCycle: cycle_first_step_size must be >= 1, got ",
+              cycle_first_step_size);
+    ZP_EXPECT(cycle_second_step_size >= 0,
+              "schedule: OneCycle: cycle_second_step_size must be >= 0 (0 = same as the first), got ",
+              cycle_second_step_size);
+    // cycle_size() adds the two.
+    ZP_EXPECT(cycle_first_step_size <= std::numeric_limits<std::int64_t>::max() - second(),
+              "schedule: OneCycle: cycle_first_step_size (", cycle_first_step_size, ") + cycle_second_step_size (",
+              cycle_second_step_size, ") overflows");
+    ZP_EXPECT(decay_step_size >= 0, "schedule: OneCycle: decay_step_size must be >= 0, got ", decay_step_size);
+    ZP_EXPECT(std::isfinite(cycle_min_mom) && cycle_min_mom >= 0.0,
+              "schedule: OneCycle: cycle_min_mom must be finite and >= 0, got ", cycle_min_mom);
+    ZP_EXPECT(std::isfinite(cycle_max_mom) && cycle_max_mom >= 0.0,
+              "schedule: OneCycle: cycle_max_mom must be finite and >= 0, got ", cycle_max_mom);
+    ZP_EXPECT(cycle_min_mom <= cycle_max_mom, "schedule: OneCycle: cycle_min_mom (", cycle_min_mom,
+              ") must be <= cycle_max_mom (", cycle_max_mom, ")");
+    ZP_EXPECT(std::isfinite(decay_mom_rate), "schedule: OneCycle: decay_mom_rate must be finite, got ", decay_mom_rate);
+  }
 
   std::int64_t second() const { return cycle_second_step_size > 0 ? cycle_second_step_size : cycle_first_step_size; }
   std::int64_t cycle_size() const { return cycle_first_step_size + second(); }
@@ -114,11 +192,15 @@ struct OneCycle {
     return decay_step_size > 0 ? past / double(decay_step_size) : 0.0;
   }
   double lr(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
     if (it < cycle_size()) return cycle_min_lr + (cycle_max_lr - cycle_min_lr) * height(it);
     return cycle_min_lr / (1.0 + decay_lr_rate * decay_interval(it));
   }
   // The momentum (Adam's beta1) for this iteration; cycle_max_mom when cycling is off.
   double momentum(std::int64_t it) const {
+    check();
+    detail::check_iteration(it);
     if (!cycle_momentum) return cycle_max_mom;
     if (it < cycle_size()) return cycle_max_mom - (cycle_max_mom - cycle_min_mom) * height(it);
     return cycle_max_mom * (1.0 + decay_mom_rate * decay_interval(it));

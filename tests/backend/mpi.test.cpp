@@ -209,6 +209,18 @@ TEST_CASE("bad arguments are errors that name the values, on every rank") {
   zp::test::check_all_reduce<float>(comm, fresh_seed(comm), 99, ReduceOp::sum, true);  // still usable
 }
 
+TEST_CASE("the shared argument checks: overlap, null buffers, unknown ops and types, a bad root on one rank") {
+  auto comm = world();
+  zp::test::check_bad_arguments(comm);
+}
+
+TEST_CASE("integer sums wrap around, and dropped async Work completes before its buffers go") {
+  auto comm = world();
+  zp::test::check_integer_wraparound(comm);
+  const auto seed = fresh_seed(comm);
+  for (int rep = 0; rep < 5; ++rep) zp::test::check_dropped_work(comm, seed + 100 * std::uint64_t(rep), 20);
+}
+
 TEST_CASE("mismatched calls are an error on every rank, and the communicator stays usable") {
   auto comm = world();
   const int N = comm.size(), r = comm.rank();

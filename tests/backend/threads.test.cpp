@@ -184,3 +184,80 @@ TEST_CASE("a rank that leaves early fails the others, and a silent one times out
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
   }
 }
+
+TEST_CASE("bad arguments are errors on every rank and the communicator stays usable") {
+  for (int ranks : {1, 2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_bad_arguments(comm); });
+}
+
+TEST_CASE("integer sums wrap around instead of overflowing") {
+  run_threads(3, [&](Collective<Threads>& comm) { zp::test::check_integer_wraparound(comm); });
+}
+
+TEST_CASE("a dropped async Work completes before its buffers can be freed") {
+  const auto seed = fresh_seed();
+  for (int rep = 0; rep < 5; ++rep)
+    run_threads(3, [&](Collective<Threads>& comm) { zp::test::check_dropped_work(comm, seed + 100 * rep, 20); });
+}
+
+TEST_CASE("a timeout of milliseconds::max() means never, not an immediate timeout") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    std::int64_t x = 1;
+    comm.all_reduce(std::span<std::int64_t>(&x, 1));
+    CHECK(x == 2);
+  }, World::Options{std::chrono::milliseconds::max()});
+}
+
+TEST_CASE("a second backend for one rank of a World is an error") {
+  auto world = World::create(2);
+  Threads first(world, 0);
+  zp::test::expect_invalid([&] { Threads second(world, 0); }, {"rank 0 of this world already has a backend"});
+}
+
+TEST_CASE("two threads calling as the same rank at once is an error, not a wrong sum") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    std::int64_t x = 1;
+    if (comm.rank() == 1) {
+      // Rank 1 joins rank 0's one legitimate call only after its second thread was refused.
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm.all_reduce(std::span<std::int64_t>(&x, 1));
+      CHECK(x == 2);
+      return;
+    }
+    std::atomic<int> refused{0}, summed{0};
+    auto call = [&] {
+      std::int64_t y = 1;
+      try {
+        comm.all_reduce(std::span<std::int64_t>(&y, 1));
+        summed += y == 2;
+      } catch (const zp::Error& e) {
+        refused += std::string(e.what()).find("two threads issued all_reduce and another call as rank 0") !=
+                   std::string::npos;
+      }
+    };
+    std::thread a(call);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::thread b(call);
+    a.join();
+    b.join();
+    CHECK(refused == 1);
+    CHECK(summed == 1);
+  });
+}
+
+TEST_CASE("a rank that returns early is named as returned, not as a barrier it never called") {
+  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
+    if (comm.rank() == 0) return;
+    std::vector<float> a(4);
+    comm.all_reduce(std::span<float>(a));
+  }), doctest::Contains("returned from its function (run_threads)"), zp::Error);
+}
+
+TEST_CASE("mismatched calls leave the communicator usable") {
+  run_threads(3, [&](Collective<Threads>& comm) {
+    std::vector<float> a(comm.rank() == 2 ? 5 : 4, 1.0f);
+    zp::test::expect_invalid([&] { comm.all_reduce(std::span<float>(a)); }, {"rank 2 called all_reduce(count=5"});
+    std::vector<float> b(4, 1.0f);
+    comm.all_reduce(std::span<float>(b));
+    CHECK(b[3] == 3.0f);
+  });
+}

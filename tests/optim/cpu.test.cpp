@@ -10,10 +10,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "../expect_error.hpp"
 
 using namespace zp::optim;
 using zp::bf16;
@@ -268,6 +272,18 @@ void check_same_bits(const O& o, std::size_t n, int steps, const Options& a, con
     }
 }
 
+
+constexpr float inf = std::numeric_limits<float>::infinity();
+constexpr float qnan = std::numeric_limits<float>::quiet_NaN();  // not `nan`: ::nan() is a function
+
+// The value and how the message prints it, for the bad values every float field must reject.
+struct Bad {
+  float value;
+  const char* text;
+};
+constexpr Bad non_finite_or_negative[] = {{qnan, "got nan"}, {inf, "got inf"}, {-inf, "got -inf"}, {-1.0f, "got -1"},
+                                          {-1e-30f, "got -1e-30"}};
+
 template <class O>
 void same_bits_all_types(const O& o, std::size_t n, int steps, const Options& a, const Options& b) {
   check_same_bits<O, float, float>(o, n, steps, a, b);
@@ -422,22 +438,196 @@ TEST_CASE("clipping by the global norm scales the update to max_norm") {
 
 TEST_CASE("mismatched sizes and unsupported levels are errors that name the sizes") {
   std::vector<float> master(10), grad(10), m(10), v(9), param(11);
-  const auto expect_error = [](auto&& f, const char* needle) {
-    try {
-      f();
-      FAIL("no error thrown");
-    } catch (const zp::Error& e) {
-      CHECK(e.category() == zp::Errc::invalid_argument);
-      CHECK(std::string(e.what()).find(needle) != std::string::npos);
-    }
-  };
-  expect_error([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, m}, param}); }, "param 11");
-  expect_error([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, v}, master}); }, "state[1] has 9");
-  expect_error([&] { cpu::step(Lion{}, {1}, ShardView<float, float>{master, grad, {}, master}); }, "state[0] has 0");
-  expect_error([&] { cpu::step(AdamW{}, {0}, ShardView<float, float>{master, grad, {m, m}, master}); }, "step must count from 1");
+  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, m}, param}); },
+                 {"param 11"});
+  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, v}, master}); },
+                 {"state[1] has 9"});
+  zp::test::expect_invalid([&] { cpu::step(Lion{}, {1}, ShardView<float, float>{master, grad, {}, master}); },
+                 {"state[0] has 0"});
+  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {0}, ShardView<float, float>{master, grad, {m, m}, master}); },
+                 {"step must count from 1"});
   // SGD without momentum needs no state.
   cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master});
   if (!cpu::supported(cpu::Isa::avx512))
-    expect_error([&] { cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, {.isa = cpu::Isa::avx512}); },
-                 "not supported");
+    zp::test::expect_invalid(
+        [&] { cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, {.isa = cpu::Isa::avx512}); },
+        {"not supported"});
+}
+
+TEST_CASE("every invalid AdamW and Adam hyper-parameter is an error naming it and its value") {
+  const auto each = [](auto base, const char* who) {
+    using O = decltype(base);
+    CAPTURE(who);
+    const std::pair<const char*, float O::*> fields[] = {
+        {"lr", &O::lr}, {"beta1", &O::beta1}, {"beta2", &O::beta2}, {"eps", &O::eps},
+        {"weight_decay", &O::weight_decay}};
+    for (const auto& named : fields) {
+      const char* field = named.first;  // not a structured binding: lambdas capture it
+      const auto member = named.second;
+      CAPTURE(field);
+      std::vector<Bad> bad(std::begin(non_finite_or_negative), std::end(non_finite_or_negative));
+      if (std::string(field).starts_with("beta")) {
+        bad.push_back({1.0f, "got 1"});
+        bad.push_back({1.5f, "got 1.5"});
+        bad.push_back({std::nextafter(1.0f, 2.0f), "got 1.0000001"});  // printed exactly, not as "1"
+      }
+      for (const Bad& b : bad) {
+        O o = base;
+        o.*member = b.value;
+        const std::string range = std::string(field).starts_with("beta") ? "in [0, 1)" : "finite and >= 0";
+        zp::test::expect_invalid([&] { validate(o); }, {std::string(who) + ": " + field + " must be " + range, b.text});
+      }
+    }
+    // The boundaries stay valid.
+    O edge = base;
+    edge.lr = edge.beta1 = edge.beta2 = edge.eps = edge.weight_decay = 0.0f;
+    CHECK_NOTHROW(validate(edge));
+    edge.beta1 = edge.beta2 = std::nextafter(1.0f, 0.0f);
+    edge.lr = edge.eps = edge.weight_decay = std::numeric_limits<float>::max();
+    CHECK_NOTHROW(validate(edge));
+  };
+  each(AdamW{}, "AdamW");
+  each(Adam{}, "Adam");
+}
+
+TEST_CASE("every invalid Sgd hyper-parameter, and Nesterov without plain momentum, is an error naming it") {
+  const std::pair<const char*, float Sgd::*> fields[] = {
+      {"lr", &Sgd::lr}, {"momentum", &Sgd::momentum}, {"dampening", &Sgd::dampening},
+      {"weight_decay", &Sgd::weight_decay}};
+  for (const auto& named : fields) {
+    const char* field = named.first;
+    const auto member = named.second;
+    CAPTURE(field);
+    std::vector<Bad> bad(std::begin(non_finite_or_negative), std::end(non_finite_or_negative));
+    if (std::string(field) == "dampening") bad.push_back({1.5f, "got 1.5"});
+    for (const Bad& b : bad) {
+      Sgd o;
+      o.*member = b.value;
+      const std::string range = std::string(field) == "dampening" ? "in [0, 1]" : "finite and >= 0";
+      zp::test::expect_invalid([&] { validate(o); }, {std::string("Sgd: ") + field + " must be " + range, b.text});
+    }
+  }
+  zp::test::expect_invalid([] { validate(Sgd{.nesterov = true}); }, {"Sgd: Nesterov momentum requires", "momentum 0"});
+  zp::test::expect_invalid([] { validate(Sgd{.momentum = 0.9f, .dampening = 0.1f, .nesterov = true}); },
+                 {"Sgd: Nesterov momentum requires", "dampening 0.1"});
+  CHECK_NOTHROW(validate(Sgd{.lr = 0.0f, .momentum = 0.0f, .dampening = 1.0f, .weight_decay = 0.0f}));
+  CHECK_NOTHROW(validate(Sgd{.momentum = 0.9f, .nesterov = true}));
+}
+
+TEST_CASE("every invalid Lion hyper-parameter is an error naming it and its value") {
+  const std::pair<const char*, float Lion::*> fields[] = {
+      {"lr", &Lion::lr}, {"beta1", &Lion::beta1}, {"beta2", &Lion::beta2}, {"weight_decay", &Lion::weight_decay}};
+  for (const auto& named : fields) {
+    const char* field = named.first;
+    const auto member = named.second;
+    CAPTURE(field);
+    const bool beta = std::string(field).starts_with("beta");
+    std::vector<Bad> bad(std::begin(non_finite_or_negative), std::end(non_finite_or_negative));
+    if (beta) bad.push_back({std::nextafter(1.0f, 2.0f), "got 1.0000001"});
+    for (const Bad& b : bad) {
+      Lion o;
+      o.*member = b.value;
+      zp::test::expect_invalid([&] { validate(o); },
+                     {std::string("Lion: ") + field + " must be " + (beta ? "in [0, 1]" : "finite and >= 0"), b.text});
+    }
+  }
+  CHECK_NOTHROW(validate(Lion{.lr = 0.0f, .beta1 = 0.0f, .beta2 = 0.0f, .weight_decay = 0.0f}));
+  CHECK_NOTHROW(validate(Lion{.beta1 = 1.0f, .beta2 = 1.0f}));  // Lion's betas may be 1
+}
+
+TEST_CASE("a step with a bad hyper-parameter throws before writing anything, at every level") {
+  const std::size_t n = 2 * cpu::detail::min_tile + 45;
+  std::mt19937_64 rng(run_seed());
+  INFO("seed ", run_seed());
+  const auto check_untouched = [&](const auto& opt, const char* needle) {
+    Shard<bf16, float> sh(n, 2);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t i = 0; i < n; ++i) {
+      sh.master[i] = normal(rng);
+      sh.s0[i] = normal(rng);
+      sh.s1[i] = std::abs(normal(rng));
+      sh.grad[i] = normal(rng);
+      sh.param[i] = bf16::from_bits(std::uint16_t(i));
+    }
+    const auto before = sh;
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      CAPTURE(cpu::name(isa));
+      const Options options{.threads = 2, .isa = isa};
+      zp::test::expect_invalid([&] { cpu::step(opt, {3, 0.5f}, sh.view(), options); }, {needle});
+      zp::test::expect_invalid([&] { cpu::step_if_finite(opt, {3, 0.5f}, sh.view(), options); }, {needle});
+      CHECK(same_bytes(sh.master, before.master));
+      CHECK(same_bytes(sh.s0, before.s0));
+      CHECK(same_bytes(sh.s1, before.s1));
+      CHECK(same_bytes(sh.param, before.param));
+    }
+  };
+  check_untouched(AdamW{.lr = qnan}, "AdamW: lr");
+  check_untouched(AdamW{.beta2 = 1.0f}, "AdamW: beta2");
+  check_untouched(Adam{.eps = -inf}, "Adam: eps");
+  check_untouched(Adam{.weight_decay = inf}, "Adam: weight_decay");
+  check_untouched(Sgd{.momentum = -0.5f}, "Sgd: momentum");
+  check_untouched(Sgd{.nesterov = true}, "Nesterov");
+  check_untouched(Lion{.beta1 = qnan}, "Lion: beta1");
+  check_untouched(Lion{.weight_decay = -1.0f}, "Lion: weight_decay");
+}
+
+TEST_CASE("a zero learning rate is valid and leaves the master weights bitwise unchanged") {
+  const auto each = [](const auto& opt) {
+    CAPTURE(opt_name(opt));
+    Shard<float, float> sh(100, 2);
+    std::mt19937_64 rng(run_seed());
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t i = 0; i < sh.master.size(); ++i) {
+      sh.master[i] = normal(rng);
+      sh.grad[i] = normal(rng);
+    }
+    const auto before = sh.master;
+    cpu::step(opt, {1}, sh.view());
+    CHECK(same_bytes(sh.master, before));
+  };
+  each(AdamW{.lr = 0.0f});
+  each(Adam{.lr = 0.0f, .weight_decay = 0.1f});
+  each(Sgd{.lr = 0.0f, .momentum = 0.9f});
+  each(Lion{.lr = 0.0f, .weight_decay = 0.1f});
+}
+
+TEST_CASE("describe names every hyper-parameter exactly and fingerprint changes with any field's bits") {
+  CHECK(describe(AdamW{}) == "AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)");
+  CHECK(describe(Adam{}) == "Adam(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0)");
+  CHECK(describe(Sgd{.momentum = 0.9f, .nesterov = true}) ==
+        "Sgd(lr=0.01, momentum=0.9, dampening=0, weight_decay=0, nesterov=true)");
+  CHECK(describe(Lion{.beta1 = std::nextafter(0.9f, 1.0f)}) ==
+        "Lion(lr=1e-04, beta1=0.90000004, beta2=0.99, weight_decay=0)");
+
+  CHECK(fingerprint(AdamW{}) == fingerprint(AdamW{}));
+  // Same field values, different type.
+  CHECK(fingerprint(Adam{.weight_decay = 0.01f}) != fingerprint(AdamW{}));
+  CHECK(fingerprint(Sgd{}) != fingerprint(Sgd{.nesterov = true}));
+  CHECK(fingerprint(Sgd{}) != fingerprint(Sgd{.weight_decay = -0.0f}));  // -0 and 0 differ in bits
+  // One ulp in any field changes it.
+  const auto each_field = [](auto base, std::initializer_list<float decltype(base)::*> members) {
+    for (auto member : members) {
+      auto o = base;
+      o.*member = std::nextafter(o.*member, 1.0f);
+      CAPTURE(describe(o));
+      CHECK(fingerprint(o) != fingerprint(base));
+    }
+  };
+  each_field(AdamW{}, {&AdamW::lr, &AdamW::beta1, &AdamW::beta2, &AdamW::eps, &AdamW::weight_decay});
+  each_field(Adam{}, {&Adam::lr, &Adam::beta1, &Adam::beta2, &Adam::eps, &Adam::weight_decay});
+  each_field(Sgd{}, {&Sgd::lr, &Sgd::momentum, &Sgd::dampening, &Sgd::weight_decay});
+  each_field(Lion{}, {&Lion::lr, &Lion::beta1, &Lion::beta2, &Lion::weight_decay});
+}
+
+TEST_CASE("an out-of-range instruction set is an error naming its number and the valid ones") {
+  CHECK(std::string(cpu::name(cpu::Isa(7))) == "unknown");
+  std::vector<float> master(10), grad(10);
+  for (int bad : {7, 4, -1}) {
+    CAPTURE(bad);
+    const Options options{.isa = cpu::Isa(bad)};
+    const std::string number = "Isa(" + std::to_string(bad) + ")";
+    zp::test::expect_invalid([&] { cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, options); },
+                   {"optimizer: instruction set " + number, "best, portable, avx2, avx512"});
+    zp::test::expect_invalid([&] { cpu::grad_stats(std::span<const float>(grad), options); }, {number});
+  }
 }

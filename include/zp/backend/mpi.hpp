@@ -202,7 +202,7 @@ class Guard {
   Guard(Watchdog* w, Blocked& b, std::chrono::milliseconds timeout) : w_(timeout.count() > 0 ? w : nullptr), b_(b) {
     if (!w_) return;
     b_.timeout_ms = timeout.count();
-    b_.deadline = std::chrono::steady_clock::now() + timeout;
+    b_.deadline = detail::deadline_after(timeout);
     w_->add(&b_);
   }
   ~Guard() {
@@ -266,6 +266,7 @@ struct Context {
   MpiOptions opt;
   std::uint64_t calls = 0;
   std::vector<float> scratch;  // 16-bit staging of blocking calls, reused
+  std::atomic<bool> busy{false};  // a thread is issuing a call (detail::OneCaller)
   std::shared_ptr<Watchdog> watchdog;
 
   ~Context() {
@@ -436,6 +437,7 @@ class Mpi {
   // MPI_Comm_split: ranks with the same colour form a group ordered by (key, rank).
   Mpi split(int color, int key) {
     auto& c = *ctx_;
+    const detail::OneCaller busy(c.busy, "mpi", "split", c.rank);
     ++c.calls;
     mpi_detail::Signature s;
     s.v[0] = mpi_detail::split_code;
@@ -544,32 +546,13 @@ class Mpi {
                             s.describe(), " (call #", c.calls, "); see that rank's error"));
   }
 
-  // Argument problems MPI cannot express; "" when fine.
-  std::string validate(CollOp op, const void* src, void* dst, std::size_t n, DType t,
+  // Argument problems, checked before anything is issued; "" when fine.
+  std::string validate(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
                        int root) const {
-    const int N = ctx_->size;
     if (n > std::size_t(INT_MAX))
       return detail::cat(zp::name(op), ": count ", n, " exceeds MPI's limit of ", INT_MAX,
                          " elements per call; split the buffer");
-    if (op == CollOp::broadcast && (root < 0 || root >= N))
-      return detail::cat("broadcast: root ", root, " is not a rank in [0, ", N, ")");
-    if (n == 0 || (op != CollOp::reduce_scatter && op != CollOp::all_gather)) return {};
-    const std::size_t es = size_of(t), part = n * es, full = part * std::size_t(N);
-    const auto* s = static_cast<const char*>(src);
-    const auto* d = static_cast<const char*>(dst);
-    const std::size_t off = std::size_t(ctx_->rank) * part;
-    if (op == CollOp::reduce_scatter) {
-      const bool overlap = d < s + full && s < d + part;
-      if (overlap && d != s + off)
-        return detail::cat("reduce_scatter: the output overlaps the input but is not this "
-                           "rank's shard (in place means output == input + rank * count)");
-    } else {
-      const bool overlap = s < d + full && d < s + part;
-      if (overlap && s != d + off)
-        return detail::cat("all_gather: the input overlaps the output but is not this rank's "
-                           "shard (in place means input == output + rank * count)");
-    }
-    return {};
+    return detail::check_call(op, src, dst, n, t, rop, root, ctx_->rank, ctx_->size);
   }
 
   mpi_detail::Plan plan(CollOp op, const void* src, void* dst, std::size_t n, DType t,
@@ -702,11 +685,12 @@ class Mpi {
   Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
              int root, Launch l) {
     auto& c = *ctx_;
+    const detail::OneCaller busy(c.busy, "mpi", zp::name(op), c.rank);
     ++c.calls;
     const bool has_reduce = op == CollOp::all_reduce || op == CollOp::reduce_scatter;
     if (!has_reduce) rop = ReduceOp::sum;
     if (op != CollOp::broadcast) root = 0;
-    const std::string bad = validate(op, src, dst, n, t, root);
+    const std::string bad = validate(op, src, dst, n, t, rop, root);
     mpi_detail::Blocked info = blocked(zp::name(op), n, t, rop, has_reduce);
     if (c.opt.check_calls) {
       mpi_detail::Signature s;

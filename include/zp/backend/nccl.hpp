@@ -286,6 +286,13 @@ class Nccl {
   }
   ~Nccl() { leave(); }
 
+  // detail::check_call's rules, raised on this rank (NCCL has no cheap way to agree first; the
+  // peers then time out on the missing call).
+  void check(CollOp op, const void* src, const void* dst, std::size_t n, DType t, ReduceOp rop, int root) const {
+    const std::string bad = detail::check_call(op, src, dst, n, t, rop, root, rank(), size());
+    if (!bad.empty()) throw Error(Errc::invalid_argument, "nccl backend: " + bad);
+  }
+
   int rank() const { return ctx_->rank; }
   int size() const { return ctx_->size; }
   int device() const { return ctx_->device; }
@@ -293,23 +300,25 @@ class Nccl {
   ncclComm_t comm() const { return ctx_->comm; }
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    check(CollOp::all_reduce, src, dst, n, t, op, 0);
     return enqueue("all_reduce", l, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
     });
   }
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
+    check(CollOp::reduce_scatter, src, dst, n, t, op, 0);
     return enqueue("reduce_scatter", l, [&](ncclComm_t c, cudaStream_t s) {
       return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
     });
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    check(CollOp::all_gather, src, dst, n, t, ReduceOp::sum, 0);
     return enqueue("all_gather", l, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(src, dst, n, nccl_detail::nccl_type(t), c, s);
     });
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
-    ZP_EXPECT(root >= 0 && root < size(), "nccl backend: broadcast root ", root,
-              " is not a rank in [0, ", size(), ")");
+    check(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root);
     return enqueue("broadcast", l, [&](ncclComm_t c, cudaStream_t s) {
       return ncclBroadcast(src, dst, n, nccl_detail::nccl_type(t), root, c, s);
     });

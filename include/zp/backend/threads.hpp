@@ -7,9 +7,18 @@
 //
 // Waiting spins briefly only when there are no more ranks than cores, then sleeps on a
 // condition variable, so 8 ranks on 2 cores do not burn the CPU. Failure: a rank that throws
-// (under run_threads), leaves (its backend is destroyed) or mismatches a call poisons the
-// communicator, and every rank waiting in it throws zp::Error(Errc::aborted) naming the cause;
-// a rank that waits longer than Options::timeout throws Errc::timeout and poisons it too.
+// (under run_threads) or leaves (its backend is destroyed) poisons the communicator, and every
+// rank waiting in it throws zp::Error(Errc::aborted) naming the cause; a rank that waits longer
+// than Options::timeout throws Errc::timeout and poisons it too. Mismatched calls, and calls
+// with bad arguments (detail::check_call), are an invalid_argument on every rank naming the
+// ranks' calls or the argument, and the communicator stays usable (as with mpi).
+//
+// Lifetime and threads: a Work handle destroyed without wait() waits in its destructor, so an
+// operation never touches a buffer after its handle is gone. Once an operation's ranks have met,
+// it runs to the end even if the communicator is poisoned meanwhile: no rank returns while
+// another still reads or writes its buffers. Each rank of a World has at most one backend, and
+// its calls come from one thread at a time; a second backend for the same rank, or two threads
+// calling as one rank at once, is an error.
 #pragma once
 
 #include <algorithm>
@@ -51,7 +60,17 @@ struct Call {
   int root = 0;
   int color = -1;  // split only (op == barrier)
   int key = 0;
-  bool is_split = false;
+  // What the rank is doing: a collective, split, or leaving run_threads' function (so a rank
+  // that returns early is named as such, not as a barrier the user never called).
+  enum class Kind : std::uint8_t { op, split, finish } kind = Kind::op;
+  std::string rejected = {};  // why this rank's arguments failed check_call ("" if they did not)
+
+  std::string describe() const {
+    if (kind == Kind::finish) return "returned from its function (run_threads)";
+    if (kind == Kind::split) return detail::cat("called split(color=", color, ", key=", key, ")");
+    return detail::cat("called ", name(op), "(count=", count, ", dtype=", name(dtype),
+                       ", op=", name(reduce), ", root=", root, ")");
+  }
 };
 
 inline void cpu_relax() {
@@ -103,7 +122,29 @@ class World {
  private:
   friend class Threads;
   World(int n, Options opt)
-      : n_(n), opt_(opt), calls_(std::size_t(n)), seqs_(std::size_t(n), 0), split_(std::size_t(n)) {}
+      : n_(n),
+        opt_(opt),
+        calls_(std::size_t(n)),
+        seqs_(std::size_t(n), 0),
+        split_(std::size_t(n)),
+        owned_(std::size_t(n), false),
+        busy_(new std::atomic<bool>[std::size_t(n)]) {
+    for (int r = 0; r < n; ++r) busy_[std::size_t(r)].store(false, std::memory_order_relaxed);
+  }
+
+  // One backend per rank: two would meet each other in rendezvous instead of their peers.
+  void claim(int rank) {
+    std::lock_guard lk(m_);
+    ZP_EXPECT(!owned_[std::size_t(rank)], "threads backend: rank ", rank,
+              " of this world already has a backend; two backends for one rank would meet each "
+              "other instead of their peers (move the existing one instead)");
+    owned_[std::size_t(rank)] = true;
+  }
+
+  // Held while a rank issues a call (see detail::OneCaller).
+  detail::OneCaller busy(int rank, const char* what) {
+    return detail::OneCaller(busy_[std::size_t(rank)], "threads", what, rank);
+  }
 
   [[noreturn]] void throw_poisoned(int rank, const threads_detail::Call& c) const {
     throw Error(Errc::aborted, detail::cat("threads backend: rank ", rank, " in ", name(c.op),
@@ -137,11 +178,14 @@ class World {
       }
     }
     lk.lock();
-    const auto deadline = std::chrono::steady_clock::now() + opt_.timeout;
-    const bool done = cv_.wait_until(lk, deadline, [&] {
+    const auto deadline = detail::deadline_after(opt_.timeout);
+    const auto met = [&] {
       return generation_.load(std::memory_order_relaxed) != gen ||
              poisoned_.load(std::memory_order_relaxed);
-    });
+    };
+    bool done = true;
+    if (deadline == std::chrono::steady_clock::time_point::max()) cv_.wait(lk, met);
+    else done = cv_.wait_until(lk, deadline, met);
     if (generation_.load(std::memory_order_relaxed) != gen) return;  // completed, even if poisoned later
     lk.unlock();
     if (!done) {
@@ -152,6 +196,22 @@ class World {
       throw Error(Errc::timeout, "threads backend: " + why);
     }
     throw_poisoned(rank, c);
+  }
+
+  // The rendezvous that ends an operation whose ranks have all met in arrive(): it ignores
+  // poison and timeouts, because every one of them is already on its way here (bodies never
+  // block) and returning early would release buffers another rank is still reading.
+  void depart() {
+    std::unique_lock lk(m_);
+    const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      generation_.store(gen + 1, std::memory_order_release);
+      lk.unlock();
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != gen; });
   }
 
   int n_;
@@ -165,7 +225,12 @@ class World {
   std::vector<threads_detail::Call> calls_;   // slot r: rank r's current call
   std::vector<std::uint64_t> seqs_;            // operations issued, per rank (for messages)
   std::vector<std::shared_ptr<World>> split_;  // split results, by the group's first rank
+  std::vector<bool> owned_;                    // ranks that have a backend (guarded by m_)
+  std::unique_ptr<std::atomic<bool>[]> busy_;  // ranks inside a call (see busy())
 };
+
+template <class F>
+void run_threads(int ranks, F&& fn, World::Options opt = {});
 
 // The backend. One per rank; move-only. Destroying it while it is still a member (not moved
 // from) tells the other ranks it has left: any of them still inside, or later entering, a
@@ -175,9 +240,21 @@ class Threads {
   static constexpr MemorySpace memory = MemorySpace::host;
   static constexpr const char* name = "threads";
 
+  // A handle destroyed (or assigned over) without wait() waits for its operation, dropping its
+  // error: the operation's buffers are the caller's, and they may go right after.
   class Work {
    public:
     Work() = default;
+    Work(Work&&) noexcept = default;
+    Work& operator=(Work&& o) noexcept {
+      if (this != &o) {
+        finish_quietly();
+        state_ = std::move(o.state_);
+      }
+      return *this;
+    }
+    ~Work() { finish_quietly(); }
+
     void wait() {
       if (!state_) return;
       const auto s = std::move(state_);
@@ -201,6 +278,12 @@ class Threads {
 
    private:
     friend class Threads;
+    void finish_quietly() noexcept {
+      try {
+        wait();
+      } catch (...) {
+      }
+    }
     struct State {
       std::mutex m;
       std::condition_variable cv;
@@ -215,6 +298,7 @@ class Threads {
     ZP_EXPECT(world_ != nullptr, "threads backend: null world");
     ZP_EXPECT(rank >= 0 && rank < world_->size(), "threads backend: rank ", rank,
               " is not in [0, ", world_->size(), ")");
+    world_->claim(rank);
   }
   Threads(Threads&& o) noexcept
       : world_(std::move(o.world_)), rank_(o.rank_), progress_(std::move(o.progress_)) {}
@@ -250,9 +334,10 @@ class Threads {
   Work barrier(Launch l) { return submit({CollOp::barrier}, l); }
 
   Threads split(int color, int key) {
+    const auto busy = world_->busy(rank_, "split");
     drain();
     threads_detail::Call c{CollOp::barrier};
-    c.is_split = true;
+    c.kind = threads_detail::Call::Kind::split;
     c.color = color;
     c.key = key;
     std::shared_ptr<World> mine;
@@ -271,7 +356,7 @@ class Threads {
         std::lock_guard lk(world_->m_);
         world_->split_[std::size_t(leader)] = w;
       }
-      world_->arrive(rank_, c);  // the leader has published the group
+      world_->depart();  // the leader has published the group
       {
         std::lock_guard lk(world_->m_);
         mine = world_->split_[std::size_t(leader)];
@@ -322,6 +407,18 @@ class Threads {
     }
   };
 
+  template <class F>
+  friend void run_threads(int ranks, F&& fn, World::Options opt);
+
+  // run_threads' last rendezvous: every rank's function returned.
+  void finish() {
+    const auto busy = world_->busy(rank_, "finish");
+    drain();
+    threads_detail::Call c{CollOp::barrier};
+    c.kind = threads_detail::Call::Kind::finish;
+    run(*world_, rank_, c, [](const Calls&) {});
+  }
+
   void drain() {
     if (!progress_) return;
     std::unique_lock lk(progress_->m);
@@ -338,6 +435,10 @@ class Threads {
   }
 
   Work submit(threads_detail::Call c, Launch l) {
+    const auto busy = world_->busy(rank_, zp::name(c.op));
+    std::string bad = detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root,
+                                               rank_, size());
+    c.rejected = std::move(bad);
     if (l == Launch::blocking) {
       drain();
       execute(*world_, rank_, c);
@@ -371,6 +472,8 @@ class Threads {
   // Publishes this rank's call, meets the others, checks that all calls agree, runs body, and
   // meets again so no rank's buffers are released while another still reads or writes them.
   // Static, over (world, rank), because async jobs outlive moves of the backend object.
+  // A call rejected by check_call still meets the others, so every rank throws the same
+  // invalid_argument and the communicator stays usable.
   template <class Body>
   static void run(World& w, int rank, const threads_detail::Call& c, Body&& body) {
     ++w.seqs_[std::size_t(rank)];
@@ -380,20 +483,28 @@ class Threads {
     const auto& c0 = calls[0];
     for (int r = 1; r < w.size(); ++r) {
       const auto& cr = calls[std::size_t(r)];
-      if (cr.op != c0.op || cr.is_split != c0.is_split || cr.count != c0.count ||
-          cr.dtype != c0.dtype || cr.reduce != c0.reduce || cr.root != c0.root) {
+      if (cr.op != c0.op || cr.kind != c0.kind || cr.count != c0.count || cr.dtype != c0.dtype ||
+          cr.reduce != c0.reduce || cr.root != c0.root) {
         const std::string why = detail::cat(
-            "mismatched collective calls: rank 0 called ", c0.is_split ? "split" : zp::name(c0.op),
-            "(count=", c0.count, ", dtype=", zp::name(c0.dtype), ", op=", zp::name(c0.reduce),
-            ", root=", c0.root, ") but rank ", r, " called ", cr.is_split ? "split" : zp::name(cr.op),
-            "(count=", cr.count, ", dtype=", zp::name(cr.dtype), ", op=", zp::name(cr.reduce),
-            ", root=", cr.root, "); every rank must issue the same operations in the same order");
-        w.poison(why);
+            "mismatched collective calls: rank 0 ", c0.describe(), " but rank ", r, " ", cr.describe(),
+            "; every rank must issue the same operations in the same order");
+        w.depart();
         throw Error(Errc::invalid_argument, "threads backend: " + why);
       }
     }
+    int first = -1;
+    for (int r = 0; r < w.size() && first < 0; ++r)
+      if (!calls[std::size_t(r)].rejected.empty()) first = r;
+    if (first >= 0) {
+      const std::string why = !c.rejected.empty()
+                                  ? c.rejected
+                                  : detail::cat("rank ", first, " rejected its arguments: ",
+                                                calls[std::size_t(first)].rejected);
+      w.depart();
+      throw Error(Errc::invalid_argument, "threads backend: " + why);
+    }
     body(calls);
-    w.arrive(rank, c);
+    w.depart();
   }
 
   static void execute(World& w, int rank, const threads_detail::Call& c) {
@@ -473,7 +584,7 @@ static_assert(Backend<Threads>);
 // communicator is poisoned so the others fail fast, and the first failure (not the aborts it
 // caused) is rethrown here.
 template <class F>
-void run_threads(int ranks, F&& fn, World::Options opt = {}) {
+void run_threads(int ranks, F&& fn, World::Options opt) {
   auto world = World::create(ranks, opt);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
   std::atomic<int> first{-1};
@@ -488,7 +599,7 @@ void run_threads(int ranks, F&& fn, World::Options opt = {}) {
         fn(comm);
         // Leaving normally is not a failure: wait for every rank to finish before the
         // communicator is torn down.
-        comm.barrier();
+        comm.backend().finish();
       } catch (const std::exception& e) {
         errors[std::size_t(r)] = std::current_exception();
         const auto* ze = dynamic_cast<const Error*>(&e);

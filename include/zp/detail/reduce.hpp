@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 
 #include "zp/collective.hpp"
 #include "zp/dtype.hpp"
@@ -23,7 +24,14 @@ inline void combine(A* acc, const A* a, const A* b, std::size_t n, ReduceOp op) 
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
+      if constexpr (std::is_integral_v<A>) {
+        // Integer sums wrap around (two's complement), as MPI's do in practice: defined here,
+        // where signed overflow would be undefined behaviour.
+        using U = std::make_unsigned_t<A>;
+        for (std::size_t i = 0; i < n; ++i) acc[i] = A(U(a[i]) + U(b[i]));
+      } else {
+        for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
+      }
       break;
     case ReduceOp::max:
       for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] < b[i] ? b[i] : a[i];

@@ -37,7 +37,7 @@ inline const char* name(Isa isa) noexcept {
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
   }
-  return "?";
+  return "unknown";  // a value cast from an integer outside the enum
 }
 
 // Whether this CPU (and OS) can run a level. avx2 means AVX2 with FMA and F16C.
@@ -91,6 +91,8 @@ inline constexpr std::size_t min_tile = std::size_t(1) << 16;
 
 inline Isa resolve(Isa isa) {
   if (isa == Isa::best) return best_isa();
+  ZP_EXPECT(isa >= Isa::best && isa <= Isa::avx512, "optimizer: instruction set Isa(", static_cast<int>(isa),
+            ") is not one of best, portable, avx2, avx512 (0 to 3)");
   ZP_EXPECT(supported(isa), "optimizer: instruction set ", name(isa), " is not supported by this CPU");
   return isa;
 }

@@ -12,15 +12,29 @@
 // multiply-add is an explicit fma. So no compiler can contract it differently on the host, in the
 // SIMD paths or on the device, and all of them give bitwise the same results (tested for the CPU
 // levels). This needs IEEE division and square root (nvcc's defaults; not --use_fast_math).
+//
+// Validation: detail::prepare, which runs once per step on the host, calls validate(o) first, so
+// a bad hyper-parameter (PyTorch's rules: lr finite and >= 0, betas in [0, 1), ...) throws
+// zp::Error(invalid_argument) naming it before anything is written, whenever it changes, at no
+// cost to the per-element code. describe() and fingerprint() name and hash the values, for
+// messages and for comparing them across ranks.
 #pragma once
 
 #include <array>
+#include <charconv>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
+#include <limits>
 #include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "zp/config.hpp"
+#include "zp/detail/hash.hpp"
 #include "zp/dtype.hpp"
+#include "zp/error.hpp"
 
 namespace zp::optim {
 
@@ -53,6 +67,122 @@ template <> inline constexpr int state_slots<Lion> = 1;
 
 template <class O>
 concept Optimizer = state_slots<O> > 0;
+
+namespace detail {
+
+// Each optimizer's name and fields in declaration order, for describe() and fingerprint().
+inline const char* type_name(const AdamW&) { return "AdamW"; }
+inline const char* type_name(const Adam&) { return "Adam"; }
+inline const char* type_name(const Sgd&) { return "Sgd"; }
+inline const char* type_name(const Lion&) { return "Lion"; }
+template <class O, class F>
+  requires std::same_as<O, AdamW> || std::same_as<O, Adam>
+void for_each_field(const O& o, F&& f) {
+  f("lr", o.lr);
+  f("beta1", o.beta1);
+  f("beta2", o.beta2);
+  f("eps", o.eps);
+  f("weight_decay", o.weight_decay);
+}
+template <class F>
+void for_each_field(const Sgd& o, F&& f) {
+  f("lr", o.lr);
+  f("momentum", o.momentum);
+  f("dampening", o.dampening);
+  f("weight_decay", o.weight_decay);
+  f("nesterov", o.nesterov);
+}
+template <class F>
+void for_each_field(const Lion& o, F&& f) {
+  f("lr", o.lr);
+  f("beta1", o.beta1);
+  f("beta2", o.beta2);
+  f("weight_decay", o.weight_decay);
+}
+
+// The shortest text that reads back as the same float: two different values never print alike
+// (1.0000001f is not "1"), which matters in messages about a value that is just out of range.
+inline std::string show(float x) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, x).ptr);
+}
+
+// The allowed ranges of a hyper-parameter.
+enum class Range { non_negative, unit_open, unit_closed };  // [0, max], [0, 1), [0, 1], all finite
+
+// Throws unless x is in the range. Written as !(in range) so that NaN fails every test.
+inline void expect_in(const char* opt, const char* field, float x, Range r) {
+  const bool ok = r == Range::non_negative ? x >= 0.0f && x <= std::numeric_limits<float>::max()
+                  : r == Range::unit_open  ? x >= 0.0f && x < 1.0f
+                                           : x >= 0.0f && x <= 1.0f;
+  ZP_EXPECT(ok, opt, ": ", field, " must be ",
+            r == Range::non_negative ? "finite and >= 0" : r == Range::unit_open ? "in [0, 1)" : "in [0, 1]",
+            ", got ", show(x));
+}
+
+}  // namespace detail
+
+namespace detail {
+// AdamW and Adam share their rules (torch.optim.Adam's).
+template <class O>
+void validate_adam(const O& o) {
+  const char* n = type_name(o);
+  expect_in(n, "lr", o.lr, Range::non_negative);
+  expect_in(n, "beta1", o.beta1, Range::unit_open);
+  expect_in(n, "beta2", o.beta2, Range::unit_open);
+  expect_in(n, "eps", o.eps, Range::non_negative);
+  expect_in(n, "weight_decay", o.weight_decay, Range::non_negative);
+}
+}  // namespace detail
+
+// Throw zp::Error(invalid_argument) naming the first bad hyper-parameter and its value.
+inline void validate(const AdamW& o) { detail::validate_adam(o); }
+inline void validate(const Adam& o) { detail::validate_adam(o); }
+inline void validate(const Sgd& o) {
+  using detail::Range;
+  detail::expect_in("Sgd", "lr", o.lr, Range::non_negative);
+  detail::expect_in("Sgd", "momentum", o.momentum, Range::non_negative);
+  detail::expect_in("Sgd", "dampening", o.dampening, Range::unit_closed);
+  detail::expect_in("Sgd", "weight_decay", o.weight_decay, Range::non_negative);
+  ZP_EXPECT(!o.nesterov || (o.momentum > 0.0f && o.dampening == 0.0f),
+            "Sgd: Nesterov momentum requires a momentum and zero dampening, got momentum ",
+            detail::show(o.momentum), ", dampening ", detail::show(o.dampening));
+}
+inline void validate(const Lion& o) {
+  using detail::Range;
+  detail::expect_in("Lion", "lr", o.lr, Range::non_negative);
+  detail::expect_in("Lion", "beta1", o.beta1, Range::unit_closed);
+  detail::expect_in("Lion", "beta2", o.beta2, Range::unit_closed);
+  detail::expect_in("Lion", "weight_decay", o.weight_decay, Range::non_negative);
+}
+
+// "AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)": every field, each
+// float in its shortest exact form.
+template <Optimizer O>
+std::string describe(const O& o) {
+  std::string out = std::string(detail::type_name(o)) + '(';
+  bool first = true;
+  detail::for_each_field(o, [&](const char* name, auto x) {
+    out += first ? "" : ", ";
+    first = false;
+    out += name;
+    out += '=';
+    if constexpr (std::is_same_v<decltype(x), bool>) out += x ? "true" : "false";
+    else out += detail::show(x);
+  });
+  return out + ')';
+}
+
+// FNV-1a (zp::detail::Fnv1a) of the type's name and the exact bits of every field (so -0 differs
+// from 0; never padding): it differs between two ranks whenever the type or any field's bits
+// differ (barring a 64-bit collision).
+template <Optimizer O>
+std::uint64_t fingerprint(const O& o) {
+  zp::detail::Fnv1a h;
+  h.add(std::string_view(detail::type_name(o)));
+  detail::for_each_field(o, [&h](const char*, auto x) { h.add(x); });
+  return h.value();
+}
 
 // One shard's buffers, all of the same length: the fp32 master weights (updated in place), the
 // gradient in G (read only), the fp32 state (state[0..state_slots) used, updated in place) and
@@ -131,6 +261,7 @@ struct Step<Lion> {
 };
 
 inline Step<AdamW> prepare(const AdamW& o, const StepScalars& s) {
+  validate(o);
   const double t = double(s.step);
   const double bc1 = 1.0 - std::pow(double(o.beta1), t);
   const double bc2 = 1.0 - std::pow(double(o.beta2), t);
@@ -144,6 +275,7 @@ inline Step<AdamW> prepare(const AdamW& o, const StepScalars& s) {
           float(-double(o.lr) / bc1)};
 }
 inline Step<Adam> prepare(const Adam& o, const StepScalars& s) {
+  validate(o);
   const double t = double(s.step);
   const double bc1 = 1.0 - std::pow(double(o.beta1), t);
   const double bc2 = 1.0 - std::pow(double(o.beta2), t);
@@ -157,6 +289,7 @@ inline Step<Adam> prepare(const Adam& o, const StepScalars& s) {
           float(-double(o.lr) / bc1)};
 }
 inline Step<Sgd> prepare(const Sgd& o, const StepScalars& s) {
+  validate(o);
   const bool first = s.step <= 1;
   return {s.grad_mul,
           o.weight_decay,
@@ -168,6 +301,7 @@ inline Step<Sgd> prepare(const Sgd& o, const StepScalars& s) {
           o.nesterov};
 }
 inline Step<Lion> prepare(const Lion& o, const StepScalars& s) {
+  validate(o);
   return {s.grad_mul,
           float(1.0 - double(o.lr) * double(o.weight_decay)),
           o.beta1,

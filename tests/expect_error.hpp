@@ -1,0 +1,28 @@
+// tests/expect_error.hpp: the check every "bad input is a clear error" test makes.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "zp/error.hpp"
+
+namespace zp::test {
+
+// Runs f, which must throw zp::Error with Errc::invalid_argument whose what() contains every
+// needle (the value and the parameter it names); a call that does not throw fails the check.
+template <class F>
+void expect_invalid(F&& f, std::initializer_list<std::string> needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    CHECK(e.category() == Errc::invalid_argument);
+    INFO("message: ", std::string(e.what()));
+    for (const std::string& n : needles) CHECK_MESSAGE(std::string(e.what()).find(n) != std::string::npos, "missing \"", n, "\"");
+    return;
+  }
+  FAIL_CHECK("no zp::Error thrown; expected one containing \"", needles.size() ? *needles.begin() : "", "\"");
+}
+
+}  // namespace zp::test
