@@ -262,7 +262,9 @@ class Threads {
       {
         std::unique_lock lk(s->m);
         s->cv.wait(lk, [&] { return s->done; });
-        error = s->error;
+        // Moved out, so the exception is released by this thread alone, never concurrently by
+        // the progress thread dropping its job.
+        error = std::move(s->error);
       }
       if (error) std::rethrow_exception(error);
     }
@@ -460,7 +462,7 @@ class Threads {
           err = std::current_exception();
         }
         std::lock_guard lk2(state->m);
-        state->error = err;
+        state->error = std::move(err);  // the waiter then holds the only reference (see wait)
         state->done = true;
         state->cv.notify_all();
       });
