@@ -31,6 +31,19 @@ EngineConfig test_config(int micro_batch, int gas) {
   return c;
 }
 
+// Forward through every module inside the engine's guards on samples [first, first + 2), and
+// the loss seeding backward.
+template <class E, class T>
+void forward_all(E& e, Mlp<T>& m, std::int64_t first) {
+  std::vector<int> labels;
+  m.load(first, 2, labels);
+  for (int l = 0; l < m.modules(); ++l) {
+    auto g = e.forward(l);
+    m.forward(l);
+  }
+  m.loss(labels, e.loss_scale());
+}
+
 template <class T>
 struct Trained {
   std::vector<T> params;
@@ -399,13 +412,7 @@ TEST_CASE("parameters never touched by backward count as zero gradients instead 
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> model;
     zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
-    std::vector<int> labels;
-    model.load(comm.rank() * 2, 2, labels);
-    for (int l = 0; l < model.modules(); ++l) {
-      auto g = engine.forward(l);
-      model.forward(l);
-    }
-    model.loss(labels, 1.0f);
+    forward_all(engine, model, comm.rank() * 2);
     for (int l = model.modules() - 1; l >= 2; --l) {  // layers 0 and 1 frozen this time
       auto g = engine.backward(l);
       model.backward(l);
@@ -423,13 +430,7 @@ namespace {
 // launch their buckets' reductions, which are still in flight when this returns.
 template <class E, class T>
 void forward_backward(E& e, Mlp<T>& m, std::int64_t first, int throw_in_backward_of = -1) {
-  std::vector<int> labels;
-  m.load(first, 2, labels);
-  for (int l = 0; l < m.modules(); ++l) {
-    auto g = e.forward(l);
-    m.forward(l);
-  }
-  m.loss(labels, e.loss_scale());
+  forward_all(e, m, first);
   for (int l = m.modules() - 1; l >= 0; --l) {
     auto g = e.backward(l);
     m.backward(l);
@@ -517,13 +518,7 @@ TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> model;
     E engine(comm, model, test_config(2, 1));
-    std::vector<int> labels;
-    model.load(comm.rank() * 2, 2, labels);
-    for (int l = 0; l < model.modules(); ++l) {
-      auto g = engine.forward(l);
-      model.forward(l);
-    }
-    model.loss(labels, 1.0f);
+    forward_all(engine, model, comm.rank() * 2);
     {
       auto open = engine.forward(1);
       zp::test::expect_invalid([&] { engine.step(); }, {"step() called in optimizer step 1", "forward guard of module 1 is still open"});

@@ -246,6 +246,7 @@ class Engine {
   // ---- the training loop ----------------------------------------------------------------------
 
   ModuleGuard forward(int m) {
+    check_module(m);
     enter(m, m + 1);
     ++mods_[std::size_t(m)].forward_open;
     return ModuleGuard(this, m, false);
@@ -442,10 +443,9 @@ class Engine {
                   e.native_code());
     }
   }
-  // A guard's start: stage 3 gathers module m (waiting for its prefetch) and prefetches the
-  // module that runs next (m + 1 in forward, m - 1 in backward).
+  // A guard's start (m already checked): stage 3 gathers module m (waiting for its prefetch) and
+  // prefetches the module that runs next (m + 1 in forward, m - 1 in backward).
   void enter(int m, int next) {
-    check_module(m);
     if constexpr (Stage == 3) {
       in_context(next > m ? "forward()" : "backward()", [&] {
         ensure_gathered(m);

@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <source_location>
@@ -110,6 +111,12 @@ std::size_t checked_add(std::size_t a, std::size_t b, const Ctx&... what) {
   if (__builtin_add_overflow(a, b, &r)) [[unlikely]]
     throw Error(Errc::invalid_argument, cat(what..., ": ", a, " + ", b, " overflows a 64-bit size"));
   return r;
+}
+
+// A setting that must be a finite, non-negative number (learning rates, decay rates): NaN fails.
+inline void expect_finite_non_negative(double x, const char* who, const char* field) {
+  if (!(std::isfinite(x) && x >= 0.0)) [[unlikely]]
+    throw Error(Errc::invalid_argument, cat(who, ": ", field, " must be finite and >= 0, got ", x));
 }
 
 // The deadline `timeout` from now; time_point::max() ("never") for timeouts so long that

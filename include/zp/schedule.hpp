@@ -39,7 +39,7 @@ inline void check_iteration(std::int64_t it) { ZP_EXPECT(it >= 0, "schedule: ite
 struct Constant {
   double value = 1e-3;
   void check() const {
-    ZP_EXPECT(std::isfinite(value) && value >= 0.0, "schedule: Constant: value must be finite and >= 0, got ", value);
+    zp::detail::expect_finite_non_negative(value, "schedule: Constant", "value");
   }
   double lr(std::int64_t it) const {
     check();
@@ -54,10 +54,8 @@ struct WarmupLR {
   std::int64_t warmup_num_steps = 1000;
   Warmup warmup_type = Warmup::log;
   void check() const {
-    ZP_EXPECT(std::isfinite(warmup_min_lr) && warmup_min_lr >= 0.0,
-              "schedule: WarmupLR: warmup_min_lr must be finite and >= 0, got ", warmup_min_lr);
-    ZP_EXPECT(std::isfinite(warmup_max_lr) && warmup_max_lr >= 0.0,
-              "schedule: WarmupLR: warmup_max_lr must be finite and >= 0, got ", warmup_max_lr);
+    zp::detail::expect_finite_non_negative(warmup_min_lr, "schedule: WarmupLR", "warmup_min_lr");
+    zp::detail::expect_finite_non_negative(warmup_max_lr, "schedule: WarmupLR", "warmup_max_lr");
     ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupLR: warmup_num_steps must be >= 0, got ", warmup_num_steps);
   }
   double lr(std::int64_t it) const {
@@ -75,10 +73,8 @@ struct WarmupDecayLR {
   std::int64_t total_num_steps = 10000;
   Warmup warmup_type = Warmup::log;
   void check() const {
-    ZP_EXPECT(std::isfinite(warmup_min_lr) && warmup_min_lr >= 0.0,
-              "schedule: WarmupDecayLR: warmup_min_lr must be finite and >= 0, got ", warmup_min_lr);
-    ZP_EXPECT(std::isfinite(warmup_max_lr) && warmup_max_lr >= 0.0,
-              "schedule: WarmupDecayLR: warmup_max_lr must be finite and >= 0, got ", warmup_max_lr);
+    zp::detail::expect_finite_non_negative(warmup_min_lr, "schedule: WarmupDecayLR", "warmup_min_lr");
+    zp::detail::expect_finite_non_negative(warmup_max_lr, "schedule: WarmupDecayLR", "warmup_max_lr");
     ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupDecayLR: warmup_num_steps must be >= 0, got ",
               warmup_num_steps);
     ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupDecayLR: total_num_steps (", total_num_steps,
@@ -109,8 +105,7 @@ struct WarmupCosineLR {
   double cos_min_ratio = 0.0001;
   Warmup warmup_type = Warmup::log;
   void check() const {
-    ZP_EXPECT(std::isfinite(base_lr) && base_lr >= 0.0,
-              "schedule: WarmupCosineLR: base_lr must be finite and >= 0, got ", base_lr);
+    zp::detail::expect_finite_non_negative(base_lr, "schedule: WarmupCosineLR", "base_lr");
     ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupCosineLR: warmup_num_steps must be >= 0, got ",
               warmup_num_steps);
     ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupCosineLR: total_num_steps (", total_num_steps,
@@ -152,12 +147,9 @@ struct OneCycle {
   double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
 
   void check() const {
-    ZP_EXPECT(std::isfinite(cycle_min_lr) && cycle_min_lr >= 0.0,
-              "schedule: OneCycle: cycle_min_lr must be finite and >= 0, got ", cycle_min_lr);
-    ZP_EXPECT(std::isfinite(cycle_max_lr) && cycle_max_lr >= 0.0,
-              "schedule: OneCycle: cycle_max_lr must be finite and >= 0, got ", cycle_max_lr);
-    ZP_EXPECT(std::isfinite(decay_lr_rate) && decay_lr_rate >= 0.0,
-              "schedule: OneCycle: decay_lr_rate must be finite and >= 0, got ", decay_lr_rate);
+    zp::detail::expect_finite_non_negative(cycle_min_lr, "schedule: OneCycle", "cycle_min_lr");
+    zp::detail::expect_finite_non_negative(cycle_max_lr, "schedule: OneCycle", "cycle_max_lr");
+    zp::detail::expect_finite_non_negative(decay_lr_rate, "schedule: OneCycle", "decay_lr_rate");
     ZP_EXPECT(cycle_first_step_size >= 1, "schedule: OneCycle: cycle_first_step_size must be >= 1, got ",
               cycle_first_step_size);
     ZP_EXPECT(cycle_second_step_size >= 0,
@@ -168,10 +160,8 @@ struct OneCycle {
               "schedule: OneCycle: cycle_first_step_size (", cycle_first_step_size, ") + cycle_second_step_size (",
               cycle_second_step_size, ") overflows");
     ZP_EXPECT(decay_step_size >= 0, "schedule: OneCycle: decay_step_size must be >= 0, got ", decay_step_size);
-    ZP_EXPECT(std::isfinite(cycle_min_mom) && cycle_min_mom >= 0.0,
-              "schedule: OneCycle: cycle_min_mom must be finite and >= 0, got ", cycle_min_mom);
-    ZP_EXPECT(std::isfinite(cycle_max_mom) && cycle_max_mom >= 0.0,
-              "schedule: OneCycle: cycle_max_mom must be finite and >= 0, got ", cycle_max_mom);
+    zp::detail::expect_finite_non_negative(cycle_min_mom, "schedule: OneCycle", "cycle_min_mom");
+    zp::detail::expect_finite_non_negative(cycle_max_mom, "schedule: OneCycle", "cycle_max_mom");
     ZP_EXPECT(cycle_min_mom <= cycle_max_mom, "schedule: OneCycle: cycle_min_mom (", cycle_min_mom,
               ") must be <= cycle_max_mom (", cycle_max_mom, ")");
     ZP_EXPECT(std::isfinite(decay_mom_rate), "schedule: OneCycle: decay_mom_rate must be finite, got ", decay_mom_rate);

@@ -153,6 +153,18 @@ class World {
   }
   std::uint64_t seq_of(int rank) const { return seqs_[std::size_t(rank)]; }
 
+  // Counts this rank in (m_ held): the last of the n completes the generation, releases the lock
+  // and wakes the others (returns true); the others learn the generation they wait to end.
+  bool count_in(std::unique_lock<std::mutex>& lk, std::uint64_t& gen) {
+    gen = generation_.load(std::memory_order_relaxed);
+    if (++arrived_ != n_) return false;
+    arrived_ = 0;
+    generation_.store(gen + 1, std::memory_order_release);
+    lk.unlock();
+    cv_.notify_all();
+    return true;
+  }
+
   // Rendezvous of all ranks. Throws if the communicator is or becomes poisoned, or on timeout.
   void arrive(int rank, const threads_detail::Call& c) {
     std::unique_lock lk(m_);
@@ -160,14 +172,8 @@ class World {
       lk.unlock();
       throw_poisoned(rank, c);
     }
-    const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      generation_.store(gen + 1, std::memory_order_release);
-      lk.unlock();
-      cv_.notify_all();
-      return;
-    }
+    std::uint64_t gen = 0;
+    if (count_in(lk, gen)) return;
     lk.unlock();
     // Spin a little when every rank can have its own core: an operation's two rendezvous then
     // cost microseconds instead of a sleep and wake-up.
@@ -203,14 +209,8 @@ class World {
   // block) and returning early would release buffers another rank is still reading.
   void depart() {
     std::unique_lock lk(m_);
-    const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      generation_.store(gen + 1, std::memory_order_release);
-      lk.unlock();
-      cv_.notify_all();
-      return;
-    }
+    std::uint64_t gen = 0;
+    if (count_in(lk, gen)) return;
     cv_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != gen; });
   }
 

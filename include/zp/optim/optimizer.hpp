@@ -100,13 +100,6 @@ void for_each_field(const Lion& o, F&& f) {
   f("weight_decay", o.weight_decay);
 }
 
-// The shortest text that reads back as the same float: two different values never print alike
-// (1.0000001f is not "1"), which matters in messages about a value that is just out of range.
-inline std::string show(float x) {
-  char buf[32];
-  return std::string(buf, std::to_chars(buf, buf + sizeof buf, x).ptr);
-}
-
 // The allowed ranges of a hyper-parameter.
 enum class Range { non_negative, unit_open, unit_closed };  // [0, max], [0, 1), [0, 1], all finite
 
@@ -117,7 +110,7 @@ inline void expect_in(const char* opt, const char* field, float x, Range r) {
                                            : x >= 0.0f && x <= 1.0f;
   ZP_EXPECT(ok, opt, ": ", field, " must be ",
             r == Range::non_negative ? "finite and >= 0" : r == Range::unit_open ? "in [0, 1)" : "in [0, 1]",
-            ", got ", show(x));
+            ", got ", x);
 }
 
 }  // namespace detail
@@ -146,7 +139,7 @@ inline void validate(const Sgd& o) {
   detail::expect_in("Sgd", "weight_decay", o.weight_decay, Range::non_negative);
   ZP_EXPECT(!o.nesterov || (o.momentum > 0.0f && o.dampening == 0.0f),
             "Sgd: Nesterov momentum requires a momentum and zero dampening, got momentum ",
-            detail::show(o.momentum), ", dampening ", detail::show(o.dampening));
+            o.momentum, ", dampening ", o.dampening);
 }
 inline void validate(const Lion& o) {
   using detail::Range;
@@ -168,7 +161,7 @@ std::string describe(const O& o) {
     out += name;
     out += '=';
     if constexpr (std::is_same_v<decltype(x), bool>) out += x ? "true" : "false";
-    else out += detail::show(x);
+    else out += zp::detail::cat(x);
   });
   return out + ')';
 }
