@@ -175,14 +175,7 @@ class World {
     std::uint64_t gen = 0;
     if (count_in(lk, gen)) return;
     lk.unlock();
-    // Spin a little when every rank can have its own core: an operation's two rendezvous then
-    // cost microseconds instead of a sleep and wake-up.
-    if (n_ <= int(std::thread::hardware_concurrency())) {
-      for (int i = 0; i < 4000; ++i) {
-        if (generation_.load(std::memory_order_acquire) != gen || poisoned()) break;
-        threads_detail::cpu_relax();
-      }
-    }
+    spin_while(gen, true);
     lk.lock();
     const auto deadline = detail::deadline_after(opt_.timeout);
     const auto met = [&] {
@@ -211,7 +204,20 @@ class World {
     std::unique_lock lk(m_);
     std::uint64_t gen = 0;
     if (count_in(lk, gen)) return;
+    lk.unlock();
+    spin_while(gen, false);
+    lk.lock();
     cv_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != gen; });
+  }
+
+  // Spins a little while generation `gen` lasts, when every rank can have its own core: an
+  // operation's two rendezvous then cost microseconds instead of a sleep and wake-up.
+  void spin_while(std::uint64_t gen, bool until_poisoned) const {
+    if (n_ > int(std::thread::hardware_concurrency())) return;
+    for (int i = 0; i < 4000; ++i) {
+      if (generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned())) return;
+      threads_detail::cpu_relax();
+    }
   }
 
   int n_;
