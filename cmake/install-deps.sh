@@ -2,7 +2,8 @@
 # Installs, from Debian's packages, whatever zp's build, tests, benchmarks and demo need and is
 # missing. The CUDA toolkit (optional) is expected in /usr/local/cuda.
 set -euo pipefail
-pkgs=(cmake ninja-build g++ make doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin)
+pkgs=(cmake ninja-build g++ make doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin
+      nlohmann-json3-dev python3-numpy python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -13,4 +14,20 @@ if ((${#missing[@]})); then
   [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The safetensors cross-check (ctest zp.test.safetensors.python) runs the reference reader, the
+# `safetensors` package from PyPI, in a virtual environment at this fixed place, which
+# tests/CMakeLists.txt also names: ${XDG_CACHE_HOME:-~/.cache}/zp/venv. It is built on Debian's
+# python3 (not whatever python3 comes first on PATH) so --system-site-packages brings the numpy
+# installed above. Offline, this only warns: the rest of zp builds, and that one test fails
+# saying what is missing.
+venv="${XDG_CACHE_HOME:-$HOME/.cache}/zp/venv"
+if ! "$venv/bin/python" -c "import numpy, safetensors" 2>/dev/null; then
+  echo "zp: installing safetensors into $venv"
+  if ! { /usr/bin/python3 -m venv --system-site-packages "$venv" &&
+         "$venv/bin/python" -m pip install -q --disable-pip-version-check safetensors; }; then
+    echo "zp: warning: could not install safetensors into $venv (offline?);" \
+         "zp.test.safetensors.python will fail until this script succeeds" >&2
+  fi
 fi

@@ -8,22 +8,34 @@
 //
 //   zp_demo [--stage 0-3] [--backend threads|mpi] [--ranks N] [--precision fp32|bf16|fp16]
 //           [--accum N] [--steps N] [--micro-batch N] [--lr X] [--log-every N] [--text PATH]...
+//           [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
+//           [--wall-clock-breakdown] [--log-json PATH]
+//
+// A run saved with --checkpoint-dir/--save-every can be killed at any moment (kill -9) and goes
+// on with --resume from the last complete checkpoint, at any --ranks, --stage or --backend.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/schedule.hpp"
+#if ZP_DEMO_IO
+#include "zp/checkpoint.hpp"
+#endif
 #if ZP_DEMO_MPI
 #include "zp/backend/mpi.hpp"
 #endif
@@ -226,6 +238,9 @@ struct Options {
   std::string backend = "threads", precision = "bf16";
   float lr = 3e-3f;
   std::vector<std::string> text;
+  std::string checkpoint_dir, export_dir, log_json;
+  int save_every = 0;
+  bool resume = false, breakdown = false;
 };
 
 const char* usage =
@@ -240,6 +255,12 @@ const char* usage =
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
+    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
+    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: never)\n"
+    "  --resume           continue from D/latest (any --ranks, --stage, --backend)\n"
+    "  --export DIR       write the trained model as DIR/model.safetensors at the end\n"
+    "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
+    "  --log-json PATH    append one JSON line per step: loss and phase times (tools/plot_timers.py)\n"
     "  --help             this text\n";
 
 [[noreturn]] void bad(const std::string& msg) {
@@ -263,6 +284,10 @@ Options parse(int argc, char** argv) {
       std::fputs(usage, stdout);
       std::exit(0);
     }
+    if (a == "--resume" || a == "--wall-clock-breakdown") {
+      (a == "--resume" ? o.resume : o.breakdown) = true;
+      continue;
+    }
     if (i + 1 >= argc) bad("unknown flag or missing value: '" + a + "'");
     const std::string v = argv[++i];
     if (a == "--stage") o.stage = to_int(a, v, 0, 3);
@@ -271,6 +296,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = to_int(a, v, 1, 10000000);
     else if (a == "--micro-batch") o.micro_batch = to_int(a, v, 1, 65536);
     else if (a == "--log-every") o.log_every = to_int(a, v, 1, 10000000);
+    else if (a == "--save-every") o.save_every = to_int(a, v, 1, 10000000);
+    else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
+    else if (a == "--export") o.export_dir = v;
+    else if (a == "--log-json") o.log_json = v;
     else if (a == "--backend") {
       if (v != "threads" && v != "mpi") bad("--backend expects threads or mpi, got '" + v + "'");
       o.backend = v;
@@ -287,6 +316,11 @@ Options parse(int argc, char** argv) {
       bad("unknown flag '" + a + "'");
     }
   }
+  if ((o.save_every || o.resume) && o.checkpoint_dir.empty()) bad("--save-every and --resume need --checkpoint-dir");
+#if !ZP_DEMO_IO
+  if (!o.checkpoint_dir.empty() || !o.export_dir.empty())
+    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no checkpoints");
+#endif
   if (o.text.empty()) {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator("/usr/share/common-licenses", ec))
@@ -314,6 +348,8 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
   cfg.bucket_bytes = std::size_t(256) << 10;  // several buckets even for this small model
   cfg.first_bucket_bytes = std::size_t(64) << 10;
   cfg.persist_threshold = 10000;              // the output bias and small layers stay gathered
+  cfg.wall_clock_breakdown = o.breakdown;
+  cfg.steps_per_print = o.log_every;
   if (o.precision == "fp16") cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   zp::Engine<B, T, Stage> engine(comm, model, cfg, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
   const zp::schedule::WarmupCosineLR schedule{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
@@ -327,10 +363,12 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
                 Stage, B::name, n, o.precision.c_str(), o.micro_batch, o.accum, n,
                 static_cast<long long>(engine.batch().train_batch_size));
   }
-  std::mt19937_64 rng(1000003ull * std::uint64_t(r) + 17);
+  // Each micro-batch's samples depend only on (rank, step, micro-step), so a resumed run needs
+  // nothing but the step to continue the same data stream.
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
-  auto next_batch = [&] {
+  auto next_batch = [&](std::int64_t step, int a) {
+    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull + std::uint64_t(r) * 7919 + 17);
     model.batch = o.micro_batch;
     model.ctx.resize(std::size_t(o.micro_batch * dims.context));
     model.target.resize(std::size_t(o.micro_batch));
@@ -341,18 +379,36 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
     }
   };
 
+  int first_step = 0;
+#if ZP_DEMO_IO
+  if (o.resume) {
+    const std::vector<std::byte> blob = zp::load_checkpoint(engine, o.checkpoint_dir);
+    std::int64_t done = 0;
+    if (blob.size() != sizeof done) throw std::runtime_error("the checkpoint's user data is not a zp_demo step count");
+    std::memcpy(&done, blob.data(), sizeof done);
+    first_step = int(done);
+    if (lead)
+      std::printf("resumed from %s/%s at step %d (%lld updates applied)\n", o.checkpoint_dir.c_str(),
+                  zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(), first_step,
+                  static_cast<long long>(engine.steps()));
+  }
+#endif
+  std::FILE* json = nullptr;
+  if (lead && !o.log_json.empty() && !(json = std::fopen(o.log_json.c_str(), "a")))
+    throw std::runtime_error("cannot open --log-json " + o.log_json + ": " + std::strerror(errno));
+  zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
   auto t_log = t0;
   double window_loss = 0, first_loss = -1, last_loss = 0;
   int window_steps = 0;
   std::int64_t window_tokens = 0;
   std::uint64_t skipped = 0;
-  for (int step = 0; step < o.steps; ++step) {
+  for (int step = first_step; step < o.steps; ++step) {
     engine.optimizer().lr = float(schedule.lr(engine.steps()));
     double loss = 0;
     zp::StepResult res;
     for (int a = 0; a < o.accum; ++a) {
-      next_batch();
+      next_batch(step, a);
       for (int m = 0; m < model.modules; ++m) {
         auto g = engine.forward(m);
         model.forward(m);
@@ -365,10 +421,18 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
       res = engine.step();
     }
     skipped += res.overflow;
+    if (step > first_step) {
+      const zp::StepTimes& t = res.times;
+      for (auto f : {&zp::StepTimes::total, &zp::StepTimes::forward, &zp::StepTimes::backward, &zp::StepTimes::gather_wait,
+                     &zp::StepTimes::reduce_wait, &zp::StepTimes::statistics, &zp::StepTimes::optimizer,
+                     &zp::StepTimes::gather, &zp::StepTimes::reduce_span, &zp::StepTimes::reduce_exposed})
+        sum.*f += t.*f;
+    }
+    if (json) std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss, res.times.json_fields().c_str());
     window_loss += loss;
     ++window_steps;
     window_tokens += std::int64_t(o.micro_batch) * o.accum * n;
-    if ((step + 1) % o.log_every == 0 || step == 0 || step + 1 == o.steps) {
+    if ((step + 1) % o.log_every == 0 || step == first_step || step + 1 == o.steps) {
       double mean = window_loss / window_steps;
       comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);  // the global mean loss
       const auto now = std::chrono::steady_clock::now();
@@ -386,7 +450,22 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
       window_steps = 0;
       window_tokens = 0;
     }
+#if ZP_DEMO_IO
+    if (o.save_every && (step + 1) % o.save_every == 0) {
+      const std::int64_t done = step + 1;
+      const std::string tag = "step" + std::to_string(done);
+      zp::save_checkpoint(engine, o.checkpoint_dir, tag, std::as_bytes(std::span<const std::int64_t>(&done, 1)));
+      if (lead) std::printf("saved %s/%s\n", o.checkpoint_dir.c_str(), tag.c_str());
+    }
+#endif
   }
+#if ZP_DEMO_IO
+  if (!o.export_dir.empty()) {
+    zp::export_safetensors(engine, o.export_dir);
+    if (lead) std::printf("exported %s/model.safetensors\n", o.export_dir.c_str());
+  }
+#endif
+  if (json) std::fclose(json);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto mem = engine.memory();
   const auto& c = engine.last_step_comm();
@@ -394,11 +473,23 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
   if (lead) {
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n", first_loss, last_loss,
-                o.steps, static_cast<long long>(engine.steps()), static_cast<unsigned long long>(skipped), secs);
+                o.steps - first_step, static_cast<long long>(engine.steps()), static_cast<unsigned long long>(skipped), secs);
     std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
                 "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
                 mib(mem.params), mib(mem.grads), mib(mem.master), mib(mem.optimizer_state), mib(mem.model_states()),
                 mib(mem.buckets), mib(mem.gathered_peak));
+    if (o.steps - first_step > 1)
+      std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n", o.steps - first_step - 1,
+                  [&] {
+                    zp::StepTimes mean = sum;
+                    for (auto f : {&zp::StepTimes::total, &zp::StepTimes::forward, &zp::StepTimes::backward,
+                                   &zp::StepTimes::gather_wait, &zp::StepTimes::reduce_wait, &zp::StepTimes::statistics,
+                                   &zp::StepTimes::optimizer, &zp::StepTimes::gather, &zp::StepTimes::reduce_span,
+                                   &zp::StepTimes::reduce_exposed})
+                      mean.*f /= double(o.steps - first_step - 1);
+                    return mean.describe();
+                  }().c_str(),
+                  100.0 * sum.untracked() / sum.total);
     std::printf("communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f MB), "
                 "%llu calls; total %.3f GB\n",
                 c.total().bus_bytes / 1e6, want / 1e6, static_cast<unsigned long long>(c.total().calls),

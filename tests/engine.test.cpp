@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "zp/backend/threads.hpp"
 #include "expect_error.hpp"
@@ -619,4 +621,46 @@ TEST_CASE("batch products that overflow are errors, not wrapped sizes") {
   CHECK_THROWS_WITH_AS(zp::resolve_batch({.micro_batch_per_rank = std::int64_t(1) << 40,
                                           .gradient_accumulation_steps = std::int64_t(1) << 30}, 64),
                        doctest::Contains("overflows a 64-bit integer"), zp::Error);
+}
+
+TEST_CASE("step timers: each phase holds at least the time spent in it, and the hidden share is a fraction") {
+  using namespace std::chrono_literals;
+  constexpr int gas = 2;
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> m;
+    zp::Engine<Threads, float, 3> e(comm, m, test_config(1, gas));
+    for (int t = 0; t < 2; ++t) {
+      zp::StepResult r;
+      for (int i = 0; i < gas; ++i) {
+        std::vector<int> labels;
+        m.load(comm.rank() * 2, 2, labels);
+        for (int l = 0; l < m.modules(); ++l) {
+          auto g = e.forward(l);
+          m.forward(l);
+          std::this_thread::sleep_for(2ms);
+        }
+        m.loss(labels, e.loss_scale());
+        std::this_thread::sleep_for(5ms);  // outside every guard: untracked
+        for (int l = m.modules() - 1; l >= 0; --l) {
+          auto g = e.backward(l);
+          m.backward(l);
+          std::this_thread::sleep_for(3ms);
+        }
+        r = e.step();
+      }
+      const zp::StepTimes& s = r.times;
+      INFO(s.describe());
+      const double mods = m.modules();
+      CHECK(s.forward >= gas * mods * 2e-3);
+      CHECK(s.backward >= gas * mods * 3e-3);
+      CHECK(s.untracked() >= gas * 5e-3);
+      for (double x : {s.gather_wait, s.reduce_wait, s.statistics, s.optimizer, s.gather, s.reduce_span, s.reduce_exposed})
+        CHECK(x >= 0);
+      CHECK(s.gather_wait <= s.forward + s.backward);
+      CHECK(s.reduce_exposed <= s.reduce_span);
+      CHECK(s.total >= s.forward + s.backward + gas * 5e-3);
+      CHECK((s.hidden() >= 0 && s.hidden() <= 1));
+      CHECK(s.json_fields().find("\"hidden\":") != std::string::npos);
+    }
+  });
 }

@@ -5,24 +5,31 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "zp/error.hpp"
 
 namespace zp::test {
 
-// Runs f, which must throw zp::Error with Errc::invalid_argument whose what() contains every
-// needle (the value and the parameter it names); a call that does not throw fails the check.
+// Runs f, which must throw zp::Error of category `c` whose what() contains every needle (the
+// value and the parameter or file it names); a call that does not throw fails the check.
 template <class F>
-void expect_invalid(F&& f, std::initializer_list<std::string> needles) {
+void expect_error(Errc c, F&& f, std::initializer_list<std::string> needles) {
   try {
     f();
   } catch (const Error& e) {
-    CHECK(e.category() == Errc::invalid_argument);
+    CHECK(e.category() == c);
     INFO("message: ", std::string(e.what()));
     for (const std::string& n : needles) CHECK_MESSAGE(std::string(e.what()).find(n) != std::string::npos, "missing \"", n, "\"");
     return;
   }
   FAIL_CHECK("no zp::Error thrown; expected one containing \"", needles.size() ? *needles.begin() : "", "\"");
+}
+
+// The commonest case: a user mistake (Errc::invalid_argument).
+template <class F>
+void expect_invalid(F&& f, std::initializer_list<std::string> needles) {
+  expect_error(Errc::invalid_argument, std::forward<F>(f), needles);
 }
 
 }  // namespace zp::test

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -149,6 +150,10 @@ class GradBuckets {
     }
   }
 
+  // When this micro-step's first reduction was launched (none yet: time_point::max()), for the
+  // engine's timers.
+  std::chrono::steady_clock::time_point first_launch() const noexcept { return first_launch_; }
+
   // Waits for every launched bucket and folds scratch buckets into the accumulator; the
   // micro-step's bucket bookkeeping starts over.
   void finish() {
@@ -159,6 +164,7 @@ class GradBuckets {
       b.state = Bucket::State::idle;
     }
     next_ = 0;
+    first_launch_ = std::chrono::steady_clock::time_point::max();
   }
 
  private:
@@ -175,6 +181,8 @@ class GradBuckets {
   }
 
   void launch_ready() {
+    if (next_ == 0 && !buckets_.empty() && buckets_[0].state == Bucket::State::ready)
+      first_launch_ = std::chrono::steady_clock::now();
     while (next_ < buckets_.size() && buckets_[next_].state == Bucket::State::ready) {
       Bucket& b = buckets_[next_];
       const int s = int(next_);
@@ -221,6 +229,7 @@ class GradBuckets {
   std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
   std::size_t next_ = 0;      // the next bucket to launch
   bool sync_ = true, first_ = true;
+  std::chrono::steady_clock::time_point first_launch_ = std::chrono::steady_clock::time_point::max();
 };
 
 }  // namespace zp

@@ -35,9 +35,11 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <span>
@@ -130,6 +132,49 @@ struct EngineConfig {
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
+  // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
+  bool wall_clock_breakdown = false;
+  int steps_per_print = 10;
+};
+
+// Where one optimizer step's wall time went, in seconds, over every micro-step of its window.
+// The phases partition the time the engine sees; untracked() is the rest (the model's loss, data
+// loading: whatever runs outside guards and step()).
+struct StepTimes {
+  double total = 0;        // from the end of the previous optimizer step to the end of this one
+  double forward = 0;      // inside forward guards: the model's forward, waiting for gathers
+  double backward = 0;     // inside backward guards: the model's backward, launching reductions
+  double gather_wait = 0;  // of forward + backward: waiting for stage 3 gathers
+  double reduce_wait = 0;  // in step(): launching the last buckets and waiting for reductions
+  double statistics = 0;   // in step(): gradient norm and overflow check, their all_reduce
+  double optimizer = 0;    // in step(): the update of this rank's shard (and the rest of step())
+  double gather = 0;       // in step(): stage 1/2 all_gather of the updated parameters
+  double reduce_span = 0;  // first reduction launched to last completed, summed over micro-steps
+  double reduce_exposed = 0;  // the part of reduce_span that step() waited through
+
+  double untracked() const noexcept {
+    return total - forward - backward - reduce_wait - statistics - optimizer - gather;
+  }
+  // The share of reduction time hidden behind backward (not waited for in step()).
+  double hidden() const noexcept {
+    return reduce_span > 0 ? std::clamp(1.0 - reduce_exposed / reduce_span, 0.0, 1.0) : 0.0;
+  }
+  // One line for logs: milliseconds per phase.
+  std::string describe() const {
+    auto ms = [](double x) { return std::round(x * 1e5) / 100; };
+    return detail::cat("total ", ms(total), " ms | forward ", ms(forward), " (gather wait ", ms(gather_wait),
+                       ") | backward ", ms(backward), " | reduce wait ", ms(reduce_wait), " (", std::round(hidden() * 100),
+                       "% of reductions hidden) | statistics ", ms(statistics), " | optimizer ", ms(optimizer),
+                       " | gather ", ms(gather), " | untracked ", ms(untracked()));
+  }
+  // The same as JSON object members ("total_ms": ..., ...), for JSON-lines logs.
+  std::string json_fields() const {
+    return detail::cat("\"total_ms\":", total * 1e3, ",\"forward_ms\":", forward * 1e3, ",\"gather_wait_ms\":",
+                       gather_wait * 1e3, ",\"backward_ms\":", backward * 1e3, ",\"reduce_wait_ms\":", reduce_wait * 1e3,
+                       ",\"statistics_ms\":", statistics * 1e3, ",\"optimizer_ms\":", optimizer * 1e3,
+                       ",\"gather_ms\":", gather * 1e3, ",\"untracked_ms\":", untracked() * 1e3,
+                       ",\"reduce_span_ms\":", reduce_span * 1e3, ",\"hidden\":", hidden());
+  }
 };
 
 // What step() did.
@@ -140,6 +185,7 @@ struct StepResult {
   float loss_scale = 1;    // the scale to use from now on
   double grad_norm = 0;    // global L2 norm of the unscaled, averaged gradient (before clipping)
   std::int64_t step = 0;   // optimizer updates applied so far
+  StepTimes times;         // at a boundary: the whole optimizer step's (its window's) phases
 };
 
 template <Backend B, class T, int Stage, class Opt = optim::AdamW>
@@ -147,6 +193,8 @@ template <Backend B, class T, int Stage, class Opt = optim::AdamW>
 class Engine {
   static_assert(Stage >= 0 && Stage <= 3, "ZeRO stage must be 0, 1, 2 or 3");
   static constexpr MemorySpace S = B::memory;
+  using Clock = std::chrono::steady_clock;
+  static double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
   using Work = typename Collective<B>::Work;
   using Host = Ops<S>;
 
@@ -226,8 +274,10 @@ class Engine {
                   " has ", L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
                   "; raise the cap or split the module");
     }
+    ZP_EXPECT(config_.steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", config_.steps_per_print);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
+    window_start_ = Clock::now();
   }
 
   Engine(const Engine&) = delete;
@@ -247,7 +297,9 @@ class Engine {
 
   ModuleGuard forward(int m) {
     check_module(m);
+    const auto t = Clock::now();
     enter(m, m + 1);
+    if (open_[0]++ == 0) opened_at_[0] = t;
     ++mods_[std::size_t(m)].forward_open;
     return ModuleGuard(this, m, false);
   }
@@ -256,6 +308,7 @@ class Engine {
     check_module(m);
     ZP_EXPECT(!mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ",
               where(), "; each module's backward runs once per micro-step (call step() after every micro-step)");
+    const auto t = Clock::now();
     enter(m, m - 1);
     mods_[std::size_t(m)].backward_done = true;
     if constexpr (Stage >= 2) {
@@ -268,6 +321,7 @@ class Engine {
         for (int p : seg.params) bound_.grads[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
       }
     }
+    if (open_[1]++ == 0) opened_at_[1] = t;
     ++mods_[std::size_t(m)].backward_open;
     return ModuleGuard(this, m, true);
   }
@@ -286,16 +340,29 @@ class Engine {
     const std::int64_t gas = batch_.gradient_accumulation_steps;
     const bool boundary = micro_ + 1 == gas;
     const Layout& L = part_.layout();
+    const auto entered = Clock::now();
     in_context("step()", [&] {
       buckets_.launch_all();
+      const auto first = std::min(buckets_.first_launch(), Clock::now());
       buckets_.finish();
+      const auto done = Clock::now();
+      times_.reduce_span += seconds(first, done);
+      times_.reduce_exposed += seconds(std::max(first, entered), done);
     });
+    auto mark = Clock::now();
+    times_.reduce_wait += seconds(entered, mark);
+    auto phase = [&](double StepTimes::*field) {
+      const auto now = Clock::now();
+      times_.*field += seconds(mark, now);
+      mark = now;
+    };
     StepResult r;
     r.loss_scale = config_.loss_scaler.scale();
     r.step = step_;
     if (!boundary) {
       ++micro_;
       buckets_.begin_micro_step(micro_ + 1 == gas, false);
+      phase(&StepTimes::reduce_wait);
       return r;
     }
     micro_ = 0;
@@ -316,6 +383,7 @@ class Engine {
     double global[statistics_count] = {local.sumsq, local.finite ? 0.0 : 1.0, h0, h0 * h0, h1, h1 * h1};
     in_context("step()", [&] { comm_->all_reduce(std::span<double>(global), ReduceOp::sum); });
     const double n = double(comm_->size());
+    phase(&StepTimes::statistics);
     ZP_EXPECT(global[2] == n * h0 && global[3] == n * h0 * h0 && global[4] == n * h1 && global[5] == n * h1 * h1,
               "engine: the optimizer's hyper-parameters differ between ranks at ", where(), " (rank ",
               comm_->rank(), " has ", optim::describe(opt_), "); every rank must set them identically, e.g. from "
@@ -333,6 +401,7 @@ class Engine {
       const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
       const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
       for (int s = 0; s < L.segment_count(); ++s) optim::cpu::step(opt_, scalars, shard_view(s), config_.optimizer_options);
+      phase(&StepTimes::optimizer);
       if constexpr (Stage == 1 || Stage == 2) {
         in_context("step()", [&] {
           std::vector<Work> works;
@@ -340,6 +409,7 @@ class Engine {
           for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
           for (auto& w : works) w.wait();
         });
+        phase(&StepTimes::gather);
       }
     }
     if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
@@ -350,6 +420,12 @@ class Engine {
     for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
     mark_ = now;
     buckets_.begin_micro_step(gas == 1, true);
+    phase(&StepTimes::optimizer);
+    times_.total = seconds(window_start_, mark);
+    window_start_ = mark;
+    r.times = std::exchange(times_, StepTimes{});
+    if (config_.wall_clock_breakdown && comm_->rank() == 0 && step_ % config_.steps_per_print == 0 && apply)
+      std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
     return r;
   }
 
@@ -368,6 +444,37 @@ class Engine {
   const Layout& layout() const noexcept { return part_.layout(); }
   const Partitioned<T, Stage, S>& partition() const noexcept { return part_; }
   Collective<B>& comm() noexcept { return *comm_; }
+  // Where training stands: what a checkpoint (checkpoint.hpp) saves besides the buffers.
+  struct Progress {
+    std::int64_t step = 0;        // optimizer updates applied
+    std::int64_t micro_step = 0;  // micro-steps done in the current accumulation window
+    LossScaler::State scaler{};
+  };
+  Progress progress() const noexcept { return {step_, micro_, config_.loss_scaler.state()}; }
+  // Continues from `p` (after a checkpoint's buffers were written into partition()); stage 3's
+  // gathered copies are dropped, they would be stale. Only at an accumulation boundary.
+  void restore(const Progress& p) {
+    expect_at_boundary("restore()");
+    ZP_EXPECT(p.step >= 0 && p.micro_step == 0, "engine: restore(): progress must be at an accumulation "
+              "boundary with step >= 0, got step ", p.step, ", micro-step ", p.micro_step);
+    config_.loss_scaler.load(p.scaler);
+    step_ = p.step;
+    if constexpr (Stage == 3)
+      for (int m = 0; m < part_.layout().module_count(); ++m) release(m);
+  }
+  // Throws unless the engine is usable, at an accumulation boundary and outside every guard:
+  // the only moment its buffers hold a complete training state.
+  void expect_at_boundary(const char* what) {
+    rethrow_pending();
+    ZP_EXPECT(micro_ == 0, "engine: ", what, " in ", where(), "; only at an accumulation boundary (after the "
+              "step() that ends a window), where no gradient is half accumulated");
+    for (int m = 0; m < part_.layout().module_count(); ++m) {
+      const ModuleState& st = mods_[std::size_t(m)];
+      ZP_EXPECT(st.in_use() == 0 && !st.backward_done, "engine: ", what, " while module ", m,
+                " is inside a guard or has run backward without step()");
+    }
+  }
+
   // Stage 3: the live-parameter cap in elements (0 for other stages).
   std::size_t max_live_params() const noexcept { return cap_; }
 
@@ -395,6 +502,11 @@ class Engine {
   std::vector<float> gather_master() {
     if constexpr (Stage < 1) return extract<float>(part_.master());
     else return extract<float>(gather_pieces<float>([&](int s) { return part_.master_piece(s); }).span());
+  }
+  // Optimizer state array k (AdamW: 0 = m, 1 = v) of the whole model, like gather_master().
+  std::vector<float> gather_state(int k) {
+    if constexpr (Stage < 1) return extract<float>(part_.state(k));
+    else return extract<float>(gather_pieces<float>([&](int s) { return part_.state_piece(k, s); }).span());
   }
 
  private:
@@ -591,6 +703,7 @@ class Engine {
     const auto& mod = L.module(m);
     ModuleState& st = mods_[std::size_t(m)];
     --(backward ? st.backward_open : st.forward_open);
+    if (--open_[backward] == 0) (backward ? times_.backward : times_.forward) += seconds(opened_at_[backward], Clock::now());
     if constexpr (Stage == 3)
       if (!st.persistent && st.in_use() == 0) release(m);
     if (backward) {
@@ -645,7 +758,9 @@ class Engine {
       gather(m);
     }
     if (st.state == ModuleState::State::gathering) {
+      const auto t = Clock::now();
       for (auto& w : st.works) w.wait();
+      times_.gather_wait += seconds(t, Clock::now());
       st.works.clear();
       st.state = ModuleState::State::gathered;
       bind_values(m, st.buffer.data());
@@ -732,6 +847,11 @@ class Engine {
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)
+  // Timers: the current window's phases, when it began, guards open per kind (0 forward, 1
+  // backward) and since when, so nested or overlapping guards count once.
+  StepTimes times_;
+  Clock::time_point window_start_{}, opened_at_[2]{};
+  int open_[2] = {0, 0};
   CommStats mark_{}, last_{};
   std::exception_ptr pending_;
 };

@@ -75,7 +75,7 @@ class Layout {
   Layout() = default;
 
   // Lays out `params` (forward order, as describe_parameters returns them) for `ranks` ranks.
-  Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {}) : ranks_(ranks) {
+  Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {}) : ranks_(ranks), options_(opt) {
     ZP_EXPECT(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
     ZP_EXPECT(opt.align >= 1, "layout: align must be >= 1");
     ZP_EXPECT(opt.bucket_elems >= 1 && opt.first_bucket_elems >= 1,
@@ -136,6 +136,7 @@ class Layout {
   }
 
   int ranks() const noexcept { return ranks_; }
+  const LayoutOptions& options() const noexcept { return options_; }
   std::size_t total() const noexcept { return total_; }  // padded elements, ranks * shard
   std::size_t shard() const noexcept { return shard_; }  // per rank
   std::size_t used() const noexcept { return used_; }    // Psi, the parameter elements
@@ -169,6 +170,7 @@ class Layout {
   }
 
   int ranks_ = 1;
+  LayoutOptions options_;
   std::size_t total_ = 0, shard_ = 0, used_ = 0;
   std::vector<Param> params_;
   std::vector<Segment> segments_;

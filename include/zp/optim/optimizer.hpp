@@ -68,6 +68,12 @@ template <> inline constexpr int state_slots<Lion> = 1;
 template <class O>
 concept Optimizer = state_slots<O> > 0;
 
+// The state arrays' names, as torch.optim calls them (checkpoints store them by name).
+inline const char* state_name(const AdamW&, int k) { return k == 0 ? "exp_avg" : "exp_avg_sq"; }
+inline const char* state_name(const Adam&, int k) { return k == 0 ? "exp_avg" : "exp_avg_sq"; }
+inline const char* state_name(const Sgd&, int) { return "momentum_buffer"; }
+inline const char* state_name(const Lion&, int) { return "exp_avg"; }
+
 namespace detail {
 
 // Each optimizer's name and fields in declaration order, for describe() and fingerprint().
@@ -75,25 +81,28 @@ inline const char* type_name(const AdamW&) { return "AdamW"; }
 inline const char* type_name(const Adam&) { return "Adam"; }
 inline const char* type_name(const Sgd&) { return "Sgd"; }
 inline const char* type_name(const Lion&) { return "Lion"; }
+// O may be const (read the fields) or not (assign them, e.g. from a checkpoint).
 template <class O, class F>
-  requires std::same_as<O, AdamW> || std::same_as<O, Adam>
-void for_each_field(const O& o, F&& f) {
+  requires std::same_as<std::remove_const_t<O>, AdamW> || std::same_as<std::remove_const_t<O>, Adam>
+void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("beta1", o.beta1);
   f("beta2", o.beta2);
   f("eps", o.eps);
   f("weight_decay", o.weight_decay);
 }
-template <class F>
-void for_each_field(const Sgd& o, F&& f) {
+template <class O, class F>
+  requires std::same_as<std::remove_const_t<O>, Sgd>
+void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("momentum", o.momentum);
   f("dampening", o.dampening);
   f("weight_decay", o.weight_decay);
   f("nesterov", o.nesterov);
 }
-template <class F>
-void for_each_field(const Lion& o, F&& f) {
+template <class O, class F>
+  requires std::same_as<std::remove_const_t<O>, Lion>
+void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("beta1", o.beta1);
   f("beta2", o.beta2);

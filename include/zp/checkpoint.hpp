@@ -1,0 +1,965 @@
+// zp/checkpoint.hpp: sharded checkpoints that load at any world size and ZeRO stage, and the
+// model's weights to and from safetensors files (component zp::io: needs nlohmann_json).
+//
+//   zp::save_checkpoint(engine, "ckpt", "step1000", user_state);   // collective
+//   auto user_state = zp::load_checkpoint(engine, "ckpt");         // "latest"; any ranks/stage
+//   zp::export_safetensors(engine, "out");                          // out/model.safetensors
+//
+// Layout on disk: <dir>/<tag>/rank-00000-of-00004.safetensors ... one file per saving rank, and
+// <dir>/<tag>/manifest.json; <dir>/latest holds the tag of the newest complete checkpoint.
+// Rank r's file holds, for every parameter, the elements of it that lie in r's ZeRO pieces, as
+// one tensor per field: "param/<name>" (T), "master/<name>" (F32) and one per optimizer state
+// ("exp_avg/<name>", ...); rank 0's also "user/blob" (U8). The format is the same for every
+// stage (each rank writes its own pieces even where a stage replicates them), so the manifest's
+// parameter list, sizes and layout options say where every element of every parameter is, and
+// a load at M ranks and stage S' reads its own pieces by parameter name from whichever files
+// hold them: resharding is a read pattern, not a conversion.
+//
+// Durability: every file is written under a temporary name, fsynced and renamed; the rank files
+// and the manifest go into <dir>/.<tag>.partial, which rank 0 renames to <dir>/<tag> only after
+// every rank wrote its file; `latest` changes last. A crash at any moment therefore leaves the
+// previous checkpoint complete and `latest` pointing at it. Loading verifies every file's size and
+// CRC-32C against the manifest (each rank checks a share of the files) before reading anything.
+// The directory must be one file system that every rank sees (a shared one across nodes).
+//
+// Errors: every function here is collective; a failure on one rank (an unwritable directory, a
+// corrupt file) becomes an Error on every rank naming the rank, the file and the values.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cstdio>
+
+#include "zp/collective.hpp"
+#include "zp/detail/file.hpp"
+#include "zp/dtype.hpp"
+#include "zp/engine.hpp"
+#include "zp/error.hpp"
+#include "zp/partition.hpp"
+#include "zp/safetensors.hpp"
+
+namespace zp {
+
+namespace ckpt {
+
+inline constexpr int format_version = 1;
+inline constexpr const char* format_name = "zp-checkpoint";
+
+inline std::string rank_file_name(int rank, int ranks) {
+  char b[64];
+  std::snprintf(b, sizeof b, "rank-%05d-of-%05d.safetensors", rank, ranks);
+  return b;
+}
+
+// Rank r's elements of parameter p: [first, first + count) of the parameter (count may be 0).
+struct Slice {
+  std::size_t first = 0, count = 0;
+};
+inline Slice slice_of(const Layout& L, const Layout::Param& p, int r) {
+  const auto& seg = L.segment(p.segment);
+  const std::size_t lo = std::max(p.offset, seg.offset + std::size_t(r) * seg.piece);
+  const std::size_t hi = std::min(p.offset + p.size, seg.offset + std::size_t(r + 1) * seg.piece);
+  return hi > lo ? Slice{lo - p.offset, hi - lo} : Slice{};
+}
+
+// Everything a checkpoint says besides the tensors.
+struct Manifest {
+  std::string tag;
+  int world_size = 1;
+  int stage = 0;
+  DType dtype = DType::f32;
+  LayoutOptions layout;
+  std::vector<ParamInfo> params;       // forward order, as the model visits them
+  std::vector<std::string> fields;     // "param", "master", then the optimizer state names
+  std::string optimizer;               // type name, e.g. "AdamW"
+  nlohmann::json hyper = nlohmann::json::object();  // its fields by name
+  std::int64_t step = 0, micro_step = 0;
+  int scaler_kind = 0;
+  LossScaler::State scaler;
+  BatchConfig batch;
+  struct File {
+    std::string name;
+    std::uint64_t bytes = 0;
+    std::uint32_t crc32c = 0;
+  };
+  std::vector<File> files;             // one per rank, rank order
+  std::uint64_t user_bytes = 0;
+
+  Layout make_layout() const { return Layout(params, world_size, layout); }
+  DType field_dtype(std::size_t f) const { return f == 0 ? dtype : DType::f32; }
+};
+
+inline nlohmann::json to_json(const Manifest& m) {
+  using nlohmann::json;
+  json j;
+  j["format"] = format_name;
+  j["version"] = format_version;
+  j["zp_version"] = detail::cat(ZP_VERSION_MAJOR, '.', ZP_VERSION_MINOR, '.', ZP_VERSION_PATCH);
+  j["tag"] = m.tag;
+  j["world_size"] = m.world_size;
+  j["stage"] = m.stage;
+  j["dtype"] = name(m.dtype);
+  j["layout"] = {{"bucket_elems", m.layout.bucket_elems}, {"first_bucket_elems", m.layout.first_bucket_elems},
+                 {"align", m.layout.align}};
+  json ps = json::array();
+  for (const auto& p : m.params) ps.push_back({{"name", p.name}, {"module", p.module}, {"size", p.size}});
+  j["params"] = std::move(ps);
+  j["fields"] = m.fields;
+  j["optimizer"] = {{"type", m.optimizer}, {"params", m.hyper}};
+  j["progress"] = {{"step", m.step},
+                   {"micro_step", m.micro_step},
+                   {"loss_scaler",
+                    {{"kind", m.scaler_kind},
+                     {"scale", m.scaler.scale},
+                     {"iter", m.scaler.iter},
+                     {"last_overflow", m.scaler.last_overflow},
+                     {"hysteresis", m.scaler.hysteresis},
+                     {"skipped", m.scaler.skipped}}}};
+  j["batch"] = {{"train_batch_size", m.batch.train_batch_size},
+                {"micro_batch_per_rank", m.batch.micro_batch_per_rank},
+                {"gradient_accumulation_steps", m.batch.gradient_accumulation_steps}};
+  json fs = json::array();
+  for (const auto& f : m.files) fs.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+  j["files"] = std::move(fs);
+  j["user_bytes"] = m.user_bytes;
+  return j;
+}
+
+// Parses a manifest, naming the file and the key of anything missing or malformed.
+inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source) {
+  Manifest m;
+  auto fail = [&](const std::string& key, const std::string& what) -> Error {
+    return Error(Errc::io, detail::cat("checkpoint manifest ", source, ": ", key, ": ", what));
+  };
+  auto get = [&](const nlohmann::json& o, const char* key, const std::string& path) -> const nlohmann::json& {
+    if (!o.is_object() || !o.contains(key)) throw fail(path + key, "missing");
+    return o.at(key);
+  };
+  auto num = [&](const nlohmann::json& o, const char* key, const std::string& path, std::int64_t lo) {
+    const auto& v = get(o, key, path);
+    if (!v.is_number_integer() || v.get<std::int64_t>() < lo)
+      throw fail(path + key, detail::cat("expected an integer >= ", lo, ", got ", v.dump()));
+    return v.get<std::int64_t>();
+  };
+  auto str = [&](const nlohmann::json& o, const char* key, const std::string& path) {
+    const auto& v = get(o, key, path);
+    if (!v.is_string()) throw fail(path + key, "expected a string, got " + v.dump());
+    return v.get<std::string>();
+  };
+  try {
+    if (str(j, "format", "") != format_name) throw fail("format", "not a zp checkpoint manifest");
+    const auto version = num(j, "version", "", 1);
+    if (version != format_version)
+      throw fail("version", detail::cat("format version ", version, "; this zp reads version ", format_version));
+    m.tag = str(j, "tag", "");
+    m.world_size = int(num(j, "world_size", "", 1));
+    m.stage = int(num(j, "stage", "", 0));
+    const std::string dt = str(j, "dtype", "");
+    bool known = false;
+    for (DType d : {DType::f32, DType::bf16, DType::f16})
+      if (dt == name(d)) m.dtype = d, known = true;
+    if (!known) throw fail("dtype", "expected f32, bf16 or f16, got " + dt);
+    const auto& lay = get(j, "layout", "");
+    m.layout.bucket_elems = std::size_t(num(lay, "bucket_elems", "layout.", 1));
+    m.layout.first_bucket_elems = std::size_t(num(lay, "first_bucket_elems", "layout.", 1));
+    m.layout.align = std::size_t(num(lay, "align", "layout.", 1));
+    const auto& ps = get(j, "params", "");
+    if (!ps.is_array() || ps.empty()) throw fail("params", "expected a non-empty array");
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const std::string at = detail::cat("params[", i, "].");
+      m.params.push_back({str(ps[i], "name", at), int(num(ps[i], "module", at, 0)),
+                          std::size_t(num(ps[i], "size", at, 1))});
+    }
+    const auto& fields = get(j, "fields", "");
+    if (!fields.is_array() || fields.size() < 2) throw fail("fields", "expected [\"param\", \"master\", ...]");
+    for (const auto& f : fields) {
+      if (!f.is_string()) throw fail("fields", "expected strings, got " + f.dump());
+      m.fields.push_back(f.get<std::string>());
+    }
+    const auto& opt = get(j, "optimizer", "");
+    m.optimizer = str(opt, "type", "optimizer.");
+    m.hyper = get(opt, "params", "optimizer.");
+    const auto& pr = get(j, "progress", "");
+    m.step = num(pr, "step", "progress.", 0);
+    m.micro_step = num(pr, "micro_step", "progress.", 0);
+    const auto& ls = get(pr, "loss_scaler", "progress.");
+    m.scaler_kind = int(num(ls, "kind", "progress.loss_scaler.", 0));
+    const auto& sc = get(ls, "scale", "progress.loss_scaler.");
+    if (!sc.is_number()) throw fail("progress.loss_scaler.scale", "expected a number, got " + sc.dump());
+    m.scaler.scale = sc.get<float>();
+    m.scaler.iter = num(ls, "iter", "progress.loss_scaler.", 0);
+    m.scaler.last_overflow = num(ls, "last_overflow", "progress.loss_scaler.", -1);
+    m.scaler.hysteresis = int(num(ls, "hysteresis", "progress.loss_scaler.", 1));
+    m.scaler.skipped = num(ls, "skipped", "progress.loss_scaler.", 0);
+    const auto& b = get(j, "batch", "");
+    m.batch.train_batch_size = num(b, "train_batch_size", "batch.", 0);
+    m.batch.micro_batch_per_rank = num(b, "micro_batch_per_rank", "batch.", 0);
+    m.batch.gradient_accumulation_steps = num(b, "gradient_accumulation_steps", "batch.", 0);
+    const auto& files = get(j, "files", "");
+    if (!files.is_array() || files.size() != std::size_t(m.world_size))
+      throw fail("files", detail::cat("expected ", m.world_size, " entries (one per rank)"));
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      const std::string at = detail::cat("files[", i, "].");
+      Manifest::File f{str(files[i], "name", at), std::uint64_t(num(files[i], "bytes", at, 8)),
+                       std::uint32_t(num(files[i], "crc32c", at, 0))};
+      if (f.name != rank_file_name(int(i), m.world_size))
+        throw fail(at + "name", detail::cat("expected ", rank_file_name(int(i), m.world_size), ", got ", f.name));
+      m.files.push_back(std::move(f));
+    }
+    m.user_bytes = std::uint64_t(num(j, "user_bytes", "", 0));
+    m.make_layout();  // the parameter list must lay out (modules numbered, sizes sane)
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(Errc::io, detail::cat("checkpoint manifest ", source, ": ", e.what()));
+  }
+  return m;
+}
+
+// A saved checkpoint, read without an engine (offline tools, exports, the engine's load): parses
+// and checks the manifest, verifies files, and reads any range of any parameter's field by name
+// from whichever rank files hold it.
+class Reader {
+ public:
+  // tag "latest" follows <dir>/latest.
+  Reader(std::filesystem::path dir, std::string tag = "latest") {
+    if (tag == "latest") tag = read_latest(dir);
+    path_ = dir / tag;
+    const auto manifest = path_ / "manifest.json";
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::is_directory(path_, ec), "checkpoint: ", path_.string(),
+              " is not a directory (no checkpoint with tag '", tag, "' in ", dir.string(), ")");
+    detail::InputFile in(manifest);
+    std::string text(in.size(), '\0');
+    in.read_at(0, std::as_writable_bytes(std::span<char>(text)));
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(Errc::io, detail::cat("checkpoint manifest ", manifest.string(), " is not valid JSON: ", e.what()));
+    }
+    m_ = manifest_from_json(j, manifest.string());
+    layout_ = m_.make_layout();
+    for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
+    files_.resize(m_.files.size());
+  }
+
+  // The tag <dir>/latest names.
+  static std::string read_latest(const std::filesystem::path& dir) {
+    const auto p = dir / "latest";
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::exists(p, ec), "checkpoint: no ", p.string(), " (no complete checkpoint in ",
+              dir.string(), " yet)");
+    detail::InputFile in(p);
+    std::string tag(in.size(), '\0');
+    in.read_at(0, std::as_writable_bytes(std::span<char>(tag)));
+    while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
+    ZP_EXPECT(!tag.empty() && tag.find('/') == std::string::npos, "checkpoint: ", p.string(),
+              " does not hold a tag: '", tag, "'");
+    return tag;
+  }
+
+  const Manifest& manifest() const noexcept { return m_; }
+  const Layout& layout() const noexcept { return layout_; }
+  const std::filesystem::path& path() const noexcept { return path_; }
+  std::filesystem::path file_path(int rank) const { return path_ / m_.files.at(std::size_t(rank)).name; }
+
+  // Checks file `rank` against the manifest: size, then CRC-32C of every byte. Returns "" or
+  // what is wrong, naming the file and both values.
+  std::string verify_file(int rank) const {
+    const auto& f = m_.files.at(std::size_t(rank));
+    const auto p = file_path(rank);
+    std::error_code ec;
+    if (!std::filesystem::exists(p, ec)) return detail::cat("checkpoint file ", p.string(), " is missing");
+    try {
+      detail::InputFile in(p);
+      if (in.size() != f.bytes)
+        return detail::cat("checkpoint file ", p.string(), " has ", in.size(), " bytes, the manifest says ", f.bytes,
+                           in.size() < f.bytes ? " (truncated)" : "");
+      const std::uint32_t crc = in.crc32c_of_all();
+      if (crc != f.crc32c)
+        return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc, ", the manifest says ", f.crc32c,
+                           " (the file is corrupt)");
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return {};
+  }
+
+  // Index of parameter `name` in the manifest, or -1.
+  int find(std::string_view name) const {
+    const auto it = by_name_.find(std::string(name));
+    return it == by_name_.end() ? -1 : int(it->second);
+  }
+
+  // Elements [first, first + out.size()) of field f of parameter p (a manifest index), U being
+  // the field's stored type.
+  template <class U>
+  void read(std::size_t f, std::size_t p, std::size_t first, std::span<U> out) {
+    const Layout::Param& lp = layout_.params().at(p);
+    ZP_EXPECT(first + out.size() <= lp.size, "checkpoint: read of elements [", first, ", ", first + out.size(),
+              ") of parameter '", lp.name, "' with ", lp.size);
+    const auto& seg = layout_.segment(lp.segment);
+    const std::string tensor = m_.fields.at(f) + "/" + lp.name;
+    std::size_t done = 0;
+    while (done < out.size()) {
+      const std::size_t x = lp.offset + first + done;  // full-buffer offset of the next element
+      const int r = int((x - seg.offset) / seg.piece);
+      const Slice s = slice_of(layout_, lp, r);
+      const std::size_t n = std::min(out.size() - done, s.first + s.count - (first + done));
+      file(r).read_elements(tensor, first + done - s.first, out.subspan(done, n));
+      done += n;
+    }
+  }
+
+  // The same into raw bytes of the field's stored type (out.size() / its size elements).
+  void read_bytes(std::size_t f, std::size_t p, std::size_t first, std::span<std::byte> out) {
+    const DType dt = m_.field_dtype(f);
+    const std::size_t n = out.size() / size_of(dt);
+    switch (dt) {
+      case DType::f32: return read(f, p, first, std::span<float>(reinterpret_cast<float*>(out.data()), n));
+      case DType::bf16: return read(f, p, first, std::span<bf16>(reinterpret_cast<bf16*>(out.data()), n));
+      case DType::f16: return read(f, p, first, std::span<fp16>(reinterpret_cast<fp16*>(out.data()), n));
+      default: throw Error(Errc::io, detail::cat("checkpoint: unexpected field dtype ", name(dt)));
+    }
+  }
+
+  // The user blob saved with the checkpoint.
+  std::vector<std::byte> user_blob() {
+    std::vector<std::byte> b(m_.user_bytes);
+    if (!b.empty()) file(0).read("user/blob", 0, std::span<std::byte>(b));
+    return b;
+  }
+
+ private:
+  safetensors::Reader& file(int r) {
+    auto& f = files_.at(std::size_t(r));
+    if (!f) f.emplace(file_path(r));
+    return *f;
+  }
+
+  std::filesystem::path path_;
+  Manifest m_;
+  Layout layout_;
+  std::map<std::string, std::size_t> by_name_;
+  std::vector<std::optional<safetensors::Reader>> files_;
+};
+
+// Writes rank r's file for `layout`: for every field and parameter, r's slice, in that order,
+// taking the bytes from `source(field, param, slice)` (a span of the slice's elements). Returns
+// the file's size and CRC-32C.
+template <class Source>
+safetensors::Summary write_rank_file(const std::filesystem::path& path, const Layout& L, int r,
+                                             const Manifest& m, std::span<const std::byte> user, Source&& source) {
+  // fp32 fields first, the 16-bit parameters last: every tensor stays aligned to its element.
+  std::vector<std::size_t> order;
+  for (std::size_t f = 1; f < m.fields.size(); ++f) order.push_back(f);
+  order.push_back(0);
+  std::vector<safetensors::TensorInfo> tensors;
+  const auto& ps = L.params();
+  for (std::size_t f : order)
+    for (const auto& p : ps)
+      if (const Slice s = slice_of(L, p, r); s.count)
+        tensors.push_back({m.fields[f] + "/" + p.name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
+  if (r == 0 && !user.empty()) tensors.push_back({"user/blob", "U8", {user.size()}});
+  safetensors::Writer w(path, std::move(tensors),
+                        {{"format", "zp-checkpoint-rank"}, {"rank", std::to_string(r)},
+                         {"ranks", std::to_string(L.ranks())}, {"tag", m.tag}});
+  for (std::size_t f : order)
+    for (std::size_t p = 0; p < ps.size(); ++p)
+      if (const Slice s = slice_of(L, ps[p], r); s.count) w.write(source(f, p, s));
+  if (r == 0 && !user.empty()) w.write(user);
+  return w.commit();
+}
+
+// Renames a directory and makes the rename durable (fsync of the parent directory).
+inline void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to) {
+  detail::io_step("rename", to);
+  if (::rename(from.c_str(), to.c_str()) != 0) detail::throw_io(detail::cat("rename ", from.native(), " to").c_str(), to, errno);
+  detail::io_step("directory fsync", to);
+  detail::sync_directory(to.parent_path());
+}
+
+// Rank 0's last act of a save: the manifest into the staging directory, the directory renamed to
+// its tag, `latest` pointed at it.
+inline void publish(const std::filesystem::path& dir, const std::filesystem::path& staging, const Manifest& m) {
+  const std::string text = to_json(m).dump(1);
+  detail::write_file_atomic(staging / "manifest.json", std::as_bytes(std::span<const char>(text)));
+  rename_durably(staging, dir / m.tag);
+  const std::string latest = m.tag + "\n";
+  detail::write_file_atomic(dir / "latest", std::as_bytes(std::span<const char>(latest)));
+}
+
+// Checks a tag is usable as a directory name.
+inline void check_tag(const std::string& tag) {
+  ZP_EXPECT(!tag.empty() && tag != "latest" && tag.front() != '.' && tag.find('/') == std::string::npos &&
+                tag.size() <= 200,
+            "checkpoint: tag '", tag, "' must be a non-empty file name (no '/', not starting with '.', not 'latest')");
+}
+
+// Runs the local part f of a collective operation on every rank; if it throws on any rank, every
+// rank throws: a failing rank its own error, the others one naming the first failing rank and
+// its message. f must not communicate.
+template <Backend B, class F>
+void on_every_rank(Collective<B>& comm, F&& f) {
+  std::exception_ptr err;
+  std::string msg;
+  Errc category = Errc::io;
+  try {
+    f();
+  } catch (const Error& e) {
+    err = std::current_exception();
+    msg = e.message();
+    category = e.category();
+  } catch (const std::exception& e) {
+    err = std::current_exception();
+    msg = e.what();
+    category = Errc::backend;
+  }
+  std::int64_t first = err ? comm.rank() : comm.size();
+  comm.all_reduce(std::span<std::int64_t>(&first, 1), ReduceOp::min);
+  if (first == comm.size()) return;
+  // Every rank learns the first failure's category and text (at most 4 KiB of it); a rank that
+  // failed itself then throws its own error.
+  std::int64_t head[2] = {0, 0};
+  if (comm.rank() == first) head[0] = std::int64_t(category), head[1] = std::int64_t(std::min<std::size_t>(msg.size(), 4096));
+  comm.broadcast(std::span<std::int64_t>(head), int(first));
+  std::vector<std::int64_t> words((std::size_t(head[1]) + 7) / 8, 0);
+  if (comm.rank() == first) std::memcpy(words.data(), msg.data(), std::size_t(head[1]));
+  comm.broadcast(std::span<std::int64_t>(words), int(first));
+  std::string text(std::size_t(head[1]), '\0');
+  std::memcpy(text.data(), words.data(), text.size());
+  if (err) std::rethrow_exception(err);
+  throw Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text));
+}
+
+}  // namespace ckpt
+
+// ---- engine checkpoints ------------------------------------------------------------------------
+
+// Saves the engine's complete training state under <dir>/<tag> (see the top of this file), with
+// an opaque user blob (data position, RNG, schedule state). Collective; only at an accumulation
+// boundary. A tag that already exists is an error (checkpoints are never overwritten in place).
+// Extra memory: none on the host (files are written straight from the engine's buffers).
+template <class E>
+void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::string& tag,
+                     std::span<const std::byte> user = {}) {
+  using T = typename E::value_type;
+  auto& comm = engine.comm();
+  engine.expect_at_boundary("save_checkpoint()");
+  ckpt::check_tag(tag);
+  const auto& part = engine.partition();
+  const Layout& L = engine.layout();
+  const auto& opt = engine.optimizer();
+  const int r = comm.rank();
+  const std::filesystem::path staging = dir / ("." + tag + ".partial");
+
+  ckpt::Manifest m;
+  m.tag = tag;
+  m.world_size = comm.size();
+  m.stage = E::stage;
+  m.dtype = dtype_of<T>;
+  m.layout = L.options();
+  for (const auto& p : L.params()) m.params.push_back({p.name, p.module, p.size});
+  m.fields = {"param", "master"};
+  for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k) m.fields.push_back(optim::state_name(opt, k));
+  m.optimizer = optim::detail::type_name(opt);
+  optim::detail::for_each_field(opt, [&](const char* key, auto x) { m.hyper[key] = x; });
+  const auto prog = engine.progress();
+  m.step = prog.step;
+  m.micro_step = prog.micro_step;
+  m.scaler = prog.scaler;
+  m.scaler_kind = int(engine.loss_scaler().kind());
+  m.batch = engine.batch();
+  m.user_bytes = user.size();
+
+  // Rank 0 prepares an empty staging directory (a crashed earlier save may have left one).
+  ckpt::on_every_rank(comm, [&] {
+    if (r != 0) return;
+    std::error_code ec;
+    ZP_EXPECT(!std::filesystem::exists(dir / tag, ec), "checkpoint: ", (dir / tag).string(),
+              " already exists; save under a new tag (checkpoints are never overwritten in place)");
+    std::filesystem::remove_all(staging, ec);
+    std::filesystem::create_directories(staging, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging.string(), ": ", ec.message()));
+  });
+
+  // Every rank writes its pieces straight from the engine's buffers.
+  safetensors::Summary mine{};
+  ckpt::on_every_rank(comm, [&] {
+    mine = ckpt::write_rank_file(
+        staging / ckpt::rank_file_name(r, m.world_size), L, r, m, user,
+        [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
+          const auto& lp = L.params()[p];
+          const auto& seg = L.segment(lp.segment);
+          const std::size_t at = lp.offset + s.first - (seg.offset + std::size_t(r) * seg.piece);
+          if (f == 0) return std::as_bytes(part.param_piece(lp.segment).subspan(at, s.count));
+          if (f == 1) return std::as_bytes(part.master_piece(lp.segment).subspan(at, s.count));
+          return std::as_bytes(part.state_piece(int(f) - 2, lp.segment).subspan(at, s.count));
+        });
+  });
+
+  // Rank 0 learns every file's size and checksum, then publishes.
+  std::vector<std::int64_t> sums(2 * std::size_t(m.world_size), 0);
+  sums[2 * std::size_t(r)] = std::int64_t(mine.bytes);
+  sums[2 * std::size_t(r) + 1] = std::int64_t(mine.crc32c);
+  comm.all_reduce(std::span<std::int64_t>(sums), ReduceOp::sum);
+  for (int i = 0; i < m.world_size; ++i)
+    m.files.push_back({ckpt::rank_file_name(i, m.world_size), std::uint64_t(sums[2 * std::size_t(i)]),
+                       std::uint32_t(sums[2 * std::size_t(i) + 1])});
+  ckpt::on_every_rank(comm, [&] {
+    if (r == 0) ckpt::publish(dir, staging, m);
+  });
+}
+
+namespace ckpt {
+
+// Fills [first, first + out.size()) of the full buffer of layout L (padding zeroed) from
+// read(param index, first element, span) by walking L's parameters in that range.
+template <class U, class Read>
+void fill_range(const Layout& L, std::size_t first, std::span<U> out, Read&& read) {
+  std::fill(out.begin(), out.end(), U{});
+  const std::size_t end = first + out.size();
+  for (int s = 0; s < L.segment_count(); ++s) {
+    const auto& seg = L.segment(s);
+    if (seg.offset >= end || seg.offset + seg.size <= first) continue;
+    for (int pi : seg.params) {
+      const auto& p = L.params()[std::size_t(pi)];
+      const std::size_t lo = std::max(first, p.offset), hi = std::min(end, p.offset + p.size);
+      if (lo < hi) read(std::size_t(pi), lo - p.offset, out.subspan(lo - first, hi - lo));
+    }
+  }
+}
+
+// The model's parameters against a checkpoint's, by name: every mismatch names the parameter
+// and both values. Returns, per model parameter, its index in the checkpoint.
+inline std::vector<std::size_t> match_params(const Layout& L, const Reader& rd) {
+  const auto& m = rd.manifest();
+  const std::string where = rd.path().string();
+  std::vector<std::size_t> idx;
+  for (const auto& p : L.params()) {
+    const int i = rd.find(p.name);
+    ZP_EXPECT(i >= 0, "checkpoint ", where, " has no parameter '", p.name, "' (the model has it, with ", p.size,
+              " elements; the checkpoint has ", m.params.size(), " parameters)");
+    ZP_EXPECT(m.params[std::size_t(i)].size == p.size, "checkpoint ", where, ": parameter '", p.name, "' has ",
+              m.params[std::size_t(i)].size, " elements in the checkpoint but ", p.size, " in the model");
+    idx.push_back(std::size_t(i));
+  }
+  if (m.params.size() != L.params().size())
+    for (const auto& q : m.params) {
+      bool found = false;
+      for (const auto& p : L.params()) found = found || p.name == q.name;
+      ZP_EXPECT(found, "checkpoint ", where, " has parameter '", q.name, "' (", q.size,
+                " elements), which the model does not have");
+    }
+  return idx;
+}
+
+// Sets an optimizer's fields from a checkpoint's, by name.
+template <class O>
+void load_hyper(O& o, const Manifest& m, const std::string& where) {
+  ZP_EXPECT(m.optimizer == optim::detail::type_name(o), "checkpoint ", where, " was saved with optimizer ",
+            m.optimizer, ", the engine uses ", optim::detail::type_name(o));
+  optim::detail::for_each_field(o, [&](const char* key, auto& x) {
+    const auto it = m.hyper.find(key);
+    ZP_EXPECT(it != m.hyper.end(), "checkpoint ", where, ": optimizer.params has no '", key, "'");
+    using V = std::remove_reference_t<decltype(x)>;
+    if constexpr (std::is_same_v<V, bool>)
+      ZP_EXPECT(it->is_boolean(), "checkpoint ", where, ": optimizer.params.", key, " must be a boolean");
+    else
+      ZP_EXPECT(it->is_number(), "checkpoint ", where, ": optimizer.params.", key, " must be a number");
+    x = it->template get<V>();
+  });
+  optim::validate(o);
+}
+
+}  // namespace ckpt
+
+// Loads <dir>/<tag> ("latest": the newest complete one) into the engine, whatever world size
+// and stage saved it: parameters, master weights, optimizer state and hyper-parameters, step
+// counters and loss scaler; returns the user blob. Collective; only at an accumulation boundary.
+// Every file is verified (size and CRC-32C) before anything is read; a mismatch between the
+// checkpoint and the model (parameter names or sizes, element type, optimizer) is an error
+// naming both values, and leaves the engine's state as it was.
+template <class E>
+std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& dir, std::string tag = "latest") {
+  using T = typename E::value_type;
+  using Opt = typename E::optimizer_type;
+  auto& comm = engine.comm();
+  engine.expect_at_boundary("load_checkpoint()");
+  const Layout& L = engine.layout();
+  std::optional<ckpt::Reader> rd;
+  std::vector<std::size_t> idx;
+  Opt opt = engine.optimizer();
+  ckpt::on_every_rank(comm, [&] {
+    rd.emplace(dir, tag);
+    const auto& m = rd->manifest();
+    const std::string where = rd->path().string();
+    ZP_EXPECT(m.dtype == dtype_of<T>, "checkpoint ", where, " holds ", name(m.dtype),
+              " parameters, the engine's are ", name(dtype_of<T>));
+    ZP_EXPECT(m.micro_step == 0, "checkpoint ", where, " was saved inside an accumulation window");
+    ZP_EXPECT(m.scaler_kind == int(engine.loss_scaler().kind()), "checkpoint ", where,
+              " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ", int(engine.loss_scaler().kind()),
+              " (0 none, 1 fixed, 2 dynamic)");
+    ckpt::load_hyper(opt, m, where);
+    ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where, " has ",
+              m.fields.size() - 2, " optimizer state arrays, ", optim::detail::type_name(opt), " needs ",
+              optim::state_slots<Opt>);
+    idx = ckpt::match_params(L, *rd);
+  });
+
+  // Verify every file, each rank a share; everyone learns every result.
+  const auto& m = rd->manifest();
+  const std::size_t F = m.files.size();
+  std::vector<std::int64_t> bad(F, 0);
+  for (std::size_t i = std::size_t(comm.rank()); i < F; i += std::size_t(comm.size()))
+    bad[i] = rd->verify_file(int(i)).empty() ? 0 : 1;
+  comm.all_reduce(std::span<std::int64_t>(bad), ReduceOp::sum);
+  ckpt::on_every_rank(comm, [&] {
+    for (std::size_t i = 0; i < F; ++i)
+      if (bad[i]) {
+        const std::string why = rd->verify_file(int(i));  // the checking rank's result, re-derived
+        throw Error(Errc::io, why.empty() ? detail::cat("checkpoint file ", rd->file_path(int(i)).string(),
+                                                        " failed verification on another rank")
+                                          : why);
+      }
+  });
+
+  // Read this rank's ranges, field by field, in the engine's layout.
+  const auto& part = engine.partition();
+  std::vector<std::byte> user;
+  ckpt::on_every_rank(comm, [&] {
+    auto read_field = [&]<class U>(std::size_t f, std::span<U> dst, std::size_t first) {
+      ckpt::fill_range<U>(L, first, dst, [&](std::size_t p, std::size_t at, std::span<U> out) {
+        rd->template read<U>(f, idx[p], at, out);
+      });
+    };
+    const int r = comm.rank();
+    for (int s = 0; s < L.segment_count(); ++s) {
+      const auto& seg = L.segment(s);
+      const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
+      if constexpr (E::stage < 3) read_field(0, part.param_segment(s), seg.offset);
+      else read_field(0, part.param_piece(s), mine);
+      for (std::size_t f = 1; f < m.fields.size(); ++f) {
+        std::span<float> dst = f == 1 ? (E::stage < 1 ? part.master_segment(s) : part.master_piece(s))
+                                      : (E::stage < 1 ? part.state_segment(int(f) - 2, s) : part.state_piece(int(f) - 2, s));
+        read_field(f, dst, E::stage < 1 ? seg.offset : mine);
+      }
+    }
+    user = rd->user_blob();
+  });
+  engine.optimizer() = opt;
+  engine.restore({m.step, 0, m.scaler});
+  return user;
+}
+
+namespace ckpt {
+
+// Writes a copy of a checkpoint laid out for `ranks` ranks as <dir>/<tag> (offline: no engine,
+// no communicator), reading one rank slice at a time. Loading it needs no resharding, so it
+// suits tools that expect one file per rank; zp itself loads the original at any rank count.
+inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks) {
+  check_tag(tag);
+  ZP_EXPECT(ranks >= 1, "reshard: ranks must be >= 1, got ", ranks);
+  Manifest m = rd.manifest();
+  m.tag = tag;
+  m.world_size = ranks;
+  m.files.clear();
+  const Layout L = m.make_layout();
+  const std::filesystem::path staging = dir / ("." + tag + ".partial");
+  std::error_code ec;
+  ZP_EXPECT(!std::filesystem::exists(dir / tag, ec), "reshard: ", (dir / tag).string(), " already exists");
+  std::filesystem::remove_all(staging, ec);
+  std::filesystem::create_directories(staging, ec);
+  if (ec) throw Error(Errc::io, detail::cat("reshard: cannot create ", staging.string(), ": ", ec.message()));
+  const std::vector<std::byte> user = rd.user_blob();
+  std::size_t most = 0;
+  for (const auto& g : L.segments()) most = std::max(most, g.piece);
+  std::vector<std::byte> buf(most * sizeof(float));
+  for (int r = 0; r < ranks; ++r) {
+    const auto sum = write_rank_file(
+        staging / rank_file_name(r, ranks), L, r, m, user,
+        [&](std::size_t f, std::size_t p, Slice s) -> std::span<const std::byte> {
+          const auto bytes = std::span<std::byte>(buf).first(s.count * size_of(m.field_dtype(f)));
+          rd.read_bytes(f, p, s.first, bytes);
+          return bytes;
+        });
+    m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
+  }
+  publish(dir, staging, m);
+}
+
+}  // namespace ckpt
+
+// ---- the model's weights as safetensors ---------------------------------------------------------
+
+struct ExportOptions {
+  bool master = false;               // the fp32 master weights instead of the T parameters
+  std::uint64_t max_file_bytes = 0;  // above this, model-0000k-of-n files and an index (0: one file)
+  // Each tensor's shape (default: 1-D, the parameter's size); its product must be the size.
+  std::function<std::vector<std::uint64_t>(const std::string& name, std::size_t size)> shape = {};
+};
+
+namespace ckpt {
+
+// Writes whole tensors, in a fixed order, into <dir>/model.safetensors or, above
+// max_file_bytes, into <dir>/model-0000k-of-n.safetensors and model.safetensors.index.json. Each
+// file is atomic; the index comes last. Holds one file's header, never the data.
+class ConsolidatedWriter {
+ public:
+  ConsolidatedWriter(std::filesystem::path dir, std::vector<safetensors::TensorInfo> tensors,
+                     std::uint64_t max_file_bytes)
+      : dir_(std::move(dir)), tensors_(std::move(tensors)) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("export: cannot create ", dir_.string(), ": ", ec.message()));
+    std::uint64_t in_file = 0;
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const std::uint64_t b = tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+      if (i == 0 || (max_file_bytes && in_file > 0 && in_file + b > max_file_bytes)) {
+        first_.push_back(i);
+        in_file = 0;
+      }
+      in_file += b;
+      total_ += b;
+    }
+    first_.push_back(tensors_.size());
+  }
+
+  // The next tensor's bytes (whole tensor, or consecutive pieces of it).
+  void write(std::span<const std::byte> bytes) {
+    if (!w_) open(file_ + 1);
+    w_->write(bytes);
+    left_ -= std::min<std::uint64_t>(left_, bytes.size());
+    if (left_ == 0) next_tensor();
+  }
+
+  // Commits the last file and writes the index (split exports). Every tensor must be written.
+  void finish() {
+    while (tensor_ < tensors_.size() && tensors_[tensor_].elements() == 0) next_tensor();
+    ZP_EXPECT(tensor_ == tensors_.size(), "export: tensor '", tensors_[std::min(tensor_, tensors_.size() - 1)].name,
+              "' was not written");
+    if (w_) w_->commit(), w_.reset();
+    const int n = int(first_.size()) - 1;
+    if (n > 1) {
+      std::map<std::string, std::string> map;
+      for (int f = 0; f < n; ++f)
+        for (std::size_t i = first_[std::size_t(f)]; i < first_[std::size_t(f) + 1]; ++i)
+          map[tensors_[i].name] = safetensors::shard_file_name(f + 1, n);
+      safetensors::write_index(dir_ / "model.safetensors.index.json", total_, map);
+    }
+  }
+
+ private:
+  void open(std::size_t f) {
+    const int n = int(first_.size()) - 1;
+    file_ = f;
+    std::vector<safetensors::TensorInfo> mine(tensors_.begin() + std::ptrdiff_t(first_[f - 1]),
+                                              tensors_.begin() + std::ptrdiff_t(first_[f]));
+    w_.emplace(dir_ / (n == 1 ? std::string("model.safetensors") : safetensors::shard_file_name(int(f), n)),
+               std::move(mine), std::map<std::string, std::string>{{"format", "pt"}});
+    left_ = tensor_bytes(tensor_);
+  }
+  std::uint64_t tensor_bytes(std::size_t i) const {
+    return tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+  }
+  void next_tensor() {
+    ++tensor_;
+    if (tensor_ == first_[file_]) {  // that file is complete
+      w_->commit();
+      w_.reset();
+      return;
+    }
+    left_ = tensor_bytes(tensor_);
+  }
+
+  std::filesystem::path dir_;
+  std::vector<safetensors::TensorInfo> tensors_;
+  std::vector<std::size_t> first_;  // first tensor of each file, then tensors_.size()
+  std::uint64_t total_ = 0, left_ = 0;
+  std::size_t tensor_ = 0, file_ = 0;
+  std::optional<safetensors::Writer> w_;
+};
+
+inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::string& name, std::size_t size) {
+  if (!o.shape) return {size};
+  std::vector<std::uint64_t> s = o.shape(name, size);
+  std::uint64_t n = 1;
+  for (auto d : s) n *= d;
+  ZP_EXPECT(n == size, "export: the shape given for '", name, "' has ", n, " elements, the parameter ", size);
+  return s;
+}
+
+// Where a safetensors model lives: a file, an index, or a directory holding either. Maps each
+// tensor name to its file.
+inline std::map<std::string, std::filesystem::path> safetensors_files(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = path;
+  if (fs::is_directory(p, ec)) {
+    if (fs::exists(p / "model.safetensors.index.json", ec)) p = p / "model.safetensors.index.json";
+    else p = p / "model.safetensors";
+  }
+  std::map<std::string, fs::path> files;
+  if (p.extension() == ".json") {
+    const auto idx = safetensors::read_index(p);
+    for (const auto& [name, file] : idx.weight_map) files[name] = p.parent_path() / file;
+  } else {
+    safetensors::Reader r(p);
+    for (const auto& t : r.tensors()) files[t.name] = p;
+  }
+  return files;
+}
+
+}  // namespace ckpt
+
+// Writes the whole model (T parameters, or fp32 master weights) by parameter name into
+// <dir>/model.safetensors, or split files with an index (see ExportOptions). Collective: the
+// model is gathered one segment at a time and rank 0 writes, so no rank holds more than one
+// segment. Tensors appear in the layout's (backward) order.
+template <class E>
+void export_safetensors(E& engine, const std::filesystem::path& dir, const ExportOptions& o = {}) {
+  using T = typename E::value_type;
+  auto& comm = engine.comm();
+  engine.expect_at_boundary("export_safetensors()");
+  const Layout& L = engine.layout();
+  const auto& part = engine.partition();
+  const bool master = o.master;
+  const char* dtype = safetensors::dtype_name(master ? DType::f32 : dtype_of<T>);
+  std::optional<ckpt::ConsolidatedWriter> out;
+  ckpt::on_every_rank(comm, [&] {
+    if (comm.rank() != 0) return;
+    std::vector<safetensors::TensorInfo> tensors;
+    for (const auto& seg : L.segments())
+      for (int pi : seg.params) {
+        const auto& p = L.params()[std::size_t(pi)];
+        tensors.push_back({p.name, dtype, ckpt::shape_of(o, p.name, p.size)});
+      }
+    out.emplace(dir, std::move(tensors), o.max_file_bytes);
+  });
+  Buffer<T, MemorySpace::host> seg_t;
+  Buffer<float, MemorySpace::host> seg_f;
+  std::exception_ptr err;  // rank 0's write failure; gathering goes on so no rank waits forever
+  auto emit = [&]<class U>(const Layout::Segment& seg, std::span<const U> data) {
+    if (comm.rank() != 0 || err) return;
+    try {
+      for (int pi : seg.params) {
+        const auto& p = L.params()[std::size_t(pi)];
+        out->write(std::as_bytes(data.subspan(p.offset - seg.offset, p.size)));
+      }
+    } catch (...) {
+      err = std::current_exception();
+    }
+  };
+  for (int s = 0; s < L.segment_count(); ++s) {
+    const auto& seg = L.segment(s);
+    if (!master && E::stage < 3) {
+      emit(seg, std::span<const T>(part.param_segment(s)));
+    } else if (master && E::stage < 1) {
+      emit(seg, std::span<const float>(part.master_segment(s)));
+    } else if (!master) {
+      if (seg_t.size() < seg.size) seg_t = Buffer<T, MemorySpace::host>(L.largest_segment(), "export: one segment");
+      comm.all_gather(std::span<const T>(part.param_piece(s)), seg_t.span(0, seg.size));
+      emit(seg, std::span<const T>(seg_t.span(0, seg.size)));
+    } else {
+      if (seg_f.size() < seg.size) seg_f = Buffer<float, MemorySpace::host>(L.largest_segment(), "export: one segment");
+      comm.all_gather(std::span<const float>(part.master_piece(s)), seg_f.span(0, seg.size));
+      emit(seg, std::span<const float>(seg_f.span(0, seg.size)));
+    }
+  }
+  ckpt::on_every_rank(comm, [&] {
+    if (err) std::rethrow_exception(err);
+    if (out) out->finish();
+  });
+}
+
+// Exports a saved checkpoint the same way, offline (no engine, no communicator), reading one
+// parameter chunk at a time.
+inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& dir, const ExportOptions& o = {}) {
+  const auto& m = rd.manifest();
+  const std::size_t f = o.master ? 1 : 0;
+  const DType dt = m.field_dtype(f);
+  std::vector<safetensors::TensorInfo> tensors;
+  for (const auto& p : m.params) tensors.push_back({p.name, safetensors::dtype_name(dt), ckpt::shape_of(o, p.name, p.size)});
+  ckpt::ConsolidatedWriter out(dir, std::move(tensors), o.max_file_bytes);
+  constexpr std::size_t chunk = std::size_t(1) << 22;  // elements per read
+  std::vector<std::byte> buf(chunk * size_of(dt));
+  for (std::size_t p = 0; p < m.params.size(); ++p)
+    for (std::size_t at = 0; at < m.params[p].size; at += chunk) {
+      const std::size_t n = std::min(chunk, m.params[p].size - at);
+      const auto bytes = std::span<std::byte>(buf).first(n * size_of(dt));
+      rd.read_bytes(f, p, at, bytes);
+      out.write(bytes);
+    }
+  out.finish();
+}
+
+// Sets the engine's parameters and fp32 master weights, by name, from safetensors weights (a
+// file, an index JSON, or a directory holding model.safetensors or an index), stored as the
+// engine's T or as F32 (rounded to T for the parameters). Optimizer state and counters are left
+// alone. Collective; every rank reads only its own ranges.
+template <class E>
+void load_safetensors(E& engine, const std::filesystem::path& path) {
+  using T = typename E::value_type;
+  auto& comm = engine.comm();
+  engine.expect_at_boundary("load_safetensors()");
+  const Layout& L = engine.layout();
+  const auto& part = engine.partition();
+  ckpt::on_every_rank(comm, [&] {
+    const auto files = ckpt::safetensors_files(path);
+    std::map<std::filesystem::path, safetensors::Reader> open;
+    std::vector<std::pair<safetensors::Reader*, const safetensors::TensorInfo*>> src;
+    for (const auto& p : L.params()) {
+      const auto it = files.find(p.name);
+      ZP_EXPECT(it != files.end(), "load_safetensors: ", path.string(), " has no tensor '", p.name, "'");
+      auto r = open.find(it->second);
+      if (r == open.end()) r = open.emplace(it->second, safetensors::Reader(it->second)).first;
+      const auto& t = r->second.at(p.name);
+      ZP_EXPECT(t.elements() == p.size, "load_safetensors: tensor '", p.name, "' in ", it->second.string(), " has ",
+                t.elements(), " elements, the model's parameter ", p.size);
+      ZP_EXPECT(t.dtype == "F32" || t.dtype == safetensors::dtype_name(dtype_of<T>), "load_safetensors: tensor '",
+                p.name, "' in ", it->second.string(), " is ", t.dtype, "; expected F32 or ",
+                safetensors::dtype_name(dtype_of<T>));
+      src.emplace_back(&r->second, &t);
+    }
+    // Reads elements of parameter p as U, converting from the stored type.
+    auto read = [&]<class U>(std::size_t p, std::size_t first, std::span<U> out) {
+      auto& [file, t] = src[p];
+      if (t->dtype == safetensors::dtype_name(dtype_of<U>)) return file->read_elements(t->name, first, out);
+      if constexpr (std::is_same_v<U, float>) {
+        std::vector<T> tmp(out.size());
+        file->read_elements(t->name, first, std::span<T>(tmp));
+        Ops<MemorySpace::host>::convert(out, std::span<const T>(tmp));
+      } else {
+        std::vector<float> tmp(out.size());
+        file->read_elements(t->name, first, std::span<float>(tmp));
+        Ops<MemorySpace::host>::convert(out, std::span<const float>(tmp));
+      }
+    };
+    const int r = comm.rank();
+    for (int s = 0; s < L.segment_count(); ++s) {
+      const auto& seg = L.segment(s);
+      const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
+      if constexpr (E::stage < 3) ckpt::fill_range<T>(L, seg.offset, part.param_segment(s), read);
+      else ckpt::fill_range<T>(L, mine, part.param_piece(s), read);
+      if constexpr (E::stage < 1) ckpt::fill_range<float>(L, seg.offset, part.master_segment(s), read);
+      else ckpt::fill_range<float>(L, mine, part.master_piece(s), read);
+    }
+  });
+  engine.restore(engine.progress());  // stage 3: drop gathered copies of the old values
+}
+
+}  // namespace zp

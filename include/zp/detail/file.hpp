@@ -1,0 +1,254 @@
+// zp/detail/file.hpp: the file primitives checkpoints and safetensors stand on. A file written
+// through AtomicFile appears under its name complete and durable, or not at all; InputFile reads
+// byte ranges without loading a file whole; crc32c fingerprints what was written and read.
+// POSIX only (open, write, pread, fsync, rename).
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "zp/error.hpp"
+
+namespace zp::detail {
+
+// ---- CRC-32C (Castagnoli) ----------------------------------------------------------------------
+// Slicing-by-8 (Kounavis and Berry, "A Systematic Approach to Building High Performance
+// Software-based CRC Generators", 2005): table k advances a byte k positions, so eight bytes
+// cost eight independent lookups instead of a chain of eight. Portable C++, no SSE4.2 crc32.
+
+inline constexpr std::array<std::array<std::uint32_t, 256>, 8> crc32c_tables = [] {
+  std::array<std::array<std::uint32_t, 256>, 8> t{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));  // reflected poly
+    t[0][i] = c;
+  }
+  for (std::size_t k = 1; k < 8; ++k)
+    for (std::size_t i = 0; i < 256; ++i) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xffu];
+  return t;
+}();
+
+// The CRC-32C of `data`; pass the previous result as `crc` to continue it over the next bytes
+// (crc32c(b, crc32c(a)) == crc32c(a followed by b)). About 1-2 GB/s per core.
+inline std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept {
+  const auto& t = crc32c_tables;
+  const auto* p = reinterpret_cast<const unsigned char*>(data.data());
+  std::size_t n = data.size();
+  crc = ~crc;
+  for (; n >= 8; p += 8, n -= 8) {
+    // Bytes assembled explicitly, so the result does not depend on the host's byte order.
+    const std::uint32_t lo = crc ^ (std::uint32_t(p[0]) | std::uint32_t(p[1]) << 8 |
+                                    std::uint32_t(p[2]) << 16 | std::uint32_t(p[3]) << 24);
+    crc = t[7][lo & 0xffu] ^ t[6][(lo >> 8) & 0xffu] ^ t[5][(lo >> 16) & 0xffu] ^ t[4][lo >> 24] ^
+          t[3][p[4]] ^ t[2][p[5]] ^ t[1][p[6]] ^ t[0][p[7]];
+  }
+  for (; n > 0; ++p, --n) crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xffu];
+  return ~crc;
+}
+
+// ---- Fault injection ---------------------------------------------------------------------------
+
+// Crash-consistency tests set this to k > 0: the k-th durable step from then on (an AtomicFile
+// write, its fsync, its rename, the directory's fsync) throws instead of running, as if the
+// process had died there. -1 (the default) and 0 mean off. Process-wide.
+inline std::atomic<std::int64_t>& io_fault_countdown() noexcept {
+  static std::atomic<std::int64_t> countdown{-1};
+  return countdown;
+}
+
+// Called before each durable step; counts down and throws when the countdown hits zero.
+inline void io_step(const char* what, const std::filesystem::path& path) {
+  auto& c = io_fault_countdown();
+  std::int64_t v = c.load(std::memory_order_relaxed);
+  while (v > 0 && !c.compare_exchange_weak(v, v - 1, std::memory_order_relaxed)) {
+  }
+  if (v == 1) throw Error(Errc::io, cat("injected fault before ", what, " of ", path.native()));
+}
+
+// An Errc::io naming the operation, the path and errno's text (errno is the native code).
+[[noreturn]] inline void throw_io(const char* op, const std::filesystem::path& path, int err) {
+  throw Error(Errc::io, cat("cannot ", op, " ", path.native(), ": ", std::strerror(err)), err);
+}
+
+// ---- Writing -----------------------------------------------------------------------------------
+
+// Makes the entries of directory `dir` ("" = the current one) durable: renames into it survive a
+// power cut once this returns.
+inline void sync_directory(std::filesystem::path dir) {
+  if (dir.empty()) dir = ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) throw_io("open directory", dir, errno);
+  const int rc = ::fsync(dfd), err = errno;
+  ::close(dfd);
+  if (rc != 0) throw_io("fsync directory", dir, err);
+}
+
+// Writes a new version of a file so that, whatever happens (an exception, a crash, a power cut
+// after commit() returned), the final name holds either the previous version or the whole new
+// one. The bytes go to `<final>.tmp.<pid>.<n>` in the same directory (rename is atomic only
+// within a file system); commit() makes them durable (fsync), renames the temporary over the final
+// name and makes the rename durable (fsync of the directory). Without commit() the destructor
+// deletes the temporary. Memory: none beyond the object; each write() is one or more write(2).
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::filesystem::path final_path) : final_(std::move(final_path)) {
+    static std::atomic<std::uint64_t> counter{0};
+    tmp_ = final_;
+    tmp_ += cat(".tmp.", ::getpid(), ".", counter.fetch_add(1));
+    fd_ = ::open(tmp_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw_io("create", tmp_, errno);
+  }
+  AtomicFile(AtomicFile&& o) noexcept
+      : final_(std::move(o.final_)), tmp_(std::move(o.tmp_)), fd_(std::exchange(o.fd_, -1)),
+        renamed_(std::exchange(o.renamed_, true)), crc_(o.crc_), bytes_(o.bytes_) {}
+  AtomicFile& operator=(AtomicFile&&) = delete;
+  ~AtomicFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!renamed_) ::unlink(tmp_.c_str());
+  }
+
+  // Appends `data` (retrying partial writes and EINTR).
+  void write(std::span<const std::byte> data) {
+    ZP_EXPECT(fd_ >= 0, "AtomicFile ", final_.native(), ": write after commit");
+    io_step("write", final_);
+    for (std::span<const std::byte> rest = data; !rest.empty();) {
+      // Linux writes at most 0x7ffff000 bytes per call anyway; asking for less keeps it portable.
+      const ::ssize_t n = ::write(fd_, rest.data(), std::min<std::size_t>(rest.size(), 1u << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_io("write", tmp_, errno);
+      }
+      rest = rest.subspan(std::size_t(n));
+    }
+    crc_ = detail::crc32c(data, crc_);
+    bytes_ += data.size();
+  }
+
+  // Bytes written so far and their CRC-32C.
+  std::uint64_t bytes() const noexcept { return bytes_; }
+  std::uint32_t crc32c() const noexcept { return crc_; }
+  const std::filesystem::path& path() const noexcept { return final_; }
+
+  // Publishes the file under its final name, durably. Call once; afterwards the object only
+  // answers bytes() and crc32c().
+  void commit() {
+    ZP_EXPECT(fd_ >= 0, "AtomicFile ", final_.native(), ": commit called twice");
+    io_step("fsync", final_);
+    if (::fsync(fd_) != 0) throw_io("fsync", tmp_, errno);
+    const int fd = std::exchange(fd_, -1);
+    // A failed close can report a deferred write error (NFS): the data may not be there.
+    if (::close(fd) != 0) throw_io("close", tmp_, errno);
+    io_step("rename", final_);
+    if (::rename(tmp_.c_str(), final_.c_str()) != 0)
+      throw_io(cat("rename ", tmp_.native(), " to").c_str(), final_, errno);
+    renamed_ = true;
+    // Until the directory entry is on disk, a power cut can bring back the previous version.
+    io_step("directory fsync", final_);
+    sync_directory(final_.parent_path());
+  }
+
+ private:
+  std::filesystem::path final_, tmp_;
+  int fd_ = -1;
+  bool renamed_ = false;  // the temporary name no longer exists (or never did, when moved from)
+  std::uint32_t crc_ = 0;
+  std::uint64_t bytes_ = 0;
+};
+
+// Replaces `path` with `data` atomically and durably (see AtomicFile).
+inline void write_file_atomic(const std::filesystem::path& path, std::span<const std::byte> data) {
+  AtomicFile f(path);
+  f.write(data);
+  f.commit();
+}
+
+// ---- Reading -----------------------------------------------------------------------------------
+
+// A regular file open for reading byte ranges (pread: no shared file position, so concurrent
+// read_at calls on one InputFile are safe). Memory: none beyond the caller's buffers.
+class InputFile {
+ public:
+  explicit InputFile(std::filesystem::path path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw_io("open", path_, errno);
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw_io("stat", path_, err);
+    }
+    if (!S_ISREG(st.st_mode)) {  // a directory opens read-only too, then fails every read
+      ::close(fd_);
+      throw Error(Errc::io, cat("cannot read ", path_.native(), ": not a regular file"));
+    }
+    size_ = std::uint64_t(st.st_size);
+  }
+  InputFile(InputFile&& o) noexcept
+      : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), size_(o.size_) {}
+  InputFile& operator=(InputFile&&) = delete;
+  ~InputFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  const std::filesystem::path& path() const noexcept { return path_; }
+  // The size when the file was opened.
+  std::uint64_t size() const noexcept { return size_; }
+
+  // Fills `out` with the bytes at [offset, offset + out.size()); a file that ends sooner is an
+  // error naming the range and the file's size.
+  void read_at(std::uint64_t offset, std::span<std::byte> out) const {
+    std::uint64_t end;
+    if (__builtin_add_overflow(offset, std::uint64_t(out.size()), &end)) [[unlikely]]
+      throw Error(Errc::invalid_argument, cat("file ", path_.native(), ": reading ", out.size(),
+                                               " bytes at offset ", offset, " overflows"));
+    for (std::size_t done = 0; done < out.size();) {
+      const ::ssize_t n = ::pread(fd_, out.data() + done, std::min<std::size_t>(out.size() - done, 1u << 30),
+                                  ::off_t(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw_io("read", path_, errno);
+      }
+      if (n == 0) {  // end of file: report its size now, which may differ from size()
+        struct stat st {};
+        const std::uint64_t now = ::fstat(fd_, &st) == 0 ? std::uint64_t(st.st_size) : offset + done;
+        throw Error(Errc::io, cat("file ", path_.native(), " is truncated: wanted bytes [", offset, ", ", end,
+                                  ") but it has ", now, " bytes"));
+      }
+      done += std::size_t(n);
+    }
+  }
+
+  // The CRC-32C of the whole file (size() bytes), read `buffer_bytes` at a time.
+  std::uint32_t crc32c_of_all(std::size_t buffer_bytes = std::size_t(1) << 20) const {
+    std::string buf(std::max<std::size_t>(buffer_bytes, 1), '\0');
+    std::uint32_t crc = 0;
+    for (std::uint64_t at = 0; at < size_;) {
+      const auto n = std::size_t(std::min<std::uint64_t>(buf.size(), size_ - at));
+      const auto chunk = std::as_writable_bytes(std::span(buf.data(), n));
+      read_at(at, chunk);
+      crc = detail::crc32c(chunk, crc);
+      at += n;
+    }
+    return crc;
+  }
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+}  // namespace zp::detail

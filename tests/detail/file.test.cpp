@@ -1,0 +1,224 @@
+// Tests of zp/detail/file.hpp: CRC-32C against a bitwise reference, AtomicFile's all-or-nothing
+// publication (including a fault injected before each durable step) and InputFile's errors.
+#include "zp/detail/file.hpp"
+
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../expect_error.hpp"
+#include "../random.hpp"
+
+namespace fs = std::filesystem;
+using zp::detail::crc32c;
+
+using zp::test::expect_error;
+
+namespace {
+
+// A new empty directory, removed with its contents when the test ends.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static std::atomic<int> n{0};
+    path = fs::temp_directory_path() / ("zp-file-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::vector<std::string> entries() const {
+    std::vector<std::string> r;
+    for (const auto& e : fs::directory_iterator(path)) r.push_back(e.path().filename().string());
+    return r;
+  }
+};
+
+std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+std::string slurp(const fs::path& p) {
+  const zp::detail::InputFile f(p);
+  std::string s(f.size(), '\0');
+  f.read_at(0, std::as_writable_bytes(std::span(s)));
+  return s;
+}
+
+// The definition, one bit at a time: what the table-driven version must agree with.
+std::uint32_t crc32c_bitwise(std::span<const std::byte> data) {
+  std::uint32_t c = 0xffffffffu;
+  for (std::byte b : data) {
+    c ^= std::uint32_t(b);
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return ~c;
+}
+
+std::vector<std::byte> random_bytes(std::uint64_t seed, std::size_t n) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = std::byte(zp::test::mix(seed + i));
+  return v;
+}
+
+
+}  // namespace
+
+TEST_CASE("crc32c gives the published check values") {
+  CHECK(crc32c(bytes_of("123456789")) == 0xE3069283u);
+  CHECK(crc32c({}) == 0u);
+  // RFC 3720 (iSCSI), appendix B.4.
+  std::vector<std::byte> v(32, std::byte{0});
+  CHECK(crc32c(v) == 0x8A9136AAu);
+  std::fill(v.begin(), v.end(), std::byte{0xff});
+  CHECK(crc32c(v) == 0x62A8AB43u);
+  for (int i = 0; i < 32; ++i) v[i] = std::byte(i);
+  CHECK(crc32c(v) == 0x46DD794Eu);
+  for (int i = 0; i < 32; ++i) v[i] = std::byte(31 - i);
+  CHECK(crc32c(v) == 0x113FDB5Cu);
+}
+
+TEST_CASE("crc32c continued piece by piece equals one pass and the bitwise definition") {
+  const std::uint64_t seed = zp::test::fresh_seed();
+  MESSAGE("seed ", seed);
+  for (std::size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 1000, 4099}) {
+    CAPTURE(n);
+    const auto data = random_bytes(seed + n, n);
+    const std::span<const std::byte> all(data);
+    const std::uint32_t want = crc32c_bitwise(all);
+    CHECK(crc32c(all) == want);
+    // Pieces of every alignment, the empty piece included.
+    std::uint32_t c = 0;
+    for (std::size_t at = 0, k = 0; at < n || k == 0; ++k) {
+      const std::size_t len = std::min<std::size_t>(n - at, zp::test::mix(seed ^ k) % 13);
+      c = crc32c(all.subspan(at, len), c);
+      at += len;
+    }
+    CHECK(c == want);
+  }
+}
+
+TEST_CASE("a committed AtomicFile holds exactly the bytes written") {
+  TempDir dir;
+  const fs::path p = dir.path / "weights.bin";
+  const auto data = random_bytes(7, 10000);
+  const std::span<const std::byte> all(data);
+  {
+    zp::detail::AtomicFile f(p);
+    CHECK(dir.entries().size() == 1);  // the temporary
+    CHECK_FALSE(fs::exists(p));
+    f.write(all.first(3));
+    f.write(all.subspan(3, 0));
+    f.write(all.subspan(3));
+    CHECK(f.bytes() == data.size());
+    CHECK(f.crc32c() == crc32c(all));
+    f.commit();
+  }
+  CHECK(dir.entries() == std::vector<std::string>{"weights.bin"});
+  const zp::detail::InputFile in(p);
+  CHECK(in.size() == data.size());
+  std::vector<std::byte> back(data.size());
+  in.read_at(0, back);
+  CHECK(back == data);
+  CHECK(in.crc32c_of_all() == crc32c(all));
+  CHECK(in.crc32c_of_all(7) == crc32c(all));
+
+  SUBCASE("write_file_atomic replaces a file") {
+    zp::detail::write_file_atomic(p, bytes_of("new"));
+    CHECK(slurp(p) == "new");
+    CHECK(dir.entries().size() == 1);
+  }
+  SUBCASE("writing after commit and committing twice are errors") {
+    zp::detail::AtomicFile f(dir.path / "x");
+    f.commit();
+    expect_error(zp::Errc::invalid_argument, [&] { f.write(bytes_of("a")); }, {"write after commit"});
+    expect_error(zp::Errc::invalid_argument, [&] { f.commit(); }, {"commit called twice"});
+  }
+}
+
+TEST_CASE("an AtomicFile destroyed without commit leaves no file and no temporary") {
+  TempDir dir;
+  const fs::path p = dir.path / "state.bin";
+  { zp::detail::AtomicFile f(p); }
+  {
+    zp::detail::AtomicFile f(p);
+    f.write(bytes_of("partial"));
+  }
+  CHECK(dir.entries().empty());
+  zp::detail::write_file_atomic(p, bytes_of("old"));
+  {
+    zp::detail::AtomicFile f(p);
+    f.write(bytes_of("never published"));
+  }
+  CHECK(dir.entries() == std::vector<std::string>{"state.bin"});
+  CHECK(slurp(p) == "old");
+}
+
+TEST_CASE("a fault before any durable step leaves the old or the new version, complete, and no temporary") {
+  bool had_old = false;
+  SUBCASE("over a previous version") { had_old = true; }
+  SUBCASE("where no file was") { had_old = false; }
+  CAPTURE(had_old);
+  TempDir dir;
+  const fs::path p = dir.path / "checkpoint.bin";
+  const std::string old_version = "old version, complete";
+  const std::string new_version = "new version: three parts, all written";
+  if (had_old) zp::detail::write_file_atomic(p, bytes_of(old_version));
+  // The steps: three writes, fsync, rename, directory fsync; the 7th attempt runs them all.
+  const char* steps[] = {"write", "write", "write", "fsync", "rename", "directory fsync"};
+  bool done = false;
+  for (std::int64_t k = 1; !done; ++k) {
+    CAPTURE(k);
+    REQUIRE(k <= 7);
+    zp::detail::io_fault_countdown() = k;
+    try {
+      zp::detail::AtomicFile f(p);
+      const std::string_view s = new_version;
+      f.write(bytes_of(s.substr(0, 10)));
+      f.write(bytes_of(s.substr(10, 10)));
+      f.write(bytes_of(s.substr(20)));
+      f.commit();
+      done = true;
+      CHECK(k == 7);
+    } catch (const zp::Error& e) {
+      CHECK(e.category() == zp::Errc::io);
+      CHECK(e.message() == std::string("injected fault before ") + steps[k - 1] + " of " + p.native());
+    }
+    zp::detail::io_fault_countdown() = -1;
+    // The rename is the moment of publication: before it the old version (or none), from it on
+    // the new one.
+    if (k < 6 && !had_old) {
+      CHECK(dir.entries().empty());
+    } else {
+      CHECK(dir.entries() == std::vector<std::string>{"checkpoint.bin"});
+      CHECK(slurp(p) == (k >= 6 ? new_version : old_version));
+    }
+  }
+}
+
+TEST_CASE("file errors name the path, the operation and the reason") {
+  TempDir dir;
+  const fs::path missing_dir = dir.path / "no" / "such" / "dir" / "f.bin";
+  expect_error(zp::Errc::io, [&] { zp::detail::AtomicFile f(missing_dir); },
+               {"cannot create", (dir.path / "no/such/dir/f.bin.tmp.").native(), "No such file or directory"});
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path / "absent"); },
+               {"cannot open", (dir.path / "absent").native(), "No such file or directory"});
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); }, {dir.path.native(), "not a regular file"});
+
+  const fs::path p = dir.path / "ten";
+  zp::detail::write_file_atomic(p, bytes_of("0123456789"));
+  const zp::detail::InputFile f(p);
+  std::vector<std::byte> buf(8);
+  f.read_at(2, buf);
+  CHECK(std::string(reinterpret_cast<const char*>(buf.data()), 8) == "23456789");
+  expect_error(zp::Errc::io, [&] { f.read_at(4, buf); },
+               {"file " + p.native() + " is truncated: wanted bytes [4, 12) but it has 10 bytes"});
+  expect_error(zp::Errc::io, [&] { f.read_at(100, buf); }, {"wanted bytes [100, 108) but it has 10 bytes"});
+  f.read_at(10, std::span<std::byte>());  // an empty read at the end is fine
+}

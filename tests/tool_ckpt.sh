@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# zp_ckpt on a checkpoint of zp_demo: info, verify, export, reshard (the demo then resumes from
+# the resharded copy), and verify naming a corrupted file.
+#   tool_ckpt.sh <zp_ckpt> <zp_demo> <work dir>
+set -euo pipefail
+tool=$1 demo=$2
+dir=$3/tool-ckpt
+rm -rf "$dir"
+"$demo" --steps 6 --micro-batch 4 --save-every 3 --log-every 3 --ranks 2 --stage 1 --checkpoint-dir "$dir/ckpt" > /dev/null
+"$tool" info "$dir/ckpt" | tee "$dir.info"
+grep -q "saved by 2 ranks at ZeRO stage 1, bf16 parameters, optimizer AdamW" "$dir.info"
+grep -q "step 6" "$dir.info"
+"$tool" verify "$dir/ckpt" --tag step3 > "$dir.verify"
+test "$(grep -c "^ok" "$dir.verify")" = 2
+"$tool" export "$dir/ckpt" "$dir/export" --master --max-file-bytes 200000
+test -s "$dir/export/model.safetensors.index.json"
+"$tool" reshard "$dir/ckpt" --ranks 3
+test "$(cat "$dir/ckpt/latest")" = step6-3ranks
+"$tool" info "$dir/ckpt" > "$dir.info"
+grep -q "saved by 3 ranks" "$dir.info"
+"$demo" --steps 8 --micro-batch 4 --log-every 4 --ranks 3 --stage 3 --checkpoint-dir "$dir/ckpt" --resume > "$dir.demo"
+grep -q "resumed from $dir/ckpt/step6-3ranks at step 6" "$dir.demo"
+# A flipped byte is named, with a failing exit status.
+f="$dir/ckpt/step6/rank-00001-of-00002.safetensors"
+printf '\xff' | dd of="$f" bs=1 seek=100 conv=notrunc status=none
+if "$tool" verify "$dir/ckpt" --tag step6 > "$dir.verify"; then echo "verify passed a corrupt file"; exit 1; fi
+grep -q "FAILED  checkpoint file $f has CRC-32C" "$dir.verify"
+rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo"
+echo "zp_ckpt: ok"

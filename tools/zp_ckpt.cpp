@@ -1,0 +1,124 @@
+// zp_ckpt: inspect, verify, export and reshard zp checkpoints offline (no GPU, no MPI, one
+// process; memory: one parameter chunk or rank slice at a time, never the model).
+//
+//   zp_ckpt info    DIR [--tag T]
+//   zp_ckpt verify  DIR [--tag T]
+//   zp_ckpt export  DIR OUT [--tag T] [--master] [--max-file-bytes N]
+//   zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]
+//
+// Exit status: 0 success, 1 a failed check or I/O error (the message names the file), 2 usage.
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "zp/checkpoint.hpp"
+
+namespace {
+
+const char* usage =
+    "usage: zp_ckpt info    DIR [--tag T]\n"
+    "       zp_ckpt verify  DIR [--tag T]\n"
+    "       zp_ckpt export  DIR OUT [--tag T] [--master] [--max-file-bytes N]\n"
+    "       zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]\n"
+    "  DIR      a checkpoint directory (the one holding `latest`)\n"
+    "  --tag    which checkpoint (default: the one `latest` names)\n"
+    "  export   writes OUT/model.safetensors (T parameters; --master: fp32 master weights), split\n"
+    "           into model-0000k-of-n files with an index above --max-file-bytes\n"
+    "  reshard  writes DIR/<out-tag> (default <tag>-<M>ranks) laid out for M ranks\n";
+
+[[noreturn]] void bad(const std::string& msg) {
+  std::fprintf(stderr, "zp_ckpt: %s\n\n%s", msg.c_str(), usage);
+  std::exit(2);
+}
+
+long long to_number(const std::string& flag, const std::string& v, long long lo) {
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < lo) bad(flag + " expects an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  return x;
+}
+
+int info(zp::ckpt::Reader& rd) {
+  const auto& m = rd.manifest();
+  std::size_t elements = 0;
+  for (const auto& p : m.params) elements += p.size;
+  std::printf("checkpoint %s\n", rd.path().c_str());
+  std::printf("  saved by %d ranks at ZeRO stage %d, %s parameters, optimizer %s %s\n", m.world_size, m.stage,
+              zp::name(m.dtype), m.optimizer.c_str(), m.hyper.dump().c_str());
+  std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
+              m.params.back().module + 1);
+  for (const auto& f : m.fields) std::printf(" %s", f.c_str());
+  std::printf("\n  step %lld, loss scale %g (%lld skipped), user data %llu bytes\n", static_cast<long long>(m.step),
+              double(m.scaler.scale), static_cast<long long>(m.scaler.skipped),
+              static_cast<unsigned long long>(m.user_bytes));
+  for (const auto& f : m.files)
+    std::printf("  %s  %llu bytes  crc32c %08x\n", f.name.c_str(), static_cast<unsigned long long>(f.bytes), f.crc32c);
+  return 0;
+}
+
+int verify(zp::ckpt::Reader& rd) {
+  int bad_files = 0;
+  for (int r = 0; r < int(rd.manifest().files.size()); ++r) {
+    const std::string why = rd.verify_file(r);
+    if (why.empty()) std::printf("ok      %s\n", rd.file_path(r).c_str());
+    else std::printf("FAILED  %s\n", why.c_str()), ++bad_files;
+  }
+  if (bad_files) std::fprintf(stderr, "zp_ckpt: %d of %zu files failed verification\n", bad_files, rd.manifest().files.size());
+  return bad_files ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) bad(argc < 2 ? "no command" : "no checkpoint directory");
+  const std::string cmd = argv[1];
+  std::vector<std::string> pos;
+  std::string tag = "latest", out_tag;
+  int ranks = 0;
+  zp::ExportOptions eo;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&] {
+      if (i + 1 >= argc) bad(a + " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (a == "--tag") tag = value();
+    else if (a == "--out-tag") out_tag = value();
+    else if (a == "--ranks") ranks = int(to_number(a, value(), 1));
+    else if (a == "--master") eo.master = true;
+    else if (a == "--max-file-bytes") eo.max_file_bytes = std::uint64_t(to_number(a, value(), 1));
+    else if (a.rfind("--", 0) == 0) bad("unknown flag '" + a + "'");
+    else pos.push_back(a);
+  }
+  try {
+    if (cmd == "info" || cmd == "verify") {
+      if (pos.size() != 1) bad(cmd + " takes one directory");
+      zp::ckpt::Reader rd(pos[0], tag);
+      return cmd == "info" ? info(rd) : verify(rd);
+    }
+    if (cmd == "export") {
+      if (pos.size() != 2) bad("export takes DIR OUT");
+      zp::ckpt::Reader rd(pos[0], tag);
+      if (verify(rd)) return 1;
+      zp::export_safetensors(rd, pos[1], eo);
+      std::printf("exported %s to %s\n", rd.path().c_str(), pos[1].c_str());
+      return 0;
+    }
+    if (cmd == "reshard") {
+      if (pos.size() != 1 || ranks < 1) bad("reshard takes DIR and --ranks M");
+      zp::ckpt::Reader rd(pos[0], tag);
+      if (verify(rd)) return 1;
+      if (out_tag.empty()) out_tag = rd.manifest().tag + "-" + std::to_string(ranks) + "ranks";
+      zp::ckpt::reshard(rd, pos[0], out_tag, ranks);
+      std::printf("resharded %s for %d ranks as %s/%s (now latest)\n", rd.path().c_str(), ranks, pos[0].c_str(),
+                  out_tag.c_str());
+      return 0;
+    }
+    bad("unknown command '" + cmd + "'");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zp_ckpt: %s\n", e.what());
+    return 1;
+  }
+}
