@@ -9,7 +9,7 @@
 //   zp_demo [--stage 0-3] [--backend threads|mpi] [--ranks N] [--precision fp32|bf16|fp16]
 //           [--accum N] [--steps N] [--micro-batch N] [--lr X] [--log-every N] [--text PATH]...
 //           [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
-//           [--wall-clock-breakdown] [--log-json PATH]
+//           [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //
 // A run saved with --checkpoint-dir/--save-every can be killed at any moment (kill -9) and goes
 // on with --resume from the last complete checkpoint, at any --ranks, --stage or --backend.
@@ -28,6 +28,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "zp/backend/threads.hpp"
@@ -35,6 +37,7 @@
 #include "zp/schedule.hpp"
 #if ZP_DEMO_IO
 #include "zp/checkpoint.hpp"
+#include "zp/ds_config.hpp"
 #endif
 #if ZP_DEMO_MPI
 #include "zp/backend/mpi.hpp"
@@ -238,7 +241,7 @@ struct Options {
   std::string backend = "threads", precision = "bf16";
   float lr = 3e-3f;
   std::vector<std::string> text;
-  std::string checkpoint_dir, export_dir, log_json;
+  std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
   bool resume = false, breakdown = false;
 };
@@ -261,6 +264,10 @@ const char* usage =
     "  --export DIR       write the trained model as DIR/model.safetensors at the end\n"
     "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
     "  --log-json PATH    append one JSON line per step: loss and phase times (tools/plot_timers.py)\n"
+    "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, optimizer\n"
+    "                     (AdamW only in this demo), scheduler, clipping, loss scaling and buckets,\n"
+    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" batch\n"
+    "                     keys are filled from --micro-batch and --accum\n"
     "  --help             this text\n";
 
 [[noreturn]] void bad(const std::string& msg) {
@@ -300,6 +307,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
     else if (a == "--export") o.export_dir = v;
     else if (a == "--log-json") o.log_json = v;
+    else if (a == "--config") o.config = v;
     else if (a == "--backend") {
       if (v != "threads" && v != "mpi") bad("--backend expects threads or mpi, got '" + v + "'");
       o.backend = v;
@@ -318,8 +326,8 @@ Options parse(int argc, char** argv) {
   }
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty()) bad("--save-every and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
-  if (!o.checkpoint_dir.empty() || !o.export_dir.empty())
-    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no checkpoints");
+  if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
+    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no checkpoints or configs");
 #endif
   if (o.text.empty()) {
     std::error_code ec;
@@ -335,13 +343,8 @@ Options parse(int argc, char** argv) {
 
 double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
 
-template <class T, int Stage, class B>
-void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
-  const int n = comm.size(), r = comm.rank();
-  const bool lead = r == 0;
-  Dims dims;
-  dims.vocab = int(corpus.chars.size());
-  CharLm<T> model(dims);
+// The engine settings of the command line (without --config).
+zp::EngineConfig flag_config(const Options& o) {
   zp::EngineConfig cfg;
   cfg.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
   cfg.max_grad_norm = 1.0f;
@@ -351,16 +354,35 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
   cfg.wall_clock_breakdown = o.breakdown;
   cfg.steps_per_print = o.log_every;
   if (o.precision == "fp16") cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
-  zp::Engine<B, T, Stage> engine(comm, model, cfg, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
-  const zp::schedule::WarmupCosineLR schedule{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
-                                    .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+  return cfg;
+}
+
+zp::schedule::Any flag_schedule(const Options& o) {
+  return zp::schedule::WarmupCosineLR{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
+                                      .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+}
+
+// E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
+// zp::ds::with_engine from a config.
+template <class E, class B>
+void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, const zp::EngineConfig& cfg,
+           typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
+  using T = typename E::value_type;
+  constexpr int Stage = E::stage;
+  const int n = comm.size(), r = comm.rank();
+  const bool lead = r == 0;
+  Dims dims;
+  dims.vocab = int(corpus.chars.size());
+  CharLm<T> model(dims);
+  E engine(comm, model, cfg, opt);
+  const int micro_batch = int(engine.batch().micro_batch_per_rank), accum = int(engine.batch().gradient_accumulation_steps);
 
   const auto& L = engine.layout();
   if (lead) {
     std::printf("zp_demo: char-level LM on %zu characters (vocabulary %d), %zu parameters in %d modules, %d buckets\n",
                 corpus.ids.size(), dims.vocab, L.used(), L.module_count(), L.segment_count());
     std::printf("         ZeRO stage %d, backend %s, %d ranks, %s, micro-batch %d x accumulation %d x ranks %d = %lld sequences/step\n",
-                Stage, B::name, n, o.precision.c_str(), o.micro_batch, o.accum, n,
+                Stage, B::name, n, zp::name(zp::dtype_of<T>), micro_batch, accum, n,
                 static_cast<long long>(engine.batch().train_batch_size));
   }
   // Each micro-batch's samples depend only on (rank, step, micro-step), so a resumed run needs
@@ -369,10 +391,10 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   auto next_batch = [&](std::int64_t step, int a) {
     std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull + std::uint64_t(r) * 7919 + 17);
-    model.batch = o.micro_batch;
-    model.ctx.resize(std::size_t(o.micro_batch * dims.context));
-    model.target.resize(std::size_t(o.micro_batch));
-    for (int b = 0; b < o.micro_batch; ++b) {
+    model.batch = micro_batch;
+    model.ctx.resize(std::size_t(micro_batch * dims.context));
+    model.target.resize(std::size_t(micro_batch));
+    for (int b = 0; b < micro_batch; ++b) {
       const std::size_t s = pick(rng);
       for (int c = 0; c < dims.context; ++c) model.ctx[std::size_t(b * dims.context + c)] = corpus.ids[s + std::size_t(c)];
       model.target[std::size_t(b)] = corpus.ids[s + std::size_t(dims.context)];
@@ -404,16 +426,16 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
   std::int64_t window_tokens = 0;
   std::uint64_t skipped = 0;
   for (int step = first_step; step < o.steps; ++step) {
-    engine.optimizer().lr = float(schedule.lr(engine.steps()));
+    engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     double loss = 0;
     zp::StepResult res;
-    for (int a = 0; a < o.accum; ++a) {
+    for (int a = 0; a < accum; ++a) {
       next_batch(step, a);
       for (int m = 0; m < model.modules; ++m) {
         auto g = engine.forward(m);
         model.forward(m);
       }
-      loss += model.loss(engine.loss_scale()) / float(o.accum);
+      loss += model.loss(engine.loss_scale()) / float(accum);
       for (int m = model.modules - 1; m >= 0; --m) {
         auto g = engine.backward(m);
         model.backward(m);
@@ -421,17 +443,11 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
       res = engine.step();
     }
     skipped += res.overflow;
-    if (step > first_step) {
-      const zp::StepTimes& t = res.times;
-      for (auto f : {&zp::StepTimes::total, &zp::StepTimes::forward, &zp::StepTimes::backward, &zp::StepTimes::gather_wait,
-                     &zp::StepTimes::reduce_wait, &zp::StepTimes::statistics, &zp::StepTimes::optimizer,
-                     &zp::StepTimes::gather, &zp::StepTimes::reduce_span, &zp::StepTimes::reduce_exposed})
-        sum.*f += t.*f;
-    }
+    if (step > first_step) sum += res.times;
     if (json) std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss, res.times.json_fields().c_str());
     window_loss += loss;
     ++window_steps;
-    window_tokens += std::int64_t(o.micro_batch) * o.accum * n;
+    window_tokens += std::int64_t(micro_batch) * accum * n;
     if ((step + 1) % o.log_every == 0 || step == first_step || step + 1 == o.steps) {
       double mean = window_loss / window_steps;
       comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);  // the global mean loss
@@ -480,15 +496,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
                 mib(mem.buckets), mib(mem.gathered_peak));
     if (o.steps - first_step > 1)
       std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n", o.steps - first_step - 1,
-                  [&] {
-                    zp::StepTimes mean = sum;
-                    for (auto f : {&zp::StepTimes::total, &zp::StepTimes::forward, &zp::StepTimes::backward,
-                                   &zp::StepTimes::gather_wait, &zp::StepTimes::reduce_wait, &zp::StepTimes::statistics,
-                                   &zp::StepTimes::optimizer, &zp::StepTimes::gather, &zp::StepTimes::reduce_span,
-                                   &zp::StepTimes::reduce_exposed})
-                      mean.*f /= double(o.steps - first_step - 1);
-                    return mean.describe();
-                  }().c_str(),
+                  (zp::StepTimes(sum) *= 1.0 / double(o.steps - first_step - 1)).describe().c_str(),
                   100.0 * sum.untracked() / sum.total);
     std::printf("communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f MB), "
                 "%llu calls; total %.3f GB\n",
@@ -499,16 +507,39 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus) {
 
 template <class T, class B>
 void dispatch_stage(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
+  const zp::EngineConfig cfg = flag_config(o);
+  const zp::optim::AdamW opt{.lr = o.lr, .weight_decay = 0.01f};
+  const zp::schedule::Any sched = flag_schedule(o);
   switch (o.stage) {
-    case 0: return train<T, 0>(comm, o, c);
-    case 1: return train<T, 1>(comm, o, c);
-    case 2: return train<T, 2>(comm, o, c);
-    default: return train<T, 3>(comm, o, c);
+    case 0: return train<zp::Engine<B, T, 0>>(comm, o, c, cfg, opt, sched);
+    case 1: return train<zp::Engine<B, T, 1>>(comm, o, c, cfg, opt, sched);
+    case 2: return train<zp::Engine<B, T, 2>>(comm, o, c, cfg, opt, sched);
+    default: return train<zp::Engine<B, T, 3>>(comm, o, c, cfg, opt, sched);
   }
 }
 
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
+#if ZP_DEMO_IO
+  if (!o.config.empty()) {
+    zp::ds::Config dc = zp::ds::load(o.config);
+    // "auto" batch keys come from the flags (as Hugging Face's Trainer fills them).
+    if (dc.is_auto("train_micro_batch_size_per_gpu")) dc.batch.micro_batch_per_rank = o.micro_batch;
+    if (dc.is_auto("gradient_accumulation_steps")) dc.batch.gradient_accumulation_steps = o.accum;
+    if (dc.is_auto("optimizer.params.lr")) std::visit([&](auto& opt) { opt.lr = o.lr; }, dc.optimizer);
+    if (comm.rank() == 0) std::printf("zp_demo: %s\n%s", o.config.c_str(), zp::ds::describe(dc).c_str());
+    const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(o);
+    using Types = zp::ds::Types<float, zp::bf16, zp::fp16>;
+    using Stages = zp::ds::Stages<0, 1, 2, 3>;
+    using Optimizers = zp::ds::Optimizers<zp::optim::AdamW>;  // the demo's; a library user lists theirs
+    zp::ds::with_engine<B, Types, Stages, Optimizers>(
+        dc, comm.size(), [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, typename E::optimizer_type opt) {
+          ec.wall_clock_breakdown = ec.wall_clock_breakdown || o.breakdown;
+          train<E>(comm, o, c, ec, opt, sched);
+        });
+    return;
+  }
+#endif
   if (o.precision == "fp32") return dispatch_stage<float>(comm, o, c);
   if (o.precision == "fp16") return dispatch_stage<zp::fp16>(comm, o, c);
   return dispatch_stage<zp::bf16>(comm, o, c);

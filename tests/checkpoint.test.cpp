@@ -13,6 +13,7 @@
 
 #include "zp/backend/threads.hpp"
 #include "expect_error.hpp"
+#include "temp_dir.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -20,24 +21,10 @@ using zp::EngineConfig;
 using zp::backend::run_threads;
 using zp::backend::Threads;
 using zp::test::Mlp;
+using zp::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A fresh directory under the system's temporary directory, removed at the end.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name) {
-    static std::atomic<int> n{0};
-    path = fs::temp_directory_path() / zp::detail::cat("zp-", name, "-", ::getpid(), "-", n++);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 EngineConfig config(int gas, zp::LossScaler scaler = zp::LossScaler::none()) {
   EngineConfig c;

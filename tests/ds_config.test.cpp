@@ -317,9 +317,13 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     expect_invalid([&] { zp::ds::engine_config<zp::bf16>(c, 3); },
                    {"ds_config.json: train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps at "
                     "world size 3: ", "not a multiple"});
-    // zp accumulates in bf16 today: the fp32 accumulation asked for is refused.
-    expect_invalid([&] { dispatch(c, 2); },
-                   {"ds_config.json: data_types.grad_accum_dtype: fp32 is not supported yet", "bf16 here"});
+    // The fp32 accumulation asked for reaches the engine; fp16 accumulation of a bf16 model cannot.
+    CHECK(ec.grad_accum_dtype == zp::DType::f32);
+    CHECK(!ec.communication_dtype);
+    json j = json::parse(example2);
+    j["data_types"]["grad_accum_dtype"] = "fp16";
+    expect_invalid([&] { dispatch(zp::ds::parse(j, "ds_config.json"), 2); },
+                   {"ds_config.json: data_types.grad_accum_dtype: fp16 is not supported", "bf16 here"});
   }
   SUBCASE("3: fp32, stage 1, SGD with Nesterov, WarmupDecayLR") {
     const Config c = parse_text(example3);
@@ -772,7 +776,7 @@ TEST_CASE("with_engine builds the engine type the config selects, with the confi
     j = json::parse(example3);
     j["communication_data_type"] = "bf16";
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
-                   {"communication_data_type: bf16 is not supported yet", "fp32 here"});
+                   {"communication_data_type: bf16 is not supported", "fp32 here"});
     j = json::parse(example3);
     j["train_batch_size"] = 96;  // fits 3 ranks (16 * 2 * 3), not 2
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },

@@ -7,11 +7,19 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
 
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
+#if ZP_TEST_IO
+#include "zp/checkpoint.hpp"
+#endif
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -129,6 +137,35 @@ TEST_CASE("on mpi an engine destroyed with reductions in flight, or by an except
   teardown<2>(comm);
   teardown<3>(comm);
 }
+
+#if ZP_TEST_IO
+// Resume on MPI is exact: 2k steps equal k steps, save, a fresh engine (another stage), load and
+// k more; and the saved state reloads bitwise at another stage.
+TEST_CASE("on mpi a checkpoint resumes exactly and loads at another stage") {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  const int n = comm.size(), r = comm.rank();
+  constexpr int k = 2;
+  std::int64_t id = comm.rank() == 0 ? std::int64_t(::getpid()) : 0;
+  comm.broadcast(std::span<std::int64_t>(&id, 1), 0);
+  const auto dir = std::filesystem::temp_directory_path() / ("zp-mpi-ckpt-" + std::to_string(id));
+  auto run = [&]<int Stage>(std::integral_constant<int, Stage>, int t0, int t1, bool save, bool load) {
+    Mlp<zp::bf16> model;
+    zp::Engine<Mpi, zp::bf16, Stage> e(comm, model, config(2, 1), zp::optim::AdamW{.lr = 1e-2f});
+    if (load) zp::load_checkpoint(e, dir);
+    for (int t = t0; t < t1; ++t) zp::test::micro_step(e, model, (std::int64_t(t) * n + r) * 2, 2);
+    if (save) zp::save_checkpoint(e, dir, "k");
+    return std::make_pair(e.gather_master(), e.gather_state(1));
+  };
+  const auto straight = run(std::integral_constant<int, 2>{}, 0, 2 * k, false, false);
+  const auto saved = run(std::integral_constant<int, 2>{}, 0, k, true, false);
+  const auto reloaded = run(std::integral_constant<int, 3>{}, 0, 0, false, true);
+  CHECK(reloaded == saved);
+  const auto resumed = run(std::integral_constant<int, 2>{}, k, 2 * k, false, true);
+  CHECK(resumed == straight);
+  comm.barrier();
+  if (r == 0) std::filesystem::remove_all(dir);
+}
+#endif
 
 int main(int argc, char** argv) {
   zp::backend::MpiEnvironment env(&argc, &argv);

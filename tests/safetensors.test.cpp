@@ -20,28 +20,16 @@
 
 #include "expect_error.hpp"
 #include "random.hpp"
+#include "temp_dir.hpp"
 
 namespace fs = std::filesystem;
 namespace st = zp::safetensors;
 
 using zp::test::expect_error;
+using zp::test::TempDir;
 
 namespace {
 
-// A new empty directory, removed with its contents when the test ends.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> n{0};
-    path = fs::temp_directory_path() / ("zp-safetensors-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 
 std::vector<std::byte> random_bytes(std::uint64_t seed, std::size_t n) {

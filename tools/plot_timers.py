@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PHASES = [  # (key, label); forward is drawn without its gather wait, which gets its own band
-    ("forward_ms", "forward (compute)"),
+PHASES = [  # (key, label): the phases partition each step
+    ("forward_ms", "forward"),
     ("gather_wait_ms", "waiting for gathers"),
     ("backward_ms", "backward"),
     ("reduce_wait_ms", "waiting for reductions"),
@@ -46,7 +46,7 @@ def main():
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     bottom = [0.0] * len(rows)
     for key, label in PHASES:
-        vals = [max(0.0, r[key] - (r["gather_wait_ms"] if key == "forward_ms" else 0.0)) for r in rows]
+        vals = [max(0.0, r[key]) for r in rows]
         ax.bar(steps, vals, bottom=bottom, width=1.0, label=label, linewidth=0)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xlabel("optimizer step")

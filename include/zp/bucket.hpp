@@ -16,6 +16,13 @@
 //                                   ones) into the shard accumulator and the slot is recycled.
 // Stage 0/1 reduce only at the accumulation boundary (sync on); in between, gradients accumulate
 // locally in the full buffer without communication.
+//
+// Precision (GradPrecision, DeepSpeed's grad_accum_dtype and communication_data_type): the model
+// always writes T. With fp32 accumulation, stage 0/1 add each micro-step's T gradients into a
+// full fp32 buffer (and zero the T ones) when a bucket is complete, stage 2/3 keep an fp32 shard
+// accumulator; with fp32 communication a bucket is widened to fp32 before its reduction (stage
+// 0/1 in the fp32 buffer, stage 2/3 in fp32 scratch slots). Otherwise fp32 sums are rounded to
+// T once before a T reduction.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "zp/collective.hpp"
@@ -35,6 +43,11 @@ namespace zp {
 
 enum class Reduction : std::uint8_t { all_reduce, scatter_in_place, scatter_accumulate };
 
+struct GradPrecision {
+  bool accumulate_f32 = false;  // accumulate micro-steps in fp32 (else in T)
+  bool reduce_f32 = false;      // reduce across ranks in fp32 (else in T)
+};
+
 // The state of one bucket within a micro-step.
 template <class Work>
 struct GradBucket {
@@ -42,6 +55,7 @@ struct GradBucket {
   int segment = 0;
   State state = State::idle;
   int slot = -1;             // scratch slot (scatter_accumulate), -1 otherwise
+  bool folded = false;       // stage 0/1 fp32 accumulation: this micro-step's T gradients added
   Work work{};
 };
 
@@ -54,11 +68,21 @@ class GradBuckets {
   using Bucket = GradBucket<Work>;
 
   // full_grads: the full gradient buffer (all_reduce, scatter_in_place); shard_accumulator: the
-  // shard-space gradient (scatter_accumulate). slots: scratch buckets for scatter_accumulate
-  // (at least the largest number of segments in one module, plus one for overlap).
+  // shard-space gradient (scatter_accumulate); the fp32 ones where GradPrecision uses fp32 (stage
+  // 0/1: a full buffer when accumulating or reducing in fp32; stage 2/3: the shard accumulator
+  // when accumulating in fp32). slots: scratch buckets for scatter_accumulate (at least the
+  // largest number of segments in one module, plus one for overlap).
   GradBuckets(Collective<B>& comm, const Layout& layout, Reduction reduction, std::span<T> full_grads,
-              std::span<T> shard_accumulator, std::size_t slots)
-      : comm_(&comm), layout_(&layout), reduction_(reduction), full_(full_grads), acc_(shard_accumulator) {
+              std::span<T> shard_accumulator, std::size_t slots, GradPrecision precision = {},
+              std::span<float> full_grads_f32 = {}, std::span<float> shard_accumulator_f32 = {})
+      : comm_(&comm),
+        layout_(&layout),
+        reduction_(reduction),
+        precision_(precision),
+        full_(full_grads),
+        acc_(shard_accumulator),
+        full32_(full_grads_f32),
+        acc32_(shard_accumulator_f32) {
     buckets_.resize(std::size_t(layout.segment_count()));
     for (int s = 0; s < layout.segment_count(); ++s) buckets_[std::size_t(s)].segment = s;
     if (reduction_ == Reduction::scatter_accumulate) {
@@ -67,11 +91,17 @@ class GradBuckets {
       const std::size_t n = std::max<std::size_t>(slots, std::size_t(most) + 1);
       for (std::size_t i = 0; i < n; ++i) {
         slots_.emplace_back(layout.largest_segment());
+        if (precision_.reduce_f32) slots32_.emplace_back(layout.largest_segment());
         free_.push_back(int(i));
       }
+      ZP_EXPECT((precision_.accumulate_f32 ? acc32_.size() : acc_.size()) == layout.shard(),
+                "buckets: the shard accumulator does not hold ", layout.shard(), " elements");
     } else {
       ZP_EXPECT(full_.size() == layout.total(), "buckets: the full gradient buffer has ", full_.size(),
                 " elements, the layout ", layout.total());
+      ZP_EXPECT(!(precision_.accumulate_f32 || precision_.reduce_f32) || full32_.size() == layout.total(),
+                "buckets: fp32 accumulation or reduction needs a full fp32 gradient buffer of ", layout.total(),
+                " elements");
     }
   }
   GradBuckets(const GradBuckets&) = delete;
@@ -91,6 +121,7 @@ class GradBuckets {
   std::size_t scratch_bytes() const noexcept {
     std::size_t b = 0;
     for (const auto& s : slots_) b += s.bytes();
+    for (const auto& s : slots32_) b += s.bytes();
     return b;
   }
 
@@ -134,18 +165,23 @@ class GradBuckets {
     if (reduction_ == Reduction::scatter_accumulate)
       ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
     b.state = Bucket::State::ready;
+    fold(b);
     if (sync_) launch_ready();
   }
 
   // Launches every bucket not launched yet (their untouched gradients count as written: an
   // unused parameter contributes zero, it does not hang the step), in order.
   void launch_all() {
-    if (!sync_) return;
+    if (!sync_) {  // stage 0/1 between boundaries: only the fp32 accumulation
+      for (auto& b : buckets_) fold(b);
+      return;
+    }
     for (std::size_t s = next_; s < buckets_.size(); ++s) {
       Bucket& b = buckets_[s];
       if (b.state == Bucket::State::launched) continue;
       if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate) acquire(int(s));
       b.state = Bucket::State::ready;
+      fold(b);
       launch_ready();  // one at a time, so scratch slots recycle
     }
   }
@@ -162,6 +198,7 @@ class GradBuckets {
       if (b.state == Bucket::State::launched) b.work.wait();
       ZP_EXPECT(b.slot < 0, "buckets: segment ", b.segment, " still holds scratch memory");
       b.state = Bucket::State::idle;
+      b.folded = false;
     }
     next_ = 0;
     first_launch_ = std::chrono::steady_clock::time_point::max();
@@ -179,6 +216,34 @@ class GradBuckets {
   std::span<T> slot_span(const Bucket& b) const {
     return slots_[std::size_t(b.slot)].span(0, layout_->segment(b.segment).size);
   }
+  std::span<float> slot32_span(const Bucket& b) const {
+    return slots32_[std::size_t(b.slot)].span(0, layout_->segment(b.segment).size);
+  }
+  std::span<float> segment32_span(int s) const {
+    const auto& g = layout_->segment(s);
+    return full32_.subspan(g.offset, g.size);
+  }
+
+  // Stage 0/1 with fp32 accumulation: adds this micro-step's T gradients of bucket b into the
+  // fp32 buffer and zeroes them (the model adds into them again next micro-step).
+  void fold(Bucket& b) {
+    if (!precision_.accumulate_f32 || reduction_ == Reduction::scatter_accumulate || b.folded) return;
+    const auto w = segment_span(b.segment);
+    Ops<S>::accumulate(segment32_span(b.segment), std::span<const T>(w));
+    Ops<S>::zero(w);
+    b.folded = true;
+  }
+
+  // Stage 0/1: the buffer bucket s reduces in, converted into it from the other precision.
+  template <class F>
+  Work launch_full(int s, F&& reduce) {
+    if (precision_.reduce_f32) {
+      if (!precision_.accumulate_f32) Ops<S>::convert(segment32_span(s), std::span<const T>(segment_span(s)));
+      return reduce(segment32_span(s));
+    }
+    if (precision_.accumulate_f32) Ops<S>::convert(segment_span(s), std::span<const float>(segment32_span(s)));
+    return reduce(segment_span(s));
+  }
 
   void launch_ready() {
     if (next_ == 0 && !buckets_.empty() && buckets_[0].state == Bucket::State::ready)
@@ -187,12 +252,19 @@ class GradBuckets {
       Bucket& b = buckets_[next_];
       const int s = int(next_);
       switch (reduction_) {
-        case Reduction::all_reduce: b.work = comm_->all_reduce_async(segment_span(s), ReduceOp::avg); break;
+        case Reduction::all_reduce:
+          b.work = launch_full(s, [&](auto seg) { return comm_->all_reduce_async(seg, ReduceOp::avg); });
+          break;
         case Reduction::scatter_in_place:
-          b.work = comm_->reduce_scatter_async(segment_span(s), ReduceOp::avg);
+          b.work = launch_full(s, [&](auto seg) { return comm_->reduce_scatter_async(seg, ReduceOp::avg); });
           break;
         case Reduction::scatter_accumulate:
-          b.work = comm_->reduce_scatter_async(slot_span(b), ReduceOp::avg);
+          if (precision_.reduce_f32) {
+            Ops<S>::convert(slot32_span(b), std::span<const T>(slot_span(b)));
+            b.work = comm_->reduce_scatter_async(slot32_span(b), ReduceOp::avg);
+          } else {
+            b.work = comm_->reduce_scatter_async(slot_span(b), ReduceOp::avg);
+          }
           inflight_.push_back(s);
           break;
       }
@@ -208,23 +280,40 @@ class GradBuckets {
     inflight_.pop_front();
     b.work.wait();
     const auto& g = layout_->segment(s);
-    const std::span<T> mine = slot_span(b).subspan(std::size_t(comm_->rank()) * g.piece, g.piece);
-    const std::span<T> dst = acc_.subspan(g.shard_offset, g.piece);
-    if (first_)
-      Ops<S>::copy(dst, std::span<const T>(mine));
-    else
-      Ops<S>::accumulate(dst, std::span<const T>(mine));
+    const std::size_t at = std::size_t(comm_->rank()) * g.piece;
+    const auto dst = acc_.subspan(g.shard_offset, g.piece);
+    const auto dst32 = acc32_.subspan(g.shard_offset, g.piece);
+    if (precision_.reduce_f32) {
+      const auto mine = slot32_span(b).subspan(at, g.piece);
+      if (precision_.accumulate_f32) fold_piece(dst32, mine);
+      else fold_piece(dst, mine);
+    } else {
+      const auto mine = slot_span(b).subspan(at, g.piece);
+      if (precision_.accumulate_f32) fold_piece(dst32, mine);
+      else fold_piece(dst, mine);
+    }
     free_.push_back(b.slot);
     b.slot = -1;
     b.state = Bucket::State::idle;
   }
 
+  // Copies (first micro-step of a window) or adds this rank's reduced piece into the accumulator.
+  template <class To, class From>
+  void fold_piece(std::span<To> dst, std::span<From> mine) {
+    if (!first_) Ops<S>::accumulate(dst, std::span<const From>(mine));
+    else if constexpr (std::is_same_v<To, From>) Ops<S>::copy(dst, std::span<const From>(mine));
+    else Ops<S>::convert(dst, std::span<const From>(mine));
+  }
+
   Collective<B>* comm_;
   const Layout* layout_;
   Reduction reduction_;
+  GradPrecision precision_;
   std::span<T> full_, acc_;
+  std::span<float> full32_, acc32_;
   std::vector<Bucket> buckets_;
   std::vector<Buffer<T, S>> slots_;
+  std::vector<Buffer<float, S>> slots32_;  // fp32 reduction: slot i widened
   std::vector<int> free_;
   std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
   std::size_t next_ = 0;      // the next bucket to launch

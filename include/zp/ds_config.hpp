@@ -43,7 +43,7 @@
 //
 // What a Config may hold but zp's engine does not do yet (with_engine raises the error, so the
 // value stays visible in describe()): offload_optimizer to "cpu"/"nvme", and a grad_accum_dtype
-// or communication_data_type other than the model's element type.
+// or communication_data_type other than fp32 or the model's element type.
 #pragma once
 
 #include <algorithm>
@@ -1137,6 +1137,8 @@ EngineConfig engine_config(const Config& c, int world_size) {
   });
   e.first_bucket_bytes = std::min(e.first_bucket_bytes, e.bucket_bytes);
   e.wall_clock_breakdown = c.wall_clock_breakdown;
+  e.grad_accum_dtype = c.grad_accum_dtype;
+  e.communication_dtype = c.communication_data_type;
   e.steps_per_print = int(std::min<std::int64_t>(c.steps_per_print, std::numeric_limits<int>::max()));
   return e;
 }
@@ -1216,8 +1218,8 @@ decltype(auto) pick_type(Types<T0, Ts...>, const Config& c, int world_size, F& f
 // what f returns; f must return the same type for every combination compiled in. Throws
 // zp::Error(invalid_argument) before calling f when the config asks for something this program
 // did not compile in (naming what it did), for what zp's engine does not do yet
-// (offload_optimizer, a grad_accum_dtype or communication_data_type other than the model's
-// type), and when the batch triad does not fit world_size.
+// (offload_optimizer, a grad_accum_dtype or communication_data_type other than fp32 or the
+// model's type), and when the batch triad does not fit world_size.
 template <Backend B, class TypeList = Types<float, bf16, fp16>, class StageList = Stages<0, 1, 2, 3>,
           class OptList = Optimizers<optim::AdamW, optim::Adam, optim::Sgd, optim::Lion>, class F>
 decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
@@ -1243,14 +1245,14 @@ decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
   if (std::find(opts.begin(), opts.end(), opt) == opts.end())
     ctx.fail("optimizer.type", "config asks for optimizer ", opt, ", this program was built with optimizers ",
              detail::braces(opts));
-  if (c.grad_accum_dtype && *c.grad_accum_dtype != t)
+  if (c.grad_accum_dtype && *c.grad_accum_dtype != t && *c.grad_accum_dtype != DType::f32)
     ctx.fail("data_types.grad_accum_dtype", detail::ds_name(*c.grad_accum_dtype),
-             " is not supported yet: zp accumulates gradients in the model's element type (",
-             detail::ds_name(t), " here); remove the key or set it to \"", detail::ds_name(t), "\"");
-  if (c.communication_data_type && *c.communication_data_type != t)
+             " is not supported: zp accumulates gradients in fp32 or the model's element type (",
+             detail::ds_name(t), " here)");
+  if (c.communication_data_type && *c.communication_data_type != t && *c.communication_data_type != DType::f32)
     ctx.fail("communication_data_type", detail::ds_name(*c.communication_data_type),
-             " is not supported yet: zp reduces gradients in the model's element type (", detail::ds_name(t),
-             " here); remove the key or set it to \"", detail::ds_name(t), "\"");
+             " is not supported: zp reduces gradients in fp32 or the model's element type (", detail::ds_name(t),
+             " here)");
   return detail::pick_type<B, StageList, OptList>(TypeList{}, c, world_size, f);
 }
 

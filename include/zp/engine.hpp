@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -132,6 +133,14 @@ struct EngineConfig {
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
+  // Gradient precision for 16-bit T (DeepSpeed's data_types.grad_accum_dtype and
+  // communication_data_type; f32 or T's dtype). Accumulation over micro-steps, by default in T
+  // except bf16 at stage 0, which accumulates in fp32 (as DeepSpeed); the reduction across
+  // ranks, by default in T. fp32 keeps one fp32 gradient buffer (stage 0/1: full; stage 2/3: the
+  // shard) and fp32 reductions move twice the bytes. Without accumulation (one micro-step per
+  // step) the accumulation dtype changes nothing and costs nothing.
+  std::optional<DType> grad_accum_dtype = std::nullopt;
+  std::optional<DType> communication_dtype = std::nullopt;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
   bool wall_clock_breakdown = false;
   int steps_per_print = 10;
@@ -142,9 +151,9 @@ struct EngineConfig {
 // loading: whatever runs outside guards and step()).
 struct StepTimes {
   double total = 0;        // from the end of the previous optimizer step to the end of this one
-  double forward = 0;      // inside forward guards: the model's forward, waiting for gathers
+  double forward = 0;      // inside forward guards: the model's forward (gather waits excluded)
   double backward = 0;     // inside backward guards: the model's backward, launching reductions
-  double gather_wait = 0;  // of forward + backward: waiting for stage 3 gathers
+  double gather_wait = 0;  // entering forward/backward guards: waiting for stage 3 gathers
   double reduce_wait = 0;  // in step(): launching the last buckets and waiting for reductions
   double statistics = 0;   // in step(): gradient norm and overflow check, their all_reduce
   double optimizer = 0;    // in step(): the update of this rank's shard (and the rest of step())
@@ -152,8 +161,12 @@ struct StepTimes {
   double reduce_span = 0;  // first reduction launched to last completed, summed over micro-steps
   double reduce_exposed = 0;  // the part of reduce_span that step() waited through
 
+  // Sums and means over several steps.
+  StepTimes& operator+=(const StepTimes& o) noexcept { return each([&](double StepTimes::*f) { this->*f += o.*f; }); }
+  StepTimes& operator*=(double k) noexcept { return each([&](double StepTimes::*f) { this->*f *= k; }); }
+
   double untracked() const noexcept {
-    return total - forward - backward - reduce_wait - statistics - optimizer - gather;
+    return total - forward - backward - gather_wait - reduce_wait - statistics - optimizer - gather;
   }
   // The share of reduction time hidden behind backward (not waited for in step()).
   double hidden() const noexcept {
@@ -162,8 +175,8 @@ struct StepTimes {
   // One line for logs: milliseconds per phase.
   std::string describe() const {
     auto ms = [](double x) { return std::round(x * 1e5) / 100; };
-    return detail::cat("total ", ms(total), " ms | forward ", ms(forward), " (gather wait ", ms(gather_wait),
-                       ") | backward ", ms(backward), " | reduce wait ", ms(reduce_wait), " (", std::round(hidden() * 100),
+    return detail::cat("total ", ms(total), " ms | forward ", ms(forward), " | backward ", ms(backward),
+                       " | gather wait ", ms(gather_wait), " | reduce wait ", ms(reduce_wait), " (", std::round(hidden() * 100),
                        "% of reductions hidden) | statistics ", ms(statistics), " | optimizer ", ms(optimizer),
                        " | gather ", ms(gather), " | untracked ", ms(untracked()));
   }
@@ -174,6 +187,16 @@ struct StepTimes {
                        ",\"statistics_ms\":", statistics * 1e3, ",\"optimizer_ms\":", optimizer * 1e3,
                        ",\"gather_ms\":", gather * 1e3, ",\"untracked_ms\":", untracked() * 1e3,
                        ",\"reduce_span_ms\":", reduce_span * 1e3, ",\"hidden\":", hidden());
+  }
+
+ private:
+  template <class F>
+  StepTimes& each(F&& f) noexcept {
+    for (double StepTimes::*p : {&StepTimes::total, &StepTimes::forward, &StepTimes::backward, &StepTimes::gather_wait,
+                                 &StepTimes::reduce_wait, &StepTimes::statistics, &StepTimes::optimizer,
+                                 &StepTimes::gather, &StepTimes::reduce_span, &StepTimes::reduce_exposed})
+      f(p);
+    return *this;
   }
 };
 
@@ -247,12 +270,15 @@ class Engine {
         batch_(resolve_batch(config_.batch, comm.size())),
         opt_(optimizer),
         bound_(bind_parameters<T>(model)),
-        part_(make_layout(bound_.params, comm.size(), config_), comm.rank(), optim::state_slots<Opt>),
+        precision_(grad_precision(config_, batch_)),
+        part_(make_layout(bound_.params, comm.size(), config_), comm.rank(), optim::state_slots<Opt>,
+              Stage < 2 ? precision_.accumulate_f32 || precision_.reduce_f32 : precision_.accumulate_f32),
         buckets_(comm, part_.layout(), Stage == 0 ? Reduction::all_reduce
                                        : Stage == 1 ? Reduction::scatter_in_place
                                                     : Reduction::scatter_accumulate,
                  Stage < 2 ? part_.grads() : std::span<T>{}, Stage < 2 ? std::span<T>{} : part_.grads(),
-                 config_.bucket_slots) {
+                 config_.bucket_slots, precision_, Stage < 2 ? part_.grads_f32() : std::span<float>{},
+                 Stage < 2 ? std::span<float>{} : part_.grads_f32()) {
     ZP_EXPECT(config_.prefetch == 0 || config_.prefetch == 1, "engine: prefetch must be 0 or 1, got ",
               config_.prefetch);
     ZP_EXPECT(!std::isnan(config_.max_grad_norm), "engine: max_grad_norm is NaN; use a positive norm to "
@@ -298,8 +324,9 @@ class Engine {
   ModuleGuard forward(int m) {
     check_module(m);
     const auto t = Clock::now();
+    const double g = times_.gather_wait;
     enter(m, m + 1);
-    if (open_[0]++ == 0) opened_at_[0] = t;
+    if (open_[0]++ == 0) opened_at_[0] = t, gather_at_open_[0] = g;
     ++mods_[std::size_t(m)].forward_open;
     return ModuleGuard(this, m, false);
   }
@@ -309,6 +336,7 @@ class Engine {
     ZP_EXPECT(!mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ",
               where(), "; each module's backward runs once per micro-step (call step() after every micro-step)");
     const auto t = Clock::now();
+    const double g = times_.gather_wait;
     enter(m, m - 1);
     mods_[std::size_t(m)].backward_done = true;
     if constexpr (Stage >= 2) {
@@ -321,7 +349,7 @@ class Engine {
         for (int p : seg.params) bound_.grads[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
       }
     }
-    if (open_[1]++ == 0) opened_at_[1] = t;
+    if (open_[1]++ == 0) opened_at_[1] = t, gather_at_open_[1] = g;
     ++mods_[std::size_t(m)].backward_open;
     return ModuleGuard(this, m, true);
   }
@@ -377,7 +405,10 @@ class Engine {
     optim::validate(opt_);
     optim::GradStats local;
     for (int s = 0; s < L.segment_count(); ++s)
-      local = local + optim::cpu::grad_stats(std::span<const T>(part_.grad_piece(s)), config_.optimizer_options);
+      local = local + (f32_grads() ? optim::cpu::grad_stats(std::span<const float>(part_.grad_f32_piece(s)),
+                                                            config_.optimizer_options)
+                                   : optim::cpu::grad_stats(std::span<const T>(part_.grad_piece(s)),
+                                                            config_.optimizer_options));
     const std::uint64_t fp = optim::fingerprint(opt_);
     const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
     double global[statistics_count] = {local.sumsq, local.finite ? 0.0 : 1.0, h0, h0 * h0, h1, h1 * h1};
@@ -400,7 +431,10 @@ class Engine {
       ++step_;
       const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
       const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
-      for (int s = 0; s < L.segment_count(); ++s) optim::cpu::step(opt_, scalars, shard_view(s), config_.optimizer_options);
+      for (int s = 0; s < L.segment_count(); ++s) {
+        if (f32_grads()) optim::cpu::step(opt_, scalars, shard_view<true>(s), config_.optimizer_options);
+        else optim::cpu::step(opt_, scalars, shard_view<false>(s), config_.optimizer_options);
+      }
       phase(&StepTimes::optimizer);
       if constexpr (Stage == 1 || Stage == 2) {
         in_context("step()", [&] {
@@ -414,7 +448,10 @@ class Engine {
     }
     if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
       for (int m = 0; m < L.module_count(); ++m) release(m);
-    if constexpr (Stage < 2) Host::zero(part_.grads());
+    if constexpr (Stage < 2) {
+      Host::zero(part_.grads());
+      Host::zero(part_.grads_f32());
+    }
     r.step = step_;
     const CommStats now = comm_->stats();
     for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
@@ -581,8 +618,9 @@ class Engine {
     const std::string parts[] = {
         "the model's parameters and their layout",
         detail::cat("ZeRO stage and element type (this rank: stage ", Stage, ", ", name(dtype_of<T>), ")"),
-        detail::cat("batch (this rank: micro_batch_per_rank=", batch_.micro_batch_per_rank,
-                    ", gradient_accumulation_steps=", batch_.gradient_accumulation_steps, ")"),
+        detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=", batch_.micro_batch_per_rank,
+                    ", gradient_accumulation_steps=", batch_.gradient_accumulation_steps, ", fp32 accumulation ",
+                    precision_.accumulate_f32, ", fp32 reduction ", precision_.reduce_f32, ")"),
         detail::cat("optimizer (this rank: ", optim::describe(opt_), ")"),
         detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm, ", loss scaler kind ",
                     int(ls.kind()), ", scale ", ls.scale(), ")"),
@@ -592,7 +630,10 @@ class Engine {
     const std::uint64_t h[] = {
         L.hash(),
         detail::Fnv1a().all(Stage, dtype_of<T>).value(),
-        detail::Fnv1a().all(batch_.micro_batch_per_rank, batch_.gradient_accumulation_steps).value(),
+        detail::Fnv1a()
+            .all(batch_.micro_batch_per_rank, batch_.gradient_accumulation_steps, precision_.accumulate_f32,
+                 precision_.reduce_f32)
+            .value(),
         optim::fingerprint(opt_),
         detail::Fnv1a()
             .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
@@ -682,16 +723,38 @@ class Engine {
     }
   }
 
-  optim::ShardView<T, T> shard_view(int s) const {
-    optim::ShardView<T, T> v;
+  // Where the optimizer reads the averaged gradient: fp32 when it was reduced (stage 0/1) or
+  // accumulated (stage 2/3) in fp32, else T.
+  bool f32_grads() const noexcept { return Stage < 2 ? precision_.reduce_f32 : precision_.accumulate_f32; }
+
+  static GradPrecision grad_precision(const EngineConfig& c, const BatchConfig& b) {
+    constexpr DType t = dtype_of<T>;
+    const DType acc = c.grad_accum_dtype.value_or(t == DType::bf16 && Stage == 0 ? DType::f32 : t);
+    const DType red = c.communication_dtype.value_or(t);
+    ZP_EXPECT(acc == t || acc == DType::f32, "engine: grad_accum_dtype must be f32 or the model's ", name(t),
+              ", got ", name(acc));
+    ZP_EXPECT(red == t || red == DType::f32, "engine: communication_dtype must be f32 or the model's ", name(t),
+              ", got ", name(red));
+    return {t != DType::f32 && acc == DType::f32 && b.gradient_accumulation_steps > 1,
+            t != DType::f32 && red == DType::f32};
+  }
+
+  // The optimizer's view of shard s; F32: the gradient from the fp32 gradient buffer.
+  template <bool F32>
+  optim::ShardView<T, std::conditional_t<F32, float, T>> shard_view(int s) const {
+    optim::ShardView<T, std::conditional_t<F32, float, T>> v;
+    auto grad = [&](auto t32, auto t) {
+      if constexpr (F32) return t32;
+      else return t;
+    };
     if constexpr (Stage == 0) {  // replicated: every rank updates the whole segment
       v.master = part_.master_segment(s);
-      v.grad = part_.grad_segment(s);
+      v.grad = grad(part_.grad_f32_segment(s), part_.grad_segment(s));
       v.param = part_.param_segment(s);
       for (int k = 0; k < part_.state_slots(); ++k) v.state[std::size_t(k)] = part_.state_segment(k, s);
     } else {
       v.master = part_.master_piece(s);
-      v.grad = part_.grad_piece(s);
+      v.grad = grad(part_.grad_f32_piece(s), part_.grad_piece(s));
       v.param = part_.param_piece(s);
       for (int k = 0; k < part_.state_slots(); ++k) v.state[std::size_t(k)] = part_.state_piece(k, s);
     }
@@ -703,7 +766,9 @@ class Engine {
     const auto& mod = L.module(m);
     ModuleState& st = mods_[std::size_t(m)];
     --(backward ? st.backward_open : st.forward_open);
-    if (--open_[backward] == 0) (backward ? times_.backward : times_.forward) += seconds(opened_at_[backward], Clock::now());
+    if (--open_[backward] == 0)  // gather waits inside the guard are their own phase
+      (backward ? times_.backward : times_.forward) +=
+          seconds(opened_at_[backward], Clock::now()) - (times_.gather_wait - gather_at_open_[backward]);
     if constexpr (Stage == 3)
       if (!st.persistent && st.in_use() == 0) release(m);
     if (backward) {
@@ -840,6 +905,7 @@ class Engine {
   BatchConfig batch_;
   Opt opt_;
   BoundParameters<T> bound_;  // the model's parameter list and views
+  GradPrecision precision_;
   Partitioned<T, Stage, S> part_;
   GradBuckets<T, B, S> buckets_;
   std::vector<ModuleState> mods_;
@@ -851,6 +917,7 @@ class Engine {
   // backward) and since when, so nested or overlapping guards count once.
   StepTimes times_;
   Clock::time_point window_start_{}, opened_at_[2]{};
+  double gather_at_open_[2] = {0, 0};
   int open_[2] = {0, 0};
   CommStats mark_{}, last_{};
   std::exception_ptr pending_;

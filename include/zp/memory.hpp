@@ -94,11 +94,11 @@ struct Ops<MemorySpace::host> {
     ZP_EXPECT(dst.size() == src.size(), "copy: ", src.size(), " elements into ", dst.size());
     if (!src.empty()) std::memmove(static_cast<void*>(dst.data()), src.data(), src.size_bytes());
   }
-  // dst += src in float, rounded once to T (gradient accumulation).
-  template <class T>
-  static void accumulate(std::span<T> dst, std::span<const T> src) {
+  // dst += src in float, rounded once to To (gradient accumulation).
+  template <class To, class From>
+  static void accumulate(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
-    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = T(float(dst[i]) + float(src[i]));
+    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = To(float(dst[i]) + float(src[i]));
   }
   // dst[i] = To(src[i]), rounding to nearest even.
   template <class To, class From>

@@ -217,7 +217,9 @@ class Partitioned {
   static constexpr int stage = Stage;
   using value_type = T;
 
-  Partitioned(Layout layout, int rank, int state_slots)
+  // grads_f32: also an fp32 gradient buffer of the gradients' extent (fp32 accumulation or
+  // reduction of 16-bit gradients, bucket.hpp).
+  Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false)
       : layout_(std::move(layout)), rank_(rank), slots_(state_slots) {
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
@@ -226,6 +228,7 @@ class Partitioned {
     try {
       params_ = Buffer<T, S>(Stage < 3 ? full : shard, "partition: parameters");
       grads_ = Buffer<T, S>(Stage < 2 ? full : shard, "partition: gradients");
+      if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
       master_ = Buffer<float, S>(Stage < 1 ? full : shard, "partition: fp32 master weights");
       for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(master_.size(), "partition: optimizer state");
     } catch (const Error& e) {
@@ -239,6 +242,7 @@ class Partitioned {
     }
     Ops<S>::zero(params_.span());
     Ops<S>::zero(grads_.span());
+    Ops<S>::zero(grads32_.span());
     Ops<S>::zero(master_.span());
     for (int k = 0; k < slots_; ++k) Ops<S>::zero(state_[std::size_t(k)].span());
   }
@@ -251,12 +255,14 @@ class Partitioned {
   // Whole buffers (full or shard space, per the table).
   std::span<T> params() const noexcept { return params_.span(); }
   std::span<T> grads() const noexcept { return grads_.span(); }
+  std::span<float> grads_f32() const noexcept { return grads32_.span(); }  // empty if not kept
   std::span<float> master() const noexcept { return master_.span(); }
   std::span<float> state(int k) const { return state_.at(std::size_t(k)).span(); }
 
   // This rank's piece of segment s in each buffer.
   std::span<T> param_piece(int s) const { return piece(params_, s, Stage < 3); }
   std::span<T> grad_piece(int s) const { return piece(grads_, s, Stage < 2); }
+  std::span<float> grad_f32_piece(int s) const { return piece(grads32_, s, Stage < 2); }
   std::span<float> master_piece(int s) const { return piece(master_, s, Stage < 1); }
   std::span<float> state_piece(int k, int s) const { return piece(state_.at(std::size_t(k)), s, Stage < 1); }
 
@@ -264,6 +270,7 @@ class Partitioned {
   // and state for stage 0).
   std::span<T> param_segment(int s) const { return segment(params_, s, Stage < 3); }
   std::span<T> grad_segment(int s) const { return segment(grads_, s, Stage < 2); }
+  std::span<float> grad_f32_segment(int s) const { return segment(grads32_, s, Stage < 2); }
   std::span<float> master_segment(int s) const { return segment(master_, s, Stage < 1); }
   std::span<float> state_segment(int k, int s) const { return segment(state_.at(std::size_t(k)), s, Stage < 1); }
 
@@ -271,7 +278,7 @@ class Partitioned {
   MemoryReport memory() const {
     MemoryReport r;
     r.params = params_.bytes();
-    r.grads = grads_.bytes();
+    r.grads = grads_.bytes() + grads32_.bytes();
     r.master = master_.bytes();
     for (int k = 0; k < slots_; ++k) r.optimizer_state += state_[std::size_t(k)].bytes();
     return r;
@@ -294,6 +301,7 @@ class Partitioned {
   int rank_;
   int slots_;
   Buffer<T, S> params_, grads_;
+  Buffer<float, S> grads32_;
   Buffer<float, S> master_;
   std::array<Buffer<float, S>, 2> state_;
 };

@@ -14,33 +14,16 @@
 
 #include "../expect_error.hpp"
 #include "../random.hpp"
+#include "../temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using zp::detail::crc32c;
 
 using zp::test::expect_error;
+using zp::test::TempDir;
 
 namespace {
 
-// A new empty directory, removed with its contents when the test ends.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> n{0};
-    path = fs::temp_directory_path() / ("zp-file-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> r;
-    for (const auto& e : fs::directory_iterator(path)) r.push_back(e.path().filename().string());
-    return r;
-  }
-};
 
 std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
