@@ -97,6 +97,35 @@ def read_zp_files(export, work, seed):
     print(f"python checked {len(single['tensors'])} + {len(split['tensors'])} tensors written by zp")
 
 
+def read_engine_export(export, work):
+    """A live engine's export (zp::export_safetensors): bf16 parameters in one file, read raw
+    (numpy has no bfloat16), and fp32 master weights split with an index, loaded whole."""
+    subprocess.run([export, "engine", work], check=True)
+    params = expected(work, "engine.json")
+    path = os.path.join(work, "engine", "model.safetensors")
+    with safe_open(path, framework="numpy") as f:
+        check(f.metadata() == params["metadata"], f"{path}: metadata {f.metadata()}")
+        check(sorted(f.keys()) == sorted(params["tensors"]), f"{path}: keys {sorted(f.keys())}")
+    check_raw(path, params, params["tensors"])
+    master = expected(work, "engine-master.json")
+    d = os.path.join(work, "engine-master")
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    check(sorted(index["weight_map"]) == sorted(master["tensors"]), "engine-master index names")
+    files = sorted(set(index["weight_map"].values()))
+    check(len(files) > 1, f"engine-master was not split: {files}")
+    total = 0
+    for file in files:
+        loaded = load_file(os.path.join(d, file))
+        for name, arr in loaded.items():
+            check(index["weight_map"].get(name) == file, f"{file}: {name} is not mapped to it")
+            check_array(file, name, arr, master["tensors"][name])
+            total += arr.nbytes
+    check(index["metadata"]["total_size"] == total, f"engine-master index total_size {index['metadata']}")
+    print(f"python checked a live engine's export: {len(params['tensors'])} bf16 tensors, "
+          f"{len(master['tensors'])} fp32 tensors in {len(files)} files")
+
+
 def random_array(rng, dtype, shape):
     """Random bits of every pattern (NaN payloads, subnormals, negative zero) for floats."""
     n = int(np.prod(shape, dtype=np.int64))
@@ -153,6 +182,7 @@ def main():
     seed = int(os.environ.get("ZP_TEST_SEED", random.getrandbits(63)))
     print(f"seed {seed} (safetensors {safetensors.__version__}, numpy {np.__version__})")
     read_zp_files(export, work, seed)
+    read_engine_export(export, work)
     write_python_files(export, work, seed)
     if failures:
         sys.exit(f"{len(failures)} differences between zp and the safetensors package (seed {seed})")

@@ -4,6 +4,12 @@
 //     empty tensor, U8, metadata) and a model split in two files with its index, and describes
 //     them in <dir>/single.json and <dir>/split.json: {"metadata": {...}, "tensors": {name:
 //     {"dtype", "shape", "bin"}}}, "bin" naming a file of the tensor's expected bytes.
+//   safetensors_export engine <dir>
+//     trains a small bf16 model on 3 thread ranks with ZeRO stage 3 and exports it with
+//     zp::export_safetensors: <dir>/engine/model.safetensors (bf16 parameters, 2-D weights) and
+//     <dir>/engine-master/ (fp32 master weights split in several files with an index), described
+//     in <dir>/engine.json and <dir>/engine-master.json with the values gather_params() and
+//     gather_master() return as the expected bytes.
 //   safetensors_export verify <file> <manifest.json>
 //     reads <file> (written by Python) with zp::safetensors::Reader and checks it against the
 //     manifest bitwise: the same tensors, dtypes, shapes, bytes and metadata.
@@ -22,6 +28,9 @@
 #include <nlohmann/json.hpp>
 
 #include "random.hpp"
+#include "zero_mlp.hpp"
+#include "zp/backend/threads.hpp"
+#include "zp/checkpoint.hpp"
 #include "zp/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -97,6 +106,61 @@ int write(const fs::path& dir, std::uint64_t seed) {
   return 0;
 }
 
+int engine(const fs::path& dir) {
+  using T = zp::bf16;
+  fs::create_directories(dir / "expected");
+  std::vector<T> params;
+  std::vector<float> master;
+  std::vector<std::pair<std::string, std::vector<std::uint64_t>>> shapes;  // forward order
+  zp::backend::run_threads(3, [&](zp::Collective<zp::backend::Threads>& comm) {
+    zp::test::Mlp<T> model;
+    zp::EngineConfig cfg;
+    cfg.bucket_bytes = 4096;
+    cfg.first_bucket_bytes = 512;
+    zp::Engine<zp::backend::Threads, T, 3> e(comm, model, cfg, zp::optim::AdamW{.lr = 1e-2f});
+    for (int t = 0; t < 3; ++t) zp::test::micro_step(e, model, (t * 3 + comm.rank()) * 2, 2);
+    std::map<std::string, std::vector<std::uint64_t>> shape_of;
+    for (std::size_t l = 0; l < model.layers.size(); ++l) {
+      const auto& L = model.layers[l];
+      shape_of["layer" + std::to_string(l) + ".weight"] = {std::uint64_t(L.in), std::uint64_t(L.out)};
+      shape_of["layer" + std::to_string(l) + ".bias"] = {std::uint64_t(L.out)};
+    }
+    zp::ExportOptions o;
+    o.shape = [&](const std::string& name, std::size_t) { return shape_of.at(name); };
+    zp::export_safetensors(e, dir / "engine", o);
+    o.master = true;
+    o.max_file_bytes = 12000;
+    zp::export_safetensors(e, dir / "engine-master", o);
+    auto p = e.gather_params();
+    auto m = e.gather_master();
+    if (comm.rank() == 0) {
+      params = std::move(p);
+      master = std::move(m);
+      for (const auto& q : e.layout().params()) shapes.emplace_back(q.name, shape_of.at(q.name));
+    }
+  });
+  // The expected bytes come from gather_params/gather_master, not from the export's own path.
+  auto describe = [&](const std::string& name, const char* dtype, const std::string& tag, const auto& values) {
+    json m = {{"metadata", {{"format", "pt"}}}, {"tensors", json::object()}};
+    std::size_t at = 0;
+    for (const auto& [param, shape] : shapes) {
+      std::uint64_t n = 1;
+      for (auto d : shape) n *= d;
+      const auto* first = reinterpret_cast<const char*>(values.data() + at);
+      const std::string bin = "expected/" + tag + "." + param + ".bin";
+      put(dir / bin, std::string(first, n * sizeof(values[0])));
+      m["tensors"][param] = {{"dtype", dtype}, {"shape", shape}, {"bin", bin}};
+      at += n;
+    }
+    if (at != values.size()) throw std::runtime_error("engine export: the shapes do not cover the model");
+    put(dir / name, m.dump(2));
+  };
+  describe("engine.json", "BF16", "engine", params);
+  describe("engine-master.json", "F32", "engine-master", master);
+  std::cout << "exported a 3-rank stage 3 engine (" << shapes.size() << " tensors) to " << dir.string() << "\n";
+  return 0;
+}
+
 int verify(const fs::path& file, const fs::path& manifest_path) {
   const json manifest = json::parse(slurp(manifest_path));
   const st::Reader r(file);
@@ -133,7 +197,8 @@ int main(int argc, char** argv) try {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "write" && argc == 4) return write(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "verify" && argc == 4) return verify(argv[2], argv[3]);
-  std::cerr << "usage: " << argv[0] << " write <dir> <seed> | verify <file> <manifest.json>\n";
+  if (mode == "engine" && argc == 3) return engine(argv[2]);
+  std::cerr << "usage: " << argv[0] << " write <dir> <seed> | engine <dir> | verify <file> <manifest.json>\n";
   return 2;
 } catch (const std::exception& e) {
   std::cerr << "safetensors_export: " << e.what() << "\n";
