@@ -333,6 +333,8 @@ TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error namin
   on_two_ranks([&](E2& e, Mlp<float>&) {
     zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, "good"); }, {"good", "already exists"});
     zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, "a/b"); }, {"a/b"});
+    const std::string mine = e.comm().rank() == 0 ? "x0" : "x1";
+    zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, mine); }, {"different tags", "'" + mine + "'"});
   });
   on_two_ranks(
       [&](E2& e, Mlp<float>& m) {

@@ -1,28 +1,47 @@
 #!/usr/bin/env bash
 # zp_demo killed with SIGKILL in the middle of training (possibly inside a save) resumes from its
-# last complete checkpoint at another rank count and stage, and finishes.
-#   demo_resume.sh <zp_demo> <work dir>
+# last complete checkpoint at another rank count, stage and backend, and finishes. Killed once
+# on the threads backend and, given mpiexec, once as a 2-process MPI job (every process killed).
+#   demo_resume.sh <zp_demo> <work dir> [mpiexec]
 set -euo pipefail
-demo=$1
-dir=$2/demo-resume
-rm -rf "$dir"
-mkdir -p "$dir"
-"$demo" --steps 150 --micro-batch 8 --save-every 3 --log-every 50 --ranks 2 --stage 2 --checkpoint-dir "$dir/ckpt" > "$dir/first.log" 2>&1 &
-pid=$!
-# Kill it once a few checkpoints exist, at a moment unrelated to its saves.
-for _ in $(seq 600); do
-  [ -f "$dir/ckpt/latest" ] && [ "$(ls -d "$dir"/ckpt/step* 2>/dev/null | wc -l)" -ge 3 ] && break
-  sleep 0.05
-done
-sleep 0.0$((RANDOM % 10))
-kill -9 "$pid" 2>/dev/null || { echo "zp_demo ended before it could be killed"; cat "$dir/first.log"; exit 1; }
-wait "$pid" 2>/dev/null || true
-latest=$(cat "$dir/ckpt/latest")
-echo "killed; latest checkpoint: $latest"
-"$demo" --steps 150 --micro-batch 8 --log-every 100 --ranks 3 --stage 3 --checkpoint-dir "$dir/ckpt" --resume \
-  --export "$dir/export" | tee "$dir/second.log"
-grep -q "resumed from $dir/ckpt/$latest at step ${latest#step}" "$dir/second.log"
-grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in $((150 - ${latest#step})) steps" "$dir/second.log"
-test -s "$dir/export/model.safetensors"
-rm -rf "$dir"
-echo "resume after kill -9: ok"
+demo=$1 work=$2 mpiexec=${3:-}
+steps=150
+
+# kill_and_resume <name> <command that starts the first run...>
+kill_and_resume() {
+  local name=$1
+  shift
+  local dir=$work/demo-resume-$name
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  "$@" --steps $steps --micro-batch 8 --save-every 3 --log-every 50 --stage 2 --checkpoint-dir "$dir/ckpt" \
+    > "$dir/first.log" 2>&1 &
+  local pid=$!
+  # Kill it once a few checkpoints exist, at a moment unrelated to its saves.
+  for _ in $(seq 600); do
+    [ -f "$dir/ckpt/latest" ] && [ "$(ls -d "$dir"/ckpt/step* 2>/dev/null | wc -l)" -ge 3 ] && break
+    sleep 0.05
+  done
+  sleep 0.0$((RANDOM % 10))
+  kill -0 "$pid" 2>/dev/null || { echo "zp_demo ($name) ended before it could be killed"; cat "$dir/first.log"; exit 1; }
+  # Every process of the run (mpiexec and its ranks too): their command lines name $dir.
+  for p in /proc/[0-9]*; do
+    if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "--checkpoint-dir $dir/ckpt"; then kill -9 "${p#/proc/}" 2>/dev/null || true; fi
+  done
+  wait "$pid" 2>/dev/null || true
+  local latest
+  latest=$(cat "$dir/ckpt/latest")
+  echo "$name: killed; latest checkpoint: $latest"
+  "$demo" --steps $steps --micro-batch 8 --log-every 100 --ranks 3 --stage 3 --checkpoint-dir "$dir/ckpt" --resume \
+    --export "$dir/export" | tee "$dir/second.log"
+  grep -q "resumed from $dir/ckpt/$latest at step ${latest#step}" "$dir/second.log"
+  grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in $((steps - ${latest#step})) steps" "$dir/second.log"
+  test -s "$dir/export/model.safetensors"
+  rm -rf "$dir"
+  echo "$name: resume after kill -9: ok"
+}
+
+kill_and_resume threads "$demo" --ranks 2
+if [ -n "$mpiexec" ]; then
+  kill_and_resume mpi "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi
+fi

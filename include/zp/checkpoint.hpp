@@ -47,6 +47,7 @@
 
 #include "zp/collective.hpp"
 #include "zp/detail/file.hpp"
+#include "zp/detail/hash.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
@@ -460,7 +461,6 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   using T = typename E::value_type;
   auto& comm = engine.comm();
   engine.expect_at_boundary("save_checkpoint()");
-  ckpt::check_tag(tag);
   const auto& part = engine.partition();
   const Layout& L = engine.layout();
   const auto& opt = engine.optimizer();
@@ -485,6 +485,14 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   m.scaler_kind = int(engine.loss_scaler().kind());
   m.batch = engine.batch();
   m.user_bytes = user.size();
+
+  // Every rank must save under the same tag (DeepSpeed's tag_validation "Fail", always on).
+  const std::int64_t h = std::int64_t(detail::Fnv1a().all(std::string_view(tag)).value() >> 2);
+  std::int64_t seen[2] = {h, -h};
+  comm.all_reduce(std::span<std::int64_t>(seen), ReduceOp::max);
+  ZP_EXPECT(seen[0] == -seen[1], "checkpoint: the ranks passed different tags to save_checkpoint() (rank ",
+            comm.rank(), ": '", tag, "'); every rank must save under the same tag");
+  ckpt::check_tag(tag);
 
   // Rank 0 prepares an empty staging directory (a crashed earlier save may have left one).
   ckpt::on_every_rank(comm, [&] {
