@@ -17,6 +17,7 @@
 
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
+#include "zp/grid.hpp"
 #if ZP_TEST_IO
 #include "zp/checkpoint.hpp"
 #endif
@@ -136,6 +137,30 @@ TEST_CASE("on mpi an engine destroyed with reductions in flight, or by an except
   teardown<1>(comm);
   teardown<2>(comm);
   teardown<3>(comm);
+}
+
+// The process grid on MPI processes: every 2 x 2 x 1 ... arrangement of 4 (or 2) processes gives
+// each rank groups whose members follow Megatron's order (the threads tests cover all grids).
+TEST_CASE("on mpi a process grid splits the world into its DP, TP and PP groups") {
+  Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  const int n = world.size(), r = world.rank();
+  for (zp::GridShape s : {zp::GridShape{.dp = n}, zp::GridShape{.tp = n}, zp::GridShape{.pp = n},
+                          zp::GridShape{.dp = n / 2, .tp = 2}, zp::GridShape{.dp = n / 2, .pp = 2}}) {
+    zp::ProcessGrid<Mpi> g(world, s);
+    CHECK(g.coords() == zp::coords_of(s, r));
+    std::int64_t sums[3] = {r, r, r};
+    g.tp().all_reduce(std::span<std::int64_t>(sums, 1));
+    g.dp().all_reduce(std::span<std::int64_t>(sums + 1, 1));
+    g.pp().all_reduce(std::span<std::int64_t>(sums + 2, 1));
+    const zp::GridCoords c = g.coords();
+    std::int64_t want[3] = {0, 0, 0};
+    for (int t = 0; t < s.tp; ++t) want[0] += zp::grid_rank(s, {c.dp, t, c.pp});
+    for (int d = 0; d < s.dp; ++d) want[1] += zp::grid_rank(s, {d, c.tp, c.pp});
+    for (int p = 0; p < s.pp; ++p) want[2] += zp::grid_rank(s, {c.dp, c.tp, p});
+    CHECK(sums[0] == want[0]);
+    CHECK(sums[1] == want[1]);
+    CHECK(sums[2] == want[2]);
+  }
 }
 
 #if ZP_TEST_IO

@@ -1,6 +1,7 @@
 // zp/zp.hpp: everything that builds with a plain C++20 compiler: the collectives and the threads
 // backend, the ZeRO engine, the CPU optimizers, the loss scaler and the LR schedules. The mpi
-// and nccl backends and the CUDA kernels have their own headers (README.md, "Using zp").
+// and nccl backends, the CUDA kernels and the zp::io headers (checkpoints, safetensors,
+// ds_config) have their own (README.md, "Using zp").
 #pragma once
 
 #include "zp/backend/threads.hpp"
@@ -10,6 +11,7 @@
 #include "zp/dtype.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
+#include "zp/grid.hpp"
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
 #include "zp/optim/cpu.hpp"

@@ -1,0 +1,86 @@
+// zp/grid.hpp: a world of DP x PP x TP ranks as three sets of sub-communicators ("3D
+// parallelism"): tensor-parallel groups split each layer's matrix products, pipeline-parallel
+// groups chain the model's stages, data-parallel groups hold replicas that ZeRO shards over.
+//
+// Rank order is Megatron-LM's default (tp fastest, then dp, then pp):
+//   world rank = tp + TP * (dp + DP * pp)
+// so a TP group is TP adjacent ranks (one node when TP <= GPUs per node: its all_reduces, one per
+// layer and micro-batch, stay on the fastest links), and PP stages are the farthest apart (their
+// point-to-point traffic is the smallest).
+//
+//   zp::ProcessGrid grid(world, {.dp = 2, .tp = 2, .pp = 2});
+//   zp::Engine<B, bf16, 2> engine(grid.dp(), model, ...);   // ZeRO over the DP group only
+//   grid.tp().all_reduce(...);                               // a row-parallel layer's output
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+
+namespace zp {
+
+struct GridShape {
+  int dp = 1, tp = 1, pp = 1;
+  int size() const noexcept { return dp * tp * pp; }
+};
+
+// One rank's coordinates in a grid.
+struct GridCoords {
+  int dp = 0, tp = 0, pp = 0;
+  friend bool operator==(const GridCoords&, const GridCoords&) = default;
+};
+
+// Megatron's order; inverse of coords_of.
+constexpr int grid_rank(const GridShape& s, const GridCoords& c) noexcept { return c.tp + s.tp * (c.dp + s.dp * c.pp); }
+constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
+  return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
+}
+
+// Splits `world` into the three groups. Collective over world (three splits, in the same order
+// on every rank). The world must outlive the grid only as far as the backend requires; the
+// groups are communicators of their own.
+template <Backend B>
+class ProcessGrid {
+ public:
+  ProcessGrid(Collective<B>& world, GridShape shape) : shape_(shape), world_rank_(world.rank()) {
+    ZP_EXPECT(shape.dp >= 1 && shape.tp >= 1 && shape.pp >= 1, "grid: dp, tp and pp must be >= 1, got dp=",
+              shape.dp, ", tp=", shape.tp, ", pp=", shape.pp);
+    ZP_EXPECT(shape.dp <= world.size() && shape.tp <= world.size() && shape.pp <= world.size() &&
+                  shape.size() == world.size(),
+              "grid: dp x tp x pp = ", shape.dp, " x ", shape.tp, " x ", shape.pp, " does not factor the world of ",
+              world.size(), " ranks; the product must equal the world size");
+    me_ = coords_of(shape, world.rank());
+    // Colour: the coordinates a group shares; key: the coordinate along the group.
+    tp_.emplace(world.split(me_.dp + shape.dp * me_.pp, me_.tp));
+    dp_.emplace(world.split(me_.tp + shape.tp * me_.pp, me_.dp));
+    pp_.emplace(world.split(me_.tp + shape.tp * me_.dp, me_.pp));
+  }
+
+  const GridShape& shape() const noexcept { return shape_; }
+  const GridCoords& coords() const noexcept { return me_; }
+  int world_rank() const noexcept { return world_rank_; }
+  // The world rank of the rank at other coordinates.
+  int rank_of(const GridCoords& c) const {
+    ZP_EXPECT(c.dp >= 0 && c.dp < shape_.dp && c.tp >= 0 && c.tp < shape_.tp && c.pp >= 0 && c.pp < shape_.pp,
+              "grid: coordinates (dp ", c.dp, ", tp ", c.tp, ", pp ", c.pp, ") are outside the grid ", shape_.dp, " x ",
+              shape_.tp, " x ", shape_.pp);
+    return grid_rank(shape_, c);
+  }
+
+  // The groups this rank belongs to; rank() in each is the coordinate along it.
+  Collective<B>& dp() noexcept { return *dp_; }
+  Collective<B>& tp() noexcept { return *tp_; }
+  Collective<B>& pp() noexcept { return *pp_; }
+  bool first_stage() const noexcept { return me_.pp == 0; }
+  bool last_stage() const noexcept { return me_.pp == shape_.pp - 1; }
+
+ private:
+  GridShape shape_;
+  int world_rank_;
+  GridCoords me_;
+  std::optional<Collective<B>> tp_, dp_, pp_;
+};
+
+}  // namespace zp
