@@ -12,6 +12,7 @@
 #include <cmath>
 #include <filesystem>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -164,31 +165,39 @@ TEST_CASE("on mpi a process grid splits the world into its DP, TP and PP groups"
 }
 
 #if ZP_TEST_IO
-// Resume on MPI is exact: 2k steps equal k steps, save, a fresh engine (another stage), load and
-// k more; and the saved state reloads bitwise at another stage.
-TEST_CASE("on mpi a checkpoint resumes exactly and loads at another stage") {
-  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+// Resume on MPI is exact at every stage, with gradient accumulation: 2k steps equal k steps,
+// save, a fresh engine, load and k more; and the saved state reloads bitwise at another stage.
+template <int Stage, int Other>
+void check_mpi_resume(Collective<Mpi>& comm, const std::filesystem::path& dir) {
+  CAPTURE(Stage);
   const int n = comm.size(), r = comm.rank();
-  constexpr int k = 2;
+  constexpr int k = 2, gas = 2;
+  auto run = [&]<int S>(std::integral_constant<int, S>, int t0, int t1, bool save, bool load) {
+    Mlp<zp::bf16> model;
+    zp::Engine<Mpi, zp::bf16, S> e(comm, model, config(2, gas), zp::optim::AdamW{.lr = 1e-2f});
+    if (load) zp::load_checkpoint(e, dir);
+    for (int t = t0; t < t1; ++t)
+      for (int i = 0; i < gas; ++i) zp::test::micro_step(e, model, (std::int64_t(t * gas + i) * n + r) * 2, 2);
+    if (save) zp::save_checkpoint(e, dir, "s" + std::to_string(Stage));
+    return std::make_tuple(e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1));
+  };
+  const auto straight = run(std::integral_constant<int, Stage>{}, 0, 2 * k, false, false);
+  const auto saved = run(std::integral_constant<int, Stage>{}, 0, k, true, false);
+  CHECK(run(std::integral_constant<int, Other>{}, 0, 0, false, true) == saved);
+  CHECK(run(std::integral_constant<int, Stage>{}, k, 2 * k, false, true) == straight);
+}
+
+TEST_CASE("on mpi a checkpoint resumes exactly at every stage and loads at another") {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   std::int64_t id = comm.rank() == 0 ? std::int64_t(::getpid()) : 0;
   comm.broadcast(std::span<std::int64_t>(&id, 1), 0);
   const auto dir = std::filesystem::temp_directory_path() / ("zp-mpi-ckpt-" + std::to_string(id));
-  auto run = [&]<int Stage>(std::integral_constant<int, Stage>, int t0, int t1, bool save, bool load) {
-    Mlp<zp::bf16> model;
-    zp::Engine<Mpi, zp::bf16, Stage> e(comm, model, config(2, 1), zp::optim::AdamW{.lr = 1e-2f});
-    if (load) zp::load_checkpoint(e, dir);
-    for (int t = t0; t < t1; ++t) zp::test::micro_step(e, model, (std::int64_t(t) * n + r) * 2, 2);
-    if (save) zp::save_checkpoint(e, dir, "k");
-    return std::make_pair(e.gather_master(), e.gather_state(1));
-  };
-  const auto straight = run(std::integral_constant<int, 2>{}, 0, 2 * k, false, false);
-  const auto saved = run(std::integral_constant<int, 2>{}, 0, k, true, false);
-  const auto reloaded = run(std::integral_constant<int, 3>{}, 0, 0, false, true);
-  CHECK(reloaded == saved);
-  const auto resumed = run(std::integral_constant<int, 2>{}, k, 2 * k, false, true);
-  CHECK(resumed == straight);
+  check_mpi_resume<0, 3>(comm, dir);
+  check_mpi_resume<1, 2>(comm, dir);
+  check_mpi_resume<2, 0>(comm, dir);
+  check_mpi_resume<3, 1>(comm, dir);
   comm.barrier();
-  if (r == 0) std::filesystem::remove_all(dir);
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 #endif
 
