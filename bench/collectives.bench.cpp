@@ -11,6 +11,11 @@
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
 //   ratio = zp busbw / raw busbw, free of the drift between two separate benchmark runs.
+// <backend>/send_recv/ranks:2/bytes:S  point to point: a ping-pong between ranks 0 and 1 (rank 0
+//   sends S bytes, rank 1 receives them and sends them back; under a launcher with more ranks
+//   the others idle). One iteration moves 2S: algbw_GBps = busbw_GBps = 2S / t. backends:
+//   threads (one memcpy per message, so bounded by GBps(membw/copy/threads:1)), mpi,
+//   mpi_unchecked (no signature exchange), mpi_raw (bare MPI_Send/MPI_Recv: the baseline).
 // membw/copy/threads:T  the memory-bandwidth limit measured in the same run (bench/membw.hpp):
 //   a 2-rank in-place all_reduce moves at least 4 bytes per byte of S through memory (each
 //   rank's half: read both inputs, write both outputs), so busbw of threads/all_reduce/ranks:2
@@ -104,7 +109,9 @@ std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N, b
     case CollOp::broadcast:
       for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != value(0, i);
       break;
-    case CollOp::barrier: break;
+    case CollOp::barrier:
+    case CollOp::send:
+    case CollOp::recv: break;
   }
   return w;
 }
@@ -125,7 +132,37 @@ void run_op(zp::Collective<B>& comm, CollOp op, std::span<float> buf) {
     case CollOp::all_gather: comm.all_gather(buf); break;
     case CollOp::broadcast: comm.broadcast(buf, 0); break;
     case CollOp::barrier: comm.barrier(); break;
+    case CollOp::send:
+    case CollOp::recv: break;  // ping_pong's
   }
+}
+
+// One round trip of buf between ranks 0 and 1 (other ranks do nothing); send(peer) and
+// recv(peer) move the whole buffer.
+template <class Send, class Recv>
+void ping_pong(int rank, Send&& send, Recv&& recv) {
+  if (rank == 0) {
+    send(1);
+    recv(1);
+  } else if (rank == 1) {
+    recv(0);
+    send(0);
+  }
+}
+
+// Before the round trip rank 0 holds value(0, i) and rank 1 poison; after it both hold rank 0's.
+void fill_ping_pong(std::vector<float>& buf, int rank) {
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = rank == 0 ? value(0, i) : poison;
+}
+std::uint64_t wrong_ping_pong(const std::vector<float>& buf, int rank) {
+  std::uint64_t w = 0;
+  if (rank <= 1)
+    for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != value(0, i);
+  return w;
+}
+
+std::string p2p_name(const char* backend, std::size_t bytes) {
+  return std::string(backend) + "/send_recv/ranks:2/bytes:" + std::to_string(bytes);
 }
 
 std::string bench_name(const char* backend, CollOp op, int N, std::size_t bytes) {
@@ -180,6 +217,49 @@ void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes)
   set_counters(state, op, N, bytes, bad[0]);
 }
 
+// --- threads send/recv: rank 0 is the benchmark's thread, rank 1 a thread answering each ping.
+void bench_threads_p2p(benchmark::State& state, std::size_t bytes) {
+  using zp::backend::Threads;
+  auto world = zp::backend::World::create(2, {std::chrono::seconds(120)});
+  std::vector<std::vector<float>> bufs(2, std::vector<float>(bytes / sizeof(float)));
+  std::vector<std::uint64_t> bad(2, 0);
+  const auto iters = state.max_iterations;
+  auto rank_body = [&](zp::Collective<Threads>& comm, int r, bool timed) {
+    auto& buf = bufs[std::size_t(r)];
+    auto once = [&] {
+      ping_pong(r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
+                [&](int peer) { comm.recv(std::span<float>(buf), peer); });
+    };
+    fill_ping_pong(buf, r);
+    once();  // the check run (and warm-up)
+    std::int64_t w = std::int64_t(wrong_ping_pong(buf, r));
+    comm.all_reduce(std::span<std::int64_t>(&w, 1));
+    bad[std::size_t(r)] = std::uint64_t(w);
+    if (w) return;
+    comm.barrier();
+    if (timed) {
+      for (auto _ : state) once();
+    } else {
+      for (benchmark::IterationCount k = 0; k < iters; ++k) once();
+    }
+  };
+  {
+    std::jthread peer([&] {
+      zp::Collective<Threads> comm{Threads(world, 1)};
+      rank_body(comm, 1, false);
+      comm.barrier();
+    });
+    zp::Collective<Threads> comm{Threads(world, 0)};
+    rank_body(comm, 0, true);
+    comm.barrier();
+  }
+  if (bad[0]) {
+    state.SkipWithError(("threads send_recv: " + std::to_string(bad[0]) + " wrong elements").c_str());
+    return;
+  }
+  set_counters(state, CollOp::send, 2, 2 * bytes, bad[0]);
+}
+
 void register_threads() {
   for (int N : {2, 4})
     for (CollOp op : ops)
@@ -189,6 +269,12 @@ void register_threads() {
             ->Iterations(iterations(bytes))
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
+  for (std::size_t bytes : sizes)
+    benchmark::RegisterBenchmark(p2p_name("threads", bytes).c_str(),
+                                 [=](benchmark::State& s) { bench_threads_p2p(s, bytes); })
+        ->Iterations(iterations(2 * bytes))
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
 }
 
 #if ZP_BENCH_MPI
@@ -226,8 +312,41 @@ int raw_op(CollOp op, float* buf, std::size_t elems, int N, MPI_Comm comm) {
     case CollOp::all_gather: return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, MPI_FLOAT, comm);
     case CollOp::broadcast: return MPI_Bcast(buf, int(elems), MPI_FLOAT, 0, comm);
     case CollOp::barrier: return MPI_Barrier(comm);
+    case CollOp::send:
+    case CollOp::recv: break;  // bench_mpi_p2p's
   }
   return MPI_SUCCESS;
+}
+
+// send/recv ping-pong between ranks 0 and 1: zp's backend (raw = false) or the bare
+// MPI_Send/MPI_Recv on a duplicate of MPI_COMM_WORLD (the baseline).
+void bench_mpi_p2p(benchmark::State& state, std::size_t bytes, bool raw, bool check_calls) {
+  zp::backend::Mpi::Options opt;
+  opt.check_calls = check_calls;
+  zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
+  const MPI_Comm c = comm.backend().comm();
+  const int r = comm.rank();
+  std::vector<float> buf(bytes / sizeof(float));
+  const int n = int(buf.size());
+  auto once = [&] {
+    if (raw)
+      ping_pong(r, [&](int peer) { MPI_Send(buf.data(), n, MPI_FLOAT, peer, 7, c); },
+                [&](int peer) { MPI_Recv(buf.data(), n, MPI_FLOAT, peer, 7, c, MPI_STATUS_IGNORE); });
+    else
+      ping_pong(r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
+                [&](int peer) { comm.recv(std::span<float>(buf), peer); });
+  };
+  fill_ping_pong(buf, r);
+  once();
+  const auto bad = mpi_total(wrong_ping_pong(buf, r), c);
+  if (bad) {
+    state.SkipWithError(("mpi send_recv: " + std::to_string(bad) + " wrong elements").c_str());
+    return;
+  }
+  MPI_Barrier(c);
+  for (auto _ : state) once();
+  MPI_Barrier(c);
+  set_counters(state, CollOp::send, 2, 2 * bytes, bad);
 }
 
 void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes) {
@@ -291,6 +410,18 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
 }
 
 void register_mpi(int N) {
+  for (std::size_t bytes : sizes) {
+    auto reg = [&](const char* backend, bool raw, bool check_calls) {
+      benchmark::RegisterBenchmark(p2p_name(backend, bytes).c_str(),
+                                   [=](benchmark::State& s) { bench_mpi_p2p(s, bytes, raw, check_calls); })
+          ->Iterations(iterations(2 * bytes))
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    };
+    reg("mpi_raw", true, true);
+    reg("mpi", false, true);
+    reg("mpi_unchecked", false, false);
+  }
   for (CollOp op : ops)
     for (std::size_t bytes : sizes) {
       auto reg = [&](const char* backend, auto fn) {

@@ -32,15 +32,13 @@
 #include <variant>
 #include <vector>
 
+#include "common.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/schedule.hpp"
 #if ZP_DEMO_IO
 #include "zp/checkpoint.hpp"
 #include "zp/ds_config.hpp"
-#endif
-#if ZP_DEMO_MPI
-#include "zp/backend/mpi.hpp"
 #endif
 
 namespace {
@@ -206,41 +204,13 @@ struct CharLm {
   }
 };
 
-// ---- data -----------------------------------------------------------------------------------
-
-struct Corpus {
-  std::vector<int> ids;
-  std::vector<char> chars;  // id -> character
-};
-
-Corpus load_corpus(const std::vector<std::string>& paths) {
-  std::string text;
-  for (const auto& p : paths) {
-    std::ifstream f(p, std::ios::binary);
-    if (!f) throw zp::Error(zp::Errc::io, "cannot read text file '" + p + "'");
-    text.append(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    text.push_back('\n');
-  }
-  int map[256];
-  std::fill(std::begin(map), std::end(map), -1);
-  Corpus c;
-  for (unsigned char ch : text) {
-    if (map[ch] < 0) {
-      map[ch] = int(c.chars.size());
-      c.chars.push_back(char(ch));
-    }
-    c.ids.push_back(map[ch]);
-  }
-  return c;
-}
+using examples::Corpus;
+using examples::load_corpus;
+using examples::mib;
 
 // ---- command line ---------------------------------------------------------------------------
 
-struct Options {
-  int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
-  std::string backend = "threads", precision = "bf16";
-  float lr = 3e-3f;
-  std::vector<std::string> text;
+struct Options : examples::TrainFlags {  // TrainFlags' defaults are this demo's
   std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
   bool resume = false, breakdown = false;
@@ -270,18 +240,9 @@ const char* usage =
     "                     keys are filled from --micro-batch and --accum\n"
     "  --help             this text\n";
 
-[[noreturn]] void bad(const std::string& msg) {
-  std::fprintf(stderr, "zp_demo: %s\n\n%s", msg.c_str(), usage);
-  std::exit(2);
-}
+const examples::Program program{"zp_demo", usage};
 
-int to_int(const std::string& flag, const std::string& v, int lo, int hi) {
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < lo || x > hi)
-    bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
-  return int(x);
-}
+[[noreturn]] void bad(const std::string& msg) { examples::bad(program, msg); }
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -297,51 +258,24 @@ Options parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) bad("unknown flag or missing value: '" + a + "'");
     const std::string v = argv[++i];
-    if (a == "--stage") o.stage = to_int(a, v, 0, 3);
-    else if (a == "--ranks") o.ranks = to_int(a, v, 1, 256);
-    else if (a == "--accum") o.accum = to_int(a, v, 1, 1024);
-    else if (a == "--steps") o.steps = to_int(a, v, 1, 10000000);
-    else if (a == "--micro-batch") o.micro_batch = to_int(a, v, 1, 65536);
-    else if (a == "--log-every") o.log_every = to_int(a, v, 1, 10000000);
-    else if (a == "--save-every") o.save_every = to_int(a, v, 1, 10000000);
+    if (examples::parse_train_flag(program, o, a, v)) continue;
+    if (a == "--save-every") o.save_every = examples::to_int(program, a, v, 1, 10000000);
     else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
     else if (a == "--export") o.export_dir = v;
     else if (a == "--log-json") o.log_json = v;
     else if (a == "--config") o.config = v;
-    else if (a == "--backend") {
-      if (v != "threads" && v != "mpi") bad("--backend expects threads or mpi, got '" + v + "'");
-      o.backend = v;
-    } else if (a == "--precision") {
-      if (v != "fp32" && v != "bf16" && v != "fp16") bad("--precision expects fp32, bf16 or fp16, got '" + v + "'");
-      o.precision = v;
-    } else if (a == "--lr") {
-      char* end = nullptr;
-      o.lr = std::strtof(v.c_str(), &end);
-      if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f) bad("--lr expects a number in (0, 1], got '" + v + "'");
-    } else if (a == "--text") {
-      o.text.push_back(v);
-    } else {
-      bad("unknown flag '" + a + "'");
-    }
+    else bad("unknown flag '" + a + "'");
   }
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty()) bad("--save-every and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no checkpoints or configs");
 #endif
-  if (o.text.empty()) {
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator("/usr/share/common-licenses", ec))
-      if (e.is_regular_file()) o.text.push_back(e.path().string());
-    std::sort(o.text.begin(), o.text.end());
-    if (o.text.empty()) bad("no --text given and /usr/share/common-licenses has no files");
-  }
+  examples::default_text(program, o.text);
   return o;
 }
 
 // ---- training -------------------------------------------------------------------------------
-
-double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
 
 // The engine settings of the command line (without --config).
 zp::EngineConfig flag_config(const Options& o) {
@@ -549,30 +483,6 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  try {
-    const Corpus corpus = load_corpus(o.text);
-    if (corpus.ids.size() < 100) bad("the training text is too short (" + std::to_string(corpus.ids.size()) + " characters)");
-    if (o.backend == "mpi") {
-#if ZP_DEMO_MPI
-      zp::backend::MpiEnvironment env(&argc, &argv);
-      zp::Collective<zp::backend::Mpi> comm(env.world());
-      try {
-        dispatch(comm, o, corpus);
-      } catch (const std::exception& e) {
-        // Print the cause while this rank can: leaving the communicator with an exception in
-        // flight aborts the whole job (mpi.hpp), and the abort message cannot see the text.
-        std::fprintf(stderr, "zp_demo: rank %d: %s\n", comm.rank(), e.what());
-        throw;
-      }
-#else
-      bad("this zp_demo was built without MPI (zp::mpi was not found at configure time)");
-#endif
-    } else {
-      zp::backend::run_threads(o.ranks, [&](zp::Collective<zp::backend::Threads>& comm) { dispatch(comm, o, corpus); });
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "zp_demo: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  const Corpus corpus = examples::load_corpus_or_exit(program, o.text, 100);
+  return examples::launch(program, argc, argv, o.backend, o.ranks, [&](auto& comm) { dispatch(comm, o, corpus); });
 }

@@ -293,4 +293,201 @@ void check_dropped_work(Collective<B>& comm, std::uint64_t seed, int rounds) {
   }
 }
 
+// --- send / recv ---------------------------------------------------------------------------
+// Message k from rank `src` to rank `dst`: every element derived from (seed, src, dst, k, i),
+// so the receiver computes what the sender sent without being told.
+template <class T>
+std::vector<T> message(std::uint64_t seed, int src, int dst, int k, std::size_t n) {
+  const std::uint64_t s = seed ^ mix(std::uint64_t(src) * 7919u + std::uint64_t(dst) * 104729u + std::uint64_t(k) * 1299709u);
+  return inputs<T>(s, src, n, 2, ReduceOp::sum);
+}
+
+// Elements of got that differ from message k from src to dst (describing the first).
+template <class T>
+std::size_t wrong_message(std::span<const T> got, std::uint64_t seed, int src, int dst, int k,
+                          std::string& first) {
+  const auto want = message<T>(seed, src, dst, k, got.size());
+  return count_wrong<T>(got, [&](std::size_t i) { return from<T>(want[i]); }, first);
+}
+
+// A ring: every rank sends to rank + 1 and receives from rank - 1, both async (so the ranks do
+// not need to agree on who goes first). Counts in the stats as one send and one recv of n.
+template <class T, class B>
+void check_ring(Collective<B>& comm, std::uint64_t seed, std::size_t n, int k = 0) {
+  const int N = comm.size(), r = comm.rank(), next = (r + 1) % N, prev = (r + N - 1) % N;
+  const auto out = message<T>(seed, r, next, k, n);
+  std::vector<T> in(n, poison<T>());
+  const auto before_send = comm.stats()[CollOp::send], before_recv = comm.stats()[CollOp::recv];
+  auto ws = comm.send_async(std::span<const T>(out), next);
+  auto wr = comm.recv_async(std::span<T>(in), prev);
+  wr.wait();
+  ws.wait();
+  std::string first;
+  const auto wrong = wrong_message<T>(std::span<const T>(in), seed, prev, r, k, first);
+  INFO("ring ", name(dtype_of<T>), " n=", n, " rank=", r, "/", N, " seed=", seed, " first wrong: ", first);
+  CHECK(wrong == 0);
+  const auto& s = comm.stats();
+  CHECK(s[CollOp::send].calls - before_send.calls == 1);
+  CHECK(s[CollOp::send].bytes - before_send.bytes == n * sizeof(T));
+  CHECK(s[CollOp::send].bus_bytes - before_send.bus_bytes == doctest::Approx(double(n * sizeof(T))));
+  CHECK(s[CollOp::recv].bytes - before_recv.bytes == n * sizeof(T));
+}
+
+// Ranks 2i and 2i+1 exchange both ways: blocking send first on the lower rank while the upper
+// one receives first; then both send_async before a blocking recv (neither may wait for the
+// other's send to finish first); then both blocking recv with the sends async.
+template <class T, class B>
+void check_pair_exchange(Collective<B>& comm, std::uint64_t seed, std::size_t n) {
+  const int N = comm.size(), r = comm.rank(), peer = r ^ 1;
+  if (peer >= N) return;
+  const bool lower = r < peer;
+  std::string first;
+  for (int k = 0; k < 3; ++k) {
+    const auto out = message<T>(seed, r, peer, k, n);
+    std::vector<T> in(n, poison<T>());
+    if (k == 0) {
+      if (lower) {
+        comm.send(std::span<const T>(out), peer);
+        comm.recv(std::span<T>(in), peer);
+      } else {
+        comm.recv(std::span<T>(in), peer);
+        comm.send(std::span<const T>(out), peer);
+      }
+    } else if (k == 1) {
+      auto w = comm.send_async(std::span<const T>(out), peer);
+      comm.recv(std::span<T>(in), peer);
+      w.wait();
+    } else {
+      auto wr = comm.recv_async(std::span<T>(in), peer);
+      auto ws = comm.send_async(std::span<const T>(out), peer);
+      ws.wait();  // in the opposite order of the ring: completion must not depend on it
+      wr.wait();
+    }
+    INFO("pair exchange ", name(dtype_of<T>), " step ", k, " n=", n, " rank=", r, " seed=", seed);
+    CHECK(wrong_message<T>(std::span<const T>(in), seed, peer, r, k, first) == 0);
+  }
+}
+
+// Rank 0 sends rank 1 a burst of messages of different sizes (some async, some blocking,
+// including empty ones); rank 1 receives them in order, mixing async and blocking too.
+template <class B>
+void check_message_order(Collective<B>& comm, std::uint64_t seed) {
+  const int r = comm.rank();
+  if (r > 1) return;
+  constexpr int K = 12;
+  auto size_of_msg = [&](int k) { return k % 4 == 3 ? std::size_t(0) : std::size_t(mix(seed + std::uint64_t(k)) % 3000); };
+  if (r == 0) {
+    std::vector<std::vector<double>> out;
+    for (int k = 0; k < K; ++k) out.push_back(message<double>(seed, 0, 1, k, size_of_msg(k)));
+    std::vector<typename Collective<B>::Work> works;
+    for (int k = 0; k < K; ++k) {
+      if (k % 3 == 1) comm.send(std::span<const double>(out[std::size_t(k)]), 1);
+      else works.push_back(comm.send_async(std::span<const double>(out[std::size_t(k)]), 1));
+    }
+    for (auto& w : works) w.wait();
+  } else {
+    std::vector<std::vector<double>> in;
+    for (int k = 0; k < K; ++k) in.emplace_back(size_of_msg(k), poison<double>());
+    std::vector<typename Collective<B>::Work> works;
+    for (int k = 0; k < K; ++k) {
+      if (k % 2 == 0) comm.recv(std::span<double>(in[std::size_t(k)]), 0);
+      else works.push_back(comm.recv_async(std::span<double>(in[std::size_t(k)]), 0));
+    }
+    for (auto& w : works) w.wait();
+    std::string first;
+    for (int k = 0; k < K; ++k) {
+      INFO("message ", k, " of ", K, " (", in[std::size_t(k)].size(), " elements) seed=", seed);
+      CHECK(wrong_message<double>(std::span<const double>(in[std::size_t(k)]), seed, 0, 1, k, first) == 0);
+    }
+  }
+}
+
+// The point-to-point cases every backend passes (world size >= 2): rings over every element
+// type at sizes 0, 1, primes and random ones, pair exchanges in every order, a burst of messages
+// between one pair in order, and empty messages with null buffers.
+template <class B>
+void check_point_to_point(Collective<B>& comm, std::uint64_t seed) {
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(1031)}) {
+    check_ring<float>(comm, seed + 1, n);
+    check_ring<double>(comm, seed + 2, n);
+    check_ring<std::int32_t>(comm, seed + 3, n);
+    check_ring<std::int64_t>(comm, seed + 4, n);
+    check_ring<bf16>(comm, seed + 5, n);
+    check_ring<fp16>(comm, seed + 6, n);
+  }
+  for (int k = 0; k < 6; ++k) {  // random sizes (the same on every rank: they derive from seed)
+    const std::size_t n = std::size_t(mix(seed * 31 + std::uint64_t(k)) % 20000);
+    check_ring<float>(comm, seed + 10 + std::uint64_t(k), n, k);
+  }
+  for (std::size_t n : {std::size_t(0), std::size_t(5), std::size_t(4099)}) {
+    check_pair_exchange<float>(comm, seed + 20, n);
+    check_pair_exchange<bf16>(comm, seed + 21, n);
+  }
+  check_message_order(comm, seed + 30);
+  // Empty messages from unbound spans (a null pointer with count 0 is well-formed).
+  const int N = comm.size(), r = comm.rank();
+  auto ws = comm.send_async(std::span<const std::int32_t>(), (r + 1) % N);
+  comm.recv(std::span<std::int32_t>(), (r + N - 1) % N);
+  ws.wait();
+}
+
+// Mistakes: a bad peer or buffer is an error on the calling rank alone; a count or type
+// mismatch between rank 0's send and rank 1's recv is an error on both, naming both calls, and
+// leaves the pair usable (the receive buffer's contents are then backend-specific).
+template <class B>
+void check_point_to_point_errors(Collective<B>& comm) {
+  const int N = comm.size(), r = comm.rank();
+  std::vector<float> buf(8, 1.0f);
+  const std::string out_of_range = "peer " + std::to_string(N) + " is not a rank in [0, " + std::to_string(N) + ")";
+  expect_invalid([&] { comm.send(std::span<const float>(buf), N); }, {"send: " + out_of_range});
+  expect_invalid([&] { comm.recv(std::span<float>(buf), -1); }, {"recv: peer -1 is not a rank"});
+  expect_invalid([&] { comm.send_async(std::span<const float>(buf), r).wait(); },
+                 {"send: peer " + std::to_string(r) + " is this rank"});
+  expect_invalid([&] { comm.recv_async(std::span<float>(buf), r).wait(); }, {"recv: peer " + std::to_string(r) + " is this rank"});
+  auto& b = comm.backend();
+  expect_invalid([&] { b.send(nullptr, 5, DType::f32, (r + 1) % N, Launch::blocking).wait(); },
+                 {"send: the buffer is null but count is 5"});
+  expect_invalid([&] { b.recv(buf.data(), 4, DType(17), (r + 1) % N, Launch::blocking).wait(); },
+                 {"element type DType(17)"});
+  if (r <= 1) {
+    // Count mismatch, blocking on both sides.
+    std::vector<float> five(5, 2.0f), four(4, -1.0f);
+    expect_invalid([&] {
+      if (r == 0) comm.send(std::span<const float>(five), 1);
+      else comm.recv(std::span<float>(four), 0);
+    }, {"mismatched send/recv", "rank 0 called send(count=5, dtype=f32", "rank 1 called recv(count=4, dtype=f32"});
+    // Type mismatch, async on both sides.
+    std::vector<std::int32_t> ints(4, 7);
+    expect_invalid([&] {
+      if (r == 0) comm.send_async(std::span<const std::int32_t>(ints), 1).wait();
+      else comm.recv_async(std::span<float>(four), 0).wait();
+    }, {"mismatched send/recv", "send(count=4, dtype=i32", "recv(count=4, dtype=f32"});
+    // Still usable: the next message pairs up.
+    std::vector<std::int64_t> x(3, r == 0 ? 42 : 0);
+    if (r == 0) comm.send(std::span<const std::int64_t>(x), 1);
+    else comm.recv(std::span<std::int64_t>(x), 0);
+    CHECK(x[2] == 42);
+  }
+}
+
+// A dropped async send or recv completes before its handle is gone: the receiver's data is in
+// place and both buffers may be freed at once (ASan sees any late access).
+template <class B>
+void check_dropped_p2p_work(Collective<B>& comm, std::uint64_t seed, int rounds) {
+  const int N = comm.size(), r = comm.rank(), next = (r + 1) % N, prev = (r + N - 1) % N;
+  for (int k = 0; k < rounds; ++k) {
+    const std::size_t n = 500 + std::size_t(k) * 37;
+    auto out = std::make_unique<std::vector<float>>(message<float>(seed, r, next, k, n));
+    auto in = std::make_unique<std::vector<float>>(n, poison<float>());
+    {
+      auto ws = comm.send_async(std::span<const float>(*out), next);
+      auto wr = comm.recv_async(std::span<float>(*in), prev);
+    }  // both handles dropped
+    out.reset();
+    std::string first;
+    CHECK(wrong_message<float>(std::span<const float>(*in), seed, prev, r, k, first) == 0);
+    in.reset();
+  }
+}
+
 }  // namespace zp::test

@@ -12,6 +12,10 @@
 //    same counts and element types; a mismatch the backend can see is an Errc::invalid_argument
 //    on every rank, and a peer that never arrives is an Errc::timeout (or a job abort for mpi)
 //    after the backend's timeout, never a hang.
+//  - send/recv (point to point) are the exception: only the two ranks of a pair take part. A
+//    send to rank b is matched with b's recv from this rank, the k-th send from a to b with the
+//    k-th recv from a on b (MPI's non-overtaking order); the pair must agree on count and element
+//    type (else Errc::invalid_argument on both sides, naming both calls).
 #pragma once
 
 #include <array>
@@ -34,8 +38,9 @@ namespace zp {
 enum class ReduceOp : std::uint8_t { sum, avg, max, min };
 
 // Collective operations, for accounting and error messages.
-enum class CollOp : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier };
-inline constexpr std::size_t coll_op_count = 5;
+// send and recv are point to point (one peer), counted with the collectives.
+enum class CollOp : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv };
+inline constexpr std::size_t coll_op_count = 7;
 
 constexpr const char* name(ReduceOp op) noexcept {
   switch (op) {
@@ -53,6 +58,8 @@ constexpr const char* name(CollOp op) noexcept {
     case CollOp::all_gather: return "all_gather";
     case CollOp::broadcast: return "broadcast";
     case CollOp::barrier: return "barrier";
+    case CollOp::send: return "send";
+    case CollOp::recv: return "recv";
   }
   return "?";
 }
@@ -64,8 +71,9 @@ enum class MemorySpace : std::uint8_t { host, device };
 enum class Launch : std::uint8_t { blocking, async };
 
 // nccl-tests' bus-bandwidth factor: busbw = algbw * factor, comparable with link bandwidth for
-// any rank count (REFERENCE.md).
+// any rank count (REFERENCE.md). A send or recv moves its bytes over one link: factor 1.
 constexpr double bus_factor(CollOp op, int ranks) noexcept {
+  if (op == CollOp::send || op == CollOp::recv) return 1.0;
   if (ranks <= 1) return op == CollOp::broadcast ? 1.0 : 0.0;
   const double n = ranks;
   switch (op) {
@@ -74,6 +82,8 @@ constexpr double bus_factor(CollOp op, int ranks) noexcept {
     case CollOp::all_gather: return (n - 1.0) / n;
     case CollOp::broadcast: return 1.0;
     case CollOp::barrier: return 0.0;
+    case CollOp::send:
+    case CollOp::recv: return 1.0;
   }
   return 0.0;
 }
@@ -124,6 +134,26 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
                    "means input == output; they are ", std::intptr_t(d - s), " bytes apart)");
 }
 
+// check_call's counterpart for send and recv (op is CollOp::send or CollOp::recv): a known
+// element type, a size that does not wrap, no null buffer with a nonzero count, and a peer that
+// is another rank of the communicator. "" when well-formed, else what is wrong and its value.
+inline std::string check_p2p(CollOp op, const void* buf, std::size_t n, DType t, int peer, int rank,
+                             int ranks) {
+  const char* what = name(op);
+  if (std::uint8_t(t) > std::uint8_t(DType::f16))
+    return cat(what, ": element type DType(", int(t), ") is not one of f32, f64, i32, i64, bf16, f16");
+  if (peer < 0 || peer >= ranks)
+    return cat(what, ": peer ", peer, " is not a rank in [0, ", ranks, ")");
+  if (peer == rank)
+    return cat(what, ": peer ", peer, " is this rank; a rank cannot ", what,
+               op == CollOp::send ? " to itself" : " from itself");
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(n, size_of(t), &bytes))
+    return cat(what, ": count ", n, " of ", name(t), " overflows a 64-bit size");
+  if (!buf && n > 0) return cat(what, ": the buffer is null but count is ", n);
+  return {};
+}
+
 // Held while a rank issues a call, over a flag per rank: two threads calling as the same rank
 // at once would interleave that rank's operations (and, on threads, meet each other instead of
 // their peers), so the second one is an error instead.
@@ -172,11 +202,13 @@ concept Backend =
       { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
       { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
       { b.barrier(launch) } -> std::same_as<typename B::Work>;
+      { b.send(src, n, t, root, launch) } -> std::same_as<typename B::Work>;
+      { b.recv(dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
       { b.split(color, key) } -> std::same_as<B>;
     };
 
 // Per-operation counters. bytes follows nccl-tests' S (the full buffer: for reduce_scatter and
-// all_gather size() * shard); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
+// all_gather size() * shard; for send and recv the message); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
 // link. seconds is issue-to-completion as the caller observed it.
 struct OpStats {
   std::uint64_t calls = 0;
@@ -356,6 +388,48 @@ class Collective {
 
   void barrier() {
     blocking(CollOp::barrier, 0, [&] { return backend_.barrier(Launch::blocking); });
+  }
+
+  // --- send / recv: point to point, buf.size_bytes() over one link ------------------------
+  // send(buf, peer) is matched with peer's recv(buf', rank()), in order per (sender, receiver)
+  // pair; both must have the same count and element type. Only the two ranks take part. A
+  // blocking send returns once the peer's matching recv has the data (no buffering: two ranks
+  // that both send before they recv deadlock, up to the backend's timeout; use send_async).
+  // The async forms return at once; the buffer must stay untouched (send) or unread (recv)
+  // until the Work completes. Errors: a bad peer or buffer is an invalid_argument on this rank
+  // only; a count or type mismatch an invalid_argument on both ranks; a peer that never comes
+  // the backend's timeout.
+  template <Element T>
+  Work send_async(std::span<const T> buf, int peer) {
+    return issue(CollOp::send, buf.size_bytes(), [&] {
+      return backend_.send(buf.data(), buf.size(), dtype_of<T>, peer, Launch::async);
+    });
+  }
+  template <Element T>
+  Work send_async(std::span<T> buf, int peer) {
+    return send_async(std::span<const T>(buf), peer);
+  }
+  template <Element T>
+  void send(std::span<const T> buf, int peer) {
+    blocking(CollOp::send, buf.size_bytes(), [&] {
+      return backend_.send(buf.data(), buf.size(), dtype_of<T>, peer, Launch::blocking);
+    });
+  }
+  template <Element T>
+  void send(std::span<T> buf, int peer) {
+    send(std::span<const T>(buf), peer);
+  }
+  template <Element T>
+  Work recv_async(std::span<T> buf, int peer) {
+    return issue(CollOp::recv, buf.size_bytes(), [&] {
+      return backend_.recv(buf.data(), buf.size(), dtype_of<T>, peer, Launch::async);
+    });
+  }
+  template <Element T>
+  void recv(std::span<T> buf, int peer) {
+    blocking(CollOp::recv, buf.size_bytes(), [&] {
+      return backend_.recv(buf.data(), buf.size(), dtype_of<T>, peer, Launch::blocking);
+    });
   }
 
   // Sub-groups: ranks passing the same colour form a new communicator, ordered by (key, rank).

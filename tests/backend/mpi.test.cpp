@@ -269,6 +269,30 @@ TEST_CASE("mismatched calls are an error on every rank, and the communicator sta
   zp::test::check_every_operation<float>(comm, fresh_seed(comm), 33);
 }
 
+TEST_CASE("send and recv deliver every element type in order between the pairs that meet") {
+  auto comm = world();
+  zp::test::check_point_to_point(comm, fresh_seed(comm));
+  Mpi::Options opt;
+  opt.check_calls = false;  // only the data messages
+  auto unchecked = world(opt);
+  zp::test::check_point_to_point(unchecked, fresh_seed(comm));
+}
+
+TEST_CASE("send and recv mistakes are errors naming the values, on both sides of a mismatch") {
+  auto comm = world();
+  zp::test::check_point_to_point_errors(comm);
+  std::vector<char> big(16);
+  zp::test::expect_invalid([&] {
+    comm.backend().send(big.data(), std::size_t(INT_MAX) / 2 + 1, DType::f32, (comm.rank() + 1) % comm.size(), Launch::blocking);
+  }, {"exceeds MPI's limit of 2147483647 bytes per message"});
+  zp::test::check_point_to_point(comm, fresh_seed(comm));  // still usable, in step
+}
+
+TEST_CASE("a dropped async send or recv completes before its buffers can be freed") {
+  auto comm = world();
+  zp::test::check_dropped_p2p_work(comm, fresh_seed(comm), 20);
+}
+
 TEST_CASE("the environment provides the thread level the watchdog needs") {
   auto comm = world();
   int level = 0;

@@ -127,6 +127,29 @@ int device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+// Every rank sends to the next one and receives from the previous one (stream order: even
+// ranks send first, odd ranks receive first, so no send waits on a recv queued behind it).
+void check_device_p2p(Collective<Nccl>& comm, std::uint64_t seed) {
+  using namespace zp::test;
+  const int N = comm.size(), r = comm.rank(), next = (r + 1) % N, prev = (r + N - 1) % N;
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(4099)}) {
+    DeviceBuf<float> out(n), in(n);
+    out.put(message<float>(seed, r, next, 0, n));
+    auto send = [&] { comm.send(std::span<const float>(out.span()), next); };
+    auto recv = [&] { comm.recv(in.span(), prev); };
+    if (r % 2 == 0) {
+      send();
+      recv();
+    } else {
+      recv();
+      send();
+    }
+    std::string first;
+    const auto got = in.get();
+    CHECK(wrong_message<float>(std::span<const float>(got), seed, prev, r, 0, first) == 0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("every operation and element type on one GPU matches the reference") {
@@ -162,6 +185,9 @@ TEST_CASE("bad arguments are errors") {
   DeviceBuf<float> a(8);
   CHECK_THROWS_WITH_AS(comm.broadcast(a.span(), 1), doctest::Contains("root 1"), zp::Error);
   CHECK_THROWS_AS(Nccl::create_local({}), zp::Error);
+  // World size 1: the only rank is this one, so every send and recv has a bad peer.
+  zp::test::expect_invalid([&] { comm.send(std::span<const float>(a.span()), 0); }, {"send: peer 0 is this rank"});
+  zp::test::expect_invalid([&] { comm.recv(a.span(), 1); }, {"recv: peer 1 is not a rank in [0, 1)"});
 }
 
 TEST_CASE("several GPUs in one process, one thread per device") {
@@ -180,6 +206,7 @@ TEST_CASE("several GPUs in one process, one thread per device") {
       cudaSetDevice(backend.device());
       Collective<Nccl> comm{std::move(backend)};
       for (std::size_t n : {1, 7, 1000}) check_every_type(comm, seed, n);
+      check_device_p2p(comm, seed);
     });
   for (auto& t : threads) t.join();
 }

@@ -204,6 +204,14 @@ TEST_CASE("a timeout of milliseconds::max() means never, not an immediate timeou
     std::int64_t x = 1;
     comm.all_reduce(std::span<std::int64_t>(&x, 1));
     CHECK(x == 2);
+    // a message posted before its match waits with no deadline too
+    if (comm.rank() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      comm.send(std::span<const std::int64_t>(&x, 1), 1);
+    } else {
+      comm.recv(std::span<std::int64_t>(&x, 1), 0);
+      CHECK(x == 2);
+    }
   }, World::Options{std::chrono::milliseconds::max()});
 }
 
@@ -260,4 +268,113 @@ TEST_CASE("mismatched calls leave the communicator usable") {
     comm.all_reduce(std::span<float>(b));
     CHECK(b[3] == 3.0f);
   });
+}
+
+TEST_CASE("send and recv deliver every element type in order between the pairs that meet") {
+  for (int ranks : {2, 3, 4}) {
+    const auto seed = fresh_seed();
+    run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_point_to_point(comm, seed); });
+  }
+}
+
+TEST_CASE("send and recv mistakes are errors naming the values, on both sides of a mismatch") {
+  for (int ranks : {2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_point_to_point_errors(comm); });
+}
+
+TEST_CASE("a dropped async send or recv completes before its buffers can be freed") {
+  const auto seed = fresh_seed();
+  for (int ranks : {2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_dropped_p2p_work(comm, seed, 20); });
+}
+
+TEST_CASE("a pair exchanging messages does not wait for the ranks outside it") {
+  // Ranks 2 and 3 are busy elsewhere (here: asleep) while 0 and 1 exchange; a collective-style
+  // rendezvous of the whole world would make 0 and 1 wait for them.
+  run_threads(4, [&](Collective<Threads>& comm) {
+    const int r = comm.rank();
+    if (r >= 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < 20; ++k) {
+      std::int64_t x = r == 0 ? k : -1;
+      if (r == 0) comm.send(std::span<const std::int64_t>(&x, 1), 1);
+      else comm.recv(std::span<std::int64_t>(&x, 1), 0);
+      CHECK(x == k);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));
+  });
+}
+
+TEST_CASE("a blocking send completes when its recv is posted later") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    std::vector<float> a(1000, comm.rank() == 0 ? 3.0f : 0.0f);
+    if (comm.rank() == 0) {
+      comm.send(std::span<const float>(a), 1);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      comm.recv(std::span<float>(a), 0);
+      CHECK(a[999] == 3.0f);
+    }
+  });
+}
+
+TEST_CASE("a send or recv whose peer never comes times out naming the ranks, the operation and the call") {
+  SUBCASE("recv") {
+    auto world = World::create(2, {std::chrono::milliseconds(200)});
+    Threads idle(world, 0);  // a member that never sends
+    Collective<Threads> comm{Threads(world, 1)};
+    std::vector<float> a(3);
+    const auto t0 = std::chrono::steady_clock::now();
+    zp::test::expect_error(Errc::timeout, [&] { comm.recv(std::span<float>(a), 0); },
+                           {"rank 1 timed out after 200 ms in recv from rank 0 (call #1, message #1",
+                            "waiting for rank 0 to send it"});
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+    CHECK(world->poisoned());
+    // The communicator is poisoned now: the next call fails at once.
+    zp::test::expect_error(Errc::aborted, [&] { comm.recv(std::span<float>(a), 0); }, {"timed out"});
+  }
+  SUBCASE("async send") {
+    auto world = World::create(3, {std::chrono::milliseconds(200)});
+    Threads idle1(world, 1), idle2(world, 2);
+    Collective<Threads> comm{Threads(world, 0)};
+    std::vector<float> a(3);
+    auto w = comm.send_async(std::span<const float>(a), 2);
+    zp::test::expect_error(Errc::timeout, [&] { w.wait(); },
+                           {"rank 0 timed out after 200 ms in send to rank 2 (call #1, message #1 from rank 0 "
+                            "to rank 2)", "waiting for rank 2 to recv it"});
+  }
+}
+
+TEST_CASE("a rank that leaves or throws fails the send and recv waiting for it") {
+  SUBCASE("left") {
+    auto world = World::create(2);
+    Collective<Threads> comm{Threads(world, 0)};
+    std::vector<float> a(3);
+    std::thread gone([&] {
+      Threads t(world, 1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    });  // its backend goes while rank 0 waits
+    zp::test::expect_error(Errc::aborted, [&] { comm.recv(std::span<float>(a), 1); },
+                           {"rank 0 in recv from rank 1 (call #1)", "rank 1 left the communicator"});
+    gone.join();
+  }
+  SUBCASE("threw") {
+    std::atomic<int> aborted{0};
+    CHECK_THROWS_WITH_AS(run_threads(3, [&](Collective<Threads>& comm) {
+      std::vector<float> a(3);
+      if (comm.rank() == 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        throw std::runtime_error("rank 2 gave up");
+      }
+      try {
+        if (comm.rank() == 0) comm.send(std::span<const float>(a), 2);
+        else comm.recv_async(std::span<float>(a), 2).wait();
+      } catch (const zp::Error& e) {
+        aborted += e.category() == Errc::aborted && std::string(e.what()).find("rank 2 gave up") != std::string::npos;
+        throw;
+      }
+    }, World::Options{std::chrono::seconds(60)}), doctest::Contains("rank 2 gave up"), std::runtime_error);
+    CHECK(aborted == 2);
+  }
 }

@@ -33,6 +33,21 @@
 //    Exceptions every rank raises together (a detected mismatch) do not abort.
 //  - Every MPI call is checked (MPI_ERRORS_RETURN on zp's communicator): a failure throws
 //    zp::Error(Errc::mpi) with MPI_Error_string and the native code.
+//
+// send/recv: the data is one MPI_Send/MPI_Recv (blocking) or MPI_Isend/MPI_Irecv (async) on
+// zp's private communicator with a zp-private tag, so MPI's non-overtaking rule orders the
+// messages of each (sender, receiver) pair. With check_calls on, both sides also post, when
+// the call is issued, a 5-word signature (operation, count, element type, call number, message
+// number) to the other one, each on its own tag; neither waits for the other to act, so no
+// call order deadlocks that plain MPI would not. Each side compares the two signatures when
+// its call completes and both decide the same: a count or type mismatch is an
+// Errc::invalid_argument on the sender and the receiver, naming both calls, and the pair stays
+// usable (exactly one data message flows per send, so later messages still pair up; the
+// receive buffer's contents are unspecified after a mismatch). Cost: two small messages per
+// send/recv beside the data; with check_calls off only the data moves and a mismatch is MPI's
+// (a truncation error on the receiver, or nothing). The data moves as bytes, at most INT_MAX
+// per message. A blocking send returns when MPI_Send does (it may buffer small messages); a
+// peer that never comes is the watchdog's timeout like any other wait.
 // Counts are limited to INT_MAX elements per call (MPI's int counts).
 // One backend object is used by one thread at a time; different backends may be used by
 // different threads when MPI provides MPI_THREAD_MULTIPLE.
@@ -131,6 +146,7 @@ struct Blocked {
   DType dtype{};
   ReduceOp reduce{};
   bool has_reduce = false;
+  int peer = -1;  // send/recv: the one rank waited for
 };
 
 // One thread per process that aborts the job when a registered wait outlives its deadline.
@@ -183,8 +199,12 @@ class Watchdog {
             b->timeout_ms, " ms in ", b->what, " (call #", b->call, ", count=", b->count,
             ", dtype=", name(b->dtype));
         if (b->has_reduce) why += detail::cat(", op=", name(b->reduce));
-        why += ") waiting for the other ranks (one failed, left or skipped the call); aborting "
-               "the job";
+        if (b->peer >= 0)
+          why += detail::cat(", peer=", b->peer, ") waiting for rank ", b->peer,
+                             " (it failed, left or never issued the matching call); aborting the job");
+        else
+          why += ") waiting for the other ranks (one failed, left or skipped the call); aborting "
+                 "the job";
         abort_job(why);
       }
     }
@@ -241,7 +261,11 @@ inline MPI_Op mpi_op(ReduceOp op) {
 inline bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
 
 // Operation codes of the signature (CollOp values, plus split).
-inline constexpr std::int64_t split_code = 5;
+inline constexpr std::int64_t split_code = 100;
+
+// Tags of zp's point-to-point traffic (its communicator is private, so they only need to
+// differ from each other): the data, the sender's signature and the receiver's signature.
+inline constexpr int tag_data = 0x7a70, tag_send_signature = 0x7a71, tag_recv_signature = 0x7a72;
 
 inline const char* op_name(std::int64_t code) {
   return code == split_code ? "split" : name(CollOp(code));
@@ -268,6 +292,7 @@ struct Context {
   std::vector<float> scratch;  // 16-bit staging of blocking calls, reused
   std::atomic<bool> busy{false};  // a thread is issuing a call (detail::OneCaller)
   std::shared_ptr<Watchdog> watchdog;
+  std::vector<std::uint64_t> sent, received;  // messages posted to / from each peer
 
   ~Context() {
     int fin = 0;
@@ -321,6 +346,15 @@ struct Plan {
   Post post;
 };
 
+// One side of a send/recv's signature exchange: ours goes out, the peer's comes in.
+struct P2p {
+  static constexpr int fields = 5;  // op, count, dtype, call, message number
+  std::int64_t mine[fields]{}, theirs[fields]{};
+  MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  int peer = 0;
+  bool checked = false;  // check_calls: the signatures were exchanged
+};
+
 // An issued nonblocking operation.
 struct Pending {
   std::shared_ptr<Context> ctx;
@@ -328,7 +362,41 @@ struct Pending {
   Post post;
   std::vector<float> stage;
   Blocked info;
+  std::unique_ptr<P2p> p2p;  // send/recv only
 };
+
+// The verdict on a completed send/recv: the signatures first (a mismatch is the same error on
+// both sides, whatever MPI made of the data), then MPI's own result.
+inline void p2p_verdict(const Context& c, const P2p& p, int data_rc, int signature_rc) {
+  check(signature_rc, "MPI_Waitall (send/recv signatures)", c.rank);
+  if (p.checked) {
+    bool same = p.mine[1] == p.theirs[1] && p.mine[2] == p.theirs[2];
+    if (!same) {
+      const bool sending = p.mine[0] == std::int64_t(CollOp::send);
+      const std::int64_t* s = sending ? p.mine : p.theirs;
+      const std::int64_t* r = sending ? p.theirs : p.mine;
+      const int src = sending ? c.rank : p.peer, dst = sending ? p.peer : c.rank;
+      throw Error(Errc::invalid_argument,
+                  detail::cat("mpi backend: mismatched send/recv (message #", s[4], " from rank ", src,
+                              " to rank ", dst, "): rank ", src, " called send(count=", s[1], ", dtype=",
+                              name(DType(s[2])), ", peer=", dst, ") (call #", s[3], ") but rank ", dst,
+                              " called recv(count=", r[1], ", dtype=", name(DType(r[2])), ", peer=", src,
+                              ") (call #", r[3], "); the count and element type of a send and its recv "
+                              "must agree"));
+    }
+  }
+  check(data_rc, p.mine[0] == std::int64_t(CollOp::send) ? "MPI_Send/MPI_Isend" : "MPI_Recv/MPI_Irecv",
+        c.rank);
+}
+
+// MPI_Waitall / MPI_Testall's result split into the data request's and the signatures'.
+inline std::pair<int, int> split_rc(int rc, const MPI_Status* st, int n) {
+  if (rc != MPI_ERR_IN_STATUS) return {rc, rc};
+  int sig = MPI_SUCCESS;
+  for (int i = 1; i < n; ++i)
+    if (st[i].MPI_ERROR != MPI_SUCCESS) sig = st[i].MPI_ERROR;
+  return {st[0].MPI_ERROR, sig};
+}
 
 }  // namespace mpi_detail
 
@@ -359,6 +427,18 @@ class Mpi {
     void wait() {
       if (!p_) return;
       auto p = std::move(p_);
+      if (p->p2p) {
+        MPI_Request reqs[3] = {p->req, p->p2p->reqs[0], p->p2p->reqs[1]};
+        MPI_Status st[3];
+        int rc = MPI_SUCCESS;
+        {
+          mpi_detail::Guard g(p->ctx->watchdog.get(), p->info, p->ctx->opt.timeout);
+          rc = MPI_Waitall(3, reqs, st);
+        }
+        const auto [data_rc, sig_rc] = mpi_detail::split_rc(rc, st, 3);
+        mpi_detail::p2p_verdict(*p->ctx, *p->p2p, data_rc, sig_rc);
+        return;
+      }
       {
         mpi_detail::Guard g(p->ctx->watchdog.get(), p->info, p->ctx->opt.timeout);
         mpi_detail::check(MPI_Wait(&p->req, MPI_STATUS_IGNORE), "MPI_Wait", p->ctx->rank);
@@ -367,6 +447,26 @@ class Mpi {
     }
     bool test() {
       if (!p_) return true;
+      if (p_->p2p) {
+        MPI_Request reqs[3] = {p_->req, p_->p2p->reqs[0], p_->p2p->reqs[1]};
+        MPI_Status st[3];
+        int done = 0;
+        const int rc = MPI_Testall(3, reqs, &done, st);
+        if (!done) {
+          if (rc == MPI_SUCCESS) return false;  // nothing was completed or freed
+          // An error before every request finished: keep what MPI freed, wait for the rest
+          // (the buffers stay in use until then), and report.
+          p_->req = reqs[0];
+          p_->p2p->reqs[0] = reqs[1];
+          p_->p2p->reqs[1] = reqs[2];
+          wait();
+          return true;
+        }
+        auto p = std::move(p_);
+        const auto [data_rc, sig_rc] = mpi_detail::split_rc(rc, st, 3);
+        mpi_detail::p2p_verdict(*p->ctx, *p->p2p, data_rc, sig_rc);
+        return true;
+      }
       int done = 0;
       mpi_detail::check(MPI_Test(&p_->req, &done, MPI_STATUS_IGNORE), "MPI_Test", p_->ctx->rank);
       if (!done) return false;
@@ -434,6 +534,14 @@ class Mpi {
     return issue(CollOp::barrier, nullptr, nullptr, 0, DType::f32, ReduceOp::sum, 0, l);
   }
 
+  // Point to point (see the file comment): only this rank and `peer` take part.
+  Work send(const void* src, std::size_t n, DType t, int peer, Launch l) {
+    return issue_p2p(CollOp::send, const_cast<void*>(src), n, t, peer, l);
+  }
+  Work recv(void* dst, std::size_t n, DType t, int peer, Launch l) {
+    return issue_p2p(CollOp::recv, dst, n, t, peer, l);
+  }
+
   // MPI_Comm_split: ranks with the same colour form a group ordered by (key, rank).
   Mpi split(int color, int key) {
     auto& c = *ctx_;
@@ -466,6 +574,8 @@ class Mpi {
                       c->world_rank);
     mpi_detail::check(MPI_Comm_rank(comm, &c->rank), "MPI_Comm_rank", c->world_rank);
     mpi_detail::check(MPI_Comm_size(comm, &c->size), "MPI_Comm_size", c->world_rank);
+    c->sent.assign(std::size_t(c->size), 0);
+    c->received.assign(std::size_t(c->size), 0);
     if (opt.timeout.count() > 0) c->watchdog = mpi_detail::Watchdog::get();
     ctx_ = std::move(c);
     unwinding_ = std::uncaught_exceptions();
@@ -615,6 +725,8 @@ class Mpi {
       case CollOp::barrier:
         p.skip = c.opt.check_calls;  // the signature exchange already met every rank
         break;
+      case CollOp::send:
+      case CollOp::recv: break;  // issue_p2p's
     }
     return p;
   }
@@ -646,6 +758,8 @@ class Mpi {
         fn = "MPI_Barrier";
         rc = MPI_Barrier(c.comm);
         break;
+      case CollOp::send:
+      case CollOp::recv: break;  // issue_p2p's
     }
     mpi_detail::check(rc, fn, c.rank);
   }
@@ -678,6 +792,8 @@ class Mpi {
         fn = "MPI_Ibarrier";
         rc = MPI_Ibarrier(c.comm, req);
         break;
+      case CollOp::send:
+      case CollOp::recv: break;  // issue_p2p's
     }
     mpi_detail::check(rc, fn, c.rank);
   }
@@ -724,6 +840,65 @@ class Mpi {
     pending->post = p.post;
     pending->info = info;
     return Work(std::move(pending));
+  }
+
+  // A bad argument is an error on this rank alone (the pair has not met). The signatures are
+  // posted first and never waited for before the data is on its way, so neither side depends on
+  // the other's progress beyond what MPI_Send/MPI_Recv themselves need.
+  Work issue_p2p(CollOp op, void* buf, std::size_t n, DType t, int peer, Launch l) {
+    auto& c = *ctx_;
+    const detail::OneCaller busy(c.busy, "mpi", zp::name(op), c.rank);
+    ++c.calls;
+    std::string bad = detail::check_p2p(op, buf, n, t, peer, c.rank, c.size);
+    if (bad.empty() && n * size_of(t) > std::size_t(INT_MAX))
+      bad = detail::cat(zp::name(op), ": message of ", n * size_of(t), " bytes exceeds MPI's limit of ",
+                        INT_MAX, " bytes per message; split the buffer");
+    if (!bad.empty()) throw Error(Errc::invalid_argument, "mpi backend: " + bad);
+    const bool sending = op == CollOp::send;
+    const int bytes = int(n * size_of(t));
+    auto pending = std::make_unique<mpi_detail::Pending>();
+    pending->ctx = ctx_;
+    pending->info = blocked(zp::name(op), n, t, ReduceOp::sum, false);
+    pending->info.peer = peer;
+    pending->p2p = std::make_unique<mpi_detail::P2p>();
+    auto& x = *pending->p2p;
+    x.peer = peer;
+    x.mine[0] = std::int64_t(op);
+    x.mine[1] = std::int64_t(n);
+    x.mine[2] = std::int64_t(t);
+    x.mine[3] = std::int64_t(c.calls);
+    x.mine[4] = std::int64_t(sending ? ++c.sent[std::size_t(peer)] : ++c.received[std::size_t(peer)]);
+    if (c.opt.check_calls) {
+      x.checked = true;
+      // Our signature travels with our direction's tag, the peer's comes on the other one.
+      const int out_tag = sending ? mpi_detail::tag_send_signature : mpi_detail::tag_recv_signature;
+      const int in_tag = sending ? mpi_detail::tag_recv_signature : mpi_detail::tag_send_signature;
+      mpi_detail::check(MPI_Isend(x.mine, x.fields, MPI_INT64_T, peer, out_tag, c.comm, &x.reqs[0]),
+                        "MPI_Isend (send/recv signature)", c.rank);
+      mpi_detail::check(MPI_Irecv(x.theirs, x.fields, MPI_INT64_T, peer, in_tag, c.comm, &x.reqs[1]),
+                        "MPI_Irecv (send/recv signature)", c.rank);
+    }
+    if (l == Launch::async) {
+      const int rc = sending ? MPI_Isend(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req)
+                             : MPI_Irecv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req);
+      if (rc != MPI_SUCCESS) {
+        Work w(std::move(pending));  // completes the posted signatures before throwing
+        mpi_detail::check(rc, sending ? "MPI_Isend" : "MPI_Irecv", c.rank);
+      }
+      return Work(std::move(pending));
+    }
+    int data_rc = MPI_SUCCESS, rc = MPI_SUCCESS;
+    MPI_Status st[2];
+    {
+      mpi_detail::Guard g(c.watchdog.get(), pending->info, c.opt.timeout);
+      data_rc = sending ? MPI_Send(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm)
+                        : MPI_Recv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, MPI_STATUS_IGNORE);
+      rc = MPI_Waitall(2, x.reqs, st);
+    }
+    int sig_rc = rc;
+    if (rc == MPI_ERR_IN_STATUS) sig_rc = st[0].MPI_ERROR != MPI_SUCCESS ? st[0].MPI_ERROR : st[1].MPI_ERROR;
+    mpi_detail::p2p_verdict(c, x, data_rc, sig_rc);
+    return Work{};
   }
 
   std::shared_ptr<mpi_detail::Context> ctx_;

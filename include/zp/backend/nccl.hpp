@@ -25,6 +25,13 @@
 // reduce_scatter and all_gather are in place when the buffers follow the ZeRO layout (NCCL's
 // own in-place convention). barrier is a one-element all_reduce on a device scratch word.
 // Every CUDA and NCCL call is checked (Errc::cuda / Errc::nccl with the native code).
+//
+// send/recv are ncclSend/ncclRecv on stream(), each its own NCCL operation, so they run in
+// stream order with everything else: two ranks that exchange must issue them in compatible
+// orders (e.g. the lower rank sends first, the higher one receives first), since a send may not
+// complete until its recv runs. NCCL cannot see a count or type mismatch between a send and its
+// recv (it is undefined behaviour there, usually a hang that ends in the timeout); bad peers
+// and buffers are checked here (detail::check_p2p) on the calling rank.
 #pragma once
 
 #if !defined(__has_include)
@@ -293,6 +300,11 @@ class Nccl {
     if (!bad.empty()) throw Error(Errc::invalid_argument, "nccl backend: " + bad);
   }
 
+  void check_p2p(CollOp op, const void* buf, std::size_t n, DType t, int peer) const {
+    const std::string bad = detail::check_p2p(op, buf, n, t, peer, rank(), size());
+    if (!bad.empty()) throw Error(Errc::invalid_argument, "nccl backend: " + bad);
+  }
+
   int rank() const { return ctx_->rank; }
   int size() const { return ctx_->size; }
   int device() const { return ctx_->device; }
@@ -333,6 +345,20 @@ class Nccl {
     }
     return enqueue("barrier", l, [&](ncclComm_t cm, cudaStream_t s) {
       return ncclAllReduce(c.scratch, c.scratch, 1, ncclInt32, ncclSum, cm, s);
+    });
+  }
+
+  // Point to point on stream() (see the file comment).
+  Work send(const void* src, std::size_t n, DType t, int peer, Launch l) {
+    check_p2p(CollOp::send, src, n, t, peer);
+    return enqueue("send", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclSend(src, n, nccl_detail::nccl_type(t), peer, c, s);
+    });
+  }
+  Work recv(void* dst, std::size_t n, DType t, int peer, Launch l) {
+    check_p2p(CollOp::recv, dst, n, t, peer);
+    return enqueue("recv", l, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclRecv(dst, n, nccl_detail::nccl_type(t), peer, c, s);
     });
   }
 

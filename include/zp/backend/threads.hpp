@@ -19,6 +19,21 @@
 // another still reads or writes its buffers. Each rank of a World has at most one backend, and
 // its calls come from one thread at a time; a second backend for the same rank, or two threads
 // calling as one rank at once, is an error.
+//
+// send/recv: only the pair meets, never the world. Every ordered pair (src, dst) has a channel
+// holding the sends and the recvs posted but not yet matched, with a message counter per side;
+// the k-th send posted by src to dst meets the k-th recv posted by dst from src (MPI's
+// non-overtaking order). Whichever of the two is posted second copies the data from the sender's
+// buffer into the receiver's (under the channel's lock, so a message is either untouched or
+// complete) and completes both handles; a count or type mismatch completes both with an
+// invalid_argument naming both calls instead, copying nothing. Posting never blocks: an async
+// send or recv is posted, in issue order, by the rank's progress thread, and a blocking one by
+// the caller, which then waits for its match. So two ranks that both send_async before they
+// recv do not deadlock; two blocking sends to each other do (there is no buffering), until the
+// timeout. Waiting for the match takes at most Options::timeout from posting; then the message
+// is withdrawn, the communicator poisoned, and the waiter throws Errc::timeout naming both
+// ranks, the operation, the call and the message number. Poisoning (a rank that throws or
+// leaves) withdraws every unmatched message and completes it with Errc::aborted.
 #pragma once
 
 #include <algorithm>
@@ -46,6 +61,7 @@
 namespace zp::backend {
 
 class Threads;
+class World;
 
 namespace threads_detail {
 
@@ -71,6 +87,51 @@ struct Call {
     return detail::cat("called ", name(op), "(count=", count, ", dtype=", name(dtype),
                        ", op=", name(reduce), ", root=", root, ")");
   }
+};
+
+// The completion of one operation, shared by its Work handle and whoever completes it (the
+// progress thread for collectives, the matching peer for send/recv).
+struct WorkState {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::atomic<bool> ready{false};  // done, readable without the lock (for a spinning waiter)
+  bool spin = false;               // send/recv with a core to spare: spin briefly before sleeping
+  // send/recv only, set when the message is posted unmatched: when the waiter gives up, and
+  // the world whose channel to withdraw the message from (weak: a channel's entries hold their
+  // states, so a strong pointer would be a cycle).
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  std::weak_ptr<World> world;
+  bool is_send = false;
+  int src = 0, dst = 0;
+
+  void complete(std::exception_ptr e) {
+    std::lock_guard lk(m);
+    error = std::move(e);
+    done = true;
+    ready.store(true, std::memory_order_release);
+    cv.notify_all();
+  }
+};
+
+// A send or recv posted on a channel and not yet matched.
+struct Message {
+  const void* src = nullptr;  // send: the data
+  void* dst = nullptr;        // recv: where it goes
+  std::size_t count = 0;
+  DType dtype{};
+  std::uint64_t call = 0;  // the poster's operation number (call #)
+  std::uint64_t seq = 0;   // its number on the channel, from 1 (message #)
+  std::shared_ptr<WorkState> state;
+};
+
+// The messages from one rank to another. Only one of the queues is ever non-empty: a post
+// that finds the other side waiting matches it instead of queueing.
+struct Channel {
+  std::mutex m;
+  std::deque<Message> sends, recvs;
+  std::uint64_t sent = 0, received = 0;  // posted so far, per side
 };
 
 inline void cpu_relax() {
@@ -104,15 +165,30 @@ class World {
   bool poisoned() const { return poisoned_.load(std::memory_order_acquire); }
 
   // Marks the communicator failed; the first reason wins and is what every rank reports.
+  // Unmatched sends and recvs are withdrawn and fail with Errc::aborted.
   void poison(const std::string& why) {
+    bool first = false;
     {
       std::lock_guard lk(m_);
       if (!poisoned_.load(std::memory_order_relaxed)) {
         reason_ = why;
         poisoned_.store(true, std::memory_order_release);
+        first = true;
       }
     }
     cv_.notify_all();
+    if (!first) return;
+    // After the flag: a post checks it under its channel's lock, so every message is either
+    // refused there or still queued when the channel is swept here.
+    for (std::size_t i = 0; i < std::size_t(n_) * std::size_t(n_); ++i) {
+      const int src = int(i / std::size_t(n_)), dst = int(i % std::size_t(n_));
+      std::lock_guard lk(channels_[i].m);
+      for (auto* q : {&channels_[i].sends, &channels_[i].recvs}) {
+        const bool sends = q == &channels_[i].sends;
+        for (auto& msg : *q) msg.state->complete(p2p_aborted(sends, src, dst, msg.call, why));
+        q->clear();
+      }
+    }
   }
   std::string reason() const {
     std::lock_guard lk(m_);
@@ -128,7 +204,8 @@ class World {
         seqs_(std::size_t(n), 0),
         split_(std::size_t(n)),
         owned_(std::size_t(n), false),
-        busy_(new std::atomic<bool>[std::size_t(n)]) {
+        busy_(new std::atomic<bool>[std::size_t(n)]),
+        channels_(new threads_detail::Channel[std::size_t(n) * std::size_t(n)]) {
     for (int r = 0; r < n; ++r) busy_[std::size_t(r)].store(false, std::memory_order_relaxed);
   }
 
@@ -144,6 +221,96 @@ class World {
   // Held while a rank issues a call (see detail::OneCaller).
   detail::OneCaller busy(int rank, const char* what) {
     return detail::OneCaller(busy_[std::size_t(rank)], "threads", what, rank);
+  }
+
+  threads_detail::Channel& channel(int src, int dst) { return channels_[std::size_t(src) * std::size_t(n_) + std::size_t(dst)]; }
+
+  std::exception_ptr p2p_aborted(bool is_send, int src, int dst, std::uint64_t call,
+                                 const std::string& why) const {
+    return std::make_exception_ptr(Error(
+        Errc::aborted, is_send ? detail::cat("threads backend: rank ", src, " in send to rank ", dst,
+                                             " (call #", call, "): the communicator was poisoned: ", why)
+                               : detail::cat("threads backend: rank ", dst, " in recv from rank ", src,
+                                             " (call #", call, "): the communicator was poisoned: ", why)));
+  }
+
+  // Posts rank `rank`'s send (to `peer`) or recv (from `peer`) on their channel: it meets the
+  // other side's oldest unmatched message, copying and completing both, or waits in the queue
+  // for it. Never blocks beyond the channel's lock; the result arrives in `state`.
+  static void post(const std::shared_ptr<World>& self, int rank, bool is_send, int peer,
+                   threads_detail::Message mine) {
+    World& w = *self;
+    const int src = is_send ? rank : peer, dst = is_send ? peer : rank;
+    mine.call = ++w.seqs_[std::size_t(rank)];
+    threads_detail::Channel& ch = w.channel(src, dst);
+    std::unique_lock lk(ch.m);
+    if (w.poisoned()) {
+      mine.state->complete(w.p2p_aborted(is_send, src, dst, mine.call, w.reason()));
+      return;
+    }
+    mine.seq = is_send ? ++ch.sent : ++ch.received;
+    auto& theirs = is_send ? ch.recvs : ch.sends;
+    if (theirs.empty()) {
+      {
+        std::lock_guard slk(mine.state->m);
+        mine.state->deadline = detail::deadline_after(w.opt_.timeout);
+        mine.state->world = self;
+        mine.state->is_send = is_send;
+        mine.state->src = src;
+        mine.state->dst = dst;
+      }
+      mine.state->cv.notify_all();  // a waiter that found no deadline yet takes this one
+      (is_send ? ch.sends : ch.recvs).push_back(std::move(mine));
+      return;
+    }
+    threads_detail::Message other = std::move(theirs.front());
+    theirs.pop_front();
+    const auto& s = is_send ? mine : other;
+    const auto& r = is_send ? other : mine;
+    if (s.count != r.count || s.dtype != r.dtype) {
+      const std::string why = detail::cat(
+          "threads backend: mismatched send/recv (message #", s.seq, " from rank ", src, " to rank ",
+          dst, "): rank ", src, " called send(count=", s.count, ", dtype=", name(s.dtype), ", peer=", dst,
+          ") (call #", s.call, ") but rank ", dst, " called recv(count=", r.count, ", dtype=",
+          name(r.dtype), ", peer=", src, ") (call #", r.call, "); the count and element type of a "
+          "send and its recv must agree");
+      // One exception object per side, each made before it is published: a temporary Error
+      // still alive after complete() would share its message buffer (libstdc++'s
+      // reference-counted runtime_error string) with the waiter's copy across threads.
+      auto to_sender = std::make_exception_ptr(Error(Errc::invalid_argument, why));
+      auto to_receiver = std::make_exception_ptr(Error(Errc::invalid_argument, why));
+      s.state->complete(std::move(to_sender));
+      r.state->complete(std::move(to_receiver));
+      return;
+    }
+    if (s.count) std::memcpy(r.dst, s.src, s.count * size_of(s.dtype));
+    s.state->complete(nullptr);
+    r.state->complete(nullptr);
+  }
+
+  // The waiter of an unmatched message gave up: withdraws it (unless it was matched meanwhile),
+  // fails it with Errc::timeout and poisons the communicator.
+  void expire(threads_detail::WorkState* st) {
+    threads_detail::Channel& ch = channel(st->src, st->dst);
+    std::string why;
+    {
+      std::lock_guard lk(ch.m);
+      auto& q = st->is_send ? ch.sends : ch.recvs;
+      auto it = std::find_if(q.begin(), q.end(), [&](const auto& m) { return m.state.get() == st; });
+      if (it == q.end()) return;  // matched (or swept) under this lock: the state is complete
+      why = st->is_send
+                ? detail::cat("rank ", st->src, " timed out after ", opt_.timeout.count(), " ms in send to rank ",
+                              st->dst, " (call #", it->call, ", message #", it->seq, " from rank ", st->src,
+                              " to rank ", st->dst, ") waiting for rank ", st->dst, " to recv it")
+                : detail::cat("rank ", st->dst, " timed out after ", opt_.timeout.count(), " ms in recv from rank ",
+                              st->src, " (call #", it->call, ", message #", it->seq, " from rank ", st->src,
+                              " to rank ", st->dst, ") waiting for rank ", st->src, " to send it");
+      const auto state = it->state;
+      q.erase(it);
+      auto e = std::make_exception_ptr(Error(Errc::timeout, "threads backend: " + why));  // see post()
+      state->complete(std::move(e));
+    }
+    poison(why);
   }
 
   [[noreturn]] void throw_poisoned(int rank, const threads_detail::Call& c) const {
@@ -233,6 +400,7 @@ class World {
   std::vector<std::shared_ptr<World>> split_;  // split results, by the group's first rank
   std::vector<bool> owned_;                    // ranks that have a backend (guarded by m_)
   std::unique_ptr<std::atomic<bool>[]> busy_;  // ranks inside a call (see busy())
+  std::unique_ptr<threads_detail::Channel[]> channels_;  // send/recv, slot src * n + dst
 };
 
 template <class F>
@@ -265,9 +433,24 @@ class Threads {
       if (!state_) return;
       const auto s = std::move(state_);
       std::exception_ptr error;
+      // A message's peer is often microseconds away: a short spin saves a sleep and wake-up.
+      for (int i = 0; s->spin && i < 4000 && !s->ready.load(std::memory_order_acquire); ++i)
+        threads_detail::cpu_relax();
       {
         std::unique_lock lk(s->m);
-        s->cv.wait(lk, [&] { return s->done; });
+        while (!s->done) {
+          // Collectives time out inside their rendezvous; an unmatched send or recv has only
+          // its waiter to notice that the peer never came (its deadline is set when posted).
+          if (s->deadline == std::chrono::steady_clock::time_point::max()) {
+            s->cv.wait(lk);
+          } else if (s->cv.wait_until(lk, s->deadline) == std::cv_status::timeout && !s->done) {
+            const auto world = s->world.lock();
+            lk.unlock();
+            if (world) world->expire(s.get());
+            lk.lock();
+            if (!world) s->cv.wait(lk, [&] { return s->done; });
+          }
+        }
         // Moved out, so the exception is released by this thread alone, never concurrently by
         // the progress thread dropping its job.
         error = std::move(s->error);
@@ -292,12 +475,7 @@ class Threads {
       } catch (...) {
       }
     }
-    struct State {
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-      std::exception_ptr error;
-    };
+    using State = threads_detail::WorkState;
     explicit Work(std::shared_ptr<State> s) : state_(std::move(s)) {}
     std::shared_ptr<State> state_;
   };
@@ -340,6 +518,22 @@ class Threads {
     return submit(c, l);
   }
   Work barrier(Launch l) { return submit({CollOp::barrier}, l); }
+
+  // Point to point (see the file comment): only this rank and `peer` take part.
+  Work send(const void* src, std::size_t n, DType t, int peer, Launch l) {
+    threads_detail::Message m;
+    m.src = src;
+    m.count = n;
+    m.dtype = t;
+    return submit_p2p(CollOp::send, std::move(m), peer, l);
+  }
+  Work recv(void* dst, std::size_t n, DType t, int peer, Launch l) {
+    threads_detail::Message m;
+    m.dst = dst;
+    m.count = n;
+    m.dtype = t;
+    return submit_p2p(CollOp::recv, std::move(m), peer, l);
+  }
 
   Threads split(int color, int key) {
     const auto busy = world_->busy(rank_, "split");
@@ -477,6 +671,39 @@ class Threads {
     return Work(std::move(state));
   }
 
+  // A bad argument is an error here, on this rank alone (its peer, if any, is not involved
+  // yet). Otherwise the message is posted, by the caller after the earlier async operations
+  // (blocking) or by the progress thread in issue order (async); posting never waits, so the
+  // progress thread moves on to the next operation while the message waits for its match.
+  Work submit_p2p(CollOp op, threads_detail::Message m, int peer, Launch l) {
+    const auto busy = world_->busy(rank_, zp::name(op));
+    const bool is_send = op == CollOp::send;
+    const std::string bad = detail::check_p2p(op, is_send ? m.src : m.dst, m.count, m.dtype, peer, rank_, size());
+    if (!bad.empty()) throw Error(Errc::invalid_argument, "threads backend: " + bad);
+    auto state = std::make_shared<threads_detail::WorkState>();
+    state->spin = std::thread::hardware_concurrency() >= 2;
+    m.state = state;
+    if (l == Launch::blocking) {
+      drain();
+      World::post(world_, rank_, is_send, peer, std::move(m));
+      Work(std::move(state)).wait();
+      return Work{};
+    }
+    if (!progress_) {
+      progress_ = std::make_unique<Progress>();
+      progress_->thread = std::thread([p = progress_.get()] { p->loop(); });
+    }
+    {
+      std::lock_guard lk(progress_->m);
+      ++progress_->pending;
+      progress_->queue.push_back([w = world_, r = rank_, is_send, peer, m = std::move(m)]() mutable {
+        World::post(w, r, is_send, peer, std::move(m));
+      });
+    }
+    progress_->cv.notify_all();
+    return Work(std::move(state));
+  }
+
   // Publishes this rank's call, meets the others, checks that all calls agree, runs body, and
   // meets again so no rank's buffers are released while another still reads or writes them.
   // Static, over (world, rank), because async jobs outlive moves of the backend object.
@@ -526,7 +753,9 @@ class Threads {
           case CollOp::reduce_scatter: reduce_scatter_shard<T>(calls, c, rank, n); break;
           case CollOp::all_gather: all_gather_into<T>(calls, c, n); break;
           case CollOp::broadcast: broadcast_into<T>(calls, c); break;
-          case CollOp::barrier: break;
+          case CollOp::barrier:
+          case CollOp::send:
+          case CollOp::recv: break;
         }
       });
     });

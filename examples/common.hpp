@@ -1,0 +1,169 @@
+// examples/common.hpp: what the example trainers (zp_demo, zp_gpt) share: the training text as
+// character ids, the command-line flags of the training loop with their checks, and launching
+// the ranks on the chosen backend.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "zp/backend/threads.hpp"
+#include "zp/error.hpp"
+#if ZP_DEMO_MPI
+#include "zp/backend/mpi.hpp"
+#endif
+
+namespace examples {
+
+// ---- data -----------------------------------------------------------------------------------
+
+// The training text as ids, one per byte; ids are numbered in order of first appearance.
+struct Corpus {
+  std::vector<int> ids;
+  std::vector<char> chars;  // id -> character
+};
+
+// The files concatenated, each followed by a newline.
+inline Corpus load_corpus(const std::vector<std::string>& paths) {
+  std::string text;
+  for (const auto& p : paths) {
+    std::ifstream f(p, std::ios::binary);
+    if (!f) throw zp::Error(zp::Errc::io, "cannot read text file '" + p + "'");
+    text.append(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    text.push_back('\n');
+  }
+  int map[256];
+  std::fill(std::begin(map), std::end(map), -1);
+  Corpus c;
+  for (unsigned char ch : text) {
+    if (map[ch] < 0) {
+      map[ch] = int(c.chars.size());
+      c.chars.push_back(char(ch));
+    }
+    c.ids.push_back(map[ch]);
+  }
+  return c;
+}
+
+// ---- command line ---------------------------------------------------------------------------
+
+// The program's name and usage text, which every command-line error prints.
+struct Program {
+  const char* name;
+  const char* usage;
+};
+
+[[noreturn]] inline void bad(const Program& p, const std::string& msg) {
+  std::fprintf(stderr, "%s: %s\n\n%s", p.name, msg.c_str(), p.usage);
+  std::exit(2);
+}
+
+inline int to_int(const Program& p, const std::string& flag, const std::string& v, int lo, int hi) {
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < lo || x > hi)
+    bad(p, flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+  return int(x);
+}
+
+// The flags of the training loop; a program sets its own defaults before parsing.
+struct TrainFlags {
+  int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
+  std::string backend = "threads", precision = "bf16";
+  float lr = 3e-3f;
+  std::vector<std::string> text;
+};
+
+// Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
+// --micro-batch, --log-every, --backend, --precision, --lr, --text); false if it is not.
+inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a, const std::string& v) {
+  if (a == "--stage") o.stage = to_int(p, a, v, 0, 3);
+  else if (a == "--ranks") o.ranks = to_int(p, a, v, 1, 256);
+  else if (a == "--accum") o.accum = to_int(p, a, v, 1, 1024);
+  else if (a == "--steps") o.steps = to_int(p, a, v, 1, 10000000);
+  else if (a == "--micro-batch") o.micro_batch = to_int(p, a, v, 1, 65536);
+  else if (a == "--log-every") o.log_every = to_int(p, a, v, 1, 10000000);
+  else if (a == "--backend") {
+    if (v != "threads" && v != "mpi") bad(p, "--backend expects threads or mpi, got '" + v + "'");
+    o.backend = v;
+  } else if (a == "--precision") {
+    if (v != "fp32" && v != "bf16" && v != "fp16") bad(p, "--precision expects fp32, bf16 or fp16, got '" + v + "'");
+    o.precision = v;
+  } else if (a == "--lr") {
+    char* end = nullptr;
+    o.lr = std::strtof(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f) bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
+  } else if (a == "--text") {
+    o.text.push_back(v);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Without --text: every file of /usr/share/common-licenses (every Debian machine has them), sorted.
+inline void default_text(const Program& p, std::vector<std::string>& text) {
+  if (!text.empty()) return;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/usr/share/common-licenses", ec))
+    if (e.is_regular_file()) text.push_back(e.path().string());
+  std::sort(text.begin(), text.end());
+  if (text.empty()) bad(p, "no --text given and /usr/share/common-licenses has no files");
+}
+
+inline double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
+
+// The training text, or the exit status 1 with the error printed.
+inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::string>& paths, std::size_t at_least) {
+  Corpus c;
+  try {
+    c = load_corpus(paths);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", p.name, e.what());
+    std::exit(1);
+  }
+  if (c.ids.size() < at_least)
+    bad(p, "the training text is too short (" + std::to_string(c.ids.size()) + " characters, at least " +
+               std::to_string(at_least) + " needed)");
+  return c;
+}
+
+// ---- launching ------------------------------------------------------------------------------
+
+// Runs train(comm) on every rank: one MPI process per rank (backend "mpi", under mpirun) or
+// `ranks` threads. Returns the exit status; errors are printed, on MPI by each rank before its
+// exception leaves the communicator (that aborts the job, and the abort cannot see the text).
+template <class Train>
+int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks, Train&& train) {
+  try {
+    if (backend == "mpi") {
+#if ZP_DEMO_MPI
+      zp::backend::MpiEnvironment env(&argc, &argv);
+      zp::Collective<zp::backend::Mpi> comm(env.world());
+      try {
+        train(comm);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s: rank %d: %s\n", p.name, comm.rank(), e.what());
+        throw;
+      }
+#else
+      (void)argc, (void)argv;
+      bad(p, std::string("this ") + p.name + " was built without MPI (zp::mpi was not found at configure time)");
+#endif
+    } else {
+      zp::backend::run_threads(ranks, [&](zp::Collective<zp::backend::Threads>& comm) { train(comm); });
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", p.name, e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace examples

@@ -1,0 +1,236 @@
+// examples/gpt.hpp: the transformer's hand-written backward against finite differences, its
+// causal mask, and the loss of an untrained model.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gpt.hpp"
+#include "random.hpp"
+#include "zp/dtype.hpp"
+
+namespace {
+
+// vocab 11, d 8, 2 heads, 2 layers, context 5; batch 2.
+const gpt::Config tiny{.vocab = 11, .context = 5, .d_model = 8, .heads = 2, .layers = 2};
+constexpr int tiny_batch = 2;
+
+// One fresh seed per run, printed once; each test derives its own from it.
+std::uint64_t seed_for(std::uint64_t test) {
+  static const std::uint64_t run = [] {
+    const std::uint64_t s = zp::test::fresh_seed();
+    std::printf("gpt.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", (unsigned long long)s,
+                (unsigned long long)s);
+    return s;
+  }();
+  return zp::test::mix(run + test);
+}
+
+template <class F>
+void random_tokens(gpt::Activations<F>& a, int vocab, std::uint64_t seed) {
+  for (std::size_t i = 0; i < a.tokens.size(); ++i) {
+    a.tokens[i] = int(zp::test::mix(seed + 2 * i) % std::uint64_t(vocab));
+    a.targets[i] = int(zp::test::mix(seed + 2 * i + 1) % std::uint64_t(vocab));
+  }
+}
+
+// Each parameter's value and gradient storage, for a model used without zp.
+template <class T>
+struct Storage {
+  std::vector<std::string> names;
+  std::vector<zp::View<T>*> values, grads;
+  std::vector<std::vector<T>> grad_mem;
+};
+template <class T, class F>
+Storage<T> bind(gpt::Model<T, F>& m) {
+  Storage<T> s;
+  zp::visit_parameters<T>(m, [&](std::string_view name, int, zp::View<T>& v, zp::View<T>& g) {
+    s.names.emplace_back(name);
+    s.values.push_back(&v);
+    s.grads.push_back(&g);
+    s.grad_mem.emplace_back(v.size(), T(0));
+  });
+  for (std::size_t k = 0; k < s.grads.size(); ++k) s.grads[k]->rebind(s.grad_mem[k].data());
+  return s;
+}
+
+template <class T, class F>
+F forward_loss(gpt::Model<T, F>& m, gpt::Activations<F>& a, int from = 0) {
+  for (int k = from; k < m.modules(); ++k) m.forward(k, a);
+  return m.loss(a, 1.0f);
+}
+template <class T, class F>
+void backward_all(gpt::Model<T, F>& m, gpt::Activations<F>& a) {
+  for (int k = m.modules() - 1; k >= 0; --k) m.backward(k, a);
+}
+
+// Which elements of an n-element tensor to check: all of them up to 200, else 200 at random.
+std::vector<std::size_t> pick(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> idx;
+  if (n <= 200) {
+    for (std::size_t i = 0; i < n; ++i) idx.push_back(i);
+  } else {
+    for (std::size_t i = 0; i < 200; ++i) idx.push_back(zp::test::mix(seed + i) % n);
+  }
+  return idx;
+}
+
+// Central differences in double: truncation error ~ h^2 |f'''| ~ 1e-10 and rounding
+// ~ eps |loss| / h ~ 1e-11 for h = 1e-5, so a correct backward agrees to about 1e-9 absolute;
+// 1e-6 relative (with a 1e-9 absolute floor for gradients that are nearly 0) leaves margin and
+// still catches any wrong term, which is off by far more than that.
+constexpr double fd_h = 1e-5, fd_rel = 1e-6, fd_abs = 1e-9;
+
+bool close(double analytic, double numeric) {
+  return std::abs(analytic - numeric) <= fd_rel * std::max(std::abs(analytic), std::abs(numeric)) + fd_abs;
+}
+
+}  // namespace
+
+TEST_CASE("the transformer's backward matches float64 central differences for every parameter and the input") {
+  const std::uint64_t seed = seed_for(1);
+  gpt::Model<double, double> m(tiny, seed);
+  Storage<double> s = bind(m);
+  // Weights far from GPT-2's small initialisation, so attention is not uniform and every
+  // nonlinearity works away from its linear regime.
+  for (std::size_t k = 0; k < s.values.size(); ++k) {
+    const bool gain = s.names[k].find("ln_") != std::string::npos && s.names[k].ends_with(".weight");
+    for (std::size_t i = 0; i < s.values[k]->size(); ++i)
+      (*s.values[k])[i] = (gain ? 1.0 : 0.0) + 0.5 * zp::test::hash_uniform(seed + 1000 + k, i);
+  }
+  gpt::Activations<double> a(tiny, tiny_batch);
+  random_tokens(a, tiny.vocab, seed);
+  const double loss = forward_loss(m, a);
+  INFO("loss ", loss);
+  backward_all(m, a);
+  const std::vector<double> dx0 = a.dx[0];
+
+  SUBCASE("every parameter") {
+    std::size_t checked = 0, bad = 0;
+    double worst = 0;  // largest |error| / (|gradient| + fd_abs / fd_rel), for the log
+    for (std::size_t k = 0; k < s.values.size(); ++k) {
+      zp::View<double>& v = *s.values[k];
+      for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(std::isfinite((*s.grads[k])[i]));
+      for (std::size_t i : pick(v.size(), seed + 7 * k)) {
+        const double keep = v[i];
+        v[i] = keep + fd_h;
+        const double up = forward_loss(m, a);
+        v[i] = keep - fd_h;
+        const double down = forward_loss(m, a);
+        v[i] = keep;
+        const double numeric = (up - down) / (2 * fd_h), analytic = (*s.grads[k])[i];
+        ++checked;
+        worst = std::max(worst, std::abs(analytic - numeric) / (std::abs(numeric) + fd_abs / fd_rel));
+        if (!close(analytic, numeric) && ++bad <= 10)
+          FAIL_CHECK(s.names[k], "[", i, "]: backward ", analytic, ", finite differences ", numeric);
+      }
+    }
+    MESSAGE(checked, " parameter elements checked, ", bad, " wrong; worst relative error ", worst);
+    CHECK(bad == 0);
+    CHECK(s.names.size() == std::size_t(2 + 12 * tiny.layers + 3));
+  }
+
+  SUBCASE("the input embeddings (the first block's input)") {
+    m.forward(0, a);
+    for (std::size_t i = 0; i < a.x[0].size(); ++i) {
+      const double keep = a.x[0][i];
+      a.x[0][i] = keep + fd_h;
+      const double up = forward_loss(m, a, 1);
+      a.x[0][i] = keep - fd_h;
+      const double down = forward_loss(m, a, 1);
+      a.x[0][i] = keep;
+      const double numeric = (up - down) / (2 * fd_h);
+      if (!close(dx0[i], numeric)) FAIL_CHECK("dx[0][", i, "]: backward ", dx0[i], ", finite differences ", numeric);
+    }
+  }
+
+  SUBCASE("gradients accumulate: a second backward doubles them") {
+    std::vector<std::vector<double>> once = s.grad_mem;
+    backward_all(m, a);
+    for (std::size_t k = 0; k < once.size(); ++k)
+      for (std::size_t i = 0; i < once[k].size(); ++i)
+        if (s.grad_mem[k][i] != 2 * once[k][i]) {
+          FAIL_CHECK(s.names[k], "[", i, "]: ", s.grad_mem[k][i], " after two backwards, ", once[k][i], " after one");
+          break;
+        }
+  }
+}
+
+TEST_CASE("the attention is causal: a later token does not change earlier positions' logits") {
+  const std::uint64_t seed = seed_for(2);
+  gpt::Model<float> m(tiny, seed);
+  gpt::Activations<float> a(tiny, tiny_batch);
+  random_tokens(a, tiny.vocab, seed);
+  for (int p = 0; p < tiny.context; ++p) {
+    CAPTURE(p);
+    forward_loss(m, a);
+    const std::vector<float> before = a.logits;
+    const int b = 1, r = b * tiny.context + p;  // change token p of the second sequence
+    a.tokens[std::size_t(r)] = (a.tokens[std::size_t(r)] + 1) % tiny.vocab;
+    forward_loss(m, a);
+    const std::size_t V = std::size_t(tiny.vocab);
+    for (int q = 0; q < tiny_batch * tiny.context; ++q) {
+      const bool may_change = q / tiny.context == b && q % tiny.context >= p;
+      bool same = true;
+      for (std::size_t v = 0; v < V; ++v) same = same && a.logits[std::size_t(q) * V + v] == before[std::size_t(q) * V + v];
+      if (may_change) CHECK_MESSAGE(!same, "position ", q, " ignored token ", r);
+      else CHECK_MESSAGE(same, "position ", q, " saw token ", r);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("an untrained model's loss is close to ln(vocab)", T, float, zp::bf16, zp::fp16) {
+  const std::uint64_t seed = seed_for(3);
+  gpt::Model<T> m(tiny, seed);
+  gpt::Activations<float> a(tiny, 40);
+  random_tokens(a, tiny.vocab, seed);
+  const float loss = forward_loss(m, a);
+  // Logits have a standard deviation of about 0.02 sqrt(d) = 0.06: that raises the expected loss
+  // by ~0.002, and the mean over 200 random targets scatters by ~0.06 / sqrt(200) = 0.004.
+  CHECK(std::abs(loss - std::log(float(tiny.vocab))) < 0.03f);
+}
+
+TEST_CASE("initialisation is deterministic and follows GPT-2") {
+  const gpt::Config c{.vocab = 50, .context = 16, .d_model = 32, .heads = 4, .layers = 3};
+  gpt::Model<float> a(c, 42), b(c, 42), other(c, 43);
+  std::vector<std::vector<float>> va, vb, vo;
+  std::vector<std::string> names;
+  auto collect = [](gpt::Model<float>& m, std::vector<std::vector<float>>& out, std::vector<std::string>* n) {
+    zp::visit_parameters<float>(m, [&](std::string_view name, int, zp::View<float>& v, zp::View<float>&) {
+      out.emplace_back(v.begin(), v.end());
+      if (n) n->emplace_back(name);
+    });
+  };
+  collect(a, va, &names);
+  collect(b, vb, nullptr);
+  collect(other, vo, nullptr);
+  CHECK(va == vb);
+  CHECK(va != vo);
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    CAPTURE(names[k]);
+    const auto& v = va[k];
+    double s = 0, s2 = 0;
+    for (float x : v) {
+      s += x;
+      s2 += double(x) * x;
+    }
+    const double mean = s / double(v.size()), sd = std::sqrt(s2 / double(v.size()) - mean * mean);
+    const bool gain = names[k].find("ln_") != std::string::npos && names[k].ends_with(".weight");
+    if (gain) CHECK((mean == 1.0 && sd == 0.0));
+    else if (names[k].ends_with(".bias")) CHECK((mean == 0.0 && sd == 0.0));
+    else {
+      const double want = names[k].ends_with("c_proj.weight") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+      CHECK(sd == doctest::Approx(want).epsilon(0.15));
+      CHECK(std::abs(mean) < 4 * want / std::sqrt(double(v.size())) + 1e-4);
+    }
+  }
+  CHECK(names.front() == "wte.weight");
+  CHECK(names[2] == "h.0.ln_1.weight");
+  CHECK(names[4] == "h.0.attn.c_attn.weight");
+  CHECK(names.back() == "lm_head.weight");
+  CHECK(zp::describe_parameters<float>(a).back().module == c.layers + 1);
+}
