@@ -43,7 +43,7 @@ template <class T, int Stage, class B>
 std::vector<float> train(Collective<B>& comm, int steps, int gas, int micro_batch) {
   const int n = comm.size(), r = comm.rank();
   Mlp<T> model;
-  zp::Engine<B, T, Stage> engine(comm, model, config(micro_batch, gas), zp::optim::AdamW{.lr = 1e-2f});
+  zp::Engine<B, T, Stage> engine(comm, model, config(micro_batch, gas), zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});  // eps: see engine.test.cpp
   for (int t = 0; t < steps; ++t)
     for (int i = 0; i < gas; ++i)
       zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch, micro_batch);
