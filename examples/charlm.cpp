@@ -206,7 +206,6 @@ struct CharLm {
 
 using examples::Corpus;
 using examples::load_corpus;
-using examples::mib;
 
 // ---- command line ---------------------------------------------------------------------------
 
@@ -354,11 +353,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
     throw std::runtime_error("cannot open --log-json " + o.log_json + ": " + std::strerror(errno));
   zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
-  auto t_log = t0;
-  double window_loss = 0, first_loss = -1, last_loss = 0;
-  int window_steps = 0;
-  std::int64_t window_tokens = 0;
-  std::uint64_t skipped = 0;
+  examples::Progress progress(o.log_every, first_step, o.steps);
   for (int step = first_step; step < o.steps; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     double loss = 0;
@@ -376,30 +371,9 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
       }
       res = engine.step();
     }
-    skipped += res.overflow;
     if (step > first_step) sum += res.times;
     if (json) std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss, res.times.json_fields().c_str());
-    window_loss += loss;
-    ++window_steps;
-    window_tokens += std::int64_t(micro_batch) * accum * n;
-    if ((step + 1) % o.log_every == 0 || step == first_step || step + 1 == o.steps) {
-      double mean = window_loss / window_steps;
-      comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);  // the global mean loss
-      const auto now = std::chrono::steady_clock::now();
-      const double dt = std::chrono::duration<double>(now - t_log).count();
-      if (first_loss < 0) first_loss = mean;
-      last_loss = mean;
-      if (lead)
-        std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
-                    step + 1, mean, double(window_tokens) / dt, double(res.loss_scale),
-                    static_cast<unsigned long long>(skipped), mib(engine.memory().model_states()),
-                    double(comm.stats().total().bytes) / 1e9);
-      std::fflush(stdout);
-      t_log = now;
-      window_loss = 0;
-      window_steps = 0;
-      window_tokens = 0;
-    }
+    progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
 #if ZP_DEMO_IO
     if (o.save_every && (step + 1) % o.save_every == 0) {
       const std::int64_t done = step + 1;
@@ -417,17 +391,14 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
 #endif
   if (json) std::fclose(json);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const auto mem = engine.memory();
   const auto& c = engine.last_step_comm();
   const double f = n > 1 ? double(n - 1) / n : 0.0;
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
   if (lead) {
-    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n", first_loss, last_loss,
-                o.steps - first_step, static_cast<long long>(engine.steps()), static_cast<unsigned long long>(skipped), secs);
-    std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
-                "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
-                mib(mem.params), mib(mem.grads), mib(mem.master), mib(mem.optimizer_state), mib(mem.model_states()),
-                mib(mem.buckets), mib(mem.gathered_peak));
+    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n", progress.first_loss(),
+                progress.last_loss(), o.steps - first_step, static_cast<long long>(engine.steps()),
+                static_cast<unsigned long long>(progress.skipped()), secs);
+    examples::print_memory(engine.memory());
     if (o.steps - first_step > 1)
       std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n", o.steps - first_step - 1,
                   (zp::StepTimes(sum) *= 1.0 / double(o.steps - first_step - 1)).describe().c_str(),

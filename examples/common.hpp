@@ -4,16 +4,20 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "zp/backend/threads.hpp"
+#include "zp/engine.hpp"
 #include "zp/error.hpp"
 #if ZP_DEMO_MPI
 #include "zp/backend/mpi.hpp"
@@ -118,6 +122,62 @@ inline void default_text(const Program& p, std::vector<std::string>& text) {
 }
 
 inline double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
+
+// ---- progress output ------------------------------------------------------------------------
+
+// The trainers' progress line every log_every steps (the global mean loss of the steps since the
+// last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB) and the loss
+// trend for the summary. Collective: every rank calls step() each optimizer step.
+class Progress {
+ public:
+  Progress(int log_every, int first_step, int last_step)
+      : every_(log_every), first_step_(first_step), last_step_(last_step), t_log_(std::chrono::steady_clock::now()) {}
+
+  template <class Comm, class Engine>
+  void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res, std::int64_t tokens) {
+    skipped_ += res.overflow;
+    window_loss_ += loss;
+    ++window_steps_;
+    window_tokens_ += tokens;
+    if ((step + 1) % every_ != 0 && step != first_step_ && step + 1 != last_step_) return;
+    double mean = window_loss_ / window_steps_;
+    comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);
+    const auto now = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(now - t_log_).count();
+    if (first_loss_ < 0) first_loss_ = mean;
+    last_loss_ = mean;
+    if (comm.rank() == 0)
+      std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
+                  step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
+                  static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
+                  double(comm.stats().total().bytes) / 1e9);
+    std::fflush(stdout);
+    t_log_ = now;
+    window_loss_ = 0;
+    window_steps_ = 0;
+    window_tokens_ = 0;
+  }
+
+  double first_loss() const noexcept { return first_loss_; }
+  double last_loss() const noexcept { return last_loss_; }
+  std::uint64_t skipped() const noexcept { return skipped_; }
+
+ private:
+  int every_, first_step_, last_step_;
+  std::chrono::steady_clock::time_point t_log_;
+  double window_loss_ = 0, first_loss_ = -1, last_loss_ = 0;
+  int window_steps_ = 0;
+  std::int64_t window_tokens_ = 0;
+  std::uint64_t skipped_ = 0;
+};
+
+// The summary's memory line.
+inline void print_memory(const zp::MemoryReport& m) {
+  std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
+              "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
+              mib(m.params), mib(m.grads), mib(m.master), mib(m.optimizer_state), mib(m.model_states()),
+              mib(m.buckets), mib(m.gathered_peak));
+}
 
 // The training text, or the exit status 1 with the error printed.
 inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::string>& paths, std::size_t at_least) {

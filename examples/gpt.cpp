@@ -128,11 +128,7 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   };
 
   const auto t0 = std::chrono::steady_clock::now();
-  auto t_log = t0;
-  double window_loss = 0, first_loss = -1, last_loss = 0;
-  int window_steps = 0;
-  std::int64_t window_tokens = 0;
-  std::uint64_t skipped = 0;
+  examples::Progress progress(o.log_every, 0, o.steps);
   const int modules = model.modules();
   for (int step = 0; step < o.steps; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
@@ -151,41 +147,15 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
       }
       res = engine.step();
     }
-    skipped += res.overflow;
-    window_loss += loss;
-    ++window_steps;
-    window_tokens += std::int64_t(micro_batch) * cfg.context * accum * n;
-    if ((step + 1) % o.log_every == 0 || step == 0 || step + 1 == o.steps) {
-      double mean = window_loss / window_steps;
-      comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);  // the global mean loss
-      const auto now = std::chrono::steady_clock::now();
-      const double dt = std::chrono::duration<double>(now - t_log).count();
-      if (first_loss < 0) first_loss = mean;
-      last_loss = mean;
-      if (lead)
-        std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
-                    step + 1, mean, double(window_tokens) / dt, double(res.loss_scale),
-                    static_cast<unsigned long long>(skipped), examples::mib(engine.memory().model_states()),
-                    double(comm.stats().total().bytes) / 1e9);
-      std::fflush(stdout);
-      t_log = now;
-      window_loss = 0;
-      window_steps = 0;
-      window_tokens = 0;
-    }
+    progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * cfg.context * accum * n);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const auto mem = engine.memory();
   if (lead) {
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f tokens/s\n",
-                first_loss, last_loss, o.steps, static_cast<long long>(engine.steps()),
-                static_cast<unsigned long long>(skipped), secs,
+                progress.first_loss(), progress.last_loss(), o.steps, static_cast<long long>(engine.steps()),
+                static_cast<unsigned long long>(progress.skipped()), secs,
                 double(o.steps) * micro_batch * cfg.context * accum * n / secs);
-    std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
-                "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
-                examples::mib(mem.params), examples::mib(mem.grads), examples::mib(mem.master),
-                examples::mib(mem.optimizer_state), examples::mib(mem.model_states()), examples::mib(mem.buckets),
-                examples::mib(mem.gathered_peak));
+    examples::print_memory(engine.memory());
   }
 }
 

@@ -142,6 +142,16 @@ inline void cpu_relax() {
 #endif
 }
 
+// Whether `ranks` threads waiting for each other can each have a core: only then does a short
+// spin before sleeping pay (it saves a sleep and wake-up of tens of microseconds).
+inline bool spin_pays(int ranks) { return ranks <= int(std::thread::hardware_concurrency()); }
+
+// Spins a little (a few microseconds) until done() holds.
+template <class Done>
+void spin_until(Done&& done) {
+  for (int i = 0; i < 4000 && !done(); ++i) cpu_relax();
+}
+
 }  // namespace threads_detail
 
 struct ThreadsOptions {
@@ -380,11 +390,9 @@ class World {
   // Spins a little while generation `gen` lasts, when every rank can have its own core: an
   // operation's two rendezvous then cost microseconds instead of a sleep and wake-up.
   void spin_while(std::uint64_t gen, bool until_poisoned) const {
-    if (n_ > int(std::thread::hardware_concurrency())) return;
-    for (int i = 0; i < 4000; ++i) {
-      if (generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned())) return;
-      threads_detail::cpu_relax();
-    }
+    if (!threads_detail::spin_pays(n_)) return;
+    threads_detail::spin_until(
+        [&] { return generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned()); });
   }
 
   int n_;
@@ -434,8 +442,7 @@ class Threads {
       const auto s = std::move(state_);
       std::exception_ptr error;
       // A message's peer is often microseconds away: a short spin saves a sleep and wake-up.
-      for (int i = 0; s->spin && i < 4000 && !s->ready.load(std::memory_order_acquire); ++i)
-        threads_detail::cpu_relax();
+      if (s->spin) threads_detail::spin_until([&] { return s->ready.load(std::memory_order_acquire); });
       {
         std::unique_lock lk(s->m);
         while (!s->done) {
@@ -681,7 +688,7 @@ class Threads {
     const std::string bad = detail::check_p2p(op, is_send ? m.src : m.dst, m.count, m.dtype, peer, rank_, size());
     if (!bad.empty()) throw Error(Errc::invalid_argument, "threads backend: " + bad);
     auto state = std::make_shared<threads_detail::WorkState>();
-    state->spin = std::thread::hardware_concurrency() >= 2;
+    state->spin = threads_detail::spin_pays(2);  // the two ranks of the pair
     m.state = state;
     if (l == Launch::blocking) {
       drain();
