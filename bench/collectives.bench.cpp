@@ -117,10 +117,10 @@ std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N, b
 }
 
 void set_counters(benchmark::State& state, CollOp op, int N, std::size_t bytes, std::uint64_t bad) {
-  const double s = double(bytes) * double(state.iterations());
-  state.counters["algbw_GBps"] = benchmark::Counter(s, benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
-  state.counters["busbw_GBps"] =
-      benchmark::Counter(s * zp::bus_factor(op, N), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  // In GB (1e9 bytes) so that, divided by the seconds (kIsRate), the value is GB/s as named.
+  const double s = double(bytes) * double(state.iterations()) * 1e-9;
+  state.counters["algbw_GBps"] = benchmark::Counter(s, benchmark::Counter::kIsRate);
+  state.counters["busbw_GBps"] = benchmark::Counter(s * zp::bus_factor(op, N), benchmark::Counter::kIsRate);
   state.counters["wrong"] = double(bad);
 }
 

@@ -82,8 +82,7 @@ bool result_ok(int threads) {
 void set_counters(benchmark::State& state, std::size_t n, double bytes) {
   const double it = double(state.iterations());
   state.counters["params_per_s"] = benchmark::Counter(double(n) * it, benchmark::Counter::kIsRate);
-  state.counters["GBps"] =
-      benchmark::Counter(bytes * double(n) * it, benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
+  state.counters["GBps"] = benchmark::Counter(bytes * double(n) * it * 1e-9, benchmark::Counter::kIsRate);  // GB/s
 }
 
 template <class T, class G>

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 #include <system_error>
@@ -133,8 +134,10 @@ class Progress {
   Progress(int log_every, int first_step, int last_step)
       : every_(log_every), first_step_(first_step), last_step_(last_step), t_log_(std::chrono::steady_clock::now()) {}
 
+  // comm_bytes: what the run has communicated so far (default: comm's own counters).
   template <class Comm, class Engine>
-  void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res, std::int64_t tokens) {
+  void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res, std::int64_t tokens,
+            std::optional<std::uint64_t> comm_bytes = std::nullopt) {
     skipped_ += res.overflow;
     window_loss_ += loss;
     ++window_steps_;
@@ -150,7 +153,7 @@ class Progress {
       std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
                   step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
                   static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
-                  double(comm.stats().total().bytes) / 1e9);
+                  double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9);
     std::fflush(stdout);
     t_log_ = now;
     window_loss_ = 0;

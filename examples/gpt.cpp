@@ -1,13 +1,15 @@
-// zp_gpt: the GPT-style transformer of examples/gpt.hpp trained with ZeRO data parallelism on
-// the same text as zp_demo, predicting every next character of each window of --context.
+// zp_gpt: the GPT-style transformer of examples/gpt.hpp trained on the same text as zp_demo,
+// predicting every next character of each window of --context, on a DP x TP x PP grid: ZeRO
+// over the data-parallel ranks, Megatron's tensor parallelism inside each layer, the layers cut
+// into pipeline stages run by GPipe or 1F1B.
 //
-//   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--precision fp32|bf16|fp16]
-//          [--accum N] [--steps N] [--micro-batch N] [--lr X] [--log-every N] [--text PATH]...
-//          [--layers N] [--d-model N] [--heads N] [--context N]
+//   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--tp N] [--pp N] [--schedule 1f1b|gpipe]
+//          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
+//          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
 //
-// The training loop is zp_demo's: each module (the embeddings, every block, the head) runs
-// inside the engine's forward and backward guards, and the progress line and summary read the
-// same.
+// The training loop is gpt::train_step: each module (the embeddings, every block, the head)
+// runs inside the engine's forward and backward guards, the progress line and summary read as
+// zp_demo's.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -16,17 +18,21 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common.hpp"
 #include "gpt.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
+#include "zp/grid.hpp"
+#include "zp/pipeline.hpp"
 #include "zp/schedule.hpp"
 
 namespace {
 
 struct Options : examples::TrainFlags {
-  int layers = 2, d_model = 64, heads = 4, context = 32;
+  int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
+  zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
     steps = 300;
     micro_batch = 8;
@@ -38,9 +44,12 @@ const char* usage =
     "usage: zp_gpt [options]\n"
     "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
     "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default threads)\n"
-    "  --ranks N          thread ranks for the threads backend (default 4)\n"
+    "  --ranks N          thread ranks for the threads backend (default 4); dp = ranks / (tp * pp)\n"
+    "  --tp N             tensor-parallel ranks per layer; must divide --heads (default 1)\n"
+    "  --pp N             pipeline stages, at most --layers + 2 (default 1)\n"
+    "  --schedule S       pipeline schedule, 1f1b or gpipe (default 1f1b)\n"
     "  --precision P      fp32, bf16 or fp16 (fp16 uses dynamic loss scaling) (default bf16)\n"
-    "  --accum N          gradient accumulation steps (default 1)\n"
+    "  --accum N          micro-batches per step: gradient accumulation, and the pipeline's (default 1)\n"
     "  --steps N          optimizer steps (default 300)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 8)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
@@ -69,23 +78,41 @@ Options parse(int argc, char** argv) {
     else if (a == "--d-model") o.d_model = examples::to_int(program, a, v, 1, 65536);
     else if (a == "--heads") o.heads = examples::to_int(program, a, v, 1, 1024);
     else if (a == "--context") o.context = examples::to_int(program, a, v, 1, 65536);
+    else if (a == "--tp") o.tp = examples::to_int(program, a, v, 1, 1024);
+    else if (a == "--pp") o.pp = examples::to_int(program, a, v, 1, 1024);
+    else if (a == "--schedule") {
+      if (v == "1f1b") o.schedule = zp::pipeline::Schedule::one_f_one_b;
+      else if (v == "gpipe") o.schedule = zp::pipeline::Schedule::gpipe;
+      else examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
+    }
     else examples::bad(program, "unknown flag '" + a + "'");
   }
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " + std::to_string(o.d_model));
+  if (o.heads % o.tp != 0)
+    examples::bad(program, "--tp " + std::to_string(o.tp) + " does not divide --heads " + std::to_string(o.heads));
+  if (o.pp > o.layers + 2)
+    examples::bad(program, "--pp " + std::to_string(o.pp) + " is more than the " + std::to_string(o.layers + 2) +
+                               " modules of the model (--layers + 2)");
   examples::default_text(program, o.text);
   return o;
 }
 
 template <class E, class B>
-void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
+void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& corpus) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
-  const int n = comm.size(), r = comm.rank();
-  const bool lead = r == 0;
+  const int n = world.size();
+  if (n % (o.tp * o.pp) != 0)
+    throw zp::Error(zp::Errc::invalid_argument, "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
+                                                    std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
+  zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
+  const int dp = grid.shape().dp, dp_rank = grid.coords().dp;
+  const bool lead = world.rank() == 0;
   const gpt::Config cfg{.vocab = int(corpus.chars.size()), .context = o.context, .d_model = o.d_model,
                         .heads = o.heads, .layers = o.layers};
-  gpt::Model<T> model(cfg, 1234);  // the same initial weights on every rank
+  const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
+  gpt::Model<T> model(cfg, 1234, zp::tp::Group<float>(grid.tp()), {first, end});  // the same initial weights on every grid
   // zp_demo's engine settings: several buckets even for a small model, small tensors persist.
   zp::EngineConfig ec;
   ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
@@ -95,66 +122,72 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   ec.persist_threshold = 10000;
   ec.steps_per_print = o.log_every;
   if (o.precision == "fp16") ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
-  E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
+  E engine(grid, model, ec, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
+  const std::size_t rows = std::size_t(o.micro_batch) * std::size_t(cfg.context);
+  zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, o.accum, rows * std::size_t(cfg.d_model));
+  std::vector<gpt::Activations<float>> slots;
+  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, o.micro_batch);
   const zp::schedule::Any schedule =
       zp::schedule::WarmupCosineLR{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
                                    .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
-  const int micro_batch = o.micro_batch, accum = o.accum;
 
-  const auto& L = engine.layout();
+  // Every rank's parameter count, summed over the replica's TP x PP ranks.
+  std::int64_t params = std::int64_t(engine.layout().used());
+  if (auto* mp = engine.model_parallel()) {
+    // Replicated tensors are counted once: only TP rank 0 adds them.
+    params = 0;
+    for (const auto& t : model.tensors())
+      if (t.tp == zp::TensorParallel::split || grid.coords().tp == 0) params += std::int64_t(t.slice.size());
+    mp->all_reduce(std::span<std::int64_t>(&params, 1));
+  }
   if (lead) {
     std::printf("zp_gpt: GPT on %zu characters (vocabulary %d): %d layers, d_model %d, %d heads, context %d; "
-                "%zu parameters in %d modules, %d buckets\n",
-                corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context, L.used(),
-                L.module_count(), L.segment_count());
-    std::printf("        ZeRO stage %d, backend %s, %d ranks, %s, micro-batch %d x accumulation %d x ranks %d = %lld sequences/step\n",
-                Stage, B::name, n, zp::name(zp::dtype_of<T>), micro_batch, accum, n,
-                static_cast<long long>(engine.batch().train_batch_size));
+                "%lld parameters\n",
+                corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context,
+                static_cast<long long>(params));
+    std::printf("        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0), ZeRO stage %d over dp, backend %s, %s\n"
+                "        micro-batch %d x micro-batches %d x dp %d = %lld sequences/step\n",
+                dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(), Stage, B::name,
+                zp::name(zp::dtype_of<T>), o.micro_batch, o.accum, dp, static_cast<long long>(engine.batch().train_batch_size));
   }
   // Windows of context + 1 characters: the first context are the input, the last context the
-  // targets. Each micro-batch depends only on (rank, step, micro-step), as in zp_demo.
+  // targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch), so every
+  // TP and PP rank of a replica sees the same data.
   const std::size_t last_start = corpus.ids.size() - std::size_t(cfg.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
-  gpt::Activations<float> act(cfg, micro_batch);
-  auto next_batch = [&](int step, int a) {
-    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull + std::uint64_t(r) * 7919 + 17);
-    for (int b = 0; b < micro_batch; ++b) {
+  int step = 0;
+  auto fill = [&](int micro, gpt::Activations<float>& a) {
+    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull + std::uint64_t(dp_rank) * 7919 + 17);
+    for (int b = 0; b < o.micro_batch; ++b) {
       const std::size_t s = pick(rng);
       for (int t = 0; t < cfg.context; ++t) {
-        act.tokens[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t)];
-        act.targets[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t) + 1];
+        a.tokens[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t)];
+        a.targets[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t) + 1];
       }
     }
   };
 
+  auto traffic = [&] {
+    std::uint64_t bytes = world.stats().total().bytes;
+    for (auto* c : {&grid.dp(), &grid.tp(), &grid.pp(), &grid.model_parallel()}) bytes += c->stats().total().bytes;
+    return bytes;
+  };
   const auto t0 = std::chrono::steady_clock::now();
   examples::Progress progress(o.log_every, 0, o.steps);
-  const int modules = model.modules();
-  for (int step = 0; step < o.steps; ++step) {
+  for (step = 0; step < o.steps; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
-    double loss = 0;
-    zp::StepResult res;
-    for (int a = 0; a < accum; ++a) {
-      next_batch(step, a);
-      for (int m = 0; m < modules; ++m) {
-        auto g = engine.forward(m);
-        model.forward(m, act);
-      }
-      loss += double(model.loss(act, engine.loss_scale())) / accum;
-      for (int m = modules - 1; m >= 0; --m) {
-        auto g = engine.backward(m);
-        model.backward(m, act);
-      }
-      res = engine.step();
-    }
-    progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * cfg.context * accum * n);
+    const gpt::StepOut r = gpt::train_step(engine, model, runner, slots, fill);
+    // The loss lives on the last stage (once per TP group): its mean over the replicas.
+    double loss = grid.last_stage() && grid.coords().tp == 0 ? r.loss / dp : 0.0;
+    world.all_reduce(std::span<double>(&loss, 1));
+    progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * o.accum * dp, traffic());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead) {
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f tokens/s\n",
                 progress.first_loss(), progress.last_loss(), o.steps, static_cast<long long>(engine.steps()),
                 static_cast<unsigned long long>(progress.skipped()), secs,
-                double(o.steps) * micro_batch * cfg.context * accum * n / secs);
+                double(o.steps) * double(rows) * o.accum * dp / secs);
     examples::print_memory(engine.memory());
   }
 }

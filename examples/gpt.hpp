@@ -3,16 +3,16 @@
 // architecture, the parameter names and layouts, the initialisation and the loss.
 //
 // Model<T, F> keeps its parameters as zp views of storage type T (float, zp::bf16, zp::fp16, or
-// double for the gradient check) and computes in F (float, or double for the check). It is laid
-// out for the tensor- and pipeline-parallel versions to come:
+// double for the gradient check) and computes in F (float, or double for the check). One Model
+// is one rank's part of the network under any DP x TP x PP grid:
 //  - every block's forward and backward is a free function over explicit buffers (input in,
-//    output out; output gradient in, input gradient out) and the block's weights, so a pipeline
-//    stage can run any range of blocks;
-//  - the matrix products are two small functions over [in, out] weights (GPT-2's Conv1D layout),
-//    which column- and row-parallel splits replace (c_attn and c_fc split by columns, the c_proj
-//    weights by rows, as Megatron-LM does);
+//    output out; output gradient in, input gradient out), so a pipeline stage runs any range of
+//    modules (pipeline_stage());
+//  - the matrix products are split as Megatron-LM splits them (c_attn and c_fc by columns, the
+//    c_proj weights by rows, the vocabulary of wte and lm_head), their communication from
+//    zp/tensor_parallel.hpp;
 //  - the activations of a micro-batch live in an Activations object the caller owns, so several
-//    micro-batches can be in flight.
+//    micro-batches can be in flight (train_step() keeps one per pipeline slot).
 #pragma once
 
 #include <algorithm>
@@ -21,12 +21,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <numbers>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "zp/engine.hpp"
 #include "zp/error.hpp"
 #include "zp/model.hpp"
+#include "zp/pipeline.hpp"
+#include "zp/tensor_parallel.hpp"
 
 namespace gpt {
 
@@ -157,9 +162,17 @@ enum BlockTensor : int {
 inline constexpr const char* block_tensor_names[block_tensors] = {
     "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
     "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
-inline std::array<std::size_t, block_tensors> block_tensor_sizes(const Config& c) {
-  const std::size_t d = std::size_t(c.d_model);
-  return {d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d};
+
+// A block's widths on one tensor-parallel rank (Megatron's split): `heads` of the config's heads
+// (c_attn's columns and attn.c_proj's rows for them) and `ff` of the MLP's 4d columns (c_fc's
+// columns, mlp.c_proj's rows). Without tensor parallelism: all of them.
+struct BlockShape {
+  int d = 0, heads = 0, head_dim = 0, ff = 0;
+  int width() const { return heads * head_dim; }  // this rank's q (or k, or v) columns
+};
+inline std::array<std::size_t, block_tensors> block_tensor_sizes(const BlockShape& s) {
+  const std::size_t d = std::size_t(s.d), w = std::size_t(s.width()), f = std::size_t(s.ff);
+  return {d, d, d * 3 * w, 3 * w, w * d, d, d, d, d * f, f, f * d, d};
 }
 template <class F>
 using BlockWeights = std::array<const F*, block_tensors>;
@@ -170,94 +183,103 @@ using BlockGrads = std::array<F*, block_tensors>;
 template <class F>
 struct BlockActivations {
   std::vector<F> ln1, mean1, rstd1;  // ln_1's output [rows, d] and statistics [rows]
-  std::vector<F> qkv;                // [rows, 3d]: q | k | v, head h in columns h*hd .. (h+1)*hd of each
+  std::vector<F> qkv;                // [rows, 3w]: q | k | v, local head h in columns h*hd .. (h+1)*hd of each
   std::vector<F> att;                // softmax probabilities [batch, heads, context, context], 0 above the diagonal
-  std::vector<F> heads;              // attention output before c_proj [rows, d]
+  std::vector<F> heads;              // attention output before c_proj [rows, w]
   std::vector<F> mid;                // residual stream after attention [rows, d]
   std::vector<F> ln2, mean2, rstd2;
-  std::vector<F> fc, act;            // c_fc's output before and after GELU [rows, 4d]
+  std::vector<F> fc, act;            // c_fc's output before and after GELU [rows, ff]
 
-  void resize(const Config& c, int batch) {
-    const std::size_t r = std::size_t(batch) * std::size_t(c.context), d = std::size_t(c.d_model);
-    for (auto* v : {&ln1, &heads, &mid, &ln2}) v->resize(r * d);
+  void resize(const BlockShape& s, int context, int batch) {
+    const std::size_t r = std::size_t(batch) * std::size_t(context), d = std::size_t(s.d), w = std::size_t(s.width());
+    for (auto* v : {&ln1, &mid, &ln2}) v->resize(r * d);
     for (auto* v : {&mean1, &rstd1, &mean2, &rstd2}) v->resize(r);
-    qkv.resize(r * 3 * d);
-    att.resize(std::size_t(batch) * std::size_t(c.heads) * std::size_t(c.context) * std::size_t(c.context));
-    fc.resize(r * 4 * d);
-    act.resize(r * 4 * d);
+    heads.resize(r * w);
+    qkv.resize(r * 3 * w);
+    att.resize(std::size_t(batch) * std::size_t(s.heads) * std::size_t(context) * std::size_t(context));
+    fc.resize(r * std::size_t(s.ff));
+    act.resize(r * std::size_t(s.ff));
   }
 };
 
-// y = x + attn(ln_1(x)); y = y + mlp(ln_2(y)), over `batch` sequences of c.context tokens.
+// y = x + attn(ln_1(x)); y = y + mlp(ln_2(y)), over `batch` sequences of `context` tokens. c_attn
+// and c_fc are column-parallel, the two c_proj row-parallel: their partial outputs are summed
+// over the tensor-parallel group `tp` before the (replicated) bias is added.
 template <class F>
-void block_forward(const Config& c, int batch, const BlockWeights<F>& w, const F* x, F* y, BlockActivations<F>& a) {
-  const int T = c.context, d = c.d_model, H = c.heads, hd = c.head_dim(), rows = batch * T;
+void block_forward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w, const F* x, F* y,
+                   BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
+  const int T = context, d = s.d, H = s.heads, hd = s.head_dim, W = s.width(), rows = batch * T;
+  const std::size_t rd = std::size_t(rows) * std::size_t(d);
   const F scale = F(1) / std::sqrt(F(hd));
-  a.resize(c, batch);
+  a.resize(s, context, batch);
   layernorm_forward(a.ln1.data(), a.mean1.data(), a.rstd1.data(), x, w[ln_1_weight], w[ln_1_bias], rows, d);
-  matmul_forward(a.qkv.data(), a.ln1.data(), w[c_attn_weight], w[c_attn_bias], rows, d, 3 * d);
-  std::vector<F> s(std::size_t(T), F(0));
+  matmul_forward(a.qkv.data(), a.ln1.data(), w[c_attn_weight], w[c_attn_bias], rows, d, 3 * W);
+  std::vector<F> sc(std::size_t(T), F(0));
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t) {
-        const F* q = a.qkv.data() + std::size_t(b * T + t) * std::size_t(3 * d) + std::size_t(h * hd);
+        const F* q = a.qkv.data() + std::size_t(b * T + t) * std::size_t(3 * W) + std::size_t(h * hd);
         F* p = a.att.data() + (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
         F mx = -INFINITY;
         for (int u = 0; u <= t; ++u) {  // the causal mask: position t sees positions 0 .. t
-          const F* k = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * d) + std::size_t(d + h * hd);
-          s[std::size_t(u)] = dot(q, k, hd) * scale;
-          mx = std::max(mx, s[std::size_t(u)]);
+          const F* k = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) + std::size_t(W + h * hd);
+          sc[std::size_t(u)] = dot(q, k, hd) * scale;
+          mx = std::max(mx, sc[std::size_t(u)]);
         }
         F sum = 0;
-        for (int u = 0; u <= t; ++u) sum += (p[u] = std::exp(s[std::size_t(u)] - mx));
+        for (int u = 0; u <= t; ++u) sum += (p[u] = std::exp(sc[std::size_t(u)] - mx));
         for (int u = 0; u < T; ++u) p[u] = u <= t ? p[u] / sum : F(0);
-        F* o = a.heads.data() + std::size_t(b * T + t) * std::size_t(d) + std::size_t(h * hd);
+        F* o = a.heads.data() + std::size_t(b * T + t) * std::size_t(W) + std::size_t(h * hd);
         std::fill(o, o + hd, F(0));
         for (int u = 0; u <= t; ++u) {
-          const F* v = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * d) + std::size_t(2 * d + h * hd);
+          const F* v = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) + std::size_t(2 * W + h * hd);
           for (int i = 0; i < hd; ++i) o[i] += p[u] * v[i];
         }
       }
-  matmul_forward(a.mid.data(), a.heads.data(), w[attn_c_proj_weight], w[attn_c_proj_bias], rows, d, d);
-  for (std::size_t i = 0; i < a.mid.size(); ++i) a.mid[i] += x[i];
+  matmul_forward(a.mid.data(), a.heads.data(), w[attn_c_proj_weight], static_cast<const F*>(nullptr), rows, W, d);
+  tp.all_reduce(std::span<F>(a.mid));
+  for (std::size_t i = 0; i < rd; ++i) a.mid[i] += w[attn_c_proj_bias][i % std::size_t(d)] + x[i];
   layernorm_forward(a.ln2.data(), a.mean2.data(), a.rstd2.data(), a.mid.data(), w[ln_2_weight], w[ln_2_bias], rows, d);
-  matmul_forward(a.fc.data(), a.ln2.data(), w[c_fc_weight], w[c_fc_bias], rows, d, 4 * d);
+  matmul_forward(a.fc.data(), a.ln2.data(), w[c_fc_weight], w[c_fc_bias], rows, d, s.ff);
   for (std::size_t i = 0; i < a.fc.size(); ++i) a.act[i] = gelu(a.fc[i]);
-  matmul_forward(y, a.act.data(), w[mlp_c_proj_weight], w[mlp_c_proj_bias], rows, 4 * d, d);
-  for (std::size_t i = 0; i < std::size_t(rows) * std::size_t(d); ++i) y[i] += a.mid[i];
+  matmul_forward(y, a.act.data(), w[mlp_c_proj_weight], static_cast<const F*>(nullptr), rows, s.ff, d);
+  tp.all_reduce(std::span<F>(y, rd));
+  for (std::size_t i = 0; i < rd; ++i) y[i] += w[mlp_c_proj_bias][i % std::size_t(d)] + a.mid[i];
 }
 
 // The backward of block_forward: from dy (d loss / d y) writes dx (d loss / d x) and adds the
-// weight gradients into g. x is the block's input as the forward saw it.
+// weight gradients into g. x is the block's input as the forward saw it. The input gradients of
+// the two column-parallel products are summed over `tp`; everything else is local.
 template <class F>
-void block_backward(const Config& c, int batch, const BlockWeights<F>& w, const BlockGrads<F>& g, const F* x,
-                    const F* dy, F* dx, const BlockActivations<F>& a) {
-  const int T = c.context, d = c.d_model, H = c.heads, hd = c.head_dim(), rows = batch * T;
+void block_backward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w, const BlockGrads<F>& g,
+                    const F* x, const F* dy, F* dx, const BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
+  const int T = context, d = s.d, H = s.heads, hd = s.head_dim, W = s.width(), rows = batch * T;
   const std::size_t rd = std::size_t(rows) * std::size_t(d);
   const F scale = F(1) / std::sqrt(F(hd));
   // MLP: the residual passes dy through; c_proj, GELU, c_fc and ln_2 add the rest into dmid.
   std::vector<F> dmid(dy, dy + rd), dact(a.act.size()), dln(rd);
   matmul_backward(dact.data(), g[mlp_c_proj_weight], g[mlp_c_proj_bias], dy, a.act.data(), w[mlp_c_proj_weight], rows,
-                  4 * d, d);
+                  s.ff, d);
   for (std::size_t i = 0; i < dact.size(); ++i) dact[i] *= gelu_grad(a.fc[i]);
-  matmul_backward(dln.data(), g[c_fc_weight], g[c_fc_bias], dact.data(), a.ln2.data(), w[c_fc_weight], rows, d, 4 * d);
+  matmul_backward(dln.data(), g[c_fc_weight], g[c_fc_bias], dact.data(), a.ln2.data(), w[c_fc_weight], rows, d, s.ff);
+  tp.all_reduce(std::span<F>(dln));
   layernorm_backward(dmid.data(), g[ln_2_weight], g[ln_2_bias], dln.data(), a.mid.data(), a.mean2.data(),
                      a.rstd2.data(), w[ln_2_weight], rows, d);
   // Attention: the same with c_proj, the heads and c_attn; dx starts as the residual's dmid.
-  std::vector<F> dheads(rd), dqkv(a.qkv.size(), F(0)), dp(static_cast<std::size_t>(T));
+  std::vector<F> dheads(std::size_t(rows) * std::size_t(W)), dqkv(a.qkv.size(), F(0)), dp(static_cast<std::size_t>(T));
   matmul_backward(dheads.data(), g[attn_c_proj_weight], g[attn_c_proj_bias], dmid.data(), a.heads.data(),
-                  w[attn_c_proj_weight], rows, d, d);
+                  w[attn_c_proj_weight], rows, W, d);
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t) {
-        const std::size_t row = std::size_t(b * T + t) * std::size_t(3 * d);
+        const std::size_t row = std::size_t(b * T + t) * std::size_t(3 * W);
         const F* p = a.att.data() + (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
-        const F* dout = dheads.data() + std::size_t(b * T + t) * std::size_t(d) + std::size_t(h * hd);
+        const F* dout = dheads.data() + std::size_t(b * T + t) * std::size_t(W) + std::size_t(h * hd);
         F pdp = 0;  // sum_u p[u] dp[u], for the softmax backward
         for (int u = 0; u <= t; ++u) {
-          const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * d);
-          const F* v = a.qkv.data() + ru + std::size_t(2 * d + h * hd);
-          F* dv = dqkv.data() + ru + std::size_t(2 * d + h * hd);
+          const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * W);
+          const F* v = a.qkv.data() + ru + std::size_t(2 * W + h * hd);
+          F* dv = dqkv.data() + ru + std::size_t(2 * W + h * hd);
           dp[std::size_t(u)] = dot(dout, v, hd);
           pdp += p[u] * dp[std::size_t(u)];
           for (int i = 0; i < hd; ++i) dv[i] += p[u] * dout[i];
@@ -266,9 +288,9 @@ void block_backward(const Config& c, int batch, const BlockWeights<F>& w, const 
         F* dq = dqkv.data() + row + std::size_t(h * hd);
         for (int u = 0; u <= t; ++u) {
           const F ds = p[u] * (dp[std::size_t(u)] - pdp) * scale;  // through softmax and the 1/sqrt(hd)
-          const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * d);
-          const F* k = a.qkv.data() + ru + std::size_t(d + h * hd);
-          F* dk = dqkv.data() + ru + std::size_t(d + h * hd);
+          const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * W);
+          const F* k = a.qkv.data() + ru + std::size_t(W + h * hd);
+          F* dk = dqkv.data() + ru + std::size_t(W + h * hd);
           for (int i = 0; i < hd; ++i) {
             dq[i] += ds * k[i];
             dk[i] += ds * q[i];
@@ -276,7 +298,8 @@ void block_backward(const Config& c, int batch, const BlockWeights<F>& w, const 
         }
       }
   matmul_backward(dln.data(), g[c_attn_weight], g[c_attn_bias], dqkv.data(), a.ln1.data(), w[c_attn_weight], rows, d,
-                  3 * d);
+                  3 * W);
+  tp.all_reduce(std::span<F>(dln));
   std::copy(dmid.begin(), dmid.end(), dx);
   layernorm_backward(dx, g[ln_1_weight], g[ln_1_bias], dln.data(), x, a.mean1.data(), a.rstd1.data(), w[ln_1_weight],
                      rows, d);
@@ -285,7 +308,7 @@ void block_backward(const Config& c, int batch, const BlockWeights<F>& w, const 
 // ---- the model ------------------------------------------------------------------------------
 
 // One micro-batch in flight: its tokens, targets and everything backward needs. The caller
-// owns it (a pipeline keeps one per micro-batch); Model::forward/loss/backward fill it.
+// owns it (a pipeline keeps one per micro-batch in flight); Model::forward/loss/backward fill it.
 template <class F>
 struct Activations {
   int batch = 0;
@@ -293,7 +316,7 @@ struct Activations {
   std::vector<std::vector<F>> x, dx;    // residual stream [layers + 1][rows, d] and d loss / d x
   std::vector<BlockActivations<F>> blocks;
   std::vector<F> lnf, meanf, rstdf;     // ln_f
-  std::vector<F> logits, dlogits;       // [rows, vocab]
+  std::vector<F> logits, dlogits;       // [rows, this rank's vocabulary columns]
 
   Activations(const Config& c, int batch_) : batch(batch_) {
     c.check();
@@ -307,8 +330,6 @@ struct Activations {
     lnf.resize(r * d);
     meanf.resize(r);
     rstdf.resize(r);
-    logits.resize(r * std::size_t(c.vocab));
-    dlogits.resize(logits.size());
   }
   int rows(const Config& c) const { return batch * c.context; }
 };
@@ -327,135 +348,198 @@ T to_storage(F v) {
 }
 }  // namespace detail
 
+// Where one rank's part of a tensor sits in the full tensor, a [rows, cols] row-major matrix
+// (vectors are [1, n]): rows `row`, and in each of `parts` equal column blocks (c_attn's q, k and
+// v) the columns `col` of that block. local(i) -> full index maps every element of the part.
+struct Slice {
+  std::size_t rows = 0, cols = 0;
+  zp::tp::Range row, col;
+  std::size_t parts = 1;
+
+  static Slice all(std::size_t rows, std::size_t cols) { return {rows, cols, {0, rows}, {0, cols}, 1}; }
+  std::size_t size() const { return row.size() * parts * col.size(); }
+  std::size_t full_size() const { return rows * cols; }
+  std::size_t full_index(std::size_t i) const {
+    const std::size_t w = parts * col.size(), r = i / w, j = i % w;
+    return (row.begin + r) * cols + (j / col.size()) * (cols / parts) + col.begin + j % col.size();
+  }
+};
+
 // GPT-2's architecture with a separate (untied) LM head. Modules: 0 = wte and wpe, 1 .. layers =
 // the blocks h.0 .. h.{layers-1}, layers + 1 = ln_f and lm_head.
+//
+// One rank holds one part of it: the modules [first, end) of a pipeline stage (pipeline_stage()),
+// each split over the tensor-parallel group `tp` as Megatron-LM does: wte by vocabulary rows,
+// c_attn by heads (columns), c_fc by columns, the two c_proj by the matching rows, lm_head by
+// vocabulary columns; layer norms, wpe and the c_proj biases are replicated. Tensors keep their
+// full model's names; Slice says where each rank's part sits. The default is the whole model.
 template <class T, class F = float>
 class Model {
  public:
-  Model(const Config& c, std::uint64_t seed) : cfg_(c) {
+  struct Modules {
+    int first = 0, end = -1;  // -1: through the last module
+  };
+
+  Model(const Config& c, std::uint64_t seed, zp::tp::Group<F> tp = {}, Modules modules = {}) : cfg_(c), tp_(std::move(tp)) {
     c.check();
-    const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model);
-    // Counter-based normals: element i of tensor k depends only on (seed, k, i), so a tensor-
-    // parallel rank can initialise its slice alone and every run from a seed is the same.
+    const int P = tp_.size(), r = tp_.rank();
+    first_ = modules.first;
+    end_ = modules.end < 0 ? c.layers + 2 : modules.end;
+    ZP_EXPECT(0 <= first_ && first_ < end_ && end_ <= c.layers + 2, "gpt: modules [", modules.first, ", ", modules.end,
+              ") are not a non-empty range of the model's ", c.layers + 2, " modules");
+    ZP_EXPECT(c.heads % P == 0, "gpt: heads ", c.heads, " do not split over ", P, " tensor-parallel ranks");
+    ZP_EXPECT(c.vocab >= P, "gpt: the vocabulary of ", c.vocab, " is smaller than the ", P, " tensor-parallel ranks");
+    const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model), hd = std::size_t(c.head_dim());
+    vocab_ = zp::tp::split(V, P, r);
+    const zp::tp::Range heads = zp::tp::split(std::size_t(c.heads), P, r), ff = zp::tp::split(4 * d, P, r);
+    shape_ = {c.d_model, int(heads.size()), c.head_dim(), int(ff.size())};
+    const zp::tp::Range width{heads.begin * hd, heads.end * hd};
+
+    // Tensors in the full model's order, k = 0, 1, ...: the initialisation draws element i of
+    // tensor k from (seed, k, full index of i), so every rank draws its part alone.
     int k = 0;
-    auto init = [&](zp::Param<T>& p, std::size_t n, double std_dev, double constant = 0) {
-      p = zp::Param<T>(n);
-      auto& v = init_.emplace_back(n);
-      for (std::size_t i = 0; i < n; ++i)
-        v[i] = detail::to_storage<T>(std_dev == 0 ? constant : std_dev * normal(seed, std::uint64_t(k), i));
-      p.value.rebind(v.data());
-      ++k;
+    const auto split = zp::TensorParallel::split, replicated = zp::TensorParallel::replicated;
+    auto add = [&](int module, std::string name, const Slice& sl, zp::TensorParallel kind, double std_dev,
+                   double constant = 0) {
+      const int tensor = k++;
+      if (module < first_ || module >= end_) return;
+      Tensor& t = tensors_.emplace_back();
+      t.name = std::move(name);
+      t.module = module;
+      t.slice = sl;
+      t.tp = kind;
+      t.param = zp::Param<T>(sl.size());
+      t.init.resize(sl.size());
+      for (std::size_t i = 0; i < sl.size(); ++i)
+        t.init[i] = detail::to_storage<T>(std_dev == 0 ? constant
+                                                       : std_dev * normal(seed, std::uint64_t(tensor), sl.full_index(i)));
     };
-    init_.reserve(std::size_t(2 + block_tensors * c.layers + 3));
-    init(wte_, V * d, 0.02);
-    init(wpe_, std::size_t(c.context) * d, 0.02);
-    h_.resize(std::size_t(c.layers));
+    const std::size_t C = std::size_t(c.context), D4 = 4 * d;
+    add(0, "wte.weight", {V, d, vocab_, {0, d}, 1}, split, 0.02);
+    add(0, "wpe.weight", Slice::all(C, d), replicated, 0.02);
     const double proj = 0.02 / std::sqrt(2.0 * c.layers);  // GPT-2: residual projections scaled by 1/sqrt(2L)
-    const auto sizes = block_tensor_sizes(c);
-    for (auto& blk : h_)
+    for (int l = 0; l < c.layers; ++l) {
+      const std::string h = "h." + std::to_string(l) + ".";
+      const Slice slices[block_tensors] = {
+          Slice::all(1, d), Slice::all(1, d), {d, 3 * d, {0, d}, width, 3}, {1, 3 * d, {0, 1}, width, 3},
+          {d, d, width, {0, d}, 1}, Slice::all(1, d), Slice::all(1, d), Slice::all(1, d),
+          {d, D4, {0, d}, ff, 1}, {1, D4, {0, 1}, ff, 1}, {D4, d, ff, {0, d}, 1}, Slice::all(1, d)};
       for (int t = 0; t < block_tensors; ++t) {
         const bool ln_gain = t == ln_1_weight || t == ln_2_weight, bias = t % 2 == 1;
-        const double s = t == attn_c_proj_weight || t == mlp_c_proj_weight ? proj : 0.02;
-        init(blk[std::size_t(t)], sizes[std::size_t(t)], ln_gain || bias ? 0.0 : s, ln_gain ? 1.0 : 0.0);
+        const bool split_t = t == c_attn_weight || t == c_attn_bias || t == attn_c_proj_weight || t == c_fc_weight ||
+                             t == c_fc_bias || t == mlp_c_proj_weight;
+        const double sd = t == attn_c_proj_weight || t == mlp_c_proj_weight ? proj : 0.02;
+        add(1 + l, h + block_tensor_names[t], slices[t], split_t ? split : replicated, ln_gain || bias ? 0.0 : sd,
+            ln_gain ? 1.0 : 0.0);
       }
-    init(ln_f_weight_, d, 0.0, 1.0);
-    init(ln_f_bias_, d, 0.0, 0.0);
-    init(lm_head_, d * V, 0.02);
+    }
+    add(c.layers + 1, "ln_f.weight", Slice::all(1, d), replicated, 0.0, 1.0);
+    add(c.layers + 1, "ln_f.bias", Slice::all(1, d), replicated, 0.0, 0.0);
+    add(c.layers + 1, "lm_head.weight", {d, V, {0, d}, vocab_, 1}, split, 0.02);
+    for (Tensor& t : tensors_) t.param.value.rebind(t.init.data());
+    for (int m = first_; m < end_; ++m) {
+      module_begin_.push_back(0);
+      while (module_begin_.back() < tensors_.size() && tensors_[module_begin_.back()].module < m) ++module_begin_.back();
+    }
+    module_begin_.push_back(tensors_.size());
   }
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const Config& config() const { return cfg_; }
-  int modules() const { return cfg_.layers + 2; }
+  int modules() const { return cfg_.layers + 2; }  // of the whole model
+  int first_module() const { return first_; }      // this rank's modules: [first, end)
+  int end_module() const { return end_; }
+  bool has_loss() const { return end_ == modules(); }
+  const BlockShape& block_shape() const { return shape_; }
+  zp::tp::Range vocab() const { return vocab_; }  // this rank's rows of wte and columns of lm_head
 
+  // This rank's tensors in forward order: name, module, where the part sits, and the views.
+  struct Tensor {
+    std::string name;
+    int module = 0;
+    Slice slice;
+    zp::TensorParallel tp = zp::TensorParallel::replicated;
+    zp::Param<T> param;
+    std::vector<T> init;  // initial values until zp rebinds the views
+  };
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+
+  // The engine's modules are this rank's, numbered from 0 (module m of the model is m - first).
   template <class V>
   friend void for_each_parameter(Model& m, V&& visit) {
-    visit("wte.weight", 0, m.wte_);
-    visit("wpe.weight", 0, m.wpe_);
-    for (int l = 0; l < m.cfg_.layers; ++l)
-      for (int t = 0; t < block_tensors; ++t)
-        visit("h." + std::to_string(l) + "." + block_tensor_names[t], 1 + l, m.h_[std::size_t(l)][std::size_t(t)]);
-    visit("ln_f.weight", m.cfg_.layers + 1, m.ln_f_weight_);
-    visit("ln_f.bias", m.cfg_.layers + 1, m.ln_f_bias_);
-    visit("lm_head.weight", m.cfg_.layers + 1, m.lm_head_);
+    for (Tensor& t : m.tensors_) visit(t.name, t.module - m.first_, t.param, t.tp);
   }
 
-  // Module m's forward for the micro-batch in a (a.tokens set for module 0).
+  // Module m's forward for the micro-batch in a (a.tokens set for module 0; a.x[m - 1] for others).
   void forward(int m, Activations<F>& a) {
     const Config& c = cfg_;
     const int rows = a.rows(c), d = c.d_model;
     load(m);
     if (m == 0) {
-      for (int r = 0; r < rows; ++r) {
-        const int tok = a.tokens[std::size_t(r)], pos = r % c.context;
-        ZP_EXPECT(tok >= 0 && tok < c.vocab, "gpt: token ", tok, " at position ", r, " is outside the vocabulary of ",
-                  c.vocab);
-        for (int i = 0; i < d; ++i)
-          a.x[0][std::size_t(r * d + i)] = wf_[0][std::size_t(tok * d + i)] + wf_[1][std::size_t(pos * d + i)];
-      }
+      for (int r = 0; r < rows; ++r)
+        ZP_EXPECT(a.tokens[std::size_t(r)] >= 0 && a.tokens[std::size_t(r)] < c.vocab, "gpt: token ",
+                  a.tokens[std::size_t(r)], " at position ", r, " is outside the vocabulary of ", c.vocab);
+      auto& x = a.x[0];
+      zp::tp::embedding_forward(tp_, vocab_, std::span<const F>(wf_[0]), std::span<const int>(a.tokens), std::size_t(d),
+                                std::span<F>(x));
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < d; ++i) x[std::size_t(r * d + i)] += wf_[1][std::size_t((r % c.context) * d + i)];
     } else if (m <= c.layers) {
-      block_forward(c, a.batch, weights(), a.x[std::size_t(m - 1)].data(), a.x[std::size_t(m)].data(),
-                    a.blocks[std::size_t(m - 1)]);
+      block_forward(shape_, c.context, a.batch, weights(), a.x[std::size_t(m - 1)].data(), a.x[std::size_t(m)].data(),
+                    a.blocks[std::size_t(m - 1)], tp_);
     } else {
       layernorm_forward(a.lnf.data(), a.meanf.data(), a.rstdf.data(), a.x[std::size_t(c.layers)].data(),
                         wf_[0].data(), wf_[1].data(), rows, d);
-      matmul_forward(a.logits.data(), a.lnf.data(), wf_[2].data(), static_cast<const F*>(nullptr), rows, d, c.vocab);
+      a.logits.resize(std::size_t(rows) * vocab_.size());
+      matmul_forward(a.logits.data(), a.lnf.data(), wf_[2].data(), static_cast<const F*>(nullptr), rows, d,
+                     int(vocab_.size()));
     }
   }
 
-  // Mean cross-entropy over every position of the micro-batch; seeds a.dlogits with
-  // d(scale * loss)/d(logits) for backward.
+  // Mean cross-entropy over every position of the micro-batch (after the head's forward); seeds
+  // a.dlogits with d(scale * loss)/d(logits) for backward. Collective over the TP group.
   F loss(Activations<F>& a, float scale) {
-    const int rows = a.rows(cfg_), V = cfg_.vocab;
-    F total = 0;
-    for (int r = 0; r < rows; ++r) {
-      const F* z = a.logits.data() + std::size_t(r) * std::size_t(V);
-      F* g = a.dlogits.data() + std::size_t(r) * std::size_t(V);
-      const F mx = *std::max_element(z, z + V);
-      F se = 0;
-      for (int v = 0; v < V; ++v) se += (g[v] = std::exp(z[v] - mx));
-      const int t = a.targets[std::size_t(r)];
-      ZP_EXPECT(t >= 0 && t < V, "gpt: target ", t, " at position ", r, " is outside the vocabulary of ", V);
-      total += std::log(se) + mx - z[t];
-      for (int v = 0; v < V; ++v) g[v] = (g[v] / se - (v == t ? F(1) : F(0))) * F(scale) / F(rows);
-    }
-    return total / F(rows);
+    const int rows = a.rows(cfg_);
+    for (int r = 0; r < rows; ++r)
+      ZP_EXPECT(a.targets[std::size_t(r)] >= 0 && a.targets[std::size_t(r)] < cfg_.vocab, "gpt: target ",
+                a.targets[std::size_t(r)], " at position ", r, " is outside the vocabulary of ", cfg_.vocab);
+    a.dlogits.resize(a.logits.size());
+    return zp::tp::cross_entropy(tp_, vocab_, std::span<const F>(a.logits), std::span<const int>(a.targets),
+                                 std::span<F>(a.dlogits), F(scale));
   }
 
   // Module m's backward: adds its parameters' gradients into their grad views (zp's rule) and,
-  // for m > 0, writes a.dx[m - 1].
+  // for m > 0, writes a.dx[m - 1] from a.dx[m] (the head: from a.dlogits).
   void backward(int m, Activations<F>& a) {
     const Config& c = cfg_;
     const int rows = a.rows(c), d = c.d_model;
     load(m);
-    auto ps = params(m);
-    gf_.resize(ps.size());
-    for (std::size_t k = 0; k < ps.size(); ++k) gf_[k].assign(ps[k]->size(), F(0));
+    const std::size_t first = module_begin_[std::size_t(m - first_)], end = module_begin_[std::size_t(m - first_ + 1)];
+    gf_.resize(end - first);
+    for (std::size_t k = 0; k < gf_.size(); ++k) gf_[k].assign(tensors_[first + k].param.size(), F(0));
     if (m == 0) {
-      for (int r = 0; r < rows; ++r) {
-        const int tok = a.tokens[std::size_t(r)], pos = r % c.context;
-        for (int i = 0; i < d; ++i) {
-          const F g = a.dx[0][std::size_t(r * d + i)];
-          gf_[0][std::size_t(tok * d + i)] += g;
-          gf_[1][std::size_t(pos * d + i)] += g;
-        }
-      }
+      zp::tp::embedding_backward(vocab_, std::span<F>(gf_[0]), std::span<const int>(a.tokens), std::size_t(d),
+                                 std::span<const F>(a.dx[0]));
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < d; ++i) gf_[1][std::size_t((r % c.context) * d + i)] += a.dx[0][std::size_t(r * d + i)];
     } else if (m <= c.layers) {
       BlockGrads<F> g;
       for (int t = 0; t < block_tensors; ++t) g[std::size_t(t)] = gf_[std::size_t(t)].data();
-      block_backward(c, a.batch, weights(), g, a.x[std::size_t(m - 1)].data(), a.dx[std::size_t(m)].data(),
-                     a.dx[std::size_t(m - 1)].data(), a.blocks[std::size_t(m - 1)]);
+      block_backward(shape_, c.context, a.batch, weights(), g, a.x[std::size_t(m - 1)].data(), a.dx[std::size_t(m)].data(),
+                     a.dx[std::size_t(m - 1)].data(), a.blocks[std::size_t(m - 1)], tp_);
     } else {
       std::vector<F> dln(std::size_t(rows) * std::size_t(d));
       matmul_backward(dln.data(), gf_[2].data(), static_cast<F*>(nullptr), a.dlogits.data(), a.lnf.data(),
-                      wf_[2].data(), rows, d, c.vocab);
+                      wf_[2].data(), rows, d, int(vocab_.size()));
+      tp_.all_reduce(std::span<F>(dln));  // lm_head is column-parallel
       auto& dx = a.dx[std::size_t(c.layers)];
       std::fill(dx.begin(), dx.end(), F(0));
       layernorm_backward(dx.data(), gf_[0].data(), gf_[1].data(), dln.data(), a.x[std::size_t(c.layers)].data(),
                          a.meanf.data(), a.rstdf.data(), wf_[0].data(), rows, d);
     }
-    for (std::size_t k = 0; k < ps.size(); ++k) {
-      zp::View<T>& gv = ps[k]->grad;
+    for (std::size_t k = 0; k < gf_.size(); ++k) {
+      zp::View<T>& gv = tensors_[first + k].param.grad;
       for (std::size_t i = 0; i < gv.size(); ++i)
         gv[i] = detail::to_storage<T>(detail::to_compute<F>(gv[i]) + gf_[k][i]);
     }
@@ -477,23 +561,14 @@ class Model {
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
   }
 
-  std::vector<zp::Param<T>*> params(int m) {
-    if (m == 0) return {&wte_, &wpe_};
-    if (m <= cfg_.layers) {
-      std::vector<zp::Param<T>*> ps;
-      for (auto& p : h_[std::size_t(m - 1)]) ps.push_back(&p);
-      return ps;
-    }
-    return {&ln_f_weight_, &ln_f_bias_, &lm_head_};
-  }
-
   // Module m's parameters in the compute type, into wf_ (one vector per tensor).
   void load(int m) {
-    ZP_EXPECT(m >= 0 && m < modules(), "gpt: module ", m, " is not in [0, ", modules(), ")");
-    auto ps = params(m);
-    wf_.resize(ps.size());
-    for (std::size_t k = 0; k < ps.size(); ++k) {
-      const zp::View<T>& v = ps[k]->value;
+    ZP_EXPECT(m >= first_ && m < end_, "gpt: module ", m, " is not one of this rank's modules [", first_, ", ", end_,
+              ")");
+    const std::size_t first = module_begin_[std::size_t(m - first_)], end = module_begin_[std::size_t(m - first_ + 1)];
+    wf_.resize(end - first);
+    for (std::size_t k = 0; k < wf_.size(); ++k) {
+      const zp::View<T>& v = tensors_[first + k].param.value;
       wf_[k].resize(v.size());
       for (std::size_t i = 0; i < v.size(); ++i) wf_[k][i] = detail::to_compute<F>(v[i]);
     }
@@ -505,11 +580,74 @@ class Model {
   }
 
   Config cfg_;
-  zp::Param<T> wte_, wpe_;
-  std::vector<std::array<zp::Param<T>, block_tensors>> h_;
-  zp::Param<T> ln_f_weight_, ln_f_bias_, lm_head_;
-  std::vector<std::vector<T>> init_;      // initial values until zp rebinds the views
-  std::vector<std::vector<F>> wf_, gf_;   // the current module's weights and gradients in F
+  zp::tp::Group<F> tp_;
+  int first_ = 0, end_ = 0;
+  zp::tp::Range vocab_;
+  BlockShape shape_;
+  std::vector<Tensor> tensors_;
+  std::vector<std::size_t> module_begin_;  // tensors_ index of each of this rank's modules, and the end
+  std::vector<std::vector<F>> wf_, gf_;    // the current module's weights and gradients in F
 };
+
+// The modules of pipeline stage `stage` of `stages`: the model's layers + 2 modules cut into
+// contiguous ranges of nearly equal count.
+inline std::pair<int, int> pipeline_stage(const Config& c, int stages, int stage) {
+  ZP_EXPECT(stages >= 1 && stages <= c.layers + 2, "gpt: ", stages, " pipeline stages for a model of ", c.layers + 2,
+            " modules (", c.layers, " layers + embedding + head); at most one stage per module");
+  const zp::tp::Range r = zp::tp::split(std::size_t(c.layers + 2), stages, stage);
+  return {int(r.begin), int(r.end)};
+}
+
+// What one optimizer step of train_step() did on this rank.
+struct StepOut {
+  zp::StepResult result;  // the flush's engine.step(): the accumulation boundary
+  double loss = 0;        // mean over the step's micro-batches on a last-stage rank, else 0
+};
+
+// One optimizer step of a rank's part of the model on any grid: the pipeline runner's schedule
+// over the engine's accumulation window (one micro-batch per accumulation step), each module
+// inside the engine's guards, engine.step() after every micro-batch's backward, the last one
+// after the flush: the accumulation boundary. ZeRO's reductions overlap the rest of the
+// schedule. slots: runner.slots() activation sets, reused as the runner says; fill(micro, a)
+// writes the micro-batch's tokens and targets.
+template <class E, class B, class T, class F, class Fill>
+StepOut train_step(E& engine, Model<T, F>& model, zp::pipeline::Runner<B, F>& runner,
+                   std::vector<Activations<F>>& slots, Fill&& fill) {
+  ZP_EXPECT(runner.micro_batches() == engine.batch().gradient_accumulation_steps, "gpt: the pipeline runs ",
+            runner.micro_batches(), " micro-batches per flush but the engine accumulates ",
+            engine.batch().gradient_accumulation_steps, "; they must be equal");
+  ZP_EXPECT(slots.size() >= std::size_t(runner.slots()), "gpt: ", slots.size(), " activation sets for ",
+            runner.slots(), " pipeline slots");
+  const int first = model.first_module(), end = model.end_module();
+  StepOut out;
+  int backwards = 0;
+  runner.run(
+      [&](int micro, int slot, std::span<const F> in, std::span<F> to_next) {
+        Activations<F>& a = slots[std::size_t(slot)];
+        fill(micro, a);
+        if (first > 0) std::copy(in.begin(), in.end(), a.x[std::size_t(first - 1)].begin());
+        for (int m = first; m < end; ++m) {
+          auto guard = engine.forward(m - first);
+          model.forward(m, a);
+        }
+        if (model.has_loss()) out.loss += double(model.loss(a, engine.loss_scale()));
+        else std::copy_n(a.x[std::size_t(end - 1)].begin(), to_next.size(), to_next.begin());
+      },
+      [&](int, int slot, std::span<const F> from_next, std::span<F> to_prev) {
+        Activations<F>& a = slots[std::size_t(slot)];
+        if (!model.has_loss()) std::copy(from_next.begin(), from_next.end(), a.dx[std::size_t(end - 1)].begin());
+        for (int m = end - 1; m >= first; --m) {
+          auto guard = engine.backward(m - first);
+          model.backward(m, a);
+        }
+        if (first > 0) std::copy_n(a.dx[std::size_t(first - 1)].begin(), to_prev.size(), to_prev.begin());
+        if (++backwards < runner.micro_batches()) engine.step();
+      });
+  // The boundary's step() is collective over the replica's stages (the gradient norm): it must
+  // come after the runner sent the last input gradient, which the previous stage still awaits.
+  out.result = engine.step();
+  out.loss /= double(runner.micro_batches());
+  return out;
+}
 
 }  // namespace gpt

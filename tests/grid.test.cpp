@@ -16,7 +16,7 @@ using zp::backend::Threads;
 
 namespace {
 
-// Every rank checks its coordinates and its three groups against the order of grid.hpp,
+// Every rank checks its coordinates and its four groups against the order of grid.hpp,
 // computed here independently: members of a group, in rank order, and the sum of their world
 // ranks by an all_reduce in the group.
 void check_grid(GridShape s) {
@@ -37,12 +37,15 @@ void check_grid(GridShape s) {
       int size, coord;
       std::vector<int> members;
     };
-    std::vector<int> tp, dp, pp;
+    std::vector<int> tp, dp, pp, mp;
     for (int t = 0; t < s.tp; ++t) tp.push_back(t + s.tp * (want.dp + s.dp * want.pp));
     for (int d = 0; d < s.dp; ++d) dp.push_back(want.tp + s.tp * (d + s.dp * want.pp));
     for (int p = 0; p < s.pp; ++p) pp.push_back(want.tp + s.tp * (want.dp + s.dp * p));
+    for (int p = 0; p < s.pp; ++p)
+      for (int t = 0; t < s.tp; ++t) mp.push_back(t + s.tp * (want.dp + s.dp * p));
     for (const Group& grp : {Group{&g.tp(), s.tp, want.tp, tp}, Group{&g.dp(), s.dp, want.dp, dp},
-                             Group{&g.pp(), s.pp, want.pp, pp}}) {
+                             Group{&g.pp(), s.pp, want.pp, pp},
+                             Group{&g.model_parallel(), s.tp * s.pp, want.tp + s.tp * want.pp, mp}}) {
       CHECK(grp.comm->size() == grp.size);
       CHECK(grp.comm->rank() == grp.coord);
       CHECK(grp.members[std::size_t(grp.coord)] == r);
@@ -58,7 +61,7 @@ void check_grid(GridShape s) {
 
 }  // namespace
 
-TEST_CASE("a DP x TP x PP grid: Megatron's rank order, three groups per rank, each with its members") {
+TEST_CASE("a DP x TP x PP grid: Megatron's rank order, four groups per rank (tp, dp, pp, model parallel), each with its members") {
   for (int dp : {1, 2})
     for (int tp : {1, 2})
       for (int pp : {1, 2}) check_grid({.dp = dp, .tp = tp, .pp = pp});

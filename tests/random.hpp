@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 
@@ -27,6 +28,17 @@ inline std::uint64_t fresh_seed() {
   if (const char* e = std::getenv("ZP_TEST_SEED")) return std::strtoull(e, nullptr, 10);
   std::random_device rd;
   return (std::uint64_t(rd()) << 32) | rd();
+}
+
+// The seed of this test program's run (fresh_seed), printed once with how to repeat the run.
+inline std::uint64_t run_seed(const char* program) {
+  static const std::uint64_t s = [program] {
+    const std::uint64_t v = fresh_seed();
+    std::printf("%s: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", program, (unsigned long long)v,
+                (unsigned long long)v);
+    return v;
+  }();
+  return s;
 }
 
 }  // namespace zp::test

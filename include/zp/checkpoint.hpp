@@ -455,12 +455,26 @@ void on_every_rank(Collective<B>& comm, F&& f) {
 // an opaque user blob (data position, RNG, schedule state). Collective; only at an accumulation
 // boundary. A tag that already exists is an error (checkpoints are never overwritten in place).
 // Extra memory: none on the host (files are written straight from the engine's buffers).
+
+namespace ckpt {
+// Checkpoints name tensors as the model does; under tensor or pipeline parallelism several
+// ranks hold different tensors (or slices) under one name, which one directory cannot tell
+// apart yet.
+template <class E>
+void expect_data_parallel(E& engine, const char* what) {
+  ZP_EXPECT(engine.model_parallel() == nullptr, what, ": the engine spans a tensor/pipeline-parallel grid (",
+            engine.model_parallel() ? engine.model_parallel()->size() : 1,
+            " model-parallel ranks); checkpoints support data parallelism only for now");
+}
+}  // namespace ckpt
+
 template <class E>
 void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::string& tag,
                      std::span<const std::byte> user = {}) {
   using T = typename E::value_type;
   auto& comm = engine.comm();
   engine.expect_at_boundary("save_checkpoint()");
+  ckpt::expect_data_parallel(engine, "save_checkpoint()");
   const auto& part = engine.partition();
   const Layout& L = engine.layout();
   const auto& opt = engine.optimizer();
@@ -608,6 +622,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   using Opt = typename E::optimizer_type;
   auto& comm = engine.comm();
   engine.expect_at_boundary("load_checkpoint()");
+  ckpt::expect_data_parallel(engine, "load_checkpoint()");
   const Layout& L = engine.layout();
   std::optional<ckpt::Reader> rd;
   std::vector<std::size_t> idx;
@@ -843,6 +858,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
   using T = typename E::value_type;
   auto& comm = engine.comm();
   engine.expect_at_boundary("export_safetensors()");
+  ckpt::expect_data_parallel(engine, "export_safetensors()");
   const Layout& L = engine.layout();
   const auto& part = engine.partition();
   const bool master = o.master;
@@ -924,6 +940,7 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
   using T = typename E::value_type;
   auto& comm = engine.comm();
   engine.expect_at_boundary("load_safetensors()");
+  ckpt::expect_data_parallel(engine, "load_safetensors()");
   const Layout& L = engine.layout();
   const auto& part = engine.partition();
   ckpt::on_every_rank(comm, [&] {

@@ -21,6 +21,8 @@
 // shards), unscale + clip + optimizer update of this rank's shard (optim::cpu::step), writes the
 // T shard, then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
 // An overflow anywhere skips the update on every rank and changes nothing but the loss scaler.
+// Built from a ProcessGrid, the engine shards over the DP group and sums the statistics over
+// the replica's TP x PP ranks as well (the norm of the whole model, replicated parameters once).
 //
 // Averaging: buckets reduce with ReduceOp::avg (sum in rank order, one division, one rounding to
 // T), and the 1/(loss_scale * accumulation_steps * clip) factor is folded into the optimizer's
@@ -50,6 +52,7 @@
 #include "zp/bucket.hpp"
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
+#include "zp/grid.hpp"
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
 #include "zp/optim/cpu.hpp"
@@ -306,6 +309,21 @@ class Engine {
     window_start_ = Clock::now();
   }
 
+  // 3D parallelism (grid.hpp): ZeRO over the grid's DP group; the model holds one TP x PP part
+  // of the network (its TP-split parameters marked TensorParallel::split), and the gradient
+  // norm, the overflow check and the hyper-parameter check span the whole replica
+  // (model_parallel(): the statistics are summed over it too, replicated parameters counted on
+  // TP rank 0 only). The grid must outlive the engine. Collective over the world.
+  template <class M>
+    requires Model<M, T>
+  Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
+      : Engine(grid.dp(), model, std::move(config), optimizer) {
+    if (grid.model_parallel().size() > 1) {
+      mp_ = &grid.model_parallel();
+      tp_rank_ = grid.coords().tp;
+    }
+  }
+
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -405,15 +423,18 @@ class Engine {
     optim::validate(opt_);
     optim::GradStats local;
     for (int s = 0; s < L.segment_count(); ++s)
-      local = local + (f32_grads() ? optim::cpu::grad_stats(std::span<const float>(part_.grad_f32_piece(s)),
-                                                            config_.optimizer_options)
-                                   : optim::cpu::grad_stats(std::span<const T>(part_.grad_piece(s)),
-                                                            config_.optimizer_options));
+      local = local + (f32_grads() ? piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)))
+                                   : piece_stats(s, std::span<const T>(part_.grad_piece(s))));
     const std::uint64_t fp = optim::fingerprint(opt_);
     const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
     double global[statistics_count] = {local.sumsq, local.finite ? 0.0 : 1.0, h0, h0 * h0, h1, h1 * h1};
-    in_context("step()", [&] { comm_->all_reduce(std::span<double>(global), ReduceOp::sum); });
-    const double n = double(comm_->size());
+    // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
+    // with the same sums (each DP group's are equal, and the second sum runs in one order).
+    in_context("step()", [&] {
+      comm_->all_reduce(std::span<double>(global), ReduceOp::sum);
+      if (mp_) mp_->all_reduce(std::span<double>(global), ReduceOp::sum);
+    });
+    const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
     phase(&StepTimes::statistics);
     ZP_EXPECT(global[2] == n * h0 && global[3] == n * h0 * h0 && global[4] == n * h1 && global[5] == n * h1 * h1,
               "engine: the optimizer's hyper-parameters differ between ranks at ", where(), " (rank ",
@@ -480,7 +501,9 @@ class Engine {
   std::int64_t steps() const noexcept { return step_; }
   const Layout& layout() const noexcept { return part_.layout(); }
   const Partitioned<T, Stage, S>& partition() const noexcept { return part_; }
-  Collective<B>& comm() noexcept { return *comm_; }
+  Collective<B>& comm() noexcept { return *comm_; }  // the data-parallel group
+  // The replica's TP x PP group (engines built from a grid with tp * pp > 1), else null.
+  Collective<B>* model_parallel() noexcept { return mp_; }
   // Where training stands: what a checkpoint (checkpoint.hpp) saves besides the buffers.
   struct Progress {
     std::int64_t step = 0;        // optimizer updates applied
@@ -785,6 +808,26 @@ class Engine {
     }
   }
 
+  // Gradient statistics of this rank's piece of segment s. Under tensor parallelism, TP ranks
+  // other than 0 leave their replicated parameters out of the squared norm (TP rank 0 counts
+  // them for the group); every element still counts for the overflow check.
+  template <class G>
+  optim::GradStats piece_stats(int s, std::span<const G> piece) const {
+    optim::GradStats all = optim::cpu::grad_stats(piece, config_.optimizer_options);
+    if (!mp_ || tp_rank_ == 0) return all;
+    const Layout& L = part_.layout();
+    const std::size_t begin = L.piece_offset(s, comm_->rank()), end = begin + piece.size();
+    double sumsq = 0;
+    for (int p : L.segment(s).params) {
+      const auto& lp = L.params()[std::size_t(p)];
+      const std::size_t b = std::max(begin, lp.offset), e = std::min(end, lp.offset + lp.size);
+      if (b < e && bound_.params[std::size_t(p)].tp == TensorParallel::split)
+        sumsq += optim::cpu::grad_stats(piece.subspan(b - begin, e - b), config_.optimizer_options).sumsq;
+    }
+    all.sumsq = sumsq;
+    return all;
+  }
+
   // ---- stage 3: gather, prefetch, release ----------------------------------------------------
 
   void gather(int m) {
@@ -901,6 +944,8 @@ class Engine {
   }
 
   Collective<B>* comm_;
+  Collective<B>* mp_ = nullptr;  // the replica's TP x PP group when it has more than one rank
+  int tp_rank_ = 0;
   EngineConfig config_;
   BatchConfig batch_;
   Opt opt_;

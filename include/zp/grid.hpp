@@ -9,8 +9,12 @@
 // point-to-point traffic is the smallest).
 //
 //   zp::ProcessGrid grid(world, {.dp = 2, .tp = 2, .pp = 2});
-//   zp::Engine<B, bf16, 2> engine(grid.dp(), model, ...);   // ZeRO over the DP group only
-//   grid.tp().all_reduce(...);                               // a row-parallel layer's output
+//   zp::Engine<B, bf16, 2> engine(grid, model, ...);   // ZeRO over the DP group only
+//   grid.tp().all_reduce(...);                          // a row-parallel layer's output
+//
+// A fourth group, model_parallel(), holds the TP x PP ranks of one replica (the same dp
+// coordinate): together they hold the whole model once, so the engine sums its gradient norm
+// and overflow check over it (engine.hpp).
 #pragma once
 
 #include <optional>
@@ -38,7 +42,7 @@ constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
   return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
 }
 
-// Splits `world` into the three groups. Collective over world (three splits, in the same order
+// Splits `world` into the groups. Collective over world (four splits, in the same order
 // on every rank). The world must outlive the grid only as far as the backend requires; the
 // groups are communicators of their own.
 template <Backend B>
@@ -56,6 +60,7 @@ class ProcessGrid {
     tp_.emplace(world.split(me_.dp + shape.dp * me_.pp, me_.tp));
     dp_.emplace(world.split(me_.tp + shape.tp * me_.pp, me_.dp));
     pp_.emplace(world.split(me_.tp + shape.tp * me_.dp, me_.pp));
+    mp_.emplace(world.split(me_.dp, me_.tp + shape.tp * me_.pp));
   }
 
   const GridShape& shape() const noexcept { return shape_; }
@@ -73,6 +78,8 @@ class ProcessGrid {
   Collective<B>& dp() noexcept { return *dp_; }
   Collective<B>& tp() noexcept { return *tp_; }
   Collective<B>& pp() noexcept { return *pp_; }
+  // One replica's TP x PP ranks; rank() = tp + TP * pp.
+  Collective<B>& model_parallel() noexcept { return *mp_; }
   bool first_stage() const noexcept { return me_.pp == 0; }
   bool last_stage() const noexcept { return me_.pp == shape_.pp - 1; }
 
@@ -80,7 +87,7 @@ class ProcessGrid {
   GridShape shape_;
   int world_rank_;
   GridCoords me_;
-  std::optional<Collective<B>> tp_, dp_, pp_;
+  std::optional<Collective<B>> tp_, dp_, pp_, mp_;
 };
 
 }  // namespace zp

@@ -7,7 +7,7 @@
 //   void for_each_parameter(MyModel& m, Visit&& visit) {
 //     visit("fc1.weight", 0, m.w1, m.gw1);   // name, module, View<T>& value, View<T>& grad
 //     visit("fc1.bias",   0, m.fc1_bias);    // or a zp::Param<T> holding both views
-//     visit("fc2.weight", 1, m.w2, m.gw2);
+//     visit("fc2.weight", 1, m.w2, m.gw2, zp::TensorParallel::split);  // this rank's slice
 //   }
 //
 // Rules (checked by zp::bind_parameters, with messages naming the parameter):
@@ -24,16 +24,21 @@
 //    gradient memory when a new accumulation window (or, stage 2/3, a micro-step) starts.
 //  - Stage 3 binds a module's value and grad views only inside the engine's guards for that
 //    module; outside them data() is null.
+//  - Under tensor parallelism (grid.hpp, tensor_parallel.hpp) a parameter is either replicated
+//    (the same on every TP rank: layer norms, row-parallel biases; the default) or split (each TP
+//    rank holds a different slice); the engine counts replicated ones once in the gradient norm.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -101,23 +106,34 @@ struct Param {
   std::size_t size() const noexcept { return value.size(); }
 };
 
+// How a parameter is held across a tensor-parallel group (model.hpp's rules).
+enum class TensorParallel : std::uint8_t { replicated, split };
+
 // What zp learns about one parameter from the model.
 struct ParamInfo {
   std::string name;
   int module = 0;
   std::size_t size = 0;
+  TensorParallel tp = TensorParallel::replicated;
 };
 
 namespace detail {
 
-// The visitor zp passes to for_each_parameter: accepts both spellings and forwards to f.
+// The visitor zp passes to for_each_parameter: accepts both spellings, with or without the
+// tensor-parallel kind, and forwards to f(name, module, value, grad[, tp]).
 template <class T, class F>
 struct ParamVisitor {
   F& f;
-  void operator()(std::string_view name, int module, View<T>& value, View<T>& grad) {
-    f(name, module, value, grad);
+  void operator()(std::string_view name, int module, View<T>& value, View<T>& grad,
+                  TensorParallel tp = TensorParallel::replicated) {
+    if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&, TensorParallel>)
+      f(name, module, value, grad, tp);
+    else
+      f(name, module, value, grad);
   }
-  void operator()(std::string_view name, int module, Param<T>& p) { f(name, module, p.value, p.grad); }
+  void operator()(std::string_view name, int module, Param<T>& p, TensorParallel tp = TensorParallel::replicated) {
+    (*this)(name, module, p.value, p.grad, tp);
+  }
 };
 
 }  // namespace detail
@@ -135,7 +151,8 @@ concept Model = requires(M& m, detail::ParamVisitor<T, detail::IgnoreParam>& v) 
   for_each_parameter(m, v);
 };
 
-// Calls f(name, module, View<T>& value, View<T>& grad) for each parameter, in forward order.
+// Calls f(name, module, View<T>& value, View<T>& grad) -- or, if f takes it, f(..., TensorParallel)
+// -- for each parameter, in forward order.
 template <class T, class M, class F>
   requires Model<M, T>
 void visit_parameters(M& model, F&& f) {
@@ -161,7 +178,7 @@ template <class T, class M>
 BoundParameters<T> bind_parameters(M& model) {
   BoundParameters<T> out;
   std::vector<std::pair<const View<T>*, std::size_t>> seen;  // every view, with its parameter
-  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad) {
+  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad, TensorParallel tp) {
     const std::string n(name);
     const auto& ps = out.params;
     ZP_EXPECT(!n.empty(), "model: parameter #", ps.size(), " has an empty name");
@@ -175,7 +192,7 @@ BoundParameters<T> bind_parameters(M& model) {
               "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
     ZP_EXPECT(!ps.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
               module, "; modules are numbered from 0");
-    out.params.push_back({n, module, value.size()});
+    out.params.push_back({n, module, value.size(), tp});
     out.values.push_back(&value);
     out.grads.push_back(&grad);
     seen.push_back({&value, ps.size() - 1});

@@ -1,5 +1,6 @@
 // zp/zp.hpp: everything that builds with a plain C++20 compiler: the collectives and the threads
-// backend, the ZeRO engine, the CPU optimizers, the loss scaler and the LR schedules. The mpi
+// backend, the ZeRO engine, the process grid with tensor- and pipeline-parallel pieces, the CPU
+// optimizers, the loss scaler and the LR schedules. The mpi
 // and nccl backends, the CUDA kernels and the zp::io headers (checkpoints, safetensors,
 // ds_config) have their own (README.md, "Using zp").
 #pragma once
@@ -17,5 +18,7 @@
 #include "zp/optim/cpu.hpp"
 #include "zp/optim/optimizer.hpp"
 #include "zp/partition.hpp"
+#include "zp/pipeline.hpp"
 #include "zp/precision.hpp"
 #include "zp/schedule.hpp"
+#include "zp/tensor_parallel.hpp"

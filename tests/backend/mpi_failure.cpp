@@ -4,6 +4,9 @@
 //                       its backend, destroyed during unwinding, aborts the job naming rank 1.
 //   mpi_failure silent  rank 1 skips the third collective (and stays busy): the others' watchdog
 //                       aborts the job after the 1.5 s timeout, naming the operation.
+//   mpi_failure recv    rank 0 receives from rank 1, which never sends (a pipeline stage that
+//                       died): the watchdog aborts the job after the timeout, naming the recv
+//                       and the peer.
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
@@ -24,8 +27,13 @@ int main(int argc, char** argv) {
     comm.all_reduce(std::span<float>(a));  // call #1
     comm.barrier();                        // call #2
     if (comm.rank() == 1 && mode == "throw") throw std::runtime_error("loss exploded on rank 1");
-    if (comm.rank() == 1 && mode == "silent") {
+    if (comm.rank() == 1 && (mode == "silent" || mode == "recv")) {
       std::this_thread::sleep_for(std::chrono::seconds(40));
+      return 0;
+    }
+    if (mode == "recv") {
+      if (comm.rank() == 0) comm.recv(std::span<float>(a), 1);  // call #3
+      std::this_thread::sleep_for(std::chrono::seconds(40));    // the other ranks: idle, not in zp
       return 0;
     }
     comm.all_reduce(std::span<float>(a));  // call #3

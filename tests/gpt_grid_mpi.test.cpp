@@ -1,0 +1,77 @@
+// The transformer of examples/gpt.hpp on every DP x TP x PP grid of 4 mpi processes and every
+// ZeRO stage: each process compares its part with a single-rank run of the same global batch
+// (computed in the process on the threads backend), as tests/gpt_grid.test.cpp does on threads.
+#include "zp/backend/mpi.hpp"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <map>
+
+#include "gpt_grid.hpp"
+
+using zp::Collective;
+using zp::backend::Mpi;
+namespace g = zp::test::grid;
+
+namespace {
+
+std::uint64_t& seed() {
+  static std::uint64_t s = zp::test::fresh_seed();
+  return s;
+}
+
+// The bound of gpt_grid.test.cpp: MPI's reductions round in their own order, which changes
+// nothing at this scale.
+constexpr double tolerance = 1e-6;
+
+template <int Stage>
+void check(Collective<Mpi>& world, zp::GridShape shape) {
+  CAPTURE(shape.dp);
+  CAPTURE(shape.tp);
+  CAPTURE(shape.pp);
+  CAPTURE(Stage);
+  static std::map<int, g::Reference> refs;
+  if (!refs.count(shape.dp)) refs.emplace(shape.dp, g::reference(seed(), shape.dp));
+  const g::Reference& ref = refs.at(shape.dp);
+  const g::RankResult r = g::train<Stage>(world, {.seed = seed(), .shape = shape});
+  const g::Agreement a = g::compare(r, ref);
+  CHECK(a.max_diff <= tolerance);
+  CHECK(a.compared > 0);
+  for (std::size_t s = 0; s < r.norms.size(); ++s) CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
+  double worst = a.max_diff;
+  world.all_reduce(std::span<double>(&worst, 1), zp::ReduceOp::max);
+  if (world.rank() == 0)
+    std::printf("gpt_grid_mpi: dp %d x tp %d x pp %d, stage %d: max |grid - single rank| = %.2e\n", shape.dp, shape.tp,
+                shape.pp, Stage, worst);
+}
+
+template <int Stage>
+void every_grid(Collective<Mpi>& world) {
+  REQUIRE(world.size() == 4);
+  for (zp::GridShape s : {zp::GridShape{4, 1, 1}, zp::GridShape{1, 4, 1}, zp::GridShape{1, 1, 4},
+                          zp::GridShape{2, 2, 1}, zp::GridShape{2, 1, 2}, zp::GridShape{1, 2, 2}})
+    check<Stage>(world, s);
+}
+
+}  // namespace
+
+TEST_CASE("GPT on every grid of 4 mpi processes, every ZeRO stage, agrees with one rank") {
+  Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(120)})};
+  every_grid<0>(world);
+  every_grid<1>(world);
+  every_grid<2>(world);
+  every_grid<3>(world);
+}
+
+int main(int argc, char** argv) {
+  zp::backend::MpiEnvironment env(&argc, &argv);
+  MPI_Bcast(&seed(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // every process trains on rank 0's data
+  if (env.world_rank() == 0)
+    std::printf("gpt_grid_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", (unsigned long long)seed(),
+                (unsigned long long)seed());
+  doctest::Context ctx(argc, argv);
+  if (env.world_rank() != 0) ctx.setOption("minimal", true);
+  return ctx.run();
+}
