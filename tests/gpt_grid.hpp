@@ -147,7 +147,7 @@ struct Reference {
 inline Reference reference(std::uint64_t seed, int dp) {
   Reference ref;
   zp::backend::run_threads(1, [&](zp::Collective<zp::backend::Threads>& world) {
-    Run run{.seed = seed, .micro_batches = dp * micro_batches, .reference = true};
+    Run run{.seed = seed, .shape = {}, .micro_batches = dp * micro_batches, .reference = true};
     RankResult r = train<0>(world, run);
     for (std::size_t k = 0; k < r.names.size(); ++k) ref.tensors[r.names[k]] = std::move(r.values[k]);
     ref.norms = r.norms;

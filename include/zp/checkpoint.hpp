@@ -462,6 +462,9 @@ namespace ckpt {
 // apart yet.
 template <class E>
 void expect_data_parallel(E& engine, const char* what) {
+  static_assert(E::memory_space == MemorySpace::host,
+                "zp checkpoints read and write the engine's buffers in host memory; a device engine is not "
+                "supported yet (its buffers would have to be staged through host memory)");
   ZP_EXPECT(engine.model_parallel() == nullptr, what, ": the engine spans a tensor/pipeline-parallel grid (",
             engine.model_parallel() ? engine.model_parallel()->size() : 1,
             " model-parallel ranks); checkpoints support data parallelism only for now");

@@ -18,7 +18,7 @@
 //
 // step(), called after every micro-step's backward, at the accumulation boundary: waits for the
 // buckets, one all_reduce of two doubles (sum of squared gradient norms and count of non-finite
-// shards), unscale + clip + optimizer update of this rank's shard (optim::cpu::step), writes the
+// shards), unscale + clip + optimizer update of this rank's shard (Ops<S>::step), writes the
 // T shard, then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
 // An overflow anywhere skips the update on every rank and changes nothing but the loss scaler.
 // Built from a ProcessGrid, the engine shards over the DP group and sums the statistics over
@@ -222,10 +222,11 @@ class Engine {
   using Clock = std::chrono::steady_clock;
   static double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
   using Work = typename Collective<B>::Work;
-  using Host = Ops<S>;
+  using Mem = Ops<S>;  // every operation on zp's buffers (memory.hpp)
 
  public:
   static constexpr int stage = Stage;
+  static constexpr MemorySpace memory_space = S;  // where the engine's buffers live (the backend's)
   using value_type = T;
   using optimizer_type = Opt;
 
@@ -420,20 +421,24 @@ class Engine {
     // fingerprint, as two 16-bit halves h, is summed with h^2, exactly in double; the ranks agree
     // iff sum(h) = N h and sum(h^2) = N h^2 on every rank (the variance is then zero), and when
     // they do not, every rank sees it.
+    // The statistics live where the gradients do (stats_), so a device computes and reduces
+    // them without the host; to_host() is the step's one synchronisation.
     optim::validate(opt_);
-    optim::GradStats local;
-    for (int s = 0; s < L.segment_count(); ++s)
-      local = local + (f32_grads() ? piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)))
-                                   : piece_stats(s, std::span<const T>(part_.grad_piece(s))));
     const std::uint64_t fp = optim::fingerprint(opt_);
     const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
-    double global[statistics_count] = {local.sumsq, local.finite ? 0.0 : 1.0, h0, h0 * h0, h1, h1 * h1};
+    double global[statistics_count] = {0.0, 0.0, h0, h0 * h0, h1, h1 * h1};
+    Mem::from_host(stats_.span(), std::span<const double>(global));
+    for (int s = 0; s < L.segment_count(); ++s) {
+      if (f32_grads()) add_piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)));
+      else add_piece_stats(s, std::span<const T>(part_.grad_piece(s)));
+    }
     // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
     // with the same sums (each DP group's are equal, and the second sum runs in one order).
     in_context("step()", [&] {
-      comm_->all_reduce(std::span<double>(global), ReduceOp::sum);
-      if (mp_) mp_->all_reduce(std::span<double>(global), ReduceOp::sum);
+      comm_->all_reduce(stats_.span(), ReduceOp::sum);
+      if (mp_) mp_->all_reduce(stats_.span(), ReduceOp::sum);
     });
+    Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
     const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
     phase(&StepTimes::statistics);
     ZP_EXPECT(global[2] == n * h0 && global[3] == n * h0 * h0 && global[4] == n * h1 && global[5] == n * h1 * h1,
@@ -453,8 +458,8 @@ class Engine {
       const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
       const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
       for (int s = 0; s < L.segment_count(); ++s) {
-        if (f32_grads()) optim::cpu::step(opt_, scalars, shard_view<true>(s), config_.optimizer_options);
-        else optim::cpu::step(opt_, scalars, shard_view<false>(s), config_.optimizer_options);
+        if (f32_grads()) Mem::step(opt_, scalars, shard_view<true>(s), config_.optimizer_options);
+        else Mem::step(opt_, scalars, shard_view<false>(s), config_.optimizer_options);
       }
       phase(&StepTimes::optimizer);
       if constexpr (Stage == 1 || Stage == 2) {
@@ -470,8 +475,8 @@ class Engine {
     if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
       for (int m = 0; m < L.module_count(); ++m) release(m);
     if constexpr (Stage < 2) {
-      Host::zero(part_.grads());
-      Host::zero(part_.grads_f32());
+      Mem::zero(part_.grads());
+      Mem::zero(part_.grads_f32());
     }
     r.step = step_;
     const CommStats now = comm_->stats();
@@ -715,12 +720,12 @@ class Engine {
 
   void load_initial_values(const Layout& L) {
     Buffer<T, S> init(L.total(), "engine: initial parameter values");
-    Host::zero(init.span());
+    Mem::zero(init.span());
     const auto& ps = L.params();
     for (std::size_t p = 0; p < ps.size(); ++p) {
       View<T>& v = *bound_.values[p];
       if (v.bound()) {
-        Host::copy(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));
+        Mem::from_host(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));  // the model's own memory
       } else {
         ZP_EXPECT(config_.broadcast_initial_params && comm_->rank() != 0, "engine: parameter '", ps[p].name,
                   "' has no initial values on rank ", comm_->rank(),
@@ -732,13 +737,13 @@ class Engine {
       const auto& g = L.segment(s);
       const std::size_t mine = g.offset + std::size_t(comm_->rank()) * g.piece;
       if constexpr (Stage < 3)
-        Host::copy(part_.param_segment(s), std::span<const T>(init.span(g.offset, g.size)));
+        Mem::copy(part_.param_segment(s), std::span<const T>(init.span(g.offset, g.size)));
       else
-        Host::copy(part_.param_piece(s), std::span<const T>(init.span(mine, g.piece)));
+        Mem::copy(part_.param_piece(s), std::span<const T>(init.span(mine, g.piece)));
       if constexpr (Stage < 1)
-        Host::convert(part_.master_segment(s), std::span<const T>(init.span(g.offset, g.size)));
+        Mem::convert(part_.master_segment(s), std::span<const T>(init.span(g.offset, g.size)));
       else
-        Host::convert(part_.master_piece(s), std::span<const T>(init.span(mine, g.piece)));
+        Mem::convert(part_.master_piece(s), std::span<const T>(init.span(mine, g.piece)));
     }
     for (std::size_t p = 0; p < ps.size(); ++p) {
       bound_.values[p]->rebind(Stage < 3 ? part_.params().data() + ps[p].offset : nullptr);
@@ -808,24 +813,20 @@ class Engine {
     }
   }
 
-  // Gradient statistics of this rank's piece of segment s. Under tensor parallelism, TP ranks
-  // other than 0 leave their replicated parameters out of the squared norm (TP rank 0 counts
-  // them for the group); every element still counts for the overflow check.
+  // Adds the gradient statistics of this rank's piece of segment s into stats_[0..1]. Under
+  // tensor parallelism, TP ranks other than 0 leave out their replicated parameters: TP rank 0
+  // counts them (norm and overflow) for the group, whose copies are identical.
   template <class G>
-  optim::GradStats piece_stats(int s, std::span<const G> piece) const {
-    optim::GradStats all = optim::cpu::grad_stats(piece, config_.optimizer_options);
-    if (!mp_ || tp_rank_ == 0) return all;
+  void add_piece_stats(int s, std::span<const G> piece) {
+    if (!mp_ || tp_rank_ == 0) return Mem::grad_stats(piece, stats_.data(), config_.optimizer_options);
     const Layout& L = part_.layout();
     const std::size_t begin = L.piece_offset(s, comm_->rank()), end = begin + piece.size();
-    double sumsq = 0;
     for (int p : L.segment(s).params) {
       const auto& lp = L.params()[std::size_t(p)];
       const std::size_t b = std::max(begin, lp.offset), e = std::min(end, lp.offset + lp.size);
       if (b < e && bound_.params[std::size_t(p)].tp == TensorParallel::split)
-        sumsq += optim::cpu::grad_stats(piece.subspan(b - begin, e - b), config_.optimizer_options).sumsq;
+        Mem::grad_stats(piece.subspan(b - begin, e - b), stats_.data(), config_.optimizer_options);
     }
-    all.sumsq = sumsq;
-    return all;
   }
 
   // ---- stage 3: gather, prefetch, release ----------------------------------------------------
@@ -932,6 +933,16 @@ class Engine {
   }
   template <class U>
   std::vector<U> extract(std::span<const U> full) const {
+    if constexpr (S != MemorySpace::host) {  // through host memory
+      std::vector<U> host(full.size());
+      Mem::to_host(std::span<U>(host), full);
+      return extract_host(std::span<const U>(host));
+    } else {
+      return extract_host(full);
+    }
+  }
+  template <class U>
+  std::vector<U> extract_host(std::span<const U> full) const {
     std::vector<U> out;
     out.reserve(part_.layout().used());
     for (const auto& p : part_.layout().params())
@@ -955,6 +966,7 @@ class Engine {
   GradBuckets<T, B, S> buckets_;
   std::vector<ModuleState> mods_;
   std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
+  Buffer<double, S> stats_{statistics_count, "engine: step statistics"};  // step()'s all_reduce
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)

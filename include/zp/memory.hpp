@@ -1,11 +1,12 @@
-// zp/memory.hpp: where zp's buffers live and the few element-wise operations the engine runs on
-// them outside collectives and the optimizer (zero, copy, accumulate, convert).
+// zp/memory.hpp: where zp's buffers live and every operation the engine runs on them outside
+// collectives: zero, copy, accumulate, convert, the gradient statistics, the fused optimizer
+// step, and the transfers to and from host memory.
 //
 // Both are selected by a MemorySpace, which is a property of the backend (Backend::memory): the
-// threads and mpi backends use MemorySpace::host; the nccl backend will provide device
-// specialisations (cudaMallocAsync on its stream, kernels for the operations), so the engine does
-// not change when its buffers move to a GPU. Nothing here initialises memory implicitly: a new
-// Buffer's contents are unspecified until written, as with cudaMalloc.
+// threads and mpi backends use MemorySpace::host (here); device backends get the device
+// specialisations from zp/device.cuh (kernels on the calling rank's stream), so engine.hpp has
+// one code path for both. Nothing here initialises memory implicitly: a new Buffer's contents
+// are unspecified until written, as with cudaMalloc.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,8 @@
 
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
+#include "zp/optim/cpu.hpp"
+#include "zp/optim/optimizer.hpp"
 
 namespace zp {
 
@@ -105,6 +108,30 @@ struct Ops<MemorySpace::host> {
   static void convert(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
     for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = To(float(src[i]));
+  }
+  // Host memory <-> this space (here: copies). to_host is the engine's one synchronisation point
+  // per optimizer step on a device.
+  template <class T>
+  static void from_host(std::span<T> dst, std::span<const T> src) {
+    copy(dst, src);
+  }
+  template <class T>
+  static void to_host(std::span<T> dst, std::span<const T> src) {
+    copy(dst, src);
+  }
+  // stats[0] += the squared L2 norm of g (as stored), stats[1] += 1 if any value is inf or nan;
+  // stats: 2 doubles in this space.
+  template <class G>
+  static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options& o) {
+    const optim::GradStats st = optim::cpu::grad_stats(g, o);
+    stats[0] += st.sumsq;
+    if (!st.finite) stats[1] += 1;
+  }
+  // One optimizer step over a shard (optim/cpu.hpp; the caller checked for overflow).
+  template <class Opt, class T, class G>
+  static void step(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
+                   const optim::cpu::Options& o) {
+    optim::cpu::step(opt, s, shard, o);
   }
 };
 

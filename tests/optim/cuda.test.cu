@@ -3,6 +3,7 @@
 // Without a CUDA device the test prints why and exits with 77, which ctest reports as a skip.
 #include <doctest/doctest.h>
 
+#include "../cuda_device.hpp"
 #include <zp/optim/cpu.hpp>
 #include <zp/optim/cuda.cuh>
 
@@ -19,15 +20,7 @@ using zp::fp16;
 
 namespace {
 
-// Runs before doctest's main: no device means skip (exit code 77), loudly.
-const int skip_without_device = [] {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("skip: no CUDA device available, the gpu optimizer tests did not run\n");
-    std::exit(77);
-  }
-  return count;
-}();
+const int devices = zp::test::devices_or_skip("the gpu optimizer tests");  // before doctest's main
 
 void ok(cudaError_t e) { REQUIRE_MESSAGE(e == cudaSuccess, cudaGetErrorString(e)); }
 

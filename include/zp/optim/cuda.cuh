@@ -117,9 +117,14 @@ __global__ void __launch_bounds__(block_size)
   }
 }
 
-template <class G>
+// An overflow flag as an int (set to 1) or as a double (counted: the engine all_reduces it with
+// the norm, in one buffer of doubles).
+__device__ inline void raise_flag(int* f) { atomicOr(f, 1); }
+__device__ inline void raise_flag(double* f) { atomicAdd(f, 1.0); }
+
+template <class G, class Flag>
 __global__ void __launch_bounds__(block_size)
-    stats_kernel(const G* grad, std::size_t n, double* sumsq, int* overflow) {
+    stats_kernel(const G* grad, std::size_t n, double* sumsq, Flag* overflow) {
   using Reduce = cub::BlockReduce<double, block_size>;
   __shared__ typename Reduce::TempStorage tmp;
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
@@ -132,7 +137,7 @@ __global__ void __launch_bounds__(block_size)
   if (threadIdx.x == 0) {
     atomicAdd(sumsq, block);
     // An inf or nan anywhere makes the block's sum inf or nan.
-    if (!isfinite(block)) atomicOr(overflow, 1);
+    if (!isfinite(block)) raise_flag(overflow);
   }
 }
 
@@ -147,7 +152,17 @@ template <class G>
 void grad_stats(std::span<const G> grad, double* sumsq, int* overflow, cudaStream_t stream) {
   if (grad.empty()) return;
   const int blocks = detail::grid_for(grad.size());
-  detail::stats_kernel<G><<<blocks, detail::block_size, 0, stream>>>(grad.data(), grad.size(), sumsq, overflow);
+  detail::stats_kernel<G, int><<<blocks, detail::block_size, 0, stream>>>(grad.data(), grad.size(), sumsq, overflow);
+  detail::check(cudaGetLastError(), "optimizer grad_stats launch");
+}
+
+// The same into stats[0] (squared norm) and stats[1] (+1 per block that saw an inf or nan), as
+// the engine's statistics buffer holds them.
+template <class G>
+void grad_stats(std::span<const G> grad, double* stats, cudaStream_t stream) {
+  if (grad.empty()) return;
+  const int blocks = detail::grid_for(grad.size());
+  detail::stats_kernel<G, double><<<blocks, detail::block_size, 0, stream>>>(grad.data(), grad.size(), stats, stats + 1);
   detail::check(cudaGetLastError(), "optimizer grad_stats launch");
 }
 

@@ -1,0 +1,184 @@
+// zp_bench_optim_cuda: the CUDA AdamW step (zp/optim/cuda.cuh) against the device's memory
+// bandwidth, measured in the same run.
+//
+// cuda/adamw/<layout>/params:N  one fused step over N parameters, fp32 layout (fp32 master = the
+//   model copy, fp32 gradient) or bf16 layout (fp32 master, m, v; bf16 gradient and model copy):
+//   28 bytes per parameter either way (REFERENCE.md); GBps counts exactly those.
+// cuda/grad_stats/<layout>/params:N  the statistics pass (squared norm, overflow), gradient bytes.
+// cuda/copy/bytes:B  cudaMemcpyAsync device to device, GBps = 2B (read + write) per second: the
+//   baseline; copy_fraction on the AdamW rows is their GBps over the copy of the same bytes.
+// Times are CUDA events around 10 launches (manual time), after a warm-up; every AdamW row first
+// checks one step against the CPU step (zp/optim/cpu.hpp) on a small shard, bit for bit.
+#include <benchmark/benchmark.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "zp/optim/cpu.hpp"
+#include "zp/optim/cuda.cuh"
+
+using namespace zp::optim;
+
+namespace {
+
+constexpr double bytes_per_param = 28.0;
+constexpr int launches = 10;
+
+void ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+template <class X>
+X* device_array(std::size_t n, float first) {
+  X* p = nullptr;
+  ok(cudaMalloc(&p, n * sizeof(X)), "cudaMalloc");
+  std::vector<X> h(std::min<std::size_t>(n, 1 << 20));
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = X(first + float(int(i % 37) - 18) * 1e-2f);
+  for (std::size_t at = 0; at < n; at += h.size())
+    ok(cudaMemcpy(p + at, h.data(), std::min(h.size(), n - at) * sizeof(X), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return p;
+}
+
+// Seconds of `launches` calls of f() on the default stream, by events.
+template <class F>
+double timed(F&& f) {
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a), "cudaEventCreate");
+  ok(cudaEventCreate(&b), "cudaEventCreate");
+  f();  // warm-up
+  ok(cudaEventRecord(a), "cudaEventRecord");
+  for (int i = 0; i < launches; ++i) f();
+  ok(cudaEventRecord(b), "cudaEventRecord");
+  ok(cudaEventSynchronize(b), "cudaEventSynchronize");
+  float ms = 0;
+  ok(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return double(ms) * 1e-3 / launches;
+}
+
+// The copy's GB/s for `bytes` (read + write), measured once per size in this run.
+double copy_gbps(std::size_t bytes) {
+  static std::map<std::size_t, double> seen;
+  if (auto it = seen.find(bytes); it != seen.end()) return it->second;
+  void *src = nullptr, *dst = nullptr;
+  ok(cudaMalloc(&src, bytes), "cudaMalloc");
+  ok(cudaMalloc(&dst, bytes), "cudaMalloc");
+  ok(cudaMemset(src, 1, bytes), "cudaMemset");
+  const double t = timed([&] { ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); });
+  cudaFree(src);
+  cudaFree(dst);
+  return seen[bytes] = 2.0 * double(bytes) / t / 1e9;
+}
+
+void copy_bench(benchmark::State& state) {
+  const std::size_t bytes = std::size_t(state.range(0));
+  for (auto _ : state) state.SetIterationTime(2.0 * double(bytes) / (copy_gbps(bytes) * 1e9));
+  state.counters["GBps"] = copy_gbps(bytes);
+}
+
+// One step on the CPU and the GPU from the same inputs agree bit for bit (the kernels share the
+// element math); a benchmark that fails this reports an error instead of a time.
+template <class T, class G>
+bool same_as_cpu() {
+  const std::size_t n = 4099;
+  std::vector<float> master(n), m(n, 1e-3f), v(n, 1e-4f);
+  std::vector<G> grad(n);
+  std::vector<T> param(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    master[i] = 1.0f + float(i % 1024) * 1e-3f;
+    grad[i] = G(float(int(i % 37) - 18) * 1e-2f);
+  }
+  float *dm, *ds0, *ds1;
+  G* dg;
+  T* dp;
+  ok(cudaMalloc(&dm, n * 4), "cudaMalloc");
+  ok(cudaMalloc(&ds0, n * 4), "cudaMalloc");
+  ok(cudaMalloc(&ds1, n * 4), "cudaMalloc");
+  ok(cudaMalloc(&dg, n * sizeof(G)), "cudaMalloc");
+  ok(cudaMalloc(&dp, n * sizeof(T)), "cudaMalloc");
+  ok(cudaMemcpy(dm, master.data(), n * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  ok(cudaMemcpy(ds0, m.data(), n * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  ok(cudaMemcpy(ds1, v.data(), n * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  ok(cudaMemcpy(dg, grad.data(), n * sizeof(G), cudaMemcpyHostToDevice), "cudaMemcpy");
+  const StepScalars s{3, 0.5f};
+  zp::optim::cuda::step(AdamW{}, s, ShardView<T, G>{{dm, n}, {dg, n}, {std::span<float>(ds0, n), std::span<float>(ds1, n)}, {dp, n}},
+             {}, nullptr);
+  cpu::step(AdamW{}, s, ShardView<T, G>{master, grad, {std::span<float>(m), std::span<float>(v)}, param});
+  std::vector<float> gm(n);
+  std::vector<T> gp(n);
+  ok(cudaMemcpy(gm.data(), dm, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  ok(cudaMemcpy(gp.data(), dp, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  for (void* p : {(void*)dm, (void*)ds0, (void*)ds1, (void*)dg, (void*)dp}) cudaFree(p);
+  return std::memcmp(gm.data(), master.data(), n * 4) == 0 && std::memcmp(gp.data(), param.data(), n * sizeof(T)) == 0;
+}
+
+// fp32 layout: the model copy is the master itself (T = float, param aliases master).
+template <class T, class G>
+void adamw(benchmark::State& state) {
+  if (!same_as_cpu<T, G>()) {
+    state.SkipWithError("the CUDA step differs from the CPU step");
+    return;
+  }
+  const std::size_t n = std::size_t(state.range(0));
+  float* master = device_array<float>(n, 1.0f);
+  float* m = device_array<float>(n, 1e-3f);
+  float* v = device_array<float>(n, 1e-4f);
+  G* grad = device_array<G>(n, 0.0f);
+  T* param = std::is_same_v<T, float> ? reinterpret_cast<T*>(master) : device_array<T>(n, 1.0f);
+  const ShardView<T, G> shard{{master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {param, n}};
+  std::int64_t t = 0;
+  double seconds = 0;
+  for (auto _ : state) {
+    seconds = timed([&] { zp::optim::cuda::step(AdamW{}, StepScalars{++t, 1.0f}, shard, {}, nullptr); });
+    state.SetIterationTime(seconds);
+  }
+  const double gbps = bytes_per_param * double(n) / seconds / 1e9;
+  state.counters["GBps"] = gbps;
+  state.counters["params_per_s"] = double(n) / seconds;
+  state.counters["copy_fraction"] = gbps / copy_gbps(std::size_t(bytes_per_param / 2 * double(n)));
+  for (void* p : {(void*)master, (void*)m, (void*)v, (void*)grad}) cudaFree(p);
+  if (!std::is_same_v<T, float>) cudaFree(param);
+}
+
+template <class G>
+void grad_stats(benchmark::State& state) {
+  const std::size_t n = std::size_t(state.range(0));
+  G* grad = device_array<G>(n, 0.0f);
+  double* stats = nullptr;
+  ok(cudaMalloc(&stats, 2 * sizeof(double)), "cudaMalloc");
+  double seconds = 0;
+  for (auto _ : state) {
+    seconds = timed([&] { zp::optim::cuda::grad_stats(std::span<const G>(grad, n), stats, nullptr); });
+    state.SetIterationTime(seconds);
+  }
+  state.counters["GBps"] = double(n * sizeof(G)) / seconds / 1e9;
+  cudaFree(grad);
+  cudaFree(stats);
+}
+
+const bool registered = [] {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("zp_bench_optim_cuda: no CUDA device, nothing to measure\n");
+    return false;
+  }
+  for (std::int64_t n : {std::int64_t(1) << 24, std::int64_t(1) << 26, std::int64_t(1) << 28, std::int64_t(1) << 30}) {
+    benchmark::RegisterBenchmark("cuda/adamw/fp32", adamw<float, float>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/adamw/bf16", adamw<zp::bf16, zp::bf16>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/grad_stats/bf16", grad_stats<zp::bf16>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/copy", copy_bench)->Arg(std::int64_t(bytes_per_param / 2) * n)->ArgName("bytes")->UseManualTime()->Unit(benchmark::kMillisecond);
+  }
+  return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();

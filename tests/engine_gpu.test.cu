@@ -1,0 +1,166 @@
+// The engine on device memory (zp/device.cuh) with the nccl backend at world size 1: a model
+// whose backward is a CUDA kernel trains 20 steps (2 micro-steps each) at every stage, in fp32
+// and bf16, and its parameters and fp32 master weights equal bit for bit those of the threads
+// backend on the CPU fed the same gradients (the same formula on host and device, without
+// contracted multiply-adds). The engine synchronises with the host once per optimizer step
+// (device::sync_count) and never inside a micro-step. Without a CUDA device it exits 77 (skip).
+#include <doctest/doctest.h>
+
+#include "cuda_device.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "random.hpp"
+#include "zp/backend/nccl.hpp"
+#include "zp/backend/threads.hpp"
+#include "zp/device.cuh"
+#include "zp/engine.hpp"
+
+// A named namespace: nvcc warns about internal-linkage friends the Model concept only declares.
+namespace engine_gpu {
+
+const int devices = zp::test::devices_or_skip("the gpu engine tests");  // before doctest's main
+
+// The gradient a micro-step adds to element i of parameter p: a hash of (seed, step, micro, p,
+// i) in [-1, 1) plus 0.05 x the current value, with every product and sum rounded separately
+// (__fmul_rn/__fadd_rn never fuse), so host and device compute the same float.
+__host__ __device__ inline std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+__host__ __device__ inline float grad_of(std::uint64_t key, std::size_t i, float value) {
+  const float u = float(mix(key + i) >> 40) * 0x1.0p-23f - 1.0f;  // 24 bits: exact in float
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(u, __fmul_rn(0.05f, value));
+#else
+  return u + 0.05f * value;
+#endif
+}
+
+template <class T>
+__global__ void add_grad_kernel(T* grad, const T* value, std::size_t n, std::uint64_t key) {
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    grad[i] = T(float(grad[i]) + grad_of(key, i, float(value[i])));
+}
+
+// Three modules of a few parameters each (sizes that do not divide the alignment).
+template <class T>
+struct Fed {
+  std::vector<zp::Param<T>> params;
+  std::vector<std::vector<T>> init;
+  std::vector<int> module_of;  // of each parameter
+
+  explicit Fed(std::uint64_t seed) {
+    const std::size_t sizes[] = {1000, 37, 4096, 5, 777, 3000};
+    for (std::size_t p = 0; p < 6; ++p) {
+      params.emplace_back(sizes[p]);
+      init.emplace_back(sizes[p]);
+      for (std::size_t i = 0; i < sizes[p]; ++i) init[p][i] = T(zp::test::hash_uniform(seed + p, i));
+      module_of.push_back(int(p / 2));
+    }
+    for (std::size_t p = 0; p < 6; ++p) params[p].value.rebind(init[p].data());
+  }
+  template <class V>
+  friend void for_each_parameter(Fed& m, V&& visit) {
+    for (std::size_t p = 0; p < m.params.size(); ++p) visit("p" + std::to_string(p), m.module_of[p], m.params[p]);
+  }
+  static std::uint64_t key(std::uint64_t seed, int step, int micro, std::size_t p) {
+    return mix(seed ^ mix((std::uint64_t(step) * 16 + std::uint64_t(micro)) * 16 + p));
+  }
+  // Module m's backward: on the device (the current stream) or the host, by the memory space.
+  template <zp::MemorySpace S>
+  void backward(int m, std::uint64_t seed, int step, int micro) {
+    for (std::size_t p = 0; p < params.size(); ++p) {
+      if (module_of[p] != m) continue;
+      auto& v = params[p];
+      if constexpr (S == zp::MemorySpace::device) {
+        add_grad_kernel<T><<<64, 256, 0, zp::device::current_stream()>>>(v.grad.data(), v.value.data(), v.size(),
+                                                                         key(seed, step, micro, p));
+        REQUIRE(cudaGetLastError() == cudaSuccess);
+      } else {
+        for (std::size_t i = 0; i < v.size(); ++i)
+          v.grad[i] = T(float(v.grad[i]) + grad_of(key(seed, step, micro, p), i, float(v.value[i])));
+      }
+    }
+  }
+};
+
+zp::EngineConfig config() {
+  zp::EngineConfig c;
+  c.batch = {.micro_batch_per_rank = 1, .gradient_accumulation_steps = 2};
+  c.bucket_bytes = 8192;
+  c.first_bucket_bytes = 2048;
+  return c;
+}
+
+struct Out {
+  std::vector<float> master;
+  std::vector<std::uint8_t> params;  // the T bytes
+  std::uint64_t syncs_in_micro_steps = 0, syncs_per_step_max = 0;
+};
+
+template <class T, int Stage, class B>
+Out train(zp::Collective<B>& comm, std::uint64_t seed) {
+  constexpr zp::MemorySpace S = B::memory;
+  Fed<T> model(seed);
+  zp::Engine<B, T, Stage> engine(comm, model, config(), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
+  Out out;
+  for (int step = 0; step < 20; ++step)
+    for (int micro = 0; micro < 2; ++micro) {
+      std::uint64_t before = 0;
+      if constexpr (S == zp::MemorySpace::device) before = zp::device::sync_count();
+      for (int m = 0; m < 3; ++m) auto g = engine.forward(m);
+      for (int m = 2; m >= 0; --m) {
+        auto g = engine.backward(m);
+        model.template backward<S>(m, seed, step, micro);
+      }
+      if constexpr (S == zp::MemorySpace::device) out.syncs_in_micro_steps += zp::device::sync_count() - before;
+      engine.step();
+      if constexpr (S == zp::MemorySpace::device)
+        out.syncs_per_step_max = std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
+    }
+  out.master = engine.gather_master();
+  const std::vector<T> p = engine.gather_params();
+  out.params.resize(p.size() * sizeof(T));
+  std::memcpy(out.params.data(), p.data(), out.params.size());
+  return out;
+}
+
+template <class T, int Stage>
+void check_stage(std::uint64_t seed) {
+  CAPTURE(Stage);
+  Out cpu;
+  zp::backend::run_threads(1, [&](zp::Collective<zp::backend::Threads>& comm) { cpu = train<T, Stage>(comm, seed); });
+  zp::Collective<zp::backend::Nccl> comm(zp::backend::Nccl::create(zp::backend::Nccl::unique_id(), 0, 1, 0));
+  Out gpu;
+  {
+    zp::device::StreamScope on(comm.backend().stream());
+    gpu = train<T, Stage>(comm, seed);
+    REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
+  }
+  REQUIRE(gpu.master.size() == cpu.master.size());
+  CHECK(std::memcmp(gpu.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
+  CHECK(gpu.params == cpu.params);
+  CHECK(gpu.syncs_in_micro_steps == 0);
+  CHECK(gpu.syncs_per_step_max == 1);
+}
+
+}  // namespace engine_gpu
+
+using namespace engine_gpu;
+
+TEST_CASE_TEMPLATE("the engine on one GPU (nccl, world size 1) equals the CPU engine bit for bit", T, float, zp::bf16) {
+  const std::uint64_t seed = zp::test::run_seed("engine_gpu.test");
+  check_stage<T, 0>(seed);
+  check_stage<T, 1>(seed);
+  check_stage<T, 2>(seed);
+  check_stage<T, 3>(seed);
+}

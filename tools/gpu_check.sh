@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything zp checks and measures on a GPU, in one go (issue #7's "on a GPU" list): configure a
+# Release build for Hopper with CUDA and NCCL, build the gpu tests and the benchmarks, run
+# `ctest -L gpu`, the engine's gpu test again under compute-sanitizer memcheck,
+# zp_bench_optim_cuda (AdamW against a device-to-device copy), and bench/torch_adamw.py (PyTorch's
+# clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
+# build/gpu-out); a summary table is printed last.
+#
+#   bash tools/gpu_check.sh            # on the GPU machine, from the repository root
+#
+# That machine cannot download: doctest and Google Benchmark come from build/gpu-deps, which
+# tools/gpu_deps.sh fills on a Debian machine (carry it along); NCCL from CMake's search or
+# PyTorch's nvidia-nccl wheel.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu-out}
+mkdir -p "$OUT"
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+if [[ -z "${NCCL_ROOT:-}" ]]; then
+  NCCL_ROOT=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)
+  export NCCL_ROOT
+fi
+log "NCCL_ROOT=${NCCL_ROOT:-<cmake search>}"
+if [[ -n "${NCCL_ROOT:-}" && -d "$NCCL_ROOT/lib" ]]; then export LD_LIBRARY_PATH="$NCCL_ROOT/lib:${LD_LIBRARY_PATH:-}"; fi
+
+BUILD=build/gpu
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
+  -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
+  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" -DZP_BUILD_EXAMPLES=OFF -DZP_BUILD_TOOLS=OFF \
+  ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
+cmake --build "$BUILD" -j 16 > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+log "build ok"
+
+status=0
+(cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
+log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
+for t in engine_gpu optim.cuda; do
+  if [[ -x "$BUILD/tests/zp.test.$t" ]]; then
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/zp.test.$t" > "$OUT/memcheck_$t.log" 2>&1
+    rc=$?
+    log "memcheck zp.test.$t: exit $rc ($(grep -E 'ERROR SUMMARY' "$OUT/memcheck_$t.log" | tail -1))"
+    [[ $rc -eq 0 ]] || status=1
+  fi
+done
+
+if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
+  "$BUILD/bench/zp_bench_optim_cuda" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
+  log "zp_bench_optim_cuda (median of 3):"
+  grep -E "median" "$OUT/optim_cuda.txt" | tee -a "$OUT/summary.txt"
+fi
+if [[ -f bench/torch_adamw.py ]]; then
+  python3 bench/torch_adamw.py > "$OUT/torch_adamw.txt" 2>&1 || status=1
+  log "PyTorch clip_grad_norm_ + AdamW(fused=True):"
+  tee -a "$OUT/summary.txt" < "$OUT/torch_adamw.txt"
+fi
+log "exit status $status"
+exit $status
