@@ -1,9 +1,10 @@
-// The engine on device memory (zp/device.cuh) with the nccl backend at world size 1: a model
-// whose backward is a CUDA kernel trains 20 steps (2 micro-steps each) at every stage, in fp32
-// and bf16, and its parameters and fp32 master weights equal bit for bit those of the threads
-// backend on the CPU fed the same gradients (the same formula on host and device, without
-// contracted multiply-adds). The engine synchronises with the host once per optimizer step
-// (device::sync_count) and never inside a micro-step. Without a CUDA device it exits 77 (skip).
+// The engine on device memory (zp/device.cuh): a model whose backward is a CUDA kernel trains 20
+// steps (2 micro-steps each) at every stage, in fp32 and bf16, with the nccl backend at world
+// size 1 and with 1, 2 and 4 ranks on the GPU (cuda_threads); its parameters and fp32 master
+// weights equal bit for bit those of the threads backend on the CPU with as many ranks fed the
+// same gradients (the same formula on host and device, without contracted multiply-adds). The
+// engine synchronises with the host once per optimizer step (device::sync_count) and never inside
+// a micro-step. Without a CUDA device it exits 77 (skip).
 #include <doctest/doctest.h>
 
 #include "cuda_device.hpp"
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "random.hpp"
+#include "zp/backend/cuda_threads.cuh"
 #include "zp/backend/nccl.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/device.cuh"
@@ -111,6 +113,7 @@ template <class T, int Stage, class B>
 Out train(zp::Collective<B>& comm, std::uint64_t seed) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
+  const std::uint64_t grads = seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   zp::Engine<B, T, Stage> engine(comm, model, config(), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   Out out;
   for (int step = 0; step < 20; ++step)
@@ -120,7 +123,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed) {
       for (int m = 0; m < 3; ++m) auto g = engine.forward(m);
       for (int m = 2; m >= 0; --m) {
         auto g = engine.backward(m);
-        model.template backward<S>(m, seed, step, micro);
+        model.template backward<S>(m, grads, step, micro);
       }
       if constexpr (S == zp::MemorySpace::device) out.syncs_in_micro_steps += zp::device::sync_count() - before;
       engine.step();
@@ -132,6 +135,33 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed) {
   out.params.resize(p.size() * sizeof(T));
   std::memcpy(out.params.data(), p.data(), out.params.size());
   return out;
+}
+
+void expect_equal(const Out& gpu, const Out& cpu) {
+  REQUIRE(gpu.master.size() == cpu.master.size());
+  CHECK(std::memcmp(gpu.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
+  CHECK(gpu.params == cpu.params);
+  CHECK(gpu.syncs_in_micro_steps == 0);
+  CHECK(gpu.syncs_per_step_max == 1);
+}
+
+// 1, 2 and 4 ranks on the one GPU against as many thread ranks (rank 0's results; every rank
+// gathers the same whole model).
+template <class T, int Stage>
+void check_ranks(std::uint64_t seed) {
+  for (int n : {1, 2, 4}) {
+    CAPTURE(n);
+    Out cpu, gpu;
+    zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
+      Out o = train<T, Stage>(comm, seed);
+      if (comm.rank() == 0) cpu = std::move(o);
+    });
+    zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
+      Out o = train<T, Stage>(comm, seed);
+      if (comm.rank() == 0) gpu = std::move(o);
+    });
+    expect_equal(gpu, cpu);  // sync_count is per thread: rank 0's own
+  }
 }
 
 template <class T, int Stage>
@@ -146,18 +176,15 @@ void check_stage(std::uint64_t seed) {
     gpu = train<T, Stage>(comm, seed);
     REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
   }
-  REQUIRE(gpu.master.size() == cpu.master.size());
-  CHECK(std::memcmp(gpu.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
-  CHECK(gpu.params == cpu.params);
-  CHECK(gpu.syncs_in_micro_steps == 0);
-  CHECK(gpu.syncs_per_step_max == 1);
+  expect_equal(gpu, cpu);
+  check_ranks<T, Stage>(seed);
 }
 
 }  // namespace engine_gpu
 
 using namespace engine_gpu;
 
-TEST_CASE_TEMPLATE("the engine on one GPU (nccl, world size 1) equals the CPU engine bit for bit", T, float, zp::bf16) {
+TEST_CASE_TEMPLATE("the engine on one GPU (nccl at world size 1; 1, 2, 4 cuda_threads ranks) equals the CPU engine bit for bit", T, float, zp::bf16) {
   const std::uint64_t seed = zp::test::run_seed("engine_gpu.test");
   check_stage<T, 0>(seed);
   check_stage<T, 1>(seed);

@@ -39,7 +39,7 @@ log "build ok"
 status=0
 (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
 log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
-for t in engine_gpu optim.cuda; do
+for t in engine_gpu backend.cuda_threads optim.cuda; do
   if [[ -x "$BUILD/tests/zp.test.$t" ]]; then
     compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/zp.test.$t" > "$OUT/memcheck_$t.log" 2>&1
     rc=$?

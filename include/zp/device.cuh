@@ -5,8 +5,8 @@
 // Streams: every allocation, free and operation is enqueued on the calling thread's current
 // stream (device::current_stream(); a StreamScope sets it, e.g. to the nccl backend's stream
 // for the rank this thread drives). Nothing waits for the GPU except Ops::to_host, the engine's
-// one synchronisation per optimizer step; device::sync_count() counts them, so a test can hold
-// the engine to that.
+// one synchronisation per optimizer step; device::sync_count() counts them per thread, so a test
+// can hold the engine (each rank) to that.
 //
 //   zp::Collective<zp::backend::Nccl> comm(...);
 //   zp::device::StreamScope on(comm.backend().stream());   // the model's kernels run there too
@@ -19,7 +19,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <new>
@@ -37,8 +36,8 @@ inline cudaStream_t& current() {
   thread_local cudaStream_t s = nullptr;  // the legacy default stream until a scope sets one
   return s;
 }
-inline std::atomic<std::uint64_t>& syncs() {
-  static std::atomic<std::uint64_t> n{0};
+inline std::uint64_t& syncs() {
+  thread_local std::uint64_t n = 0;  // per thread: a rank's own (cuda_threads runs one per thread)
   return n;
 }
 inline void check(cudaError_t e, const char* what) { optim::cuda::detail::check(e, what); }
@@ -74,8 +73,8 @@ class StreamScope {
   cudaStream_t prev_;
 };
 
-// Host waits for the GPU by zp so far (Ops::to_host), in this process.
-inline std::uint64_t sync_count() noexcept { return detail::syncs().load(std::memory_order_relaxed); }
+// Host waits for the GPU by zp so far (Ops::to_host) on this thread.
+inline std::uint64_t sync_count() noexcept { return detail::syncs(); }
 
 }  // namespace zp::device
 
@@ -151,7 +150,7 @@ struct Ops<MemorySpace::device> {
       device::detail::check(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDeviceToHost, s),
                             "cudaMemcpyAsync (device to host)");
     device::detail::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    device::detail::syncs().fetch_add(1, std::memory_order_relaxed);
+    ++device::detail::syncs();
   }
   template <class G>
   static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options&) {

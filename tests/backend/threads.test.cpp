@@ -378,3 +378,29 @@ TEST_CASE("a rank that leaves or throws fails the send and recv waiting for it")
     CHECK(aborted == 2);
   }
 }
+
+// Threads::meet, the rendezvous cuda_threads runs its device collectives through: the body runs
+// once on every rank with every rank's call (and its ext pointer) in view, between two meetings;
+// calls that disagree are an invalid_argument on every rank, naming both.
+TEST_CASE("meet runs the body on every rank with every rank's call; mismatched calls are an error everywhere") {
+  for (int n : {1, 2, 3, 4}) {
+    std::vector<int> own(static_cast<std::size_t>(n));
+    std::atomic<int> bodies{0};
+    run_threads(n, [&](Collective<Threads>& comm) {
+      const int r = comm.rank();
+      zp::backend::threads_detail::Call c{zp::CollOp::barrier};
+      c.ext = &own[std::size_t(r)];
+      comm.backend().meet(c, [&](const std::vector<zp::backend::threads_detail::Call>& calls) {
+        REQUIRE(calls.size() == std::size_t(n));
+        for (int k = 0; k < n; ++k) CHECK(calls[std::size_t(k)].ext == &own[std::size_t(k)]);
+        ++bodies;
+      });
+      CHECK(bodies.load() == n);  // the second meeting: every body ran before any rank returns
+      zp::backend::threads_detail::Call d{zp::CollOp::all_reduce};
+      d.count = r == 0 ? 4 : 5;
+      if (n > 1)
+        zp::test::expect_invalid([&] { comm.backend().meet(d, [](const auto&) { FAIL("the body of a mismatched call ran"); }); },
+                                 {"mismatched collective calls", "count=4", "count=5"});
+    });
+  }
+}

@@ -80,6 +80,7 @@ struct Call {
   // that returns early is named as such, not as a barrier the user never called).
   enum class Kind : std::uint8_t { op, split, finish } kind = Kind::op;
   std::string rejected = {};  // why this rank's arguments failed check_call ("" if they did not)
+  const void* ext = nullptr;  // a backend built on this world (meet()): the rank's own state
 
   std::string describe() const {
     if (kind == Kind::finish) return "returned from its function (run_threads)";
@@ -540,6 +541,18 @@ class Threads {
     m.count = n;
     m.dtype = t;
     return submit_p2p(CollOp::recv, std::move(m), peer, l);
+  }
+
+  // For backends built on this world (cuda_threads): c goes through the rendezvous of this
+  // backend's collectives (one caller per rank, earlier async operations first, the calls and
+  // their arguments checked on every rank, timeouts and poisoning), and body(calls) runs on every
+  // rank between the two meetings, with every rank's call in view.
+  template <class Body>
+  void meet(threads_detail::Call c, Body&& body) {
+    const auto busy = world_->busy(rank_, zp::name(c.op));
+    c.rejected = detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
+    drain();
+    run(*world_, rank_, c, body);
   }
 
   Threads split(int color, int key) {

@@ -17,6 +17,29 @@ template <class T> struct accum { using type = T; };
 template <> struct accum<bf16> { using type = float; };
 template <> struct accum<fp16> { using type = float; };
 
+// One element of a (op) b in the accumulation type: the reduction math of every backend that
+// reduces itself (threads on the host; cuda_threads on the device, which must agree bit for bit).
+// avg sums here and divides once at the end (finish_one).
+template <ReduceOp Op, class A>
+ZP_HOST_DEVICE inline A combine_one(A a, A b) {
+  if constexpr (Op == ReduceOp::max) {
+    return a < b ? b : a;
+  } else if constexpr (Op == ReduceOp::min) {
+    return b < a ? b : a;
+  } else if constexpr (std::is_integral_v<A>) {
+    // Integer sums wrap around (two's complement), as MPI's do in practice: defined here,
+    // where signed overflow would be undefined behaviour.
+    using U = std::make_unsigned_t<A>;
+    return A(U(a) + U(b));
+  } else {
+    return a + b;
+  }
+}
+template <class A>
+ZP_HOST_DEVICE inline A finish_one(A acc, ReduceOp op, int ranks) {
+  return op == ReduceOp::avg ? acc / A(ranks) : acc;
+}
+
 // acc = a (op) b, element-wise; acc may be a (the running accumulator), and the first combine of
 // a chunk reads two inputs directly, so no separate load pass touches memory.
 template <class A>
@@ -24,20 +47,13 @@ inline void combine(A* acc, const A* a, const A* b, std::size_t n, ReduceOp op) 
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      if constexpr (std::is_integral_v<A>) {
-        // Integer sums wrap around (two's complement), as MPI's do in practice: defined here,
-        // where signed overflow would be undefined behaviour.
-        using U = std::make_unsigned_t<A>;
-        for (std::size_t i = 0; i < n; ++i) acc[i] = A(U(a[i]) + U(b[i]));
-      } else {
-        for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] + b[i];
-      }
+      for (std::size_t i = 0; i < n; ++i) acc[i] = combine_one<ReduceOp::sum>(a[i], b[i]);
       break;
     case ReduceOp::max:
-      for (std::size_t i = 0; i < n; ++i) acc[i] = a[i] < b[i] ? b[i] : a[i];
+      for (std::size_t i = 0; i < n; ++i) acc[i] = combine_one<ReduceOp::max>(a[i], b[i]);
       break;
     case ReduceOp::min:
-      for (std::size_t i = 0; i < n; ++i) acc[i] = b[i] < a[i] ? b[i] : a[i];
+      for (std::size_t i = 0; i < n; ++i) acc[i] = combine_one<ReduceOp::min>(a[i], b[i]);
       break;
   }
 }
@@ -92,10 +108,8 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
         combine(acc, acc, tmp, m, op);
       }
     }
-    if (op == ReduceOp::avg) {
-      const A div = A(n_in);
-      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
-    }
+    if (op == ReduceOp::avg)
+      for (std::size_t i = 0; i < m; ++i) acc[i] = finish_one(acc[i], op, n_in);
     for (int k = 0; k < n_out; ++k) store(out[k] + lo, acc, m);
   }
 }
