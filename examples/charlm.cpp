@@ -32,6 +32,7 @@
 #include <variant>
 #include <vector>
 
+#include "charlm_params.hpp"
 #include "common.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
@@ -45,9 +46,7 @@ namespace {
 
 // ---- the model ------------------------------------------------------------------------------
 
-struct Dims {
-  int vocab = 0, embed = 24, context = 16, hidden = 256;
-};
+using examples::Dims;
 
 // y[b][o] = sum_i w[o][i] x[b][i] + bias[o]; eight partial sums so the compiler vectorises it.
 inline float dot(const float* a, const float* b, int n) {
@@ -71,54 +70,15 @@ void add_into(zp::View<T>& g, const std::vector<float>& d) {
 }
 
 template <class T>
-struct CharLm {
-  struct Dense {
-    int in, out;
-    zp::Param<T> w, b;
-    std::vector<T> w0, b0;
-  };
-  Dims d;
-  zp::Param<T> emb;
-  std::vector<T> emb0;
-  Dense layer[3];  // hidden1, hidden2, output
+struct CharLm : examples::CharLmParams<T> {
+  using Base = examples::CharLmParams<T>;
+  using Base::d, Base::emb, Base::layer, typename Base::Dense;
   // activations of the current micro-batch
   int batch = 0;
   std::vector<int> ctx, target;
   std::vector<float> h[4], dh[4], wf;  // h[0] = concatenated embeddings, h[3] = logits
 
-  explicit CharLm(Dims dims, std::uint64_t seed = 1) : d(dims) {
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    emb = zp::Param<T>(std::size_t(d.vocab * d.embed));
-    for (std::size_t i = 0; i < emb.size(); ++i) emb0.push_back(T(0.5f * u(rng)));
-    emb.value.rebind(emb0.data());
-    const int ins[3] = {d.context * d.embed, d.hidden, d.hidden}, outs[3] = {d.hidden, d.hidden, d.vocab};
-    for (int l = 0; l < 3; ++l) {
-      Dense& L = layer[l];
-      L.in = ins[l];
-      L.out = outs[l];
-      L.w = zp::Param<T>(std::size_t(L.in * L.out));
-      L.b = zp::Param<T>(std::size_t(L.out));
-      const float s = (l == 2 ? 0.5f : 1.0f) / std::sqrt(float(L.in));
-      for (std::size_t i = 0; i < L.w.size(); ++i) L.w0.push_back(T(s * u(rng)));
-      L.b0.assign(L.b.size(), T(0.0f));
-      L.w.value.rebind(L.w0.data());
-      L.b.value.rebind(L.b0.data());
-    }
-  }
-  CharLm(const CharLm&) = delete;
-
-  template <class V>
-  friend void for_each_parameter(CharLm& m, V&& visit) {
-    visit("embedding", 0, m.emb);
-    visit("hidden1.weight", 1, m.layer[0].w);
-    visit("hidden1.bias", 1, m.layer[0].b);
-    visit("hidden2.weight", 2, m.layer[1].w);
-    visit("hidden2.bias", 2, m.layer[1].b);
-    visit("output.weight", 3, m.layer[2].w);
-    visit("output.bias", 3, m.layer[2].b);
-  }
-  static constexpr int modules = 4;
+  explicit CharLm(Dims dims, std::uint64_t seed = 1) : Base(dims, seed) {}
 
   void forward(int m) {
     if (m == 0) {
@@ -225,6 +185,7 @@ const char* usage =
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory (default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
@@ -245,26 +206,21 @@ const examples::Program program{"zp_demo", usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    }
-    if (a == "--resume" || a == "--wall-clock-breakdown") {
-      (a == "--resume" ? o.resume : o.breakdown) = true;
-      continue;
-    }
-    if (i + 1 >= argc) bad("unknown flag or missing value: '" + a + "'");
-    const std::string v = argv[++i];
-    if (examples::parse_train_flag(program, o, a, v)) continue;
-    if (a == "--save-every") o.save_every = examples::to_int(program, a, v, 1, 10000000);
-    else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
-    else if (a == "--export") o.export_dir = v;
-    else if (a == "--log-json") o.log_json = v;
-    else if (a == "--config") o.config = v;
-    else bad("unknown flag '" + a + "'");
-  }
+  examples::parse_args(
+      program, argc, argv,
+      [&](const std::string& a, const std::string& v) {
+        if (a == "--resume") o.resume = true;
+        else if (a == "--wall-clock-breakdown") o.breakdown = true;
+        else if (examples::parse_train_flag(program, o, a, v)) return true;
+        else if (a == "--save-every") o.save_every = examples::to_int(program, a, v, 1, 10000000);
+        else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
+        else if (a == "--export") o.export_dir = v;
+        else if (a == "--log-json") o.log_json = v;
+        else if (a == "--config") o.config = v;
+        else return false;
+        return true;
+      },
+      {"--resume", "--wall-clock-breakdown"});
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty()) bad("--save-every and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
@@ -286,6 +242,7 @@ zp::EngineConfig flag_config(const Options& o) {
   cfg.persist_threshold = 10000;              // the output bias and small layers stay gathered
   cfg.wall_clock_breakdown = o.breakdown;
   cfg.steps_per_print = o.log_every;
+  cfg.offload_optimizer = o.offload;
   if (o.precision == "fp16") cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return cfg;
 }

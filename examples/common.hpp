@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <optional>
 #include <span>
@@ -69,6 +70,26 @@ struct Program {
   std::exit(2);
 }
 
+// Walks argv: --help prints the usage and exits 0; a flag in `switches` (no value) and every
+// other "--flag value" pair go to on_flag(flag, value) (value "" for a switch), which returns
+// false for a flag it does not know: an error naming it, as is a flag without its value.
+template <class OnFlag>
+void parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
+                std::initializer_list<const char*> switches = {}) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(p.usage, stdout);
+      std::exit(0);
+    }
+    const bool is_switch = std::find_if(switches.begin(), switches.end(), [&](const char* s) { return a == s; }) !=
+                           switches.end();
+    if (!is_switch && i + 1 >= argc) bad(p, "unknown flag or missing value: '" + a + "'");
+    const std::string v = is_switch ? std::string() : std::string(argv[++i]);
+    if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");
+  }
+}
+
 inline int to_int(const Program& p, const std::string& flag, const std::string& v, int lo, int hi) {
   char* end = nullptr;
   const long x = std::strtol(v.c_str(), &end, 10);
@@ -82,11 +103,12 @@ struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
   float lr = 3e-3f;
+  bool offload = false;  // --offload cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
   std::vector<std::string> text;
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
-// --micro-batch, --log-every, --backend, --precision, --lr, --text); false if it is not.
+// --micro-batch, --log-every, --backend, --precision, --lr, --offload, --text); false if not.
 inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a, const std::string& v) {
   if (a == "--stage") o.stage = to_int(p, a, v, 0, 3);
   else if (a == "--ranks") o.ranks = to_int(p, a, v, 1, 256);
@@ -104,6 +126,9 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     char* end = nullptr;
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f) bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
+  } else if (a == "--offload") {
+    if (v != "cpu" && v != "none") bad(p, "--offload expects cpu or none, got '" + v + "'");
+    o.offload = v == "cpu";
   } else if (a == "--text") {
     o.text.push_back(v);
   } else {
@@ -126,6 +151,20 @@ inline double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
 
 // ---- progress output ------------------------------------------------------------------------
 
+// The mean of x over comm's ranks. A device backend's collectives take device memory: the GPU
+// trainer (charlm_gpu.cu) defines device_mean, which stages x through a device buffer.
+template <class Comm>
+double device_mean(Comm& comm, double x);
+template <class Comm>
+double mean_over_ranks(Comm& comm, double x) {
+  if constexpr (Comm::memory == zp::MemorySpace::host) {
+    comm.all_reduce(std::span<double>(&x, 1), zp::ReduceOp::avg);
+    return x;
+  } else {
+    return device_mean(comm, x);
+  }
+}
+
 // The trainers' progress line every log_every steps (the global mean loss of the steps since the
 // last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB) and the loss
 // trend for the summary. Collective: every rank calls step() each optimizer step.
@@ -142,9 +181,8 @@ class Progress {
     window_loss_ += loss;
     ++window_steps_;
     window_tokens_ += tokens;
-    if ((step + 1) % every_ != 0 && step != first_step_ && step + 1 != last_step_) return;
-    double mean = window_loss_ / window_steps_;
-    comm.all_reduce(std::span<double>(&mean, 1), zp::ReduceOp::avg);
+    if (!logs(step)) return;
+    const double mean = mean_over_ranks(comm, window_loss_ / window_steps_);
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - t_log_).count();
     if (first_loss_ < 0) first_loss_ = mean;
@@ -161,6 +199,9 @@ class Progress {
     window_tokens_ = 0;
   }
 
+  // Whether step() prints a line at this step (a trainer that keeps its loss on a device reads
+  // it only then, passing the window's sum of per-step losses and 0 otherwise).
+  bool logs(int step) const noexcept { return (step + 1) % every_ == 0 || step == first_step_ || step + 1 == last_step_; }
   double first_loss() const noexcept { return first_loss_; }
   double last_loss() const noexcept { return last_loss_; }
   std::uint64_t skipped() const noexcept { return skipped_; }
@@ -180,6 +221,7 @@ inline void print_memory(const zp::MemoryReport& m) {
               "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
               mib(m.params), mib(m.grads), mib(m.master), mib(m.optimizer_state), mib(m.model_states()),
               mib(m.buckets), mib(m.gathered_peak));
+  if (m.offloaded) std::printf("        of which in host memory (ZeRO-Offload): %.3f MiB\n", mib(m.offloaded));
 }
 
 // The training text, or the exit status 1 with the error printed.

@@ -53,6 +53,7 @@ const char* usage =
     "  --steps N          optimizer steps (default 300)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 8)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory (default none)\n"
     "  --log-every N      progress line every N steps (default 25)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --layers N         transformer blocks (default 2)\n"
@@ -65,15 +66,8 @@ const examples::Program program{"zp_gpt", usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    }
-    if (i + 1 >= argc) examples::bad(program, "unknown flag or missing value: '" + a + "'");
-    const std::string v = argv[++i];
-    if (examples::parse_train_flag(program, o, a, v)) continue;
+  examples::parse_args(program, argc, argv, [&](const std::string& a, const std::string& v) {
+    if (examples::parse_train_flag(program, o, a, v)) return true;
     if (a == "--layers") o.layers = examples::to_int(program, a, v, 1, 1024);
     else if (a == "--d-model") o.d_model = examples::to_int(program, a, v, 1, 65536);
     else if (a == "--heads") o.heads = examples::to_int(program, a, v, 1, 1024);
@@ -84,9 +78,9 @@ Options parse(int argc, char** argv) {
       if (v == "1f1b") o.schedule = zp::pipeline::Schedule::one_f_one_b;
       else if (v == "gpipe") o.schedule = zp::pipeline::Schedule::gpipe;
       else examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
-    }
-    else examples::bad(program, "unknown flag '" + a + "'");
-  }
+    } else return false;
+    return true;
+  });
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " + std::to_string(o.d_model));
   if (o.heads % o.tp != 0)
@@ -121,6 +115,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   ec.first_bucket_bytes = std::size_t(64) << 10;
   ec.persist_threshold = 10000;
   ec.steps_per_print = o.log_every;
+  ec.offload_optimizer = o.offload;
   if (o.precision == "fp16") ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   E engine(grid, model, ec, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
   const std::size_t rows = std::size_t(o.micro_batch) * std::size_t(cfg.context);

@@ -272,11 +272,20 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(s.warmup_type == zp::schedule::Warmup::log);
     CHECK(c.steps_per_print == 100);
     CHECK(!c.wall_clock_breakdown);
-    // Parsing keeps offload_optimizer (describe shows it); with_engine refuses it.
+    // offload_optimizer cpu is ZeRO-Offload; nvme is refused.
     CHECK(zp::ds::describe(c).find("offload_optimizer: cpu") != std::string::npos);
-    expect_invalid([&] { dispatch(c, 2); },
+    CHECK(zp::ds::engine_config<zp::fp16>(c, 2).offload_optimizer);
+    json j = json::parse(example1);
+    j["fp16"]["enabled"] = false;  // a precision the test's with_engine compiles in
+    j["bf16"] = {{"enabled", true}};
+    j["zero_optimization"]["stage"] = 3;
+    j["optimizer"]["params"]["lr"] = 1e-3;
+    CHECK(dispatch(zp::ds::parse(j, "ds_config.json"), 2).ec.offload_optimizer);
+    j["zero_optimization"]["offload_optimizer"]["device"] = "nvme";
+    j["zero_optimization"]["offload_optimizer"]["nvme_path"] = "/local_nvme";
+    expect_invalid([&] { dispatch(zp::ds::parse(j, "ds_config.json"), 2); },
                    {"ds_config.json: zero_optimization.offload_optimizer.device: ",
-                    "offload_optimizer is not supported yet by zp's host engine"});
+                    "offload_optimizer to \"nvme\" is not supported"});
   }
   SUBCASE("2: bf16, stage 3, WarmupCosineLR, grad_accum_dtype fp32") {
     const Config c = parse_text(example2);

@@ -2,7 +2,8 @@
 // steps (2 micro-steps each) at every stage, in fp32 and bf16, with the nccl backend at world
 // size 1 and with 1, 2 and 4 ranks on the GPU (cuda_threads); its parameters and fp32 master
 // weights equal bit for bit those of the threads backend on the CPU with as many ranks fed the
-// same gradients (the same formula on host and device, without contracted multiply-adds). The
+// same gradients (the same formula on host and device, without contracted multiply-adds), with
+// and without ZeRO-Offload (nccl). The
 // engine synchronises with the host once per optimizer step (device::sync_count) and never inside
 // a micro-step. Without a CUDA device it exits 77 (skip).
 #include <doctest/doctest.h>
@@ -95,8 +96,9 @@ struct Fed {
   }
 };
 
-zp::EngineConfig config() {
+zp::EngineConfig config(bool offload = false) {
   zp::EngineConfig c;
+  c.offload_optimizer = offload;
   c.batch = {.micro_batch_per_rank = 1, .gradient_accumulation_steps = 2};
   c.bucket_bytes = 8192;
   c.first_bucket_bytes = 2048;
@@ -110,11 +112,11 @@ struct Out {
 };
 
 template <class T, int Stage, class B>
-Out train(zp::Collective<B>& comm, std::uint64_t seed) {
+Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads = seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
-  zp::Engine<B, T, Stage> engine(comm, model, config(), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
+  zp::Engine<B, T, Stage> engine(comm, model, config(offload), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   Out out;
   for (int step = 0; step < 20; ++step)
     for (int micro = 0; micro < 2; ++micro) {
@@ -177,6 +179,16 @@ void check_stage(std::uint64_t seed) {
     REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
   }
   expect_equal(gpu, cpu);
+  // ZeRO-Offload: master and state on the host, the CPU step; the same bits again.
+  Out off;
+  {
+    zp::device::StreamScope on(comm.backend().stream());
+    off = train<T, Stage>(comm, seed, true);
+    REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
+  }
+  CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
+  CHECK(off.params == cpu.params);
+  CHECK(off.syncs_in_micro_steps == 0);
   check_ranks<T, Stage>(seed);
 }
 

@@ -30,7 +30,7 @@ BUILD=build/gpu
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
   -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
-  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" -DZP_BUILD_EXAMPLES=OFF -DZP_BUILD_TOOLS=OFF \
+  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
   ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
 grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
 cmake --build "$BUILD" -j 16 > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
@@ -53,6 +53,14 @@ if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
     --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
   log "zp_bench_optim_cuda (median of 3):"
   grep -E "median" "$OUT/optim_cuda.txt" | tee -a "$OUT/summary.txt"
+fi
+if [[ -x "$BUILD/examples/zp_demo_gpu" ]]; then
+  log "GPU demo (tokens/s and loss):"
+  for args in "--ranks 1 --stage 0" "--ranks 4 --stage 3" "--ranks 4 --stage 3 --offload cpu" \
+              "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50"; do
+    "$BUILD/examples/zp_demo_gpu" --steps 200 --log-every 100 $args > "$OUT/demo_gpu.txt" 2>&1 || status=1
+    echo "zp_demo_gpu $args: $(grep -E '^summary' "$OUT/demo_gpu.txt")" | tee -a "$OUT/summary.txt"
+  done
 fi
 if [[ -f bench/torch_adamw.py ]]; then
   python3 bench/torch_adamw.py > "$OUT/torch_adamw.txt" 2>&1 || status=1

@@ -42,8 +42,9 @@
 // listed in Config::auto_keys so the program can fill it, e.g. from its own flags.
 //
 // What a Config may hold but zp's engine does not do yet (with_engine raises the error, so the
-// value stays visible in describe()): offload_optimizer to "cpu"/"nvme", and a grad_accum_dtype
-// or communication_data_type other than fp32 or the model's element type.
+// value stays visible in describe()): offload_optimizer to "nvme" ("cpu" is ZeRO-Offload,
+// EngineConfig::offload_optimizer), and a grad_accum_dtype or communication_data_type other than
+// fp32 or the model's element type.
 #pragma once
 
 #include <algorithm>
@@ -84,7 +85,8 @@ enum class Precision : std::uint8_t { fp32, fp16, bf16 };
 enum class TagValidation : std::uint8_t { warn, ignore, fail };
 enum class OffloadDevice : std::uint8_t { none, cpu, nvme };
 
-// zero_optimization.offload_optimizer, kept as read; with_engine rejects device != none.
+// zero_optimization.offload_optimizer, kept as read; "cpu" sets EngineConfig::offload_optimizer,
+// with_engine rejects "nvme".
 struct OffloadOptimizer {
   OffloadDevice device = OffloadDevice::none;
   bool pin_memory = false;
@@ -1137,6 +1139,7 @@ EngineConfig engine_config(const Config& c, int world_size) {
   });
   e.first_bucket_bytes = std::min(e.first_bucket_bytes, e.bucket_bytes);
   e.wall_clock_breakdown = c.wall_clock_breakdown;
+  e.offload_optimizer = c.offload_optimizer.device == OffloadDevice::cpu;
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print = int(std::min<std::int64_t>(c.steps_per_print, std::numeric_limits<int>::max()));
@@ -1218,8 +1221,8 @@ decltype(auto) pick_type(Types<T0, Ts...>, const Config& c, int world_size, F& f
 // what f returns; f must return the same type for every combination compiled in. Throws
 // zp::Error(invalid_argument) before calling f when the config asks for something this program
 // did not compile in (naming what it did), for what zp's engine does not do yet
-// (offload_optimizer, a grad_accum_dtype or communication_data_type other than fp32 or the
-// model's type), and when the batch triad does not fit world_size.
+// (offload_optimizer to nvme, a grad_accum_dtype or communication_data_type other than fp32 or
+// the model's type), and when the batch triad does not fit world_size.
 template <Backend B, class TypeList = Types<float, bf16, fp16>, class StageList = Stages<0, 1, 2, 3>,
           class OptList = Optimizers<optim::AdamW, optim::Adam, optim::Sgd, optim::Lion>, class F>
 decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
@@ -1229,10 +1232,10 @@ decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
   const auto types = detail::list(TypeList{});
   const auto stages = detail::list(StageList{});
   const auto opts = detail::list(OptList{});
-  if (c.offload_optimizer.device != OffloadDevice::none)
+  if (c.offload_optimizer.device == OffloadDevice::nvme)
     ctx.fail("zero_optimization.offload_optimizer.device",
-             "offload_optimizer is not supported yet by zp's host engine (device \"",
-             detail::ds_name(c.offload_optimizer.device), "\"); use \"none\" or remove offload_optimizer");
+             "offload_optimizer to \"nvme\" is not supported (zp offloads the optimizer to host memory); use "
+             "\"cpu\" or \"none\"");
   const DType t = c.dtype();
   if (std::find(types.begin(), types.end(), t) == types.end())
     ctx.fail(c.precision == Precision::fp32 ? "" : c.precision == Precision::fp16 ? "fp16.enabled" : "bf16.enabled",

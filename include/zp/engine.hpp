@@ -142,6 +142,14 @@ struct EngineConfig {
   // ranks, by default in T. fp32 keeps one fp32 gradient buffer (stage 0/1: full; stage 2/3: the
   // shard) and fp32 reductions move twice the bytes. Without accumulation (one micro-step per
   // step) the accumulation dtype changes nothing and costs nothing.
+  // ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): the fp32 master weights and optimizer
+  // state live in host memory and the CPU step (optim/cpu.hpp) updates them, segment by segment,
+  // from the gradient shard copied to the host, copying the updated T shard back. A device
+  // backend then holds only the T parameters and gradients (and buckets) in device memory;
+  // MemoryReport::offloaded says how many bytes moved to the host. Results equal the engine
+  // without offload (the CPU and CUDA steps share their element math). The copies do not yet
+  // overlap the CPU work (each segment: copy down, step, copy up).
+  bool offload_optimizer = false;
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
@@ -276,7 +284,8 @@ class Engine {
         bound_(bind_parameters<T>(model)),
         precision_(grad_precision(config_, batch_)),
         part_(make_layout(bound_.params, comm.size(), config_), comm.rank(), optim::state_slots<Opt>,
-              Stage < 2 ? precision_.accumulate_f32 || precision_.reduce_f32 : precision_.accumulate_f32),
+              Stage < 2 ? precision_.accumulate_f32 || precision_.reduce_f32 : precision_.accumulate_f32,
+              config_.offload_optimizer),
         buckets_(comm, part_.layout(), Stage == 0 ? Reduction::all_reduce
                                        : Stage == 1 ? Reduction::scatter_in_place
                                                     : Reduction::scatter_accumulate,
@@ -458,8 +467,8 @@ class Engine {
       const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
       const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
       for (int s = 0; s < L.segment_count(); ++s) {
-        if (f32_grads()) Mem::step(opt_, scalars, shard_view<true>(s), config_.optimizer_options);
-        else Mem::step(opt_, scalars, shard_view<false>(s), config_.optimizer_options);
+        if (f32_grads()) update(scalars, shard_view<true>(s));
+        else update(scalars, shard_view<false>(s));
       }
       phase(&StepTimes::optimizer);
       if constexpr (Stage == 1 || Stage == 2) {
@@ -565,13 +574,11 @@ class Engine {
     else return extract<T>(gather_pieces<T>([&](int s) { return part_.param_piece(s); }).span());
   }
   std::vector<float> gather_master() {
-    if constexpr (Stage < 1) return extract<float>(part_.master());
-    else return extract<float>(gather_pieces<float>([&](int s) { return part_.master_piece(s); }).span());
+    return gather_fp32(part_.master(), [&](int s) { return part_.master_piece(s); });
   }
   // Optimizer state array k (AdamW: 0 = m, 1 = v) of the whole model, like gather_master().
   std::vector<float> gather_state(int k) {
-    if constexpr (Stage < 1) return extract<float>(part_.state(k));
-    else return extract<float>(gather_pieces<float>([&](int s) { return part_.state_piece(k, s); }).span());
+    return gather_fp32(part_.state(k), [&](int s) { return part_.state_piece(k, s); });
   }
 
  private:
@@ -740,10 +747,15 @@ class Engine {
         Mem::copy(part_.param_segment(s), std::span<const T>(init.span(g.offset, g.size)));
       else
         Mem::copy(part_.param_piece(s), std::span<const T>(init.span(mine, g.piece)));
-      if constexpr (Stage < 1)
-        Mem::convert(part_.master_segment(s), std::span<const T>(init.span(g.offset, g.size)));
-      else
-        Mem::convert(part_.master_piece(s), std::span<const T>(init.span(mine, g.piece)));
+      const std::span<const T> from = Stage < 1 ? init.span(g.offset, g.size) : init.span(mine, g.piece);
+      const std::span<float> master = Stage < 1 ? part_.master_segment(s) : part_.master_piece(s);
+      if (!part_.offloaded()) {
+        Mem::convert(master, from);
+      } else {  // the master weights are on the host
+        std::vector<T> host(from.size());
+        Mem::to_host(std::span<T>(host), from);
+        Ops<MemorySpace::host>::convert(master, std::span<const T>(host));
+      }
     }
     for (std::size_t p = 0; p < ps.size(); ++p) {
       bound_.values[p]->rebind(Stage < 3 ? part_.params().data() + ps[p].offset : nullptr);
@@ -921,15 +933,52 @@ class Engine {
 
   // ---- whole-model views -------------------------------------------------------------------
 
+  // host_pieces: the pieces are in host memory (offloaded fp32 state); a device backend gathers
+  // them through a device copy.
   template <class U, class Piece>
-  Buffer<U, S> gather_pieces(Piece&& piece) {
+  Buffer<U, S> gather_pieces(Piece&& piece, bool host_pieces = false) {
     const Layout& L = part_.layout();
     Buffer<U, S> full(L.total());
     for (int s = 0; s < L.segment_count(); ++s) {
       const auto& g = L.segment(s);
-      comm_->all_gather(std::span<const U>(piece(s)), full.span(g.offset, g.size));
+      std::span<const U> mine = piece(s);
+      Buffer<U, S> staged;
+      if (host_pieces && S != MemorySpace::host) {
+        staged = Buffer<U, S>(mine.size());
+        Mem::from_host(staged.span(), mine);
+        mine = staged.span();
+      }
+      comm_->all_gather(mine, full.span(g.offset, g.size));
     }
     return full;
+  }
+  // The master weights or a state array, whole model, wherever they live.
+  template <class Piece>
+  std::vector<float> gather_fp32(std::span<float> whole, Piece&& piece) {
+    const bool host = part_.offloaded();
+    if constexpr (Stage < 1)
+      return host ? extract_host(std::span<const float>(whole)) : extract<float>(whole);
+    else
+      return extract<float>(gather_pieces<float>(piece, host).span());
+  }
+
+  // The optimizer update of one segment's shard: in the memory space, or, offloaded, by the CPU
+  // on the host copies of the gradient and the new T values (master and state are on the host).
+  template <class G>
+  void update(const optim::StepScalars& scalars, const optim::ShardView<T, G>& v) {
+    if (!part_.offloaded()) return Mem::step(opt_, scalars, v, config_.optimizer_options);
+    std::vector<G>& grad = staging<G>();
+    grad.resize(v.grad.size());
+    staged_param_.resize(v.param.size());
+    Mem::to_host(std::span<G>(grad), v.grad);
+    optim::cpu::step(opt_, scalars, optim::ShardView<T, G>{v.master, grad, v.state, staged_param_},
+                     config_.optimizer_options);
+    Mem::from_host(v.param, std::span<const T>(staged_param_));
+  }
+  template <class G>
+  std::vector<G>& staging() {
+    if constexpr (std::is_same_v<G, float>) return staged_grad32_;
+    else return staged_grad_;
   }
   template <class U>
   std::vector<U> extract(std::span<const U> full) const {
@@ -967,6 +1016,9 @@ class Engine {
   std::vector<ModuleState> mods_;
   std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
   Buffer<double, S> stats_{statistics_count, "engine: step statistics"};  // step()'s all_reduce
+  // Offload: host copies of a segment's gradient shard (T or fp32) and its new T values.
+  std::vector<T> staged_grad_, staged_param_;
+  std::vector<float> staged_grad32_;
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)

@@ -189,6 +189,7 @@ struct MemoryReport {
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather buffers kept for reuse (at most 2)
+  std::size_t offloaded = 0;        // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
   std::size_t total() const noexcept { return model_states() + buckets + gathered + gather_cache; }
@@ -218,9 +219,10 @@ class Partitioned {
   using value_type = T;
 
   // grads_f32: also an fp32 gradient buffer of the gradients' extent (fp32 accumulation or
-  // reduction of 16-bit gradients, bucket.hpp).
-  Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false)
-      : layout_(std::move(layout)), rank_(rank), slots_(state_slots) {
+  // reduction of 16-bit gradients, bucket.hpp). offload: the fp32 master weights and optimizer
+  // state in host memory whatever S is (ZeRO-Offload: the CPU updates them).
+  Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false, bool offload = false)
+      : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload) {
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ", state_slots);
@@ -229,8 +231,15 @@ class Partitioned {
       params_ = Buffer<T, S>(Stage < 3 ? full : shard, "partition: parameters");
       grads_ = Buffer<T, S>(Stage < 2 ? full : shard, "partition: gradients");
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
-      master_ = Buffer<float, S>(Stage < 1 ? full : shard, "partition: fp32 master weights");
-      for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(master_.size(), "partition: optimizer state");
+      const std::size_t m = Stage < 1 ? full : shard;
+      if (offload_) {
+        master_host_ = Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
+        for (int k = 0; k < slots_; ++k)
+          state_host_[std::size_t(k)] = Buffer<float, MemorySpace::host>(m, "partition: optimizer state (host, offloaded)");
+      } else {
+        master_ = Buffer<float, S>(m, "partition: fp32 master weights");
+        for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(m, "partition: optimizer state");
+      }
     } catch (const Error& e) {
       if (e.category() != Errc::out_of_memory) throw;
       const auto& ps = layout_.params();
@@ -244,8 +253,15 @@ class Partitioned {
     Ops<S>::zero(grads_.span());
     Ops<S>::zero(grads32_.span());
     Ops<S>::zero(master_.span());
-    for (int k = 0; k < slots_; ++k) Ops<S>::zero(state_[std::size_t(k)].span());
+    Ops<MemorySpace::host>::zero(master_host_.span());
+    for (int k = 0; k < slots_; ++k) {
+      Ops<S>::zero(state_[std::size_t(k)].span());
+      Ops<MemorySpace::host>::zero(state_host_[std::size_t(k)].span());
+    }
   }
+
+  // Master weights and optimizer state are in host memory (whatever S is).
+  bool offloaded() const noexcept { return offload_; }
 
   const Layout& layout() const noexcept { return layout_; }
   int rank() const noexcept { return rank_; }
@@ -256,45 +272,56 @@ class Partitioned {
   std::span<T> params() const noexcept { return params_.span(); }
   std::span<T> grads() const noexcept { return grads_.span(); }
   std::span<float> grads_f32() const noexcept { return grads32_.span(); }  // empty if not kept
-  std::span<float> master() const noexcept { return master_.span(); }
-  std::span<float> state(int k) const { return state_.at(std::size_t(k)).span(); }
+  std::span<float> master() const noexcept { return offload_ ? master_host_.span() : master_.span(); }
+  std::span<float> state(int k) const {
+    return offload_ ? state_host_.at(std::size_t(k)).span() : state_.at(std::size_t(k)).span();
+  }
 
   // This rank's piece of segment s in each buffer.
   std::span<T> param_piece(int s) const { return piece(params_, s, Stage < 3); }
   std::span<T> grad_piece(int s) const { return piece(grads_, s, Stage < 2); }
   std::span<float> grad_f32_piece(int s) const { return piece(grads32_, s, Stage < 2); }
-  std::span<float> master_piece(int s) const { return piece(master_, s, Stage < 1); }
-  std::span<float> state_piece(int k, int s) const { return piece(state_.at(std::size_t(k)), s, Stage < 1); }
+  std::span<float> master_piece(int s) const { return piece(master(), s, Stage < 1); }
+  std::span<float> state_piece(int k, int s) const { return piece(state(k), s, Stage < 1); }
 
   // Whole segment s in a full-space buffer (params for stage < 3, grads for stage < 2, master
   // and state for stage 0).
   std::span<T> param_segment(int s) const { return segment(params_, s, Stage < 3); }
   std::span<T> grad_segment(int s) const { return segment(grads_, s, Stage < 2); }
   std::span<float> grad_f32_segment(int s) const { return segment(grads32_, s, Stage < 2); }
-  std::span<float> master_segment(int s) const { return segment(master_, s, Stage < 1); }
-  std::span<float> state_segment(int k, int s) const { return segment(state_.at(std::size_t(k)), s, Stage < 1); }
+  std::span<float> master_segment(int s) const { return segment(master(), s, Stage < 1); }
+  std::span<float> state_segment(int k, int s) const { return segment(state(k), s, Stage < 1); }
 
   // Model-state bytes by category (buckets and gathered parameters are the engine's).
   MemoryReport memory() const {
     MemoryReport r;
     r.params = params_.bytes();
     r.grads = grads_.bytes() + grads32_.bytes();
-    r.master = master_.bytes();
-    for (int k = 0; k < slots_; ++k) r.optimizer_state += state_[std::size_t(k)].bytes();
+    r.master = master().size_bytes();
+    for (int k = 0; k < slots_; ++k) r.optimizer_state += state(k).size_bytes();
+    if (offload_) r.offloaded = r.master + r.optimizer_state;
     return r;
   }
 
  private:
   template <class U>
   std::span<U> piece(const Buffer<U, S>& b, int s, bool full) const {
+    return piece(b.span(), s, full);
+  }
+  template <class U>
+  std::span<U> piece(std::span<U> b, int s, bool full) const {
     const auto& g = layout_.segment(s);
-    return b.span(full ? g.offset + std::size_t(rank_) * g.piece : g.shard_offset, g.piece);
+    return {b.data() + (full ? g.offset + std::size_t(rank_) * g.piece : g.shard_offset), g.piece};
   }
   template <class U>
   std::span<U> segment(const Buffer<U, S>& b, int s, bool full) const {
+    return segment(b.span(), s, full);
+  }
+  template <class U>
+  std::span<U> segment(std::span<U> b, int s, bool full) const {
     ZP_EXPECT(full, "partition: stage ", Stage, " keeps only a shard of this buffer");
     const auto& g = layout_.segment(s);
-    return b.span(g.offset, g.size);
+    return {b.data() + g.offset, g.size};
   }
 
   Layout layout_;
@@ -302,8 +329,12 @@ class Partitioned {
   int slots_;
   Buffer<T, S> params_, grads_;
   Buffer<float, S> grads32_;
+  bool offload_;
   Buffer<float, S> master_;
   std::array<Buffer<float, S>, 2> state_;
+  // Offloaded (host) master and state; the S ones above stay empty then.
+  Buffer<float, MemorySpace::host> master_host_;
+  std::array<Buffer<float, MemorySpace::host>, 2> state_host_;
 };
 
 }  // namespace zp
