@@ -16,6 +16,8 @@
 #include <zp/backend/threads.hpp>
 #include <zp/engine.hpp>
 
+#include "synthetic.hpp"
+
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -30,29 +32,12 @@ using zp::backend::Threads;
 constexpr int modules = 8;
 constexpr std::size_t weight_elems = 6'400'000, bias_elems = 1'000;
 
-struct Synthetic {
-  zp::Param<bf16> w[modules], b[modules];
-  std::vector<bf16> init;        // shared initial values (zp copies them)
+struct Synthetic : zp::bench::SyntheticParams<modules> {
   std::vector<bf16> grad_w, grad_b;  // the "computed" gradient each backward writes
   float sink = 0;
 
-  Synthetic() : init(weight_elems), grad_w(weight_elems), grad_b(bias_elems) {
-    for (std::size_t i = 0; i < weight_elems; ++i) init[i] = bf16(0.01f * float(int(i % 199) - 99));
-    for (std::size_t i = 0; i < weight_elems; ++i) grad_w[i] = bf16(1e-3f * float(int(i % 37) - 18));
-    for (std::size_t i = 0; i < bias_elems; ++i) grad_b[i] = bf16(1e-3f);
-    for (int m = 0; m < modules; ++m) {
-      w[m] = zp::Param<bf16>(weight_elems);
-      b[m] = zp::Param<bf16>(bias_elems);
-      w[m].value.rebind(init.data());
-      b[m].value.rebind(init.data());
-    }
-  }
-  template <class V>
-  friend void for_each_parameter(Synthetic& s, V&& visit) {
-    for (int m = 0; m < modules; ++m) {
-      visit("block" + std::to_string(m) + ".weight", m, s.w[m]);
-      visit("block" + std::to_string(m) + ".bias", m, s.b[m]);
-    }
+  Synthetic() : SyntheticParams(weight_elems, bias_elems), grad_w(weight_elems), grad_b(bias_elems, bf16(1e-3f)) {
+    for (std::size_t i = 0; i < weight_elems; ++i) grad_w[i] = weight_grad(i);
   }
   void forward(int m) {  // touches the gathered parameters, as a layer would
     float acc = 0;

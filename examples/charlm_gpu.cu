@@ -9,8 +9,10 @@
 // --backend cuda_threads (default): N ranks as threads on one GPU (zp/backend/cuda_threads.cuh).
 // --backend nccl: one process per GPU under mpirun (zp::backend::nccl_from_mpi).
 // Sizes are flags so the model can fill a GPU (e.g. --hidden 8192 --micro-batch 1024).
-// Every kernel runs on the rank's current stream (zp::device::current_stream()), the engine's;
-// the loss stays on the device and is read only when a progress line is printed.
+// Every kernel runs on the rank's compute stream (zp::device::current_stream()), the engine's;
+// the collectives run on the backend's communication stream, ordered by events, so gradient
+// reductions overlap the rest of backward. The loss stays on the device and is read only when a
+// progress line is printed.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -357,8 +359,9 @@ int main(int argc, char** argv) {
     if (o.backend == "nccl") {
 #if ZP_DEMO_NCCL
       zp::backend::MpiEnvironment env(&argc, &argv);
-      zp::Collective<zp::backend::Nccl> comm(zp::backend::nccl_from_mpi(MPI_COMM_WORLD));
-      zp::device::StreamScope on(comm.backend().stream());
+      zp::Collective<zp::backend::Nccl> comm(zp::backend::nccl_from_mpi(MPI_COMM_WORLD));  // sets the device
+      zp::device::Stream compute;  // the model's and the engine's; nccl communicates on its own
+      zp::device::StreamScope on(compute.get());
       dispatch(comm, o, corpus);
 #else
       examples::bad(program, "this zp_demo_gpu was built without NCCL and MPI");

@@ -12,6 +12,7 @@
 
 #include "zp/backend/threads.hpp"
 #include "expect_error.hpp"
+#include "memory_check.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -258,8 +259,11 @@ void check_accounting(int ranks) {
     const int n = comm.size();
     Mlp<T> model;
     auto cfg = test_config(2, 1);
+    const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
     zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
+    measured.start();
     for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * n + comm.rank()) * 2, 2);
+    measured.check(engine, n);
     const auto& L = engine.layout();
     const std::size_t P = L.total(), elem = sizeof(T);
     // padding bound: less than ranks * align elements per segment
@@ -293,7 +297,7 @@ void check_accounting(int ranks) {
 
 }  // namespace
 
-TEST_CASE("per-rank model-state bytes and per-step bus bytes follow the ZeRO formulas") {
+TEST_CASE("per-rank model-state bytes (reported and as allocated) and per-step bus bytes follow the ZeRO formulas") {
   for (int ranks : {1, 2, 3, 4}) {
     CAPTURE(ranks);
     check_accounting<zp::bf16, 0>(ranks);

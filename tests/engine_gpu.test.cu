@@ -3,18 +3,23 @@
 // size 1 and with 1, 2 and 4 ranks on the GPU (cuda_threads); its parameters and fp32 master
 // weights equal bit for bit those of the threads backend on the CPU with as many ranks fed the
 // same gradients (the same formula on host and device, without contracted multiply-adds), with
-// and without ZeRO-Offload (nccl). The
-// engine synchronises with the host once per optimizer step (device::sync_count) and never inside
-// a micro-step. Without a CUDA device it exits 77 (skip).
+// and without ZeRO-Offload (nccl). The model's kernels run on a compute stream of their own, the
+// collectives on the backends' communication streams; ordering is proven by delaying each kind
+// of stream in turn (a spin kernel before every enqueue there), which must change no bit. The
+// engine synchronises with the host once per optimizer step (device::sync_count) and never
+// inside a micro-step, and the bytes its allocator serves each rank are its memory report and
+// the ZeRO formulas (tests/memory_check.hpp). Without a CUDA device it exits 77 (skip).
 #include <doctest/doctest.h>
 
 #include "cuda_device.hpp"
+#include "memory_check.hpp"
 
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "random.hpp"
@@ -85,8 +90,9 @@ struct Fed {
       if (module_of[p] != m) continue;
       auto& v = params[p];
       if constexpr (S == zp::MemorySpace::device) {
-        add_grad_kernel<T><<<64, 256, 0, zp::device::current_stream()>>>(v.grad.data(), v.value.data(), v.size(),
-                                                                         key(seed, step, micro, p));
+        const cudaStream_t s = zp::device::current_stream();
+        zp::device::before_enqueue(s, zp::device::Role::compute);  // the delay test mode's turn
+        add_grad_kernel<T><<<64, 256, 0, s>>>(v.grad.data(), v.value.data(), v.size(), key(seed, step, micro, p));
         REQUIRE(cudaGetLastError() == cudaSuccess);
       } else {
         for (std::size_t i = 0; i < v.size(); ++i)
@@ -116,7 +122,9 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads = seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
+  const zp::test::MeasuredMemory<S> measured;
   zp::Engine<B, T, Stage> engine(comm, model, config(offload), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
+  measured.start();
   Out out;
   for (int step = 0; step < 20; ++step)
     for (int micro = 0; micro < 2; ++micro) {
@@ -132,6 +140,15 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
       if constexpr (S == zp::MemorySpace::device)
         out.syncs_per_step_max = std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
     }
+  // bf16 at stage 0 accumulates its 2 micro-steps in fp32 (an extra gradient copy)
+  measured.check(engine, comm.size(), std::is_same_v<T, zp::bf16> && Stage == 0);
+  if constexpr (S == zp::MemorySpace::device) {
+    cudaMemPool_t pool = nullptr;
+    std::uint64_t used = 0;
+    REQUIRE(cudaDeviceGetDefaultMemPool(&pool, 0) == cudaSuccess);
+    REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
+    CHECK(std::int64_t(used) >= zp::memory_use<S>().current - measured.base);  // the pool serves every rank
+  }
   out.master = engine.gather_master();
   const std::vector<T> p = engine.gather_params();
   out.params.resize(p.size() * sizeof(T));
@@ -147,23 +164,56 @@ void expect_equal(const Out& gpu, const Out& cpu) {
   CHECK(gpu.syncs_per_step_max == 1);
 }
 
+// Runs fn with spin kernels of `cycles` before every enqueue on streams of role r (0: none).
+template <class F>
+auto delayed(zp::device::Role r, long long cycles, F&& fn) {
+  zp::device::delay_streams(r, cycles);
+  struct Off {
+    zp::device::Role r;
+    ~Off() { zp::device::delay_streams(r, 0); }
+  } off{r};
+  return fn();
+}
+constexpr long long spin = 20000;  // GPU cycles (about 10 us): longer than this test's kernels
+
+template <class T, int Stage>
+Out on_gpu(int n, std::uint64_t seed) {
+  Out gpu;
+  zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
+    Out o = train<T, Stage>(comm, seed);
+    if (comm.rank() == 0) gpu = std::move(o);
+  });
+  return gpu;
+}
+
 // 1, 2 and 4 ranks on the one GPU against as many thread ranks (rank 0's results; every rank
-// gathers the same whole model).
+// gathers the same whole model); at 2 ranks also with each kind of stream delayed.
 template <class T, int Stage>
 void check_ranks(std::uint64_t seed) {
   for (int n : {1, 2, 4}) {
     CAPTURE(n);
-    Out cpu, gpu;
+    Out cpu;
     zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
       Out o = train<T, Stage>(comm, seed);
       if (comm.rank() == 0) cpu = std::move(o);
     });
-    zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
-      Out o = train<T, Stage>(comm, seed);
-      if (comm.rank() == 0) gpu = std::move(o);
-    });
-    expect_equal(gpu, cpu);  // sync_count is per thread: rank 0's own
+    expect_equal(on_gpu<T, Stage>(n, seed), cpu);  // sync_count is per thread: rank 0's own
+    if (n != 2) continue;
+    for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
+      CAPTURE(int(role));
+      expect_equal(delayed(role, spin, [&] { return on_gpu<T, Stage>(n, seed); }), cpu);
+    }
   }
+}
+
+// nccl at world size 1: the model on a compute stream of its own, the collectives on nccl's.
+template <class T, int Stage>
+Out on_nccl(zp::Collective<zp::backend::Nccl>& comm, std::uint64_t seed, bool offload = false) {
+  zp::device::Stream compute;
+  zp::device::StreamScope on(compute.get());
+  Out o = train<T, Stage>(comm, seed, offload);
+  REQUIRE(cudaStreamSynchronize(compute.get()) == cudaSuccess);
+  return o;
 }
 
 template <class T, int Stage>
@@ -172,20 +222,13 @@ void check_stage(std::uint64_t seed) {
   Out cpu;
   zp::backend::run_threads(1, [&](zp::Collective<zp::backend::Threads>& comm) { cpu = train<T, Stage>(comm, seed); });
   zp::Collective<zp::backend::Nccl> comm(zp::backend::Nccl::create(zp::backend::Nccl::unique_id(), 0, 1, 0));
-  Out gpu;
-  {
-    zp::device::StreamScope on(comm.backend().stream());
-    gpu = train<T, Stage>(comm, seed);
-    REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
+  expect_equal(on_nccl<T, Stage>(comm, seed), cpu);
+  for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
+    CAPTURE(int(role));
+    expect_equal(delayed(role, spin, [&] { return on_nccl<T, Stage>(comm, seed); }), cpu);
   }
-  expect_equal(gpu, cpu);
   // ZeRO-Offload: master and state on the host, the CPU step; the same bits again.
-  Out off;
-  {
-    zp::device::StreamScope on(comm.backend().stream());
-    off = train<T, Stage>(comm, seed, true);
-    REQUIRE(cudaStreamSynchronize(comm.backend().stream()) == cudaSuccess);
-  }
+  const Out off = on_nccl<T, Stage>(comm, seed, true);
   CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
   CHECK(off.params == cpu.params);
   CHECK(off.syncs_in_micro_steps == 0);

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Everything zp checks and measures on a GPU, in one go (issue #7's "on a GPU" list): configure a
-# Release build for Hopper with CUDA and NCCL, build the gpu tests and the benchmarks, run
-# `ctest -L gpu`, the engine's gpu test again under compute-sanitizer memcheck,
-# zp_bench_optim_cuda (AdamW against a device-to-device copy), and bench/torch_adamw.py (PyTorch's
+# Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): configure a Release
+# build for Hopper with CUDA and NCCL, build the gpu tests and the benchmarks, run `ctest -L gpu`,
+# the gpu tests of the engine, cuda_threads and the optimizer again under compute-sanitizer
+# memcheck, zp_bench_optim_cuda (AdamW against a device-to-device copy), zp_bench_zero_cuda (the
+# device engine's step per stage and rank count against its bare kernels, offload against the
+# device step), the GPU demo's tokens/s and loss, and bench/torch_adamw.py (PyTorch's
 # clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
-# build/gpu-out); a summary table is printed last.
+# build/gpu-out); a summary is printed as it goes.
 #
-#   bash tools/gpu_check.sh            # on the GPU machine, from the repository root
+#   bash tools/gpu_check.sh [all|test|bench]   # on the GPU machine, from the repository root
+#
+# test: the build, ctest -L gpu and compute-sanitizer; bench: the build and the measurements
+# (zp_bench_optim_cuda, zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): both. Split
+# them over two calls when one would run past a time limit (the build is kept between them).
 #
 # That machine cannot download: doctest and Google Benchmark come from build/gpu-deps, which
 # tools/gpu_deps.sh fills on a Debian machine (carry it along); NCCL from CMake's search or
@@ -14,6 +20,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
+PHASE=${1:-all}
+case "$PHASE" in all|test|bench) ;; *) echo "usage: $0 [all|test|bench]" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
@@ -37,6 +45,7 @@ cmake --build "$BUILD" -j 16 > "$OUT/build.log" 2>&1 || { log "build FAILED"; gr
 log "build ok"
 
 status=0
+if [[ $PHASE != bench ]]; then
 (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
 log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
 for t in engine_gpu backend.cuda_threads optim.cuda; do
@@ -48,11 +57,20 @@ for t in engine_gpu backend.cuda_threads optim.cuda; do
   fi
 done
 
+fi
+
+if [[ $PHASE != test ]]; then
 if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
   "$BUILD/bench/zp_bench_optim_cuda" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
   log "zp_bench_optim_cuda (median of 3):"
   grep -E "median" "$OUT/optim_cuda.txt" | tee -a "$OUT/summary.txt"
+fi
+if [[ -x "$BUILD/bench/zp_bench_zero_cuda" ]]; then
+  "$BUILD/bench/zp_bench_zero_cuda" --benchmark_out="$OUT/zero_cuda.json" --benchmark_out_format=json \
+    > "$OUT/zero_cuda.txt" 2>&1 || status=1
+  log "zp_bench_zero_cuda (engine step vs its bare kernels; offload vs device step):"
+  grep -E "^zero_" "$OUT/zero_cuda.txt" | tee -a "$OUT/summary.txt"
 fi
 if [[ -x "$BUILD/examples/zp_demo_gpu" ]]; then
   log "GPU demo (tokens/s and loss):"
@@ -66,6 +84,7 @@ if [[ -f bench/torch_adamw.py ]]; then
   python3 bench/torch_adamw.py > "$OUT/torch_adamw.txt" 2>&1 || status=1
   log "PyTorch clip_grad_norm_ + AdamW(fused=True):"
   tee -a "$OUT/summary.txt" < "$OUT/torch_adamw.txt"
+fi
 fi
 log "exit status $status"
 exit $status

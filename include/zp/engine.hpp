@@ -51,6 +51,7 @@
 
 #include "zp/bucket.hpp"
 #include "zp/collective.hpp"
+#include "zp/config.hpp"
 #include "zp/error.hpp"
 #include "zp/grid.hpp"
 #include "zp/memory.hpp"
@@ -147,8 +148,9 @@ struct EngineConfig {
   // from the gradient shard copied to the host, copying the updated T shard back. A device
   // backend then holds only the T parameters and gradients (and buckets) in device memory;
   // MemoryReport::offloaded says how many bytes moved to the host. Results equal the engine
-  // without offload (the CPU and CUDA steps share their element math). The copies do not yet
-  // overlap the CPU work (each segment: copy down, step, copy up).
+  // without offload (the CPU and CUDA steps share their element math). On a device the copies
+  // go through pinned double buffers (OffloadStaging), so they overlap the CPU work; the host
+  // waits for each segment's gradient (those waits count in device::sync_count).
   bool offload_optimizer = false;
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
@@ -221,6 +223,28 @@ struct StepResult {
   std::int64_t step = 0;   // optimizer updates applied so far
   StepTimes times;         // at a boundary: the whole optimizer step's (its window's) phases
 };
+
+namespace detail {
+// An optimizer step's decision from its all-reduced statistics, taken where they live
+// (Ops::invoke: host and device compute the same bits). s[0..6): the squared norm, the count of
+// non-finite pieces, and the sums of the hyper-parameter fingerprint's halves and their squares
+// (this rank's halves h0, h1: every rank's iff the sums are `ranks` times them); writes s[6] =
+// grad_mul (unscale and clip) and s[7] = apply, overflow, or differ (skip, and the host throws).
+// Outside Engine: nvcc takes no private member type as a kernel's template argument.
+struct StepGate {
+  static constexpr std::size_t statistics = 6;
+  static constexpr double apply = 0, overflow = 1, differ = 2;
+  double ranks, h0, h1;
+  float unscale, max_norm;
+  ZP_HOST_DEVICE void operator()(double* s) const {
+    const bool same = s[2] == ranks * h0 && s[3] == ranks * h0 * h0 && s[4] == ranks * h1 && s[5] == ranks * h1 * h1;
+    const bool finite = s[1] == 0 && s[0] <= 1.7976931348623157e308;  // not inf, not nan
+    const float clip = finite ? optim::clip_coef(s[0], unscale, max_norm) : 1.0f;
+    s[statistics] = double(optim::grad_mul(unscale, clip));
+    s[statistics + 1] = !same ? differ : !finite ? overflow : apply;
+  }
+};
+}  // namespace detail
 
 template <Backend B, class T, int Stage, class Opt = optim::AdamW>
   requires optim::Optimizer<Opt>
@@ -430,12 +454,18 @@ class Engine {
     // fingerprint, as two 16-bit halves h, is summed with h^2, exactly in double; the ranks agree
     // iff sum(h) = N h and sum(h^2) = N h^2 on every rank (the variance is then zero), and when
     // they do not, every rank sees it.
-    // The statistics live where the gradients do (stats_), so a device computes and reduces
-    // them without the host; to_host() is the step's one synchronisation.
+    // The statistics live where the gradients do (stats_), and so does the decision they lead
+    // to (detail::StepGate: skip on overflow or differing hyper-parameters, else unscale and clip), so a
+    // device runs the whole step, gathers included, without the host; the host reads the
+    // outcome afterwards, in the step's one synchronisation (to_host), for the loss scaler and
+    // StepResult. A step that would apply counts as update step_ + 1 (bias correction).
     optim::validate(opt_);
     const std::uint64_t fp = optim::fingerprint(opt_);
     const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
-    double global[statistics_count] = {0.0, 0.0, h0, h0 * h0, h1, h1 * h1};
+    const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
+    const float scale = config_.loss_scaler.scale();
+    const float unscale = float(double(scale) * double(gas));  // exact for powers of two
+    double global[stats_slots] = {0.0, 0.0, h0, h0 * h0, h1, h1 * h1, 0.0, 0.0};
     Mem::from_host(stats_.span(), std::span<const double>(global));
     for (int s = 0; s < L.segment_count(); ++s) {
       if (f32_grads()) add_piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)));
@@ -444,45 +474,41 @@ class Engine {
     // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
     // with the same sums (each DP group's are equal, and the second sum runs in one order).
     in_context("step()", [&] {
-      comm_->all_reduce(stats_.span(), ReduceOp::sum);
-      if (mp_) mp_->all_reduce(stats_.span(), ReduceOp::sum);
+      comm_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
+      if (mp_) mp_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
     });
-    Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
-    const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
+    Mem::invoke(detail::StepGate{n, h0, h1, unscale, config_.max_grad_norm}, stats_.data());
     phase(&StepTimes::statistics);
-    ZP_EXPECT(global[2] == n * h0 && global[3] == n * h0 * h0 && global[4] == n * h1 && global[5] == n * h1 * h1,
-              "engine: the optimizer's hyper-parameters differ between ranks at ", where(), " (rank ",
-              comm_->rank(), " has ", optim::describe(opt_), "); every rank must set them identically, e.g. from "
-              "the same schedule");
-    r.overflow = global[1] > 0 || !std::isfinite(global[0]);
-    const float scale = config_.loss_scaler.scale();
-    const float unscale = float(double(scale) * double(gas));  // exact for powers of two
+
+    if constexpr (Stage == 3)  // the shards change (or not): gathered copies are stale either way,
+      for (int m = 0; m < L.module_count(); ++m) release(m);  // and no gather may still read a shard
+    // Offloaded, the CPU step reads the gate on the host: the synchronisation comes first.
+    const bool read = part_.offloaded();
+    if (read) Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
+    const double* gate = (read ? global : stats_.data()) + statistics_count;
+    const optim::StepScalars scalars{step_ + 1, 1.0f};
+    if (f32_grads()) update<true>(scalars, gate);
+    else update<false>(scalars, gate);
+    phase(&StepTimes::optimizer);
+    if constexpr (Stage == 1 || Stage == 2) {  // skipped steps gather unchanged shards
+      in_context("step()", [&] {
+        std::vector<Work> works;
+        works.reserve(std::size_t(L.segment_count()));
+        for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
+        for (auto& w : works) w.wait();
+      });
+      phase(&StepTimes::gather);
+    }
+    if (!read) Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
+    ZP_EXPECT(global[statistics_count + 1] != detail::StepGate::differ, "engine: the optimizer's hyper-parameters differ between "
+              "ranks at ", where(), " (rank ", comm_->rank(), " has ", optim::describe(opt_), "); every rank must set "
+              "them identically, e.g. from the same schedule (the step was skipped everywhere)");
+    r.overflow = global[statistics_count + 1] == detail::StepGate::overflow;
     r.grad_norm = std::sqrt(global[0]) / double(unscale);
     const bool apply = config_.loss_scaler.update(r.overflow);
     r.applied = apply;
     r.loss_scale = config_.loss_scaler.scale();
-
-    if (apply) {
-      ++step_;
-      const float clip = optim::clip_coef(global[0], unscale, config_.max_grad_norm);
-      const optim::StepScalars scalars{step_, optim::grad_mul(unscale, clip)};
-      for (int s = 0; s < L.segment_count(); ++s) {
-        if (f32_grads()) update(scalars, shard_view<true>(s));
-        else update(scalars, shard_view<false>(s));
-      }
-      phase(&StepTimes::optimizer);
-      if constexpr (Stage == 1 || Stage == 2) {
-        in_context("step()", [&] {
-          std::vector<Work> works;
-          works.reserve(std::size_t(L.segment_count()));
-          for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
-          for (auto& w : works) w.wait();
-        });
-        phase(&StepTimes::gather);
-      }
-    }
-    if constexpr (Stage == 3)  // the shards changed (or not): gathered copies are stale either way
-      for (int m = 0; m < L.module_count(); ++m) release(m);
+    if (apply) ++step_;
     if constexpr (Stage < 2) {
       Mem::zero(part_.grads());
       Mem::zero(part_.grads_f32());
@@ -505,7 +531,9 @@ class Engine {
 
   // The per-step statistics all_reduce: doubles (squared norm, overflow count, and the four
   // terms of the cross-rank hyper-parameter check), bytes = statistics_count * 8.
-  static constexpr std::size_t statistics_count = 6;
+  static constexpr std::size_t statistics_count = detail::StepGate::statistics;
+  // The statistics buffer: the all-reduced statistics, then the step gate (detail::StepGate).
+  static constexpr std::size_t stats_slots = statistics_count + 2;
 
   // Multiply the loss (the gradient seeding backward) by this.
   float loss_scale() const noexcept { return config_.loss_scaler.scale(); }
@@ -962,23 +990,20 @@ class Engine {
       return extract<float>(gather_pieces<float>(piece, host).span());
   }
 
-  // The optimizer update of one segment's shard: in the memory space, or, offloaded, by the CPU
-  // on the host copies of the gradient and the new T values (master and state are on the host).
-  template <class G>
-  void update(const optim::StepScalars& scalars, const optim::ShardView<T, G>& v) {
-    if (!part_.offloaded()) return Mem::step(opt_, scalars, v, config_.optimizer_options);
-    std::vector<G>& grad = staging<G>();
-    grad.resize(v.grad.size());
-    staged_param_.resize(v.param.size());
-    Mem::to_host(std::span<G>(grad), v.grad);
-    optim::cpu::step(opt_, scalars, optim::ShardView<T, G>{v.master, grad, v.state, staged_param_},
-                     config_.optimizer_options);
-    Mem::from_host(v.param, std::span<const T>(staged_param_));
-  }
-  template <class G>
-  std::vector<G>& staging() {
-    if constexpr (std::is_same_v<G, float>) return staged_grad32_;
-    else return staged_grad_;
+  // The optimizer update of every segment's shard: in the memory space, or, offloaded, by the
+  // CPU on host copies of the gradient and the new T values (master and state are on the host).
+  // gate: the step gate, in the memory space (host memory when offloaded).
+  template <bool F32>
+  void update(const optim::StepScalars& scalars, const double* gate) {
+    const int segments = part_.layout().segment_count();
+    if (!part_.offloaded()) {
+      for (int s = 0; s < segments; ++s) Mem::step(opt_, scalars, shard_view<F32>(s), config_.optimizer_options, gate);
+      return;
+    }
+    if (gate[1] != 0) return;
+    offload_.run(segments, [&](int s) { return shard_view<F32>(s); }, [&](const auto& v) {
+      Ops<MemorySpace::host>::step(opt_, scalars, v, config_.optimizer_options, gate);
+    });
   }
   template <class U>
   std::vector<U> extract(std::span<const U> full) const {
@@ -1015,10 +1040,8 @@ class Engine {
   GradBuckets<T, B, S> buckets_;
   std::vector<ModuleState> mods_;
   std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
-  Buffer<double, S> stats_{statistics_count, "engine: step statistics"};  // step()'s all_reduce
-  // Offload: host copies of a segment's gradient shard (T or fp32) and its new T values.
-  std::vector<T> staged_grad_, staged_param_;
-  std::vector<float> staged_grad32_;
+  Buffer<double, S> stats_{stats_slots, "engine: step statistics"};  // step()'s all_reduce and gate
+  OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)

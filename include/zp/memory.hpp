@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -41,6 +42,32 @@ struct Allocator<MemorySpace::host> {
   }
 };
 
+// Bytes of live Buffers in one memory space, counted per thread (each rank runs on its own
+// thread, so this is a rank's allocation as its allocator served it): what the ZeRO formulas
+// predict, measured. A Buffer freed on another thread than the one that allocated it moves
+// bytes between the two threads' counts.
+struct MemoryUse {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;  // the most `current` reached since the thread began or reset_peak()
+};
+
+namespace detail {
+template <MemorySpace S>
+MemoryUse& memory_use() noexcept {
+  thread_local MemoryUse u;
+  return u;
+}
+}  // namespace detail
+
+template <MemorySpace S>
+MemoryUse memory_use() noexcept {
+  return detail::memory_use<S>();
+}
+template <MemorySpace S>
+void reset_peak_memory() noexcept {
+  detail::memory_use<S>().peak = detail::memory_use<S>().current;
+}
+
 // An owning, move-only array of trivially copyable elements in memory space S.
 template <class T, MemorySpace S = MemorySpace::host>
 class Buffer {
@@ -54,6 +81,8 @@ class Buffer {
     const std::size_t bytes = detail::checked_mul(n, sizeof(T), what, ": ", n, " elements of ", sizeof(T), " bytes");
     try {
       data_ = static_cast<T*>(Allocator<S>::allocate(bytes));
+      MemoryUse& u = detail::memory_use<S>();
+      u.peak = std::max(u.peak, u.current += std::int64_t(bytes));
     } catch (const std::bad_alloc&) {
       throw Error(Errc::out_of_memory, detail::cat(what, ": cannot allocate ", n, " elements (", bytes,
                                                    " bytes) in ", S == MemorySpace::host ? "host" : "device",
@@ -63,13 +92,13 @@ class Buffer {
   Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
   Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {
-      Allocator<S>::deallocate(data_);
+      release();
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
     }
     return *this;
   }
-  ~Buffer() { Allocator<S>::deallocate(data_); }
+  ~Buffer() { release(); }
 
   T* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
@@ -78,6 +107,11 @@ class Buffer {
   std::span<T> span(std::size_t offset, std::size_t n) const noexcept { return {data_ + offset, n}; }
 
  private:
+  void release() noexcept {
+    if (!data_) return;
+    Allocator<S>::deallocate(data_);
+    detail::memory_use<S>().current -= std::int64_t(bytes());
+  }
   T* data_ = nullptr;
   std::size_t size_ = 0;
 };
@@ -127,11 +161,40 @@ struct Ops<MemorySpace::host> {
     stats[0] += st.sumsq;
     if (!st.finite) stats[1] += 1;
   }
-  // One optimizer step over a shard (optim/cpu.hpp; the caller checked for overflow).
+  // One optimizer step over a shard (optim/cpu.hpp), gated by two doubles in this space (the
+  // engine's, computed where the statistics are): gate[1] nonzero skips it, gate[0] multiplies
+  // s.grad_mul.
   template <class Opt, class T, class G>
-  static void step(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
-                   const optim::cpu::Options& o) {
+  static void step(const Opt& opt, optim::StepScalars s, const optim::ShardView<T, G>& shard,
+                   const optim::cpu::Options& o, const double* gate) {
+    if (gate[1] != 0) return;
+    s.grad_mul *= float(gate[0]);
     optim::cpu::step(opt, s, shard, o);
+  }
+  // f(p) once, where p lives (a device runs it as a one-thread kernel, so f's operator() must be
+  // ZP_HOST_DEVICE): scalar decisions without a round trip to the host.
+  template <class F, class X>
+  static void invoke(const F& f, X* p) {
+    f(p);
+  }
+};
+
+// ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to
+// host memory, the CPU step there (optim/cpu.hpp) on the host-resident master weights and
+// state, and the new T values back. view_of(s) is segment s's shard where the engine keeps it
+// (gradient and T values in space S, master and state in host memory); step(v) runs the CPU
+// step on a view whose arrays are all in host memory. Here (S = host) that is the view itself;
+// device.cuh's specialisation pipelines the copies through pinned double buffers, so segment
+// s+1's gradient travels while the CPU updates segment s.
+template <MemorySpace S>
+class OffloadStaging;
+
+template <>
+class OffloadStaging<MemorySpace::host> {
+ public:
+  template <class ViewOf, class Step>
+  void run(int segments, ViewOf&& view_of, Step&& step) {
+    for (int s = 0; s < segments; ++s) step(view_of(s));
   }
 };
 

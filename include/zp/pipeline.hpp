@@ -140,6 +140,12 @@ struct Stats {
 // gradient receive buffer (not on the last stage).
 template <Backend B, Element A>
 class Runner {
+  // On a GPU, NCCL's sends are stream-ordered (a send waiting for its recv holds back the recv
+  // queued behind it, which 1F1B needs to pass) and the boundaries would live in device memory.
+  static_assert(B::memory == MemorySpace::host,
+                "zp::pipeline::Runner keeps boundary activations in host memory: device backends (nccl, "
+                "cuda_threads) are not supported yet");
+
  public:
   // activation_elems: elements of one micro-batch's boundary activation (the same on every
   // boundary, e.g. micro_batch * seq * hidden).

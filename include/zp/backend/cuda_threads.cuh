@@ -3,19 +3,21 @@
 // stream. NCCL refuses two ranks on one device, so this is how a multi-rank device engine runs
 // on one GPU: to test it, and to rehearse an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
 //
-// Each operation meets the other ranks on the host through the threads backend's rendezvous
-// (threads.hpp: the calls compared, timeouts, poisoning), but never waits for the GPU:
-//   1. rank r records `ready` on its stream (its inputs are complete there) and meets the others;
-//   2. between the meetings it makes its stream wait for every rank's `ready`, then enqueues the
-//      kernel for its part (all_reduce: its slice of every rank's buffers, summed in rank order
-//      with the host backends' element math, detail::combine_one, so results equal the threads
-//      backend bit for bit; all_gather: its input into every output), then records `done`;
-//   3. after the second meeting its stream waits for every rank's `done`, so no rank's next
-//      kernel rewrites a buffer another rank's kernel still reads.
+// Each rank has a communication stream of its own besides its compute stream (the calling
+// thread's current stream, zp/stream.hpp). Each operation meets the other ranks on the host
+// through the threads backend's rendezvous (threads.hpp: the calls compared, timeouts,
+// poisoning), but never waits for the GPU:
+//   1. rank r records `ready` on its compute stream (its inputs are complete there) and meets
+//      the others;
+//   2. between the meetings its communication stream waits for every rank's `ready`, then it
+//      enqueues its part there (all_reduce: its slice of every rank's buffers, summed in rank
+//      order with the host backends' element math, detail::combine_one, so results equal the
+//      threads backend bit for bit; all_gather: its input into every output) and records `done`;
+//   3. after the second meeting its communication stream waits for every rank's `done` (the
+//      other ranks wrote into its outputs, and its next operation must not rewrite a buffer
+//      another rank still reads), and records the Work's event there. Work::wait() (or a Work
+//      destroyed unwaited) makes the compute stream wait for that event, as with nccl.
 // Events are re-recorded only after the next first meeting, when every wait on them is enqueued.
-// Everything runs on the calling thread's current stream (zp::device::current_stream()), the
-// stream of the rank's model kernels and of the engine (run_cuda_threads sets one per rank), so
-// a Work is complete in stream order the moment it is issued: wait() has nothing to wait for.
 // send/recv are not supported (pipeline parallelism on one GPU is not implemented yet).
 #pragma once
 
@@ -61,10 +63,10 @@ __global__ void reduce_kernel(Pointers<T> p, int ranks, int n_out, std::size_t l
 
 // The rank's state its peers use: the events of the current operation.
 struct Shared {
-  cudaEvent_t ready = nullptr, done = nullptr;
+  zp::device::Event ready, done;
 };
 
-inline void check(cudaError_t e, const char* what) { zp::device::detail::check(e, what); }
+using zp::device::check;
 
 }  // namespace cuda_threads_detail
 
@@ -73,34 +75,58 @@ class CudaThreads {
   static constexpr const char* name = "cuda_threads";
   static constexpr MemorySpace memory = MemorySpace::device;
 
-  // Every operation is enqueued in stream order (see the file comment): already complete for
-  // the caller's stream when it returns.
+  // The completion event of an operation on the rank's communication stream.
   class Work {
    public:
-    void wait() {}
-    bool test() { return true; }
+    Work() = default;
+    Work(Work&&) noexcept = default;
+    Work& operator=(Work&& o) noexcept {
+      if (this != &o) {
+        wait();
+        event_ = std::move(o.event_);
+      }
+      return *this;
+    }
+    ~Work() { wait(); }
+    // Makes the caller's current stream wait for the operation.
+    void wait() noexcept {
+      if (!event_) return;
+      (void)cudaStreamWaitEvent(zp::device::current_stream(), event_->get(), 0);
+      event_.reset();
+    }
+    bool test() {
+      if (!event_) return true;
+      const cudaError_t q = cudaEventQuery(event_->get());
+      if (q == cudaErrorNotReady) return false;
+      cuda_threads_detail::check(q, "cudaEventQuery");
+      wait();
+      return true;
+    }
+
+   private:
+    friend class CudaThreads;
+    explicit Work(std::unique_ptr<zp::device::Event> e) : event_(std::move(e)) {}
+    std::unique_ptr<zp::device::Event> event_;
   };
 
-  // Rank `base.rank()` of the world `base` belongs to; the backend takes the rank over.
-  explicit CudaThreads(Threads base) : base_(std::move(base)), shared_(std::make_unique<cuda_threads_detail::Shared>()) {
+  // Rank `base.rank()` of the world `base` belongs to, on the current device; the backend takes
+  // the rank over and creates its communication stream.
+  explicit CudaThreads(Threads base)
+      : base_(std::move(base)),
+        shared_(std::make_unique<cuda_threads_detail::Shared>()),
+        stream_(std::make_unique<zp::device::Stream>()) {
     ZP_EXPECT(base_.size() <= cuda_threads_detail::max_ranks, "cuda_threads backend: ", base_.size(),
               " ranks, at most ", cuda_threads_detail::max_ranks);
-    cuda_threads_detail::check(cudaEventCreateWithFlags(&shared_->ready, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_threads_detail::check(cudaEventCreateWithFlags(&shared_->done, cudaEventDisableTiming), "cudaEventCreate");
   }
   CudaThreads(CudaThreads&&) noexcept = default;
   CudaThreads& operator=(CudaThreads&&) noexcept = default;
-  ~CudaThreads() {
-    if (!shared_) return;
-    cudaEventDestroy(shared_->ready);  // released once the waits enqueued on them are done
-    cudaEventDestroy(shared_->done);
-  }
 
   int rank() const { return base_.rank(); }
   int size() const { return base_.size(); }
+  cudaStream_t stream() const { return stream_->get(); }  // the communication stream
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    collective({CollOp::all_reduce, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::all_reduce, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
       visit_dtype(t, [&](auto tag) {
         using T = decltype(tag);
         cuda_threads_detail::Pointers<T> p{};
@@ -112,10 +138,9 @@ class CudaThreads {
         reduce(p, size(), size(), lo, hi, op, s);
       });
     });
-    return {};
   }
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    collective({CollOp::reduce_scatter, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::reduce_scatter, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
       visit_dtype(t, [&](auto tag) {
         using T = decltype(tag);
         cuda_threads_detail::Pointers<T> p{};
@@ -125,10 +150,9 @@ class CudaThreads {
         reduce(p, size(), 1, lo, lo + n, op, s);
       });
     });
-    return {};
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch) {
-    collective({CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, cudaStream_t s) {
       const std::size_t bytes = n * size_of(t);
       for (int r = 0; r < size(); ++r) {
         char* out = static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes;
@@ -136,21 +160,18 @@ class CudaThreads {
           cuda_threads_detail::check(cudaMemcpyAsync(out, src, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
       }
     });
-    return {};
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch) {
     threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
     c.root = root;
-    collective(c, [&](const auto& calls, cudaStream_t s) {
+    return collective(c, [&](const auto& calls, cudaStream_t s) {
       const void* from = calls[std::size_t(root)].src;
       if (from != dst && n)
         cuda_threads_detail::check(cudaMemcpyAsync(dst, from, n * size_of(t), cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
     });
-    return {};
   }
-  Work barrier(Launch) {
-    collective({CollOp::barrier}, [](const auto&, cudaStream_t) {});
-    return {};
+  Work barrier(Launch) {  // the host meetings are the barrier
+    return collective({CollOp::barrier}, [](const auto&, cudaStream_t) {});
   }
   Work send(const void*, std::size_t, DType, int, Launch) { throw unsupported("send"); }
   Work recv(void*, std::size_t, DType, int, Launch) { throw unsupported("recv"); }
@@ -193,20 +214,24 @@ class CudaThreads {
 
   // Steps 1-3 of the file comment around `enqueue(calls, stream)`, this rank's part.
   template <class Enqueue>
-  void collective(threads_detail::Call c, Enqueue&& enqueue) {
-    const cudaStream_t s = zp::device::current_stream();
-    cuda_threads_detail::check(cudaEventRecord(shared_->ready, s), "cudaEventRecord");
+  Work collective(threads_detail::Call c, Enqueue&& enqueue) {
+    const cudaStream_t s = zp::device::current_stream(), cs = stream();
+    cuda_threads_detail::check(cudaEventRecord(shared_->ready.get(), s), "cudaEventRecord");
     c.ext = shared_.get();
     const cuda_threads_detail::Shared* peers[cuda_threads_detail::max_ranks] = {};
     base_.meet(c, [&](const std::vector<threads_detail::Call>& calls) {
       for (int r = 0; r < size(); ++r) peers[r] = peer(calls[std::size_t(r)]);
       for (int r = 0; r < size(); ++r)
-        if (r != rank()) cuda_threads_detail::check(cudaStreamWaitEvent(s, peers[r]->ready, 0), "cudaStreamWaitEvent");
-      enqueue(calls, s);
-      cuda_threads_detail::check(cudaEventRecord(shared_->done, s), "cudaEventRecord");
+        cuda_threads_detail::check(cudaStreamWaitEvent(cs, peers[r]->ready.get(), 0), "cudaStreamWaitEvent");
+      zp::device::before_enqueue(cs, zp::device::Role::comm);
+      enqueue(calls, cs);
+      cuda_threads_detail::check(cudaEventRecord(shared_->done.get(), cs), "cudaEventRecord");
     });
     for (int r = 0; r < size(); ++r)
-      if (r != rank()) cuda_threads_detail::check(cudaStreamWaitEvent(s, peers[r]->done, 0), "cudaStreamWaitEvent");
+      if (r != rank()) cuda_threads_detail::check(cudaStreamWaitEvent(cs, peers[r]->done.get(), 0), "cudaStreamWaitEvent");
+    auto e = std::make_unique<zp::device::Event>();
+    cuda_threads_detail::check(cudaEventRecord(e->get(), cs), "cudaEventRecord");
+    return Work(std::move(e));
   }
   static const cuda_threads_detail::Shared* peer(const threads_detail::Call& c) {
     return static_cast<const cuda_threads_detail::Shared*>(c.ext);
@@ -214,29 +239,22 @@ class CudaThreads {
 
   Threads base_;
   std::unique_ptr<cuda_threads_detail::Shared> shared_;  // on the heap: peers hold its address
+  std::unique_ptr<zp::device::Stream> stream_;            // on the heap: the backend moves
 };
 
 static_assert(Backend<CudaThreads>);
 
 // Runs fn(Collective<CudaThreads>&) on `ranks` threads driving `device`, each rank with its own
-// non-blocking stream as its current stream (zp::device::StreamScope), and joins them; failures
-// as run_threads.
+// compute stream as its current stream (zp::device::StreamScope), and joins them; failures as
+// run_threads.
 template <class F>
 void run_cuda_threads(int ranks, F&& fn, int device = 0, ThreadsOptions opt = {}) {
   run_threads(
       ranks,
       [&](Collective<Threads>& host) {
         cuda_threads_detail::check(cudaSetDevice(device), "cudaSetDevice");
-        cudaStream_t stream = nullptr;
-        cuda_threads_detail::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-        struct Release {
-          cudaStream_t s;
-          ~Release() {
-            cudaStreamSynchronize(s);
-            cudaStreamDestroy(s);
-          }
-        } release{stream};
-        zp::device::StreamScope on(stream);
+        zp::device::Stream compute;
+        zp::device::StreamScope on(compute.get());
         // Its own world (a split of the host one), so this rank's host backend stays with
         // run_threads; the last barrier keeps it alive until every rank is done with it.
         Collective<CudaThreads> comm{CudaThreads(host.backend().split(0, host.rank()))};

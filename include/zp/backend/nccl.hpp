@@ -13,13 +13,19 @@
 //  - any other bootstrap: Nccl::create(id, rank, size, device) with an ncclUniqueId you
 //    distributed yourself.
 //
-// Semantics: every operation is enqueued on the backend's stream (stream()), followed by a
-// CUDA event; the Work handle waits on that event. Launch::blocking waits before returning.
-// Waiting polls the event and ncclCommGetAsyncError; an asynchronous NCCL error or a wait
-// longer than Options::timeout aborts the communicator (ncclCommAbort, so the GPU work does not
-// hang either) and throws zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every
-// call on it throws Errc::aborted. A backend destroyed during stack unwinding aborts its
-// communicator instead of destroying it (ncclCommDestroy could wait for peers that never come).
+// Streams (zp/stream.hpp): every operation runs on the backend's own communication stream
+// (stream()), after an event recorded on the caller's current stream (the rank's compute
+// stream), so it reads inputs the caller's kernels wrote; an event recorded after it completes
+// its Work. Work::wait() (and a Work destroyed unwaited) makes the caller's current stream wait
+// for that event, as PyTorch's NCCL work does: the host does not wait, and communication
+// overlaps the computation queued meanwhile. Launch::blocking orders the same way; barrier()
+// alone waits on the host, as a barrier must. The host learns of NCCL's asynchronous errors and
+// of hung peers where it waits: in barrier(), in test(), and in device::synchronize() (which
+// polls every communicator its thread used): an error or a wait longer than Options::timeout
+// aborts the communicator (ncclCommAbort, so the GPU work does not hang either) and throws
+// zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every call on it throws
+// Errc::aborted. A backend destroyed during stack unwinding aborts its communicator instead of
+// destroying it (ncclCommDestroy could wait for peers that never come).
 // bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
 // 16 bits between steps, unlike the host backends' fp32 accumulation); avg is ncclAvg.
 // reduce_scatter and all_gather are in place when the buffers follow the ZeRO layout (NCCL's
@@ -63,6 +69,7 @@
 #include "zp/collective.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
+#include "zp/stream.hpp"
 
 namespace zp::backend {
 
@@ -75,9 +82,7 @@ namespace nccl_detail {
 
 inline void cuda_check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) [[unlikely]]
-    throw Error(Errc::cuda, detail::cat("nccl backend: ", call, " failed: ", cudaGetErrorName(e),
-                                        ": ", cudaGetErrorString(e)),
-                int(e));
+    device::check(e, detail::cat("nccl backend: ", call).c_str());
 }
 
 inline void nccl_check(ncclResult_t r, const char* call, ncclComm_t comm = nullptr) {
@@ -129,10 +134,12 @@ class DeviceScope {
   int prev_ = -1;
 };
 
-// Shared by a backend and its outstanding work handles.
-struct Context {
+// Shared by a backend and its outstanding work handles; watched by the host synchronisations
+// of the threads that use it.
+struct Context final : device::Watched {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream before each operation
   int device = 0, rank = 0, size = 1;
   NcclOptions opt;
   bool aborted = false;
@@ -147,7 +154,29 @@ struct Context {
     if (comm) ncclCommAbort(comm);
     comm = nullptr;
   }
-  ~Context() {
+  // Throws after aborting on an asynchronous NCCL error or a wait past the timeout (`what`: the
+  // operation waited for, or nullptr for a stream synchronisation).
+  void poll(std::chrono::steady_clock::duration waited, const char* what) {
+    if (aborted) throw Error(Errc::aborted, "nccl backend: communicator aborted: " + abort_reason);
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm, &async);
+    const char* in = what ? what : "an operation";
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const std::string why = detail::cat("rank ", rank, ": asynchronous NCCL error in ", in, ": ",
+                                          ncclGetErrorString(async));
+      abort(why);
+      throw Error(Errc::nccl, "nccl backend: " + why, int(async));
+    }
+    if (waited > opt.timeout) {
+      const std::string why = detail::cat("rank ", rank, " of ", size, " timed out after ", opt.timeout.count(),
+                                          " ms waiting for ", in, " (the other ranks did not take part); "
+                                          "communicator aborted");
+      abort(why);
+      throw Error(Errc::timeout, "nccl backend: " + why);
+    }
+  }
+  void poll(std::chrono::steady_clock::duration waited) override { poll(waited, nullptr); }
+  ~Context() override {
     int prev = -1;
     cudaGetDevice(&prev);
     cudaSetDevice(device);
@@ -156,6 +185,7 @@ struct Context {
       ncclCommDestroy(comm);
     }
     if (scratch) cudaFree(scratch);
+    if (ready) cudaEventDestroy(ready);
     if (stream) cudaStreamDestroy(stream);
     if (prev >= 0) cudaSetDevice(prev);
   }
@@ -177,70 +207,73 @@ class Nccl {
     Work(Work&&) noexcept = default;
     Work& operator=(Work&& o) noexcept {
       if (this != &o) {
-        release();
+        order();
         ctx_ = std::move(o.ctx_);
         event_ = std::exchange(o.event_, nullptr);
         what_ = o.what_;
       }
       return *this;
     }
-    ~Work() { release(); }
+    ~Work() { order(); }
 
-    // Waits for the event, polling NCCL's asynchronous error state; aborts the communicator
-    // and throws on an NCCL error or after Options::timeout.
+    // Makes the caller's current stream wait for the operation (see the file comment); throws
+    // an asynchronous NCCL error already known.
     void wait() {
       if (!event_) return;
-      const auto start = std::chrono::steady_clock::now();
-      auto& c = *ctx_;
-      for (int spins = 0;; ++spins) {
-        const cudaError_t q = cudaEventQuery(event_);
-        if (q == cudaSuccess) break;
-        if (q != cudaErrorNotReady) {
-          release();
-          nccl_detail::cuda_check(q, "cudaEventQuery");
-        }
-        if (c.aborted) {
-          release();
-          throw Error(Errc::aborted, "nccl backend: communicator aborted: " + c.abort_reason);
-        }
-        ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(c.comm, &async);
-        if (async != ncclSuccess && async != ncclInProgress) {
-          const std::string why = detail::cat("rank ", c.rank, ": asynchronous NCCL error in ",
-                                              what_, ": ", ncclGetErrorString(async));
-          c.abort(why);
-          release();
-          throw Error(Errc::nccl, "nccl backend: " + why, int(async));
-        }
-        if (std::chrono::steady_clock::now() - start > c.opt.timeout) {
-          const std::string why = detail::cat("rank ", c.rank, " of ", c.size, " timed out after ",
-                                              c.opt.timeout.count(), " ms in ", what_,
-                                              " waiting for the other ranks; communicator aborted");
-          c.abort(why);
-          release();
-          throw Error(Errc::timeout, "nccl backend: " + why);
-        }
-        if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-        else std::this_thread::yield();
+      try {
+        ctx_->poll(std::chrono::steady_clock::duration::zero(), what_);
+      } catch (...) {
+        release();
+        throw;
       }
-      release();
+      order();
     }
+    // Whether the operation completed on the device (polling errors and the timeout).
     bool test() {
       if (!event_) return true;
       const cudaError_t q = cudaEventQuery(event_);
       if (q == cudaErrorNotReady) {
-        ncclResult_t async = ncclSuccess;
-        if (!ctx_->aborted) ncclCommGetAsyncError(ctx_->comm, &async);
-        if (async == ncclSuccess || async == ncclInProgress) return false;
+        try {
+          ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
+        } catch (...) {
+          release();
+          throw;
+        }
+        return false;
       }
-      wait();  // completes, or throws the error
+      if (q != cudaSuccess) release();
+      nccl_detail::cuda_check(q, "cudaEventQuery");
+      wait();
       return true;
     }
 
    private:
     friend class Nccl;
     Work(std::shared_ptr<nccl_detail::Context> c, cudaEvent_t e, const char* what)
-        : ctx_(std::move(c)), event_(e), what_(what) {}
+        : ctx_(std::move(c)), event_(e), what_(what), issued_(std::chrono::steady_clock::now()) {}
+    // Waits on the host until the operation completed, or the error or timeout (barrier()).
+    void wait_host() {
+      if (!event_) return;
+      for (int spins = 0;; ++spins) {
+        const cudaError_t q = cudaEventQuery(event_);
+        if (q == cudaSuccess) break;
+        try {
+          if (q != cudaErrorNotReady) nccl_detail::cuda_check(q, "cudaEventQuery");
+          ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
+        } catch (...) {
+          release();
+          throw;
+        }
+        if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        else std::this_thread::yield();
+      }
+      release();
+    }
+    // The caller's current stream waits for the event; then the handle is empty.
+    void order() noexcept {
+      if (event_) (void)cudaStreamWaitEvent(device::current_stream(), event_, 0);
+      release();
+    }
     void release() noexcept {
       if (event_) cudaEventDestroy(event_);
       event_ = nullptr;
@@ -249,6 +282,7 @@ class Nccl {
     std::shared_ptr<nccl_detail::Context> ctx_;
     cudaEvent_t event_ = nullptr;
     const char* what_ = "";
+    std::chrono::steady_clock::time_point issued_{};
   };
 
   // Joins communicator `id` as `rank` of `size` on `device` (ncclCommInitRank; collective over
@@ -343,9 +377,12 @@ class Nccl {
       nccl_detail::cuda_check(cudaMemsetAsync(c.scratch, 0, sizeof(std::int32_t), c.stream),
                               "cudaMemsetAsync");
     }
-    return enqueue("barrier", l, [&](ncclComm_t cm, cudaStream_t s) {
+    Work w = enqueue("barrier", Launch::async, [&](ncclComm_t cm, cudaStream_t s) {
       return ncclAllReduce(c.scratch, c.scratch, 1, ncclInt32, ncclSum, cm, s);
     });
+    if (l == Launch::async) return w;
+    w.wait_host();
+    return Work{};
   }
 
   // Point to point on stream() (see the file comment).
@@ -384,6 +421,7 @@ class Nccl {
     nccl_detail::DeviceScope dev(device);
     nccl_detail::cuda_check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "cudaStreamCreateWithFlags");
+    nccl_detail::cuda_check(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming), "cudaEventCreate");
     nccl_detail::nccl_check(ncclCommUserRank(comm, &c->rank), "ncclCommUserRank", comm);
     nccl_detail::nccl_check(ncclCommCount(comm, &c->size), "ncclCommCount", comm);
   }
@@ -407,15 +445,19 @@ class Nccl {
     auto& c = live();
     ++c.calls;
     nccl_detail::DeviceScope dev(c.device);
+    const cudaStream_t caller = device::current_stream();
+    if (caller != c.stream) {  // the inputs are complete in the caller's stream order
+      nccl_detail::cuda_check(cudaEventRecord(c.ready, caller), "cudaEventRecord");
+      nccl_detail::cuda_check(cudaStreamWaitEvent(c.stream, c.ready, 0), "cudaStreamWaitEvent");
+    }
+    device::before_enqueue(c.stream, device::Role::comm);
     nccl_detail::nccl_check(call(c.comm, c.stream), what, c.comm);
     cudaEvent_t e = nullptr;
     nccl_detail::cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     Work w(ctx_, e, what);
     nccl_detail::cuda_check(cudaEventRecord(e, c.stream), "cudaEventRecord");
-    if (l == Launch::blocking) {
-      w.wait();
-      return Work{};
-    }
+    device::watch(ctx_);
+    if (l == Launch::blocking) w.wait();  // ordered: empty from here
     return w;
   }
 
@@ -428,7 +470,8 @@ static_assert(Backend<Nccl>);
 #if ZP_NCCL_HAS_MPI_BOOTSTRAP
 // One process per GPU over an MPI communicator (collective over comm): rank 0's ncclUniqueId
 // goes to everyone by MPI_Bcast; the device is this process's rank among those on its node,
-// modulo the visible GPUs. NCCL ranks equal the ranks in comm.
+// modulo the visible GPUs, and becomes the process's current device (its buffers and streams
+// belong there). NCCL ranks equal the ranks in comm.
 inline Nccl nccl_from_mpi(MPI_Comm comm, NcclOptions opt = {}) {
   auto mpi = [](int rc, const char* call) {
     if (rc != MPI_SUCCESS)
@@ -448,6 +491,7 @@ inline Nccl nccl_from_mpi(MPI_Comm comm, NcclOptions opt = {}) {
   ncclUniqueId id{};
   if (rank == 0) id = Nccl::unique_id();
   mpi(MPI_Bcast(&id, int(sizeof id), MPI_BYTE, 0, comm), "MPI_Bcast");
+  nccl_detail::cuda_check(cudaSetDevice(local % devices), "cudaSetDevice");
   return Nccl::create(id, rank, size, local % devices, opt);
 }
 #endif

@@ -24,6 +24,7 @@
 
 #include "zp/error.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/stream.hpp"
 
 namespace zp::optim::cuda {
 
@@ -31,15 +32,15 @@ namespace zp::optim::cuda {
 struct DeviceScalars {
   const int* overflow = nullptr;      // nonzero: skip the step (nullptr: never skip)
   const float* grad_mul = nullptr;    // if set, multiplies StepScalars::grad_mul
+  // The engine's step gate, two doubles: [0] multiplies StepScalars::grad_mul, [1] nonzero:
+  // skip the step (memory.hpp, Ops::step).
+  const double* gate = nullptr;
 };
 
 namespace detail {
 using optim::detail::Step;
 
-inline void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw Error(Errc::cuda, zp::detail::cat(what, ": ", cudaGetErrorString(e)), int(e));
-}
+using zp::device::check;
 
 inline constexpr int block_size = 256;
 
@@ -86,7 +87,9 @@ template <class O, class T, class G>
 __global__ void __launch_bounds__(block_size)
     step_kernel(Step<O> c, Buffers<T, G> b, std::size_t n, bool vectorized, DeviceScalars dev) {
   if (dev.overflow != nullptr && *dev.overflow != 0) return;  // the whole step is skipped
+  if (dev.gate != nullptr && dev.gate[1] != 0) return;
   if (dev.grad_mul != nullptr) c.grad_mul *= *dev.grad_mul;
+  if (dev.gate != nullptr) c.grad_mul *= float(dev.gate[0]);
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
   const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vectorized) {

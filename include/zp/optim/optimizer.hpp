@@ -218,15 +218,16 @@ inline GradStats operator+(const GradStats& a, const GradStats& b) {
 // Clipping by global norm (DeepSpeed/Megatron): norm = sqrt(global_sumsq)/loss_scale, coefficient
 // max(1, (norm + 1e-6) / max_norm); the step then multiplies gradients by 1/(loss_scale*coef).
 // max_norm <= 0 disables clipping (returns 1).
-inline float clip_coef(double global_sumsq, float loss_scale, float max_norm) {
+// Host and device compute the same bits (IEEE double operations, nothing to contract).
+ZP_HOST_DEVICE inline float clip_coef(double global_sumsq, float loss_scale, float max_norm) {
   if (max_norm <= 0) return 1.0f;
-  const double norm = std::sqrt(global_sumsq) / double(loss_scale);
+  const double norm = ::sqrt(global_sumsq) / double(loss_scale);
   const double coef = (norm + 1e-6) / double(max_norm);
   return coef > 1.0 ? float(coef) : 1.0f;
 }
 
 // grad_mul for a step: unscale and clip in one factor.
-inline float grad_mul(float loss_scale, float clip) { return float(1.0 / (double(loss_scale) * double(clip))); }
+ZP_HOST_DEVICE inline float grad_mul(float loss_scale, float clip) { return float(1.0 / (double(loss_scale) * double(clip))); }
 
 namespace detail {
 
