@@ -8,17 +8,23 @@
 // of stream in turn (a spin kernel before every enqueue there), which must change no bit. The
 // engine synchronises with the host once per optimizer step (device::sync_count) and never
 // inside a micro-step, and the bytes its allocator serves each rank are its memory report and
-// the ZeRO formulas (tests/memory_check.hpp). Without a CUDA device it exits 77 (skip).
+// the ZeRO formulas (tests/memory_check.hpp). Checkpoints and safetensors exports of a device
+// engine (with and without offload) load into the CPU engine and back, bit for bit. Without a
+// CUDA device it exits 77 (skip).
 #include <doctest/doctest.h>
 
 #include "cuda_device.hpp"
 #include "memory_check.hpp"
+#include "temp_dir.hpp"
 
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <type_traits>
 #include <vector>
 
@@ -26,6 +32,7 @@
 #include "zp/backend/cuda_threads.cuh"
 #include "zp/backend/nccl.hpp"
 #include "zp/backend/threads.hpp"
+#include "zp/checkpoint.hpp"
 #include "zp/device.cuh"
 #include "zp/engine.hpp"
 
@@ -117,8 +124,17 @@ struct Out {
   std::uint64_t syncs_in_micro_steps = 0, syncs_per_step_max = 0;
 };
 
+// A checkpoint in the middle of training: saved as "at10" before step 10, or loaded from it
+// (training then runs steps 10-19 only), and an export of the result (parameters or master).
+struct Ckpt {
+  std::filesystem::path dir;
+  bool load = false;
+  std::filesystem::path export_to;  // empty: none
+  bool master = false;
+};
+
 template <class T, int Stage, class B>
-Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
+Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false, const Ckpt* ckpt = nullptr) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads = seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
@@ -126,7 +142,13 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
   zp::Engine<B, T, Stage> engine(comm, model, config(offload), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   measured.start();
   Out out;
-  for (int step = 0; step < 20; ++step)
+  int first = 0;
+  if (ckpt && ckpt->load) {
+    zp::load_checkpoint(engine, ckpt->dir, "at10");
+    first = 10;
+  }
+  for (int step = first; step < 20; ++step) {
+    if (ckpt && !ckpt->load && step == 10) zp::save_checkpoint(engine, ckpt->dir, "at10");
     for (int micro = 0; micro < 2; ++micro) {
       std::uint64_t before = 0;
       if constexpr (S == zp::MemorySpace::device) before = zp::device::sync_count();
@@ -140,6 +162,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
       if constexpr (S == zp::MemorySpace::device)
         out.syncs_per_step_max = std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
     }
+  }
   // bf16 at stage 0 accumulates its 2 micro-steps in fp32 (an extra gradient copy)
   measured.check(engine, comm.size(), std::is_same_v<T, zp::bf16> && Stage == 0);
   if constexpr (S == zp::MemorySpace::device) {
@@ -149,6 +172,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false) {
     REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess);
     CHECK(std::int64_t(used) >= zp::memory_use<S>().current - measured.base);  // the pool serves every rank
   }
+  if (ckpt && !ckpt->export_to.empty()) zp::export_safetensors(engine, ckpt->export_to, {.master = ckpt->master});
   out.master = engine.gather_master();
   const std::vector<T> p = engine.gather_params();
   out.params.resize(p.size() * sizeof(T));
@@ -235,6 +259,47 @@ void check_stage(std::uint64_t seed) {
   check_ranks<T, Stage>(seed);
 }
 
+std::vector<char> file_bytes(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  REQUIRE(in.good());
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A device engine's checkpoint loads into the CPU engine and the reverse (offloaded, so master
+// and state pass through host memory on the device side too); training goes on to the same
+// bits, and the two sides export the same safetensors bytes.
+template <class T, int Stage>
+void check_checkpoints(std::uint64_t seed) {
+  CAPTURE(Stage);
+  zp::test::TempDir dir("engine_gpu");
+  auto gpu = [&](const Ckpt& c, bool offload) {
+    Out o;
+    zp::backend::run_cuda_threads(2, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
+      Out r = train<T, Stage>(comm, seed, offload, &c);
+      if (comm.rank() == 0) o = std::move(r);
+    });
+    return o;
+  };
+  auto cpu = [&](const Ckpt& c) {
+    Out o;
+    zp::backend::run_threads(2, [&](zp::Collective<zp::backend::Threads>& comm) {
+      Out r = train<T, Stage>(comm, seed, false, &c);
+      if (comm.rank() == 0) o = std::move(r);
+    });
+    return o;
+  };
+  const Out a = gpu({dir.path / "from_gpu", false, dir.path / "gpu_params"}, false);
+  const Out b = cpu({dir.path / "from_gpu", true, dir.path / "cpu_params"});
+  CHECK(a.params == b.params);
+  CHECK(std::memcmp(a.master.data(), b.master.data(), a.master.size() * sizeof(float)) == 0);
+  CHECK(file_bytes(dir.path / "gpu_params" / "model.safetensors") == file_bytes(dir.path / "cpu_params" / "model.safetensors"));
+  const Out c = cpu({dir.path / "from_cpu", false, dir.path / "cpu_master", true});
+  const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, true);
+  CHECK(c.params == d.params);
+  CHECK(std::memcmp(c.master.data(), d.master.data(), c.master.size() * sizeof(float)) == 0);
+  CHECK(file_bytes(dir.path / "gpu_master" / "model.safetensors") == file_bytes(dir.path / "cpu_master" / "model.safetensors"));
+}
+
 }  // namespace engine_gpu
 
 using namespace engine_gpu;
@@ -245,4 +310,11 @@ TEST_CASE_TEMPLATE("the engine on one GPU (nccl at world size 1; 1, 2, 4 cuda_th
   check_stage<T, 1>(seed);
   check_stage<T, 2>(seed);
   check_stage<T, 3>(seed);
+}
+
+TEST_CASE_TEMPLATE("a device engine's checkpoints and exports match the CPU engine's", T, float, zp::bf16) {
+  const std::uint64_t seed = zp::test::run_seed("engine_gpu.test");
+  check_checkpoints<T, 0>(seed);
+  check_checkpoints<T, 1>(seed);
+  check_checkpoints<T, 3>(seed);
 }

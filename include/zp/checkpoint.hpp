@@ -454,7 +454,8 @@ void on_every_rank(Collective<B>& comm, F&& f) {
 // Saves the engine's complete training state under <dir>/<tag> (see the top of this file), with
 // an opaque user blob (data position, RNG, schedule state). Collective; only at an accumulation
 // boundary. A tag that already exists is an error (checkpoints are never overwritten in place).
-// Extra memory: none on the host (files are written straight from the engine's buffers).
+// Extra memory: none for a host engine (files are written straight from its buffers); a device
+// engine's pieces pass through host memory one at a time.
 
 namespace ckpt {
 // Checkpoints name tensors as the model does; under tensor or pipeline parallelism several
@@ -462,13 +463,38 @@ namespace ckpt {
 // apart yet.
 template <class E>
 void expect_data_parallel(E& engine, const char* what) {
-  static_assert(E::memory_space == MemorySpace::host,
-                "zp checkpoints read and write the engine's buffers in host memory; a device engine is not "
-                "supported yet (its buffers would have to be staged through host memory)");
   ZP_EXPECT(engine.model_parallel() == nullptr, what, ": the engine spans a tensor/pipeline-parallel grid (",
             engine.model_parallel() ? engine.model_parallel()->size() : 1,
             " model-parallel ranks); checkpoints support data parallelism only for now");
 }
+
+// A device engine's buffers pass through host memory one piece at a time. `host`: the span is in
+// host memory whatever the engine's space (offloaded master weights and optimizer state).
+// src as a host span (itself, or copied into tmp).
+template <MemorySpace S, class U>
+std::span<const U> on_host(std::span<const U> src, bool host, std::vector<U>& tmp) {
+  if (S == MemorySpace::host || host) return src;
+  tmp.resize(src.size());
+  Ops<S>::to_host(std::span<U>(tmp), src);
+  return tmp;
+}
+// src in the engine's space (itself, or copied into tmp), e.g. as a collective's input.
+template <MemorySpace S, class U>
+std::span<const U> in_space(std::span<const U> src, bool host, Buffer<U, S>& tmp) {
+  if (S == MemorySpace::host || !host) return src;
+  if (tmp.size() < src.size()) tmp = Buffer<U, S>(src.size(), "checkpoint: one piece");
+  Ops<S>::from_host(tmp.span(0, src.size()), src);
+  return tmp.span(0, src.size());
+}
+// fill(a host span) writes dst (directly, or through a host copy).
+template <MemorySpace S, class U, class Fill>
+void fill_through_host(std::span<U> dst, bool host, Fill&& fill) {
+  if (S == MemorySpace::host || host) return fill(dst);
+  std::vector<U> tmp(dst.size());
+  fill(std::span<U>(tmp));
+  Ops<S>::from_host(dst, std::span<const U>(tmp));
+}
+
 }  // namespace ckpt
 
 template <class E>
@@ -522,8 +548,11 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging.string(), ": ", ec.message()));
   });
 
-  // Every rank writes its pieces straight from the engine's buffers.
+  // Every rank writes its pieces straight from the engine's buffers (a device engine's through
+  // a host copy of the piece being written, field by field and segment by segment).
   safetensors::Summary mine{};
+  std::vector<std::byte> copy;
+  std::pair<std::size_t, int> copied{std::size_t(-1), -1};  // (field, segment) in `copy`
   ckpt::on_every_rank(comm, [&] {
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(r, m.world_size), L, r, m, user,
@@ -531,9 +560,20 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
           const auto& lp = L.params()[p];
           const auto& seg = L.segment(lp.segment);
           const std::size_t at = lp.offset + s.first - (seg.offset + std::size_t(r) * seg.piece);
-          if (f == 0) return std::as_bytes(part.param_piece(lp.segment).subspan(at, s.count));
-          if (f == 1) return std::as_bytes(part.master_piece(lp.segment).subspan(at, s.count));
-          return std::as_bytes(part.state_piece(int(f) - 2, lp.segment).subspan(at, s.count));
+          const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
+          const std::span<const std::byte> piece =
+              f == 0 ? std::as_bytes(part.param_piece(lp.segment))
+              : f == 1 ? std::as_bytes(part.master_piece(lp.segment))
+                       : std::as_bytes(part.state_piece(int(f) - 2, lp.segment));
+          std::span<const std::byte> host = piece;
+          if (E::memory_space != MemorySpace::host && (f == 0 || !part.offloaded())) {
+            if (copied != std::pair{f, lp.segment}) {
+              ckpt::on_host<E::memory_space>(piece, false, copy);
+              copied = {f, lp.segment};
+            }
+            host = copy;
+          }
+          return host.subspan(at * elem, s.count * elem);
         });
   });
 
@@ -669,8 +709,10 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   std::vector<std::byte> user;
   ckpt::on_every_rank(comm, [&] {
     auto read_field = [&]<class U>(std::size_t f, std::span<U> dst, std::size_t first) {
-      ckpt::fill_range<U>(L, first, dst, [&](std::size_t p, std::size_t at, std::span<U> out) {
-        rd->template read<U>(f, idx[p], at, out);
+      ckpt::fill_through_host<E::memory_space>(dst, f > 0 && part.offloaded(), [&](std::span<U> host) {
+        ckpt::fill_range<U>(L, first, host, [&](std::size_t p, std::size_t at, std::span<U> out) {
+          rd->template read<U>(f, idx[p], at, out);
+        });
       });
     };
     const int r = comm.rank();
@@ -877,15 +919,20 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       }
     out.emplace(dir, std::move(tensors), o.max_file_bytes);
   });
-  Buffer<T, MemorySpace::host> seg_t;
-  Buffer<float, MemorySpace::host> seg_f;
+  constexpr MemorySpace S = E::memory_space;
+  const bool host_master = part.offloaded();
+  Buffer<T, S> seg_t;
+  Buffer<float, S> seg_f, up;
+  std::vector<T> copy_t;
+  std::vector<float> copy_f;
   std::exception_ptr err;  // rank 0's write failure; gathering goes on so no rank waits forever
-  auto emit = [&]<class U>(const Layout::Segment& seg, std::span<const U> data) {
+  auto emit = [&]<class U>(const Layout::Segment& seg, std::span<const U> data, bool host, std::vector<U>& copy) {
     if (comm.rank() != 0 || err) return;
     try {
+      const std::span<const U> h = ckpt::on_host<S>(data, host, copy);
       for (int pi : seg.params) {
         const auto& p = L.params()[std::size_t(pi)];
-        out->write(std::as_bytes(data.subspan(p.offset - seg.offset, p.size)));
+        out->write(std::as_bytes(h.subspan(p.offset - seg.offset, p.size)));
       }
     } catch (...) {
       err = std::current_exception();
@@ -894,17 +941,18 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
   for (int s = 0; s < L.segment_count(); ++s) {
     const auto& seg = L.segment(s);
     if (!master && E::stage < 3) {
-      emit(seg, std::span<const T>(part.param_segment(s)));
+      emit(seg, std::span<const T>(part.param_segment(s)), false, copy_t);
     } else if (master && E::stage < 1) {
-      emit(seg, std::span<const float>(part.master_segment(s)));
+      emit(seg, std::span<const float>(part.master_segment(s)), host_master, copy_f);
     } else if (!master) {
-      if (seg_t.size() < seg.size) seg_t = Buffer<T, MemorySpace::host>(L.largest_segment(), "export: one segment");
+      if (seg_t.size() < seg.size) seg_t = Buffer<T, S>(L.largest_segment(), "export: one segment");
       comm.all_gather(std::span<const T>(part.param_piece(s)), seg_t.span(0, seg.size));
-      emit(seg, std::span<const T>(seg_t.span(0, seg.size)));
+      emit(seg, std::span<const T>(seg_t.span(0, seg.size)), false, copy_t);
     } else {
-      if (seg_f.size() < seg.size) seg_f = Buffer<float, MemorySpace::host>(L.largest_segment(), "export: one segment");
-      comm.all_gather(std::span<const float>(part.master_piece(s)), seg_f.span(0, seg.size));
-      emit(seg, std::span<const float>(seg_f.span(0, seg.size)));
+      if (seg_f.size() < seg.size) seg_f = Buffer<float, S>(L.largest_segment(), "export: one segment");
+      comm.all_gather(ckpt::in_space<S>(std::span<const float>(part.master_piece(s)), host_master, up),
+                      seg_f.span(0, seg.size));
+      emit(seg, std::span<const float>(seg_f.span(0, seg.size)), false, copy_f);
     }
   }
   ckpt::on_every_rank(comm, [&] {
@@ -981,10 +1029,12 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
     for (int s = 0; s < L.segment_count(); ++s) {
       const auto& seg = L.segment(s);
       const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
-      if constexpr (E::stage < 3) ckpt::fill_range<T>(L, seg.offset, part.param_segment(s), read);
-      else ckpt::fill_range<T>(L, mine, part.param_piece(s), read);
-      if constexpr (E::stage < 1) ckpt::fill_range<float>(L, seg.offset, part.master_segment(s), read);
-      else ckpt::fill_range<float>(L, mine, part.master_piece(s), read);
+      constexpr MemorySpace S = E::memory_space;
+      const std::size_t first_t = E::stage < 3 ? seg.offset : mine, first_f = E::stage < 1 ? seg.offset : mine;
+      ckpt::fill_through_host<S>(E::stage < 3 ? part.param_segment(s) : part.param_piece(s), false,
+                                 [&](std::span<T> h) { ckpt::fill_range<T>(L, first_t, h, read); });
+      ckpt::fill_through_host<S>(E::stage < 1 ? part.master_segment(s) : part.master_piece(s), part.offloaded(),
+                                 [&](std::span<float> h) { ckpt::fill_range<float>(L, first_f, h, read); });
     }
   });
   engine.restore(engine.progress());  // stage 3: drop gathered copies of the old values
