@@ -14,7 +14,7 @@
 # (zp_bench_optim_cuda, zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): both. Split
 # them over two calls when one would run past a time limit (the build is kept between them).
 #
-# That machine cannot download: doctest and Google Benchmark come from build/gpu-deps, which
+# That machine cannot download: doctest, Google Benchmark and nlohmann/json come from build/gpu-deps, which
 # tools/gpu_deps.sh fills on a Debian machine (carry it along); NCCL from CMake's search or
 # PyTorch's nvidia-nccl wheel.
 set -uo pipefail
@@ -38,7 +38,8 @@ BUILD=build/gpu
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
   -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
-  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
+  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" \
+  -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
   ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
 grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
 cmake --build "$BUILD" -j 16 > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }

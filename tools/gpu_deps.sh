@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Fills build/gpu-deps with what tools/gpu_check.sh needs and the GPU machine cannot download:
-# doctest (header and CMake package) and Google Benchmark (headers, library, CMake package),
-# copied from this Debian 12 machine's doctest-dev and libbenchmark-dev with their /usr layout,
+# doctest (header and CMake package), Google Benchmark (headers, library, CMake package) and
+# nlohmann/json (zp::io, for the gpu checkpoint tests), copied from this Debian 12 machine's
+# doctest-dev, libbenchmark-dev and nlohmann-json3-dev with their /usr layout,
 # so their CMake files find them relative to their own location. Carry build/gpu-deps with the
 # call that runs tools/gpu_check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=build/gpu-deps
 rm -rf "$D" && mkdir -p "$D"
-for pkg in doctest-dev libbenchmark-dev libbenchmark1debian; do
-  dpkg -L "$pkg" | grep -E '^/usr/(include|lib)/' | while read -r f; do
+for pkg in doctest-dev libbenchmark-dev libbenchmark1debian nlohmann-json3-dev; do
+  dpkg -L "$pkg" | grep -E '^/usr/(include|lib|share/cmake)/' | while read -r f; do
     [[ -f "$f" || -L "$f" ]] || continue
     mkdir -p "$D$(dirname "${f#/usr}")"
     cp -a "$f" "$D${f#/usr}"

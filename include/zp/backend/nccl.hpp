@@ -204,13 +204,15 @@ class Nccl {
   class Work {
    public:
     Work() = default;
-    Work(Work&&) noexcept = default;
+    Work(Work&& o) noexcept
+        : ctx_(std::move(o.ctx_)), event_(std::exchange(o.event_, nullptr)), what_(o.what_), issued_(o.issued_) {}
     Work& operator=(Work&& o) noexcept {
       if (this != &o) {
         order();
         ctx_ = std::move(o.ctx_);
         event_ = std::exchange(o.event_, nullptr);
         what_ = o.what_;
+        issued_ = o.issued_;
       }
       return *this;
     }
