@@ -59,7 +59,9 @@ std::vector<float> single_rank(int ranks, int steps, int gas, int micro_batch) {
   return out;
 }
 
-// Same bounds as the threads tests (engine.test.cpp, check_close).
+// Same steps and bounds as the threads tests (engine.test.cpp, check_close): few steps, so a
+// rounding difference cannot yet have pushed a unit across a kink.
+constexpr int close_steps = 3;
 template <class T>
 void check_close(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
@@ -70,11 +72,11 @@ void check_close(const std::vector<float>& a, const std::vector<float>& b) {
     mean += d / double(a.size());
   }
   if constexpr (std::is_same_v<T, float>) {
-    CHECK(mx <= 1e-3);
-    CHECK(mean <= 1e-5);
+    CHECK(mx <= 1e-5);
+    CHECK(mean <= 1e-7);
   } else {
-    CHECK(mx <= 0.4);
-    CHECK(mean <= 1e-2);
+    CHECK(mx <= 2 * close_steps * 1e-2);
+    CHECK(mean <= 2e-3);
   }
 }
 
@@ -85,11 +87,11 @@ TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same
   Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   for (int gas : {1, 2}) {
     CAPTURE(gas);
-    const auto one = single_rank<T>(comm.size(), 20, gas, 3);
-    const auto s0 = train<T, 0>(comm, 20, gas, 3);
-    const auto s1 = train<T, 1>(comm, 20, gas, 3);
-    const auto s2 = train<T, 2>(comm, 20, gas, 3);
-    const auto s3 = train<T, 3>(comm, 20, gas, 3);
+    const auto one = single_rank<T>(comm.size(), close_steps, gas, 3);
+    const auto s0 = train<T, 0>(comm, close_steps, gas, 3);
+    const auto s1 = train<T, 1>(comm, close_steps, gas, 3);
+    const auto s2 = train<T, 2>(comm, close_steps, gas, 3);
+    const auto s3 = train<T, 3>(comm, close_steps, gas, 3);
     check_close<T>(one, s0);
     check_close<T>(one, s1);
     check_close<T>(one, s2);
