@@ -8,11 +8,12 @@
 # clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
 # build/gpu-out); a summary is printed as it goes.
 #
-#   bash tools/gpu_check.sh [all|test|bench]   # on the GPU machine, from the repository root
+#   bash tools/gpu_check.sh [all|test|memcheck|bench]   # on the GPU machine, from the repository root
 #
-# test: the build, ctest -L gpu and compute-sanitizer; bench: the build and the measurements
-# (zp_bench_optim_cuda, zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): both. Split
-# them over two calls when one would run past a time limit (the build is kept between them).
+# test: ctest -L gpu; memcheck: the gpu tests under compute-sanitizer; bench: the measurements
+# (zp_bench_optim_cuda, zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): the three.
+# Each phase configures and builds only the targets it runs, so the phases fit separate calls
+# on a machine that keeps nothing between them.
 #
 # That machine cannot download: doctest, Google Benchmark and nlohmann/json come from build/gpu-deps, which
 # tools/gpu_deps.sh fills on a Debian machine (carry it along); NCCL from CMake's search or
@@ -21,7 +22,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
 PHASE=${1:-all}
-case "$PHASE" in all|test|bench) ;; *) echo "usage: $0 [all|test|bench]" >&2; exit 2 ;; esac
+case "$PHASE" in all|test|memcheck|bench) ;; *) echo "usage: $0 [all|test|memcheck|bench]" >&2; exit 2 ;; esac
+run_phase() { [[ $PHASE == all || $PHASE == "$1" ]]; }
+TESTS="zp.test.optim.cuda zp.test.backend.cuda_threads zp.test.backend.nccl zp.test.engine_gpu zp_demo_gpu"
+BENCHES="zp_bench_optim_cuda zp_bench_zero_cuda zp_demo_gpu"
 mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
@@ -42,25 +46,31 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITEC
   -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
   ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
 grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
-cmake --build "$BUILD" -j 16 > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
-log "build ok"
+targets=""
+if run_phase test || run_phase memcheck; then targets="$TESTS"; fi
+if run_phase bench; then targets="$targets $BENCHES"; fi
+# shellcheck disable=SC2086  # a list of targets
+cmake --build "$BUILD" -j 16 --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+log "build ok ($targets)"
 
 status=0
-if [[ $PHASE != bench ]]; then
-(cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
-log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
-for t in engine_gpu backend.cuda_threads optim.cuda; do
-  if [[ -x "$BUILD/tests/zp.test.$t" ]]; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/zp.test.$t" > "$OUT/memcheck_$t.log" 2>&1
-    rc=$?
-    log "memcheck zp.test.$t: exit $rc ($(grep -E 'ERROR SUMMARY' "$OUT/memcheck_$t.log" | tail -1))"
-    [[ $rc -eq 0 ]] || status=1
-  fi
-done
-
+if run_phase test; then
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
+  log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
+  grep -E "Test +#" "$OUT/ctest_gpu.log" | tee -a "$OUT/summary.txt"
+fi
+if run_phase memcheck; then
+  for t in engine_gpu backend.cuda_threads optim.cuda; do
+    if [[ -x "$BUILD/tests/zp.test.$t" ]]; then
+      timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/zp.test.$t" > "$OUT/memcheck_$t.log" 2>&1
+      rc=$?
+      log "memcheck zp.test.$t: exit $rc ($(grep -E 'ERROR SUMMARY' "$OUT/memcheck_$t.log" | tail -1))"
+      [[ $rc -eq 0 ]] || status=1
+    fi
+  done
 fi
 
-if [[ $PHASE != test ]]; then
+if run_phase bench; then
 if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
   "$BUILD/bench/zp_bench_optim_cuda" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
