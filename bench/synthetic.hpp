@@ -1,12 +1,16 @@
-// The parameters of the ZeRO step benchmarks' synthetic model (zp_bench_zero, zp_bench_zero_cuda):
-// `modules` blocks of a weight and a bias, named block<m>.weight / block<m>.bias, every value
-// starting from one shared host array of initial values (zp copies them), and the pattern the
-// "computed" gradients follow. The benchmarks add where those gradients live and the compute.
+// The synthetic model of the ZeRO step benchmarks (zp_bench_zero, zp_bench_zero_cuda): the
+// parameters (`modules` blocks of a weight and a bias, named block<m>.weight / block<m>.bias,
+// every value starting from one shared host array of initial values, which zp copies), the
+// pattern the "computed" gradients follow, one training step under the engine's guards, and
+// the check each benchmark runs before timing. A benchmark's model adds forward(m) and
+// backward(m): where the gradients come from and the compute.
 #pragma once
 
 #include <zp/dtype.hpp>
+#include <zp/engine.hpp>
 #include <zp/model.hpp>
 
+#include <cmath>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -39,5 +43,36 @@ struct SyntheticParams {
     }
   }
 };
+
+// One optimizer step: forward guards in order, backward guards in reverse, step().
+template <class E, class M>
+zp::StepResult train_step(E& engine, M& model) {
+  for (int m = 0; m < M::modules; ++m) {
+    auto g = engine.forward(m);
+    model.forward(m);
+  }
+  for (int m = M::modules - 1; m >= 0; --m) {
+    auto g = engine.backward(m);
+    model.backward(m);
+  }
+  return engine.step();
+}
+
+// Checked before timing: the first step applied, and the engine's model-state bytes and the
+// step's bus bytes follow the ZeRO formulas (AdamW: 2 state arrays). "" or what differs.
+template <class E>
+std::string check_first_step(const E& engine, const zp::StepResult& first, int ranks) {
+  using T = typename E::value_type;
+  const zp::Layout& L = engine.layout();
+  const double f = ranks > 1 ? double(ranks - 1) / ranks : 0.0;
+  const double want_bus = (E::stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T)) +
+                          2.0 * f * double(E::statistics_count * sizeof(double));
+  const double bus = engine.last_step_comm().total().bus_bytes;
+  if (!first.applied) return "the first step was not applied";
+  if (engine.memory().model_states() != zp::zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T), 2))
+    return "model-state bytes differ from the ZeRO formula";
+  if (std::abs(bus - want_bus) > 1e-6 * want_bus + 1) return "bus bytes differ from the ZeRO formula";
+  return "";
+}
 
 }  // namespace zp::bench

@@ -51,19 +51,6 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
   }
 };
 
-template <class E>
-zp::StepResult train_step(E& engine, Synthetic& model) {
-  for (int m = 0; m < modules; ++m) {
-    auto g = engine.forward(m);
-    model.forward(m);
-  }
-  for (int m = modules - 1; m >= 0; --m) {
-    auto g = engine.backward(m);
-    model.backward(m);
-  }
-  return engine.step();
-}
-
 struct Measured {
   std::vector<double> seconds;
   double psi = 0, state_bytes = 0, bus_bytes = 0, bucket_bytes = 0, gathered_bytes = 0;
@@ -77,24 +64,16 @@ Measured measure(int ranks, int iterations) {
     Synthetic model;
     zp::EngineConfig cfg;  // default buckets (16 MiB), no clipping, no persistence
     zp::Engine<Threads, bf16, Stage> engine(comm, model, cfg, zp::optim::AdamW{});
-    // Check before timing: the step applies, and memory and volume follow the ZeRO formulas.
-    const auto first = train_step(engine, model);
+    const auto first = zp::bench::train_step(engine, model);  // checked before timing
     const auto& L = engine.layout();
-    const int n = comm.size();
     const auto mem = engine.memory();
-    const double f = n > 1 ? double(n - 1) / n : 0.0;
-    const double want_bus = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(bf16)) + 32.0 * f;
+    const std::string err = zp::bench::check_first_step(engine, first, comm.size());
     const double bus = engine.last_step_comm().total().bus_bytes;
-    std::string err;
-    if (!first.applied) err = "the first step was not applied";
-    if (mem.model_states() != zp::zero_model_state_bytes(Stage, L.total(), n, sizeof(bf16), 2))
-      err = "model-state bytes differ from the ZeRO formula";
-    if (std::abs(bus - want_bus) > 1e-6 * want_bus + 1) err = "bus bytes differ from the ZeRO formula";
     std::vector<double> times;
     for (int i = 0; i < iterations; ++i) {
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
-      train_step(engine, model);
+      zp::bench::train_step(engine, model);
       comm.barrier();
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }

@@ -70,28 +70,18 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
     Dev::from_host(grad_w.span(), std::span<const bf16>(g));
     Dev::from_host(grad_b.span(), std::span<const bf16>(gb));
   }
-  void forward(const bf16* weights, std::size_t n) {
-    touch_kernel<<<1, 256, 0, zp::device::current_stream()>>>(weights, n, sink.data());
+  void forward(int m) { touch(w[m].value.data()); }
+  void backward(int m) { write_grads(w[m].grad.data(), b[m].grad.data()); }
+  // The same on any buffers (the bare step's).
+  void touch(const bf16* weights) {
+    touch_kernel<<<1, 256, 0, zp::device::current_stream()>>>(weights, weight_elems, sink.data());
     ok(cudaGetLastError(), "touch kernel launch");
   }
-  void backward(bf16* gw, bf16* gb) {
+  void write_grads(bf16* gw, bf16* gb) {
     Dev::copy(std::span<bf16>(gw, weight_elems), std::span<const bf16>(grad_w.span()));
     Dev::copy(std::span<bf16>(gb, bias_elems), std::span<const bf16>(grad_b.span()));
   }
 };
-
-template <class E>
-zp::StepResult engine_step(E& engine, Synthetic& model) {
-  for (int m = 0; m < modules; ++m) {
-    auto g = engine.forward(m);
-    model.forward(model.w[m].value.data(), weight_elems);
-  }
-  for (int m = modules - 1; m >= 0; --m) {
-    auto g = engine.backward(m);
-    model.backward(model.w[m].grad.data(), model.b[m].grad.data());
-  }
-  return engine.step();
-}
 
 // The same step as bare calls on whole-model buffers (see the top of this file).
 template <int Stage>
@@ -114,10 +104,10 @@ struct Bare {
     const std::size_t mod = weight_elems + bias_elems;
     if constexpr (Stage == 3) comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
     for (int k = 0; k < modules; ++k)
-      model.forward((Stage == 3 ? gathered : params).data() + std::size_t(k) * mod, weight_elems);
+      model.touch((Stage == 3 ? gathered : params).data() + std::size_t(k) * mod);
     if constexpr (Stage == 3) comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
     for (int k = modules - 1; k >= 0; --k)
-      model.backward(grads.data() + std::size_t(k) * mod, grads.data() + std::size_t(k) * mod + weight_elems);
+      model.write_grads(grads.data() + std::size_t(k) * mod, grads.data() + std::size_t(k) * mod + weight_elems);
     if constexpr (Stage == 0) comm.all_reduce(grads.span(), zp::ReduceOp::avg);
     else comm.reduce_scatter(grads.span(), zp::ReduceOp::avg);
     const std::span<bf16> g = Stage == 0 ? grads.span() : grads.span(std::size_t(rank) * shard, shard);
@@ -175,22 +165,14 @@ Measured measure(int ranks, int iterations, bool offload) {
     std::size_t total = 0;  // the padded layout, which divides by the ranks
     {
       zp::Engine<CudaThreads, bf16, Stage> engine(comm, model, cfg, zp::optim::AdamW{});
-      const auto first = engine_step(engine, model);
+      const auto first = zp::bench::train_step(engine, model);  // checked before timing
+      err = zp::bench::check_first_step(engine, first, comm.size());
       const auto& L = engine.layout();
-      const int n = comm.size();
-      const auto mem = engine.memory();
-      const double f = n > 1 ? double(n - 1) / n : 0.0;
-      const double want_bus = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(bf16)) +
-                              double(engine.statistics_count * sizeof(double)) * 2 * f;
       bus = engine.last_step_comm().total().bus_bytes;
-      if (!first.applied) err = "the first step was not applied";
-      if (mem.model_states() != zp::zero_model_state_bytes(Stage, L.total(), n, sizeof(bf16), 2))
-        err = "model-state bytes differ from the ZeRO formula";
-      if (std::abs(bus - want_bus) > 1e-6 * want_bus + 1) err = "bus bytes differ from the ZeRO formula";
-      seconds = timed(comm, iterations, [&] { engine_step(engine, model); });
+      seconds = timed(comm, iterations, [&] { zp::bench::train_step(engine, model); });
       psi = double(L.used());
       total = L.total();
-      state = double(mem.model_states());
+      state = double(engine.memory().model_states());
       held = double(zp::memory_use<zp::MemorySpace::device>().current - base - model_bytes);
     }
     double kernels = 0;

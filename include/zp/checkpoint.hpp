@@ -468,33 +468,6 @@ void expect_data_parallel(E& engine, const char* what) {
             " model-parallel ranks); checkpoints support data parallelism only for now");
 }
 
-// A device engine's buffers pass through host memory one piece at a time. `host`: the span is in
-// host memory whatever the engine's space (offloaded master weights and optimizer state).
-// src as a host span (itself, or copied into tmp).
-template <MemorySpace S, class U>
-std::span<const U> on_host(std::span<const U> src, bool host, std::vector<U>& tmp) {
-  if (S == MemorySpace::host || host) return src;
-  tmp.resize(src.size());
-  Ops<S>::to_host(std::span<U>(tmp), src);
-  return tmp;
-}
-// src in the engine's space (itself, or copied into tmp), e.g. as a collective's input.
-template <MemorySpace S, class U>
-std::span<const U> in_space(std::span<const U> src, bool host, Buffer<U, S>& tmp) {
-  if (S == MemorySpace::host || !host) return src;
-  if (tmp.size() < src.size()) tmp = Buffer<U, S>(src.size(), "checkpoint: one piece");
-  Ops<S>::from_host(tmp.span(0, src.size()), src);
-  return tmp.span(0, src.size());
-}
-// fill(a host span) writes dst (directly, or through a host copy).
-template <MemorySpace S, class U, class Fill>
-void fill_through_host(std::span<U> dst, bool host, Fill&& fill) {
-  if (S == MemorySpace::host || host) return fill(dst);
-  std::vector<U> tmp(dst.size());
-  fill(std::span<U>(tmp));
-  Ops<S>::from_host(dst, std::span<const U>(tmp));
-}
-
 }  // namespace ckpt
 
 template <class E>
@@ -552,7 +525,8 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   // a host copy of the piece being written, field by field and segment by segment).
   safetensors::Summary mine{};
   std::vector<std::byte> copy;
-  std::pair<std::size_t, int> copied{std::size_t(-1), -1};  // (field, segment) in `copy`
+  std::span<const std::byte> viewed;                        // the current piece in host memory
+  std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
   ckpt::on_every_rank(comm, [&] {
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(r, m.world_size), L, r, m, user,
@@ -561,19 +535,15 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
           const auto& seg = L.segment(lp.segment);
           const std::size_t at = lp.offset + s.first - (seg.offset + std::size_t(r) * seg.piece);
           const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
-          const std::span<const std::byte> piece =
-              f == 0 ? std::as_bytes(part.param_piece(lp.segment))
-              : f == 1 ? std::as_bytes(part.master_piece(lp.segment))
-                       : std::as_bytes(part.state_piece(int(f) - 2, lp.segment));
-          std::span<const std::byte> host = piece;
-          if (E::memory_space != MemorySpace::host && (f == 0 || !part.offloaded())) {
-            if (copied != std::pair{f, lp.segment}) {
-              ckpt::on_host<E::memory_space>(piece, false, copy);
-              copied = {f, lp.segment};
-            }
-            host = copy;
+          if (current != std::pair{f, lp.segment}) {
+            const std::span<const std::byte> piece =
+                f == 0 ? std::as_bytes(part.param_piece(lp.segment))
+                : f == 1 ? std::as_bytes(part.master_piece(lp.segment))
+                         : std::as_bytes(part.state_piece(int(f) - 2, lp.segment));
+            viewed = host_view<E::memory_space>(piece, f > 0 && part.offloaded(), copy);
+            current = {f, lp.segment};
           }
-          return host.subspan(at * elem, s.count * elem);
+          return viewed.subspan(at * elem, s.count * elem);
         });
   });
 
@@ -709,7 +679,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   std::vector<std::byte> user;
   ckpt::on_every_rank(comm, [&] {
     auto read_field = [&]<class U>(std::size_t f, std::span<U> dst, std::size_t first) {
-      ckpt::fill_through_host<E::memory_space>(dst, f > 0 && part.offloaded(), [&](std::span<U> host) {
+      fill_via_host<E::memory_space>(dst, f > 0 && part.offloaded(), [&](std::span<U> host) {
         ckpt::fill_range<U>(L, first, host, [&](std::size_t p, std::size_t at, std::span<U> out) {
           rd->template read<U>(f, idx[p], at, out);
         });
@@ -929,7 +899,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
   auto emit = [&]<class U>(const Layout::Segment& seg, std::span<const U> data, bool host, std::vector<U>& copy) {
     if (comm.rank() != 0 || err) return;
     try {
-      const std::span<const U> h = ckpt::on_host<S>(data, host, copy);
+      const std::span<const U> h = host_view<S>(data, host, copy);
       for (int pi : seg.params) {
         const auto& p = L.params()[std::size_t(pi)];
         out->write(std::as_bytes(h.subspan(p.offset - seg.offset, p.size)));
@@ -950,7 +920,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       emit(seg, std::span<const T>(seg_t.span(0, seg.size)), false, copy_t);
     } else {
       if (seg_f.size() < seg.size) seg_f = Buffer<float, S>(L.largest_segment(), "export: one segment");
-      comm.all_gather(ckpt::in_space<S>(std::span<const float>(part.master_piece(s)), host_master, up),
+      comm.all_gather(space_view<S>(std::span<const float>(part.master_piece(s)), host_master, up),
                       seg_f.span(0, seg.size));
       emit(seg, std::span<const float>(seg_f.span(0, seg.size)), false, copy_f);
     }
@@ -1031,9 +1001,9 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
       const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
       constexpr MemorySpace S = E::memory_space;
       const std::size_t first_t = E::stage < 3 ? seg.offset : mine, first_f = E::stage < 1 ? seg.offset : mine;
-      ckpt::fill_through_host<S>(E::stage < 3 ? part.param_segment(s) : part.param_piece(s), false,
+      fill_via_host<S>(E::stage < 3 ? part.param_segment(s) : part.param_piece(s), false,
                                  [&](std::span<T> h) { ckpt::fill_range<T>(L, first_t, h, read); });
-      ckpt::fill_through_host<S>(E::stage < 1 ? part.master_segment(s) : part.master_piece(s), part.offloaded(),
+      fill_via_host<S>(E::stage < 1 ? part.master_segment(s) : part.master_piece(s), part.offloaded(),
                                  [&](std::span<float> h) { ckpt::fill_range<float>(L, first_f, h, read); });
     }
   });

@@ -90,6 +90,14 @@ constexpr double bus_factor(CollOp op, int ranks) noexcept {
 
 namespace detail {
 
+// Part `index` of [0, n) cut into `parts` contiguous ranges, the first n % parts one larger:
+// {begin, end}. The one cut of a range among ranks (tensor-parallel splits, the backends' slices).
+constexpr std::pair<std::size_t, std::size_t> even_part(std::size_t n, int parts, int index) noexcept {
+  const std::size_t p = std::size_t(parts), i = std::size_t(index), q = n / p, r = n % p;
+  const std::size_t begin = i * q + (i < r ? i : r);
+  return {begin, begin + q + (i < r ? 1 : 0)};
+}
+
 // The argument checks every backend runs on its untyped core (so the rules are one, whatever
 // the backend): a known element type and reduction, no null buffer with a nonzero count, sizes
 // that do not wrap, a root inside the communicator, and input/output buffers either identical

@@ -122,46 +122,26 @@ struct Ops<MemorySpace::device> {
   }
   template <class T>
   static void copy(std::span<T> dst, std::span<const T> src) {
-    ZP_EXPECT(dst.size() == src.size(), "copy: ", src.size(), " elements into ", dst.size());
-    if (!src.empty())
-      device::check(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDeviceToDevice,
-                                            device::detail::compute_stream()),
-                            "cudaMemcpyAsync (device to device)");
+    copy_async(dst, src, cudaMemcpyDeviceToDevice, "copy");
   }
+  // dst += src in float, rounded once to To (gradient accumulation).
   template <class To, class From>
   static void accumulate(std::span<To> dst, std::span<const From> src) {
-    ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
-    if (dst.empty()) return;
-    device::detail::accumulate_kernel<To, From><<<device::detail::blocks_for(dst.size()), device::detail::block, 0,
-                                                  device::detail::compute_stream()>>>(dst.data(), src.data(), dst.size());
-    device::check(cudaGetLastError(), "accumulate launch");
+    elementwise(device::detail::accumulate_kernel<To, From>, dst, src, "accumulate");
   }
   template <class To, class From>
   static void convert(std::span<To> dst, std::span<const From> src) {
-    ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
-    if (dst.empty()) return;
-    device::detail::convert_kernel<To, From><<<device::detail::blocks_for(dst.size()), device::detail::block, 0,
-                                               device::detail::compute_stream()>>>(dst.data(), src.data(), dst.size());
-    device::check(cudaGetLastError(), "convert launch");
+    elementwise(device::detail::convert_kernel<To, From>, dst, src, "convert");
   }
   // From pageable host memory: the call returns once the source was read (CUDA stages it).
   template <class T>
   static void from_host(std::span<T> dst, std::span<const T> src) {
-    ZP_EXPECT(dst.size() == src.size(), "from_host: ", src.size(), " elements into ", dst.size());
-    if (!src.empty())
-      device::check(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyHostToDevice,
-                                            device::detail::compute_stream()),
-                            "cudaMemcpyAsync (host to device)");
+    copy_async(dst, src, cudaMemcpyHostToDevice, "from_host");
   }
   // Waits for the current stream: the one synchronisation (device::synchronize, counted).
   template <class T>
   static void to_host(std::span<T> dst, std::span<const T> src) {
-    ZP_EXPECT(dst.size() == src.size(), "to_host: ", src.size(), " elements into ", dst.size());
-    const cudaStream_t s = device::detail::compute_stream();
-    if (!src.empty())
-      device::check(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDeviceToHost, s),
-                            "cudaMemcpyAsync (device to host)");
-    device::synchronize(s);
+    device::synchronize(copy_async(dst, src, cudaMemcpyDeviceToHost, "to_host"));
   }
   template <class G>
   static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options&) {
@@ -176,6 +156,25 @@ struct Ops<MemorySpace::device> {
   static void invoke(const F& f, X* p) {
     device::detail::invoke_kernel<<<1, 1, 0, device::detail::compute_stream()>>>(f, p);
     device::check(cudaGetLastError(), "invoke launch");
+  }
+
+ private:
+  // Enqueues the copy on the current stream (after the delay hook) and returns that stream.
+  template <class T>
+  static cudaStream_t copy_async(std::span<T> dst, std::span<const T> src, cudaMemcpyKind kind, const char* what) {
+    ZP_EXPECT(dst.size() == src.size(), what, ": ", src.size(), " elements into ", dst.size());
+    const cudaStream_t s = device::detail::compute_stream();
+    if (!src.empty()) device::check(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), kind, s), what);
+    return s;
+  }
+  template <class To, class From>
+  static void elementwise(void (*kernel)(To*, const From*, std::size_t), std::span<To> dst, std::span<const From> src,
+                          const char* what) {
+    ZP_EXPECT(dst.size() == src.size(), what, ": ", src.size(), " elements into ", dst.size());
+    if (dst.empty()) return;
+    kernel<<<device::detail::blocks_for(dst.size()), device::detail::block, 0, device::detail::compute_stream()>>>(
+        dst.data(), src.data(), dst.size());
+    device::check(cudaGetLastError(), what);
   }
 };
 

@@ -780,9 +780,8 @@ class Engine {
       if (!part_.offloaded()) {
         Mem::convert(master, from);
       } else {  // the master weights are on the host
-        std::vector<T> host(from.size());
-        Mem::to_host(std::span<T>(host), from);
-        Ops<MemorySpace::host>::convert(master, std::span<const T>(host));
+        std::vector<T> staged;
+        Ops<MemorySpace::host>::convert(master, host_view<S>(from, false, staged));
       }
     }
     for (std::size_t p = 0; p < ps.size(); ++p) {
@@ -962,21 +961,14 @@ class Engine {
   // ---- whole-model views -------------------------------------------------------------------
 
   // host_pieces: the pieces are in host memory (offloaded fp32 state); a device backend gathers
-  // them through a device copy.
+  // them through a device copy (space_view).
   template <class U, class Piece>
   Buffer<U, S> gather_pieces(Piece&& piece, bool host_pieces = false) {
     const Layout& L = part_.layout();
-    Buffer<U, S> full(L.total());
+    Buffer<U, S> full(L.total()), staged;
     for (int s = 0; s < L.segment_count(); ++s) {
       const auto& g = L.segment(s);
-      std::span<const U> mine = piece(s);
-      Buffer<U, S> staged;
-      if (host_pieces && S != MemorySpace::host) {
-        staged = Buffer<U, S>(mine.size());
-        Mem::from_host(staged.span(), mine);
-        mine = staged.span();
-      }
-      comm_->all_gather(mine, full.span(g.offset, g.size));
+      comm_->all_gather(space_view<S>(std::span<const U>(piece(s)), host_pieces, staged), full.span(g.offset, g.size));
     }
     return full;
   }
@@ -984,10 +976,8 @@ class Engine {
   template <class Piece>
   std::vector<float> gather_fp32(std::span<float> whole, Piece&& piece) {
     const bool host = part_.offloaded();
-    if constexpr (Stage < 1)
-      return host ? extract_host(std::span<const float>(whole)) : extract<float>(whole);
-    else
-      return extract<float>(gather_pieces<float>(piece, host).span());
+    if constexpr (Stage < 1) return extract<float>(whole, host);
+    else return extract<float>(gather_pieces<float>(piece, host).span());
   }
 
   // The optimizer update of every segment's shard: in the memory space, or, offloaded, by the
@@ -1005,27 +995,16 @@ class Engine {
       Ops<MemorySpace::host>::step(opt_, scalars, v, config_.optimizer_options, gate);
     });
   }
+  // The parameters' elements of a whole-model buffer (in S, or in host memory when `host`),
+  // unpadded, in forward order.
   template <class U>
-  std::vector<U> extract(std::span<const U> full) const {
-    if constexpr (S != MemorySpace::host) {  // through host memory
-      std::vector<U> host(full.size());
-      Mem::to_host(std::span<U>(host), full);
-      return extract_host(std::span<const U>(host));
-    } else {
-      return extract_host(full);
-    }
-  }
-  template <class U>
-  std::vector<U> extract_host(std::span<const U> full) const {
-    std::vector<U> out;
+  std::vector<U> extract(std::span<const U> full, bool host = false) const {
+    std::vector<U> staged, out;
+    const std::span<const U> h = host_view<S>(full, host, staged);
     out.reserve(part_.layout().used());
     for (const auto& p : part_.layout().params())
-      out.insert(out.end(), full.begin() + std::ptrdiff_t(p.offset), full.begin() + std::ptrdiff_t(p.offset + p.size));
+      out.insert(out.end(), h.begin() + std::ptrdiff_t(p.offset), h.begin() + std::ptrdiff_t(p.offset + p.size));
     return out;
-  }
-  template <class U>
-  std::vector<U> extract(std::span<U> full) const {
-    return extract<U>(std::span<const U>(full));
   }
 
   Collective<B>* comm_;

@@ -18,6 +18,7 @@
 #include <span>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
@@ -178,6 +179,34 @@ struct Ops<MemorySpace::host> {
     f(p);
   }
 };
+
+// Staging between host memory and space S, for code that reads or feeds buffers wherever they
+// live (whole-model views, checkpoints). `host`: the span is in host memory whatever S is
+// (ZeRO-Offload's master weights and optimizer state).
+// src as a host span: itself, or copied into tmp.
+template <MemorySpace S, class U>
+std::span<const U> host_view(std::span<const U> src, bool host, std::vector<U>& tmp) {
+  if (S == MemorySpace::host || host) return src;
+  tmp.resize(src.size());
+  Ops<S>::to_host(std::span<U>(tmp), src);
+  return tmp;
+}
+// src as a span in S (e.g. a collective's input): itself, or copied into tmp (grown as needed).
+template <MemorySpace S, class U>
+std::span<const U> space_view(std::span<const U> src, bool host, Buffer<U, S>& tmp) {
+  if (S == MemorySpace::host || !host) return src;
+  if (tmp.size() < src.size()) tmp = Buffer<U, S>(src.size(), "staging");
+  Ops<S>::from_host(tmp.span(0, src.size()), src);
+  return tmp.span(0, src.size());
+}
+// fill(a host span) writes dst: directly, or through a host copy.
+template <MemorySpace S, class U, class Fill>
+void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
+  if (S == MemorySpace::host || host) return fill(dst);
+  std::vector<U> tmp(dst.size());
+  fill(std::span<U>(tmp));
+  Ops<S>::from_host(dst, std::span<const U>(tmp));
+}
 
 // ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to
 // host memory, the CPU step there (optim/cpu.hpp) on the host-resident master weights and

@@ -157,7 +157,7 @@ void host_wait(Query&& query, const char* what) {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) check(q, what);
     const auto waited = std::chrono::steady_clock::now() - start;
-    for (const auto& x : std::vector<std::weak_ptr<Watched>>(watched()))
+    for (const auto& x : watched())  // poll() registers nothing, so the list stays put
       if (auto w = x.lock()) w->poll(waited);
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
     else std::this_thread::yield();

@@ -44,9 +44,8 @@ struct Range {
 inline Range split(std::size_t n, int parts, int index) {
   ZP_EXPECT(parts >= 1 && index >= 0 && index < parts, "tp::split: part ", index, " of ", parts,
             " is not a part; expected 0 <= index < parts");
-  const std::size_t p = std::size_t(parts), i = std::size_t(index), q = n / p, r = n % p;
-  const std::size_t begin = i * q + std::min(i, r);
-  return {begin, begin + q + (i < r ? 1 : 0)};
+  const auto [begin, end] = detail::even_part(n, parts, index);
+  return {begin, end};
 }
 
 // A tensor-parallel group as layers see it: rank, size, and an all_reduce of F in place. A

@@ -134,7 +134,7 @@ class CudaThreads {
           p.in[r] = static_cast<const T*>(calls[std::size_t(r)].src);
           p.out[r] = static_cast<T*>(calls[std::size_t(r)].dst);
         }
-        const auto [lo, hi] = tp_slice(n);
+        const auto [lo, hi] = detail::rank_slice(n, rank(), size());
         reduce(p, size(), size(), lo, hi, op, s);
       });
     });
@@ -183,13 +183,6 @@ class CudaThreads {
     return Error(Errc::invalid_argument, detail::cat("cuda_threads backend: ", what,
                                                      " is not supported (point to point needs a GPU backend "
                                                      "with peers: nccl)"));
-  }
-
-  // Rank r's part of [0, n) for an all_reduce: equal contiguous slices.
-  std::pair<std::size_t, std::size_t> tp_slice(std::size_t n) const {
-    const std::size_t r = std::size_t(rank()), p = std::size_t(size()), q = n / p, e = n % p;
-    const std::size_t lo = r * q + std::min(r, e);
-    return {lo, lo + q + (r < e ? 1 : 0)};
   }
 
   template <class T>

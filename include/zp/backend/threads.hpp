@@ -781,18 +781,9 @@ class Threads {
     });
   }
 
-  // Rank r's slice of [0, count): equal parts, cut at 64-element boundaries so no two ranks
-  // write the same cache line.
-  static std::pair<std::size_t, std::size_t> slice(std::size_t count, int rank, int n) {
-    const std::size_t blocks = (count + 63) / 64, per = blocks / std::size_t(n),
-                      extra = blocks % std::size_t(n), r = std::size_t(rank);
-    const std::size_t b0 = r * per + std::min(r, extra), b1 = b0 + per + (r < extra ? 1 : 0);
-    return {std::min(count, b0 * 64), std::min(count, b1 * 64)};
-  }
-
   template <class T>
   static void all_reduce_slice(const Calls& calls, const threads_detail::Call& c, int rank, int n) {
-    const auto [lo, hi] = slice(c.count, rank, n);
+    const auto [lo, hi] = detail::rank_slice(c.count, rank, n);
     if (lo == hi) return;
     std::vector<const T*> in(static_cast<std::size_t>(n));
     std::vector<T*> out(static_cast<std::size_t>(n));

@@ -1,5 +1,6 @@
 // zp/detail/reduce.hpp: the host reduction loops of the untyped core, shared by the threads
-// backend (reducing across ranks' buffers in place) and the mpi backend's 16-bit path.
+// backend (reducing across ranks' buffers in place) and the mpi backend's 16-bit path, and the
+// element math and slicing cuda_threads shares with the threads backend.
 // 16-bit floats accumulate in float across all inputs and round once at the end.
 #pragma once
 
@@ -7,11 +8,20 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "zp/collective.hpp"
 #include "zp/dtype.hpp"
 
 namespace zp::detail {
+
+// Rank `rank`'s slice of [0, count) when each of `ranks` ranks reduces its own slice across
+// every rank's buffers (threads, cuda_threads): equal parts cut at 64-element boundaries, so no
+// two ranks write one cache line.
+inline std::pair<std::size_t, std::size_t> rank_slice(std::size_t count, int rank, int ranks) noexcept {
+  const auto [b0, b1] = even_part((count + 63) / 64, ranks, rank);
+  return {std::min(count, b0 * 64), std::min(count, b1 * 64)};
+}
 
 template <class T> struct accum { using type = T; };
 template <> struct accum<bf16> { using type = float; };
