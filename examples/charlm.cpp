@@ -190,7 +190,7 @@ const char* usage =
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
     "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: never)\n"
-    "  --resume           continue from D/latest (any --ranks, --stage, --backend)\n"
+    "  --resume           continue from D/latest (any --ranks, --stage, --backend); none yet: step 0\n"
     "  --export DIR       write the trained model as DIR/model.safetensors at the end\n"
     "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
     "  --log-json PATH    append one JSON line per step: loss and phase times (tools/plot_timers.py)\n"
@@ -293,7 +293,12 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
 
   int first_step = 0;
 #if ZP_DEMO_IO
-  if (o.resume) {
+  // --resume with no checkpoint yet starts at step 0, so one command line serves every restart.
+  std::int64_t saved = o.resume && std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
+  if (o.resume) comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
+  if (o.resume && !saved && lead)
+    std::printf("no checkpoint in %s yet: starting at step 0\n", o.checkpoint_dir.c_str());
+  if (saved) {
     const std::vector<std::byte> blob = zp::load_checkpoint(engine, o.checkpoint_dir);
     std::int64_t done = 0;
     if (blob.size() != sizeof done) throw std::runtime_error("the checkpoint's user data is not a zp_demo step count");

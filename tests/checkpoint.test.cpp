@@ -2,13 +2,17 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "zp/backend/threads.hpp"
@@ -218,12 +222,12 @@ void flip_byte(const fs::path& p, std::uintmax_t at) {
 
 }  // namespace
 
-TEST_CASE("a save that fails after any file operation leaves the previous checkpoint loading bitwise") {
-  TempDir dir("crash");
+TEST_CASE("a save that fails after any file operation leaves a directory the same command line resumes from") {
+  TempDir base("crash");
   Snapshot<float> first;
   on_two_ranks([&](E2& e, Mlp<float>& m) {
     train(e, m, 0, 2);
-    zp::save_checkpoint(e, dir.path, "a");
+    zp::save_checkpoint(e, base.path, "a");
     auto s = snapshot(e);
     if (e.comm().rank() == 0) first = std::move(s);
   });
@@ -233,40 +237,63 @@ TEST_CASE("a save that fails after any file operation leaves the previous checkp
     auto s = snapshot(e);
     if (e.comm().rank() == 0) second = std::move(s);
   });
-  int faults = 0;
-  for (std::int64_t k = 1;; ++k) {
-    const std::string tag = "b" + std::to_string(k);
+  // The training program: resume from `latest` (step 2 or 3), train to step 3, save "b" (with
+  // the k-th durable file step failing when k > 0). Returns how many ranks failed.
+  auto run = [&](const fs::path& dir, std::int64_t k) {
     std::atomic<int> failed{0};
     on_two_ranks([&](E2& e, Mlp<float>& m) {
-      train(e, m, 0, 3);
+      zp::load_checkpoint(e, dir);
+      auto s = snapshot(e);
+      if (e.comm().rank() == 0) check_same(e.steps() == 2 ? first : second, s);
+      train(e, m, e.steps(), 3);
+      if (e.steps() == 3 && zp::ckpt::Reader::read_latest(dir) == "b") return;  // already saved
       e.comm().barrier();
       if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
       e.comm().barrier();
       try {
-        zp::save_checkpoint(e, dir.path, tag);
+        zp::save_checkpoint(e, dir, "b");
       } catch (const zp::Error& err) {
         ++failed;
         CHECK(err.category() == zp::Errc::io);
       }
     });
     zp::detail::io_fault_countdown() = -1;
+    return failed.load();
+  };
+  int faults = 0;
+  for (std::int64_t k = 1;; ++k) {
     CAPTURE(k);
+    TempDir dir("crash-k");
+    fs::copy(base.path, dir.path, fs::copy_options::recursive);
+    const int failed = run(dir.path, k);
     CHECK((failed == 0 || failed == 2));  // a fault on one rank is an error on every rank
     if (failed == 0) break;
     ++faults;
-    // The previous checkpoint, or (a fault after the rename of `latest`, before the directory's
-    // fsync) the complete new one.
+    // The previous checkpoint, or (a fault after `latest` was renamed) the complete new one.
     const std::string latest = zp::ckpt::Reader::read_latest(dir.path);
-    CHECK((latest == "a" || latest == tag));
+    CHECK((latest == "a" || latest == "b"));
+    // The same program again, with no fault: it resumes, and its save of "b" succeeds (removing
+    // a "b" that the crash published but never named in `latest`).
+    CHECK(run(dir.path, 0) == 0);
+    CHECK(zp::ckpt::Reader::read_latest(dir.path) == "b");
     on_two_ranks([&](E2& e, Mlp<float>&) {
       zp::load_checkpoint(e, dir.path);
       auto s = snapshot(e);
-      if (e.comm().rank() == 0) check_same(latest == "a" ? first : second, s);
+      if (e.comm().rank() == 0) check_same(second, s);
     });
+    // Nothing is left behind but the two checkpoints, `latest` and the lock file (and, after a
+    // fault in its very last step, the note of a publish that `latest` shows complete).
+    auto names = dir.entries();
+    std::erase_if(names, [&](const std::string& n) {
+      return n == ".zp-publishing" && zp::detail::read_whole_file(dir.path / n, 256) == "b";
+    });
+    std::sort(names.begin(), names.end());
+    CHECK(names == std::vector<std::string>{".zp-save.lock", "a", "b", "latest"});
     REQUIRE(k < 1000);
   }
-  CHECK(faults >= 6);  // at least: the staging directory, two rank files' steps, the manifest, rename, latest
-  CHECK(zp::ckpt::Reader::read_latest(dir.path) == "b" + std::to_string(faults + 1));
+  // At least: the staging directory, two rank files' steps, the manifest, the intent, the
+  // rename, `latest` and the intent's removal.
+  CHECK(faults >= 8);
 }
 
 TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error naming the file or parameter") {
@@ -413,5 +440,252 @@ TEST_CASE("safetensors export: from a live engine and offline from a checkpoint,
     Mlp<zp::bf16> other({Mlp<zp::bf16>::inputs, 61, 60, 53, Mlp<zp::bf16>::classes});
     zp::Engine<Threads, zp::bf16, 1> e(comm, other, config(1));
     zp::test::expect_invalid([&] { zp::load_safetensors(e, dir.path / "live"); }, {"layer1.weight", "elements"});
+  });
+}
+
+// ---- hostile directories and calls -------------------------------------------------------------
+
+namespace {
+
+void put_text(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
+}
+
+// A saved checkpoint "good" (2 ranks, 1 step, user data 8 bytes) in a fresh directory.
+struct Saved {
+  TempDir dir{"hostile"};
+  Saved() {
+    on_two_ranks([&](E2& e, Mlp<float>& m) {
+      train(e, m, 0, 1);
+      zp::save_checkpoint(e, dir.path, "good", bytes_of(1));
+    });
+  }
+};
+
+}  // namespace
+
+TEST_CASE("tags and `latest`: only plain names, never a path out of the directory") {
+  Saved s;
+  const fs::path& d = s.dir.path;
+  // Saving under a tag that is not a plain name is refused on every rank, naming the tag.
+  for (const std::string& bad : std::vector<std::string>{"a/b", "..", ".hidden", "step1 ", " step1", "x\ty", "new\nline",
+                                                         "latest", "", std::string(201, 'x'), "caf\xc3\xa9", "a\\b"})
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      CAPTURE(bad);
+      zp::test::expect_invalid([&] { zp::save_checkpoint(e, d, bad); }, {"is not a checkpoint tag"});
+    });
+  CHECK(!fs::exists(d / "step1 "));
+  // Loading one: a tag given explicitly, or what `latest` holds, is checked the same way.
+  fs::create_directories(s.dir.path.parent_path() / "zp-outside");
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, d, "../zp-outside"); }, {"'../zp-outside'", "not a checkpoint tag"});
+  });
+  auto latest_is = [&](const std::string& text, std::initializer_list<std::string> needles,
+                       zp::Errc c = zp::Errc::invalid_argument) {
+    fs::remove_all(d / "latest");
+    put_text(d / "latest", text);
+    CAPTURE(text);
+    on_two_ranks([&](E2& e, Mlp<float>&) { zp::test::expect_error(c, [&] { zp::load_checkpoint(e, d); }, needles); });
+  };
+  latest_is("../good\n", {"latest holds", "'../good'", "'/'"});
+  latest_is(d.string() + "/good", {"latest holds", "'/'"});
+  latest_is("good\r\n", {"latest holds", "0x0d"});
+  latest_is("good \n", {"latest holds", "' '"});
+  latest_is("good\n\n", {"latest holds", "0x0a"});
+  latest_is("", {"latest holds", "''"});
+  latest_is(std::string(300, 'g'), {"latest", "300 bytes", "256-byte limit"}, zp::Errc::io);
+  // A trailing newline is what zp (and DeepSpeed) write; none at all is accepted too.
+  for (const char* ok : {"good\n", "good"}) {
+    put_text(d / "latest", ok);
+    on_two_ranks([&](E2& e, Mlp<float>&) { CHECK(int_of(zp::load_checkpoint(e, d)) == 1); });
+  }
+  // A directory or a FIFO as `latest` is an error, not a hang.
+  fs::remove(d / "latest");
+  fs::create_directory(d / "latest");
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); }, {"latest", "not a regular file (a directory)"});
+  });
+  fs::remove(d / "latest");
+  REQUIRE(::mkfifo((d / "latest").c_str(), 0644) == 0);
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); }, {"latest", "not a regular file (a FIFO)"});
+  });
+}
+
+TEST_CASE("a FIFO or directory where a checkpoint file should be is an error, never a hang") {
+  Saved s;
+  const fs::path tag = s.dir.path / "good";
+  const std::string file1 = "rank-00001-of-00002.safetensors";
+  fs::rename(tag / file1, s.dir.path / "saved-file");
+  REQUIRE(::mkfifo((tag / file1).c_str(), 0644) == 0);
+  zp::ckpt::Reader rd(s.dir.path);
+  CHECK(rd.verify_file(1).find("not a regular file (a FIFO)") != std::string::npos);  // zp_ckpt verify
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); }, {file1, "a FIFO"});
+  });
+  fs::remove(tag / "manifest.json");
+  REQUIRE(::mkfifo((tag / "manifest.json").c_str(), 0644) == 0);
+  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader r(s.dir.path); }, {"manifest.json", "a FIFO"});
+}
+
+TEST_CASE("two jobs saving into one directory at once: one saves, the other fails and publishes nothing") {
+  TempDir dir("race");
+  // The lock is the contract: while another saver holds it, a save fails on every rank at once.
+  {
+    zp::detail::DirectoryLock other(dir.path, ".zp-save.lock", "checkpoint save");
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      zp::test::expect_error(zp::Errc::io, [&] { zp::save_checkpoint(e, dir.path, "t0"); },
+                             {".zp-save.lock", "only one may write into a directory at a time"});
+    });
+    CHECK(!fs::exists(dir.path / "t0"));
+    CHECK(!fs::exists(dir.path / "latest"));
+  }
+  // Real races: two 2-rank jobs, trained to different steps, save the same tag at the same time.
+  for (int round = 0; round < 4; ++round) {
+    const std::string tag = "t" + std::to_string(round + 1);
+    std::atomic<int> saved{0}, refused{0};
+    Snapshot<float> winner[2];
+    std::vector<std::thread> jobs;
+    for (int job = 0; job < 2; ++job)
+      jobs.emplace_back([&, job] {
+        on_two_ranks([&](E2& e, Mlp<float>& m) {
+          train(e, m, 0, 1 + job);
+          try {
+            zp::save_checkpoint(e, dir.path, tag);
+            auto s = snapshot(e);
+            if (e.comm().rank() == 0) winner[job] = std::move(s), ++saved;
+          } catch (const zp::Error& err) {
+            const std::string w = err.what();
+            CHECK((w.find("is locked") != std::string::npos || w.find("already exists") != std::string::npos));
+            if (e.comm().rank() == 0) ++refused;
+          }
+        });
+      });
+    for (auto& j : jobs) j.join();
+    CHECK(saved + refused == 2);
+    REQUIRE(saved >= 1);
+    // Whoever saved, `latest` names a checkpoint that verifies and holds one job's state whole.
+    CHECK(zp::ckpt::Reader::read_latest(dir.path) == tag);
+    zp::ckpt::Reader(dir.path).verify();
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      zp::load_checkpoint(e, dir.path);
+      auto s = snapshot(e);
+      if (e.comm().rank() == 0) check_same(winner[e.steps() == 1 ? 0 : 1], s);
+    });
+  }
+}
+
+TEST_CASE("ranks that would load different checkpoints fail together before reading anything") {
+  TempDir a("agree-a"), b("agree-b");
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 1);
+    zp::save_checkpoint(e, a.path, "p");
+    train(e, m, 1, 2);
+    zp::save_checkpoint(e, a.path, "q");
+  });
+  // A node-local directory per rank whose `latest` differs: b is a's copy pointing at "p".
+  fs::copy(a.path, b.path, fs::copy_options::recursive);
+  put_text(b.path / "latest", "p\n");
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    const auto before = snapshot(e);
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, e.comm().rank() == 0 ? a.path : b.path); },
+                             {"the ranks are loading different checkpoints", "latest"});
+    // Tags passed differently per rank.
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, a.path, e.comm().rank() == 0 ? "p" : "q"); },
+                             {"different checkpoints", e.comm().rank() == 0 ? "step 1" : "step 2"});
+    auto after = snapshot(e);
+    if (e.comm().rank() == 0) check_same(before, after);  // nothing was read
+  });
+}
+
+// Every integer of a real manifest set to values around the limits of the types it could land
+// in, one at a time: reading the checkpoint (as load and zp_ckpt do) either works or is a
+// zp::Error naming the manifest; never a crash, a std::bad_alloc or a silent wrap.
+TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate keys are named errors") {
+  Saved s;
+  const fs::path manifest = s.dir.path / "good" / "manifest.json";
+  const std::string original = zp::detail::read_whole_file(manifest, 1 << 20);
+  const auto j = nlohmann::json::parse(original);
+  std::vector<nlohmann::json::json_pointer> numbers;
+  std::function<void(const nlohmann::json&, const nlohmann::json::json_pointer&)> walk =
+      [&](const nlohmann::json& v, const nlohmann::json::json_pointer& at) {
+        if (v.is_number()) numbers.push_back(at);
+        if (v.is_object())
+          for (const auto& [k, x] : v.items()) walk(x, at / k);
+        if (v.is_array())
+          for (std::size_t i = 0; i < v.size(); ++i) walk(v[i], at / i);
+      };
+  walk(j, {});
+  CHECK(numbers.size() >= 20);
+  // Reads everything a load reads: verification, every field of every parameter, the user data.
+  auto read_all = [&] {
+    zp::ckpt::Reader rd(s.dir.path);
+    rd.verify();
+    const auto& m = rd.manifest();
+    for (std::size_t f = 0; f < m.fields.size(); ++f)
+      for (std::size_t p = 0; p < m.params.size(); ++p) {
+        std::vector<std::byte> buf(m.params[p].size * zp::size_of(m.field_dtype(f)));
+        rd.read_bytes(f, p, 0, buf);
+      }
+    (void)rd.user_blob();
+  };
+  read_all();
+  const nlohmann::json extremes[] = {-1, 0, 1, 2147483647LL, 2147483648LL, 4294967298LL, 9223372036854775807LL,
+                                     18446744073709551615ULL, 1e300, -1e300, 0.5, "7", nullptr};
+  int rejected = 0;
+  for (const auto& at : numbers)
+    for (const auto& x : extremes) {
+      auto m = j;
+      m[at] = x;
+      put_text(manifest, m.dump());
+      CAPTURE(at.to_string());
+      CAPTURE(x.dump());
+      try {
+        read_all();
+      } catch (const zp::Error& e) {
+        ++rejected;
+        CHECK(std::string(e.what()).find("good") != std::string::npos);  // names the checkpoint
+      }
+    }
+  CHECK(rejected > int(numbers.size()) * 8);
+  // The specific wraps and traps the review found.
+  auto rejects = [&](const std::string& text, std::initializer_list<std::string> needles) {
+    put_text(manifest, text);
+    CAPTURE(text.substr(0, 200));
+    zp::test::expect_error(zp::Errc::io, read_all, needles);
+  };
+  auto with = [&](const std::string& pointer, const nlohmann::json& x) {
+    auto m = j;
+    m[nlohmann::json::json_pointer(pointer)] = x;
+    return m.dump();
+  };
+  rejects(with("/world_size", 4294967298LL), {"world_size", "expected an integer in [1, 16777216], got 4294967298"});
+  rejects(with("/params/2/module", 2147483646), {"params[2].module", "2147483646"});
+  rejects(with("/params/0/module", 1), {"params[0].module"});
+  rejects(with("/params/3/module", 0), {"params", "module 0 after a parameter of module 1"});  // decreasing
+  rejects(with("/params/0/size", 1LL << 47), {"fewer than the", "parameter elements need"});
+  rejects(with("/files/0/crc32c", 4294967296LL), {"files[0].crc32c"});
+  rejects(with("/user_bytes", 7), {"user data has 7 bytes", "holds 8"});
+  rejects(with("/user_bytes", 0), {"user data has 0 bytes", "holds 8"});
+  rejects(with("/tag", "../evil"), {"tag", "not a checkpoint tag"});
+  rejects(with("/fields/2", "master"), {"fields", "appears twice"});
+  rejects(with("/params/1/name", j["params"][0]["name"]), {"params[1].name", "appears twice"});
+  // Duplicate keys at any level, and nesting far deeper than a manifest has.
+  std::string dup = original;
+  dup.insert(dup.find("\"world_size\""), "\"world_size\": 1,");
+  rejects(dup, {"world_size: duplicate key"});
+  dup = original;
+  dup.insert(dup.find("\"kind\""), "\"kind\": 0,");
+  rejects(dup, {"progress.loss_scaler.kind: duplicate key"});
+  rejects("{\"format\":" + std::string(1'000'000, '['), {"manifest.json", "nesting deeper than 32 levels"});
+  // The engine's load reports the same, on every rank, and leaves its state alone.
+  rejects(with("/world_size", 4294967298LL), {"world_size"});
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); }, {"world_size", "4294967298"});
+  });
+  // Hyper-parameters are read by the engine: a value no float holds is named, not converted.
+  put_text(manifest, with("/optimizer/params/lr", 1e300));
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); }, {"optimizer.params.lr", "32-bit float", "1e+300"});
   });
 }

@@ -139,6 +139,16 @@ TEST_CASE("sizes that would wrap around are errors naming the values, never a sm
   // the padded total of two huge parameters wraps
   const std::vector<zp::ParamInfo> huge = {{"a", 0, std::size_t(1) << 63}, {"b", 1, std::size_t(1) << 63}};
   CHECK_THROWS_WITH_AS(Layout(huge, 1), doctest::Contains("overflows a 64-bit size"), zp::Error);
+  // ... and within one module, naming the parameter that does it
+  const std::vector<zp::ParamInfo> one_module = {{"a", 0, std::size_t(1) << 63}, {"b", 0, std::size_t(1) << 63}};
+  CHECK_THROWS_WITH_AS(Layout(one_module, 1), doctest::Contains("module 0 with parameter 'a'"), zp::Error);
+  // Modules out of order (a manifest's, or a model's visit) are named, not laid out in part:
+  // parameters of a module seen before the last one used to be left at offset 0.
+  const std::vector<zp::ParamInfo> back = {{"x", 0, 4}, {"y", 1, 4}, {"z", 0, 4}};
+  CHECK_THROWS_WITH_AS(Layout(back, 2), doctest::Contains("parameter 'z' (#2) is in module 0 after a parameter of module 1"),
+                       zp::Error);
+  const std::vector<zp::ParamInfo> far = {{"x", 0, 4}, {"y", 2147483646, 4}};
+  CHECK_THROWS_WITH_AS(Layout(far, 2), doctest::Contains("parameter 'y' (#1) is in module 2147483646"), zp::Error);
   // n * sizeof(T) wraps
   CHECK_THROWS_WITH_AS((zp::Buffer<double>(std::size_t(1) << 62, "test buffer")),
                        doctest::Contains("test buffer: 4611686018427387904 elements of 8 bytes"), zp::Error);

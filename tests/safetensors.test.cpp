@@ -262,9 +262,15 @@ TEST_CASE("every malformed header is an error naming the file, the tensor and th
   rejects(std::string(5, '\0'), "the file has 5 bytes, fewer than the 8 of the header length");
   rejects(raw_file(w, 24, 100'000'001), "header length 100000001 is more than the limit of 100000000");
   rejects(raw_file(w, 0, 1000), "header length 1000 runs past the end of the file (" + std::to_string(8 + w.size()) + " bytes)");
-  rejects(raw_file(R"({"w":)", 0), "header is not valid JSON");
-  rejects(raw_file("{\"w\xff\":1}", 0), "header is not valid JSON", "ill-formed UTF-8");
-  rejects(raw_file(R"({"w":"\ud800"})", 0), "header is not valid JSON");
+  rejects(raw_file(R"({"w":)", 0), "header:1:6: invalid JSON");
+  rejects(raw_file("{\"w\xff\":1}", 0), "header:1:4: invalid JSON", "ill-formed UTF-8");
+  rejects(raw_file(R"({"w":"\ud800"})", 0), "header:1:13: invalid JSON");
+  // Nesting is bounded while parsing (a million '[' used to overflow the stack), duplicate keys
+  // are refused at every level.
+  rejects(raw_file(std::string(1'000'000, '[') + std::string(1'000'000, ']'), 0), "header: ",
+          "nesting deeper than 32 levels");
+  rejects(raw_file(R"({"w":{"dtype":"F32","dtype":"F16","shape":[],"data_offsets":[0,4]}})", 4),
+          "header: w.dtype: duplicate key");
   rejects(raw_file("[1, 2]", 0), "header is not a JSON object but [1,2]");
   rejects(raw_file(R"({"w":3})", 0), "tensor 'w': entry is not an object but 3");
   rejects(raw_file(R"({"w":{"dtype":"F32","shape":[1]}})", 0), "tensor 'w': missing field 'data_offsets'");
@@ -304,7 +310,7 @@ TEST_CASE("every malformed header is an error naming the file, the tensor and th
   rejects(raw_file(R"({"__metadata__":{"k":1}})", 0), "__metadata__ entry 'k' is not a string but 1");
   rejects(raw_file(R"({"w":{"dtype":"F32","shape":[],"data_offsets":[0,4]},)"
                    R"("w":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})", 4),
-          "key 'w' appears twice");
+          "header: w: duplicate key");
   // Accepted: trailing spaces (the writer's padding), empty tensors between others, no tensors.
   put_file(p, raw_file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                        R"("e":{"dtype":"F32","shape":[0],"data_offsets":[1,1]},)"
@@ -329,7 +335,9 @@ TEST_CASE("the index of a split model round-trips and is validated") {
     put_file(p, text);
     expect_error(zp::Errc::io, [&] { (void)st::read_index(p); }, {f + needle});
   };
-  rejects("{", "index is not valid JSON");
+  rejects("{", "index:1:2: invalid JSON");
+  rejects(R"({"metadata":)" + std::string(100'000, '['), "index: metadata");  // bounded nesting, no stack overflow
+  rejects(R"({"metadata":{"total_size":1,"total_size":2},"weight_map":{}})", "index: metadata.total_size: duplicate key");
   rejects("[]", "the index is not a JSON object but []");
   rejects(R"({"weight_map":{}})", "the index has no \"metadata\" object");
   rejects(R"({"metadata":{},"weight_map":{}})", "metadata.total_size is not a non-negative integer but missing");

@@ -27,14 +27,17 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -48,6 +51,7 @@
 #include "zp/collective.hpp"
 #include "zp/detail/file.hpp"
 #include "zp/detail/hash.hpp"
+#include "zp/detail/json.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
@@ -141,7 +145,34 @@ inline nlohmann::json to_json(const Manifest& m) {
   return j;
 }
 
-// Parses a manifest, naming the file and the key of anything missing or malformed.
+// Checks a tag is usable as a directory name on every system and in every message: 1 to 200
+// characters from [A-Za-z0-9._+-], not starting with '.' (hidden and "..", and zp's staging
+// names), not "latest". Applies to saved tags, loaded tags and what `latest` holds.
+inline void check_tag(std::string_view tag, std::string_view where = "tag") {
+  auto ok_char = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-' || c == '+';
+  };
+  std::string bad;
+  for (char c : tag)
+    if (!ok_char(c) && bad.empty())
+      bad = c >= 0x20 && c < 0x7f ? detail::cat(" (it contains '", c, "')")
+                                  : detail::cat(" (it contains the byte 0x", "0123456789abcdef"[(c >> 4) & 15],
+                                                "0123456789abcdef"[c & 15], ")");
+  ZP_EXPECT(!tag.empty() && tag.size() <= 200 && tag.front() != '.' && tag != "latest" && bad.empty(), "checkpoint: ",
+            where, " '", detail::text_excerpt(tag), "'", bad,
+            " is not a checkpoint tag: expected 1 to 200 of the characters A-Z a-z 0-9 . _ - +, not starting with "
+            "'.', and not 'latest'");
+}
+
+// The largest values a manifest may hold: beyond any real run, small enough that no arithmetic
+// on them overflows (ranks * align, elements * bytes).
+inline constexpr std::int64_t max_ranks = std::int64_t(1) << 24;
+inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
+
+// Parses a manifest, naming the file and the key of anything missing, malformed or out of range.
+// Every integer must fit the field it lands in; sizes are checked against each other (the
+// files must be able to hold the parameters) before anything is allocated for them.
 inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source) {
   Manifest m;
   auto fail = [&](const std::string& key, const std::string& what) -> Error {
@@ -151,81 +182,112 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
     if (!o.is_object() || !o.contains(key)) throw fail(path + key, "missing");
     return o.at(key);
   };
-  auto num = [&](const nlohmann::json& o, const char* key, const std::string& path, std::int64_t lo) {
+  auto num = [&](const nlohmann::json& o, const char* key, const std::string& path, std::int64_t lo,
+                 std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
     const auto& v = get(o, key, path);
-    if (!v.is_number_integer() || v.get<std::int64_t>() < lo)
-      throw fail(path + key, detail::cat("expected an integer >= ", lo, ", got ", v.dump()));
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(hi)) ||
+        v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
+      throw fail(path + key, detail::cat("expected an integer in [", lo, ", ", hi, "], got ", detail::json_excerpt(v)));
     return v.get<std::int64_t>();
   };
   auto str = [&](const nlohmann::json& o, const char* key, const std::string& path) {
     const auto& v = get(o, key, path);
-    if (!v.is_string()) throw fail(path + key, "expected a string, got " + v.dump());
+    if (!v.is_string()) throw fail(path + key, "expected a string, got " + detail::json_excerpt(v));
     return v.get<std::string>();
   };
+  constexpr std::int64_t int_max = std::numeric_limits<int>::max();
+  if (str(j, "format", "") != format_name) throw fail("format", "not a zp checkpoint manifest");
+  const auto version = num(j, "version", "", 1);
+  if (version != format_version)
+    throw fail("version", detail::cat("format version ", version, "; this zp reads version ", format_version));
+  m.tag = str(j, "tag", "");
   try {
-    if (str(j, "format", "") != format_name) throw fail("format", "not a zp checkpoint manifest");
-    const auto version = num(j, "version", "", 1);
-    if (version != format_version)
-      throw fail("version", detail::cat("format version ", version, "; this zp reads version ", format_version));
-    m.tag = str(j, "tag", "");
-    m.world_size = int(num(j, "world_size", "", 1));
-    m.stage = int(num(j, "stage", "", 0));
-    const std::string dt = str(j, "dtype", "");
-    bool known = false;
-    for (DType d : {DType::f32, DType::bf16, DType::f16})
-      if (dt == name(d)) m.dtype = d, known = true;
-    if (!known) throw fail("dtype", "expected f32, bf16 or f16, got " + dt);
-    const auto& lay = get(j, "layout", "");
-    m.layout.bucket_elems = std::size_t(num(lay, "bucket_elems", "layout.", 1));
-    m.layout.first_bucket_elems = std::size_t(num(lay, "first_bucket_elems", "layout.", 1));
-    m.layout.align = std::size_t(num(lay, "align", "layout.", 1));
-    const auto& ps = get(j, "params", "");
-    if (!ps.is_array() || ps.empty()) throw fail("params", "expected a non-empty array");
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      const std::string at = detail::cat("params[", i, "].");
-      m.params.push_back({str(ps[i], "name", at), int(num(ps[i], "module", at, 0)),
-                          std::size_t(num(ps[i], "size", at, 1))});
-    }
-    const auto& fields = get(j, "fields", "");
-    if (!fields.is_array() || fields.size() < 2) throw fail("fields", "expected [\"param\", \"master\", ...]");
-    for (const auto& f : fields) {
-      if (!f.is_string()) throw fail("fields", "expected strings, got " + f.dump());
-      m.fields.push_back(f.get<std::string>());
-    }
-    const auto& opt = get(j, "optimizer", "");
-    m.optimizer = str(opt, "type", "optimizer.");
-    m.hyper = get(opt, "params", "optimizer.");
-    const auto& pr = get(j, "progress", "");
-    m.step = num(pr, "step", "progress.", 0);
-    m.micro_step = num(pr, "micro_step", "progress.", 0);
-    const auto& ls = get(pr, "loss_scaler", "progress.");
-    m.scaler_kind = int(num(ls, "kind", "progress.loss_scaler.", 0));
-    const auto& sc = get(ls, "scale", "progress.loss_scaler.");
-    if (!sc.is_number()) throw fail("progress.loss_scaler.scale", "expected a number, got " + sc.dump());
-    m.scaler.scale = sc.get<float>();
-    m.scaler.iter = num(ls, "iter", "progress.loss_scaler.", 0);
-    m.scaler.last_overflow = num(ls, "last_overflow", "progress.loss_scaler.", -1);
-    m.scaler.hysteresis = int(num(ls, "hysteresis", "progress.loss_scaler.", 1));
-    m.scaler.skipped = num(ls, "skipped", "progress.loss_scaler.", 0);
-    const auto& b = get(j, "batch", "");
-    m.batch.train_batch_size = num(b, "train_batch_size", "batch.", 0);
-    m.batch.micro_batch_per_rank = num(b, "micro_batch_per_rank", "batch.", 0);
-    m.batch.gradient_accumulation_steps = num(b, "gradient_accumulation_steps", "batch.", 0);
-    const auto& files = get(j, "files", "");
-    if (!files.is_array() || files.size() != std::size_t(m.world_size))
-      throw fail("files", detail::cat("expected ", m.world_size, " entries (one per rank)"));
-    for (std::size_t i = 0; i < files.size(); ++i) {
-      const std::string at = detail::cat("files[", i, "].");
-      Manifest::File f{str(files[i], "name", at), std::uint64_t(num(files[i], "bytes", at, 8)),
-                       std::uint32_t(num(files[i], "crc32c", at, 0))};
-      if (f.name != rank_file_name(int(i), m.world_size))
-        throw fail(at + "name", detail::cat("expected ", rank_file_name(int(i), m.world_size), ", got ", f.name));
-      m.files.push_back(std::move(f));
-    }
-    m.user_bytes = std::uint64_t(num(j, "user_bytes", "", 0));
+    check_tag(m.tag);
+  } catch (const Error& e) {
+    throw fail("tag", e.message());
+  }
+  m.world_size = int(num(j, "world_size", "", 1, max_ranks));
+  m.stage = int(num(j, "stage", "", 0, 3));
+  const std::string dt = str(j, "dtype", "");
+  bool known = false;
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
+    if (dt == name(d)) m.dtype = d, known = true;
+  if (!known) throw fail("dtype", "expected f32, bf16 or f16, got " + detail::text_excerpt(dt));
+  const auto& lay = get(j, "layout", "");
+  m.layout.bucket_elems = std::size_t(num(lay, "bucket_elems", "layout.", 1, max_elements));
+  m.layout.first_bucket_elems = std::size_t(num(lay, "first_bucket_elems", "layout.", 1, max_elements));
+  m.layout.align = std::size_t(num(lay, "align", "layout.", 1, std::int64_t(1) << 20));
+  const auto& ps = get(j, "params", "");
+  if (!ps.is_array() || ps.empty()) throw fail("params", "expected a non-empty array");
+  std::int64_t elements = 0;
+  std::set<std::string, std::less<>> names;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const std::string at = detail::cat("params[", i, "].");
+    // Modules count up from 0 in steps of 0 or 1 (the layout's rule), so none exceeds i.
+    m.params.push_back({str(ps[i], "name", at), int(num(ps[i], "module", at, 0, std::min<std::int64_t>(i, int_max))),
+                        std::size_t(num(ps[i], "size", at, 1, max_elements))});
+    if (!names.insert(m.params.back().name).second)
+      throw fail(at + "name", detail::cat("the parameter ", detail::text_excerpt(m.params.back().name), " appears twice"));
+    elements += std::int64_t(m.params.back().size);
+    if (elements > max_elements) throw fail(at + "size", detail::cat("the parameters add up to more than ", max_elements, " elements"));
+  }
+  const auto& fields = get(j, "fields", "");
+  if (!fields.is_array() || fields.size() < 2 || fields.size() > 16)
+    throw fail("fields", "expected [\"param\", \"master\", ...] (2 to 16 names)");
+  for (const auto& f : fields) {
+    if (!f.is_string() || f.get_ref<const std::string&>().empty() ||
+        f.get_ref<const std::string&>().find('/') != std::string::npos)
+      throw fail("fields", "expected non-empty names without '/', got " + detail::json_excerpt(f));
+    if (std::find(m.fields.begin(), m.fields.end(), f.get<std::string>()) != m.fields.end())
+      throw fail("fields", "the name " + detail::json_excerpt(f) + " appears twice");
+    m.fields.push_back(f.get<std::string>());
+  }
+  if (m.fields[0] != "param" || m.fields[1] != "master") throw fail("fields", "expected [\"param\", \"master\", ...]");
+  const auto& opt = get(j, "optimizer", "");
+  m.optimizer = str(opt, "type", "optimizer.");
+  m.hyper = get(opt, "params", "optimizer.");
+  if (!m.hyper.is_object()) throw fail("optimizer.params", "expected an object, got " + detail::json_excerpt(m.hyper));
+  const auto& pr = get(j, "progress", "");
+  m.step = num(pr, "step", "progress.", 0);
+  m.micro_step = num(pr, "micro_step", "progress.", 0);
+  const auto& ls = get(pr, "loss_scaler", "progress.");
+  m.scaler_kind = int(num(ls, "kind", "progress.loss_scaler.", 0, 2));
+  const auto& sc = get(ls, "scale", "progress.loss_scaler.");
+  if (!sc.is_number() || !(sc.get<double>() > 0) || !(sc.get<double>() <= double(std::numeric_limits<float>::max())))
+    throw fail("progress.loss_scaler.scale", "expected a number in (0, 3.4e38], got " + detail::json_excerpt(sc));
+  m.scaler.scale = sc.get<float>();
+  m.scaler.iter = num(ls, "iter", "progress.loss_scaler.", 0);
+  m.scaler.last_overflow = num(ls, "last_overflow", "progress.loss_scaler.", -1);
+  m.scaler.hysteresis = int(num(ls, "hysteresis", "progress.loss_scaler.", 1, int_max));
+  m.scaler.skipped = num(ls, "skipped", "progress.loss_scaler.", 0);
+  const auto& b = get(j, "batch", "");
+  m.batch.train_batch_size = num(b, "train_batch_size", "batch.", 0);
+  m.batch.micro_batch_per_rank = num(b, "micro_batch_per_rank", "batch.", 0);
+  m.batch.gradient_accumulation_steps = num(b, "gradient_accumulation_steps", "batch.", 0);
+  const auto& files = get(j, "files", "");
+  if (!files.is_array() || files.size() != std::size_t(m.world_size))
+    throw fail("files", detail::cat("expected ", m.world_size, " entries (one per rank)"));
+  std::uint64_t file_bytes = 0;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::string at = detail::cat("files[", i, "].");
+    Manifest::File f{str(files[i], "name", at), std::uint64_t(num(files[i], "bytes", at, 8, std::int64_t(1) << 56)),
+                     std::uint32_t(num(files[i], "crc32c", at, 0, 0xffffffffLL))};
+    if (f.name != rank_file_name(int(i), m.world_size))
+      throw fail(at + "name", detail::cat("expected ", rank_file_name(int(i), m.world_size), ", got ",
+                                          detail::text_excerpt(f.name)));
+    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1) << 62);  // saturates, no wrap
+    m.files.push_back(std::move(f));
+  }
+  m.user_bytes = std::uint64_t(num(j, "user_bytes", "", 0, std::int64_t(m.files[0].bytes)));
+  // Every element of every field is in some rank's file: the files must be at least that large.
+  const std::uint64_t per_element = size_of(m.dtype) + sizeof(float) * (m.fields.size() - 1);
+  if (std::uint64_t(elements) * per_element + m.user_bytes > file_bytes)
+    throw fail("files", detail::cat("the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
+                                    " parameter elements need (", per_element, " bytes each over the fields)"));
+  try {
     m.make_layout();  // the parameter list must lay out (modules numbered, sizes sane)
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(Errc::io, detail::cat("checkpoint manifest ", source, ": ", e.what()));
+  } catch (const Error& e) {
+    throw fail("params", e.message());
   }
   return m;
 }
@@ -236,42 +298,39 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
 class Reader {
  public:
   // tag "latest" follows <dir>/latest.
+  // tag "latest" follows <dir>/latest. Tags follow check_tag, so a load never leaves `dir`.
   Reader(std::filesystem::path dir, std::string tag = "latest") {
     if (tag == "latest") tag = read_latest(dir);
+    check_tag(tag);
     path_ = dir / tag;
     const auto manifest = path_ / "manifest.json";
     std::error_code ec;
     ZP_EXPECT(std::filesystem::is_directory(path_, ec), "checkpoint: ", path_.string(),
               " is not a directory (no checkpoint with tag '", tag, "' in ", dir.string(), ")");
-    detail::InputFile in(manifest);
-    std::string text(in.size(), '\0');
-    in.read_at(0, std::as_writable_bytes(std::span<char>(text)));
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw Error(Errc::io, detail::cat("checkpoint manifest ", manifest.string(), " is not valid JSON: ", e.what()));
-    }
-    m_ = manifest_from_json(j, manifest.string());
+    const std::string text = detail::read_whole_file(manifest, std::uint64_t(1) << 28);
+    manifest_hash_ = detail::Fnv1a().all(std::string_view(text)).value();
+    m_ = manifest_from_json(detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
+                            manifest.string());
     layout_ = m_.make_layout();
     for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
     files_.resize(m_.files.size());
   }
 
-  // The tag <dir>/latest names.
+  // The tag <dir>/latest names: a regular file holding a tag (check_tag), optionally followed by
+  // one newline; anything else is an error saying what it holds.
   static std::string read_latest(const std::filesystem::path& dir) {
     const auto p = dir / "latest";
     std::error_code ec;
-    ZP_EXPECT(std::filesystem::exists(p, ec), "checkpoint: no ", p.string(), " (no complete checkpoint in ",
-              dir.string(), " yet)");
-    detail::InputFile in(p);
-    std::string tag(in.size(), '\0');
-    in.read_at(0, std::as_writable_bytes(std::span<char>(tag)));
-    while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
-    ZP_EXPECT(!tag.empty() && tag.find('/') == std::string::npos, "checkpoint: ", p.string(),
-              " does not hold a tag: '", tag, "'");
+    ZP_EXPECT(std::filesystem::exists(std::filesystem::symlink_status(p, ec)), "checkpoint: no ", p.string(),
+              " (no complete checkpoint in ", dir.string(), " yet)");
+    std::string tag = detail::read_whole_file(p, 256);
+    if (tag.ends_with('\n')) tag.pop_back();
+    check_tag(tag, p.string() + " holds");
     return tag;
   }
+
+  // A fingerprint of the manifest's bytes: ranks that read the same checkpoint agree on it.
+  std::uint64_t manifest_hash() const noexcept { return manifest_hash_; }
 
   const Manifest& manifest() const noexcept { return m_; }
   const Layout& layout() const noexcept { return layout_; }
@@ -339,10 +398,24 @@ class Reader {
   }
 
   // The user blob saved with the checkpoint.
+  // The user blob saved with the checkpoint: rank 0's "user/blob" tensor (U8), whose size must
+  // be the manifest's user_bytes.
   std::vector<std::byte> user_blob() {
+    auto& f = file(0);
+    const std::uint64_t stored = f.contains("user/blob") ? f.at("user/blob").bytes() : 0;
+    if (stored != m_.user_bytes || (stored && f.at("user/blob").dtype != "U8"))
+      throw Error(Errc::io, detail::cat("checkpoint ", path_.string(), ": the manifest says the user data has ",
+                                        m_.user_bytes, " bytes, ", file_path(0).string(), " holds ", stored,
+                                        stored ? " as " + f.at("user/blob").dtype : std::string()));
     std::vector<std::byte> b(m_.user_bytes);
-    if (!b.empty()) file(0).read("user/blob", 0, std::span<std::byte>(b));
+    if (!b.empty()) f.read("user/blob", 0, std::span<std::byte>(b));
     return b;
+  }
+
+  // Verifies every file (verify_file); the first failure is an Errc::io.
+  void verify() const {
+    for (int r = 0; r < int(m_.files.size()); ++r)
+      if (std::string why = verify_file(r); !why.empty()) throw Error(Errc::io, std::move(why));
   }
 
  private:
@@ -353,6 +426,7 @@ class Reader {
   }
 
   std::filesystem::path path_;
+  std::uint64_t manifest_hash_ = 0;
   Manifest m_;
   Layout layout_;
   std::map<std::string, std::size_t> by_name_;
@@ -386,29 +460,97 @@ safetensors::Summary write_rank_file(const std::filesystem::path& path, const La
   return w.commit();
 }
 
-// Renames a directory and makes the rename durable (fsync of the parent directory).
-inline void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to) {
-  detail::io_step("rename", to);
-  if (::rename(from.c_str(), to.c_str()) != 0) detail::throw_io(detail::cat("rename ", from.native(), " to").c_str(), to, errno);
-  detail::io_step("directory fsync", to);
-  detail::sync_directory(to.parent_path());
+// Where the files of a save of <dir>/<tag> are written until it is published.
+inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const std::string& tag) {
+  return dir / ("." + tag + ".partial");
 }
 
-// Rank 0's last act of a save: the manifest into the staging directory, the directory renamed to
-// its tag, `latest` pointed at it.
-inline void publish(const std::filesystem::path& dir, const std::filesystem::path& staging, const Manifest& m) {
-  const std::string text = to_json(m).dump(1);
-  detail::write_file_atomic(staging / "manifest.json", std::as_bytes(std::span<const char>(text)));
-  rename_durably(staging, dir / m.tag);
-  const std::string latest = m.tag + "\n";
-  detail::write_file_atomic(dir / "latest", std::as_bytes(std::span<const char>(latest)));
-}
+// One save into <dir>/<tag>, from preparing its staging directory to naming it in `latest`. It
+// holds <dir>/.zp-save.lock throughout, so saves into one directory never interleave (a second
+// saver fails at once, naming the lock): one saver per checkpoint directory.
+//
+// A save that did not reach `latest` did not happen. Publishing writes <dir>/.zp-publishing
+// (the tag) before renaming the staging directory to the tag and removes it after `latest` names
+// the tag, so a crash between the rename and `latest` leaves a complete tag that nothing names
+// but that file. The next save into the directory removes such a tag, as it removes staging
+// directories: the run that resumed from `latest` trains to that step again and saves the same
+// tag, with the same command line.
+class Publisher {
+ public:
+  Publisher(std::filesystem::path dir, const std::string& tag) : dir_(std::move(dir)), tag_(tag) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
+    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
+    roll_back_unnamed();
+    ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)), "checkpoint: ", (dir_ / tag).string(),
+              " already exists; save under a new tag (checkpoints are never overwritten)");
+    staging_ = staging_dir(dir_, tag);
+    remove(staging_);  // a crashed earlier save of this tag may have left it
+    fs::create_directory(staging_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging_.string(), ": ", ec.message()));
+  }
 
-// Checks a tag is usable as a directory name.
-inline void check_tag(const std::string& tag) {
-  ZP_EXPECT(!tag.empty() && tag != "latest" && tag.front() != '.' && tag.find('/') == std::string::npos &&
-                tag.size() <= 200,
-            "checkpoint: tag '", tag, "' must be a non-empty file name (no '/', not starting with '.', not 'latest')");
+  const std::filesystem::path& staging() const noexcept { return staging_; }
+
+  // The last act of a save: the manifest into the staging directory, the intent noted, the
+  // directory renamed to its tag, `latest` pointed at it, the intent removed.
+  void publish(const Manifest& m) {
+    const std::string text = to_json(m).dump(1);
+    detail::write_file_atomic(staging_ / "manifest.json", std::as_bytes(std::span<const char>(text)));
+    detail::write_file_atomic(intent(), std::as_bytes(std::span<const char>(tag_)));
+    const auto final = dir_ / tag_;
+    detail::io_step("rename", final);
+    detail::rename_no_replace(staging_, final);
+    detail::io_step("directory fsync", final);
+    detail::sync_directory(dir_);
+    const std::string latest = tag_ + "\n";
+    detail::write_file_atomic(dir_ / "latest", std::as_bytes(std::span<const char>(latest)));
+    detail::io_step("remove", intent());
+    remove(intent());
+  }
+
+ private:
+  std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
+
+  static void remove(const std::filesystem::path& p) {
+    std::error_code ec;
+    std::filesystem::remove_all(p, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+  }
+
+  // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
+  void roll_back_unnamed() {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(intent(), ec))) return;
+    const std::string tag = detail::read_whole_file(intent(), 256);
+    check_tag(tag, intent().string() + " holds");
+    const bool named = fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
+    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
+      const auto aside = staging_dir(dir_, tag);  // renamed first, so a crash here leaves only staging
+      remove(aside);
+      detail::rename_no_replace(dir_ / tag, aside);
+      detail::sync_directory(dir_);
+      remove(aside);
+    }
+    remove(intent());
+  }
+
+  std::filesystem::path dir_;
+  std::string tag_;
+  std::optional<detail::DirectoryLock> lock_;
+  std::filesystem::path staging_;
+};
+
+// Whether every rank passed the same value h (one all_reduce of 2 words: max(h) == -max(-h)).
+template <Backend B>
+bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
+  const auto v = std::int64_t(h >> 2);  // both v and -v representable
+  std::int64_t seen[2] = {v, -v};
+  comm.all_reduce(std::span<std::int64_t>(seen), ReduceOp::max);
+  return seen[0] == -seen[1];
 }
 
 // Runs the local part f of a collective operation on every rank; if it throws on any rank, every
@@ -481,7 +623,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   const Layout& L = engine.layout();
   const auto& opt = engine.optimizer();
   const int r = comm.rank();
-  const std::filesystem::path staging = dir / ("." + tag + ".partial");
+  const std::filesystem::path staging = ckpt::staging_dir(dir, tag);
 
   ckpt::Manifest m;
   m.tag = tag;
@@ -503,22 +645,15 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   m.user_bytes = user.size();
 
   // Every rank must save under the same tag (DeepSpeed's tag_validation "Fail", always on).
-  const std::int64_t h = std::int64_t(detail::Fnv1a().all(std::string_view(tag)).value() >> 2);
-  std::int64_t seen[2] = {h, -h};
-  comm.all_reduce(std::span<std::int64_t>(seen), ReduceOp::max);
-  ZP_EXPECT(seen[0] == -seen[1], "checkpoint: the ranks passed different tags to save_checkpoint() (rank ",
-            comm.rank(), ": '", tag, "'); every rank must save under the same tag");
+  ZP_EXPECT(ckpt::same_on_every_rank(comm, detail::Fnv1a().all(std::string_view(tag)).value()),
+            "checkpoint: the ranks passed different tags to save_checkpoint() (rank ", comm.rank(), ": '",
+            detail::text_excerpt(tag), "'); every rank must save under the same tag");
   ckpt::check_tag(tag);
 
-  // Rank 0 prepares an empty staging directory (a crashed earlier save may have left one).
+  // Rank 0 locks the directory and prepares an empty staging directory.
+  std::optional<ckpt::Publisher> pub;
   ckpt::on_every_rank(comm, [&] {
-    if (r != 0) return;
-    std::error_code ec;
-    ZP_EXPECT(!std::filesystem::exists(dir / tag, ec), "checkpoint: ", (dir / tag).string(),
-              " already exists; save under a new tag (checkpoints are never overwritten in place)");
-    std::filesystem::remove_all(staging, ec);
-    std::filesystem::create_directories(staging, ec);
-    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging.string(), ": ", ec.message()));
+    if (r == 0) pub.emplace(dir, tag);
   });
 
   // Every rank writes its pieces straight from the engine's buffers (a device engine's through
@@ -556,7 +691,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     m.files.push_back({ckpt::rank_file_name(i, m.world_size), std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
   ckpt::on_every_rank(comm, [&] {
-    if (r == 0) ckpt::publish(dir, staging, m);
+    if (r == 0) pub->publish(m);
   });
 }
 
@@ -614,8 +749,11 @@ void load_hyper(O& o, const Manifest& m, const std::string& where) {
     using V = std::remove_reference_t<decltype(x)>;
     if constexpr (std::is_same_v<V, bool>)
       ZP_EXPECT(it->is_boolean(), "checkpoint ", where, ": optimizer.params.", key, " must be a boolean");
-    else
-      ZP_EXPECT(it->is_number(), "checkpoint ", where, ": optimizer.params.", key, " must be a number");
+    else  // the saved value is a float widened to double: it must narrow back without overflow
+      ZP_EXPECT(it->is_number() && std::fabs(it->template get<double>()) <= double(std::numeric_limits<V>::max()) &&
+                    (it->template get<double>() == 0 || V(it->template get<double>()) != 0),
+                "checkpoint ", where, ": optimizer.params.", key, " must be a number that a ", sizeof(V) * 8,
+                "-bit float holds, got ", detail::json_excerpt(*it));
     x = it->template get<V>();
   });
   optim::validate(o);
@@ -656,6 +794,13 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
               optim::state_slots<Opt>);
     idx = ckpt::match_params(L, *rd);
   });
+  // Every rank must read the same checkpoint: a `latest` local to each node, or tags passed
+  // differently per rank, would leave the replicas different without any error.
+  const std::string tag_read = rd->path().filename().string();
+  ZP_EXPECT(ckpt::same_on_every_rank(comm, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
+            "checkpoint: the ranks are loading different checkpoints (rank ", comm.rank(), ": ", rd->path().string(),
+            ", step ", rd->manifest().step, "); every rank must load the same tag of the same directory (is `latest` "
+            "local to each node?)");
 
   // Verify every file, each rank a share; everyone learns every result.
   const auto& m = rd->manifest();
@@ -711,18 +856,15 @@ namespace ckpt {
 // suits tools that expect one file per rank; zp itself loads the original at any rank count.
 inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks) {
   check_tag(tag);
-  ZP_EXPECT(ranks >= 1, "reshard: ranks must be >= 1, got ", ranks);
+  ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks, "], got ", ranks);
+  rd.verify();  // sizes and checksums hold, so the buffers below are as large as real data
   Manifest m = rd.manifest();
   m.tag = tag;
   m.world_size = ranks;
   m.files.clear();
   const Layout L = m.make_layout();
-  const std::filesystem::path staging = dir / ("." + tag + ".partial");
-  std::error_code ec;
-  ZP_EXPECT(!std::filesystem::exists(dir / tag, ec), "reshard: ", (dir / tag).string(), " already exists");
-  std::filesystem::remove_all(staging, ec);
-  std::filesystem::create_directories(staging, ec);
-  if (ec) throw Error(Errc::io, detail::cat("reshard: cannot create ", staging.string(), ": ", ec.message()));
+  Publisher pub(dir, tag);
+  const std::filesystem::path staging = pub.staging();
   const std::vector<std::byte> user = rd.user_blob();
   std::size_t most = 0;
   for (const auto& g : L.segments()) most = std::max(most, g.piece);
@@ -737,7 +879,7 @@ inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::str
         });
     m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
   }
-  publish(dir, staging, m);
+  pub.publish(m);
 }
 
 }  // namespace ckpt
@@ -934,6 +1076,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
 // Exports a saved checkpoint the same way, offline (no engine, no communicator), reading one
 // parameter chunk at a time.
 inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& dir, const ExportOptions& o = {}) {
+  rd.verify();
   const auto& m = rd.manifest();
   const std::size_t f = o.master ? 1 : 0;
   const DType dt = m.field_dtype(f);

@@ -53,13 +53,11 @@
 #include <concepts>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <set>
 #include <span>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -69,6 +67,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zp/detail/file.hpp"
+#include "zp/detail/json.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
@@ -219,9 +219,7 @@ inline std::string join(std::string_view path, std::string_view key) {
 // A value for a message: JSON text (strings quoted), shortened; nan and inf by name.
 inline std::string show(const json& v) {
   if (v.is_number_float() && !std::isfinite(v.get<double>())) return zp::detail::cat(v.get<double>());
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
+  return zp::detail::json_excerpt(v);
 }
 
 inline bool is_auto(const json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
@@ -917,67 +915,6 @@ inline Config parse_root(const json& j, std::string_view source) {
   return cfg;
 }
 
-// Tracks where the text parser is, to name duplicate keys by their full path and to bound the
-// nesting (a ds_config is 4 levels deep; the bound keeps pathological input cheap).
-class KeyTracker {
- public:
-  explicit KeyTracker(const Ctx& c) : c_(&c) {}
-
-  bool operator()(int, json::parse_event_t event, json& parsed) {
-    using E = json::parse_event_t;
-    switch (event) {
-      case E::object_start:
-      case E::array_start:
-        element();
-        if (frames_.size() >= max_depth)
-          c_->fail(path(), "nesting deeper than ", max_depth, " levels");
-        frames_.push_back(Frame{event == E::object_start, {}, -1, {}});
-        break;
-      case E::object_end:
-      case E::array_end:
-        if (!frames_.empty()) frames_.pop_back();
-        break;
-      case E::key: {
-        Frame& f = frames_.back();
-        f.key = parsed.get<std::string>();
-        if (!f.keys.insert(f.key).second)
-          c_->fail(path(), "duplicate key (a JSON parser keeps only one of the two values; DeepSpeed rejects "
-                           "duplicates too)");
-        break;
-      }
-      case E::value: element(); break;
-    }
-    return true;
-  }
-
- private:
-  static constexpr std::size_t max_depth = 32;
-  struct Frame {
-    bool object;
-    std::string key;
-    std::int64_t index;
-    std::set<std::string> keys;
-  };
-  void element() {
-    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
-  }
-  std::string path() const {
-    std::string p;
-    for (const Frame& f : frames_) {
-      if (f.object) {
-        if (!p.empty()) p += '.';
-        p += f.key;
-      } else {
-        p += zp::detail::cat('[', f.index, ']');
-      }
-    }
-    return p;
-  }
-
-  const Ctx* c_;
-  std::vector<Frame> frames_;
-};
-
 }  // namespace detail
 
 // Checks a parsed JSON document and fills DeepSpeed's defaults. Throws zp::Error(invalid_argument)
@@ -988,53 +925,16 @@ Config parse(const Json& j, std::string_view source_name = "ds_config") {
   return detail::parse_root(j, source_name);
 }
 
-// Parses ds_config.json text: invalid JSON (named with line and column), duplicate keys and
-// everything parse(json) rejects are errors.
+// Parses ds_config.json text: invalid JSON (named with line and column), nesting deeper than 32
+// levels, duplicate keys and everything parse(json) rejects are errors.
 inline Config parse(std::string_view text, std::string_view source_name) {
-  using json = nlohmann::json;
-  const detail::Ctx c{std::string(source_name), nullptr};
-  json j;
-  try {
-    detail::KeyTracker tracker(c);
-    j = json::parse(text.begin(), text.end(), std::ref(tracker), /*allow_exceptions=*/true,
-                    /*ignore_comments=*/false);
-  } catch (const json::parse_error& e) {
-    // e.byte is the 1-based index of the last byte read.
-    const std::size_t end = std::min(text.size(), e.byte > 0 ? e.byte - 1 : 0);
-    std::size_t line = 1, column = 1;
-    for (std::size_t i = 0; i < end; ++i) {
-      if (text[i] == '\n') {
-        ++line;
-        column = 1;
-      } else {
-        ++column;
-      }
-    }
-    std::string what = e.what();
-    if (const auto p = what.find("] "); what.starts_with("[json.exception.") && p != std::string::npos)
-      what = what.substr(p + 2);
-    if (what.starts_with("parse error"))
-      if (const auto p = what.find(": "); p != std::string::npos) what = what.substr(p + 2);
-    throw Error(Errc::invalid_argument,
-                zp::detail::cat(source_name, ":", line, ":", column, ": invalid JSON: ", what));
-  } catch (const json::exception& e) {  // e.g. a number too large for a double
-    std::string what = e.what();
-    if (const auto p = what.find("] "); what.starts_with("[json.exception.") && p != std::string::npos)
-      what = what.substr(p + 2);
-    throw Error(Errc::invalid_argument, zp::detail::cat(source_name, ": invalid JSON: ", what));
-  }
-  return detail::parse_root(j, source_name);
+  return detail::parse_root(zp::detail::parse_json(text, source_name, Errc::invalid_argument), source_name);
 }
 
 // Reads and parses a file; the source name in messages is the path as given. A file that cannot
-// be read is Errc::io.
+// be read (missing, not a regular file, over 16 MiB) is Errc::io.
 inline Config load(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(Errc::io, zp::detail::cat("ds_config: cannot open ", path.string(), " for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw Error(Errc::io, zp::detail::cat("ds_config: cannot read ", path.string()));
-  return parse(std::string_view(text.str()), path.string());
+  return parse(zp::detail::read_whole_file(path, std::uint64_t(16) << 20), path.string());
 }
 
 // ---- describe --------------------------------------------------------------------------------

@@ -82,6 +82,14 @@ class Layout {
               "layout: bucket sizes must be >= 1 element, got ", opt.bucket_elems, " and ",
               opt.first_bucket_elems);
     ZP_EXPECT(!params.empty(), "layout: no parameters");
+    // Forward order: modules 0, 1, 2, ... each a contiguous run of parameters.
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const int prev = i ? params[i - 1].module : 0;
+      ZP_EXPECT(params[i].module == prev || params[i].module == prev + 1, "layout: parameter '", params[i].name,
+                "' (#", i, ") is in module ", params[i].module, " after ",
+                i ? "a parameter of module " + std::to_string(prev) : std::string("none"),
+                "; modules must be numbered 0, 1, 2, ... in forward order, each a contiguous run of parameters");
+    }
     const int modules = params.back().module + 1;
     params_.resize(params.size());
     for (std::size_t i = 0; i < params.size(); ++i)
@@ -92,11 +100,11 @@ class Layout {
     const std::size_t quantum = detail::checked_mul(std::size_t(ranks), opt.align, "layout: ranks * align");
     auto close = [&](Segment& s) {
       const std::size_t quanta = s.used / quantum + (s.used % quantum != 0);
-      s.size = std::max<std::size_t>(quantum, detail::checked_mul(quanta, quantum, "layout: padded segment"));
+      s.size = std::max<std::size_t>(quantum, detail::checked_mul(quanta, quantum, "layout: padded segment of module ", s.module));
       s.piece = s.size / std::size_t(ranks);
       s.shard_offset = shard_;
       shard_ += s.piece;
-      total_ = detail::checked_add(total_, s.size, "layout: total elements");
+      total_ = detail::checked_add(total_, s.size, "layout: total elements with module ", s.module);
       used_ += s.used;
       segments_.push_back(std::move(s));
     };
@@ -122,7 +130,7 @@ class Layout {
         Param& p = params_[i];
         p.offset = seg.offset + seg.used;
         p.segment = int(segments_.size());
-        seg.used = detail::checked_add(seg.used, p.size, "layout: elements of module ", m);
+        seg.used = detail::checked_add(seg.used, p.size, "layout: module ", m, " with parameter '", p.name, "'");
         seg.params.push_back(int(i));
         any = true;
       }

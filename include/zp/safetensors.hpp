@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zp/detail/file.hpp"
+#include "zp/detail/json.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
 
@@ -118,11 +119,7 @@ inline std::optional<std::uint64_t> byte_size(const std::vector<std::uint64_t>& 
   return n;
 }
 
-// A JSON value as it appears in a message: short, whatever the file holds.
-inline std::string excerpt(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() <= 60 ? s : s.substr(0, 57) + "...";
-}
+using zp::detail::json_excerpt;
 
 inline std::string known_dtypes() {
   std::string s;
@@ -130,38 +127,10 @@ inline std::string known_dtypes() {
   return s;
 }
 
-// Parses the JSON `what` ("header", "index") of `file`; a syntax error (or invalid UTF-8) is an
-// Errc::io naming the file. A key repeated at the top level is an error too: which tensor it
-// means would be a guess.
+// Parses the JSON `what` ("header", "index") of `file` strictly (zp/detail/json.hpp): syntax,
+// depth and repeated keys are an Errc::io naming the file.
 inline json parse_json(const std::filesystem::path& file, std::string_view text, const char* what) {
-  std::set<std::string, std::less<>> keys;
-  std::string repeated;
-  const json::parser_callback_t note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (depth == 1 && event == json::parse_event_t::key && repeated.empty() &&
-        !keys.insert(parsed.get<std::string>()).second)
-      repeated = parsed.get<std::string>();
-    return true;
-  };
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end(), note_keys);
-  } catch (const json::exception& e) {
-    throw Error(Errc::io, zp::detail::cat(file.native(), ": ", what, " is not valid JSON: ", e.what()));
-  }
-  if (!repeated.empty())
-    throw Error(Errc::io, zp::detail::cat(file.native(), ": key '", repeated, "' appears twice"));
-  return j;
-}
-
-// Reads a small whole file (an index) with the header's size limit.
-inline std::string read_small_file(const std::filesystem::path& path) {
-  const zp::detail::InputFile f(path);
-  if (f.size() > max_header_bytes)
-    throw Error(Errc::io, zp::detail::cat(path.native(), ": ", f.size(), " bytes is more than the ",
-                                          max_header_bytes, "-byte limit of a header or index"));
-  std::string s(std::size_t(f.size()), '\0');
-  f.read_at(0, std::as_writable_bytes(std::span(s)));
-  return s;
+  return zp::detail::parse_json(text, zp::detail::cat(file.native(), ": ", what), Errc::io);
 }
 }  // namespace detail
 
@@ -343,13 +312,13 @@ class Reader {
   }
 
   void parse(const detail::json& h, std::uint64_t data_bytes) {
-    using detail::excerpt;
-    if (!h.is_object()) throw corrupt("header is not a JSON object but ", excerpt(h));
+    using detail::json_excerpt;
+    if (!h.is_object()) throw corrupt("header is not a JSON object but ", json_excerpt(h));
     for (const auto& [name, v] : h.items()) {
       if (name == "__metadata__") {
-        if (!v.is_object()) throw corrupt("__metadata__ is not an object but ", excerpt(v));
+        if (!v.is_object()) throw corrupt("__metadata__ is not an object but ", json_excerpt(v));
         for (const auto& [k, s] : v.items()) {
-          if (!s.is_string()) throw corrupt("__metadata__ entry '", k, "' is not a string but ", excerpt(s));
+          if (!s.is_string()) throw corrupt("__metadata__ entry '", k, "' is not a string but ", json_excerpt(s));
           metadata_[k] = s.get<std::string>();
         }
         continue;
@@ -383,8 +352,8 @@ class Reader {
 
   // One header entry, checked on its own.
   TensorInfo tensor(const std::string& name, const detail::json& v) const {
-    using detail::excerpt;
-    if (!v.is_object()) throw corrupt("tensor '", name, "': entry is not an object but ", excerpt(v));
+    using detail::json_excerpt;
+    if (!v.is_object()) throw corrupt("tensor '", name, "': entry is not an object but ", json_excerpt(v));
     for (const auto& [k, x] : v.items())
       if (k != "dtype" && k != "shape" && k != "data_offsets")
         throw corrupt("tensor '", name, "': unexpected field '", k, "' (an entry has dtype, shape and data_offsets)");
@@ -401,13 +370,13 @@ class Reader {
           r.push_back(x.get<std::uint64_t>());
         }
       if (!a.is_array() || r.size() != a.size())
-        throw corrupt("tensor '", name, "': ", k, " is not an array of non-negative integers but ", excerpt(a));
+        throw corrupt("tensor '", name, "': ", k, " is not an array of non-negative integers but ", json_excerpt(a));
       return r;
     };
     TensorInfo t;
     t.name = name;
     const detail::json& dtype = field("dtype");
-    if (!dtype.is_string()) throw corrupt("tensor '", name, "': dtype is not a string but ", excerpt(dtype));
+    if (!dtype.is_string()) throw corrupt("tensor '", name, "': dtype is not a string but ", json_excerpt(dtype));
     t.dtype = dtype.get<std::string>();
     const auto size = element_size(t.dtype);
     if (!size) throw corrupt("tensor '", name, "': unknown dtype '", t.dtype, "'");
@@ -472,22 +441,22 @@ inline void write_index(const std::filesystem::path& index_path, std::uint64_t t
 // Reads and validates an index: metadata.total_size a non-negative integer, weight_map an object
 // of tensor names to plain file names (no directories: an index names files next to itself).
 inline Index read_index(const std::filesystem::path& path) {
-  using detail::excerpt;
+  using detail::json_excerpt;
   const std::string& f = path.native();
-  const detail::json j = detail::parse_json(path, detail::read_small_file(path), "index");
+  const detail::json j = detail::parse_json(path, zp::detail::read_whole_file(path, max_header_bytes), "index");
   const auto bad = [&](const auto&... a) { return Error(Errc::io, zp::detail::cat(f, ": ", a...)); };
-  if (!j.is_object()) throw bad("the index is not a JSON object but ", excerpt(j));
+  if (!j.is_object()) throw bad("the index is not a JSON object but ", json_excerpt(j));
   const auto meta = j.find("metadata");
   if (meta == j.end() || !meta->is_object()) throw bad("the index has no \"metadata\" object");
   const auto total = meta->find("total_size");
   if (total == meta->end() || !total->is_number_unsigned())
     throw bad("metadata.total_size is not a non-negative integer but ",
-              total == meta->end() ? "missing" : excerpt(*total));
+              total == meta->end() ? "missing" : json_excerpt(*total));
   const auto map = j.find("weight_map");
   if (map == j.end() || !map->is_object()) throw bad("the index has no \"weight_map\" object");
   Index index{total->get<std::uint64_t>(), {}};
   for (const auto& [name, file] : map->items()) {
-    if (!file.is_string()) throw bad("weight_map entry '", name, "' is not a file name but ", excerpt(file));
+    if (!file.is_string()) throw bad("weight_map entry '", name, "' is not a file name but ", json_excerpt(file));
     const std::string s = file.get<std::string>();
     if (s.empty() || s == "." || s == ".." || s.find('/') != std::string::npos)
       throw bad("weight_map entry '", name, "' names '", s, "', not a file next to the index");

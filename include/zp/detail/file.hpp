@@ -5,6 +5,8 @@
 #pragma once
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -181,8 +183,11 @@ inline void write_file_atomic(const std::filesystem::path& path, std::span<const
 // read_at calls on one InputFile are safe). Memory: none beyond the caller's buffers.
 class InputFile {
  public:
+  // Only a regular file opens: a directory, a FIFO, a socket or a device is an error naming
+  // it. O_NONBLOCK keeps open() itself from waiting for a FIFO's writer that never comes; it is
+  // cleared once the file is known to be regular (where it has no effect anyway).
   explicit InputFile(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd_ < 0) throw_io("open", path_, errno);
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
@@ -190,9 +195,16 @@ class InputFile {
       ::close(fd_);
       throw_io("stat", path_, err);
     }
-    if (!S_ISREG(st.st_mode)) {  // a directory opens read-only too, then fails every read
+    if (!S_ISREG(st.st_mode)) {
       ::close(fd_);
-      throw Error(Errc::io, cat("cannot read ", path_.native(), ": not a regular file"));
+      throw Error(Errc::io, cat("cannot read ", path_.native(), ": not a regular file (",
+                                S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                : S_ISSOCK(st.st_mode) ? "a socket" : "a device", ")"));
+    }
+    if (const int fl = ::fcntl(fd_, F_GETFL); fl == -1 || ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) == -1) {
+      const int err = errno;
+      ::close(fd_);
+      throw_io("set blocking mode on", path_, err);
     }
     size_ = std::uint64_t(st.st_size);
   }
@@ -249,6 +261,60 @@ class InputFile {
   std::filesystem::path path_;
   int fd_ = -1;
   std::uint64_t size_ = 0;
+};
+
+// The whole of a small regular file (a manifest, a config, an index, `latest`); a larger one
+// is an error naming both sizes, so a hostile file cannot make the reader allocate at will.
+inline std::string read_whole_file(const std::filesystem::path& path, std::uint64_t max_bytes) {
+  const InputFile f(path);
+  if (f.size() > max_bytes)
+    throw Error(Errc::io, cat(path.native(), ": ", f.size(), " bytes is more than the ", max_bytes,
+                              "-byte limit for this kind of file"));
+  std::string s(std::size_t(f.size()), '\0');
+  f.read_at(0, std::as_writable_bytes(std::span(s)));
+  return s;
+}
+
+// Renames `from` to `to` only if `to` does not exist (atomically where the file system supports
+// it: renameat2's RENAME_NOREPLACE); EEXIST otherwise. Callers that may run where it is not
+// supported hold a DirectoryLock, under which the check and the rename cannot race.
+inline void rename_no_replace(const std::filesystem::path& from, const std::filesystem::path& to) {
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  if (err == EINVAL || err == ENOSYS) {  // not supported here
+    struct stat st {};
+    if (::lstat(to.c_str(), &st) == 0) err = EEXIST;
+    else if (::rename(from.c_str(), to.c_str()) == 0) return;
+    else err = errno;
+  }
+  throw_io(cat("rename ", from.native(), " to").c_str(), to, err);
+}
+
+// An exclusive advisory lock on <dir>/<name> (created if missing), held until destroyed or the
+// process dies (flock: the kernel drops it with the last descriptor, so a killed holder never
+// leaves a stale lock). Taking it never waits: a lock held elsewhere, by another process or by
+// another DirectoryLock of this one, is an Errc::io naming the lock file.
+class DirectoryLock {
+ public:
+  DirectoryLock(const std::filesystem::path& dir, const char* name, const char* what) : path_(dir / name) {
+    fd_ = ::open(path_.c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd_ < 0) throw_io("create lock file", path_, errno);
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      if (err == EWOULDBLOCK)
+        throw Error(Errc::io, cat(what, ": ", dir.native(), " is locked by another ", what, " (", path_.native(),
+                                  " is held); only one may write into a directory at a time"));
+      throw_io("lock", path_, err);
+    }
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+  ~DirectoryLock() { ::close(fd_); }  // closing releases the lock
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
 };
 
 }  // namespace zp::detail

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# zp_demo saving a checkpoint every step is killed with SIGKILL at random moments, again and
+# again, each time restarted with the very same command line (--resume: from `latest`, or from
+# step 0 when there is none yet). Whatever the moments, every restart must start, the run must
+# finish, and its final model must equal, bit for bit, that of a run never killed.
+#   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)]
+set -euo pipefail
+demo=$1 work=$2/demo-kill-loop kills=${3:-30}
+rm -rf "$work"
+mkdir -p "$work"
+args=(--ranks 2 --stage 2 --steps 200 --micro-batch 4 --log-every 1000)
+"$demo" "${args[@]}" --export "$work/straight" > "$work/straight.log"
+
+cmd=("$demo" "${args[@]}" --save-every 1 --checkpoint-dir "$work/ckpt" --resume --export "$work/killed")
+killed=0 runs=0
+while :; do
+  runs=$((runs + 1))
+  "${cmd[@]}" > "$work/run.log" 2>&1 &
+  pid=$!
+  if [ "$killed" -lt "$kills" ]; then
+    sleep "0.$(printf '%03d' $((RANDOM % 100)))"
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rc=0
+  { wait "$pid"; } 2>/dev/null || rc=$?
+  if [ "$rc" -eq 137 ]; then
+    killed=$((killed + 1))
+  elif [ "$rc" -eq 0 ]; then
+    [ "$killed" -ge "$kills" ] && break
+    echo "the run finished after only $killed kills; lower the step time or raise --steps"; exit 1
+  else
+    echo "restart $runs (after $killed kills) failed with exit code $rc:"; cat "$work/run.log"; exit 1
+  fi
+  # Retention, as a user's script would do it: drop tags older than the one `latest` names (a tag
+  # newer than it is left alone: it is what a kill between publishing and naming leaves).
+  if [ -f "$work/ckpt/latest" ]; then
+    latest=$(cat "$work/ckpt/latest")
+    for d in "$work"/ckpt/step*; do
+      [ -d "$d" ] && [ "${d##*/step}" -lt "${latest#step}" ] && rm -rf "$d"
+    done
+  fi
+done
+grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
+[ "$(cat "$work/ckpt/latest")" = step200 ]
+cmp "$work/straight/model.safetensors" "$work/killed/model.safetensors"
+echo "killed $killed times at random moments, restarted with the same command line $runs times: finished, bitwise equal to an uninterrupted run"
+rm -rf "$work"
