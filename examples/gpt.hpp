@@ -312,7 +312,8 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
 template <class F>
 struct Activations {
   int batch = 0;
-  std::vector<int> tokens, targets;     // [batch, context]; targets[i] is the token after tokens[i]
+  std::vector<int> tokens, targets;     // [batch, context]; targets[i] is the token after tokens[i],
+                                        // or zp::tp::ignore_index to leave position i out of the loss
   std::vector<std::vector<F>> x, dx;    // residual stream [layers + 1][rows, d] and d loss / d x
   std::vector<BlockActivations<F>> blocks;
   std::vector<F> lnf, meanf, rstdf;     // ln_f
@@ -477,12 +478,9 @@ class Model {
     const int rows = a.rows(c), d = c.d_model;
     load(m);
     if (m == 0) {
-      for (int r = 0; r < rows; ++r)
-        ZP_EXPECT(a.tokens[std::size_t(r)] >= 0 && a.tokens[std::size_t(r)] < c.vocab, "gpt: token ",
-                  a.tokens[std::size_t(r)], " at position ", r, " is outside the vocabulary of ", c.vocab);
       auto& x = a.x[0];
-      zp::tp::embedding_forward(tp_, vocab_, std::span<const F>(wf_[0]), std::span<const int>(a.tokens), std::size_t(d),
-                                std::span<F>(x));
+      zp::tp::embedding_forward(tp_, vocab_, std::size_t(c.vocab), std::span<const F>(wf_[0]),
+                                std::span<const int>(a.tokens), std::size_t(d), std::span<F>(x));
       for (int r = 0; r < rows; ++r)
         for (int i = 0; i < d; ++i) x[std::size_t(r * d + i)] += wf_[1][std::size_t((r % c.context) * d + i)];
     } else if (m <= c.layers) {
@@ -497,16 +495,14 @@ class Model {
     }
   }
 
-  // Mean cross-entropy over every position of the micro-batch (after the head's forward); seeds
-  // a.dlogits with d(scale * loss)/d(logits) for backward. Collective over the TP group.
+  // Mean cross-entropy over the positions of the micro-batch whose target is not
+  // zp::tp::ignore_index (0 if there are none), after the head's forward; seeds a.dlogits with
+  // d(scale * loss)/d(logits) for backward (zero on ignored positions). Tokens and targets are
+  // checked against the vocabulary by zp::tp. Collective over the TP group.
   F loss(Activations<F>& a, float scale) {
-    const int rows = a.rows(cfg_);
-    for (int r = 0; r < rows; ++r)
-      ZP_EXPECT(a.targets[std::size_t(r)] >= 0 && a.targets[std::size_t(r)] < cfg_.vocab, "gpt: target ",
-                a.targets[std::size_t(r)], " at position ", r, " is outside the vocabulary of ", cfg_.vocab);
     a.dlogits.resize(a.logits.size());
-    return zp::tp::cross_entropy(tp_, vocab_, std::span<const F>(a.logits), std::span<const int>(a.targets),
-                                 std::span<F>(a.dlogits), F(scale));
+    return zp::tp::cross_entropy(tp_, vocab_, std::size_t(cfg_.vocab), std::span<const F>(a.logits),
+                                 std::span<const int>(a.targets), std::span<F>(a.dlogits), F(scale));
   }
 
   // Module m's backward: adds its parameters' gradients into their grad views (zp's rule) and,
@@ -519,8 +515,8 @@ class Model {
     gf_.resize(end - first);
     for (std::size_t k = 0; k < gf_.size(); ++k) gf_[k].assign(tensors_[first + k].param.size(), F(0));
     if (m == 0) {
-      zp::tp::embedding_backward(vocab_, std::span<F>(gf_[0]), std::span<const int>(a.tokens), std::size_t(d),
-                                 std::span<const F>(a.dx[0]));
+      zp::tp::embedding_backward(vocab_, std::size_t(c.vocab), std::span<F>(gf_[0]), std::span<const int>(a.tokens),
+                                 std::size_t(d), std::span<const F>(a.dx[0]));
       for (int r = 0; r < rows; ++r)
         for (int i = 0; i < d; ++i) gf_[1][std::size_t((r % c.context) * d + i)] += a.dx[0][std::size_t(r * d + i)];
     } else if (m <= c.layers) {
@@ -601,7 +597,7 @@ inline std::pair<int, int> pipeline_stage(const Config& c, int stages, int stage
 // What one optimizer step of train_step() did on this rank.
 struct StepOut {
   zp::StepResult result;  // the flush's engine.step(): the accumulation boundary
-  double loss = 0;        // mean over the step's micro-batches on a last-stage rank, else 0
+  double loss = 0;        // mean of the micro-batches' losses (Model::loss) on a last-stage rank, else 0
 };
 
 // One optimizer step of a rank's part of the model on any grid: the pipeline runner's schedule

@@ -2,6 +2,7 @@
 // causal mask, and the loss of an untrained model.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "gpt.hpp"
 #include "random.hpp"
 #include "zp/dtype.hpp"
@@ -233,4 +235,45 @@ TEST_CASE("initialisation is deterministic and follows GPT-2") {
   CHECK(names[4] == "h.0.attn.c_attn.weight");
   CHECK(names.back() == "lm_head.weight");
   CHECK(zp::describe_parameters<float>(a).back().module == c.layers + 1);
+}
+
+TEST_CASE("targets equal to zp::tp::ignore_index are left out of the loss; other indices outside the vocabulary are errors") {
+  const std::uint64_t seed = seed_for(5);
+  gpt::Model<double, double> m(tiny, seed);
+  Storage<double> s = bind(m);
+  gpt::Activations<double> a(tiny, tiny_batch);
+  random_tokens(a, tiny.vocab, seed);
+  for (std::size_t i = 1; i < a.targets.size(); i += 3) a.targets[i] = zp::tp::ignore_index;
+  const double loss = forward_loss(m, a);
+  // float64 reference from the logits: the mean over the positions that are not ignored.
+  const std::size_t V = std::size_t(tiny.vocab);
+  double want = 0;
+  int kept = 0;
+  for (std::size_t r = 0; r < a.targets.size(); ++r) {
+    if (a.targets[r] == -100) {
+      for (std::size_t v = 0; v < V; ++v) CHECK(a.dlogits[r * V + v] == 0.0);
+      continue;
+    }
+    const double* z = &a.logits[r * V];
+    double mx = z[0], se = 0;
+    for (std::size_t v = 1; v < V; ++v) mx = std::max(mx, z[v]);
+    for (std::size_t v = 0; v < V; ++v) se += std::exp(z[v] - mx);
+    want += std::log(se) + mx - z[a.targets[r]];
+    ++kept;
+  }
+  CHECK(kept == 7);
+  CHECK(loss == doctest::Approx(want / kept).epsilon(1e-12));
+  // Every position ignored: loss 0 and no gradient anywhere.
+  std::fill(a.targets.begin(), a.targets.end(), zp::tp::ignore_index);
+  CHECK(forward_loss(m, a) == 0.0);
+  backward_all(m, a);
+  for (std::size_t k = 0; k < s.grad_mem.size(); ++k)
+    for (double g : s.grad_mem[k]) CHECK(g == 0.0);
+  // Anything else outside [0, vocab) names the index, its position and the vocabulary.
+  a.targets[3] = tiny.vocab;
+  zp::test::expect_invalid([&] { (void)m.loss(a, 1.0f); }, {"target 11 at position 3", "[0, 11)"});
+  a.targets[3] = -1;
+  zp::test::expect_invalid([&] { (void)m.loss(a, 1.0f); }, {"target -1 at position 3"});
+  a.tokens[7] = zp::tp::ignore_index;  // tokens have no ignore index
+  zp::test::expect_invalid([&] { m.forward(0, a); }, {"token -100 at position 7", "[0, 11)"});
 }

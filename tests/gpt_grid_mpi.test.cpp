@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <map>
 
+#include "expect_error.hpp"
 #include "gpt_grid.hpp"
 
 using zp::Collective;
@@ -56,6 +57,16 @@ void every_grid(Collective<Mpi>& world) {
 }
 
 }  // namespace
+
+TEST_CASE("processes that pass different grid shapes are an error on every process, and the world goes on") {
+  Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  REQUIRE(world.size() == 4);
+  const zp::GridShape s = world.rank() == 3 ? zp::GridShape{4, 1, 1} : zp::GridShape{2, 2, 1};
+  zp::test::expect_invalid([&] { zp::ProcessGrid<Mpi> g(world, s); },
+                           {"the ranks disagree on the shape", "dp ranges over [2, 4], tp over [1, 2]"});
+  zp::ProcessGrid<Mpi> g(world, {2, 2, 1});
+  CHECK(g.tp().size() == 2);
+}
 
 TEST_CASE("GPT on every grid of 4 mpi processes, every ZeRO stage, agrees with one rank") {
   Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(120)})};

@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -77,4 +78,24 @@ TEST_CASE("a grid that does not factor the world is an error on every rank namin
     zp::ProcessGrid<Threads> g(world, {.dp = 1, .tp = 2, .pp = 2});
     zp::test::expect_invalid([&] { (void)g.rank_of({.dp = 1, .tp = 0, .pp = 0}); }, {"dp 1", "1 x 2 x 2"});
   });
+}
+
+TEST_CASE("ranks that pass different shapes are an error on every rank naming its shape and the disagreement") {
+  // Rank 2 asks for another grid (one that factors the world, or one that is wrong on its own):
+  // every rank throws, before any split, and the world stays usable.
+  for (const GridShape odd : {GridShape{.dp = 4, .tp = 1, .pp = 1}, GridShape{.dp = 0, .tp = 2, .pp = 2}}) {
+    CAPTURE(odd.dp);
+    run_threads(4, [&](Collective<Threads>& world) {
+      const bool me = world.rank() == 2;
+      const GridShape s = me ? odd : GridShape{.dp = 1, .tp = 2, .pp = 2};
+      zp::test::expect_invalid([&] { zp::ProcessGrid<Threads> g(world, s); },
+                               {"the ranks disagree on the shape",
+                                zp::detail::cat("world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp,
+                                                " x ", s.pp),
+                                zp::detail::cat("dp ranges over [", std::min(odd.dp, 1), ", ", std::max(odd.dp, 1),
+                                                "], tp over [", odd.tp, ", 2]")});
+      zp::ProcessGrid<Threads> g(world, {.dp = 2, .tp = 2, .pp = 1});
+      CHECK(g.tp().size() == 2);
+    });
+  }
 }

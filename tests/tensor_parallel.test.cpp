@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -86,16 +87,16 @@ TEST_CASE("vocabulary-parallel embedding and cross-entropy equal the whole-vocab
       for (int r = 0; r < rows; ++r)
         for (int k = 0; k < d; ++k) gout[std::size_t(r * d + k)] = float(r + k);
 
-      const float l = zp::tp::cross_entropy(g, vocab, std::span<const float>(z), std::span<const int>(targets),
+      const float l = zp::tp::cross_entropy(g, vocab, V, std::span<const float>(z), std::span<const int>(targets),
                                             std::span<float>(dz), scale);
       CHECK(l == doctest::Approx(loss).epsilon(1e-6));
       for (int r = 0; r < rows; ++r)
         for (std::size_t v = 0; v < n; ++v)
           CHECK(dz[std::size_t(r) * n + v] ==
                 doctest::Approx(dlogits[std::size_t(r * V) + vocab.begin + v]).epsilon(1e-5).scale(1e-6));
-      zp::tp::embedding_forward(g, vocab, std::span<const float>(w), std::span<const int>(tokens), d, std::span<float>(out));
+      zp::tp::embedding_forward(g, vocab, V, std::span<const float>(w), std::span<const int>(tokens), d, std::span<float>(out));
       for (int i = 0; i < rows * d; ++i) CHECK(out[std::size_t(i)] == float(emb[std::size_t(i)]));  // one nonzero term: exact
-      zp::tp::embedding_backward(vocab, std::span<float>(dw), std::span<const int>(tokens), d, std::span<const float>(gout));
+      zp::tp::embedding_backward(vocab, V, std::span<float>(dw), std::span<const int>(tokens), d, std::span<const float>(gout));
       for (std::size_t v = 0; v < n; ++v)
         for (int k = 0; k < d; ++k) CHECK(dw[v * d + std::size_t(k)] == float(dtable[(vocab.begin + v) * d + std::size_t(k)]));
       // Counters: two all_reduces for the loss (rows, 2 rows), one for the embedding (rows x d).
@@ -111,9 +112,94 @@ TEST_CASE("tp functions name the sizes they expected") {
   std::vector<float> w(6), out(4), z(6), dz(5);
   std::vector<int> tok(2);
   zp::test::expect_invalid(
-      [&] { zp::tp::embedding_forward(one, {0, 3}, std::span<const float>(w), std::span<const int>(tok), 3, std::span<float>(out)); },
+      [&] { zp::tp::embedding_forward(one, {0, 3}, 3, std::span<const float>(w), std::span<const int>(tok), 3, std::span<float>(out)); },
       {"out 4", "2 tokens x 3"});
   zp::test::expect_invalid(
-      [&] { (void)zp::tp::cross_entropy(one, {0, 3}, std::span<const float>(z), std::span<const int>(tok), std::span<float>(dz), 1.0f); },
+      [&] { (void)zp::tp::cross_entropy(one, {0, 3}, 3, std::span<const float>(z), std::span<const int>(tok), std::span<float>(dz), 1.0f); },
       {"dlogits 5", "2 rows x 3"});
+}
+
+TEST_CASE("cross-entropy leaves out targets equal to tp::ignore_index: the mean is over the other rows") {
+  static_assert(zp::tp::ignore_index == -100);  // PyTorch's default
+  const int V = 7, rows = 9;
+  const float scale = 2.0f;
+  std::vector<double> logits(rows * V);
+  for (int i = 0; i < rows * V; ++i) logits[std::size_t(i)] = 6.0 * zp::test::hash_uniform(seed() + 5, std::uint64_t(i));
+  // Some rows ignored; all of them (loss 0, no gradient); and no rows at all.
+  std::vector<std::vector<int>> cases = {std::vector<int>(rows), std::vector<int>(rows, -100), {}};
+  for (int r = 0; r < rows; ++r)
+    cases[0][std::size_t(r)] = r % 3 == 1 ? -100 : int(zp::test::mix(seed() + 6 + std::uint64_t(r)) % V);
+  for (const std::vector<int>& targets : cases) {
+    const int n_rows = int(targets.size());
+    // float64 reference, one row at a time: the mean over the rows that are not ignored.
+    int kept = 0;
+    for (int t : targets) kept += t != -100;
+    double loss = 0;
+    std::vector<double> dlogits(std::size_t(n_rows * V), 0.0);
+    for (int r = 0; r < n_rows; ++r) {
+      const int t = targets[std::size_t(r)];
+      if (t == -100) continue;
+      const double* z = &logits[std::size_t(r * V)];
+      double mx = z[0], se = 0;
+      for (int v = 1; v < V; ++v) mx = std::max(mx, z[v]);
+      for (int v = 0; v < V; ++v) se += std::exp(z[v] - mx);
+      loss += (std::log(se) + mx - z[t]) / kept;
+      for (int v = 0; v < V; ++v) dlogits[std::size_t(r * V + v)] = (std::exp(z[v] - mx) / se - (v == t)) * scale / kept;
+    }
+    CAPTURE(n_rows);
+    CAPTURE(kept);
+    for (int P = 1; P <= 3; ++P) {
+      CAPTURE(P);
+      zp::backend::run_threads(P, [&](Collective<Threads>& comm) {
+        const zp::tp::Group<float> g(comm);
+        const Range vocab = zp::tp::split(V, P, g.rank());
+        const std::size_t n = vocab.size();
+        std::vector<float> z(std::size_t(n_rows) * n), dz(z.size(), -1.0f);
+        for (int r = 0; r < n_rows; ++r)
+          for (std::size_t v = 0; v < n; ++v) z[std::size_t(r) * n + v] = float(logits[std::size_t(r * V) + vocab.begin + v]);
+        const float l = zp::tp::cross_entropy(g, vocab, V, std::span<const float>(z), std::span<const int>(targets),
+                                              std::span<float>(dz), scale);
+        CHECK(l == doctest::Approx(loss).epsilon(1e-6));
+        if (kept == 0) CHECK(l == 0.0f);
+        for (int r = 0; r < n_rows; ++r)
+          for (std::size_t v = 0; v < n; ++v)
+            CHECK(dz[std::size_t(r) * n + v] ==
+                  doctest::Approx(dlogits[std::size_t(r * V) + vocab.begin + v]).epsilon(1e-5).scale(1e-6));
+      });
+    }
+  }
+}
+
+TEST_CASE("a token or target outside the vocabulary is an error on every rank naming it, its position and V") {
+  // The indices are replicated over the group, so every rank throws the same error before any
+  // all_reduce; the group then still works (no rank was left inside a collective).
+  const int V = 11, rows = 6, d = 3;
+  zp::backend::run_threads(3, [&](Collective<Threads>& comm) {
+    const zp::tp::Group<float> g(comm);
+    const Range vocab = zp::tp::split(V, comm.size(), comm.rank());
+    const std::size_t n = vocab.size();
+    std::vector<float> w(n * d), out(rows * d), z(rows * n), dz(rows * n);
+    for (const int bad : {V, -1, -100, 1 << 30}) {
+      CAPTURE(bad);
+      const std::vector<int> targets = {0, 5, -100, 10, bad, 1}, tokens = {0, 5, 3, 10, bad, 1};
+      const std::string where = zp::detail::cat(bad, " at position 4 is outside the vocabulary [0, 11)");
+      if (bad != -100)  // for a target, the ignore index
+        zp::test::expect_invalid([&] {
+          (void)zp::tp::cross_entropy(g, vocab, V, std::span<const float>(z), std::span<const int>(targets), std::span<float>(dz), 1.0f);
+        }, {"tp::cross_entropy: target " + where, "not ignore_index (-100)"});
+      zp::test::expect_invalid([&] {
+        zp::tp::embedding_forward(g, vocab, V, std::span<const float>(w), std::span<const int>(tokens), d, std::span<float>(out));
+      }, {"tp::embedding_forward: token " + where});
+      zp::test::expect_invalid([&] {
+        zp::tp::embedding_backward(vocab, V, std::span<float>(w), std::span<const int>(tokens), d, std::span<const float>(out));
+      }, {"tp::embedding_backward: token " + where});
+      float x = 1.0f;
+      g.all_reduce(std::span<float>(&x, 1));
+      CHECK(x == 3.0f);
+    }
+    // This rank's part must lie inside the vocabulary.
+    zp::test::expect_invalid([&] {
+      (void)zp::tp::cross_entropy(g, {0, 12}, V, std::span<const float>(z), std::span<const int>(), std::span<float>(dz), 1.0f);
+    }, {"vocabulary part [0, 12)", "[0, 11)"});
+  });
 }

@@ -8,6 +8,8 @@
 //  - all_gather: every rank contributes n elements; output holds size() * n elements with rank
 //    r's contribution at [r*n, r*n + n). In place when input == output + r*n.
 //  - Buffers live in the backend's memory space (host for threads and mpi, device for nccl).
+//    Where ranks share one address space (threads, cuda_threads), a buffer one rank writes must
+//    not overlap any buffer of another rank; the backend refuses such a call on every rank.
 //  - Every rank of the communicator must issue the same operations in the same order with the
 //    same counts and element types; a mismatch the backend can see is an Errc::invalid_argument
 //    on every rank, and a peer that never arrives is an Errc::timeout (or a job abort for mpi)
@@ -42,6 +44,11 @@ enum class ReduceOp : std::uint8_t { sum, avg, max, min };
 enum class CollOp : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv };
 inline constexpr std::size_t coll_op_count = 7;
 
+namespace detail {
+inline constexpr EnumValueNames reduce_op_values{"ReduceOp"}, coll_op_values{"CollOp"};
+}
+
+// A value outside the enum names its number, e.g. "ReduceOp(9)" (see detail::EnumValueNames).
 constexpr const char* name(ReduceOp op) noexcept {
   switch (op) {
     case ReduceOp::sum: return "sum";
@@ -49,7 +56,7 @@ constexpr const char* name(ReduceOp op) noexcept {
     case ReduceOp::max: return "max";
     case ReduceOp::min: return "min";
   }
-  return "?";
+  return detail::reduce_op_values[std::uint8_t(op)];
 }
 constexpr const char* name(CollOp op) noexcept {
   switch (op) {
@@ -61,7 +68,7 @@ constexpr const char* name(CollOp op) noexcept {
     case CollOp::send: return "send";
     case CollOp::recv: return "recv";
   }
-  return "?";
+  return detail::coll_op_values[std::uint8_t(op)];
 }
 
 enum class MemorySpace : std::uint8_t { host, device };
@@ -245,12 +252,18 @@ struct OpStats {
 struct CommStats {
   std::array<OpStats, coll_op_count> ops{};
 
-  const OpStats& operator[](CollOp op) const { return ops[std::size_t(op)]; }
-  OpStats& operator[](CollOp op) { return ops[std::size_t(op)]; }
+  const OpStats& operator[](CollOp op) const { return ops[index(op)]; }
+  OpStats& operator[](CollOp op) { return ops[index(op)]; }
   OpStats total() const {
     OpStats t;
     for (const auto& o : ops) t += o;
     return t;
+  }
+  // A value outside the enum is an error naming it, not a read past the end of ops.
+  static std::size_t index(CollOp op) {
+    ZP_EXPECT(std::size_t(op) < coll_op_count, "CommStats: expected a CollOp (all_reduce, reduce_scatter, "
+              "all_gather, broadcast, barrier, send, recv), got ", name(op));
+    return std::size_t(op);
   }
 };
 

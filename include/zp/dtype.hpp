@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "zp/config.hpp"
+#include "zp/error.hpp"
 
 namespace zp {
 
@@ -24,6 +25,25 @@ ZP_HOST_DEVICE inline float bits_float(std::uint32_t u) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+
+// "Type(k)" for every value k of a one-byte enum: what name() returns for a value outside the
+// enum (an int cast into it), so that every message naming it shows the number, not a "?".
+struct EnumValueNames {
+  char text[256][16] = {};
+  constexpr explicit EnumValueNames(const char* type) {
+    for (int k = 0; k < 256; ++k) {
+      char* p = text[k];
+      for (const char* c = type; *c; ++c) *p++ = *c;
+      *p++ = '(';
+      if (k >= 100) *p++ = char('0' + k / 100);
+      if (k >= 10) *p++ = char('0' + k / 10 % 10);
+      *p++ = char('0' + k % 10);
+      *p = ')';
+    }
+  }
+  constexpr const char* operator[](std::uint8_t k) const { return text[k]; }
+};
+inline constexpr EnumValueNames dtype_values{"DType"};
 }  // namespace detail
 
 // bfloat16: 1 sign, 8 exponent, 7 mantissa bits; the top half of an IEEE float.
@@ -113,6 +133,7 @@ inline constexpr DType dtype_of = dtype_traits<T>::value;
 template <class T>
 concept Element = requires { dtype_traits<T>::value; };
 
+// Bytes per element; 0 for a value outside the enum (check_call refuses those).
 constexpr std::size_t size_of(DType t) noexcept {
   switch (t) {
     case DType::f32: case DType::i32: return 4;
@@ -131,11 +152,11 @@ constexpr const char* name(DType t) noexcept {
     case DType::bf16: return "bf16";
     case DType::f16: return "f16";
   }
-  return "?";
+  return detail::dtype_values[std::uint8_t(t)];
 }
 
 // Calls f(T{}) with the C++ type behind a runtime DType: the bridge from the untyped core
-// back to typed loops.
+// back to typed loops. A value outside the enum is an Errc::invalid_argument naming it.
 template <class F>
 decltype(auto) visit_dtype(DType t, F&& f) {
   switch (t) {
@@ -146,7 +167,7 @@ decltype(auto) visit_dtype(DType t, F&& f) {
     case DType::bf16: return f(bf16{});
     case DType::f16: return f(fp16{});
   }
-  return f(float{});
+  throw Error(Errc::invalid_argument, detail::cat("expected a DType (f32, f64, i32, i64, bf16, f16), got ", name(t)));
 }
 
 }  // namespace zp

@@ -17,7 +17,9 @@
 // and overflow check over it (engine.hpp).
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "zp/collective.hpp"
@@ -42,17 +44,19 @@ constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
   return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
 }
 
-// Splits `world` into the groups. Collective over world (four splits, in the same order
-// on every rank). The world must outlive the grid only as far as the backend requires; the
-// groups are communicators of their own.
+// Splits `world` into the groups. Collective over world (an all_reduce of 6 integers that checks
+// every rank passed the same shape, then four splits, in the same order on every rank). The
+// world must outlive the grid only as far as the backend requires; the groups are
+// communicators of their own.
 template <Backend B>
 class ProcessGrid {
  public:
   ProcessGrid(Collective<B>& world, GridShape shape) : shape_(shape), world_rank_(world.rank()) {
+    agree(world, shape);
     ZP_EXPECT(shape.dp >= 1 && shape.tp >= 1 && shape.pp >= 1, "grid: dp, tp and pp must be >= 1, got dp=",
               shape.dp, ", tp=", shape.tp, ", pp=", shape.pp);
-    ZP_EXPECT(shape.dp <= world.size() && shape.tp <= world.size() && shape.pp <= world.size() &&
-                  shape.size() == world.size(),
+    const std::int64_t dp_tp = std::int64_t(shape.dp) * shape.tp;  // 64-bit: no int overflow on the way
+    ZP_EXPECT(dp_tp <= world.size() && dp_tp * shape.pp == world.size(),
               "grid: dp x tp x pp = ", shape.dp, " x ", shape.tp, " x ", shape.pp, " does not factor the world of ",
               world.size(), " ranks; the product must equal the world size");
     me_ = coords_of(shape, world.rank());
@@ -84,6 +88,18 @@ class ProcessGrid {
   bool last_stage() const noexcept { return me_.pp == shape_.pp - 1; }
 
  private:
+  // Ranks with different shapes would split into groups that do not match: one all_reduce (max
+  // of each size and of its negation, so both extremes) over the world, before anything else, so
+  // that a disagreement, or a shape that is wrong the same way everywhere, throws on every rank.
+  static void agree(Collective<B>& world, const GridShape& s) {
+    std::int64_t v[6] = {s.dp, -std::int64_t(s.dp), s.tp, -std::int64_t(s.tp), s.pp, -std::int64_t(s.pp)};
+    world.all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    ZP_EXPECT(v[0] == -v[1] && v[2] == -v[3] && v[4] == -v[5], "grid: the ranks disagree on the shape: this rank ",
+              "(world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp, " x ", s.pp,
+              ", but across the world dp ranges over [", -v[1], ", ", v[0], "], tp over [", -v[3], ", ", v[2],
+              "], pp over [", -v[5], ", ", v[4], "]; every rank must build the same grid");
+  }
+
   GridShape shape_;
   int world_rank_;
   GridCoords me_;

@@ -52,12 +52,17 @@ namespace zp::pipeline {
 
 enum class Schedule : std::uint8_t { gpipe, one_f_one_b };
 
+namespace detail {
+inline constexpr zp::detail::EnumValueNames schedule_values{"Schedule"};
+}
+
+// A value outside the enum names its number, e.g. "Schedule(7)".
 constexpr const char* name(Schedule s) noexcept {
   switch (s) {
     case Schedule::gpipe: return "gpipe";
     case Schedule::one_f_one_b: return "1f1b";
   }
-  return "?";
+  return detail::schedule_values[std::uint8_t(s)];
 }
 
 // One step of a stage's schedule: the forward or backward of micro-batch `micro`.
@@ -69,8 +74,8 @@ struct Op {
 
 namespace detail {
 inline void check_position(Schedule s, int stages, int stage, int micro_batches) {
-  ZP_EXPECT(s == Schedule::gpipe || s == Schedule::one_f_one_b, "pipeline: schedule Schedule(", int(s),
-            ") is not one of gpipe, one_f_one_b");
+  ZP_EXPECT(s == Schedule::gpipe || s == Schedule::one_f_one_b, "pipeline: schedule ", name(s),
+            " is not one of gpipe, one_f_one_b");
   ZP_EXPECT(stages >= 1, "pipeline: stages must be >= 1, got ", stages);
   ZP_EXPECT(stage >= 0 && stage < stages, "pipeline: stage ", stage, " is not in [0, ", stages, ")");
   ZP_EXPECT(micro_batches >= 1, "pipeline: micro_batches must be >= 1, got ", micro_batches);

@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <random>
@@ -260,6 +261,16 @@ TEST_CASE("a rank that returns early is named as returned, not as a barrier it n
   }), doctest::Contains("returned from its function (run_threads)"), zp::Error);
 }
 
+TEST_CASE("a reduction outside ReduceOp is named with its number, also when only one rank passes it") {
+  run_threads(2, [](Collective<Threads>& comm) {
+    std::vector<float> x(4);
+    const ReduceOp op = comm.rank() == 1 ? ReduceOp(9) : ReduceOp::sum;
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(x), op), doctest::Contains("op=ReduceOp(9)"), zp::Error);
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(x), ReduceOp(9)),
+                         doctest::Contains("reduction ReduceOp(9) is not one of sum, avg, max, min"), zp::Error);
+  });
+}
+
 TEST_CASE("mismatched calls leave the communicator usable") {
   run_threads(3, [&](Collective<Threads>& comm) {
     std::vector<float> a(comm.rank() == 2 ? 5 : 4, 1.0f);
@@ -403,4 +414,75 @@ TEST_CASE("meet runs the body on every rank with every rank's call; mismatched c
                                  {"mismatched collective calls", "count=4", "count=5"});
     });
   }
+}
+
+// Ranks are threads of one address space: a buffer one rank writes that overlaps another rank's
+// buffer would make the ranks' copies race (memcpy between overlapping ranges). Every rank gets
+// the same invalid_argument naming both ranges, and the communicator stays usable.
+TEST_CASE("a buffer one rank writes that overlaps another rank's is an error on every rank naming both ranges") {
+  std::vector<float> shared(64);
+  float* const a = shared.data();
+  std::fill_n(a + 32, 4, 2.0f);
+  const auto at = [](const float* p, std::size_t floats) {
+    return zp::detail::cat("[", static_cast<const void*>(p), ", +", floats * sizeof(float), " bytes)");
+  };
+  const auto check_usable = [](Collective<Threads>& comm) {
+    std::int64_t x = 1;
+    comm.all_reduce(std::span<std::int64_t>(&x, 1));
+    CHECK(x == comm.size());
+  };
+  run_threads(2, [&](Collective<Threads>& comm) {
+    const int r = comm.rank();
+    std::vector<float> own(8, float(r));
+    // all_gather: rank 0 gathers into a[0, 8) while rank 1 contributes a[2, 6).
+    zp::test::expect_invalid(
+        [&] {
+          if (r == 0) comm.all_gather(std::span<const float>(own.data(), 4), std::span<float>(a, 8));
+          else comm.all_gather(std::span<const float>(a + 2, 4), std::span<float>(own));
+        },
+        {"all_gather: rank 0's output " + at(a, 8), "overlaps rank 1's input " + at(a + 2, 4)});
+    check_usable(comm);
+    // all_reduce in place on one buffer shared by both ranks: the outputs overlap.
+    zp::test::expect_invalid([&] { comm.all_reduce(std::span<float>(a, 4)); },
+                             {"all_reduce: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a, 4)});
+    // reduce_scatter: rank 1's shard lands inside rank 0's input.
+    zp::test::expect_invalid(
+        [&] {
+          if (r == 0) comm.reduce_scatter(std::span<const float>(a, 8), std::span<float>(own.data(), 4));
+          else comm.reduce_scatter(std::span<const float>(own), std::span<float>(a + 6, 4));
+        },
+        {"reduce_scatter: rank 1's output " + at(a + 6, 4), "overlaps rank 0's input " + at(a, 8)});
+    // broadcast: rank 1 receives into the root's buffer, shifted by one element.
+    zp::test::expect_invalid([&] { comm.broadcast(std::span<float>(a + r, 4), 0); },
+                             {"broadcast: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a + 1, 4)});
+    // Async: the same error from wait().
+    zp::test::expect_invalid([&] { comm.all_reduce_async(std::span<float>(a + r, 4)).wait(); }, {"overlaps"});
+    check_usable(comm);
+    // Reading one shared input (a[32, 36) = 2) is fine: only writes must be disjoint.
+    comm.all_reduce(std::span<const float>(a + 32, 4), std::span<float>(own.data(), 4));
+    CHECK(own[3] == 4.0f);
+  });
+}
+
+TEST_CASE("a send and its recv whose buffers overlap are an error on both ranks naming both ranges") {
+  std::vector<float> shared(16);
+  float* const a = shared.data();
+  run_threads(3, [&](Collective<Threads>& comm) {
+    const int r = comm.rank();
+    if (r == 2) return;  // only the pair takes part
+    const std::string want = zp::detail::cat("rank 1's recv buffer [", static_cast<const void*>(a + 2),
+                                             ", +16 bytes) overlaps rank 0's send buffer [",
+                                             static_cast<const void*>(a), ", +16 bytes)");
+    zp::test::expect_invalid(
+        [&] {
+          if (r == 0) comm.send(std::span<const float>(a, 4), 1);
+          else comm.recv(std::span<float>(a + 2, 4), 0);
+        },
+        {"message #1 from rank 0 to rank 1", want});
+    // The pair stays usable.
+    std::int64_t x = r == 0 ? 7 : 0;
+    if (r == 0) comm.send(std::span<std::int64_t>(&x, 1), 1);
+    else comm.recv(std::span<std::int64_t>(&x, 1), 0);
+    CHECK(x == 7);
+  });
 }

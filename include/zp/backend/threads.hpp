@@ -9,9 +9,11 @@
 // condition variable, so 8 ranks on 2 cores do not burn the CPU. Failure: a rank that throws
 // (under run_threads) or leaves (its backend is destroyed) poisons the communicator, and every
 // rank waiting in it throws zp::Error(Errc::aborted) naming the cause; a rank that waits longer
-// than Options::timeout throws Errc::timeout and poisons it too. Mismatched calls, and calls
-// with bad arguments (detail::check_call), are an invalid_argument on every rank naming the
-// ranks' calls or the argument, and the communicator stays usable (as with mpi).
+// than Options::timeout throws Errc::timeout and poisons it too. Mismatched calls, calls with
+// bad arguments (detail::check_call), and calls where a buffer one rank writes overlaps a buffer
+// of another rank (threads_detail::check_disjoint: the ranks share one address space) are an
+// invalid_argument on every rank naming the ranks' calls, the argument or both buffers, and the
+// communicator stays usable (as with mpi).
 //
 // Lifetime and threads: a Work handle destroyed without wait() waits in its destructor, so an
 // operation never touches a buffer after its handle is gone. Once an operation's ranks have met,
@@ -25,15 +27,16 @@
 // the k-th send posted by src to dst meets the k-th recv posted by dst from src (MPI's
 // non-overtaking order). Whichever of the two is posted second copies the data from the sender's
 // buffer into the receiver's (under the channel's lock, so a message is either untouched or
-// complete) and completes both handles; a count or type mismatch completes both with an
-// invalid_argument naming both calls instead, copying nothing. Posting never blocks: an async
-// send or recv is posted, in issue order, by the rank's progress thread, and a blocking one by
-// the caller, which then waits for its match. So two ranks that both send_async before they
-// recv do not deadlock; two blocking sends to each other do (there is no buffering), until the
-// timeout. Waiting for the match takes at most Options::timeout from posting; then the message
-// is withdrawn, the communicator poisoned, and the waiter throws Errc::timeout naming both
-// ranks, the operation, the call and the message number. Poisoning (a rank that throws or
-// leaves) withdraws every unmatched message and completes it with Errc::aborted.
+// complete) and completes both handles; a count or type mismatch, or a recv buffer that
+// overlaps the send buffer, completes both with an invalid_argument naming both calls (or both
+// buffers) instead, copying nothing. Posting never blocks: an async send or recv is posted, in
+// issue order, by the rank's progress thread, and a blocking one by the caller, which then waits
+// for its match. So two ranks that both send_async before they recv do not deadlock; two
+// blocking sends to each other do (there is no buffering), until the timeout. Waiting for the
+// match takes at most Options::timeout from posting; then the message is withdrawn, the
+// communicator poisoned, and the waiter throws Errc::timeout naming both ranks, the operation,
+// the call and the message number. Poisoning (a rank that throws or leaves) withdraws every
+// unmatched message and completes it with Errc::aborted.
 #pragma once
 
 #include <algorithm>
@@ -41,6 +44,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -48,6 +52,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "zp/collective.hpp"
@@ -89,6 +94,52 @@ struct Call {
                        ", op=", name(reduce), ", root=", root, ")");
   }
 };
+
+// The bytes a rank's call reads (its input) and writes (its output) in a collective of n ranks;
+// {nullptr, 0} for none. broadcast reads only the root's input.
+struct Extent {
+  const void* at = nullptr;
+  std::size_t bytes = 0;
+};
+inline std::pair<Extent, Extent> extents(const Call& c, int rank, int n) {
+  if (c.kind != Call::Kind::op || c.op == CollOp::barrier) return {};
+  const std::size_t part = c.count * size_of(c.dtype), full = part * std::size_t(n);
+  switch (c.op) {
+    case CollOp::reduce_scatter: return {{c.src, full}, {c.dst, part}};
+    case CollOp::all_gather: return {{c.src, part}, {c.dst, full}};
+    case CollOp::broadcast: return {{rank == c.root ? c.src : nullptr, rank == c.root ? part : 0}, {c.dst, part}};
+    default: return {{c.src, part}, {c.dst, part}};
+  }
+}
+inline bool overlap(Extent a, Extent b) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a.at), y = reinterpret_cast<std::uintptr_t>(b.at);
+  return a.bytes && b.bytes && x < y + b.bytes && y < x + a.bytes;
+}
+inline std::string describe_buffer(const char* side, int rank, Extent e) {
+  return detail::cat("rank ", rank, "'s ", side, " [", e.at, ", +", e.bytes, " bytes)");
+}
+
+// Ranks are threads of one address space, so one rank's buffers can overlap another's. A buffer
+// a rank writes must not overlap any buffer of another rank (the ranks' copies and reductions
+// would race, or memcpy between overlapping ranges); reading the same input is fine. Within one
+// rank, check_call allows only the in-place forms. "" when disjoint, else the first conflict
+// (the same on every rank, which all see every call, so they throw together).
+inline std::string check_disjoint(const std::vector<Call>& calls) {
+  const int n = int(calls.size());
+  for (int r = 0; r < n; ++r) {
+    const Extent out = extents(calls[std::size_t(r)], r, n).second;
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      const auto [in_q, out_q] = extents(calls[std::size_t(q)], q, n);
+      for (const auto& [side, e] : {std::pair{"output", out_q}, std::pair{"input", in_q}})
+        if (overlap(out, e))
+          return detail::cat(name(calls[std::size_t(r)].op), ": ", describe_buffer("output", r, out), " overlaps ",
+                             describe_buffer(side, q, e), "; a buffer one rank writes must not overlap another rank's "
+                             "buffers (in place is only one rank's own input and output, collective.hpp)");
+    }
+  }
+  return {};
+}
 
 // The completion of one operation, shared by its Work handle and whoever completes it (the
 // progress thread for collectives, the matching peer for send/recv).
@@ -278,13 +329,8 @@ class World {
     theirs.pop_front();
     const auto& s = is_send ? mine : other;
     const auto& r = is_send ? other : mine;
-    if (s.count != r.count || s.dtype != r.dtype) {
-      const std::string why = detail::cat(
-          "threads backend: mismatched send/recv (message #", s.seq, " from rank ", src, " to rank ",
-          dst, "): rank ", src, " called send(count=", s.count, ", dtype=", name(s.dtype), ", peer=", dst,
-          ") (call #", s.call, ") but rank ", dst, " called recv(count=", r.count, ", dtype=",
-          name(r.dtype), ", peer=", src, ") (call #", r.call, "); the count and element type of a "
-          "send and its recv must agree");
+    // A mistake the pair can see fails both sides, naming both calls, and copies nothing.
+    const auto refuse = [&](const std::string& why) {
       // One exception object per side, each made before it is published: a temporary Error
       // still alive after complete() would share its message buffer (libstdc++'s
       // reference-counted runtime_error string) with the waiter's copy across threads.
@@ -292,9 +338,21 @@ class World {
       auto to_receiver = std::make_exception_ptr(Error(Errc::invalid_argument, why));
       s.state->complete(std::move(to_sender));
       r.state->complete(std::move(to_receiver));
-      return;
-    }
-    if (s.count) std::memcpy(r.dst, s.src, s.count * size_of(s.dtype));
+    };
+    const std::string message = detail::cat("(message #", s.seq, " from rank ", src, " to rank ", dst, "): ");
+    if (s.count != r.count || s.dtype != r.dtype)
+      return refuse(detail::cat(
+          "threads backend: mismatched send/recv ", message, "rank ", src, " called send(count=", s.count,
+          ", dtype=", name(s.dtype), ", peer=", dst, ") (call #", s.call, ") but rank ", dst,
+          " called recv(count=", r.count, ", dtype=", name(r.dtype), ", peer=", src, ") (call #", r.call,
+          "); the count and element type of a send and its recv must agree"));
+    const threads_detail::Extent from{s.src, s.count * size_of(s.dtype)}, into{r.dst, from.bytes};
+    if (threads_detail::overlap(from, into))
+      return refuse(detail::cat("threads backend: send/recv ", message,
+                                threads_detail::describe_buffer("recv buffer", dst, into), " overlaps ",
+                                threads_detail::describe_buffer("send buffer", src, from),
+                                "; the buffers of a send and its recv must be disjoint"));
+    if (s.count) std::memcpy(r.dst, s.src, from.bytes);
     s.state->complete(nullptr);
     r.state->complete(nullptr);
   }
@@ -750,11 +808,11 @@ class Threads {
     int first = -1;
     for (int r = 0; r < w.size() && first < 0; ++r)
       if (!calls[std::size_t(r)].rejected.empty()) first = r;
-    if (first >= 0) {
-      const std::string why = !c.rejected.empty()
-                                  ? c.rejected
-                                  : detail::cat("rank ", first, " rejected its arguments: ",
-                                                calls[std::size_t(first)].rejected);
+    std::string why = first < 0             ? threads_detail::check_disjoint(calls)
+                      : !c.rejected.empty() ? c.rejected
+                                            : detail::cat("rank ", first, " rejected its arguments: ",
+                                                          calls[std::size_t(first)].rejected);
+    if (!why.empty()) {
       w.depart();
       throw Error(Errc::invalid_argument, "threads backend: " + why);
     }
