@@ -3,6 +3,7 @@
 #include "zp/detail/file.hpp"
 
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -204,4 +205,35 @@ TEST_CASE("file errors name the path, the operation and the reason") {
                {"file " + p.native() + " is truncated: wanted bytes [4, 12) but it has 10 bytes"});
   expect_error(zp::Errc::io, [&] { f.read_at(100, buf); }, {"wanted bytes [100, 108) but it has 10 bytes"});
   f.read_at(10, std::span<std::byte>());  // an empty read at the end is fine
+}
+
+TEST_CASE("only regular files are read: a FIFO, a directory or an oversized file is an error, never a wait") {
+  TempDir dir;
+  const auto fifo = dir.path / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);  // no writer ever opens it: a blocking open would wait forever
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(fifo); }, {fifo.native(), "not a regular file (a FIFO)"});
+  expect_error(zp::Errc::io, [&] { (void)zp::detail::read_whole_file(fifo, 100); }, {"a FIFO"});
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); }, {"not a regular file (a directory)"});
+  const auto big = dir.path / "big";
+  const std::string text(101, 'x');
+  zp::detail::write_file_atomic(big, std::as_bytes(std::span(text)));
+  expect_error(zp::Errc::io, [&] { (void)zp::detail::read_whole_file(big, 100); }, {"101 bytes", "100-byte limit"});
+  CHECK(zp::detail::read_whole_file(big, 101) == std::string(101, 'x'));
+}
+
+TEST_CASE("a DirectoryLock excludes every other holder, in this process too, and a no-replace rename never replaces") {
+  TempDir dir;
+  {
+    zp::detail::DirectoryLock first(dir.path, ".lock", "writer");
+    expect_error(zp::Errc::io, [&] { zp::detail::DirectoryLock second(dir.path, ".lock", "writer"); },
+                 {"is locked by another writer", ".lock"});
+  }
+  zp::detail::DirectoryLock again(dir.path, ".lock", "writer");  // released with its holder
+  const auto a = dir.path / "a", b = dir.path / "b";
+  std::filesystem::create_directory(a);
+  std::filesystem::create_directory(b);  // empty: plain rename(2) would replace it
+  expect_error(zp::Errc::io, [&] { zp::detail::rename_no_replace(a, b); }, {"rename", "File exists"});
+  CHECK(std::filesystem::exists(a));
+  zp::detail::rename_no_replace(a, dir.path / "c");
+  CHECK(std::filesystem::exists(dir.path / "c"));
 }
