@@ -25,5 +25,15 @@ f="$dir/ckpt/step6/rank-00001-of-00002.safetensors"
 printf '\xff' | dd of="$f" bs=1 seek=100 conv=notrunc status=none
 if "$tool" verify "$dir/ckpt" --tag step6 > "$dir.verify"; then echo "verify passed a corrupt file"; exit 1; fi
 grep -q "FAILED  checkpoint file $f has CRC-32C" "$dir.verify"
-rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo"
+# A FIFO where a rank file should be is named, not waited on (timeout: a hang fails the test).
+f="$dir/ckpt/step3/rank-00000-of-00002.safetensors"
+rm "$f" && mkfifo "$f"
+if timeout 20 "$tool" verify "$dir/ckpt" --tag step3 > "$dir.verify"; then echo "verify passed a FIFO"; exit 1; fi
+grep -q "FAILED  cannot read $f: not a regular file (a FIFO)" "$dir.verify"
+# Numbers out of range are refused, naming the flag and the range (4294967297 used to wrap to 1).
+for bad in 4294967297 0 -1 3x 99999999999999999999; do
+  if "$tool" reshard "$dir/ckpt" --ranks "$bad" 2> "$dir.err"; then echo "reshard took --ranks $bad"; exit 1; fi
+  grep -q -- "--ranks expects an integer in \[1, 16777216\], got '$bad'" "$dir.err"
+done
+rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo" "$dir.err"
 echo "zp_ckpt: ok"

@@ -7,9 +7,11 @@
 //   zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]
 //
 // Exit status: 0 success, 1 a failed check or I/O error (the message names the file), 2 usage.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,10 +35,14 @@ const char* usage =
   std::exit(2);
 }
 
-long long to_number(const std::string& flag, const std::string& v, long long lo) {
+// A decimal integer in [lo, hi]; anything else (a sign where none fits, out of range, trailing
+// text) names the flag, the value and the range, and exits with status 2.
+long long to_number(const std::string& flag, const std::string& v, long long lo, long long hi) {
   char* end = nullptr;
+  errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < lo) bad(flag + " expects an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  if (v.empty() || *end != '\0' || errno == ERANGE || x < lo || x > hi)
+    bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
   return x;
 }
 
@@ -86,9 +92,9 @@ int main(int argc, char** argv) {
     };
     if (a == "--tag") tag = value();
     else if (a == "--out-tag") out_tag = value();
-    else if (a == "--ranks") ranks = int(to_number(a, value(), 1));
+    else if (a == "--ranks") ranks = int(to_number(a, value(), 1, zp::ckpt::max_ranks));
     else if (a == "--master") eo.master = true;
-    else if (a == "--max-file-bytes") eo.max_file_bytes = std::uint64_t(to_number(a, value(), 1));
+    else if (a == "--max-file-bytes") eo.max_file_bytes = std::uint64_t(to_number(a, value(), 1, std::numeric_limits<long long>::max()));
     else if (a.rfind("--", 0) == 0) bad("unknown flag '" + a + "'");
     else pos.push_back(a);
   }

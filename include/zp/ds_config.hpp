@@ -89,9 +89,8 @@ enum class OffloadDevice : std::uint8_t { none, cpu, nvme };
 // with_engine rejects "nvme".
 struct OffloadOptimizer {
   OffloadDevice device = OffloadDevice::none;
-  bool pin_memory = false;
+  bool pin_memory = false;  // zp pins its staging buffers either way (speed, not results)
   std::string nvme_path;
-  double ratio = 1.0;
 };
 
 // The optimizers zp runs, with DeepSpeed's names: "Adam" (decoupled decay unless
@@ -183,8 +182,11 @@ inline std::string lower(std::string_view s) {
   return r;
 }
 
-// Levenshtein distance, case-insensitive (for "did you mean").
-inline std::size_t edit_distance(std::string_view a0, std::string_view b0) {
+// Levenshtein distance, case-insensitive (for "did you mean"). The lengths differ by at least
+// the distance, so a pair whose lengths differ by more than `limit` is not compared: its
+// distance is reported as limit + 1 (a hostile multi-MiB key costs nothing).
+inline std::size_t edit_distance(std::string_view a0, std::string_view b0, std::size_t limit = 3) {
+  if ((a0.size() > b0.size() ? a0.size() - b0.size() : b0.size() - a0.size()) > limit) return limit + 1;
   const std::string a = lower(a0), b = lower(b0);
   std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
@@ -203,7 +205,7 @@ std::string_view closest(std::string_view word, const Names& names) {
   std::string_view best;
   std::size_t best_d = 4;
   for (std::string_view n : names) {
-    const std::size_t d = edit_distance(word, n);
+    const std::size_t d = edit_distance(word, n, 3);
     if (d < best_d && d < n.size()) {
       best = n;
       best_d = d;
@@ -212,8 +214,10 @@ std::string_view closest(std::string_view word, const Names& names) {
   return best;
 }
 
+// A key path for messages; a key read from the file is shortened (it may be megabytes long).
 inline std::string join(std::string_view path, std::string_view key) {
-  return path.empty() ? std::string(key) : std::string(path) + "." + std::string(key);
+  const std::string k = zp::detail::text_excerpt(key);
+  return path.empty() ? k : std::string(path) + "." + k;
 }
 
 // A value for a message: JSON text (strings quoted), shortened; nan and inf by name.
@@ -319,10 +323,13 @@ inline double as_real(const Ctx& c, const json& v, std::string_view path, Real r
   return d;
 }
 
+// As as_real, for a value zp keeps as a float: one that overflows a float, or that is not zero
+// but rounds to zero (gradient_clipping 1e-50 would silently turn clipping off), is an error.
 inline float as_float(const Ctx& c, const json& v, std::string_view path, Real r) {
   const double d = as_real(c, v, path, r);
-  if (std::fabs(d) > double(std::numeric_limits<float>::max()))
-    c.fail(path, "expected ", real_what(r), " that fits a 32-bit float, got ", show(v));
+  if (std::fabs(d) > double(std::numeric_limits<float>::max()) || (d != 0 && float(d) == 0))
+    c.fail(path, "expected ", real_what(r), " that a 32-bit float holds (magnitude 1.4e-45 to 3.4e38, or 0), got ",
+           show(v));
   return float(d);
 }
 
@@ -474,6 +481,14 @@ class Obj {
     const json* v = value(key);
     return v ? as_real(*c_, *v, path(key), r) : def;
   }
+  // A double that becomes a float at run time (a schedule's learning rate or momentum): it is
+  // kept as written, and must be one a float holds.
+  double real_f32(std::string_view key, double def, Real r) const {
+    const json* v = value(key);
+    if (!v) return def;
+    (void)as_float(*c_, *v, path(key), r);
+    return v->get<double>();
+  }
   float real32(std::string_view key, float def, Real r) const {
     const json* v = value(key);
     return v ? as_float(*c_, *v, path(key), r) : def;
@@ -510,27 +525,25 @@ inline void read_precision(const Ctx& c, const Obj& root, Config& cfg) {
   if (const json* v = root.find("fp16")) {
     const Obj o(c, *v, "fp16", fp16_keys);
     fp16 = o.boolean("enabled", false);
-    const double fixed = o.real("loss_scale", 0.0, Real::non_negative);
+    const float fixed = o.real32("loss_scale", 0.0f, Real::non_negative);
     const auto power = o.integer("initial_scale_power", 16, 0, 127, "an integer in [0, 127] (the scale is 2^power)");
     const auto window = o.integer("loss_scale_window", 1000, 1, std::numeric_limits<std::int64_t>::max(),
                                   "a positive integer");
     const auto hysteresis = o.integer("hysteresis", 2, 1, std::numeric_limits<int>::max(), "a positive integer");
     const bool consecutive = o.boolean("consecutive_hysteresis", false);
-    const double min_scale = o.real("min_loss_scale", 1.0, Real::positive);
+    const float min_scale = o.real32("min_loss_scale", 1.0f, Real::positive);
     const double initial = std::ldexp(1.0, int(power));
-    if (fixed > double(std::numeric_limits<float>::max()))
-      c.fail(o.path("loss_scale"), "expected a finite number >= 0 that fits a 32-bit float, got ", fixed);
     if (min_scale > initial)
       c.fail(o.path("min_loss_scale"), "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
              min_scale);
     if (fp16)
       cfg.engine.loss_scaler = c.checked("fp16", [&] {
-        return fixed > 0 ? LossScaler::fixed(float(fixed))
+        return fixed > 0 ? LossScaler::fixed(fixed)
                          : LossScaler::dynamic(DynamicScale{.initial_scale = float(initial),
                                                             .window = window,
                                                             .hysteresis = int(hysteresis),
                                                             .consecutive_hysteresis = consecutive,
-                                                            .min_scale = float(min_scale)});
+                                                            .min_scale = min_scale});
       });
   }
   const json* bf = root.find("bf16");
@@ -548,7 +561,9 @@ inline void read_precision(const Ctx& c, const Obj& root, Config& cfg) {
 }
 
 inline void read_zero(const Ctx& c, const json& j, Config& cfg) {
-  static constexpr Key offload_keys[] = {reads("device"), reads("nvme_path"), reads("pin_memory"), reads("ratio"),
+  static constexpr Key offload_keys[] = {reads("device"), reads("nvme_path"), reads("pin_memory"),
+                                         // Partial offload: zp offloads all of the optimizer or none.
+                                         unsupported("ratio", Off::number, 1),
                                          ignores_size("buffer_count"), ignores_bool("fast_init"),
                                          ignores_bool("pipeline_read"), ignores_bool("pipeline_write"),
                                          ignores_bool("pipeline")};
@@ -610,7 +625,6 @@ inline void read_zero(const Ctx& c, const json& j, Config& cfg) {
     if (const json* p = off.find("nvme_path"); p && !p->is_null())
       r.nvme_path = as_string(c, *p, off.path("nvme_path"), "a path string");
     r.pin_memory = off.boolean("pin_memory", false);
-    r.ratio = off.real("ratio", 1.0, Real::unit_closed);
   }
 }
 
@@ -743,8 +757,8 @@ inline void read_scheduler(const Ctx& c, const json& j, Config& cfg) {
   if (low == "warmuplr") {
     const Obj p(c, *pj, pp, warmup_keys, true);
     schedule::WarmupLR s;
-    s.warmup_min_lr = p.real("warmup_min_lr", 0.0, Real::non_negative);
-    s.warmup_max_lr = p.real("warmup_max_lr", 1e-3, Real::non_negative);
+    s.warmup_min_lr = p.real_f32("warmup_min_lr", 0.0, Real::non_negative);
+    s.warmup_max_lr = p.real_f32("warmup_max_lr", 1e-3, Real::non_negative);
     s.warmup_num_steps = p.count("warmup_num_steps", 1000);
     s.warmup_type = read_warmup_type(c, p, schedule::Warmup::log);
     cfg.scheduler = s;
@@ -752,8 +766,8 @@ inline void read_scheduler(const Ctx& c, const json& j, Config& cfg) {
     const Obj p(c, *pj, pp, decay_keys, true);
     p.require("total_num_steps", "WarmupDecayLR");
     schedule::WarmupDecayLR s;
-    s.warmup_min_lr = p.real("warmup_min_lr", 0.0, Real::non_negative);
-    s.warmup_max_lr = p.real("warmup_max_lr", 1e-3, Real::non_negative);
+    s.warmup_min_lr = p.real_f32("warmup_min_lr", 0.0, Real::non_negative);
+    s.warmup_max_lr = p.real_f32("warmup_max_lr", 1e-3, Real::non_negative);
     s.warmup_num_steps = p.count("warmup_num_steps", 1000);
     s.total_num_steps = p.count("total_num_steps", s.total_num_steps);
     s.warmup_type = read_warmup_type(c, p, schedule::Warmup::log);
@@ -774,8 +788,8 @@ inline void read_scheduler(const Ctx& c, const json& j, Config& cfg) {
     p.require("cycle_min_lr", "OneCycle");
     p.require("cycle_max_lr", "OneCycle");
     schedule::OneCycle s;
-    s.cycle_min_lr = p.real("cycle_min_lr", s.cycle_min_lr, Real::non_negative);
-    s.cycle_max_lr = p.real("cycle_max_lr", s.cycle_max_lr, Real::non_negative);
+    s.cycle_min_lr = p.real_f32("cycle_min_lr", s.cycle_min_lr, Real::non_negative);
+    s.cycle_max_lr = p.real_f32("cycle_max_lr", s.cycle_max_lr, Real::non_negative);
     s.decay_lr_rate = p.real("decay_lr_rate", 0.0, Real::non_negative);
     s.cycle_first_step_size = p.integer("cycle_first_step_size", 2000, 1, std::numeric_limits<std::int64_t>::max(),
                                         "a positive integer");
@@ -785,8 +799,8 @@ inline void read_scheduler(const Ctx& c, const json& j, Config& cfg) {
                                         "a positive integer, or null for the first step size");
     s.decay_step_size = p.count("decay_step_size", 0);
     s.cycle_momentum = p.boolean("cycle_momentum", true);
-    s.cycle_min_mom = p.real("cycle_min_mom", 0.8, Real::non_negative);
-    s.cycle_max_mom = p.real("cycle_max_mom", 0.9, Real::non_negative);
+    s.cycle_min_mom = p.real_f32("cycle_min_mom", 0.8, Real::non_negative);
+    s.cycle_max_mom = p.real_f32("cycle_max_mom", 0.9, Real::non_negative);
     s.decay_mom_rate = p.real("decay_mom_rate", 0.0, Real::finite);
     cfg.scheduler = s;
   } else {
