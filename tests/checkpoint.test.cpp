@@ -476,9 +476,10 @@ TEST_CASE("tags and `latest`: only plain names, never a path out of the director
     });
   CHECK(!fs::exists(d / "step1 "));
   // Loading one: a tag given explicitly, or what `latest` holds, is checked the same way.
-  fs::create_directories(s.dir.path.parent_path() / "zp-outside");
+  TempDir outside("outside");  // a sibling of d: "../<its name>" leads out of d
+  const std::string up = "../" + outside.path.filename().string();
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_invalid([&] { zp::load_checkpoint(e, d, "../zp-outside"); }, {"'../zp-outside'", "not a checkpoint tag"});
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, d, up); }, {"'" + up + "'", "not a checkpoint tag"});
   });
   auto latest_is = [&](const std::string& text, std::initializer_list<std::string> needles,
                        zp::Errc c = zp::Errc::invalid_argument) {
