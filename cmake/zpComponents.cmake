@@ -5,6 +5,8 @@
 #   zp::io    + checkpoints, safetensors and DeepSpeed configs (nlohmann_json)
 #   zp::cuda  + CUDA runtime (device memory, the optimizer kernels in .cuh headers)
 #   zp::nccl  + the nccl backend (zp::cuda and NCCL)
+#   zp::sim   + the simulated device (zp/device/sim.hpp): zp's device code built with any C++
+#               compiler, each stream a thread; for tests and for debugging stream ordering
 include_guard(GLOBAL)
 include(GNUInstallDirs)
 find_package(Threads REQUIRED)
@@ -16,6 +18,14 @@ if(NOT TARGET zp)
                                           $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_compile_features(zp INTERFACE cxx_std_20)
   target_link_libraries(zp INTERFACE Threads::Threads)
+endif()
+
+if(NOT TARGET zp_sim)
+  add_library(zp_sim INTERFACE)
+  add_library(zp::sim ALIAS zp_sim)
+  target_link_libraries(zp_sim INTERFACE zp)
+  target_compile_definitions(zp_sim INTERFACE ZP_DEVICE_SIM=1)
+  set_target_properties(zp_sim PROPERTIES EXPORT_NAME sim)
 endif()
 
 if(ZP_ENABLE_MPI)

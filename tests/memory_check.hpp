@@ -20,6 +20,13 @@ template <MemorySpace S>
 struct MeasuredMemory {
   std::int64_t base = memory_use<S>().current;
   void start() const { reset_peak_memory<S>(); }
+  // Runs f (a checkpoint: its staging is transient, not training's) without counting its peak.
+  template <class F>
+  void outside(F&& f) const {
+    const std::int64_t peak = memory_use<S>().peak;
+    f();
+    zp::detail::memory_use<S>().peak = std::max(peak, memory_use<S>().current);
+  }
 
   // Every byte the engine holds is in its report, the report's model states are the ZeRO
   // formula's for `ranks` (unless the gradients have an fp32 copy, which the formula leaves out),

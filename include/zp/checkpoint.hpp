@@ -549,7 +549,7 @@ template <Backend B>
 bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
   const auto v = std::int64_t(h >> 2);  // both v and -v representable
   std::int64_t seen[2] = {v, -v};
-  comm.all_reduce(std::span<std::int64_t>(seen), ReduceOp::max);
+  all_reduce_host(comm, std::span<std::int64_t>(seen), ReduceOp::max);
   return seen[0] == -seen[1];
 }
 
@@ -573,16 +573,16 @@ void on_every_rank(Collective<B>& comm, F&& f) {
     category = Errc::backend;
   }
   std::int64_t first = err ? comm.rank() : comm.size();
-  comm.all_reduce(std::span<std::int64_t>(&first, 1), ReduceOp::min);
+  all_reduce_host(comm, std::span<std::int64_t>(&first, 1), ReduceOp::min);
   if (first == comm.size()) return;
   // Every rank learns the first failure's category and text (at most 4 KiB of it); a rank that
   // failed itself then throws its own error.
   std::int64_t head[2] = {0, 0};
   if (comm.rank() == first) head[0] = std::int64_t(category), head[1] = std::int64_t(std::min<std::size_t>(msg.size(), 4096));
-  comm.broadcast(std::span<std::int64_t>(head), int(first));
+  broadcast_host(comm, std::span<std::int64_t>(head), int(first));
   std::vector<std::int64_t> words((std::size_t(head[1]) + 7) / 8, 0);
   if (comm.rank() == first) std::memcpy(words.data(), msg.data(), std::size_t(head[1]));
-  comm.broadcast(std::span<std::int64_t>(words), int(first));
+  broadcast_host(comm, std::span<std::int64_t>(words), int(first));
   std::string text(std::size_t(head[1]), '\0');
   std::memcpy(text.data(), words.data(), text.size());
   if (err) std::rethrow_exception(err);
@@ -686,7 +686,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::vector<std::int64_t> sums(2 * std::size_t(m.world_size), 0);
   sums[2 * std::size_t(r)] = std::int64_t(mine.bytes);
   sums[2 * std::size_t(r) + 1] = std::int64_t(mine.crc32c);
-  comm.all_reduce(std::span<std::int64_t>(sums), ReduceOp::sum);
+  all_reduce_host(comm, std::span<std::int64_t>(sums), ReduceOp::sum);
   for (int i = 0; i < m.world_size; ++i)
     m.files.push_back({ckpt::rank_file_name(i, m.world_size), std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
@@ -808,7 +808,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   std::vector<std::int64_t> bad(F, 0);
   for (std::size_t i = std::size_t(comm.rank()); i < F; i += std::size_t(comm.size()))
     bad[i] = rd->verify_file(int(i)).empty() ? 0 : 1;
-  comm.all_reduce(std::span<std::int64_t>(bad), ReduceOp::sum);
+  all_reduce_host(comm, std::span<std::int64_t>(bad), ReduceOp::sum);
   ckpt::on_every_rank(comm, [&] {
     for (std::size_t i = 0; i < F; ++i)
       if (bad[i]) {

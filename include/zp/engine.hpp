@@ -711,7 +711,7 @@ class Engine {
       v[k] = std::int64_t(h[k] >> 2);  // 62 bits: negation cannot overflow
       v[K + k] = -v[k];
     }
-    comm_->all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    all_reduce_host(*comm_, std::span<std::int64_t>(v), ReduceOp::max);
     for (std::size_t k = 0; k < K; ++k) {
       if (v[k] == -v[K + k]) continue;
       if (k == 0) throw_layout_difference(L);
@@ -726,14 +726,14 @@ class Engine {
   [[noreturn]] void throw_layout_difference(const Layout& L) {
     const auto& ps = L.params();
     std::int64_t count[2] = {std::int64_t(ps.size()), -std::int64_t(ps.size())};
-    comm_->all_reduce(std::span<std::int64_t>(count), ReduceOp::max);
+    all_reduce_host(*comm_, std::span<std::int64_t>(count), ReduceOp::max);
     const auto most = std::size_t(count[0]);
     std::vector<std::int64_t> v(2 * most, 0);  // absent parameters contribute 0 to both halves
     for (std::size_t i = 0; i < ps.size(); ++i) {
       v[i] = std::int64_t(detail::Fnv1a().all(std::string_view(ps[i].name), ps[i].module, ps[i].size).value() >> 2) | 1;
       v[most + i] = -v[i];
     }
-    comm_->all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    all_reduce_host(*comm_, std::span<std::int64_t>(v), ReduceOp::max);
     std::size_t i = 0;
     while (i < most && v[i] == -v[most + i]) ++i;
     const std::string head = detail::cat("engine: the models differ between ranks (rank ", comm_->rank(), " has ",

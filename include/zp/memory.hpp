@@ -4,7 +4,7 @@
 //
 // Both are selected by a MemorySpace, which is a property of the backend (Backend::memory): the
 // threads and mpi backends use MemorySpace::host (here); device backends get the device
-// specialisations from zp/device.cuh (kernels on the calling rank's stream), so engine.hpp has
+// specialisations from zp/device/memory.hpp (kernels on the calling rank's stream), so engine.hpp has
 // one code path for both. Nothing here initialises memory implicitly: a new Buffer's contents
 // are unspecified until written, as with cudaMalloc.
 #pragma once
@@ -117,6 +117,23 @@ class Buffer {
   std::size_t size_ = 0;
 };
 
+namespace detail {
+// The element math of Ops::accumulate and Ops::convert, written once for host loops and
+// device launches (zp/device/memory.hpp).
+template <class To, class From>
+struct Accumulate {  // dst += src in float, rounded once to To
+  To* dst;
+  const From* src;
+  ZP_HOST_DEVICE void operator()(std::size_t i) const { dst[i] = To(float(dst[i]) + float(src[i])); }
+};
+template <class To, class From>
+struct Convert {  // to nearest even
+  To* dst;
+  const From* src;
+  ZP_HOST_DEVICE void operator()(std::size_t i) const { dst[i] = To(float(src[i])); }
+};
+}  // namespace detail
+
 // Element-wise operations on buffers of one memory space.
 template <MemorySpace S>
 struct Ops;
@@ -136,13 +153,15 @@ struct Ops<MemorySpace::host> {
   template <class To, class From>
   static void accumulate(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
-    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = To(float(dst[i]) + float(src[i]));
+    const detail::Accumulate<To, From> f{dst.data(), src.data()};
+    for (std::size_t i = 0; i < dst.size(); ++i) f(i);
   }
   // dst[i] = To(src[i]), rounding to nearest even.
   template <class To, class From>
   static void convert(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
-    for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = To(float(src[i]));
+    const detail::Convert<To, From> f{dst.data(), src.data()};
+    for (std::size_t i = 0; i < dst.size(); ++i) f(i);
   }
   // Host memory <-> this space (here: copies). to_host is the engine's one synchronisation point
   // per optimizer step on a device.
@@ -208,12 +227,39 @@ void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
   Ops<S>::from_host(dst, std::span<const U>(tmp));
 }
 
+// Collectives of values in host memory (agreement checks, counts, error texts) over any backend:
+// on a device they go through device memory, and the host waits for the result (a device
+// backend's collectives only order its streams, so a host buffer would be read after the call
+// returned).
+namespace detail {
+template <Backend B, class T, class Op>
+void via_backend_memory(std::span<T> x, Op&& op) {
+  constexpr MemorySpace S = B::memory;
+  if constexpr (S == MemorySpace::host) {
+    op(x);
+  } else {
+    Buffer<T, S> d(x.size(), "host values staged for a collective");
+    Ops<S>::from_host(d.span(), std::span<const T>(x));
+    op(d.span());
+    Ops<S>::to_host(x, std::span<const T>(d.span()));
+  }
+}
+}  // namespace detail
+template <Backend B, class T>
+void all_reduce_host(Collective<B>& comm, std::span<T> x, ReduceOp op) {
+  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.all_reduce(s, op); });
+}
+template <Backend B, class T>
+void broadcast_host(Collective<B>& comm, std::span<T> x, int root) {
+  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.broadcast(s, root); });
+}
+
 // ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to
 // host memory, the CPU step there (optim/cpu.hpp) on the host-resident master weights and
 // state, and the new T values back. view_of(s) is segment s's shard where the engine keeps it
 // (gradient and T values in space S, master and state in host memory); step(v) runs the CPU
 // step on a view whose arrays are all in host memory. Here (S = host) that is the view itself;
-// device.cuh's specialisation pipelines the copies through pinned double buffers, so segment
+// zp/device/memory.hpp's specialisation pipelines the copies through pinned double buffers, so segment
 // s+1's gradient travels while the CPU updates segment s.
 template <MemorySpace S>
 class OffloadStaging;

@@ -13,7 +13,7 @@
 //  - any other bootstrap: Nccl::create(id, rank, size, device) with an ncclUniqueId you
 //    distributed yourself.
 //
-// Streams (zp/stream.hpp): every operation runs on the backend's own communication stream
+// Streams (zp/device/stream.hpp, on the CUDA primitives of zp/device/cuda.hpp): every operation runs on the backend's own communication stream
 // (stream()), after an event recorded on the caller's current stream (the rank's compute
 // stream), so it reads inputs the caller's kernels wrote; an event recorded after it completes
 // its Work. Work::wait() (and a Work destroyed unwaited) makes the caller's current stream wait
@@ -69,7 +69,7 @@
 #include "zp/collective.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
-#include "zp/stream.hpp"
+#include "zp/device/stream.hpp"
 
 namespace zp::backend {
 
@@ -83,6 +83,15 @@ namespace nccl_detail {
 inline void cuda_check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) [[unlikely]]
     device::check(e, detail::cat("nccl backend: ", call).c_str());
+}
+// A device primitive's error, as the backend's.
+template <class F>
+auto cuda_call(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(e.category(), detail::cat("nccl backend: ", e.message()), e.native_code(), e.where());
+  }
 }
 
 inline void nccl_check(ncclResult_t r, const char* call, ncclComm_t comm = nullptr) {
@@ -138,8 +147,8 @@ class DeviceScope {
 // of the threads that use it.
 struct Context final : device::Watched {
   ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;  // recorded on the caller's stream before each operation
+  device::stream_t stream = nullptr;
+  device::event_t ready = nullptr;  // recorded on the caller's stream before each operation
   int device = 0, rank = 0, size = 1;
   NcclOptions opt;
   bool aborted = false;
@@ -185,8 +194,8 @@ struct Context final : device::Watched {
       ncclCommDestroy(comm);
     }
     if (scratch) cudaFree(scratch);
-    if (ready) cudaEventDestroy(ready);
-    if (stream) cudaStreamDestroy(stream);
+    if (ready) device::destroy_event(ready);
+    if (stream) device::destroy_stream(stream);
     if (prev >= 0) cudaSetDevice(prev);
   }
 };
@@ -233,34 +242,28 @@ class Nccl {
     // Whether the operation completed on the device (polling errors and the timeout).
     bool test() {
       if (!event_) return true;
-      const cudaError_t q = cudaEventQuery(event_);
-      if (q == cudaErrorNotReady) {
-        try {
-          ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
-        } catch (...) {
-          release();
-          throw;
-        }
-        return false;
+      bool done = false;
+      try {
+        done = nccl_detail::cuda_call([&] { return device::event_done(event_); });
+        if (!done) ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
+      } catch (...) {
+        release();
+        throw;
       }
-      if (q != cudaSuccess) release();
-      nccl_detail::cuda_check(q, "cudaEventQuery");
-      wait();
-      return true;
+      if (done) wait();
+      return done;
     }
 
    private:
     friend class Nccl;
-    Work(std::shared_ptr<nccl_detail::Context> c, cudaEvent_t e, const char* what)
+    Work(std::shared_ptr<nccl_detail::Context> c, device::event_t e, const char* what)
         : ctx_(std::move(c)), event_(e), what_(what), issued_(std::chrono::steady_clock::now()) {}
     // Waits on the host until the operation completed, or the error or timeout (barrier()).
     void wait_host() {
       if (!event_) return;
       for (int spins = 0;; ++spins) {
-        const cudaError_t q = cudaEventQuery(event_);
-        if (q == cudaSuccess) break;
         try {
-          if (q != cudaErrorNotReady) nccl_detail::cuda_check(q, "cudaEventQuery");
+          if (nccl_detail::cuda_call([&] { return device::event_done(event_); })) break;
           ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
         } catch (...) {
           release();
@@ -273,16 +276,19 @@ class Nccl {
     }
     // The caller's current stream waits for the event; then the handle is empty.
     void order() noexcept {
-      if (event_) (void)cudaStreamWaitEvent(device::current_stream(), event_, 0);
+      try {
+        if (event_) device::wait(device::current_stream(), event_, "nccl.work.wait");
+      } catch (const Error&) {  // sticky: the next synchronisation reports it
+      }
       release();
     }
     void release() noexcept {
-      if (event_) cudaEventDestroy(event_);
+      if (event_) device::destroy_event(event_);
       event_ = nullptr;
       ctx_.reset();
     }
     std::shared_ptr<nccl_detail::Context> ctx_;
-    cudaEvent_t event_ = nullptr;
+    device::event_t event_ = nullptr;
     const char* what_ = "";
     std::chrono::steady_clock::time_point issued_{};
   };
@@ -344,7 +350,7 @@ class Nccl {
   int rank() const { return ctx_->rank; }
   int size() const { return ctx_->size; }
   int device() const { return ctx_->device; }
-  cudaStream_t stream() const { return ctx_->stream; }
+  device::stream_t stream() const { return ctx_->stream; }
   ncclComm_t comm() const { return ctx_->comm; }
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
@@ -421,9 +427,10 @@ class Nccl {
     c->opt = opt;
     ctx_ = c;  // owns comm from here, even if what follows throws
     nccl_detail::DeviceScope dev(device);
-    nccl_detail::cuda_check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
-                            "cudaStreamCreateWithFlags");
-    nccl_detail::cuda_check(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming), "cudaEventCreate");
+    nccl_detail::cuda_call([&] {
+      c->stream = device::create_stream();
+      c->ready = device::create_event();
+    });
     nccl_detail::nccl_check(ncclCommUserRank(comm, &c->rank), "ncclCommUserRank", comm);
     nccl_detail::nccl_check(ncclCommCount(comm, &c->size), "ncclCommCount", comm);
   }
@@ -447,17 +454,12 @@ class Nccl {
     auto& c = live();
     ++c.calls;
     nccl_detail::DeviceScope dev(c.device);
-    const cudaStream_t caller = device::current_stream();
-    if (caller != c.stream) {  // the inputs are complete in the caller's stream order
-      nccl_detail::cuda_check(cudaEventRecord(c.ready, caller), "cudaEventRecord");
-      nccl_detail::cuda_check(cudaStreamWaitEvent(c.stream, c.ready, 0), "cudaStreamWaitEvent");
-    }
+    // The inputs are complete in the caller's stream order.
+    nccl_detail::cuda_call([&] { device::order(c.stream, device::current_stream(), c.ready, "nccl.ready"); });
     device::before_enqueue(c.stream, device::Role::comm);
     nccl_detail::nccl_check(call(c.comm, c.stream), what, c.comm);
-    cudaEvent_t e = nullptr;
-    nccl_detail::cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    Work w(ctx_, e, what);
-    nccl_detail::cuda_check(cudaEventRecord(e, c.stream), "cudaEventRecord");
+    Work w(ctx_, nccl_detail::cuda_call([] { return device::create_event(); }), what);
+    nccl_detail::cuda_call([&] { device::record(w.event_, c.stream, "nccl.work.record"); });
     device::watch(ctx_);
     if (l == Launch::blocking) w.wait();  // ordered: empty from here
     return w;

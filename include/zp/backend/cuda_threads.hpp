@@ -1,7 +1,9 @@
-// zp/backend/cuda_threads.cuh: N ranks on one GPU (nvcc only). Ranks are threads of one process
-// sharing a device; buffers are device memory; collectives are CUDA kernels on each rank's
-// stream. NCCL refuses two ranks on one device, so this is how a multi-rank device engine runs
-// on one GPU: to test it, and to rehearse an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
+// zp/backend/cuda_threads.hpp: N ranks on one device. Ranks are threads of one process sharing
+// a device; buffers are device memory; collectives are kernels on each rank's communication
+// stream, written on the device primitives (zp/device/runtime.hpp), so the backend builds with
+// nvcc for a GPU or with any C++ compiler for the simulated device. NCCL refuses two ranks on one
+// device, so this is how a multi-rank device engine runs on one GPU: to test it, and to rehearse
+// an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
 //
 // Each rank has a communication stream of its own besides its compute stream (the calling
 // thread's current stream, zp/stream.hpp). Each operation meets the other ranks on the host
@@ -19,20 +21,17 @@
 //      destroyed unwaited) makes the compute stream wait for that event, as with nccl.
 // Events are re-recorded only after the next first meeting, when every wait on them is enqueued.
 // send/recv are not supported (pipeline parallelism on one GPU is not implemented yet).
+// The `site` names of its waits are the mutation table's (tests/device/mutations.cmake).
 #pragma once
 
-#if !defined(__CUDACC__)
-#error "zp/backend/cuda_threads.cuh needs nvcc"
-#endif
-
-#include <cuda_runtime.h>
-
+#include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "zp/backend/threads.hpp"
 #include "zp/detail/reduce.hpp"
-#include "zp/device.cuh"
+#include "zp/device/memory.hpp"
 
 namespace zp::backend {
 
@@ -46,27 +45,29 @@ struct Pointers {
   T* out[max_ranks];
 };
 
-// Rank `rank`'s part of a reduction: elements [lo, hi) of every input reduced in rank order into
-// every output (all_reduce, n_out = ranks) or into its own output at 0 (reduce_scatter, n_out =
+// Rank `rank`'s part of a reduction, element lo + i: every input reduced in rank order into
+// every output (all_reduce, n_out = ranks) or into its own output at i (reduce_scatter, n_out =
 // 1, inputs offset by the caller).
 template <class T, ReduceOp Op>
-__global__ void reduce_kernel(Pointers<T> p, int ranks, int n_out, std::size_t lo, std::size_t hi, ReduceOp op) {
-  using A = typename detail::accum<T>::type;
-  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
-  for (std::size_t i = lo + std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < hi; i += stride) {
-    A acc = A(p.in[0][i]);
-    for (int r = 1; r < ranks; ++r) acc = detail::combine_one<Op>(acc, A(p.in[r][i]));
+struct Reduce {
+  Pointers<T> p;
+  int ranks, n_out;
+  std::size_t lo;
+  ReduceOp op;
+  ZP_HOST_DEVICE void operator()(std::size_t i) const {
+    using A = typename detail::accum<T>::type;
+    const std::size_t at = lo + i;
+    A acc = A(p.in[0][at]);
+    for (int r = 1; r < ranks; ++r) acc = detail::combine_one<Op>(acc, A(p.in[r][at]));
     const T v = T(detail::finish_one(acc, op, ranks));
-    for (int k = 0; k < n_out; ++k) p.out[k][n_out == 1 ? i - lo : i] = v;
+    for (int k = 0; k < n_out; ++k) p.out[k][n_out == 1 ? i : at] = v;
   }
-}
+};
 
 // The rank's state its peers use: the events of the current operation.
 struct Shared {
   zp::device::Event ready, done;
 };
-
-using zp::device::check;
 
 }  // namespace cuda_threads_detail
 
@@ -88,17 +89,19 @@ class CudaThreads {
       return *this;
     }
     ~Work() { wait(); }
-    // Makes the caller's current stream wait for the operation.
+    // Makes the caller's current stream wait for the operation. A failed device fails the
+    // next call that can throw, as CUDA's errors are sticky.
     void wait() noexcept {
       if (!event_) return;
-      (void)cudaStreamWaitEvent(zp::device::current_stream(), event_->get(), 0);
+      try {
+        zp::device::wait(zp::device::current_stream(), event_->get(), "cuda_threads.work.wait");
+      } catch (const Error&) {
+      }
       event_.reset();
     }
     bool test() {
       if (!event_) return true;
-      const cudaError_t q = cudaEventQuery(event_->get());
-      if (q == cudaErrorNotReady) return false;
-      cuda_threads_detail::check(q, "cudaEventQuery");
+      if (!zp::device::event_done(event_->get())) return false;
       wait();
       return true;
     }
@@ -113,7 +116,7 @@ class CudaThreads {
   // the rank over and creates its communication stream.
   explicit CudaThreads(Threads base)
       : base_(std::move(base)),
-        shared_(std::make_unique<cuda_threads_detail::Shared>()),
+        shared_(std::make_shared<cuda_threads_detail::Shared>()),
         stream_(std::make_unique<zp::device::Stream>()) {
     ZP_EXPECT(base_.size() <= cuda_threads_detail::max_ranks, "cuda_threads backend: ", base_.size(),
               " ranks, at most ", cuda_threads_detail::max_ranks);
@@ -123,10 +126,10 @@ class CudaThreads {
 
   int rank() const { return base_.rank(); }
   int size() const { return base_.size(); }
-  cudaStream_t stream() const { return stream_->get(); }  // the communication stream
+  zp::device::stream_t stream() const { return stream_->get(); }  // the communication stream
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    return collective({CollOp::all_reduce, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::all_reduce, src, dst, n, t, op}, [&](const auto& calls, zp::device::stream_t s) {
       visit_dtype(t, [&](auto tag) {
         using T = decltype(tag);
         cuda_threads_detail::Pointers<T> p{};
@@ -140,7 +143,7 @@ class CudaThreads {
     });
   }
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    return collective({CollOp::reduce_scatter, src, dst, n, t, op}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::reduce_scatter, src, dst, n, t, op}, [&](const auto& calls, zp::device::stream_t s) {
       visit_dtype(t, [&](auto tag) {
         using T = decltype(tag);
         cuda_threads_detail::Pointers<T> p{};
@@ -152,26 +155,24 @@ class CudaThreads {
     });
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch) {
-    return collective({CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, cudaStream_t s) {
+    return collective({CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, zp::device::stream_t s) {
       const std::size_t bytes = n * size_of(t);
       for (int r = 0; r < size(); ++r) {
         char* out = static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes;
-        if (out != src && bytes)
-          cuda_threads_detail::check(cudaMemcpyAsync(out, src, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+        if (out != src) zp::device::copy(out, src, bytes, s);
       }
     });
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch) {
     threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
     c.root = root;
-    return collective(c, [&](const auto& calls, cudaStream_t s) {
+    return collective(c, [&](const auto& calls, zp::device::stream_t s) {
       const void* from = calls[std::size_t(root)].src;
-      if (from != dst && n)
-        cuda_threads_detail::check(cudaMemcpyAsync(dst, from, n * size_of(t), cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+      if (from != dst) zp::device::copy(dst, from, n * size_of(t), s);
     });
   }
   Work barrier(Launch) {  // the host meetings are the barrier
-    return collective({CollOp::barrier}, [](const auto&, cudaStream_t) {});
+    return collective({CollOp::barrier}, [](const auto&, zp::device::stream_t) {});
   }
   Work send(const void*, std::size_t, DType, int, Launch) { throw unsupported("send"); }
   Work recv(void*, std::size_t, DType, int, Launch) { throw unsupported("recv"); }
@@ -187,51 +188,47 @@ class CudaThreads {
 
   template <class T>
   static void reduce(const cuda_threads_detail::Pointers<T>& p, int n, int n_out, std::size_t lo, std::size_t hi,
-                     ReduceOp op, cudaStream_t s) {
+                     ReduceOp op, zp::device::stream_t s) {
     if (lo >= hi) return;
-    const int blocks = optim::cuda::detail::grid_for(hi - lo), threads = 256;
+    auto run = [&](auto kind) {
+      zp::device::launch(s, hi - lo, cuda_threads_detail::Reduce<T, decltype(kind)::value>{p, n, n_out, lo, op});
+    };
     switch (op) {
       case ReduceOp::sum:
-      case ReduceOp::avg:
-        cuda_threads_detail::reduce_kernel<T, ReduceOp::sum><<<blocks, threads, 0, s>>>(p, n, n_out, lo, hi, op);
-        break;
-      case ReduceOp::max:
-        cuda_threads_detail::reduce_kernel<T, ReduceOp::max><<<blocks, threads, 0, s>>>(p, n, n_out, lo, hi, op);
-        break;
-      case ReduceOp::min:
-        cuda_threads_detail::reduce_kernel<T, ReduceOp::min><<<blocks, threads, 0, s>>>(p, n, n_out, lo, hi, op);
-        break;
+      case ReduceOp::avg: return run(std::integral_constant<ReduceOp, ReduceOp::sum>{});
+      case ReduceOp::max: return run(std::integral_constant<ReduceOp, ReduceOp::max>{});
+      case ReduceOp::min: return run(std::integral_constant<ReduceOp, ReduceOp::min>{});
     }
-    cuda_threads_detail::check(cudaGetLastError(), "cuda_threads reduction launch");
   }
 
   // Steps 1-3 of the file comment around `enqueue(calls, stream)`, this rank's part.
   template <class Enqueue>
   Work collective(threads_detail::Call c, Enqueue&& enqueue) {
-    const cudaStream_t s = zp::device::current_stream(), cs = stream();
-    cuda_threads_detail::check(cudaEventRecord(shared_->ready.get(), s), "cudaEventRecord");
-    c.ext = shared_.get();
-    const cuda_threads_detail::Shared* peers[cuda_threads_detail::max_ranks] = {};
+    const zp::device::stream_t s = zp::device::current_stream(), cs = stream();
+    zp::device::record(shared_->ready.get(), s, "cuda_threads.ready.record");
+    c.ext = &shared_;
+    // Taken during the meeting, while every rank is inside it: after it a peer may return from
+    // its last operation and destroy its backend while this rank still enqueues waits on them.
+    std::shared_ptr<const cuda_threads_detail::Shared> peers[cuda_threads_detail::max_ranks];
     base_.meet(c, [&](const std::vector<threads_detail::Call>& calls) {
       for (int r = 0; r < size(); ++r) peers[r] = peer(calls[std::size_t(r)]);
-      for (int r = 0; r < size(); ++r)
-        cuda_threads_detail::check(cudaStreamWaitEvent(cs, peers[r]->ready.get(), 0), "cudaStreamWaitEvent");
+      for (int r = 0; r < size(); ++r) zp::device::wait(cs, peers[r]->ready.get(), "cuda_threads.ready.wait");
       zp::device::before_enqueue(cs, zp::device::Role::comm);
       enqueue(calls, cs);
-      cuda_threads_detail::check(cudaEventRecord(shared_->done.get(), cs), "cudaEventRecord");
+      zp::device::record(shared_->done.get(), cs, "cuda_threads.done.record");
     });
     for (int r = 0; r < size(); ++r)
-      if (r != rank()) cuda_threads_detail::check(cudaStreamWaitEvent(cs, peers[r]->done.get(), 0), "cudaStreamWaitEvent");
+      if (r != rank()) zp::device::wait(cs, peers[r]->done.get(), "cuda_threads.done.wait");
     auto e = std::make_unique<zp::device::Event>();
-    cuda_threads_detail::check(cudaEventRecord(e->get(), cs), "cudaEventRecord");
+    zp::device::record(e->get(), cs, "cuda_threads.work.record");
     return Work(std::move(e));
   }
-  static const cuda_threads_detail::Shared* peer(const threads_detail::Call& c) {
-    return static_cast<const cuda_threads_detail::Shared*>(c.ext);
+  static std::shared_ptr<const cuda_threads_detail::Shared> peer(const threads_detail::Call& c) {
+    return *static_cast<const std::shared_ptr<cuda_threads_detail::Shared>*>(c.ext);
   }
 
   Threads base_;
-  std::unique_ptr<cuda_threads_detail::Shared> shared_;  // on the heap: peers hold its address
+  std::shared_ptr<cuda_threads_detail::Shared> shared_;  // peers keep it alive until their waits are enqueued
   std::unique_ptr<zp::device::Stream> stream_;            // on the heap: the backend moves
 };
 
@@ -245,7 +242,7 @@ void run_cuda_threads(int ranks, F&& fn, int device = 0, ThreadsOptions opt = {}
   run_threads(
       ranks,
       [&](Collective<Threads>& host) {
-        cuda_threads_detail::check(cudaSetDevice(device), "cudaSetDevice");
+        zp::device::set_device(device);
         zp::device::Stream compute;
         zp::device::StreamScope on(compute.get());
         // Its own world (a split of the host one), so this rank's host backend stays with

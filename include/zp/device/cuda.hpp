@@ -1,0 +1,164 @@
+// zp/device/cuda.hpp: the device primitives (zp/device/runtime.hpp) on the CUDA runtime. Plain
+// C++ against <cuda_runtime_api.h> for streams, events, memory and copies (the nccl backend
+// needs no nvcc); launch() and sum() need nvcc: one grid-stride kernel template for every
+// element function, and a CUB block reduction. Build without --use_fast_math: the element math
+// must round as the host's does.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <thread>
+
+#include "zp/error.hpp"
+
+#if defined(__CUDACC__)
+#include <cub/block/block_reduce.cuh>
+#endif
+
+namespace zp::device {
+
+using stream_t = cudaStream_t;
+using event_t = cudaEvent_t;
+
+// Throws Errc::cuda naming the call and the runtime's error.
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) [[unlikely]]
+    throw Error(Errc::cuda, zp::detail::cat(what, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)), int(e));
+}
+
+namespace cuda_detail {
+// true: done; false: not ready; throws on an error.
+inline bool done(cudaError_t q, const char* what) {
+  if (q == cudaErrorNotReady) return false;
+  check(q, what);
+  return true;
+}
+}  // namespace cuda_detail
+
+// A site's ordering is never dropped on a real device (sim.hpp: the mutation test mode).
+inline constexpr bool dropped(const char* /*site*/) { return false; }
+
+inline stream_t create_stream() {
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  return s;
+}
+inline void destroy_stream(stream_t s) noexcept { (void)cudaStreamDestroy(s); }
+inline bool stream_done(stream_t s) { return cuda_detail::done(cudaStreamQuery(s), "cudaStreamQuery"); }
+
+inline event_t create_event() {
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  return e;
+}
+inline void destroy_event(event_t e) noexcept { (void)cudaEventDestroy(e); }  // after the waits on it
+inline void record(event_t e, stream_t s, const char* /*site*/) { check(cudaEventRecord(e, s), "cudaEventRecord"); }
+inline void wait(stream_t s, event_t e, const char* /*site*/) { check(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent"); }
+inline bool event_done(event_t e) { return cuda_detail::done(cudaEventQuery(e), "cudaEventQuery"); }
+
+// From the device's memory pool: after the first steps the pool holds the working set, so a
+// step allocates nothing from the driver.
+inline void* allocate(std::size_t bytes, stream_t s) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocAsync(&p, bytes, s);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // clear it: the caller reports out_of_memory with the size
+    throw std::bad_alloc();
+  }
+  check(e, "cudaMallocAsync");
+  return p;
+}
+inline void deallocate(void* p, stream_t s, const char* /*site*/) noexcept {
+  if (p) (void)cudaFreeAsync(p, s);
+}
+inline void* allocate_pinned(std::size_t bytes) {
+  void* p = nullptr;
+  if (bytes) check(cudaMallocHost(&p, bytes), "cudaMallocHost");
+  return p;
+}
+inline void deallocate_pinned(void* p) noexcept {
+  if (p) (void)cudaFreeHost(p);
+}
+
+inline void copy(void* dst, const void* src, std::size_t bytes, stream_t s) {
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+}
+inline void zero(void* p, std::size_t bytes, stream_t s) {
+  if (bytes) check(cudaMemsetAsync(p, 0, bytes, s), "cudaMemsetAsync");
+}
+
+// Test mode: a host function that sleeps holds the stream back.
+inline void delay(stream_t s, std::chrono::microseconds us) {
+  auto sleep = [](void* n) { std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<std::uintptr_t>(n))); };
+  check(cudaLaunchHostFunc(s, sleep, reinterpret_cast<void*>(std::uintptr_t(us.count()))), "cudaLaunchHostFunc");
+}
+
+inline void set_device(int d) { check(cudaSetDevice(d), "cudaSetDevice"); }
+inline int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+// Bytes the current device's default pool has handed out and not taken back.
+inline std::int64_t memory_in_use() {
+  int d = 0;
+  check(cudaGetDevice(&d), "cudaGetDevice");
+  cudaMemPool_t pool = nullptr;
+  check(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t used = 0;
+  check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used), "cudaMemPoolGetAttribute");
+  return std::int64_t(used);
+}
+
+#if defined(__CUDACC__)
+namespace cuda_detail {
+inline constexpr int block = 256;
+
+// Blocks that fill the device: a few resident blocks per SM (the grid-stride loop covers the rest).
+inline int grid_for(std::size_t n) {
+  int d = 0, sms = 0;
+  check(cudaGetDevice(&d), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute");
+  const std::size_t want = (n + block - 1) / block, most = std::size_t(sms) * 8;
+  return int(want < 1 ? 1 : want < most ? want : most);
+}
+
+template <class F>
+__global__ void __launch_bounds__(block) for_each_kernel(F f, std::size_t n) {
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
+
+template <class F>
+__global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* acc) {
+  using Reduce = cub::BlockReduce<double, block>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  double part = 0;
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) part += double(f(i));
+  const double total = Reduce(tmp).Sum(part);
+  if (threadIdx.x == 0) atomicAdd(acc, total);
+}
+}  // namespace cuda_detail
+
+template <class F>
+void launch(stream_t s, std::size_t n, const F& f) {
+  if (n == 0) return;
+  cuda_detail::for_each_kernel<F><<<cuda_detail::grid_for(n), cuda_detail::block, 0, s>>>(f, n);
+  check(cudaGetLastError(), "kernel launch");
+}
+
+// Blocks add their partial sums atomically: the order, and so the last bits, vary run to run.
+template <class F>
+void sum(stream_t s, std::size_t n, const F& f, double* acc) {
+  if (n == 0) return;
+  cuda_detail::sum_kernel<F><<<cuda_detail::grid_for(n), cuda_detail::block, 0, s>>>(f, n, acc);
+  check(cudaGetLastError(), "reduction launch");
+}
+#endif
+
+}  // namespace zp::device

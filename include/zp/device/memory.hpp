@@ -1,0 +1,196 @@
+// zp/device/memory.hpp: zp's buffers and operations in device memory: Allocator, Ops and
+// OffloadStaging for MemorySpace::device, the specialisations memory.hpp names, so engine.hpp
+// runs unchanged on a device backend (nccl, cuda_threads) with this header included. Written on
+// the primitives of zp/device/runtime.hpp only: it builds with nvcc for a GPU, or with any C++
+// compiler for the simulated device (ZP_DEVICE_SIM).
+//
+// Streams (zp/device/stream.hpp): every allocation, free and operation is enqueued on the
+// calling thread's current stream, the rank's compute stream, where the model's kernels run too;
+// the backends order their communication streams against it with events. Nothing waits for the
+// device except Ops::to_host (synchronize), the engine's one synchronisation per optimizer step,
+// and ZeRO-Offload's copies.
+//
+//   zp::device::Stream compute;                          // the rank's compute stream
+//   zp::device::StreamScope on(compute.get());           // the model's kernels run there too
+//   zp::Collective<zp::backend::Nccl> comm(...);
+//   zp::Engine<zp::backend::Nccl, zp::bf16, 3> engine(comm, model, config);
+#pragma once
+
+#if !defined(__CUDACC__) && !defined(ZP_DEVICE_SIM)
+#error "zp/device/memory.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+#include "zp/device/stream.hpp"
+#include "zp/error.hpp"
+#include "zp/memory.hpp"
+#include "zp/optim/gpu.hpp"
+
+namespace zp {
+
+namespace device::detail {
+// The current stream, after the delay test mode had its turn.
+inline stream_t compute_stream() {
+  const stream_t s = current_stream();
+  before_enqueue(s, Role::compute);
+  return s;
+}
+template <class F, class X>
+struct InvokeAt {  // f(p) once, as a one-element launch
+  F f;
+  X* p;
+  ZP_HOST_DEVICE void operator()(std::size_t) const { f(p); }
+};
+}  // namespace device::detail
+
+// Stream-ordered allocation on the current stream.
+template <>
+struct Allocator<MemorySpace::device> {
+  static void* allocate(std::size_t bytes) { return device::allocate(bytes, device::current_stream()); }
+  // Ordered after everything enqueued on the current stream: the rank's compute stream, which
+  // the backends make wait for every operation on the memory (Work::wait, or a dropped Work).
+  static void deallocate(void* p) noexcept { device::deallocate(p, device::current_stream(), "buffer.free"); }
+};
+
+template <>
+struct Ops<MemorySpace::device> {
+  template <class T>
+  static void zero(std::span<T> x) {
+    device::zero(x.data(), x.size_bytes(), device::detail::compute_stream());
+  }
+  template <class T>
+  static void copy(std::span<T> dst, std::span<const T> src) {
+    copy_async(dst, src, "copy");
+  }
+  template <class To, class From>
+  static void accumulate(std::span<To> dst, std::span<const From> src) {
+    ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
+    device::launch(device::detail::compute_stream(), dst.size(), detail::Accumulate<To, From>{dst.data(), src.data()});
+  }
+  template <class To, class From>
+  static void convert(std::span<To> dst, std::span<const From> src) {
+    ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
+    device::launch(device::detail::compute_stream(), dst.size(), detail::Convert<To, From>{dst.data(), src.data()});
+  }
+  // From pageable host memory: the call returns once the source was read.
+  template <class T>
+  static void from_host(std::span<T> dst, std::span<const T> src) {
+    copy_async(dst, src, "from_host");
+  }
+  // Waits for the current stream: the one synchronisation (device::synchronize, counted).
+  template <class T>
+  static void to_host(std::span<T> dst, std::span<const T> src) {
+    device::synchronize(copy_async(dst, src, "to_host"), "to_host.sync");
+  }
+  template <class G>
+  static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options&) {
+    optim::gpu::grad_stats(g, stats, device::detail::compute_stream());
+  }
+  template <class Opt, class T, class G>
+  static void step(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
+                   const optim::cpu::Options&, const double* gate) {
+    optim::gpu::step(opt, s, shard, gate, device::detail::compute_stream());
+  }
+  template <class F, class X>
+  static void invoke(const F& f, X* p) {
+    device::launch(device::detail::compute_stream(), 1, device::detail::InvokeAt<F, X>{f, p});
+  }
+
+ private:
+  // Enqueues the copy on the current stream (after the delay test mode) and returns that stream.
+  template <class T>
+  static device::stream_t copy_async(std::span<T> dst, std::span<const T> src, const char* what) {
+    ZP_EXPECT(dst.size() == src.size(), what, ": ", src.size(), " elements into ", dst.size());
+    const device::stream_t s = device::detail::compute_stream();
+    device::copy(dst.data(), src.data(), src.size_bytes(), s);
+    return s;
+  }
+};
+
+// ZeRO-Offload on a device (memory.hpp): segment s+1's gradient is copied down to a pinned
+// buffer while the CPU steps segment s, whose new T values go up from another pinned buffer,
+// all in the compute stream's order; two buffers of each kind, reused once their copies are done.
+template <>
+class OffloadStaging<MemorySpace::device> {
+ public:
+  OffloadStaging() = default;
+  OffloadStaging(const OffloadStaging&) = delete;
+  OffloadStaging& operator=(const OffloadStaging&) = delete;
+  ~OffloadStaging() {
+    try {
+      wait_uploads("offload.free.sync");  // the last copies read the pinned memory
+    } catch (const Error&) {  // a failed device: nothing runs any more
+    }
+    for (int k = 0; k < 2; ++k) {
+      device::deallocate_pinned(grad_[k]);
+      device::deallocate_pinned(param_[k]);
+    }
+  }
+
+  template <class ViewOf, class Step>
+  void run(int segments, ViewOf&& view_of, Step&& step) {
+    using V = std::decay_t<decltype(view_of(0))>;
+    using G = std::remove_const_t<typename decltype(V::grad)::element_type>;
+    using T = typename decltype(V::param)::element_type;
+    std::size_t most = 0;
+    for (int s = 0; s < segments; ++s) most = std::max(most, view_of(s).grad.size());
+    reserve(most * sizeof(G), most * sizeof(T));
+    const device::stream_t st = device::current_stream();
+    auto fetch = [&](int s) {
+      const auto v = view_of(s);
+      device::copy(grad_[s % 2], v.grad.data(), v.grad.size_bytes(), st);
+      device::record(down_[s % 2]->get(), st, "offload.down.record");
+    };
+    if (segments > 0) fetch(0);
+    for (int s = 0; s < segments; ++s) {
+      const int k = s % 2;
+      if (s + 1 < segments) fetch(s + 1);  // the host is done with that buffer (segment s - 1)
+      device::synchronize(down_[k]->get(), "offload.down.sync");
+      if (up_[k]) device::synchronize(up_[k]->get(), "offload.up.sync");  // segment s - 2's values left param_[k]
+      V v = view_of(s);
+      const std::span<T> device_param = v.param;
+      v.grad = std::span<const G>(static_cast<const G*>(grad_[k]), v.grad.size());
+      v.param = std::span<T>(static_cast<T*>(param_[k]), device_param.size());
+      step(v);
+      device::copy(device_param.data(), param_[k], device_param.size_bytes(), st);
+      if (!up_[k]) up_[k].emplace();
+      device::record(up_[k]->get(), st, "offload.up.record");
+    }
+  }
+
+ private:
+  void wait_uploads(const char* site) {
+    for (auto& e : up_)
+      if (e) device::synchronize(e->get(), site);
+  }
+  void reserve(std::size_t grad_bytes, std::size_t param_bytes) {
+    auto grow = [](void* (&b)[2], std::size_t& have, std::size_t want) {
+      if (want <= have) return;
+      for (auto& p : b) {
+        device::deallocate_pinned(std::exchange(p, nullptr));
+        p = device::allocate_pinned(want);
+      }
+      have = want;
+    };
+    for (auto& e : down_)
+      if (!e) e.emplace();
+    if (grad_bytes <= grad_bytes_ && param_bytes <= param_bytes_) return;
+    wait_uploads("offload.grow.sync");  // the buffers may still be read by copies of the previous step
+    grow(grad_, grad_bytes_, grad_bytes);
+    grow(param_, param_bytes_, param_bytes);
+  }
+
+  void* grad_[2] = {nullptr, nullptr};
+  void* param_[2] = {nullptr, nullptr};
+  std::size_t grad_bytes_ = 0, param_bytes_ = 0;
+  std::optional<device::Event> down_[2];  // a gradient shard arrived in grad_[k]
+  std::optional<device::Event> up_[2];    // the T values in param_[k] went up
+};
+
+}  // namespace zp

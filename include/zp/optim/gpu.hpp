@@ -1,0 +1,128 @@
+// zp/optim/gpu.hpp: the fused optimizer step and gradient statistics on a device (a GPU under
+// nvcc, or the simulated device), as launches of the device primitives (zp/device/runtime.hpp).
+//
+// Same element math as the CPU path (optim/optimizer.hpp), so a step on the device gives the same
+// bits as zp::optim::cpu::step (IEEE division and square root: do not build with
+// --use_fast_math). Each work item handles 4 consecutive elements, with 128-bit loads of the fp32
+// arrays (64-bit for 16-bit arrays) when every pointer is 16-byte aligned.
+//
+// No host synchronisation: grad_stats adds the squared norm into device memory, and step reads
+// the engine's gate (device memory too) and writes nothing when it says skip.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "zp/device/runtime.hpp"
+#include "zp/error.hpp"
+#include "zp/optim/optimizer.hpp"
+
+namespace zp::optim::gpu {
+
+namespace detail {
+using optim::detail::Step;
+
+template <class X>
+struct Pack4;  // 4 consecutive elements, loaded and stored as one access
+template <> struct alignas(16) Pack4<float> { float x[4]; };
+template <> struct alignas(8) Pack4<bf16> { bf16 x[4]; };
+template <> struct alignas(8) Pack4<fp16> { fp16 x[4]; };
+
+// Work item k of a step over n elements: elements [4k, min(4k + 4, n)).
+template <class O, class T, class G>
+struct StepItem {
+  Step<O> c;
+  float* master;
+  const G* grad;
+  float* state0;
+  float* state1;
+  T* param;
+  int slots;
+  std::size_t n;
+  bool vectorized;
+  const double* gate;  // [0] multiplies grad_mul, [1] nonzero: skip (memory.hpp, Ops::step)
+
+  ZP_HOST_DEVICE void operator()(std::size_t k) const {
+    if (gate[1] != 0) return;  // the whole step is skipped
+    Step<O> s = c;
+    s.grad_mul *= float(gate[0]);
+    if (vectorized && 4 * k + 4 <= n) {
+      Pack4<float> p = reinterpret_cast<const Pack4<float>*>(master)[k];
+      const Pack4<G> g = reinterpret_cast<const Pack4<G>*>(grad)[k];
+      Pack4<float> s0{}, s1{};
+      if (slots > 0) s0 = reinterpret_cast<const Pack4<float>*>(state0)[k];
+      if (slots > 1) s1 = reinterpret_cast<const Pack4<float>*>(state1)[k];
+      Pack4<T> out;
+      for (int j = 0; j < 4; ++j) {
+        float st[2] = {s0.x[j], s1.x[j]};
+        optim::detail::update(s, optim::detail::to_float(g.x[j]), p.x[j], st);
+        s0.x[j] = st[0];
+        s1.x[j] = st[1];
+        out.x[j] = optim::detail::from_float<T>(p.x[j]);
+      }
+      reinterpret_cast<Pack4<float>*>(master)[k] = p;
+      if (slots > 0) reinterpret_cast<Pack4<float>*>(state0)[k] = s0;
+      if (slots > 1) reinterpret_cast<Pack4<float>*>(state1)[k] = s1;
+      reinterpret_cast<Pack4<T>*>(param)[k] = out;
+      return;
+    }
+    for (std::size_t i = 4 * k; i < n && i < 4 * k + 4; ++i) {
+      float p = master[i];
+      float st[2] = {0.0f, 0.0f};
+      if (slots > 0) st[0] = state0[i];
+      if (slots > 1) st[1] = state1[i];
+      optim::detail::update(s, optim::detail::to_float(grad[i]), p, st);
+      master[i] = p;
+      if (slots > 0) state0[i] = st[0];
+      if (slots > 1) state1[i] = st[1];
+      param[i] = optim::detail::from_float<T>(p);
+    }
+  }
+};
+
+template <class G>
+struct Square {  // a gradient value as stored, squared in double
+  const G* g;
+  ZP_HOST_DEVICE double operator()(std::size_t i) const {
+    const double x = optim::detail::to_float(g[i]);
+    return x * x;
+  }
+};
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+}  // namespace detail
+
+// Adds the squared norm of `grad` (as stored) to stats[0], in device memory; an inf or nan makes
+// it inf or nan, which the engine's gate reads as an overflow. Enqueued on `stream`.
+template <class G>
+void grad_stats(std::span<const G> grad, double* stats, device::stream_t stream) {
+  device::sum(stream, grad.size(), detail::Square<G>{grad.data()}, stats);
+}
+
+// One optimizer step over a shard in device memory, enqueued on `stream`, gated by the two
+// doubles at `gate` in device memory (memory.hpp, Ops::step). Throws Errc::invalid_argument on
+// mismatched sizes.
+template <class Opt, class T, class G>
+  requires Optimizer<Opt>
+void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, const double* gate,
+          device::stream_t stream) {
+  const std::size_t n = shard.master.size();
+  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n, "optimizer step: sizes differ: master ",
+            n, ", grad ", shard.grad.size(), ", param ", shard.param.size());
+  detail::StepItem<Opt, T, G> f{optim::detail::prepare(opt, s), shard.master.data(), shard.grad.data(), nullptr,
+                                nullptr, shard.param.data(), 0, n, false, gate};
+  for (int k = 0; k < 2; ++k) {
+    if (!optim::detail::uses_slot(opt, k)) break;
+    ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",
+              shard.state[std::size_t(k)].size(), " elements, master has ", n);
+    (k == 0 ? f.state0 : f.state1) = shard.state[std::size_t(k)].data();
+    f.slots = k + 1;
+  }
+  ZP_EXPECT(s.step >= 1, "optimizer step: step must count from 1, got ", s.step);
+  f.vectorized = detail::aligned16(f.master) && detail::aligned16(f.grad) && detail::aligned16(f.param) &&
+                 (f.slots < 1 || detail::aligned16(f.state0)) && (f.slots < 2 || detail::aligned16(f.state1));
+  device::launch(stream, (n + 3) / 4, f);
+}
+
+}  // namespace zp::optim::gpu
