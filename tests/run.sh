@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # zp's whole test suite, exactly as README's quick start and CI (.ci/run) run it:
 #   dev   Debug build of everything (tests, examples, benchmarks; CUDA sources with nvcc when
-#         present) and every test: cpu, mpi (under mpiexec), package, gpu (skipped without one)
-#   asan  ASan + UBSan build of the host tests labelled 'sanitize'
+#         present) and every test: cpu, mpi (under mpiexec), package, sim (the device code on
+#         the simulated device, several scheduler seeds, and the mutation table), gpu (skipped
+#         without one)
+#   asan  ASan + UBSan build of the tests labelled 'sanitize' (host and simulated device)
 #   tsan  TSan build of the same tests
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -24,7 +24,7 @@ OUT=${OUT:-build/gpu-out}
 PHASE=${1:-all}
 case "$PHASE" in all|test|memcheck|bench) ;; *) echo "usage: $0 [all|test|memcheck|bench]" >&2; exit 2 ;; esac
 run_phase() { [[ $PHASE == all || $PHASE == "$1" ]]; }
-TESTS="zp.test.optim.cuda zp.test.backend.cuda_threads zp.test.backend.nccl zp.test.engine_gpu zp_demo_gpu"
+TESTS="zp.test.optim.gpu.cuda zp.test.backend.cuda_threads.cuda zp.test.backend.nccl zp.test.engine_device.cuda zp_demo_gpu"
 BENCHES="zp_bench_optim_cuda zp_bench_zero_cuda zp_demo_gpu"
 mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
@@ -60,7 +60,7 @@ if run_phase test; then
   grep -E "Test +#" "$OUT/ctest_gpu.log" | tee -a "$OUT/summary.txt"
 fi
 if run_phase memcheck; then
-  for t in engine_gpu backend.cuda_threads optim.cuda; do
+  for t in engine_device.cuda backend.cuda_threads.cuda optim.gpu.cuda; do
     if [[ -x "$BUILD/tests/zp.test.$t" ]]; then
       timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/zp.test.$t" > "$OUT/memcheck_$t.log" 2>&1
       rc=$?

@@ -115,7 +115,10 @@ struct Ops<MemorySpace::device> {
 
 // ZeRO-Offload on a device (memory.hpp): segment s+1's gradient is copied down to a pinned
 // buffer while the CPU steps segment s, whose new T values go up from another pinned buffer,
-// all in the compute stream's order; two buffers of each kind, reused once their copies are done.
+// all in the compute stream's order; two buffers of each kind. The host reuses param_[k] for
+// segment s only after waiting for segment s's gradient, whose copy was enqueued after segment
+// s-2's upload from param_[k]: that one wait orders both. Only freeing or growing the buffers
+// needs the last uploads' own event.
 template <>
 class OffloadStaging<MemorySpace::device> {
  public:
@@ -124,7 +127,7 @@ class OffloadStaging<MemorySpace::device> {
   OffloadStaging& operator=(const OffloadStaging&) = delete;
   ~OffloadStaging() {
     try {
-      wait_uploads("offload.free.sync");  // the last copies read the pinned memory
+      if (uploaded_) device::synchronize(uploaded_->get(), "offload.free.sync");  // the last copies read the pinned memory
     } catch (const Error&) {  // a failed device: nothing runs any more
     }
     for (int k = 0; k < 2; ++k) {
@@ -145,30 +148,25 @@ class OffloadStaging<MemorySpace::device> {
     auto fetch = [&](int s) {
       const auto v = view_of(s);
       device::copy(grad_[s % 2], v.grad.data(), v.grad.size_bytes(), st);
-      device::record(down_[s % 2]->get(), st, "offload.down.record");
+      device::record(down_[s % 2].get(), st, "offload.down.record");
     };
     if (segments > 0) fetch(0);
     for (int s = 0; s < segments; ++s) {
       const int k = s % 2;
       if (s + 1 < segments) fetch(s + 1);  // the host is done with that buffer (segment s - 1)
-      device::synchronize(down_[k]->get(), "offload.down.sync");
-      if (up_[k]) device::synchronize(up_[k]->get(), "offload.up.sync");  // segment s - 2's values left param_[k]
+      device::synchronize(down_[k].get(), "offload.down.sync");  // and segment s - 2's upload left param_[k]
       V v = view_of(s);
       const std::span<T> device_param = v.param;
       v.grad = std::span<const G>(static_cast<const G*>(grad_[k]), v.grad.size());
       v.param = std::span<T>(static_cast<T*>(param_[k]), device_param.size());
       step(v);
       device::copy(device_param.data(), param_[k], device_param.size_bytes(), st);
-      if (!up_[k]) up_[k].emplace();
-      device::record(up_[k]->get(), st, "offload.up.record");
     }
+    if (!uploaded_) uploaded_.emplace();
+    device::record(uploaded_->get(), st, "offload.up.record");
   }
 
  private:
-  void wait_uploads(const char* site) {
-    for (auto& e : up_)
-      if (e) device::synchronize(e->get(), site);
-  }
   void reserve(std::size_t grad_bytes, std::size_t param_bytes) {
     auto grow = [](void* (&b)[2], std::size_t& have, std::size_t want) {
       if (want <= have) return;
@@ -178,10 +176,8 @@ class OffloadStaging<MemorySpace::device> {
       }
       have = want;
     };
-    for (auto& e : down_)
-      if (!e) e.emplace();
     if (grad_bytes <= grad_bytes_ && param_bytes <= param_bytes_) return;
-    wait_uploads("offload.grow.sync");  // the buffers may still be read by copies of the previous step
+    if (uploaded_) device::synchronize(uploaded_->get(), "offload.grow.sync");  // the last run's copies read them
     grow(grad_, grad_bytes_, grad_bytes);
     grow(param_, param_bytes_, param_bytes);
   }
@@ -189,8 +185,8 @@ class OffloadStaging<MemorySpace::device> {
   void* grad_[2] = {nullptr, nullptr};
   void* param_[2] = {nullptr, nullptr};
   std::size_t grad_bytes_ = 0, param_bytes_ = 0;
-  std::optional<device::Event> down_[2];  // a gradient shard arrived in grad_[k]
-  std::optional<device::Event> up_[2];    // the T values in param_[k] went up
+  device::Event down_[2];                // a gradient shard arrived in grad_[k]
+  std::optional<device::Event> uploaded_;  // the last run's uploads are done
 };
 
 }  // namespace zp
