@@ -1,4 +1,4 @@
-// zp_bench_optim_cuda: the CUDA AdamW step (zp/optim/cuda.cuh) against the device's memory
+// zp_bench_optim_cuda: the device AdamW step on a GPU (zp/optim/gpu.hpp) against the device's memory
 // bandwidth, measured in the same run.
 //
 // cuda/adamw/<layout>/params:N  one fused step over N parameters, fp32 layout (fp32 master = the
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "zp/optim/cpu.hpp"
-#include "zp/optim/cuda.cuh"
+#include "zp/optim/gpu.hpp"
 
 using namespace zp::optim;
 
@@ -44,6 +44,18 @@ X* device_array(std::size_t n, float first) {
   for (std::size_t at = 0; at < n; at += h.size())
     ok(cudaMemcpy(p + at, h.data(), std::min(h.size(), n - at) * sizeof(X), cudaMemcpyHostToDevice), "cudaMemcpy");
   return p;
+}
+
+// The engine's step gate saying "apply, grad_mul 1" (memory.hpp, Ops::step): two doubles on the device.
+const double* apply_gate() {
+  static const double* gate = [] {
+    double* p = nullptr;
+    const double h[2] = {1.0, 0.0};
+    ok(cudaMalloc(&p, sizeof h), "cudaMalloc");
+    ok(cudaMemcpy(p, h, sizeof h, cudaMemcpyHostToDevice), "cudaMemcpy");
+    return p;
+  }();
+  return gate;
 }
 
 // Seconds of `launches` calls of f() on the default stream, by events.
@@ -109,8 +121,8 @@ bool same_as_cpu() {
   ok(cudaMemcpy(ds1, v.data(), n * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
   ok(cudaMemcpy(dg, grad.data(), n * sizeof(G), cudaMemcpyHostToDevice), "cudaMemcpy");
   const StepScalars s{3, 0.5f};
-  zp::optim::cuda::step(AdamW{}, s, ShardView<T, G>{{dm, n}, {dg, n}, {std::span<float>(ds0, n), std::span<float>(ds1, n)}, {dp, n}},
-             {}, nullptr);
+  zp::optim::gpu::step(AdamW{}, s, ShardView<T, G>{{dm, n}, {dg, n}, {std::span<float>(ds0, n), std::span<float>(ds1, n)}, {dp, n}},
+                       apply_gate(), nullptr);
   cpu::step(AdamW{}, s, ShardView<T, G>{master, grad, {std::span<float>(m), std::span<float>(v)}, param});
   std::vector<float> gm(n);
   std::vector<T> gp(n);
@@ -137,7 +149,7 @@ void adamw(benchmark::State& state) {
   std::int64_t t = 0;
   double seconds = 0;
   for (auto _ : state) {
-    seconds = timed([&] { zp::optim::cuda::step(AdamW{}, StepScalars{++t, 1.0f}, shard, {}, nullptr); });
+    seconds = timed([&] { zp::optim::gpu::step(AdamW{}, StepScalars{++t, 1.0f}, shard, apply_gate(), nullptr); });
     state.SetIterationTime(seconds);
   }
   const double gbps = bytes_per_param * double(n) / seconds / 1e9;
@@ -156,7 +168,7 @@ void grad_stats(benchmark::State& state) {
   ok(cudaMalloc(&stats, 2 * sizeof(double)), "cudaMalloc");
   double seconds = 0;
   for (auto _ : state) {
-    seconds = timed([&] { zp::optim::cuda::grad_stats(std::span<const G>(grad, n), stats, nullptr); });
+    seconds = timed([&] { zp::optim::gpu::grad_stats(std::span<const G>(grad, n), stats, nullptr); });
     state.SetIterationTime(seconds);
   }
   state.counters["GBps"] = double(n * sizeof(G)) / seconds / 1e9;

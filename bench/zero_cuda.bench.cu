@@ -1,5 +1,5 @@
 // zp_bench_zero_cuda: one ZeRO training step per stage on one GPU, N ranks as threads sharing it
-// (zp/backend/cuda_threads.cuh), against the same kernels without the engine.
+// (zp/backend/cuda_threads.hpp), against the same kernels without the engine.
 //
 // zero_step_gpu/stage:S/ranks:N  one optimizer step of a 134M-parameter model (8 modules) in bf16
 //   with fp32 master weights and AdamW: module guards around a synthetic forward (a kernel that
@@ -34,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "zp/backend/cuda_threads.cuh"
-#include "zp/device.cuh"
+#include "zp/backend/cuda_threads.hpp"
+#include "zp/device/memory.hpp"
 #include "zp/engine.hpp"
 #include "synthetic.hpp"
 
