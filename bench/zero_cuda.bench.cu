@@ -139,11 +139,11 @@ template <class F>
 double timed(Collective<CudaThreads>& comm, int iterations, F&& f) {
   std::vector<double> t;
   for (int i = 0; i < iterations; ++i) {
-    ok(cudaStreamSynchronize(zp::device::current_stream()), "cudaStreamSynchronize");
+    zp::device::synchronize(zp::device::current_stream(), "bench");
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    ok(cudaStreamSynchronize(zp::device::current_stream()), "cudaStreamSynchronize");
+    zp::device::synchronize(zp::device::current_stream(), "bench");
     comm.barrier();
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }

@@ -1,5 +1,5 @@
 // examples/charlm_params.hpp: zp_demo's model as zp sees it: its dimensions, parameters, names and
-// initial values, shared by the CPU trainer (charlm.cpp) and the GPU one (charlm_gpu.cu), so both
+// initial values, shared by the CPU trainer (charlm.cpp) and the GPU one (charlm_device.cpp), so both
 // train the same model from the same weights. Modules: 0 = the embedding, 1 and 2 = the tanh
 // layers, 3 = the softmax output layer; each layer's weight is [out, in] row-major.
 #pragma once

@@ -152,7 +152,7 @@ inline double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
 // ---- progress output ------------------------------------------------------------------------
 
 // The mean of x over comm's ranks. A device backend's collectives take device memory: the GPU
-// trainer (charlm_gpu.cu) defines device_mean, which stages x through a device buffer.
+// trainer (charlm_device.cpp) defines device_mean, which stages x through a device buffer.
 template <class Comm>
 double device_mean(Comm& comm, double x);
 template <class Comm>

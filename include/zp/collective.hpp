@@ -193,7 +193,7 @@ class OneCaller {
 // A handle on an issued operation: wait() completes it for the caller (rethrowing its error),
 // test() polls without blocking. Host backends block in wait() until the operation is done;
 // device backends (memory space device) make the caller's current CUDA stream wait for it
-// instead (zp/stream.hpp), so kernels enqueued there afterwards see the result and the host
+// instead (zp/device/stream.hpp), so kernels enqueued there afterwards see the result and the host
 // never waits. A handle destroyed without wait() must complete (or order) its operation
 // before it is gone, so no operation outlives the buffers its caller frees next.
 template <class W>

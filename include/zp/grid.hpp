@@ -24,6 +24,7 @@
 
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
+#include "zp/memory.hpp"
 
 namespace zp {
 
@@ -93,7 +94,7 @@ class ProcessGrid {
   // that a disagreement, or a shape that is wrong the same way everywhere, throws on every rank.
   static void agree(Collective<B>& world, const GridShape& s) {
     std::int64_t v[6] = {s.dp, -std::int64_t(s.dp), s.tp, -std::int64_t(s.tp), s.pp, -std::int64_t(s.pp)};
-    world.all_reduce(std::span<std::int64_t>(v), ReduceOp::max);
+    all_reduce_host(world, std::span<std::int64_t>(v), ReduceOp::max);  // host values, any backend
     ZP_EXPECT(v[0] == -v[1] && v[2] == -v[3] && v[4] == -v[5], "grid: the ranks disagree on the shape: this rank ",
               "(world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp, " x ", s.pp,
               ", but across the world dp ranges over [", -v[1], ", ", v[0], "], tp over [", -v[3], ", ", v[2],

@@ -6,7 +6,7 @@
 // an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
 //
 // Each rank has a communication stream of its own besides its compute stream (the calling
-// thread's current stream, zp/stream.hpp). Each operation meets the other ranks on the host
+// thread's current stream, zp/device/stream.hpp). Each operation meets the other ranks on the host
 // through the threads backend's rendezvous (threads.hpp: the calls compared, timeouts,
 // poisoning), but never waits for the GPU:
 //   1. rank r records `ready` on its compute stream (its inputs are complete there) and meets

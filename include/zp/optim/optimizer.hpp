@@ -1,6 +1,6 @@
 // zp/optim/optimizer.hpp: the optimizers as hyper-parameter types, the buffers of one shard, and
-// the per-element update math shared by the CPU path (optim/cpu.hpp) and the CUDA kernels
-// (optim/cuda.cuh).
+// the per-element update math shared by the CPU path (optim/cpu.hpp) and the device step
+// (optim/gpu.hpp).
 //
 // An optimizer is a plain value type (AdamW, Adam, Sgd, Lion); its fields may change on every
 // step without recompiling anything. A step reads the gradient as stored (scaled by the loss
