@@ -3,7 +3,7 @@
 #   zp::zp    header-only core, C++20, host backends (threads)
 #   zp::mpi   + the mpi backend (MPI::MPI_CXX)
 #   zp::io    + checkpoints, safetensors and DeepSpeed configs (nlohmann_json)
-#   zp::cuda  + CUDA runtime (device memory, the optimizer kernels in .cuh headers)
+#   zp::cuda  + CUDA runtime (the device primitives and memory space; kernels built by nvcc)
 #   zp::nccl  + the nccl backend (zp::cuda and NCCL)
 #   zp::sim   + the simulated device (zp/device/sim.hpp): zp's device code built with any C++
 #               compiler, each stream a thread; for tests and for debugging stream ordering
