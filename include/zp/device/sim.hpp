@@ -274,7 +274,7 @@ class Device {
     void* p = ::operator new(bytes, std::align_val_t(alignment));
     Quiet q;
     std::lock_guard lock(m_);
-    pinned_[p] = bytes;
+    pinned_[p] = {bytes, true};
     return p;
   }
   void deallocate_pinned(void* p) {
@@ -297,7 +297,7 @@ class Device {
       auto it = map.upper_bound(const_cast<void*>(p));
       if (it == map.begin()) return map.end();
       --it;
-      return at < reinterpret_cast<std::uintptr_t>(it->first) + size_of(it->second) ? it : map.end();
+      return at < reinterpret_cast<std::uintptr_t>(it->first) + it->second.bytes ? it : map.end();
     };
     if (auto it = in(blocks_); it != blocks_.end()) {
       const std::size_t off = at - reinterpret_cast<std::uintptr_t>(it->first);
@@ -311,9 +311,9 @@ class Device {
     }
     if (auto it = in(pinned_); it != pinned_.end()) {
       const std::size_t off = at - reinterpret_cast<std::uintptr_t>(it->first);
-      if (n > it->second - off)
+      if (n > it->second.bytes - off)
         throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
-                                            " runs past the end of its pinned block of ", it->second, " bytes"));
+                                            " runs past the end of its pinned block of ", it->second.bytes, " bytes"));
       return Kind::pinned;
     }
     return Kind::pageable;
@@ -331,8 +331,6 @@ class Device {
     std::size_t bytes;
     bool live;
   };
-  static std::size_t size_of(const Block& b) { return b.bytes; }
-  static std::size_t size_of(std::size_t b) { return b; }
 
   Device() = default;
   std::size_t block_bytes(void* p, const char* what) {
@@ -362,7 +360,7 @@ class Device {
   std::string error_;
   std::map<void*, Block> blocks_;          // every device block, live or pooled
   std::multimap<std::size_t, void*> pool_;  // freed blocks by size, reused for that size only
-  std::map<void*, std::size_t> pinned_;
+  std::map<void*, Block> pinned_;  // page-locked host blocks (always live)
   std::size_t reserved_ = 0, in_use_ = 0;
 };
 
@@ -381,7 +379,6 @@ class Stream {
     }
     worker_.join();
   }
-  std::uint64_t id() const { return id_; }
 
   void enqueue(std::function<void()> body, const char* what, bool work) {
     Device::get().throw_if_failed();
@@ -492,7 +489,6 @@ namespace sim {
 // Sets the simulated device's options (otherwise options_from_env()): the seed and delays for
 // streams created afterwards, the memory limit and the dropped site at once.
 inline void configure(Options o) { sim_detail::Device::get().configure(std::move(o)); }
-inline const Options& options() { return sim_detail::Device::get().options(); }
 // Clears a sticky error (tests of the simulator itself).
 inline void reset() { sim_detail::Device::get().reset(); }
 }  // namespace sim
