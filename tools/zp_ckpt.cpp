@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "zp/checkpoint.hpp"
+#include "zp/checkpoint_format.hpp"
 
 namespace {
 

@@ -78,7 +78,7 @@ enum class MemorySpace : std::uint8_t { host, device };
 enum class Launch : std::uint8_t { blocking, async };
 
 // nccl-tests' bus-bandwidth factor: busbw = algbw * factor, comparable with link bandwidth for
-// any rank count (REFERENCE.md). A send or recv moves its bytes over one link: factor 1.
+// any rank count (nccl-tests, doc/PERFORMANCE.md). A send or recv moves its bytes over one link: factor 1.
 constexpr double bus_factor(CollOp op, int ranks) noexcept {
   if (op == CollOp::send || op == CollOp::recv) return 1.0;
   if (ranks <= 1) return op == CollOp::broadcast ? 1.0 : 0.0;

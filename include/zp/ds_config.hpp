@@ -10,7 +10,7 @@
 //         ...                                // the training loop of engine.hpp
 //       });
 //
-// What is read (REFERENCE.md, "DeepSpeed's ds_config.json"; defaults are DeepSpeed's, which
+// What is read (DeepSpeed's configuration JSON, deepspeed.ai/docs/config-json; defaults are DeepSpeed's, which
 // differ from zp's own struct defaults in places, e.g. AdamW's weight_decay 0 rather than 0.01):
 // the batch triad, fp16 (with its loss scaler) / bf16 / fp32, zero_optimization (stage, bucket
 // and stage 3 sizes, offload_optimizer), optimizer (Adam, AdamW, SGD, Lion), scheduler (WarmupLR,
@@ -128,7 +128,7 @@ struct Config {
 
   std::int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
-  // null = the model's element type (REFERENCE.md); other values are rejected by with_engine.
+  // null = the model's element type (DeepSpeed's default); other values are rejected by with_engine.
   std::optional<DType> grad_accum_dtype;         // data_types.grad_accum_dtype
   std::optional<DType> communication_data_type;  // communication_data_type
   TagValidation tag_validation = TagValidation::warn;
@@ -628,7 +628,7 @@ inline void read_zero(const Ctx& c, const json& j, Config& cfg) {
   }
 }
 
-// DeepSpeed's optimizer defaults (REFERENCE.md): lr 1e-3 for all; Adam(W) betas 0.9/0.999, eps
+// DeepSpeed's optimizer defaults (deepspeed/ops/adam, deepspeed/ops/lion): lr 1e-3 for all; Adam(W) betas 0.9/0.999, eps
 // 1e-8, weight_decay 0; Lion betas 0.9/0.999; SGD as torch.optim.SGD.
 inline void read_optimizer(const Ctx& c, const json& j, Config& cfg) {
   static constexpr Key keys[] = {reads("type"), reads("params"), ignores_bool("legacy_fusion")};

@@ -37,7 +37,7 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -49,9 +49,11 @@
 #include <string>
 #include <vector>
 
+#include "zp/agreement.hpp"
 #include "zp/bucket.hpp"
 #include "zp/collective.hpp"
 #include "zp/config.hpp"
+#include "zp/engine_agreement.hpp"
 #include "zp/engine_config.hpp"
 #include "zp/error.hpp"
 #include "zp/grid.hpp"
@@ -59,8 +61,10 @@
 #include "zp/model.hpp"
 #include "zp/optim/cpu.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/param_coordinator.hpp"
 #include "zp/partition.hpp"
 #include "zp/precision.hpp"
+#include "zp/step_timer.hpp"
 
 namespace zp {
 
@@ -91,8 +95,7 @@ template <Backend B, class T, int Stage, class Opt = optim::AdamW>
 class Engine {
   static_assert(Stage >= 0 && Stage <= 3, "ZeRO stage must be 0, 1, 2 or 3");
   static constexpr MemorySpace S = B::memory;
-  using Clock = std::chrono::steady_clock;
-  static double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+  using Clock = StepTimer::Clock;
   using Work = typename Collective<B>::Work;
   using Mem = Ops<S>;  // every operation on zp's buffers (memory.hpp)
 
@@ -162,25 +165,16 @@ class Engine {
               "clip, or 0 for no clipping");
     optim::validate(opt_);
     const Layout& L = part_.layout();
-    check_same_config_everywhere(L);
+    expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_);
     load_initial_values(L);
     mods_.resize(std::size_t(L.module_count()));
-    if constexpr (Stage == 3) {
-      std::size_t largest = 0;
-      for (int m = 0; m < L.module_count(); ++m) {
-        mods_[std::size_t(m)].persistent = L.module(m).used <= config_.persist_threshold;
-        if (!mods_[std::size_t(m)].persistent) largest = std::max(largest, L.module(m).size);
-      }
-      cap_ = config_.max_live_params ? config_.max_live_params : 2 * largest;
-      for (int m = 0; m < L.module_count(); ++m)
-        ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
-                  " has ", L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
-                  "; raise the cap or split the module");
-    }
+    if constexpr (Stage == 3)
+      params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values), config_.persist_threshold,
+                      config_.max_live_params);
     ZP_EXPECT(config_.steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", config_.steps_per_print);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
-    window_start_ = Clock::now();
+    timer_ = StepTimer{};  // the first window starts now
   }
 
   // 3D parallelism (grid.hpp): ZeRO over the grid's DP group; the model holds one TP x PP part
@@ -206,7 +200,7 @@ class Engine {
   // rather than at freed memory.
   ~Engine() {
     buckets_.wait_all_quietly();
-    for (auto& st : mods_) st.works.clear();
+    params_.reset();  // waits for gathers in flight
     for (auto* v : bound_.values) v->rebind(nullptr);
     for (auto* g : bound_.grads) g->rebind(nullptr);
   }
@@ -215,10 +209,9 @@ class Engine {
 
   ModuleGuard forward(int m) {
     check_module(m);
-    const auto t = Clock::now();
-    const double g = times_.gather_wait;
+    const auto t = timer_.stamp();
     enter(m, m + 1);
-    if (open_[0]++ == 0) opened_at_[0] = t, gather_at_open_[0] = g;
+    timer_.open(StepTimer::forward, t);
     ++mods_[std::size_t(m)].forward_open;
     return ModuleGuard(this, m, false);
   }
@@ -227,8 +220,7 @@ class Engine {
     check_module(m);
     ZP_EXPECT(!mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ",
               where(), "; each module's backward runs once per micro-step (call step() after every micro-step)");
-    const auto t = Clock::now();
-    const double g = times_.gather_wait;
+    const auto t = timer_.stamp();
     enter(m, m - 1);
     mods_[std::size_t(m)].backward_done = true;
     if constexpr (Stage >= 2) {
@@ -241,7 +233,7 @@ class Engine {
         for (int p : seg.params) bound_.grads[std::size_t(p)]->rebind(mem.data() + (L.params()[std::size_t(p)].offset - seg.offset));
       }
     }
-    if (open_[1]++ == 0) opened_at_[1] = t, gather_at_open_[1] = g;
+    timer_.open(StepTimer::backward, t);
     ++mods_[std::size_t(m)].backward_open;
     return ModuleGuard(this, m, true);
   }
@@ -249,122 +241,24 @@ class Engine {
   // Ends a micro-step (call it after every backward). At the accumulation boundary it runs the
   // optimizer step described at the top of this file. Collective.
   StepResult step() {
-    rethrow_pending();
-    for (int m = 0; m < part_.layout().module_count(); ++m) {
-      const ModuleState& st = mods_[std::size_t(m)];
-      ZP_EXPECT(st.forward_open == 0 && st.backward_open == 0, "engine: step() called in ", where(),
-                " while the ", st.backward_open ? "backward" : "forward", " guard of module ", m,
-                " is still open; end every guard (let it leave its scope, or call release()) before step()");
-    }
-    for (auto& st : mods_) st.backward_done = false;
+    expect_guards_ended();
+    timer_.begin_step();
+    finish_reductions();
+    timer_.phase(&StepTimes::reduce_wait);
     const std::int64_t gas = batch_.gradient_accumulation_steps;
-    const bool boundary = micro_ + 1 == gas;
-    const Layout& L = part_.layout();
-    const auto entered = Clock::now();
-    in_context("step()", [&] {
-      buckets_.launch_all();
-      const auto first = std::min(buckets_.first_launch(), Clock::now());
-      buckets_.finish();
-      const auto done = Clock::now();
-      times_.reduce_span += seconds(first, done);
-      times_.reduce_exposed += seconds(std::max(first, entered), done);
-    });
-    auto mark = Clock::now();
-    times_.reduce_wait += seconds(entered, mark);
-    auto phase = [&](double StepTimes::*field) {
-      const auto now = Clock::now();
-      times_.*field += seconds(mark, now);
-      mark = now;
-    };
-    StepResult r;
-    r.loss_scale = config_.loss_scaler.scale();
-    r.step = step_;
-    if (!boundary) {
+    if (micro_ + 1 < gas) {
       ++micro_;
       buckets_.begin_micro_step(micro_ + 1 == gas, false);
-      phase(&StepTimes::reduce_wait);
+      timer_.phase(&StepTimes::reduce_wait);
+      StepResult r;
+      r.loss_scale = config_.loss_scaler.scale();
+      r.step = step_;
       return r;
     }
     micro_ = 0;
-    r.boundary = true;
-
-    // Global statistics: each rank over its own pieces, so the norm is computed once overall.
-    // The same all_reduce checks that every rank runs this step with the same optimizer
-    // hyper-parameters (a rank whose lr differs would update its shard differently): the 32-bit
-    // fingerprint, as two 16-bit halves h, is summed with h^2, exactly in double; the ranks agree
-    // iff sum(h) = N h and sum(h^2) = N h^2 on every rank (the variance is then zero), and when
-    // they do not, every rank sees it.
-    // The statistics live where the gradients do (stats_), and so does the decision they lead
-    // to (detail::StepGate: skip on overflow or differing hyper-parameters, else unscale and clip), so a
-    // device runs the whole step, gathers included, without the host; the host reads the
-    // outcome afterwards, in the step's one synchronisation (to_host), for the loss scaler and
-    // StepResult. A step that would apply counts as update step_ + 1 (bias correction).
-    optim::validate(opt_);
-    const std::uint64_t fp = optim::fingerprint(opt_);
-    const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
-    const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
-    const float scale = config_.loss_scaler.scale();
-    const float unscale = float(double(scale) * double(gas));  // exact for powers of two
-    double global[stats_slots] = {0.0, 0.0, h0, h0 * h0, h1, h1 * h1, 0.0, 0.0};
-    Mem::from_host(stats_.span(), std::span<const double>(global));
-    for (int s = 0; s < L.segment_count(); ++s) {
-      if (f32_grads()) add_piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)));
-      else add_piece_stats(s, std::span<const T>(part_.grad_piece(s)));
-    }
-    // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
-    // with the same sums (each DP group's are equal, and the second sum runs in one order).
-    in_context("step()", [&] {
-      comm_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
-      if (mp_) mp_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
-    });
-    Mem::invoke(detail::StepGate{n, h0, h1, unscale, config_.max_grad_norm}, stats_.data());
-    phase(&StepTimes::statistics);
-
-    if constexpr (Stage == 3)  // the shards change (or not): gathered copies are stale either way,
-      for (int m = 0; m < L.module_count(); ++m) release(m);  // and no gather may still read a shard
-    // Offloaded, the CPU step reads the gate on the host: the synchronisation comes first.
-    const bool read = part_.offloaded();
-    if (read) Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
-    const double* gate = (read ? global : stats_.data()) + statistics_count;
-    const optim::StepScalars scalars{step_ + 1, 1.0f};
-    if (f32_grads()) update<true>(scalars, gate);
-    else update<false>(scalars, gate);
-    phase(&StepTimes::optimizer);
-    if constexpr (Stage == 1 || Stage == 2) {  // skipped steps gather unchanged shards
-      in_context("step()", [&] {
-        std::vector<Work> works;
-        works.reserve(std::size_t(L.segment_count()));
-        for (int s = 0; s < L.segment_count(); ++s) works.push_back(comm_->all_gather_async(part_.param_segment(s)));
-        for (auto& w : works) w.wait();
-      });
-      phase(&StepTimes::gather);
-    }
-    if (!read) Mem::to_host(std::span<double>(global), std::span<const double>(stats_.span()));
-    ZP_EXPECT(global[statistics_count + 1] != detail::StepGate::differ, "engine: the optimizer's hyper-parameters differ between "
-              "ranks at ", where(), " (rank ", comm_->rank(), " has ", optim::describe(opt_), "); every rank must set "
-              "them identically, e.g. from the same schedule (the step was skipped everywhere)");
-    r.overflow = global[statistics_count + 1] == detail::StepGate::overflow;
-    r.grad_norm = std::sqrt(global[0]) / double(unscale);
-    const bool apply = config_.loss_scaler.update(r.overflow);
-    r.applied = apply;
-    r.loss_scale = config_.loss_scaler.scale();
-    if (apply) ++step_;
-    if constexpr (Stage < 2) {
-      Mem::zero(part_.grads());
-      Mem::zero(part_.grads_f32());
-    }
-    r.step = step_;
-    const CommStats now = comm_->stats();
-    for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
-    mark_ = now;
-    buckets_.begin_micro_step(gas == 1, true);
-    phase(&StepTimes::optimizer);
-    times_.total = seconds(window_start_, mark);
-    window_start_ = mark;
-    r.times = std::exchange(times_, StepTimes{});
-    if (config_.wall_clock_breakdown && comm_->rank() == 0 && step_ % config_.steps_per_print == 0 && apply)
-      std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
-    return r;
+    const float unscale = reduce_statistics();
+    timer_.phase(&StepTimes::statistics);
+    return end_step(update_shards(), unscale);
   }
 
   // ---- state and accounting ----------------------------------------------------------------
@@ -401,8 +295,7 @@ class Engine {
               "boundary with step >= 0, got step ", p.step, ", micro-step ", p.micro_step);
     config_.loss_scaler.load(p.scaler);
     step_ = p.step;
-    if constexpr (Stage == 3)
-      for (int m = 0; m < part_.layout().module_count(); ++m) release(m);
+    if constexpr (Stage == 3) params_->release_all();
   }
   // Throws unless the engine is usable, at an accumulation boundary and outside every guard:
   // the only moment its buffers hold a complete training state.
@@ -418,16 +311,16 @@ class Engine {
   }
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
-  std::size_t max_live_params() const noexcept { return cap_; }
+  std::size_t max_live_params() const noexcept {
+    if constexpr (Stage == 3) return params_->max_live_params();
+    else return 0;
+  }
 
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {
     MemoryReport r = part_.memory();
     r.buckets = buckets_.scratch_bytes();
-    r.gathered = (live_ + persistent_live_) * sizeof(T);
-    r.gathered_peak = peak_live_ * sizeof(T);
-    r.persistent = persistent_live_ * sizeof(T);
-    for (const auto& b : spare_) r.gather_cache += b.bytes();
+    if constexpr (Stage == 3) params_->account(r);
     return r;
   }
 
@@ -451,13 +344,8 @@ class Engine {
 
  private:
   struct ModuleState {
-    enum class State : std::uint8_t { released, gathering, gathered };
-    State state = State::released;
-    bool persistent = false;
     int forward_open = 0, backward_open = 0;  // guards of this module not ended yet
     bool backward_done = false;               // backward(m) ran in this micro-step
-    Buffer<T, S> buffer;
-    std::vector<Work> works;  // after buffer: destroyed (so waited for) before it
     int in_use() const noexcept { return forward_open + backward_open; }
   };
 
@@ -500,8 +388,8 @@ class Engine {
   void enter(int m, int next) {
     if constexpr (Stage == 3) {
       in_context(next > m ? "forward()" : "backward()", [&] {
-        ensure_gathered(m);
-        if (config_.prefetch) prefetch(next);
+        timer_.add_gather_wait(params_->use(m));
+        if (config_.prefetch) params_->prefetch(next);
       });
     }
   }
@@ -510,87 +398,6 @@ class Engine {
     rethrow_pending();
     ZP_EXPECT(m >= 0 && m < part_.layout().module_count(), "engine: module ", m, " is not in [0, ",
               part_.layout().module_count(), ")");
-  }
-
-  // Everything that must agree across ranks, as fingerprints compared in one all_reduce (MAX
-  // of h and -h), so a difference names what differs, on every rank.
-  void check_same_config_everywhere(const Layout& L) {
-    const EngineConfig& c = config_;
-    const LossScaler& ls = c.loss_scaler;
-    const DynamicScale& d = ls.config();
-    const std::string parts[] = {
-        "the model's parameters and their layout",
-        detail::cat("ZeRO stage and element type (this rank: stage ", Stage, ", ", name(dtype_of<T>), ")"),
-        detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=", batch_.micro_batch_per_rank,
-                    ", gradient_accumulation_steps=", batch_.gradient_accumulation_steps, ", fp32 accumulation ",
-                    precision_.accumulate_f32, ", fp32 reduction ", precision_.reduce_f32, ")"),
-        detail::cat("optimizer (this rank: ", optim::describe(opt_), ")"),
-        detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm, ", loss scaler kind ",
-                    int(ls.kind()), ", scale ", ls.scale(), ")"),
-        detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
-                    ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch, ", bucket_slots=",
-                    c.bucket_slots, ", broadcast_initial_params=", c.broadcast_initial_params, ")")};
-    const std::uint64_t h[] = {
-        L.hash(),
-        detail::Fnv1a().all(Stage, dtype_of<T>).value(),
-        detail::Fnv1a()
-            .all(batch_.micro_batch_per_rank, batch_.gradient_accumulation_steps, precision_.accumulate_f32,
-                 precision_.reduce_f32)
-            .value(),
-        optim::fingerprint(opt_),
-        detail::Fnv1a()
-            .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
-                 d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
-            .value(),
-        detail::Fnv1a()
-            .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots, c.broadcast_initial_params)
-            .value()};
-    constexpr std::size_t K = std::size(h);
-    std::int64_t v[2 * K];
-    for (std::size_t k = 0; k < K; ++k) {
-      v[k] = std::int64_t(h[k] >> 2);  // 62 bits: negation cannot overflow
-      v[K + k] = -v[k];
-    }
-    all_reduce_host(*comm_, std::span<std::int64_t>(v), ReduceOp::max);
-    for (std::size_t k = 0; k < K; ++k) {
-      if (v[k] == -v[K + k]) continue;
-      if (k == 0) throw_layout_difference(L);
-      throw Error(Errc::invalid_argument,
-                  detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
-                              comm_->rank(), "; every rank must build the same model with the same zp configuration"));
-    }
-  }
-
-  // The slow path of a layout difference: names the first parameter that differs (name, module
-  // or size), or says that only the bucket layout does. Every rank throws.
-  [[noreturn]] void throw_layout_difference(const Layout& L) {
-    const auto& ps = L.params();
-    std::int64_t count[2] = {std::int64_t(ps.size()), -std::int64_t(ps.size())};
-    all_reduce_host(*comm_, std::span<std::int64_t>(count), ReduceOp::max);
-    const auto most = std::size_t(count[0]);
-    std::vector<std::int64_t> v(2 * most, 0);  // absent parameters contribute 0 to both halves
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      v[i] = std::int64_t(detail::Fnv1a().all(std::string_view(ps[i].name), ps[i].module, ps[i].size).value() >> 2) | 1;
-      v[most + i] = -v[i];
-    }
-    all_reduce_host(*comm_, std::span<std::int64_t>(v), ReduceOp::max);
-    std::size_t i = 0;
-    while (i < most && v[i] == -v[most + i]) ++i;
-    const std::string head = detail::cat("engine: the models differ between ranks (rank ", comm_->rank(), " has ",
-                                         ps.size(), " parameters, ", L.used(), " elements): ");
-    const std::string tail = "; every rank must build the same model with the same zp configuration";
-    if (i == most)
-      throw Error(Errc::invalid_argument,
-                  detail::cat(head, "the parameters agree but their bucket layout does not (this rank: ",
-                              L.segment_count(), " buckets from bucket_bytes=", config_.bucket_bytes,
-                              ", first_bucket_bytes=", config_.first_bucket_bytes, ", align=", config_.align, ")",
-                              tail));
-    if (i >= ps.size())
-      throw Error(Errc::invalid_argument,
-                  detail::cat(head, "the first difference is parameter #", i, ", which this rank does not have", tail));
-    throw Error(Errc::invalid_argument,
-                detail::cat(head, "the first parameter that differs is #", i, ", on this rank '", ps[i].name,
-                            "' (module ", ps[i].module, ", ", ps[i].size, " elements)", tail));
   }
 
   void load_initial_values(const Layout& L) {
@@ -673,11 +480,8 @@ class Engine {
     const auto& mod = L.module(m);
     ModuleState& st = mods_[std::size_t(m)];
     --(backward ? st.backward_open : st.forward_open);
-    if (--open_[backward] == 0)  // gather waits inside the guard are their own phase
-      (backward ? times_.backward : times_.forward) +=
-          seconds(opened_at_[backward], Clock::now()) - (times_.gather_wait - gather_at_open_[backward]);
-    if constexpr (Stage == 3)
-      if (!st.persistent && st.in_use() == 0) release(m);
+    timer_.close(backward ? StepTimer::backward : StepTimer::forward);
+    if constexpr (Stage == 3) params_->unuse(m);
     if (backward) {
       if constexpr (Stage >= 2)
         for (int s = mod.first_segment; s < mod.end_segment; ++s)
@@ -690,6 +494,121 @@ class Engine {
       }
       for (int s = mod.first_segment; s < mod.end_segment; ++s) buckets_.ready(s);
     }
+  }
+
+  // ---- step()'s phases ---------------------------------------------------------------------
+
+  // Every guard has ended; backward may run again in the next micro-step.
+  void expect_guards_ended() {
+    rethrow_pending();
+    for (int m = 0; m < part_.layout().module_count(); ++m) {
+      const ModuleState& st = mods_[std::size_t(m)];
+      ZP_EXPECT(st.forward_open == 0 && st.backward_open == 0, "engine: step() called in ", where(),
+                " while the ", st.backward_open ? "backward" : "forward", " guard of module ", m,
+                " is still open; end every guard (let it leave its scope, or call release()) before step()");
+    }
+    for (auto& st : mods_) st.backward_done = false;
+  }
+
+  // Launches the buckets no guard launched and waits for every reduction of the micro-step.
+  void finish_reductions() {
+    in_context("step()", [&] {
+      buckets_.launch_all();
+      const auto first = std::min(buckets_.first_launch(), Clock::now());
+      buckets_.finish();
+      timer_.reductions(first, Clock::now());
+    });
+  }
+
+  // The global statistics and the step gate, into stats_; returns the unscale factor.
+  // Each rank sums over its own pieces, so the norm is computed once overall. The same
+  // all_reduce checks that every rank runs this step with the same optimizer hyper-parameters
+  // (a rank whose lr differs would update its shard differently): the 32-bit fingerprint, as
+  // two 16-bit halves h, is summed with h^2, exactly in double; the ranks agree iff sum(h) = N h
+  // and sum(h^2) = N h^2 on every rank (the variance is then zero), and when they do not, every
+  // rank sees it. The statistics live where the gradients do, and so does the decision they
+  // lead to (detail::StepGate: skip on overflow or differing hyper-parameters, else unscale and
+  // clip), so a device runs the whole step, gathers included, without the host.
+  float reduce_statistics() {
+    optim::validate(opt_);
+    const std::uint64_t fp = optim::fingerprint(opt_);
+    const double h0 = double(fp & 0xffffu), h1 = double((fp >> 16) & 0xffffu);
+    const double n = double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0);
+    const float unscale = float(double(config_.loss_scaler.scale()) *
+                                double(batch_.gradient_accumulation_steps));  // exact for powers of two
+    const double init[stats_slots] = {0.0, 0.0, h0, h0 * h0, h1, h1 * h1, 0.0, 0.0};
+    Mem::from_host(stats_.span(), std::span<const double>(init));
+    for (int s = 0; s < part_.layout().segment_count(); ++s) {
+      if (f32_grads()) add_piece_stats(s, std::span<const float>(part_.grad_f32_piece(s)));
+      else add_piece_stats(s, std::span<const T>(part_.grad_piece(s)));
+    }
+    // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
+    // with the same sums (each DP group's are equal, and the second sum runs in one order).
+    in_context("step()", [&] {
+      comm_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
+      if (mp_) mp_->all_reduce(stats_.span(0, statistics_count), ReduceOp::sum);
+    });
+    Mem::invoke(detail::StepGate{n, h0, h1, unscale, config_.max_grad_norm}, stats_.data());
+    return unscale;
+  }
+
+  // The optimizer update of this rank's shard as the gate says, then stage 1/2's all_gather of
+  // the parameters (unchanged ones too, when the step is skipped). Returns the statistics and
+  // the gate in host memory: the step's one synchronisation (offloaded, the CPU step reads the
+  // gate on the host, so it comes first). A step that applies counts as update step_ + 1.
+  std::array<double, stats_slots> update_shards() {
+    // The shards change (or not): gathered copies are stale either way, and no gather may still
+    // read a shard.
+    if constexpr (Stage == 3) params_->release_all();
+    std::array<double, stats_slots> host{};
+    const bool read = part_.offloaded();
+    if (read) Mem::to_host(std::span<double>(host), std::span<const double>(stats_.span()));
+    const double* gate = (read ? host.data() : stats_.data()) + statistics_count;
+    const optim::StepScalars scalars{step_ + 1, 1.0f};
+    if (f32_grads()) update<true>(scalars, gate);
+    else update<false>(scalars, gate);
+    timer_.phase(&StepTimes::optimizer);
+    if constexpr (Stage == 1 || Stage == 2) {
+      in_context("step()", [&] {
+        std::vector<Work> works;
+        works.reserve(std::size_t(part_.layout().segment_count()));
+        for (int s = 0; s < part_.layout().segment_count(); ++s)
+          works.push_back(comm_->all_gather_async(part_.param_segment(s)));
+        for (auto& w : works) w.wait();
+      });
+      timer_.phase(&StepTimes::gather);
+    }
+    if (!read) Mem::to_host(std::span<double>(host), std::span<const double>(stats_.span()));
+    return host;
+  }
+
+  // The outcome on the host: the loss scaler, the counters, the result, the next window.
+  StepResult end_step(const std::array<double, stats_slots>& host, float unscale) {
+    const double gate = host[statistics_count + 1];
+    ZP_EXPECT(gate != detail::StepGate::differ, "engine: the optimizer's hyper-parameters differ between ranks at ",
+              where(), " (rank ", comm_->rank(), " has ", optim::describe(opt_), "); every rank must set them "
+              "identically, e.g. from the same schedule (the step was skipped everywhere)");
+    StepResult r;
+    r.boundary = true;
+    r.overflow = gate == detail::StepGate::overflow;
+    r.grad_norm = std::sqrt(host[0]) / double(unscale);
+    r.applied = config_.loss_scaler.update(r.overflow);
+    r.loss_scale = config_.loss_scaler.scale();
+    if (r.applied) ++step_;
+    r.step = step_;
+    if constexpr (Stage < 2) {
+      Mem::zero(part_.grads());
+      Mem::zero(part_.grads_f32());
+    }
+    const CommStats now = comm_->stats();
+    for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
+    mark_ = now;
+    buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
+    timer_.phase(&StepTimes::optimizer);
+    r.times = timer_.end_window();
+    if (config_.wall_clock_breakdown && comm_->rank() == 0 && step_ % config_.steps_per_print == 0 && r.applied)
+      std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
+    return r;
   }
 
   // Adds the gradient statistics of this rank's piece of segment s into stats_[0..1]. Under
@@ -706,96 +625,6 @@ class Engine {
       if (b < e && bound_.params[std::size_t(p)].tp == TensorParallel::split)
         Mem::grad_stats(piece.subspan(b - begin, e - b), stats_.data(), config_.optimizer_options);
     }
-  }
-
-  // ---- stage 3: gather, prefetch, release ----------------------------------------------------
-
-  void gather(int m) {
-    const Layout& L = part_.layout();
-    const auto& mod = L.module(m);
-    ModuleState& st = mods_[std::size_t(m)];
-    st.buffer = take_spare(mod.size);
-    (st.persistent ? persistent_live_ : live_) += mod.size;
-    peak_live_ = std::max(peak_live_, live_);
-    st.works.clear();
-    for (int s = mod.first_segment; s < mod.end_segment; ++s) {
-      const auto& g = L.segment(s);
-      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_.param_piece(s)),
-                                                 st.buffer.span(g.offset - mod.offset, g.size)));
-    }
-    st.state = ModuleState::State::gathering;
-  }
-
-  // Makes room for `need` more live elements by releasing gathered modules nobody uses.
-  bool fits(std::size_t need) {
-    if (live_ + need <= cap_) return true;
-    for (int m = 0; m < part_.layout().module_count() && live_ + need > cap_; ++m) {
-      const ModuleState& st = mods_[std::size_t(m)];
-      if (!st.persistent && st.in_use() == 0 && st.state != ModuleState::State::released) release(m);
-    }
-    return live_ + need <= cap_;
-  }
-
-  void ensure_gathered(int m) {
-    ModuleState& st = mods_[std::size_t(m)];
-    if (st.state == ModuleState::State::released) {
-      const std::size_t need = part_.layout().module(m).size;
-      ZP_EXPECT(st.persistent || fits(need), "engine: gathering module ", m, " (", need,
-                " elements) would exceed max_live_params = ", cap_, " with ", live_,
-                " elements gathered by modules still in use; end the previous module's guard first");
-      gather(m);
-    }
-    if (st.state == ModuleState::State::gathering) {
-      const auto t = Clock::now();
-      for (auto& w : st.works) w.wait();
-      times_.gather_wait += seconds(t, Clock::now());
-      st.works.clear();
-      st.state = ModuleState::State::gathered;
-      bind_values(m, st.buffer.data());
-    }
-  }
-
-  void prefetch(int m) {
-    if (m < 0 || m >= part_.layout().module_count()) return;
-    ModuleState& st = mods_[std::size_t(m)];
-    if (st.state != ModuleState::State::released) return;
-    const std::size_t need = part_.layout().module(m).size;
-    if (!st.persistent && live_ + need > cap_) return;  // never evicts for a prefetch
-    gather(m);
-  }
-
-  void release(int m) {
-    ModuleState& st = mods_[std::size_t(m)];
-    if (st.state == ModuleState::State::released) return;
-    for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
-    st.works.clear();
-    bind_values(m, nullptr);
-    (st.persistent ? persistent_live_ : live_) -= part_.layout().module(m).size;
-    // Keep a couple of released buffers for the next gathers: re-allocating them every time
-    // costs page faults (host) or allocator calls (device) on every module of every step.
-    if (spare_.size() < 2) spare_.push_back(std::move(st.buffer));
-    st.buffer = Buffer<T, S>();
-    st.state = ModuleState::State::released;
-  }
-
-  Buffer<T, S> take_spare(std::size_t n) {
-    for (auto& b : spare_)
-      if (b.size() == n) {
-        Buffer<T, S> out = std::move(b);
-        b = std::move(spare_.back());
-        spare_.pop_back();
-        return out;
-      }
-    if (spare_.size() >= 2) spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
-    return Buffer<T, S>(n);
-  }
-
-  void bind_values(int m, T* base) {
-    const Layout& L = part_.layout();
-    const auto& mod = L.module(m);
-    for (int s = mod.first_segment; s < mod.end_segment; ++s)
-      for (int p : L.segment(s).params)
-        bound_.values[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
   }
 
   // ---- whole-model views -------------------------------------------------------------------
@@ -858,18 +687,12 @@ class Engine {
   Partitioned<T, Stage, S> part_;
   GradBuckets<T, B, S> buckets_;
   std::vector<ModuleState> mods_;
-  std::vector<Buffer<T, S>> spare_;  // stage 3: released gather buffers kept for reuse (<= 2)
+  std::optional<ParamCoordinator<T, B>> params_;  // stage 3: gathers, prefetches, releases
   Buffer<double, S> stats_{stats_slots, "engine: step statistics"};  // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)
-  std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)
-  // Timers: the current window's phases, when it began, guards open per kind (0 forward, 1
-  // backward) and since when, so nested or overlapping guards count once.
-  StepTimes times_;
-  Clock::time_point window_start_{}, opened_at_[2]{};
-  double gather_at_open_[2] = {0, 0};
-  int open_[2] = {0, 0};
+  StepTimer timer_;
   CommStats mark_{}, last_{};
   std::exception_ptr pending_;
 };

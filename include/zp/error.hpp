@@ -26,6 +26,7 @@ enum class Errc {
   aborted,           // another rank failed, so this communicator was poisoned
   io,                // a file could not be read or written
   out_of_memory,     // an allocation failed; the message names what was being allocated
+  internal,          // an invariant of zp itself broke: a bug in zp, not in the caller's input
 };
 
 inline const char* to_string(Errc c) noexcept {
@@ -39,6 +40,7 @@ inline const char* to_string(Errc c) noexcept {
     case Errc::aborted: return "aborted";
     case Errc::io: return "I/O error";
     case Errc::out_of_memory: return "out of memory";
+    case Errc::internal: return "internal error (a bug in zp; please report it)";
   }
   return "unknown error";
 }
@@ -137,4 +139,12 @@ inline std::chrono::steady_clock::time_point deadline_after(std::chrono::millise
   do {                                                                               \
     if (!(cond)) [[unlikely]]                                                        \
       throw ::zp::Error(::zp::Errc::invalid_argument, ::zp::detail::cat(__VA_ARGS__)); \
+  } while (0)
+
+// Always-on check of zp's own invariants (never compiled out): throws
+// zp::Error(Errc::internal), so a broken invariant is not reported as the caller's mistake.
+#define ZP_ASSERT(cond, ...)                                                 \
+  do {                                                                       \
+    if (!(cond)) [[unlikely]]                                                \
+      throw ::zp::Error(::zp::Errc::internal, ::zp::detail::cat(__VA_ARGS__)); \
   } while (0)

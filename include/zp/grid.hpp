@@ -21,10 +21,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "zp/agreement.hpp"
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
-#include "zp/memory.hpp"
 
 namespace zp {
 
@@ -89,16 +90,16 @@ class ProcessGrid {
   bool last_stage() const noexcept { return me_.pp == shape_.pp - 1; }
 
  private:
-  // Ranks with different shapes would split into groups that do not match: one all_reduce (max
-  // of each size and of its negation, so both extremes) over the world, before anything else, so
-  // that a disagreement, or a shape that is wrong the same way everywhere, throws on every rank.
+  // Ranks with different shapes would split into groups that do not match: the shape's spread
+  // over the world, before anything else, so that a disagreement, or a shape that is wrong the
+  // same way everywhere, throws on every rank.
   static void agree(Collective<B>& world, const GridShape& s) {
-    std::int64_t v[6] = {s.dp, -std::int64_t(s.dp), s.tp, -std::int64_t(s.tp), s.pp, -std::int64_t(s.pp)};
-    all_reduce_host(world, std::span<std::int64_t>(v), ReduceOp::max);  // host values, any backend
-    ZP_EXPECT(v[0] == -v[1] && v[2] == -v[3] && v[4] == -v[5], "grid: the ranks disagree on the shape: this rank ",
+    const std::int64_t v[3] = {s.dp, s.tp, s.pp};
+    const std::vector<Spread> d = spread(world, std::span<const std::int64_t>(v));
+    ZP_EXPECT(d[0].same() && d[1].same() && d[2].same(), "grid: the ranks disagree on the shape: this rank ",
               "(world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp, " x ", s.pp,
-              ", but across the world dp ranges over [", -v[1], ", ", v[0], "], tp over [", -v[3], ", ", v[2],
-              "], pp over [", -v[5], ", ", v[4], "]; every rank must build the same grid");
+              ", but across the world dp ranges over [", d[0].lo, ", ", d[0].hi, "], tp over [", d[1].lo, ", ",
+              d[1].hi, "], pp over [", d[2].lo, ", ", d[2].hi, "]; every rank must build the same grid");
   }
 
   GridShape shape_;

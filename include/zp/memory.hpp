@@ -227,33 +227,6 @@ void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
   Ops<S>::from_host(dst, std::span<const U>(tmp));
 }
 
-// Collectives of values in host memory (agreement checks, counts, error texts) over any backend:
-// on a device they go through device memory, and the host waits for the result (a device
-// backend's collectives only order its streams, so a host buffer would be read after the call
-// returned).
-namespace detail {
-template <Backend B, class T, class Op>
-void via_backend_memory(std::span<T> x, Op&& op) {
-  constexpr MemorySpace S = B::memory;
-  if constexpr (S == MemorySpace::host) {
-    op(x);
-  } else {
-    Buffer<T, S> d(x.size(), "host values staged for a collective");
-    Ops<S>::from_host(d.span(), std::span<const T>(x));
-    op(d.span());
-    Ops<S>::to_host(x, std::span<const T>(d.span()));
-  }
-}
-}  // namespace detail
-template <Backend B, class T>
-void all_reduce_host(Collective<B>& comm, std::span<T> x, ReduceOp op) {
-  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.all_reduce(s, op); });
-}
-template <Backend B, class T>
-void broadcast_host(Collective<B>& comm, std::span<T> x, int root) {
-  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.broadcast(s, root); });
-}
-
 // ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to
 // host memory, the CPU step there (optim/cpu.hpp) on the host-resident master weights and
 // state, and the new T values back. view_of(s) is segment s's shard where the engine keeps it

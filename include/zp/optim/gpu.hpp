@@ -10,6 +10,10 @@
 // the engine's gate (device memory too) and writes nothing when it says skip.
 #pragma once
 
+#if !defined(__CUDACC__) && !defined(ZP_DEVICE_SIM)
+#error "zp/optim/gpu.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <span>

@@ -1,0 +1,126 @@
+// zp/agreement.hpp: what the ranks of a group must agree on, checked so that a disagreement is an
+// error on every rank, and a local failure inside a collective operation reaches every rank.
+//
+// Host values travel through the backend's memory (all_reduce_host, broadcast_host), so the
+// same checks serve host and device backends. spread() is the one primitive: a MAX all_reduce
+// over {v, -v} gives every rank the smallest and the largest of each value at once, so a rank
+// whose value differs learns it, and so do the ranks that agree with each other.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/memory.hpp"
+
+namespace zp {
+
+namespace detail {
+template <Backend B, class T, class Op>
+void via_backend_memory(std::span<T> x, Op&& op) {
+  constexpr MemorySpace S = B::memory;
+  if constexpr (S == MemorySpace::host) {
+    op(x);
+  } else {
+    Buffer<T, S> d(x.size(), "host values staged for a collective");
+    Ops<S>::from_host(d.span(), std::span<const T>(x));
+    op(d.span());
+    Ops<S>::to_host(x, std::span<const T>(d.span()));
+  }
+}
+}  // namespace detail
+
+// Collectives of values in host memory over any backend: on a device they go through device
+// memory and the host waits for the result (a device backend's collectives only order its
+// streams, so a host buffer would be read after the call returned).
+template <Backend B, class T>
+void all_reduce_host(Collective<B>& comm, std::span<T> x, ReduceOp op) {
+  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.all_reduce(s, op); });
+}
+template <Backend B, class T>
+void broadcast_host(Collective<B>& comm, std::span<T> x, int root) {
+  detail::via_backend_memory<B>(x, [&](std::span<T> s) { comm.broadcast(s, root); });
+}
+
+// The smallest and largest of one value over the ranks.
+struct Spread {
+  std::int64_t lo = 0, hi = 0;
+  bool same() const noexcept { return lo == hi; }
+};
+
+// Every value's spread over the group, in one all_reduce of 2 * v.size() words. Values must be
+// greater than INT64_MIN (their negation must exist).
+template <Backend B>
+std::vector<Spread> spread(Collective<B>& comm, std::span<const std::int64_t> v) {
+  const std::size_t n = v.size();
+  std::vector<std::int64_t> w(2 * n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ZP_ASSERT(v[i] != INT64_MIN, "spread: value ", i, " is INT64_MIN, whose negation does not exist");
+    w[i] = v[i];
+    w[n + i] = -v[i];
+  }
+  all_reduce_host(comm, std::span<std::int64_t>(w), ReduceOp::max);
+  std::vector<Spread> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = {-w[n + i], w[i]};
+  return out;
+}
+
+// The index of the first fingerprint that is not the same on every rank, or h.size() when all
+// are. Fingerprints compare in their top 62 bits.
+template <Backend B>
+std::size_t first_difference(Collective<B>& comm, std::span<const std::uint64_t> h) {
+  std::vector<std::int64_t> v(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) v[i] = std::int64_t(h[i] >> 2);
+  const std::vector<Spread> s = spread(comm, std::span<const std::int64_t>(v));
+  std::size_t i = 0;
+  while (i < s.size() && s[i].same()) ++i;
+  return i;
+}
+
+template <Backend B>
+bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
+  return first_difference(comm, std::span<const std::uint64_t>(&h, 1)) == 1;  // 1: none differs
+}
+
+// Runs the local part f of a collective operation on every rank; if it throws on any rank, every
+// rank throws: a failing rank its own error, the others one naming the first failing rank, its
+// error's category and (at most 4 KiB of) its message. f must not communicate.
+template <Backend B, class F>
+void on_every_rank(Collective<B>& comm, F&& f) {
+  std::exception_ptr err;
+  std::string msg;
+  Errc category = Errc::io;
+  try {
+    f();
+  } catch (const Error& e) {
+    err = std::current_exception();
+    msg = e.message();
+    category = e.category();
+  } catch (const std::exception& e) {
+    err = std::current_exception();
+    msg = e.what();
+    category = Errc::backend;
+  }
+  std::int64_t first = err ? comm.rank() : comm.size();
+  all_reduce_host(comm, std::span<std::int64_t>(&first, 1), ReduceOp::min);
+  if (first == comm.size()) return;
+  std::int64_t head[2] = {0, 0};
+  if (comm.rank() == first)
+    head[0] = std::int64_t(category), head[1] = std::int64_t(std::min<std::size_t>(msg.size(), 4096));
+  broadcast_host(comm, std::span<std::int64_t>(head), int(first));
+  std::vector<std::int64_t> words((std::size_t(head[1]) + 7) / 8, 0);
+  if (comm.rank() == first) std::memcpy(words.data(), msg.data(), std::size_t(head[1]));
+  broadcast_host(comm, std::span<std::int64_t>(words), int(first));
+  std::string text(std::size_t(head[1]), '\0');
+  std::memcpy(text.data(), words.data(), text.size());
+  if (err) std::rethrow_exception(err);
+  throw Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text));
+}
+
+}  // namespace zp

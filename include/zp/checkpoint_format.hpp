@@ -1,0 +1,718 @@
+// zp/checkpoint_format.hpp: zp's checkpoint format, offline: the manifest, reading and
+// verifying a checkpoint (ckpt::Reader), writing rank files and publishing them atomically
+// (ckpt::Publisher), resharding, and exporting the weights as safetensors. No engine and no
+// communicator: the tool zp_ckpt builds on this alone; checkpoint.hpp saves and loads engines
+// with it.
+//
+// Layout on disk: <dir>/<tag>/rank-00000-of-00004.safetensors ... one file per saving rank, and
+// <dir>/<tag>/manifest.json; <dir>/latest holds the tag of the newest complete checkpoint.
+// Rank r's file holds, for every parameter, the elements of it that lie in r's ZeRO pieces, as
+// one tensor per field: "param/<name>" (T), "master/<name>" (F32) and one per optimizer state
+// ("exp_avg/<name>", ...); rank 0's also "user/blob" (U8). The format is the same for every
+// stage (each rank writes its own pieces even where a stage replicates them), so the manifest's
+// parameter list, sizes and layout options say where every element of every parameter is, and
+// a load at M ranks and stage S' reads its own pieces by parameter name from whichever files
+// hold them: resharding is a read pattern, not a conversion.
+//
+// Durability: every file is written under a temporary name, fsynced and renamed; the rank files
+// and the manifest go into <dir>/.<tag>.partial, which is renamed to <dir>/<tag> only after
+// every rank file is complete; `latest` changes last. A crash at any moment therefore leaves the
+// previous checkpoint complete and `latest` pointing at it. Reading verifies every file's size
+// and CRC-32C against the manifest before using it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "zp/config.hpp"
+#include "zp/detail/file.hpp"
+#include "zp/detail/hash.hpp"
+#include "zp/detail/json.hpp"
+#include "zp/dtype.hpp"
+#include "zp/engine_config.hpp"
+#include "zp/error.hpp"
+#include "zp/layout.hpp"
+#include "zp/precision.hpp"
+#include "zp/safetensors.hpp"
+
+namespace zp {
+
+namespace ckpt {
+
+inline constexpr int format_version = 1;
+inline constexpr const char* format_name = "zp-checkpoint";
+
+inline std::string rank_file_name(int rank, int ranks) {
+  char b[64];
+  std::snprintf(b, sizeof b, "rank-%05d-of-%05d.safetensors", rank, ranks);
+  return b;
+}
+
+// Rank r's elements of parameter p: [first, first + count) of the parameter (count may be 0).
+struct Slice {
+  std::size_t first = 0, count = 0;
+};
+inline Slice slice_of(const Layout& L, const Layout::Param& p, int r) {
+  const auto& seg = L.segment(p.segment);
+  const std::size_t lo = std::max(p.offset, seg.offset + std::size_t(r) * seg.piece);
+  const std::size_t hi = std::min(p.offset + p.size, seg.offset + std::size_t(r + 1) * seg.piece);
+  return hi > lo ? Slice{lo - p.offset, hi - lo} : Slice{};
+}
+
+// Everything a checkpoint says besides the tensors.
+struct Manifest {
+  std::string tag;
+  int world_size = 1;
+  int stage = 0;
+  DType dtype = DType::f32;
+  LayoutOptions layout;
+  std::vector<ParamInfo> params;       // forward order, as the model visits them
+  std::vector<std::string> fields;     // "param", "master", then the optimizer state names
+  std::string optimizer;               // type name, e.g. "AdamW"
+  nlohmann::json hyper = nlohmann::json::object();  // its fields by name
+  std::int64_t step = 0, micro_step = 0;
+  int scaler_kind = 0;
+  LossScaler::State scaler;
+  BatchConfig batch;
+  struct File {
+    std::string name;
+    std::uint64_t bytes = 0;
+    std::uint32_t crc32c = 0;
+  };
+  std::vector<File> files;             // one per rank, rank order
+  std::uint64_t user_bytes = 0;
+
+  Layout make_layout() const { return Layout(params, world_size, layout); }
+  DType field_dtype(std::size_t f) const { return f == 0 ? dtype : DType::f32; }
+};
+
+inline nlohmann::json to_json(const Manifest& m) {
+  using nlohmann::json;
+  json j;
+  j["format"] = format_name;
+  j["version"] = format_version;
+  j["zp_version"] = detail::cat(ZP_VERSION_MAJOR, '.', ZP_VERSION_MINOR, '.', ZP_VERSION_PATCH);
+  j["tag"] = m.tag;
+  j["world_size"] = m.world_size;
+  j["stage"] = m.stage;
+  j["dtype"] = name(m.dtype);
+  j["layout"] = {{"bucket_elems", m.layout.bucket_elems}, {"first_bucket_elems", m.layout.first_bucket_elems},
+                 {"align", m.layout.align}};
+  json ps = json::array();
+  for (const auto& p : m.params) ps.push_back({{"name", p.name}, {"module", p.module}, {"size", p.size}});
+  j["params"] = std::move(ps);
+  j["fields"] = m.fields;
+  j["optimizer"] = {{"type", m.optimizer}, {"params", m.hyper}};
+  j["progress"] = {{"step", m.step},
+                   {"micro_step", m.micro_step},
+                   {"loss_scaler",
+                    {{"kind", m.scaler_kind},
+                     {"scale", m.scaler.scale},
+                     {"iter", m.scaler.iter},
+                     {"last_overflow", m.scaler.last_overflow},
+                     {"hysteresis", m.scaler.hysteresis},
+                     {"skipped", m.scaler.skipped}}}};
+  j["batch"] = {{"train_batch_size", m.batch.train_batch_size},
+                {"micro_batch_per_rank", m.batch.micro_batch_per_rank},
+                {"gradient_accumulation_steps", m.batch.gradient_accumulation_steps}};
+  json fs = json::array();
+  for (const auto& f : m.files) fs.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+  j["files"] = std::move(fs);
+  j["user_bytes"] = m.user_bytes;
+  return j;
+}
+
+// Checks a tag is usable as a directory name on every system and in every message: 1 to 200
+// characters from [A-Za-z0-9._+-], not starting with '.' (hidden and "..", and zp's staging
+// names), not "latest". Applies to saved tags, loaded tags and what `latest` holds.
+inline void check_tag(std::string_view tag, std::string_view where = "tag") {
+  auto ok_char = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-' || c == '+';
+  };
+  std::string bad;
+  for (char c : tag)
+    if (!ok_char(c) && bad.empty())
+      bad = c >= 0x20 && c < 0x7f ? detail::cat(" (it contains '", c, "')")
+                                  : detail::cat(" (it contains the byte 0x", "0123456789abcdef"[(c >> 4) & 15],
+                                                "0123456789abcdef"[c & 15], ")");
+  ZP_EXPECT(!tag.empty() && tag.size() <= 200 && tag.front() != '.' && tag != "latest" && bad.empty(), "checkpoint: ",
+            where, " '", detail::text_excerpt(tag), "'", bad,
+            " is not a checkpoint tag: expected 1 to 200 of the characters A-Z a-z 0-9 . _ - +, not starting with "
+            "'.', and not 'latest'");
+}
+
+// The largest values a manifest may hold: beyond any real run, small enough that no arithmetic
+// on them overflows (ranks * align, elements * bytes).
+inline constexpr std::int64_t max_ranks = std::int64_t(1) << 24;
+inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
+
+// Parses a manifest, naming the file and the key of anything missing, malformed or out of range.
+// Every integer must fit the field it lands in; sizes are checked against each other (the
+// files must be able to hold the parameters) before anything is allocated for them.
+inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source) {
+  Manifest m;
+  auto fail = [&](const std::string& key, const std::string& what) -> Error {
+    return Error(Errc::io, detail::cat("checkpoint manifest ", source, ": ", key, ": ", what));
+  };
+  auto get = [&](const nlohmann::json& o, const char* key, const std::string& path) -> const nlohmann::json& {
+    if (!o.is_object() || !o.contains(key)) throw fail(path + key, "missing");
+    return o.at(key);
+  };
+  auto num = [&](const nlohmann::json& o, const char* key, const std::string& path, std::int64_t lo,
+                 std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
+    const auto& v = get(o, key, path);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(hi)) ||
+        v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
+      throw fail(path + key, detail::cat("expected an integer in [", lo, ", ", hi, "], got ", detail::json_excerpt(v)));
+    return v.get<std::int64_t>();
+  };
+  auto str = [&](const nlohmann::json& o, const char* key, const std::string& path) {
+    const auto& v = get(o, key, path);
+    if (!v.is_string()) throw fail(path + key, "expected a string, got " + detail::json_excerpt(v));
+    return v.get<std::string>();
+  };
+  constexpr std::int64_t int_max = std::numeric_limits<int>::max();
+  if (str(j, "format", "") != format_name) throw fail("format", "not a zp checkpoint manifest");
+  const auto version = num(j, "version", "", 1);
+  if (version != format_version)
+    throw fail("version", detail::cat("format version ", version, "; this zp reads version ", format_version));
+  m.tag = str(j, "tag", "");
+  try {
+    check_tag(m.tag);
+  } catch (const Error& e) {
+    throw fail("tag", e.message());
+  }
+  m.world_size = int(num(j, "world_size", "", 1, max_ranks));
+  m.stage = int(num(j, "stage", "", 0, 3));
+  const std::string dt = str(j, "dtype", "");
+  bool known = false;
+  for (DType d : {DType::f32, DType::bf16, DType::f16})
+    if (dt == name(d)) m.dtype = d, known = true;
+  if (!known) throw fail("dtype", "expected f32, bf16 or f16, got " + detail::text_excerpt(dt));
+  const auto& lay = get(j, "layout", "");
+  m.layout.bucket_elems = std::size_t(num(lay, "bucket_elems", "layout.", 1, max_elements));
+  m.layout.first_bucket_elems = std::size_t(num(lay, "first_bucket_elems", "layout.", 1, max_elements));
+  m.layout.align = std::size_t(num(lay, "align", "layout.", 1, std::int64_t(1) << 20));
+  const auto& ps = get(j, "params", "");
+  if (!ps.is_array() || ps.empty()) throw fail("params", "expected a non-empty array");
+  std::int64_t elements = 0;
+  std::set<std::string, std::less<>> names;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const std::string at = detail::cat("params[", i, "].");
+    // Modules count up from 0 in steps of 0 or 1 (the layout's rule), so none exceeds i.
+    m.params.push_back({str(ps[i], "name", at), int(num(ps[i], "module", at, 0, std::min<std::int64_t>(i, int_max))),
+                        std::size_t(num(ps[i], "size", at, 1, max_elements))});
+    if (!names.insert(m.params.back().name).second)
+      throw fail(at + "name", detail::cat("the parameter ", detail::text_excerpt(m.params.back().name), " appears twice"));
+    elements += std::int64_t(m.params.back().size);
+    if (elements > max_elements) throw fail(at + "size", detail::cat("the parameters add up to more than ", max_elements, " elements"));
+  }
+  const auto& fields = get(j, "fields", "");
+  if (!fields.is_array() || fields.size() < 2 || fields.size() > 16)
+    throw fail("fields", "expected [\"param\", \"master\", ...] (2 to 16 names)");
+  for (const auto& f : fields) {
+    if (!f.is_string() || f.get_ref<const std::string&>().empty() ||
+        f.get_ref<const std::string&>().find('/') != std::string::npos)
+      throw fail("fields", "expected non-empty names without '/', got " + detail::json_excerpt(f));
+    if (std::find(m.fields.begin(), m.fields.end(), f.get<std::string>()) != m.fields.end())
+      throw fail("fields", "the name " + detail::json_excerpt(f) + " appears twice");
+    m.fields.push_back(f.get<std::string>());
+  }
+  if (m.fields[0] != "param" || m.fields[1] != "master") throw fail("fields", "expected [\"param\", \"master\", ...]");
+  const auto& opt = get(j, "optimizer", "");
+  m.optimizer = str(opt, "type", "optimizer.");
+  m.hyper = get(opt, "params", "optimizer.");
+  if (!m.hyper.is_object()) throw fail("optimizer.params", "expected an object, got " + detail::json_excerpt(m.hyper));
+  const auto& pr = get(j, "progress", "");
+  m.step = num(pr, "step", "progress.", 0);
+  m.micro_step = num(pr, "micro_step", "progress.", 0);
+  const auto& ls = get(pr, "loss_scaler", "progress.");
+  m.scaler_kind = int(num(ls, "kind", "progress.loss_scaler.", 0, 2));
+  const auto& sc = get(ls, "scale", "progress.loss_scaler.");
+  if (!sc.is_number() || !(sc.get<double>() > 0) || !(sc.get<double>() <= double(std::numeric_limits<float>::max())))
+    throw fail("progress.loss_scaler.scale", "expected a number in (0, 3.4e38], got " + detail::json_excerpt(sc));
+  m.scaler.scale = sc.get<float>();
+  m.scaler.iter = num(ls, "iter", "progress.loss_scaler.", 0);
+  m.scaler.last_overflow = num(ls, "last_overflow", "progress.loss_scaler.", -1);
+  m.scaler.hysteresis = int(num(ls, "hysteresis", "progress.loss_scaler.", 1, int_max));
+  m.scaler.skipped = num(ls, "skipped", "progress.loss_scaler.", 0);
+  const auto& b = get(j, "batch", "");
+  m.batch.train_batch_size = num(b, "train_batch_size", "batch.", 0);
+  m.batch.micro_batch_per_rank = num(b, "micro_batch_per_rank", "batch.", 0);
+  m.batch.gradient_accumulation_steps = num(b, "gradient_accumulation_steps", "batch.", 0);
+  const auto& files = get(j, "files", "");
+  if (!files.is_array() || files.size() != std::size_t(m.world_size))
+    throw fail("files", detail::cat("expected ", m.world_size, " entries (one per rank)"));
+  std::uint64_t file_bytes = 0;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::string at = detail::cat("files[", i, "].");
+    Manifest::File f{str(files[i], "name", at), std::uint64_t(num(files[i], "bytes", at, 8, std::int64_t(1) << 56)),
+                     std::uint32_t(num(files[i], "crc32c", at, 0, 0xffffffffLL))};
+    if (f.name != rank_file_name(int(i), m.world_size))
+      throw fail(at + "name", detail::cat("expected ", rank_file_name(int(i), m.world_size), ", got ",
+                                          detail::text_excerpt(f.name)));
+    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1) << 62);  // saturates, no wrap
+    m.files.push_back(std::move(f));
+  }
+  m.user_bytes = std::uint64_t(num(j, "user_bytes", "", 0, std::int64_t(m.files[0].bytes)));
+  // Every element of every field is in some rank's file: the files must be at least that large.
+  const std::uint64_t per_element = size_of(m.dtype) + sizeof(float) * (m.fields.size() - 1);
+  if (std::uint64_t(elements) * per_element + m.user_bytes > file_bytes)
+    throw fail("files", detail::cat("the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
+                                    " parameter elements need (", per_element, " bytes each over the fields)"));
+  try {
+    m.make_layout();  // the parameter list must lay out (modules numbered, sizes sane)
+  } catch (const Error& e) {
+    throw fail("params", e.message());
+  }
+  return m;
+}
+
+// A saved checkpoint, read without an engine (offline tools, exports, the engine's load): parses
+// and checks the manifest, verifies files, and reads any range of any parameter's field by name
+// from whichever rank files hold it.
+class Reader {
+ public:
+  // tag "latest" follows <dir>/latest.
+  // tag "latest" follows <dir>/latest. Tags follow check_tag, so a load never leaves `dir`.
+  Reader(std::filesystem::path dir, std::string tag = "latest") {
+    if (tag == "latest") tag = read_latest(dir);
+    check_tag(tag);
+    path_ = dir / tag;
+    const auto manifest = path_ / "manifest.json";
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::is_directory(path_, ec), "checkpoint: ", path_.string(),
+              " is not a directory (no checkpoint with tag '", tag, "' in ", dir.string(), ")");
+    const std::string text = detail::read_whole_file(manifest, std::uint64_t(1) << 28);
+    manifest_hash_ = detail::Fnv1a().all(std::string_view(text)).value();
+    m_ = manifest_from_json(detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
+                            manifest.string());
+    layout_ = m_.make_layout();
+    for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
+    files_.resize(m_.files.size());
+  }
+
+  // The tag <dir>/latest names: a regular file holding a tag (check_tag), optionally followed by
+  // one newline; anything else is an error saying what it holds.
+  static std::string read_latest(const std::filesystem::path& dir) {
+    const auto p = dir / "latest";
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::exists(std::filesystem::symlink_status(p, ec)), "checkpoint: no ", p.string(),
+              " (no complete checkpoint in ", dir.string(), " yet)");
+    std::string tag = detail::read_whole_file(p, 256);
+    if (tag.ends_with('\n')) tag.pop_back();
+    check_tag(tag, p.string() + " holds");
+    return tag;
+  }
+
+  // A fingerprint of the manifest's bytes: ranks that read the same checkpoint agree on it.
+  std::uint64_t manifest_hash() const noexcept { return manifest_hash_; }
+
+  const Manifest& manifest() const noexcept { return m_; }
+  const Layout& layout() const noexcept { return layout_; }
+  const std::filesystem::path& path() const noexcept { return path_; }
+  std::filesystem::path file_path(int rank) const { return path_ / m_.files.at(std::size_t(rank)).name; }
+
+  // Checks file `rank` against the manifest: size, then CRC-32C of every byte. Returns "" or
+  // what is wrong, naming the file and both values.
+  std::string verify_file(int rank) const {
+    const auto& f = m_.files.at(std::size_t(rank));
+    const auto p = file_path(rank);
+    std::error_code ec;
+    if (!std::filesystem::exists(p, ec)) return detail::cat("checkpoint file ", p.string(), " is missing");
+    try {
+      detail::InputFile in(p);
+      if (in.size() != f.bytes)
+        return detail::cat("checkpoint file ", p.string(), " has ", in.size(), " bytes, the manifest says ", f.bytes,
+                           in.size() < f.bytes ? " (truncated)" : "");
+      const std::uint32_t crc = in.crc32c_of_all();
+      if (crc != f.crc32c)
+        return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc, ", the manifest says ", f.crc32c,
+                           " (the file is corrupt)");
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return {};
+  }
+
+  // Index of parameter `name` in the manifest, or -1.
+  int find(std::string_view name) const {
+    const auto it = by_name_.find(std::string(name));
+    return it == by_name_.end() ? -1 : int(it->second);
+  }
+
+  // Elements [first, first + out.size()) of field f of parameter p (a manifest index), U being
+  // the field's stored type.
+  template <class U>
+  void read(std::size_t f, std::size_t p, std::size_t first, std::span<U> out) {
+    const Layout::Param& lp = layout_.params().at(p);
+    ZP_EXPECT(first + out.size() <= lp.size, "checkpoint: read of elements [", first, ", ", first + out.size(),
+              ") of parameter '", lp.name, "' with ", lp.size);
+    const auto& seg = layout_.segment(lp.segment);
+    const std::string tensor = m_.fields.at(f) + "/" + lp.name;
+    std::size_t done = 0;
+    while (done < out.size()) {
+      const std::size_t x = lp.offset + first + done;  // full-buffer offset of the next element
+      const int r = int((x - seg.offset) / seg.piece);
+      const Slice s = slice_of(layout_, lp, r);
+      const std::size_t n = std::min(out.size() - done, s.first + s.count - (first + done));
+      file(r).read_elements(tensor, first + done - s.first, out.subspan(done, n));
+      done += n;
+    }
+  }
+
+  // The same into raw bytes of the field's stored type (out.size() / its size elements).
+  void read_bytes(std::size_t f, std::size_t p, std::size_t first, std::span<std::byte> out) {
+    const DType dt = m_.field_dtype(f);
+    const std::size_t n = out.size() / size_of(dt);
+    switch (dt) {
+      case DType::f32: return read(f, p, first, std::span<float>(reinterpret_cast<float*>(out.data()), n));
+      case DType::bf16: return read(f, p, first, std::span<bf16>(reinterpret_cast<bf16*>(out.data()), n));
+      case DType::f16: return read(f, p, first, std::span<fp16>(reinterpret_cast<fp16*>(out.data()), n));
+      default: throw Error(Errc::io, detail::cat("checkpoint: unexpected field dtype ", name(dt)));
+    }
+  }
+
+  // The user blob saved with the checkpoint.
+  // The user blob saved with the checkpoint: rank 0's "user/blob" tensor (U8), whose size must
+  // be the manifest's user_bytes.
+  std::vector<std::byte> user_blob() {
+    auto& f = file(0);
+    const std::uint64_t stored = f.contains("user/blob") ? f.at("user/blob").bytes() : 0;
+    if (stored != m_.user_bytes || (stored && f.at("user/blob").dtype != "U8"))
+      throw Error(Errc::io, detail::cat("checkpoint ", path_.string(), ": the manifest says the user data has ",
+                                        m_.user_bytes, " bytes, ", file_path(0).string(), " holds ", stored,
+                                        stored ? " as " + f.at("user/blob").dtype : std::string()));
+    std::vector<std::byte> b(m_.user_bytes);
+    if (!b.empty()) f.read("user/blob", 0, std::span<std::byte>(b));
+    return b;
+  }
+
+  // Verifies every file (verify_file); the first failure is an Errc::io.
+  void verify() const {
+    for (int r = 0; r < int(m_.files.size()); ++r)
+      if (std::string why = verify_file(r); !why.empty()) throw Error(Errc::io, std::move(why));
+  }
+
+ private:
+  safetensors::Reader& file(int r) {
+    auto& f = files_.at(std::size_t(r));
+    if (!f) f.emplace(file_path(r));
+    return *f;
+  }
+
+  std::filesystem::path path_;
+  std::uint64_t manifest_hash_ = 0;
+  Manifest m_;
+  Layout layout_;
+  std::map<std::string, std::size_t> by_name_;
+  std::vector<std::optional<safetensors::Reader>> files_;
+};
+
+// Writes rank r's file for `layout`: for every field and parameter, r's slice, in that order,
+// taking the bytes from `source(field, param, slice)` (a span of the slice's elements). Returns
+// the file's size and CRC-32C.
+template <class Source>
+safetensors::Summary write_rank_file(const std::filesystem::path& path, const Layout& L, int r,
+                                             const Manifest& m, std::span<const std::byte> user, Source&& source) {
+  // fp32 fields first, the 16-bit parameters last: every tensor stays aligned to its element.
+  std::vector<std::size_t> order;
+  for (std::size_t f = 1; f < m.fields.size(); ++f) order.push_back(f);
+  order.push_back(0);
+  std::vector<safetensors::TensorInfo> tensors;
+  const auto& ps = L.params();
+  for (std::size_t f : order)
+    for (const auto& p : ps)
+      if (const Slice s = slice_of(L, p, r); s.count)
+        tensors.push_back({m.fields[f] + "/" + p.name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
+  if (r == 0 && !user.empty()) tensors.push_back({"user/blob", "U8", {user.size()}});
+  safetensors::Writer w(path, std::move(tensors),
+                        {{"format", "zp-checkpoint-rank"}, {"rank", std::to_string(r)},
+                         {"ranks", std::to_string(L.ranks())}, {"tag", m.tag}});
+  for (std::size_t f : order)
+    for (std::size_t p = 0; p < ps.size(); ++p)
+      if (const Slice s = slice_of(L, ps[p], r); s.count) w.write(source(f, p, s));
+  if (r == 0 && !user.empty()) w.write(user);
+  return w.commit();
+}
+
+// Where the files of a save of <dir>/<tag> are written until it is published.
+inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const std::string& tag) {
+  return dir / ("." + tag + ".partial");
+}
+
+// One save into <dir>/<tag>, from preparing its staging directory to naming it in `latest`. It
+// holds <dir>/.zp-save.lock throughout, so saves into one directory never interleave (a second
+// saver fails at once, naming the lock): one saver per checkpoint directory.
+//
+// A save that did not reach `latest` did not happen. Publishing writes <dir>/.zp-publishing
+// (the tag) before renaming the staging directory to the tag and removes it after `latest` names
+// the tag, so a crash between the rename and `latest` leaves a complete tag that nothing names
+// but that file. The next save into the directory removes such a tag, as it removes staging
+// directories: the run that resumed from `latest` trains to that step again and saves the same
+// tag, with the same command line.
+class Publisher {
+ public:
+  Publisher(std::filesystem::path dir, const std::string& tag) : dir_(std::move(dir)), tag_(tag) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
+    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
+    roll_back_unnamed();
+    ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)), "checkpoint: ", (dir_ / tag).string(),
+              " already exists; save under a new tag (checkpoints are never overwritten)");
+    staging_ = staging_dir(dir_, tag);
+    remove(staging_);  // a crashed earlier save of this tag may have left it
+    fs::create_directory(staging_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging_.string(), ": ", ec.message()));
+  }
+
+  const std::filesystem::path& staging() const noexcept { return staging_; }
+
+  // The last act of a save: the manifest into the staging directory, the intent noted, the
+  // directory renamed to its tag, `latest` pointed at it, the intent removed.
+  void publish(const Manifest& m) {
+    const std::string text = to_json(m).dump(1);
+    detail::write_file_atomic(staging_ / "manifest.json", std::as_bytes(std::span<const char>(text)));
+    detail::write_file_atomic(intent(), std::as_bytes(std::span<const char>(tag_)));
+    const auto final = dir_ / tag_;
+    detail::io_step("rename", final);
+    detail::rename_no_replace(staging_, final);
+    detail::io_step("directory fsync", final);
+    detail::sync_directory(dir_);
+    const std::string latest = tag_ + "\n";
+    detail::write_file_atomic(dir_ / "latest", std::as_bytes(std::span<const char>(latest)));
+    detail::io_step("remove", intent());
+    remove(intent());
+  }
+
+ private:
+  std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
+
+  static void remove(const std::filesystem::path& p) {
+    std::error_code ec;
+    std::filesystem::remove_all(p, ec);
+    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+  }
+
+  // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
+  void roll_back_unnamed() {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(intent(), ec))) return;
+    const std::string tag = detail::read_whole_file(intent(), 256);
+    check_tag(tag, intent().string() + " holds");
+    const bool named = fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
+    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
+      const auto aside = staging_dir(dir_, tag);  // renamed first, so a crash here leaves only staging
+      remove(aside);
+      detail::rename_no_replace(dir_ / tag, aside);
+      detail::sync_directory(dir_);
+      remove(aside);
+    }
+    remove(intent());
+  }
+
+  std::filesystem::path dir_;
+  std::string tag_;
+  std::optional<detail::DirectoryLock> lock_;
+  std::filesystem::path staging_;
+};
+
+// Writes a copy of a checkpoint laid out for `ranks` ranks as <dir>/<tag> (offline: no engine,
+// no communicator), reading one rank slice at a time. Loading it needs no resharding, so it
+// suits tools that expect one file per rank; zp itself loads the original at any rank count.
+inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks) {
+  check_tag(tag);
+  ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks, "], got ", ranks);
+  rd.verify();  // sizes and checksums hold, so the buffers below are as large as real data
+  Manifest m = rd.manifest();
+  m.tag = tag;
+  m.world_size = ranks;
+  m.files.clear();
+  const Layout L = m.make_layout();
+  Publisher pub(dir, tag);
+  const std::filesystem::path staging = pub.staging();
+  const std::vector<std::byte> user = rd.user_blob();
+  std::size_t most = 0;
+  for (const auto& g : L.segments()) most = std::max(most, g.piece);
+  std::vector<std::byte> buf(most * sizeof(float));
+  for (int r = 0; r < ranks; ++r) {
+    const auto sum = write_rank_file(
+        staging / rank_file_name(r, ranks), L, r, m, user,
+        [&](std::size_t f, std::size_t p, Slice s) -> std::span<const std::byte> {
+          const auto bytes = std::span<std::byte>(buf).first(s.count * size_of(m.field_dtype(f)));
+          rd.read_bytes(f, p, s.first, bytes);
+          return bytes;
+        });
+    m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
+  }
+  pub.publish(m);
+}
+
+}  // namespace ckpt
+
+// ---- the model's weights as safetensors ---------------------------------------------------------
+
+struct ExportOptions {
+  bool master = false;               // the fp32 master weights instead of the T parameters
+  std::uint64_t max_file_bytes = 0;  // above this, model-0000k-of-n files and an index (0: one file)
+  // Each tensor's shape (default: 1-D, the parameter's size); its product must be the size.
+  std::function<std::vector<std::uint64_t>(const std::string& name, std::size_t size)> shape = {};
+};
+
+namespace ckpt {
+
+// Writes whole tensors, in a fixed order, into <dir>/model.safetensors or, above
+// max_file_bytes, into <dir>/model-0000k-of-n.safetensors and model.safetensors.index.json. Each
+// file is atomic; the index comes last. Holds one file's header, never the data.
+class ConsolidatedWriter {
+ public:
+  ConsolidatedWriter(std::filesystem::path dir, std::vector<safetensors::TensorInfo> tensors,
+                     std::uint64_t max_file_bytes)
+      : dir_(std::move(dir)), tensors_(std::move(tensors)) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) throw Error(Errc::io, detail::cat("export: cannot create ", dir_.string(), ": ", ec.message()));
+    std::uint64_t in_file = 0;
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const std::uint64_t b = tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+      if (i == 0 || (max_file_bytes && in_file > 0 && in_file + b > max_file_bytes)) {
+        first_.push_back(i);
+        in_file = 0;
+      }
+      in_file += b;
+      total_ += b;
+    }
+    first_.push_back(tensors_.size());
+  }
+
+  // The next tensor's bytes (whole tensor, or consecutive pieces of it).
+  void write(std::span<const std::byte> bytes) {
+    if (!w_) open(file_ + 1);
+    w_->write(bytes);
+    left_ -= std::min<std::uint64_t>(left_, bytes.size());
+    if (left_ == 0) next_tensor();
+  }
+
+  // Commits the last file and writes the index (split exports). Every tensor must be written.
+  void finish() {
+    while (tensor_ < tensors_.size() && tensors_[tensor_].elements() == 0) next_tensor();
+    ZP_EXPECT(tensor_ == tensors_.size(), "export: tensor '", tensors_[std::min(tensor_, tensors_.size() - 1)].name,
+              "' was not written");
+    if (w_) w_->commit(), w_.reset();
+    const int n = int(first_.size()) - 1;
+    if (n > 1) {
+      std::map<std::string, std::string> map;
+      for (int f = 0; f < n; ++f)
+        for (std::size_t i = first_[std::size_t(f)]; i < first_[std::size_t(f) + 1]; ++i)
+          map[tensors_[i].name] = safetensors::shard_file_name(f + 1, n);
+      safetensors::write_index(dir_ / "model.safetensors.index.json", total_, map);
+    }
+  }
+
+ private:
+  void open(std::size_t f) {
+    const int n = int(first_.size()) - 1;
+    file_ = f;
+    std::vector<safetensors::TensorInfo> mine(tensors_.begin() + std::ptrdiff_t(first_[f - 1]),
+                                              tensors_.begin() + std::ptrdiff_t(first_[f]));
+    w_.emplace(dir_ / (n == 1 ? std::string("model.safetensors") : safetensors::shard_file_name(int(f), n)),
+               std::move(mine), std::map<std::string, std::string>{{"format", "pt"}});
+    left_ = tensor_bytes(tensor_);
+  }
+  std::uint64_t tensor_bytes(std::size_t i) const {
+    return tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+  }
+  void next_tensor() {
+    ++tensor_;
+    if (tensor_ == first_[file_]) {  // that file is complete
+      w_->commit();
+      w_.reset();
+      return;
+    }
+    left_ = tensor_bytes(tensor_);
+  }
+
+  std::filesystem::path dir_;
+  std::vector<safetensors::TensorInfo> tensors_;
+  std::vector<std::size_t> first_;  // first tensor of each file, then tensors_.size()
+  std::uint64_t total_ = 0, left_ = 0;
+  std::size_t tensor_ = 0, file_ = 0;
+  std::optional<safetensors::Writer> w_;
+};
+
+inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::string& name, std::size_t size) {
+  if (!o.shape) return {size};
+  std::vector<std::uint64_t> s = o.shape(name, size);
+  std::uint64_t n = 1;
+  for (auto d : s) n *= d;
+  ZP_EXPECT(n == size, "export: the shape given for '", name, "' has ", n, " elements, the parameter ", size);
+  return s;
+}
+
+// Where a safetensors model lives: a file, an index, or a directory holding either. Maps each
+// tensor name to its file.
+inline std::map<std::string, std::filesystem::path> safetensors_files(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = path;
+  if (fs::is_directory(p, ec)) {
+    if (fs::exists(p / "model.safetensors.index.json", ec)) p = p / "model.safetensors.index.json";
+    else p = p / "model.safetensors";
+  }
+  std::map<std::string, fs::path> files;
+  if (p.extension() == ".json") {
+    const auto idx = safetensors::read_index(p);
+    for (const auto& [name, file] : idx.weight_map) files[name] = p.parent_path() / file;
+  } else {
+    safetensors::Reader r(p);
+    for (const auto& t : r.tensors()) files[t.name] = p;
+  }
+  return files;
+}
+
+}  // namespace ckpt
+
+// Writes a saved checkpoint's parameters (T, or fp32 master weights) by name as safetensors,
+// like export_safetensors(engine, ...) (checkpoint.hpp) but offline (no engine, no
+// communicator), reading one parameter chunk at a time.
+inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& dir, const ExportOptions& o = {}) {
+  rd.verify();
+  const auto& m = rd.manifest();
+  const std::size_t f = o.master ? 1 : 0;
+  const DType dt = m.field_dtype(f);
+  std::vector<safetensors::TensorInfo> tensors;
+  for (const auto& p : m.params) tensors.push_back({p.name, safetensors::dtype_name(dt), ckpt::shape_of(o, p.name, p.size)});
+  ckpt::ConsolidatedWriter out(dir, std::move(tensors), o.max_file_bytes);
+  constexpr std::size_t chunk = std::size_t(1) << 22;  // elements per read
+  std::vector<std::byte> buf(chunk * size_of(dt));
+  for (std::size_t p = 0; p < m.params.size(); ++p)
+    for (std::size_t at = 0; at < m.params[p].size; at += chunk) {
+      const std::size_t n = std::min(chunk, m.params[p].size - at);
+      const auto bytes = std::span<std::byte>(buf).first(n * size_of(dt));
+      rd.read_bytes(f, p, at, bytes);
+      out.write(bytes);
+    }
+  out.finish();
+}
+
+}  // namespace zp

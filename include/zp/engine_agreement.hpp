@@ -1,0 +1,100 @@
+// zp/engine_agreement.hpp: the check that every rank built the same engine: the same model and
+// layout, stage, element type, batch, precision, optimizer, clipping and loss scaling, and stage
+// 3 and bucket settings. One all_reduce of fingerprints (agreement.hpp) when they agree; when
+// one differs, every rank throws an error naming it, with this rank's values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zp/agreement.hpp"
+#include "zp/bucket.hpp"
+#include "zp/collective.hpp"
+#include "zp/detail/hash.hpp"
+#include "zp/dtype.hpp"
+#include "zp/engine_config.hpp"
+#include "zp/error.hpp"
+#include "zp/layout.hpp"
+#include "zp/optim/optimizer.hpp"
+
+namespace zp {
+
+namespace detail {
+// The slow path of a layout difference: names the first parameter that differs (name, module
+// or size), or says that only the bucket layout does. Every rank throws.
+template <Backend B>
+[[noreturn]] void throw_layout_difference(Collective<B>& comm, const Layout& L, const EngineConfig& c) {
+  const auto& ps = L.params();
+  const std::int64_t count = std::int64_t(ps.size());
+  const auto most = std::size_t(spread(comm, std::span<const std::int64_t>(&count, 1))[0].hi);
+  // A missing parameter's fingerprint is 0; a present one's has bit 2 set, so it is not 0 in the
+  // 62 bits compared.
+  std::vector<std::uint64_t> h(most, 0);
+  for (std::size_t i = 0; i < ps.size(); ++i)
+    h[i] = detail::Fnv1a().all(std::string_view(ps[i].name), ps[i].module, ps[i].size).value() | 4;
+  const std::size_t i = first_difference(comm, std::span<const std::uint64_t>(h));
+  const std::string head = detail::cat("engine: the models differ between ranks (rank ", comm.rank(), " has ",
+                                       ps.size(), " parameters, ", L.used(), " elements): ");
+  const std::string tail = "; every rank must build the same model with the same zp configuration";
+  if (i == most)
+    throw Error(Errc::invalid_argument,
+                detail::cat(head, "the parameters agree but their bucket layout does not (this rank: ",
+                            L.segment_count(), " buckets from bucket_bytes=", c.bucket_bytes,
+                            ", first_bucket_bytes=", c.first_bucket_bytes, ", align=", c.align, ")",
+                            tail));
+  if (i >= ps.size())
+    throw Error(Errc::invalid_argument,
+                detail::cat(head, "the first difference is parameter #", i, ", which this rank does not have", tail));
+  throw Error(Errc::invalid_argument,
+              detail::cat(head, "the first parameter that differs is #", i, ", on this rank '", ps[i].name,
+                          "' (module ", ps[i].module, ", ", ps[i].size, " elements)", tail));
+}
+}  // namespace detail
+
+// Everything that must agree across ranks, as fingerprints compared in one all_reduce
+// (first_difference), so a difference names what differs, on every rank.
+template <Backend B, class Opt>
+void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype, const EngineConfig& c,
+                                   const BatchConfig& batch, const GradPrecision& precision, const Opt& opt) {
+  const LossScaler& ls = c.loss_scaler;
+  const DynamicScale& d = ls.config();
+  const std::string parts[] = {
+      "the model's parameters and their layout",
+      detail::cat("ZeRO stage and element type (this rank: stage ", stage, ", ", name(dtype), ")"),
+      detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=", batch.micro_batch_per_rank,
+                  ", gradient_accumulation_steps=", batch.gradient_accumulation_steps, ", fp32 accumulation ",
+                  precision.accumulate_f32, ", fp32 reduction ", precision.reduce_f32, ")"),
+      detail::cat("optimizer (this rank: ", optim::describe(opt), ")"),
+      detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm, ", loss scaler kind ",
+                  int(ls.kind()), ", scale ", ls.scale(), ")"),
+      detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
+                  ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch, ", bucket_slots=",
+                  c.bucket_slots, ", broadcast_initial_params=", c.broadcast_initial_params, ")")};
+  const std::uint64_t h[] = {
+      L.hash(),
+      detail::Fnv1a().all(stage, dtype).value(),
+      detail::Fnv1a()
+          .all(batch.micro_batch_per_rank, batch.gradient_accumulation_steps, precision.accumulate_f32,
+               precision.reduce_f32)
+          .value(),
+      optim::fingerprint(opt),
+      detail::Fnv1a()
+          .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
+               d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
+          .value(),
+      detail::Fnv1a()
+          .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots, c.broadcast_initial_params)
+          .value()};
+  const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
+  if (k == 0) detail::throw_layout_difference(comm, L, c);
+  if (k < std::size(h))
+    throw Error(Errc::invalid_argument,
+                detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
+                            comm.rank(), "; every rank must build the same model with the same zp configuration"));
+}
+
+}  // namespace zp

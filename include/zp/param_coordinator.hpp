@@ -1,0 +1,184 @@
+// zp/param_coordinator.hpp: ZeRO stage 3's parameter coordination. Each rank keeps only its
+// pieces of the parameters (Partitioned<T, 3>); a module's full parameters exist only while it
+// is used: gathered when a guard needs them, prefetched while the previous module runs,
+// released when the last guard on them ends, and the model's value views pointed at them in
+// between.
+//
+// Budget: at most max_live_params elements of non-persistent modules are gathered at once
+// (default twice the largest module, so one module can run while the next is prefetched). A
+// module of at most persist_threshold elements is persistent: gathered once, it stays until the
+// shards change. A prefetch never evicts; a gather evicts unused modules first, and fails,
+// naming the numbers, when modules in use leave no room.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/layout.hpp"
+#include "zp/memory.hpp"
+#include "zp/model.hpp"
+#include "zp/partition.hpp"
+#include "zp/step_timer.hpp"
+
+namespace zp {
+
+template <class T, Backend B>
+class ParamCoordinator {
+  static constexpr MemorySpace S = B::memory;
+  using Work = typename Collective<B>::Work;
+
+ public:
+  // values: the model's value views, by parameter index. Everything passed must outlive this.
+  ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part, std::span<View<T>* const> values,
+                   std::size_t persist_threshold, std::size_t max_live_params)
+      : comm_(&comm), part_(&part), values_(values), mods_(std::size_t(part.layout().module_count())) {
+    const Layout& L = part.layout();
+    std::size_t largest = 0;
+    for (int m = 0; m < L.module_count(); ++m) {
+      mods_[std::size_t(m)].persistent = L.module(m).used <= persist_threshold;
+      if (!mods_[std::size_t(m)].persistent) largest = std::max(largest, L.module(m).size);
+    }
+    cap_ = max_live_params ? max_live_params : 2 * largest;
+    for (int m = 0; m < L.module_count(); ++m)
+      ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m, " has ",
+                L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
+                "; raise the cap or split the module");
+  }
+
+  // A guard on module m begins: its parameters gathered (waiting for a prefetch in flight) and
+  // its views bound. Returns the seconds spent waiting.
+  double use(int m) {
+    Module& st = mods_[std::size_t(m)];
+    if (st.state == State::released) {
+      const std::size_t need = layout().module(m).size;
+      ZP_EXPECT(st.persistent || fits(need), "engine: gathering module ", m, " (", need,
+                " elements) would exceed max_live_params = ", cap_, " with ", live_,
+                " elements gathered by modules still in use; end the previous module's guard first");
+      gather(m);
+    }
+    double waited = 0;
+    if (st.state == State::gathering) {
+      const auto t = StepTimer::Clock::now();
+      for (auto& w : st.works) w.wait();
+      waited = StepTimer::seconds(t, StepTimer::Clock::now());
+      st.works.clear();
+      st.state = State::gathered;
+      bind(m, st.buffer.data());
+    }
+    ++st.uses;
+    return waited;
+  }
+
+  // A guard on module m ended: the last one releases it unless it is persistent.
+  void unuse(int m) {
+    Module& st = mods_[std::size_t(m)];
+    if (--st.uses == 0 && !st.persistent) release(m);
+  }
+
+  // Starts gathering module m if it exists, is released and fits without evicting anything.
+  void prefetch(int m) {
+    if (m < 0 || m >= layout().module_count()) return;
+    const Module& st = mods_[std::size_t(m)];
+    if (st.state != State::released) return;
+    if (!st.persistent && live_ + layout().module(m).size > cap_) return;
+    gather(m);
+  }
+
+  // Drops every gathered copy (the shards are about to change, or changed). No module may be in use.
+  void release_all() {
+    for (int m = 0; m < layout().module_count(); ++m) release(m);
+  }
+
+  std::size_t max_live_params() const noexcept { return cap_; }
+
+  // The gathered working set in r's stage 3 categories.
+  void account(MemoryReport& r) const {
+    r.gathered = (live_ + persistent_live_) * sizeof(T);
+    r.gathered_peak = peak_live_ * sizeof(T);
+    r.persistent = persistent_live_ * sizeof(T);
+    for (const auto& b : spare_) r.gather_cache += b.bytes();
+  }
+
+ private:
+  enum class State : unsigned char { released, gathering, gathered };
+  struct Module {
+    State state = State::released;
+    bool persistent = false;
+    int uses = 0;  // guards on it not ended yet
+    Buffer<T, S> buffer;
+    std::vector<Work> works;  // after buffer: destroyed (so waited for) before it
+  };
+
+  const Layout& layout() const noexcept { return part_->layout(); }
+
+  void gather(int m) {
+    const auto& mod = layout().module(m);
+    Module& st = mods_[std::size_t(m)];
+    st.buffer = take_spare(mod.size);
+    (st.persistent ? persistent_live_ : live_) += mod.size;
+    peak_live_ = std::max(peak_live_, live_);
+    st.works.clear();
+    for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+      const auto& g = layout().segment(s);
+      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_->param_piece(s)),
+                                                 st.buffer.span(g.offset - mod.offset, g.size)));
+    }
+    st.state = State::gathering;
+  }
+
+  // Makes room for `need` more live elements by releasing gathered modules nobody uses.
+  bool fits(std::size_t need) {
+    for (int m = 0; m < layout().module_count() && live_ + need > cap_; ++m) {
+      const Module& st = mods_[std::size_t(m)];
+      if (!st.persistent && st.uses == 0 && st.state != State::released) release(m);
+    }
+    return live_ + need <= cap_;
+  }
+
+  void release(int m) {
+    Module& st = mods_[std::size_t(m)];
+    if (st.state == State::released) return;
+    for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
+    st.works.clear();
+    bind(m, nullptr);
+    (st.persistent ? persistent_live_ : live_) -= layout().module(m).size;
+    // Keep a couple of released buffers for the next gathers: re-allocating them every time
+    // costs page faults (host) or allocator calls (device) on every module of every step.
+    if (spare_.size() < 2) spare_.push_back(std::move(st.buffer));
+    st.buffer = Buffer<T, S>();
+    st.state = State::released;
+  }
+
+  Buffer<T, S> take_spare(std::size_t n) {
+    for (auto& b : spare_)
+      if (b.size() == n) {
+        Buffer<T, S> out = std::move(b);
+        b = std::move(spare_.back());
+        spare_.pop_back();
+        return out;
+      }
+    if (spare_.size() >= 2) spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
+    return Buffer<T, S>(n);
+  }
+
+  void bind(int m, T* base) {
+    const Layout& L = layout();
+    const auto& mod = L.module(m);
+    for (int s = mod.first_segment; s < mod.end_segment; ++s)
+      for (int p : L.segment(s).params)
+        values_[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
+  }
+
+  Collective<B>* comm_;
+  const Partitioned<T, 3, S>* part_;
+  std::span<View<T>* const> values_;
+  std::vector<Buffer<T, S>> spare_;  // released gather buffers kept for reuse (at most 2)
+  std::vector<Module> mods_;         // after spare_: its in-flight gathers end first
+  std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
+};
+
+}  // namespace zp
