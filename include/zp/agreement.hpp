@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <span>
 #include <string>
 #include <vector>
@@ -85,7 +86,8 @@ std::size_t first_difference(Collective<B>& comm, std::span<const std::uint64_t>
 
 template <Backend B>
 bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
-  return first_difference(comm, std::span<const std::uint64_t>(&h, 1)) == 1;  // 1: none differs
+  const std::uint64_t one[] = {h};
+  return first_difference(comm, std::span<const std::uint64_t>(one)) == std::size(one);
 }
 
 // Runs the local part f of a collective operation on every rank; if it throws on any rank, every

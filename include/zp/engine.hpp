@@ -49,7 +49,6 @@
 #include <string>
 #include <vector>
 
-#include "zp/agreement.hpp"
 #include "zp/bucket.hpp"
 #include "zp/collective.hpp"
 #include "zp/config.hpp"
