@@ -363,7 +363,7 @@ void check_overflow_skip(int ranks) {
     for (int t = 0; t < 3; ++t) CHECK(zp::test::micro_step(engine, model, (t * n + r) * 2, 2).applied);
     const auto& P = engine.partition();
     auto copy = [](auto span) { return std::vector<std::remove_cv_t<typename decltype(span)::element_type>>(span.begin(), span.end()); };
-    const auto params = copy(P.params()), master = copy(P.master()), m = copy(P.state(0)), v = copy(P.state(1));
+    const auto params = copy(P.template buffer<zp::Field::param>()), master = copy(P.template buffer<zp::Field::master>()), m = copy(P.template buffer<zp::Field::state>(0)), v = copy(P.template buffer<zp::Field::state>(1));
     model.poison = r == n - 1;  // only the last rank sees an inf
     const auto res = zp::test::micro_step(engine, model, (3 * n + r) * 2, 2);
     model.poison = false;
@@ -372,10 +372,10 @@ void check_overflow_skip(int ranks) {
     CHECK(res.loss_scale == 512.0f);
     CHECK(engine.steps() == 3);
     CHECK(engine.loss_scaler().state().skipped == 1);
-    CHECK(bitwise_equal(copy(P.params()), params));
-    CHECK(bitwise_equal(copy(P.master()), master));
-    CHECK(bitwise_equal(copy(P.state(0)), m));
-    CHECK(bitwise_equal(copy(P.state(1)), v));
+    CHECK(bitwise_equal(copy(P.template buffer<zp::Field::param>()), params));
+    CHECK(bitwise_equal(copy(P.template buffer<zp::Field::master>()), master));
+    CHECK(bitwise_equal(copy(P.template buffer<zp::Field::state>(0)), m));
+    CHECK(bitwise_equal(copy(P.template buffer<zp::Field::state>(1)), v));
     const auto next = zp::test::micro_step(engine, model, (4 * n + r) * 2, 2);
     CHECK(next.applied);
     CHECK(engine.steps() == 4);

@@ -30,11 +30,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/dtype.hpp"
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
 #include "zp/partition.hpp"
@@ -46,7 +48,31 @@ enum class Reduction : std::uint8_t { all_reduce, scatter_in_place, scatter_accu
 struct GradPrecision {
   bool accumulate_f32 = false;  // accumulate micro-steps in fp32 (else in T)
   bool reduce_f32 = false;      // reduce across ranks in fp32 (else in T)
+
+  // DeepSpeed's data_types.grad_accum_dtype and communication_data_type for a model of type t
+  // at a stage with `gas` micro-steps per optimizer step; unset: DeepSpeed's defaults (bf16 at
+  // stage 0 accumulates in fp32, everything else in t).
+  static GradPrecision resolve(DType t, int stage, std::optional<DType> accumulate, std::optional<DType> reduce,
+                               std::int64_t gas) {
+    const DType acc = accumulate.value_or(t == DType::bf16 && stage == 0 ? DType::f32 : t);
+    const DType red = reduce.value_or(t);
+    ZP_EXPECT(acc == t || acc == DType::f32, "engine: grad_accum_dtype must be f32 or the model's ", name(t),
+              ", got ", name(acc));
+    ZP_EXPECT(red == t || red == DType::f32, "engine: communication_dtype must be f32 or the model's ", name(t),
+              ", got ", name(red));
+    return {t != DType::f32 && acc == DType::f32 && gas > 1, t != DType::f32 && red == DType::f32};
+  }
+  // Whether a stage keeps an fp32 gradient buffer beside the T one (Partitioned's grad_f32).
+  bool f32_buffer(int stage) const noexcept { return stage < 2 ? accumulate_f32 || reduce_f32 : accumulate_f32; }
+  // Whether the optimizer reads the averaged gradient in fp32: reduced (stage 0/1) or
+  // accumulated (stage 2/3) in fp32.
+  bool f32_result(int stage) const noexcept { return stage < 2 ? reduce_f32 : accumulate_f32; }
 };
+
+// The reduction of each ZeRO stage (the table at the top of this file).
+constexpr Reduction reduction_of(int stage) noexcept {
+  return stage == 0 ? Reduction::all_reduce : stage == 1 ? Reduction::scatter_in_place : Reduction::scatter_accumulate;
+}
 
 // The state of one bucket within a micro-step.
 template <class Work>
@@ -104,6 +130,12 @@ class GradBuckets {
                 " elements");
     }
   }
+  // The buckets of a stage's partition: its reduction, and its gradient buffers where it keeps them.
+  template <int Stage>
+  GradBuckets(Collective<B>& comm, const Partitioned<T, Stage, S>& part, std::size_t slots, GradPrecision precision)
+      : GradBuckets(comm, part.layout(), reduction_of(Stage), whole_or_none<Field::grad>(part, true),
+                    whole_or_none<Field::grad>(part, false), slots, precision,
+                    whole_or_none<Field::grad_f32>(part, true), whole_or_none<Field::grad_f32>(part, false)) {}
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   // Completes every reduction still in flight before the scratch slots (and the gradient memory
@@ -205,6 +237,12 @@ class GradBuckets {
   }
 
  private:
+  // part's buffer of field F if it is kept whole (full: true) or sharded (full: false), else empty.
+  template <Field F, int Stage>
+  static auto whole_or_none(const Partitioned<T, Stage, S>& part, bool full) {
+    using U = typename Partitioned<T, Stage, S>::template elem<F>;
+    return Partitioned<T, Stage, S>::whole(F) == full ? part.template buffer<F>() : std::span<U>{};
+  }
   Bucket& at(int s) {
     ZP_EXPECT(s >= 0 && s < count(), "buckets: no segment ", s, " (", count(), " buckets)");
     return buckets_[std::size_t(s)];

@@ -35,6 +35,7 @@
 #include "zp/error.hpp"
 #include "zp/layout.hpp"
 #include "zp/safetensors.hpp"
+#include "zp/whole_model.hpp"
 
 namespace zp {
 
@@ -47,6 +48,15 @@ void expect_data_parallel(E& engine, const char* what) {
   ZP_EXPECT(engine.model_parallel() == nullptr, what, ": the engine spans a tensor/pipeline-parallel grid (",
             engine.model_parallel() ? engine.model_parallel()->size() : 1,
             " model-parallel ranks); checkpoints support data parallelism only for now");
+}
+
+// Runs fn(part.owned(...), whether it is in host memory) on manifest field f (0: the parameters,
+// 1: the master weights, 2 + k: optimizer state k) of segment s.
+template <class P, class Fn>
+void with_field(const P& part, std::size_t f, int s, Extent e, Fn&& fn) {
+  if (f == 0) fn(part.template owned<Field::param>(s, e), part.on_host(Field::param));
+  else if (f == 1) fn(part.template owned<Field::master>(s, e), part.on_host(Field::master));
+  else fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
 }
 }  // namespace ckpt
 
@@ -114,11 +124,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
           const std::size_t at = lp.offset + s.first - (seg.offset + std::size_t(r) * seg.piece);
           const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
           if (current != std::pair{f, lp.segment}) {
-            const std::span<const std::byte> piece =
-                f == 0 ? std::as_bytes(part.param_piece(lp.segment))
-                : f == 1 ? std::as_bytes(part.master_piece(lp.segment))
-                         : std::as_bytes(part.state_piece(int(f) - 2, lp.segment));
-            viewed = host_view<E::memory_space>(piece, f > 0 && part.offloaded(), copy);
+            ckpt::with_field(part, f, lp.segment, Extent::piece, [&](auto piece, bool host) {
+              viewed = host_view<E::memory_space>(std::as_bytes(piece.span), host, copy);
+            });
             current = {f, lp.segment};
           }
           return viewed.subspan(at * elem, s.count * elem);
@@ -266,25 +274,15 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   const auto& part = engine.partition();
   std::vector<std::byte> user;
   on_every_rank(comm, [&] {
-    auto read_field = [&]<class U>(std::size_t f, std::span<U> dst, std::size_t first) {
-      fill_via_host<E::memory_space>(dst, f > 0 && part.offloaded(), [&](std::span<U> host) {
-        ckpt::fill_range<U>(L, first, host, [&](std::size_t p, std::size_t at, std::span<U> out) {
-          rd->template read<U>(f, idx[p], at, out);
+    for (int s = 0; s < L.segment_count(); ++s)
+      for (std::size_t f = 0; f < m.fields.size(); ++f)
+        ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
+          fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
+            ckpt::fill_range<U>(L, dst.offset, h, [&](std::size_t p, std::size_t at, std::span<U> out) {
+              rd->template read<U>(f, idx[p], at, out);
+            });
+          });
         });
-      });
-    };
-    const int r = comm.rank();
-    for (int s = 0; s < L.segment_count(); ++s) {
-      const auto& seg = L.segment(s);
-      const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
-      if constexpr (E::stage < 3) read_field(0, part.param_segment(s), seg.offset);
-      else read_field(0, part.param_piece(s), mine);
-      for (std::size_t f = 1; f < m.fields.size(); ++f) {
-        std::span<float> dst = f == 1 ? (E::stage < 1 ? part.master_segment(s) : part.master_piece(s))
-                                      : (E::stage < 1 ? part.state_segment(int(f) - 2, s) : part.state_piece(int(f) - 2, s));
-        read_field(f, dst, E::stage < 1 ? seg.offset : mine);
-      }
-    }
     user = rd->user_blob();
   });
   engine.optimizer() = opt;
@@ -317,17 +315,13 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       }
     out.emplace(dir, std::move(tensors), o.max_file_bytes);
   });
-  constexpr MemorySpace S = E::memory_space;
-  const bool host_master = part.offloaded();
-  Buffer<T, S> seg_t;
-  Buffer<float, S> seg_f, up;
-  std::vector<T> copy_t;
-  std::vector<float> copy_f;
   std::exception_ptr err;  // rank 0's write failure; gathering goes on so no rank waits forever
-  auto emit = [&]<class U>(const Layout::Segment& seg, std::span<const U> data, bool host, std::vector<U>& copy) {
+  auto emit = [&]<class U>(int s, std::span<const U> values, bool host) {
     if (comm.rank() != 0 || err) return;
     try {
-      const std::span<const U> h = host_view<S>(data, host, copy);
+      std::vector<U> copy;
+      const std::span<const U> h = host_view<E::memory_space>(values, host, copy);
+      const auto& seg = L.segment(s);
       for (int pi : seg.params) {
         const auto& p = L.params()[std::size_t(pi)];
         out->write(std::as_bytes(h.subspan(p.offset - seg.offset, p.size)));
@@ -336,23 +330,8 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       err = std::current_exception();
     }
   };
-  for (int s = 0; s < L.segment_count(); ++s) {
-    const auto& seg = L.segment(s);
-    if (!master && E::stage < 3) {
-      emit(seg, std::span<const T>(part.param_segment(s)), false, copy_t);
-    } else if (master && E::stage < 1) {
-      emit(seg, std::span<const float>(part.master_segment(s)), host_master, copy_f);
-    } else if (!master) {
-      if (seg_t.size() < seg.size) seg_t = Buffer<T, S>(L.largest_segment(), "export: one segment");
-      comm.all_gather(std::span<const T>(part.param_piece(s)), seg_t.span(0, seg.size));
-      emit(seg, std::span<const T>(seg_t.span(0, seg.size)), false, copy_t);
-    } else {
-      if (seg_f.size() < seg.size) seg_f = Buffer<float, S>(L.largest_segment(), "export: one segment");
-      comm.all_gather(space_view<S>(std::span<const float>(part.master_piece(s)), host_master, up),
-                      seg_f.span(0, seg.size));
-      emit(seg, std::span<const float>(seg_f.span(0, seg.size)), false, copy_f);
-    }
-  }
+  if (master) for_each_whole_segment<Field::master>(comm, part, 0, emit);
+  else for_each_whole_segment<Field::param>(comm, part, 0, emit);
   on_every_rank(comm, [&] {
     if (err) std::rethrow_exception(err);
     if (out) out->finish();
@@ -402,17 +381,11 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
         Ops<MemorySpace::host>::convert(out, std::span<const float>(tmp));
       }
     };
-    const int r = comm.rank();
-    for (int s = 0; s < L.segment_count(); ++s) {
-      const auto& seg = L.segment(s);
-      const std::size_t mine = seg.offset + std::size_t(r) * seg.piece;
-      constexpr MemorySpace S = E::memory_space;
-      const std::size_t first_t = E::stage < 3 ? seg.offset : mine, first_f = E::stage < 1 ? seg.offset : mine;
-      fill_via_host<S>(E::stage < 3 ? part.param_segment(s) : part.param_piece(s), false,
-                                 [&](std::span<T> h) { ckpt::fill_range<T>(L, first_t, h, read); });
-      fill_via_host<S>(E::stage < 1 ? part.master_segment(s) : part.master_piece(s), part.offloaded(),
-                                 [&](std::span<float> h) { ckpt::fill_range<float>(L, first_f, h, read); });
-    }
+    for (int s = 0; s < L.segment_count(); ++s)
+      for (std::size_t f : {0, 1})  // the parameters and the master weights
+        ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
+          fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) { ckpt::fill_range<U>(L, dst.offset, h, read); });
+        });
   });
   engine.restore(engine.progress());  // stage 3: drop gathered copies of the old values
 }

@@ -13,6 +13,7 @@
 
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
+#include "zp/layout.hpp"
 #include "zp/optim/cpu.hpp"
 #include "zp/precision.hpp"
 
@@ -112,6 +113,28 @@ struct EngineConfig {
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
   bool wall_clock_breakdown = false;
   int steps_per_print = 10;
+
+  // The settings no other part checks (the batch, layout, scaler and optimizer check their own).
+  void check() const {
+    ZP_EXPECT(prefetch == 0 || prefetch == 1, "engine: prefetch must be 0 or 1, got ", prefetch);
+    ZP_EXPECT(!std::isnan(max_grad_norm), "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "
+              "no clipping");
+    ZP_EXPECT(steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", steps_per_print);
+  }
+};
+
+// The layout an engine's config asks for, for elements of `elem_bytes` bytes.
+inline LayoutOptions layout_options(const EngineConfig& c, std::size_t elem_bytes) {
+  return {.bucket_elems = std::max<std::size_t>(1, c.bucket_bytes / elem_bytes),
+          .first_bucket_elems = std::max<std::size_t>(1, c.first_bucket_bytes / elem_bytes),
+          .align = c.align};
+}
+
+// Where training stands: what a checkpoint (checkpoint.hpp) saves besides the buffers.
+struct EngineProgress {
+  std::int64_t step = 0;        // optimizer updates applied
+  std::int64_t micro_step = 0;  // micro-steps done in the current accumulation window
+  LossScaler::State scaler{};
 };
 
 // Where one optimizer step's wall time went, in seconds, over every micro-step of its window.

@@ -98,6 +98,17 @@ std::string cat(const Args&... args) {
   return os.str();
 }
 
+// Runs f; a zp::Error it raises comes out with the same category, native code and source
+// location, its message replaced by wrap(message) (called only then: saying which call failed).
+template <class F, class Wrap>
+decltype(auto) with_context(F&& f, Wrap&& wrap) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    throw Error(e.category(), wrap(e.message()), e.native_code(), e.where());
+  }
+}
+
 // Size arithmetic that cannot wrap: an overflow is an invalid_argument naming `what` and both
 // operands (a wrapped size would allocate a small buffer and then write past it).
 template <class... Ctx>

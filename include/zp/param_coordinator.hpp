@@ -124,7 +124,7 @@ class ParamCoordinator {
     st.works.clear();
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
-      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_->param_piece(s)),
+      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span),
                                                  st.buffer.span(g.offset - mod.offset, g.size)));
     }
     st.state = State::gathering;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zp/collective.hpp"
@@ -25,6 +26,7 @@
 #include "zp/layout.hpp"
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
+#include "zp/optim/optimizer.hpp"
 
 namespace zp {
 
@@ -58,6 +60,24 @@ constexpr std::size_t zero_model_state_bytes(int stage, std::size_t psi, int ran
   }
 }
 
+// A model-state field of a partition (the columns of the table at the top of this file).
+enum class Field : std::uint8_t { param, grad, grad_f32, master, state };
+
+// Which of a segment's elements an ownership query is about.
+enum class Extent : std::uint8_t {
+  kept,     // all the rank keeps: the whole segment where the stage keeps the field whole, else its piece
+  updated,  // what the rank's optimizer step updates: the whole segment at stage 0 (every rank
+            // updates the replicated model), else the rank's piece
+  piece,    // the rank's piece, 1/N of the segment, whatever the stage (e.g. the norm's share)
+};
+
+// An ownership query's answer: the elements, and the full-layout index of the first.
+template <class U>
+struct Owned {
+  std::span<U> span;
+  std::size_t offset;
+};
+
 // The buffers of one rank for a ZeRO stage; see the table at the top of this file. Owns memory,
 // knows no communicator: the engine moves data between ranks, this class says where it lives.
 template <class T, int Stage, MemorySpace S = MemorySpace::host>
@@ -78,10 +98,10 @@ class Partitioned {
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ", state_slots);
     const std::size_t full = layout_.total(), shard = layout_.shard();
     try {
-      params_ = Buffer<T, S>(Stage < 3 ? full : shard, "partition: parameters");
-      grads_ = Buffer<T, S>(Stage < 2 ? full : shard, "partition: gradients");
+      params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
+      grads_ = Buffer<T, S>(whole(Field::grad) ? full : shard, "partition: gradients");
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
-      const std::size_t m = Stage < 1 ? full : shard;
+      const std::size_t m = whole(Field::master) ? full : shard;
       if (offload_) {
         master_host_ = Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
         for (int k = 0; k < slots_; ++k)
@@ -112,68 +132,77 @@ class Partitioned {
 
   // Master weights and optimizer state are in host memory (whatever S is).
   bool offloaded() const noexcept { return offload_; }
+  // Whether field f lives in host memory whatever S is (offloaded master weights and state).
+  bool on_host(Field f) const noexcept { return offload_ && (f == Field::master || f == Field::state); }
 
   const Layout& layout() const noexcept { return layout_; }
   int rank() const noexcept { return rank_; }
   int ranks() const noexcept { return layout_.ranks(); }
   int state_slots() const noexcept { return slots_; }
 
-  // Whole buffers (full or shard space, per the table).
-  std::span<T> params() const noexcept { return params_.span(); }
-  std::span<T> grads() const noexcept { return grads_.span(); }
-  std::span<float> grads_f32() const noexcept { return grads32_.span(); }  // empty if not kept
-  std::span<float> master() const noexcept { return offload_ ? master_host_.span() : master_.span(); }
-  std::span<float> state(int k) const {
-    return offload_ ? state_host_.at(std::size_t(k)).span() : state_.at(std::size_t(k)).span();
+  // The element type of field F: T for the parameters and their gradients, else fp32.
+  template <Field F>
+  using elem = std::conditional_t<F == Field::param || F == Field::grad, T, float>;
+
+  // Whether this stage keeps field f whole on every rank (the full, padded layout) rather than
+  // only this rank's shard; see the table at the top of this file.
+  static constexpr bool whole(Field f) noexcept {
+    return f == Field::param ? Stage < 3 : f == Field::grad || f == Field::grad_f32 ? Stage < 2 : Stage < 1;
   }
 
-  // This rank's piece of segment s in each buffer.
-  std::span<T> param_piece(int s) const { return piece(params_, s, Stage < 3); }
-  std::span<T> grad_piece(int s) const { return piece(grads_, s, Stage < 2); }
-  std::span<float> grad_f32_piece(int s) const { return piece(grads32_, s, Stage < 2); }
-  std::span<float> master_piece(int s) const { return piece(master(), s, Stage < 1); }
-  std::span<float> state_piece(int k, int s) const { return piece(state(k), s, Stage < 1); }
+  // Field F's whole buffer (full space where whole(F), else shard space); k: the state array.
+  // grad_f32 is empty unless kept.
+  template <Field F>
+  std::span<elem<F>> buffer(int k = 0) const {
+    if constexpr (F == Field::param) return params_.span();
+    else if constexpr (F == Field::grad) return grads_.span();
+    else if constexpr (F == Field::grad_f32) return grads32_.span();
+    else if constexpr (F == Field::master) return offload_ ? master_host_.span() : master_.span();
+    else {
+      ZP_EXPECT(k >= 0 && k < slots_, "partition: optimizer state ", k, " not in [0, ", slots_, ")");
+      return offload_ ? state_host_[std::size_t(k)].span() : state_[std::size_t(k)].span();
+    }
+  }
 
-  // Whole segment s in a full-space buffer (params for stage < 3, grads for stage < 2, master
-  // and state for stage 0).
-  std::span<T> param_segment(int s) const { return segment(params_, s, Stage < 3); }
-  std::span<T> grad_segment(int s) const { return segment(grads_, s, Stage < 2); }
-  std::span<float> grad_f32_segment(int s) const { return segment(grads32_, s, Stage < 2); }
-  std::span<float> master_segment(int s) const { return segment(master(), s, Stage < 1); }
-  std::span<float> state_segment(int k, int s) const { return segment(state(k), s, Stage < 1); }
+  // The ownership query: field F's elements of segment s that `e` names, and where the first
+  // of them sits in the full (padded) layout. Every stage-dependent choice of which span of
+  // which buffer a rank reads or writes comes from here.
+  template <Field F>
+  Owned<elem<F>> owned(int s, Extent e, int k = 0) const {
+    const auto& g = layout_.segment(s);
+    const std::span<elem<F>> b = buffer<F>(k);
+    const std::size_t mine = g.offset + std::size_t(rank_) * g.piece;
+    const bool segment = e == Extent::kept ? whole(F) : e == Extent::updated && Stage == 0;
+    const std::size_t at = segment ? g.offset : whole(F) ? mine : g.shard_offset, n = segment ? g.size : g.piece;
+    ZP_ASSERT(at + n <= b.size(), "partition: field ", int(F), " of segment ", s, " is not kept here (", b.size(),
+              " elements, ", at + n, " needed)");
+    return {b.subspan(at, n), segment ? g.offset : mine};
+  }
+
+  // The optimizer's view of the elements of segment s this rank updates; F32: the gradient from
+  // the fp32 gradient buffer.
+  template <bool F32>
+  optim::ShardView<T, std::conditional_t<F32, float, T>> update_view(int s) const {
+    optim::ShardView<T, std::conditional_t<F32, float, T>> v;
+    v.master = owned<Field::master>(s, Extent::updated).span;
+    v.grad = owned<F32 ? Field::grad_f32 : Field::grad>(s, Extent::updated).span;
+    v.param = owned<Field::param>(s, Extent::updated).span;
+    for (int k = 0; k < slots_; ++k) v.state[std::size_t(k)] = owned<Field::state>(s, Extent::updated, k).span;
+    return v;
+  }
 
   // Model-state bytes by category (buckets and gathered parameters are the engine's).
   MemoryReport memory() const {
     MemoryReport r;
     r.params = params_.bytes();
     r.grads = grads_.bytes() + grads32_.bytes();
-    r.master = master().size_bytes();
-    for (int k = 0; k < slots_; ++k) r.optimizer_state += state(k).size_bytes();
+    r.master = buffer<Field::master>().size_bytes();
+    for (int k = 0; k < slots_; ++k) r.optimizer_state += buffer<Field::state>(k).size_bytes();
     if (offload_) r.offloaded = r.master + r.optimizer_state;
     return r;
   }
 
  private:
-  template <class U>
-  std::span<U> piece(const Buffer<U, S>& b, int s, bool full) const {
-    return piece(b.span(), s, full);
-  }
-  template <class U>
-  std::span<U> piece(std::span<U> b, int s, bool full) const {
-    const auto& g = layout_.segment(s);
-    return {b.data() + (full ? g.offset + std::size_t(rank_) * g.piece : g.shard_offset), g.piece};
-  }
-  template <class U>
-  std::span<U> segment(const Buffer<U, S>& b, int s, bool full) const {
-    return segment(b.span(), s, full);
-  }
-  template <class U>
-  std::span<U> segment(std::span<U> b, int s, bool full) const {
-    ZP_EXPECT(full, "partition: stage ", Stage, " keeps only a shard of this buffer");
-    const auto& g = layout_.segment(s);
-    return {b.data() + g.offset, g.size};
-  }
-
   Layout layout_;
   int rank_;
   int slots_;

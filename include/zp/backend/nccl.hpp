@@ -87,11 +87,7 @@ inline void cuda_check(cudaError_t e, const char* call) {
 // A device primitive's error, as the backend's.
 template <class F>
 auto cuda_call(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    throw Error(e.category(), detail::cat("nccl backend: ", e.message()), e.native_code(), e.where());
-  }
+  return detail::with_context(f, [](const std::string& m) { return "nccl backend: " + m; });
 }
 
 inline void nccl_check(ncclResult_t r, const char* call, ncclComm_t comm = nullptr) {

@@ -1,0 +1,95 @@
+// zp/step_gate.hpp: an optimizer step's statistics and the decision taken from them.
+//
+// Each rank sums its own gradient pieces' squared norm and non-finite count, so after one
+// all_reduce every rank holds the model's. The same all_reduce checks that every rank runs the
+// step with the same optimizer hyper-parameters (a rank whose lr differs would update its shard
+// differently): the 32-bit fingerprint, as two 16-bit halves h, is summed with h^2, exactly in
+// double; the ranks agree iff sum(h) = N h and sum(h^2) = N h^2 on every rank (the variance is
+// then zero), and when they do not, every rank sees it. The statistics live where the gradients
+// do, and so does the decision (StepGate: skip on overflow or differing hyper-parameters, else
+// unscale and clip), so a device runs the whole step, gathers included, without the host.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "zp/layout.hpp"
+#include "zp/memory.hpp"
+#include "zp/optim/optimizer.hpp"
+
+namespace zp {
+
+namespace detail {
+// A step's decision from its all-reduced statistics, taken where they live (Ops::invoke: host
+// and device compute the same bits). s[0..6): the squared norm, the count of non-finite pieces,
+// and the sums of the hyper-parameter fingerprint's halves and their squares (this rank's halves
+// h0, h1); writes s[6] = grad_mul (unscale and clip) and s[7] = apply, overflow, or differ (skip,
+// and the host throws). Outside any class template: nvcc takes no private member type as a
+// kernel's template argument.
+struct StepGate {
+  static constexpr std::size_t statistics = 6;
+  static constexpr double apply = 0, overflow = 1, differ = 2;
+  double ranks, h0, h1;
+  float unscale, max_norm;
+  ZP_HOST_DEVICE void operator()(double* s) const {
+    const bool same = s[2] == ranks * h0 && s[3] == ranks * h0 * h0 && s[4] == ranks * h1 && s[5] == ranks * h1 * h1;
+    const bool finite = s[1] == 0 && s[0] <= 1.7976931348623157e308;  // not inf, not nan
+    const float clip = finite ? optim::clip_coef(s[0], unscale, max_norm) : 1.0f;
+    s[statistics] = double(optim::grad_mul(unscale, clip));
+    s[statistics + 1] = !same ? differ : !finite ? overflow : apply;
+  }
+};
+}  // namespace detail
+
+// One step's statistics and gate in memory space S: begin(), add() every piece, all_reduce
+// sums() over every rank that holds a part of the model, decide(), then the optimizer reads
+// gate() where it runs and the host reads the outcome once (read()).
+template <MemorySpace S>
+class StepStatistics {
+ public:
+  static constexpr std::size_t count = detail::StepGate::statistics;  // doubles all-reduced per step
+  static constexpr std::size_t slots = count + 2;                     // with the gate: grad_mul, verdict
+
+  void begin(std::uint64_t fingerprint) {
+    h0_ = double(fingerprint & 0xffffu);
+    h1_ = double((fingerprint >> 16) & 0xffffu);
+    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0};
+    Ops<S>::from_host(buf_.span(), std::span<const double>(init));
+  }
+  // Adds the squared norm and non-finite count of `g` (in S).
+  template <class G>
+  void add(std::span<const G> g, const optim::cpu::Options& o) {
+    Ops<S>::grad_stats(g, buf_.data(), o);
+  }
+  // Adds those of the parameters of `piece` (rank r's piece of segment s of L) for which
+  // counted(p) holds, p a parameter index.
+  template <class G, class Counted>
+  void add(const Layout& L, int s, int r, std::span<const G> piece, const optim::cpu::Options& o, Counted&& counted) {
+    const std::size_t begin = L.piece_offset(s, r), end = begin + piece.size();
+    for (int p : L.segment(s).params) {
+      const auto& lp = L.params()[std::size_t(p)];
+      const std::size_t b = std::max(begin, lp.offset), e = std::min(end, lp.offset + lp.size);
+      if (b < e && counted(p)) add(piece.subspan(b - begin, e - b), o);
+    }
+  }
+  std::span<double> sums() { return buf_.span(0, count); }
+  // The gate, for `ranks` ranks in all: unscale divides the gradients, max_norm clips (0: never).
+  void decide(double ranks, float unscale, float max_norm) {
+    Ops<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm}, buf_.data());
+  }
+  const double* gate() const noexcept { return buf_.data() + count; }  // in S
+  // The statistics and the gate in host memory (a device: the host waits for them).
+  std::array<double, slots> read() const {
+    std::array<double, slots> host{};
+    Ops<S>::to_host(std::span<double>(host), std::span<const double>(buf_.span()));
+    return host;
+  }
+
+ private:
+  Buffer<double, S> buf_{slots, "engine: step statistics"};
+  double h0_ = 0, h1_ = 0;
+};
+
+}  // namespace zp
