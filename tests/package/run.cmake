@@ -1,31 +1,73 @@
 # Builds and runs tests/package/consumer against zp by add_subdirectory, FetchContent and
-# find_package after install. Invoked by ctest with -DZP_SOURCE_DIR, -DZP_BUILD_DIR, -DWORK.
+# find_package (after install, and from zp's build tree), and checks zp's packaging:
+#   - a freshly configured zp installs with no build step (the usual header-only install);
+#   - a consumer that takes zp by FetchContent installs and exports its own target linking
+#     zp::zp, while zp's own files stay out of that install unless asked for (component zp).
+# Invoked by ctest with -DZP_SOURCE_DIR, -DZP_BUILD_DIR, -DWORK, and -Dnlohmann_json_DIR so the
+# fresh zp finds what the build under test found (and so defines zp_ckpt, installed only if built).
 file(REMOVE_RECURSE ${WORK})
-execute_process(COMMAND ${CMAKE_COMMAND} --install ${ZP_BUILD_DIR} --prefix ${WORK}/prefix
-                RESULT_VARIABLE rc OUTPUT_QUIET)
-if(rc)
-  message(FATAL_ERROR "cmake --install of zp failed: ${rc}")
+
+# zp_run(<what> COMMAND ...): runs the command; its output in `out`, the test fails if it fails.
+function(zp_run what)
+  execute_process(${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(rc)
+    message(FATAL_ERROR "${what} failed: ${rc}\n${out}")
+  endif()
+  set(out "${out}" PARENT_SCOPE)
+endfunction()
+
+# consumer(<name> <target> <cmake args>...): configures the consumer into ${WORK}/<name>, builds
+# <target> (all, or only the consumer where the extra targets prove nothing new) and runs it.
+function(consumer name target)
+  set(b ${WORK}/${name})
+  zp_run("configuring the consumer (${name})"
+         COMMAND ${CMAKE_COMMAND} -S ${ZP_SOURCE_DIR}/tests/package/consumer -B ${b} -G Ninja
+                 -DZP_SOURCE_DIR=${ZP_SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release ${ARGN})
+  zp_run("building the consumer (${name})" COMMAND ${CMAKE_COMMAND} --build ${b} --target ${target})
+  zp_run("the consumer built via ${name}" COMMAND ${b}/consumer)
+  if(target STREQUAL "all" AND NOT EXISTS ${b}/consumer_mpi)
+    string(APPEND out "(no zp::mpi: MPI not found)")
+  endif()
+  message(STATUS "via ${name}: ${out}")
+endfunction()
+
+# The build under test, installed (with zp_ckpt where it was built).
+zp_run("cmake --install of zp" COMMAND ${CMAKE_COMMAND} --install ${ZP_BUILD_DIR} --prefix ${WORK}/prefix)
+
+# Configure and install, no build in between.
+set(fresh_args -DZP_BUILD_TESTS=OFF -DZP_BUILD_BENCH=OFF -DZP_BUILD_EXAMPLES=OFF)
+if(nlohmann_json_DIR)
+  list(APPEND fresh_args -Dnlohmann_json_DIR=${nlohmann_json_DIR})
 endif()
-foreach(via subdir fetch find)
-  set(b ${WORK}/${via})
-  execute_process(COMMAND ${CMAKE_COMMAND} -S ${ZP_SOURCE_DIR}/tests/package/consumer -B ${b}
-                          -G Ninja -DZP_VIA=${via} -DZP_SOURCE_DIR=${ZP_SOURCE_DIR}
-                          -DCMAKE_PREFIX_PATH=${WORK}/prefix -DCMAKE_BUILD_TYPE=Release
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  if(rc)
-    message(FATAL_ERROR "configuring the consumer via ${via} failed:\n${out}")
+zp_run("configuring zp afresh" COMMAND ${CMAKE_COMMAND} -S ${ZP_SOURCE_DIR} -B ${WORK}/zp -G Ninja
+                                       -DCMAKE_BUILD_TYPE=Release ${fresh_args})
+zp_run("cmake --install of a configured, unbuilt zp"
+       COMMAND ${CMAKE_COMMAND} --install ${WORK}/zp --prefix ${WORK}/prefix-unbuilt)
+if(EXISTS ${WORK}/zp/tools/cmake_install.cmake)
+  file(READ ${WORK}/zp/tools/cmake_install.cmake rules)
+  if(rules MATCHES "zp_ckpt")
+    message(STATUS "unbuilt zp installed, without zp_ckpt, which it defines but did not build")
   endif()
-  execute_process(COMMAND ${CMAKE_COMMAND} --build ${b} RESULT_VARIABLE rc OUTPUT_VARIABLE out
-                  ERROR_VARIABLE out)
-  if(rc)
-    message(FATAL_ERROR "building the consumer via ${via} failed:\n${out}")
-  endif()
-  execute_process(COMMAND ${b}/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  if(rc)
-    message(FATAL_ERROR "the consumer built via ${via} failed:\n${out}")
-  endif()
-  if(NOT EXISTS ${b}/consumer_mpi)
-    set(out "${out}(no zp::mpi: MPI not found)")
-  endif()
-  message(STATUS "via ${via}: ${out}")
-endforeach()
+endif()
+
+consumer(subdir all -DZP_VIA=subdir)
+consumer(fetch all -DZP_VIA=fetch)
+consumer(find all -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix)
+consumer(find-unbuilt consumer -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix-unbuilt)
+consumer(find-build-tree consumer -DZP_VIA=find -Dzp_DIR=${ZP_BUILD_DIR})
+
+# A consumer with its own export set: its install has its package and not zp's, which the
+# component zp adds.
+consumer(fetch-install consumer -DZP_VIA=fetch -DCONSUMER_INSTALL=ON)
+set(p ${WORK}/consumer-prefix)
+zp_run("cmake --install of the consumer"
+       COMMAND ${CMAKE_COMMAND} --install ${WORK}/fetch-install --prefix ${p})
+if(NOT EXISTS ${p}/lib/cmake/consumer/consumerTargets.cmake OR EXISTS ${p}/include/zp)
+  message(FATAL_ERROR "the consumer's install should hold consumerTargets.cmake and no zp headers")
+endif()
+zp_run("cmake --install --component zp of the consumer"
+       COMMAND ${CMAKE_COMMAND} --install ${WORK}/fetch-install --prefix ${p} --component zp)
+if(NOT EXISTS ${p}/include/zp/zp.hpp OR NOT EXISTS ${p}/share/zp/cmake/zpTargets.cmake)
+  message(FATAL_ERROR "cmake --install --component zp should install zp's headers and package")
+endif()
+message(STATUS "via fetch-install: the consumer installed its export set; zp's with --component zp")
