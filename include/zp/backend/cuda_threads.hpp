@@ -69,6 +69,30 @@ struct Shared {
   zp::device::Event ready, done;
 };
 
+// The completion event of an operation on a rank's communication stream (the Op of zp::Work):
+// finishing it makes the caller's current stream wait for it. A failed device fails the next
+// call that can throw, as CUDA's errors are sticky.
+struct Op {
+  std::unique_ptr<zp::device::Event> event;
+
+  explicit operator bool() const noexcept { return event != nullptr; }
+  void finish() noexcept {
+    try {
+      zp::device::wait(zp::device::current_stream(), event->get(), "cuda_threads.work.wait");
+    } catch (const Error&) {
+    }
+    event.reset();
+  }
+  bool done() {
+    if (!zp::device::event_done(event->get())) return false;
+    finish();
+    return true;
+  }
+  void drop() noexcept {
+    if (event) finish();
+  }
+};
+
 }  // namespace cuda_threads_detail
 
 class CudaThreads {
@@ -76,41 +100,8 @@ class CudaThreads {
   static constexpr const char* name = "cuda_threads";
   static constexpr MemorySpace memory = MemorySpace::device;
 
-  // The completion event of an operation on the rank's communication stream.
-  class Work {
-   public:
-    Work() = default;
-    Work(Work&&) noexcept = default;
-    Work& operator=(Work&& o) noexcept {
-      if (this != &o) {
-        wait();
-        event_ = std::move(o.event_);
-      }
-      return *this;
-    }
-    ~Work() { wait(); }
-    // Makes the caller's current stream wait for the operation. A failed device fails the
-    // next call that can throw, as CUDA's errors are sticky.
-    void wait() noexcept {
-      if (!event_) return;
-      try {
-        zp::device::wait(zp::device::current_stream(), event_->get(), "cuda_threads.work.wait");
-      } catch (const Error&) {
-      }
-      event_.reset();
-    }
-    bool test() {
-      if (!event_) return true;
-      if (!zp::device::event_done(event_->get())) return false;
-      wait();
-      return true;
-    }
-
-   private:
-    friend class CudaThreads;
-    explicit Work(std::unique_ptr<zp::device::Event> e) : event_(std::move(e)) {}
-    std::unique_ptr<zp::device::Event> event_;
-  };
+  // An enqueued operation (work.hpp): finishing it makes the caller's current stream wait for it.
+  using Work = zp::Work<cuda_threads_detail::Op>;
 
   // Rank `base.rank()` of the world `base` belongs to, on the current device; the backend takes
   // the rank over and creates its communication stream.
@@ -221,7 +212,7 @@ class CudaThreads {
       if (r != rank()) zp::device::wait(cs, peers[r]->done.get(), "cuda_threads.done.wait");
     auto e = std::make_unique<zp::device::Event>();
     zp::device::record(e->get(), cs, "cuda_threads.work.record");
-    return Work(std::move(e));
+    return Work(cuda_threads_detail::Op{std::move(e)});
   }
   static std::shared_ptr<const cuda_threads_detail::Shared> peer(const threads_detail::Call& c) {
     return *static_cast<const std::shared_ptr<cuda_threads_detail::Shared>*>(c.ext);

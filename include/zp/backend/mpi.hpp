@@ -77,6 +77,7 @@
 #include "zp/detail/reduce.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
+#include "zp/work.hpp"
 
 namespace zp::backend {
 
@@ -398,6 +399,67 @@ inline std::pair<int, int> split_rc(int rc, const MPI_Status* st, int n) {
   return {st[0].MPI_ERROR, sig};
 }
 
+// A pending operation of the mpi backend (the Op of zp::Work).
+struct Op {
+  std::unique_ptr<Pending> p;
+
+  explicit operator bool() const noexcept { return p != nullptr; }
+  void finish() {
+    const auto q = std::move(p);
+    if (q->p2p) {
+      MPI_Request reqs[3] = {q->req, q->p2p->reqs[0], q->p2p->reqs[1]};
+      MPI_Status st[3];
+      int rc = MPI_SUCCESS;
+      {
+        Guard g(q->ctx->watchdog.get(), q->info, q->ctx->opt.timeout);
+        rc = MPI_Waitall(3, reqs, st);
+      }
+      const auto [data_rc, sig_rc] = split_rc(rc, st, 3);
+      p2p_verdict(*q->ctx, *q->p2p, data_rc, sig_rc);
+      return;
+    }
+    {
+      Guard g(q->ctx->watchdog.get(), q->info, q->ctx->opt.timeout);
+      check(MPI_Wait(&q->req, MPI_STATUS_IGNORE), "MPI_Wait", q->ctx->rank);
+    }
+    q->post.run();
+  }
+  bool done() {
+    if (p->p2p) {
+      MPI_Request reqs[3] = {p->req, p->p2p->reqs[0], p->p2p->reqs[1]};
+      MPI_Status st[3];
+      int all = 0;
+      const int rc = MPI_Testall(3, reqs, &all, st);
+      if (!all) {
+        if (rc == MPI_SUCCESS) return false;  // nothing was completed or freed
+        // An error before every request finished: keep what MPI freed, wait for the rest (the
+        // buffers stay in use until then), and report.
+        p->req = reqs[0];
+        p->p2p->reqs[0] = reqs[1];
+        p->p2p->reqs[1] = reqs[2];
+        finish();
+        return true;
+      }
+      const auto q = std::move(p);
+      const auto [data_rc, sig_rc] = split_rc(rc, st, 3);
+      p2p_verdict(*q->ctx, *q->p2p, data_rc, sig_rc);
+      return true;
+    }
+    int complete = 0;
+    check(MPI_Test(&p->req, &complete, MPI_STATUS_IGNORE), "MPI_Test", p->ctx->rank);
+    if (!complete) return false;
+    const auto q = std::move(p);
+    q->post.run();
+    return true;
+  }
+  void drop() noexcept {
+    try {
+      if (p) finish();
+    } catch (...) {
+    }
+  }
+};
+
 }  // namespace mpi_detail
 
 // The backend: one MPI communicator (a private duplicate of the one it was given, so zp's
@@ -408,84 +470,9 @@ class Mpi {
   static constexpr MemorySpace memory = MemorySpace::host;
   static constexpr const char* name = "mpi";
 
-  // A nonblocking operation; wait() completes it (guarded by the watchdog) and runs its
-  // post-step. A handle destroyed without wait() waits in its destructor (MPI must complete
-  // every request before its buffers may be reused).
-  class Work {
-   public:
-    Work() = default;
-    Work(Work&&) noexcept = default;
-    Work& operator=(Work&& o) noexcept {
-      if (this != &o) {
-        finish_quietly();
-        p_ = std::move(o.p_);
-      }
-      return *this;
-    }
-    ~Work() { finish_quietly(); }
-
-    void wait() {
-      if (!p_) return;
-      auto p = std::move(p_);
-      if (p->p2p) {
-        MPI_Request reqs[3] = {p->req, p->p2p->reqs[0], p->p2p->reqs[1]};
-        MPI_Status st[3];
-        int rc = MPI_SUCCESS;
-        {
-          mpi_detail::Guard g(p->ctx->watchdog.get(), p->info, p->ctx->opt.timeout);
-          rc = MPI_Waitall(3, reqs, st);
-        }
-        const auto [data_rc, sig_rc] = mpi_detail::split_rc(rc, st, 3);
-        mpi_detail::p2p_verdict(*p->ctx, *p->p2p, data_rc, sig_rc);
-        return;
-      }
-      {
-        mpi_detail::Guard g(p->ctx->watchdog.get(), p->info, p->ctx->opt.timeout);
-        mpi_detail::check(MPI_Wait(&p->req, MPI_STATUS_IGNORE), "MPI_Wait", p->ctx->rank);
-      }
-      p->post.run();
-    }
-    bool test() {
-      if (!p_) return true;
-      if (p_->p2p) {
-        MPI_Request reqs[3] = {p_->req, p_->p2p->reqs[0], p_->p2p->reqs[1]};
-        MPI_Status st[3];
-        int done = 0;
-        const int rc = MPI_Testall(3, reqs, &done, st);
-        if (!done) {
-          if (rc == MPI_SUCCESS) return false;  // nothing was completed or freed
-          // An error before every request finished: keep what MPI freed, wait for the rest
-          // (the buffers stay in use until then), and report.
-          p_->req = reqs[0];
-          p_->p2p->reqs[0] = reqs[1];
-          p_->p2p->reqs[1] = reqs[2];
-          wait();
-          return true;
-        }
-        auto p = std::move(p_);
-        const auto [data_rc, sig_rc] = mpi_detail::split_rc(rc, st, 3);
-        mpi_detail::p2p_verdict(*p->ctx, *p->p2p, data_rc, sig_rc);
-        return true;
-      }
-      int done = 0;
-      mpi_detail::check(MPI_Test(&p_->req, &done, MPI_STATUS_IGNORE), "MPI_Test", p_->ctx->rank);
-      if (!done) return false;
-      auto p = std::move(p_);
-      p->post.run();
-      return true;
-    }
-
-   private:
-    friend class Mpi;
-    explicit Work(std::unique_ptr<mpi_detail::Pending> p) : p_(std::move(p)) {}
-    void finish_quietly() noexcept {
-      try {
-        wait();
-      } catch (...) {
-      }
-    }
-    std::unique_ptr<mpi_detail::Pending> p_;
-  };
+  // A nonblocking operation (work.hpp): completed under the watchdog, then its post-step runs.
+  // MPI must complete every request before its buffers may be reused, so a dropped handle waits.
+  using Work = zp::Work<mpi_detail::Op>;
 
   // Duplicates comm (collective over comm). MPI must be initialised (MpiEnvironment).
   explicit Mpi(MPI_Comm comm = MPI_COMM_WORLD, Options opt = {}) {
@@ -839,7 +826,7 @@ class Mpi {
     pending->ctx = ctx_;
     pending->post = p.post;
     pending->info = info;
-    return Work(std::move(pending));
+    return Work(mpi_detail::Op{std::move(pending)});
   }
 
   // A bad argument is an error on this rank alone (the pair has not met). The signatures are
@@ -882,10 +869,10 @@ class Mpi {
       const int rc = sending ? MPI_Isend(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req)
                              : MPI_Irecv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req);
       if (rc != MPI_SUCCESS) {
-        Work w(std::move(pending));  // completes the posted signatures before throwing
+        Work w(mpi_detail::Op{std::move(pending)});  // completes the posted signatures before throwing
         mpi_detail::check(rc, sending ? "MPI_Isend" : "MPI_Irecv", c.rank);
       }
-      return Work(std::move(pending));
+      return Work(mpi_detail::Op{std::move(pending)});
     }
     int data_rc = MPI_SUCCESS, rc = MPI_SUCCESS;
     MPI_Status st[2];

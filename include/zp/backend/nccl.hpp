@@ -69,6 +69,7 @@
 #include "zp/collective.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
+#include "zp/work.hpp"
 #include "zp/device/stream.hpp"
 
 namespace zp::backend {
@@ -196,6 +197,88 @@ struct Context final : device::Watched {
   }
 };
 
+// A pending operation of the nccl backend (the Op of zp::Work): a CUDA event recorded after it on
+// the communicator's stream. Finishing it makes the caller's current stream wait for the event
+// (PyTorch's semantics) after polling for an asynchronous NCCL error already known.
+class Op {
+ public:
+  Op() = default;
+  Op(std::shared_ptr<Context> c, device::event_t e, const char* what)
+      : ctx_(std::move(c)), event_(e), what_(what), issued_(std::chrono::steady_clock::now()) {}
+  Op(Op&& o) noexcept
+      : ctx_(std::move(o.ctx_)), event_(std::exchange(o.event_, nullptr)), what_(o.what_), issued_(o.issued_) {}
+  Op& operator=(Op&& o) noexcept {
+    if (this != &o) {
+      release();
+      ctx_ = std::move(o.ctx_);
+      event_ = std::exchange(o.event_, nullptr);
+      what_ = o.what_;
+      issued_ = o.issued_;
+    }
+    return *this;
+  }
+  ~Op() { release(); }
+
+  explicit operator bool() const noexcept { return event_ != nullptr; }
+  device::event_t event() const noexcept { return event_; }
+  void finish() {
+    try {
+      ctx_->poll(std::chrono::steady_clock::duration::zero(), what_);
+    } catch (...) {
+      release();
+      throw;
+    }
+    drop();
+  }
+  // Whether the operation completed on the device (polling errors and the timeout).
+  bool done() {
+    bool complete = false;
+    try {
+      complete = cuda_call([&] { return device::event_done(event_); });
+      if (!complete) ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
+    } catch (...) {
+      release();
+      throw;
+    }
+    if (complete) finish();
+    return complete;
+  }
+  // The caller's current stream waits for the event; then the handle is empty.
+  void drop() noexcept {
+    try {
+      if (event_) device::wait(device::current_stream(), event_, "nccl.work.wait");
+    } catch (const Error&) {  // sticky: the next synchronisation reports it
+    }
+    release();
+  }
+  // Waits on the host until the operation completed, or the error or timeout (barrier()).
+  void wait_host() {
+    for (int spins = 0; event_; ++spins) {
+      try {
+        if (cuda_call([&] { return device::event_done(event_); })) break;
+        ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
+      } catch (...) {
+        release();
+        throw;
+      }
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else std::this_thread::yield();
+    }
+    release();
+  }
+
+ private:
+  void release() noexcept {
+    if (event_) device::destroy_event(event_);
+    event_ = nullptr;
+    ctx_.reset();
+  }
+  std::shared_ptr<Context> ctx_;
+  device::event_t event_ = nullptr;
+  const char* what_ = "";
+  std::chrono::steady_clock::time_point issued_{};
+};
+
 }  // namespace nccl_detail
 
 // The backend over one NCCL communicator, one device and one stream it owns. Move-only.
@@ -205,89 +288,8 @@ class Nccl {
   static constexpr MemorySpace memory = MemorySpace::device;
   static constexpr const char* name = "nccl";
 
-  // The completion of an enqueued operation: a CUDA event recorded after it on stream().
-  class Work {
-   public:
-    Work() = default;
-    Work(Work&& o) noexcept
-        : ctx_(std::move(o.ctx_)), event_(std::exchange(o.event_, nullptr)), what_(o.what_), issued_(o.issued_) {}
-    Work& operator=(Work&& o) noexcept {
-      if (this != &o) {
-        order();
-        ctx_ = std::move(o.ctx_);
-        event_ = std::exchange(o.event_, nullptr);
-        what_ = o.what_;
-        issued_ = o.issued_;
-      }
-      return *this;
-    }
-    ~Work() { order(); }
-
-    // Makes the caller's current stream wait for the operation (see the file comment); throws
-    // an asynchronous NCCL error already known.
-    void wait() {
-      if (!event_) return;
-      try {
-        ctx_->poll(std::chrono::steady_clock::duration::zero(), what_);
-      } catch (...) {
-        release();
-        throw;
-      }
-      order();
-    }
-    // Whether the operation completed on the device (polling errors and the timeout).
-    bool test() {
-      if (!event_) return true;
-      bool done = false;
-      try {
-        done = nccl_detail::cuda_call([&] { return device::event_done(event_); });
-        if (!done) ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
-      } catch (...) {
-        release();
-        throw;
-      }
-      if (done) wait();
-      return done;
-    }
-
-   private:
-    friend class Nccl;
-    Work(std::shared_ptr<nccl_detail::Context> c, device::event_t e, const char* what)
-        : ctx_(std::move(c)), event_(e), what_(what), issued_(std::chrono::steady_clock::now()) {}
-    // Waits on the host until the operation completed, or the error or timeout (barrier()).
-    void wait_host() {
-      if (!event_) return;
-      for (int spins = 0;; ++spins) {
-        try {
-          if (nccl_detail::cuda_call([&] { return device::event_done(event_); })) break;
-          ctx_->poll(std::chrono::steady_clock::now() - issued_, what_);
-        } catch (...) {
-          release();
-          throw;
-        }
-        if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-        else std::this_thread::yield();
-      }
-      release();
-    }
-    // The caller's current stream waits for the event; then the handle is empty.
-    void order() noexcept {
-      try {
-        if (event_) device::wait(device::current_stream(), event_, "nccl.work.wait");
-      } catch (const Error&) {  // sticky: the next synchronisation reports it
-      }
-      release();
-    }
-    void release() noexcept {
-      if (event_) device::destroy_event(event_);
-      event_ = nullptr;
-      ctx_.reset();
-    }
-    std::shared_ptr<nccl_detail::Context> ctx_;
-    device::event_t event_ = nullptr;
-    const char* what_ = "";
-    std::chrono::steady_clock::time_point issued_{};
-  };
+  // The completion of an enqueued operation (work.hpp): the caller's stream is ordered after it.
+  using Work = zp::Work<nccl_detail::Op>;
 
   // Joins communicator `id` as `rank` of `size` on `device` (ncclCommInitRank; collective over
   // the ranks). The backend creates and owns a non-blocking stream on that device.
@@ -381,11 +383,11 @@ class Nccl {
       nccl_detail::cuda_check(cudaMemsetAsync(c.scratch, 0, sizeof(std::int32_t), c.stream),
                               "cudaMemsetAsync");
     }
-    Work w = enqueue("barrier", Launch::async, [&](ncclComm_t cm, cudaStream_t s) {
+    nccl_detail::Op op = issue("barrier", [&](ncclComm_t cm, cudaStream_t s) {
       return ncclAllReduce(c.scratch, c.scratch, 1, ncclInt32, ncclSum, cm, s);
     });
-    if (l == Launch::async) return w;
-    w.wait_host();
+    if (l == Launch::async) return Work(std::move(op));
+    op.wait_host();
     return Work{};
   }
 
@@ -447,6 +449,14 @@ class Nccl {
 
   template <class F>
   Work enqueue(const char* what, Launch l, F&& call) {
+    nccl_detail::Op op = issue(what, std::forward<F>(call));
+    if (l == Launch::async) return Work(std::move(op));
+    op.finish();  // ordered: empty from here
+    return Work{};
+  }
+  // Enqueues call(comm, stream) after the caller's stream order, and the event of its completion.
+  template <class F>
+  nccl_detail::Op issue(const char* what, F&& call) {
     auto& c = live();
     ++c.calls;
     nccl_detail::DeviceScope dev(c.device);
@@ -454,11 +464,10 @@ class Nccl {
     nccl_detail::cuda_call([&] { device::order(c.stream, device::current_stream(), c.ready, "nccl.ready"); });
     device::before_enqueue(c.stream, device::Role::comm);
     nccl_detail::nccl_check(call(c.comm, c.stream), what, c.comm);
-    Work w(ctx_, nccl_detail::cuda_call([] { return device::create_event(); }), what);
-    nccl_detail::cuda_call([&] { device::record(w.event_, c.stream, "nccl.work.record"); });
+    nccl_detail::Op op(ctx_, nccl_detail::cuda_call([] { return device::create_event(); }), what);
+    nccl_detail::cuda_call([&] { device::record(op.event(), c.stream, "nccl.work.record"); });
     device::watch(ctx_);
-    if (l == Launch::blocking) w.wait();  // ordered: empty from here
-    return w;
+    return op;
   }
 
   std::shared_ptr<nccl_detail::Context> ctx_;

@@ -58,6 +58,7 @@
 #include "zp/collective.hpp"
 #include "zp/detail/reduce.hpp"
 #include "zp/error.hpp"
+#include "zp/work.hpp"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -143,6 +144,8 @@ inline std::string check_disjoint(const std::vector<Call>& calls) {
 
 // The completion of one operation, shared by its Work handle and whoever completes it (the
 // progress thread for collectives, the matching peer for send/recv).
+struct Op;  // a pending operation, below World
+
 struct WorkState {
   std::mutex m;
   std::condition_variable cv;
@@ -259,6 +262,7 @@ class World {
 
  private:
   friend class Threads;
+  friend struct threads_detail::Op;  // expire()
   World(int n, Options opt)
       : n_(n),
         opt_(opt),
@@ -470,6 +474,56 @@ class World {
   std::unique_ptr<threads_detail::Channel[]> channels_;  // send/recv, slot src * n + dst
 };
 
+namespace threads_detail {
+// A pending operation of the threads backend (the Op of zp::Work): the host waits for the
+// progress thread (collectives, posts) or for the peer (a posted send or recv).
+struct Op {
+  std::shared_ptr<WorkState> s;
+
+  explicit operator bool() const noexcept { return s != nullptr; }
+  void finish() {
+    const auto st = std::move(s);
+    std::exception_ptr error;
+    // A message's peer is often microseconds away: a short spin saves a sleep and wake-up.
+    if (st->spin) spin_until([&] { return st->ready.load(std::memory_order_acquire); });
+    {
+      std::unique_lock lk(st->m);
+      while (!st->done) {
+        // Collectives time out inside their rendezvous; an unmatched send or recv has only its
+        // waiter to notice that the peer never came (its deadline is set when posted).
+        if (st->deadline == std::chrono::steady_clock::time_point::max()) {
+          st->cv.wait(lk);
+        } else if (st->cv.wait_until(lk, st->deadline) == std::cv_status::timeout && !st->done) {
+          const auto world = st->world.lock();
+          lk.unlock();
+          if (world) world->expire(st.get());
+          lk.lock();
+          if (!world) st->cv.wait(lk, [&] { return st->done; });
+        }
+      }
+      // Moved out, so the exception is released by this thread alone, never concurrently by the
+      // progress thread dropping its job.
+      error = std::move(st->error);
+    }
+    if (error) std::rethrow_exception(error);
+  }
+  bool done() {
+    {
+      std::lock_guard lk(s->m);
+      if (!s->done) return false;
+    }
+    finish();
+    return true;
+  }
+  void drop() noexcept {
+    try {
+      if (s) finish();
+    } catch (...) {
+    }
+  }
+};
+}  // namespace threads_detail
+
 template <class F>
 void run_threads(int ranks, F&& fn, World::Options opt = {});
 
@@ -481,70 +535,8 @@ class Threads {
   static constexpr MemorySpace memory = MemorySpace::host;
   static constexpr const char* name = "threads";
 
-  // A handle destroyed (or assigned over) without wait() waits for its operation, dropping its
-  // error: the operation's buffers are the caller's, and they may go right after.
-  class Work {
-   public:
-    Work() = default;
-    Work(Work&&) noexcept = default;
-    Work& operator=(Work&& o) noexcept {
-      if (this != &o) {
-        finish_quietly();
-        state_ = std::move(o.state_);
-      }
-      return *this;
-    }
-    ~Work() { finish_quietly(); }
-
-    void wait() {
-      if (!state_) return;
-      const auto s = std::move(state_);
-      std::exception_ptr error;
-      // A message's peer is often microseconds away: a short spin saves a sleep and wake-up.
-      if (s->spin) threads_detail::spin_until([&] { return s->ready.load(std::memory_order_acquire); });
-      {
-        std::unique_lock lk(s->m);
-        while (!s->done) {
-          // Collectives time out inside their rendezvous; an unmatched send or recv has only
-          // its waiter to notice that the peer never came (its deadline is set when posted).
-          if (s->deadline == std::chrono::steady_clock::time_point::max()) {
-            s->cv.wait(lk);
-          } else if (s->cv.wait_until(lk, s->deadline) == std::cv_status::timeout && !s->done) {
-            const auto world = s->world.lock();
-            lk.unlock();
-            if (world) world->expire(s.get());
-            lk.lock();
-            if (!world) s->cv.wait(lk, [&] { return s->done; });
-          }
-        }
-        // Moved out, so the exception is released by this thread alone, never concurrently by
-        // the progress thread dropping its job.
-        error = std::move(s->error);
-      }
-      if (error) std::rethrow_exception(error);
-    }
-    bool test() {
-      if (!state_) return true;
-      {
-        std::lock_guard lk(state_->m);
-        if (!state_->done) return false;
-      }
-      wait();
-      return true;
-    }
-
-   private:
-    friend class Threads;
-    void finish_quietly() noexcept {
-      try {
-        wait();
-      } catch (...) {
-      }
-    }
-    using State = threads_detail::WorkState;
-    explicit Work(std::shared_ptr<State> s) : state_(std::move(s)) {}
-    std::shared_ptr<State> state_;
-  };
+  // An operation's handle (work.hpp): waited on, destroyed or assigned over, the host waits.
+  using Work = zp::Work<threads_detail::Op>;
 
   Threads(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {
     ZP_EXPECT(world_ != nullptr, "threads backend: null world");
@@ -728,7 +720,7 @@ class Threads {
       progress_ = std::make_unique<Progress>();
       progress_->thread = std::thread([p = progress_.get()] { p->loop(); });
     }
-    auto state = std::make_shared<Work::State>();
+    auto state = std::make_shared<threads_detail::WorkState>();
     {
       std::lock_guard lk(progress_->m);
       ++progress_->pending;
@@ -746,7 +738,7 @@ class Threads {
       });
     }
     progress_->cv.notify_all();
-    return Work(std::move(state));
+    return Work(threads_detail::Op{std::move(state)});
   }
 
   // A bad argument is an error here, on this rank alone (its peer, if any, is not involved
@@ -764,7 +756,7 @@ class Threads {
     if (l == Launch::blocking) {
       drain();
       World::post(world_, rank_, is_send, peer, std::move(m));
-      Work(std::move(state)).wait();
+      threads_detail::Op{std::move(state)}.finish();
       return Work{};
     }
     if (!progress_) {
@@ -779,7 +771,7 @@ class Threads {
       });
     }
     progress_->cv.notify_all();
-    return Work(std::move(state));
+    return Work(threads_detail::Op{std::move(state)});
   }
 
   // Publishes this rank's call, meets the others, checks that all calls agree, runs body, and
