@@ -5,7 +5,7 @@ file(GLOB_RECURSE _zp_headers RELATIVE ${PROJECT_SOURCE_DIR}/include CONFIGURE_D
      ${PROJECT_SOURCE_DIR}/include/zp/*.hpp)
 set(_zp_header_groups "")
 foreach(h IN LISTS _zp_headers)
-  if(h STREQUAL "zp/backend/mpi.hpp")
+  if(h MATCHES "^zp/backend/mpi")
     set(g mpi)
   elseif(h STREQUAL "zp/backend/nccl.hpp")
     set(g nccl)

@@ -1,0 +1,153 @@
+// zp/backend/mpi_watchdog.hpp: how an MPI job whose rank is stuck ends in bounded time (the mpi
+// backend's Options::timeout). A rank registers each blocking region (Guard) with the process's
+// one watchdog thread; a region that outlives its deadline prints what the rank was blocked in
+// (operation, call number, count, type, the peer it waited for) and aborts the job (abort_job:
+// MPI_Abort where MPI may be called from that thread, else _Exit, which mpiexec turns into the
+// end of the job).
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp::backend::mpi_detail {
+
+// The thread that initialised MPI through MpiEnvironment (or first constructed a backend).
+inline std::thread::id& main_thread_id_storage() {
+  static std::thread::id id = std::this_thread::get_id();
+  return id;
+}
+inline std::thread::id main_thread_id() { return main_thread_id_storage(); }
+
+// Ends the job after printing why: MPI_Abort when MPI may be called from any thread,
+// otherwise _Exit (mpirun/mpiexec then terminate the other ranks).
+[[noreturn]] inline void abort_job(const std::string& why) {
+  std::fputs(("zp: mpi backend: " + why + "\n").c_str(), stderr);
+  std::fflush(stderr);
+  int init = 0, fin = 0, level = MPI_THREAD_SINGLE;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) {
+    MPI_Query_thread(&level);
+    if (level == MPI_THREAD_MULTIPLE || std::this_thread::get_id() == main_thread_id())
+      MPI_Abort(MPI_COMM_WORLD, 134);
+  }
+  std::_Exit(134);
+}
+
+// What a rank is blocked in, for the watchdog's message.
+struct Blocked {
+  std::chrono::steady_clock::time_point deadline;
+  long long timeout_ms = 0;
+  int rank = 0, size = 0, world_rank = 0;
+  const char* what = "";  // operation name
+  std::uint64_t call = 0;
+  std::size_t count = 0;
+  DType dtype{};
+  ReduceOp reduce{};
+  bool has_reduce = false;
+  int peer = -1;  // send/recv: the one rank waited for
+};
+
+// One thread per process that aborts the job when a registered wait outlives its deadline.
+// Shared by every backend of the process; stops when the last one is gone.
+class Watchdog {
+ public:
+  static std::shared_ptr<Watchdog> get() {
+    static std::mutex m;
+    static std::weak_ptr<Watchdog> instance;
+    std::lock_guard lk(m);
+    auto p = instance.lock();
+    if (!p) {
+      p = std::shared_ptr<Watchdog>(new Watchdog());
+      instance = p;
+    }
+    return p;
+  }
+  ~Watchdog() {
+    {
+      std::lock_guard lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void add(Blocked* b) {
+    std::lock_guard lk(m_);
+    active_.push_back(b);
+  }
+  void remove(Blocked* b) {
+    std::lock_guard lk(m_);
+    auto it = std::find(active_.begin(), active_.end(), b);
+    if (it != active_.end()) {
+      *it = active_.back();
+      active_.pop_back();
+    }
+  }
+
+ private:
+  Watchdog() : thread_([this] { loop(); }) {}
+  void loop() {
+    std::unique_lock lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, std::chrono::milliseconds(50));
+      const auto now = std::chrono::steady_clock::now();
+      for (const Blocked* b : active_) {
+        if (now < b->deadline) continue;
+        std::string why = detail::cat(
+            "rank ", b->rank, " of ", b->size, " (world rank ", b->world_rank, ") timed out after ",
+            b->timeout_ms, " ms in ", b->what, " (call #", b->call, ", count=", b->count,
+            ", dtype=", name(b->dtype));
+        if (b->has_reduce) why += detail::cat(", op=", name(b->reduce));
+        if (b->peer >= 0)
+          why += detail::cat(", peer=", b->peer, ") waiting for rank ", b->peer,
+                             " (it failed, left or never issued the matching call); aborting the job");
+        else
+          why += ") waiting for the other ranks (one failed, left or skipped the call); aborting "
+                 "the job";
+        abort_job(why);
+      }
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::vector<Blocked*> active_;
+  std::thread thread_;
+};
+
+// RAII registration of a blocking region with the watchdog.
+class Guard {
+ public:
+  Guard(Watchdog* w, Blocked& b, std::chrono::milliseconds timeout) : w_(timeout.count() > 0 ? w : nullptr), b_(b) {
+    if (!w_) return;
+    b_.timeout_ms = timeout.count();
+    b_.deadline = detail::deadline_after(timeout);
+    w_->add(&b_);
+  }
+  ~Guard() {
+    if (w_) w_->remove(&b_);
+  }
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+
+ private:
+  Watchdog* w_;
+  Blocked& b_;
+};
+
+}  // namespace zp::backend::mpi_detail
