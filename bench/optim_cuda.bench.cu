@@ -46,7 +46,7 @@ X* device_array(std::size_t n, float first) {
   return p;
 }
 
-// The engine's step gate saying "apply, grad_mul 1" (memory.hpp, Ops::step): two doubles on the device.
+// The engine's step gate saying "apply, grad_mul 1" (shard_step.hpp, ShardStep::update): two doubles on the device.
 const double* apply_gate() {
   static const double* gate = [] {
     double* p = nullptr;

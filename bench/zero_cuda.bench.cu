@@ -44,7 +44,8 @@ namespace zero_cuda {
 using zp::bf16;
 using zp::Collective;
 using zp::backend::CudaThreads;
-using Dev = zp::Ops<zp::MemorySpace::device>;
+using Dev = zp::Memory<zp::MemorySpace::device>;
+using DevStep = zp::ShardStep<zp::MemorySpace::device>;
 template <class T>
 using DevBuf = zp::Buffer<T, zp::MemorySpace::device>;
 
@@ -114,7 +115,7 @@ struct Bare {
     constexpr std::size_t k = zp::detail::StepGate::statistics;
     double host[k + 2] = {};
     Dev::from_host(stats.span(), std::span<const double>(host));
-    Dev::grad_stats(std::span<const bf16>(g), stats.data(), {});
+    DevStep::statistics(std::span<const bf16>(g), stats.data(), {});
     comm.all_reduce(stats.span(0, k), zp::ReduceOp::sum);
     Dev::invoke(zp::detail::StepGate{double(n), 0, 0, 1.0f, 0.0f}, stats.data());
     zp::optim::ShardView<bf16, bf16> view;
@@ -123,7 +124,7 @@ struct Bare {
     view.param = Stage == 0 || Stage == 3 ? params.span() : params.span(std::size_t(rank) * shard, shard);
     view.state[0] = m.span();
     view.state[1] = v.span();
-    Dev::step(opt, zp::optim::StepScalars{t, 1.0f}, view, {}, stats.data() + k);
+    DevStep::update(opt, zp::optim::StepScalars{t, 1.0f}, view, {}, stats.data() + k);
     if constexpr (Stage == 1 || Stage == 2) comm.all_gather(params.span());
     Dev::to_host(std::span<double>(host), std::span<const double>(stats.span()));  // the step's one sync
   }

@@ -30,9 +30,9 @@ void via_backend_memory(std::span<T> x, Op&& op) {
     op(x);
   } else {
     Buffer<T, S> d(x.size(), "host values staged for a collective");
-    Ops<S>::from_host(d.span(), std::span<const T>(x));
+    Memory<S>::from_host(d.span(), std::span<const T>(x));
     op(d.span());
-    Ops<S>::to_host(x, std::span<const T>(d.span()));
+    Memory<S>::to_host(x, std::span<const T>(d.span()));
   }
 }
 }  // namespace detail

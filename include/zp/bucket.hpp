@@ -180,7 +180,7 @@ class GradBuckets {
       b.slot = free_.back();
       free_.pop_back();
       b.state = Bucket::State::filling;
-      Ops<S>::zero(slot_span(b));
+      Memory<S>::zero(slot_span(b));
     }
     ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s,
               " was already reduced in this micro-step; each module's backward runs once per micro-step");
@@ -267,8 +267,8 @@ class GradBuckets {
   void fold(Bucket& b) {
     if (!precision_.accumulate_f32 || reduction_ == Reduction::scatter_accumulate || b.folded) return;
     const auto w = segment_span(b.segment);
-    Ops<S>::accumulate(segment32_span(b.segment), std::span<const T>(w));
-    Ops<S>::zero(w);
+    Memory<S>::accumulate(segment32_span(b.segment), std::span<const T>(w));
+    Memory<S>::zero(w);
     b.folded = true;
   }
 
@@ -276,10 +276,10 @@ class GradBuckets {
   template <class F>
   Work launch_full(int s, F&& reduce) {
     if (precision_.reduce_f32) {
-      if (!precision_.accumulate_f32) Ops<S>::convert(segment32_span(s), std::span<const T>(segment_span(s)));
+      if (!precision_.accumulate_f32) Memory<S>::convert(segment32_span(s), std::span<const T>(segment_span(s)));
       return reduce(segment32_span(s));
     }
-    if (precision_.accumulate_f32) Ops<S>::convert(segment_span(s), std::span<const float>(segment32_span(s)));
+    if (precision_.accumulate_f32) Memory<S>::convert(segment_span(s), std::span<const float>(segment32_span(s)));
     return reduce(segment_span(s));
   }
 
@@ -298,7 +298,7 @@ class GradBuckets {
           break;
         case Reduction::scatter_accumulate:
           if (precision_.reduce_f32) {
-            Ops<S>::convert(slot32_span(b), std::span<const T>(slot_span(b)));
+            Memory<S>::convert(slot32_span(b), std::span<const T>(slot_span(b)));
             b.work = comm_->reduce_scatter_async(slot32_span(b), ReduceOp::avg);
           } else {
             b.work = comm_->reduce_scatter_async(slot_span(b), ReduceOp::avg);
@@ -338,9 +338,9 @@ class GradBuckets {
   // Copies (first micro-step of a window) or adds this rank's reduced piece into the accumulator.
   template <class To, class From>
   void fold_piece(std::span<To> dst, std::span<From> mine) {
-    if (!first_) Ops<S>::accumulate(dst, std::span<const From>(mine));
-    else if constexpr (std::is_same_v<To, From>) Ops<S>::copy(dst, std::span<const From>(mine));
-    else Ops<S>::convert(dst, std::span<const From>(mine));
+    if (!first_) Memory<S>::accumulate(dst, std::span<const From>(mine));
+    else if constexpr (std::is_same_v<To, From>) Memory<S>::copy(dst, std::span<const From>(mine));
+    else Memory<S>::convert(dst, std::span<const From>(mine));
   }
 
   Collective<B>* comm_;

@@ -374,11 +374,11 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
       if constexpr (std::is_same_v<U, float>) {
         std::vector<T> tmp(out.size());
         file->read_elements(t->name, first, std::span<T>(tmp));
-        Ops<MemorySpace::host>::convert(out, std::span<const T>(tmp));
+        Memory<MemorySpace::host>::convert(out, std::span<const T>(tmp));
       } else {
         std::vector<float> tmp(out.size());
         file->read_elements(t->name, first, std::span<float>(tmp));
-        Ops<MemorySpace::host>::convert(out, std::span<const float>(tmp));
+        Memory<MemorySpace::host>::convert(out, std::span<const float>(tmp));
       }
     };
     for (int s = 0; s < L.segment_count(); ++s)

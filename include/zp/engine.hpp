@@ -18,7 +18,7 @@
 //
 // step(), called after every micro-step's backward, at the accumulation boundary: waits for the
 // buckets, one all_reduce of the step's statistics (step_gate.hpp: the squared gradient norm,
-// the count of non-finite pieces, the cross-rank hyper-parameter check), unscale + clip + optimizer update of this rank's shard (Ops<S>::step), writes the
+// the count of non-finite pieces, the cross-rank hyper-parameter check), unscale + clip + optimizer update of this rank's shard (Memory<S>::step), writes the
 // T shard, then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
 // An overflow anywhere skips the update on every rank and changes nothing but the loss scaler.
 // Built from a ProcessGrid, the engine shards over the DP group and sums the statistics over
@@ -64,6 +64,7 @@
 #include "zp/param_coordinator.hpp"
 #include "zp/partition.hpp"
 #include "zp/precision.hpp"
+#include "zp/shard_step.hpp"
 #include "zp/step_gate.hpp"
 #include "zp/step_timer.hpp"
 #include "zp/whole_model.hpp"
@@ -77,7 +78,6 @@ class Engine {
   static constexpr MemorySpace S = B::memory;
   using Clock = StepTimer::Clock;
   using Work = typename Collective<B>::Work;
-  using Mem = Ops<S>;  // every operation on zp's buffers (memory.hpp)
   using Part = Partitioned<T, Stage, S>;  // what each rank keeps (partition.hpp)
 
  public:
@@ -421,8 +421,8 @@ class Engine {
     if (r.applied) ++step_;
     r.step = step_;
     if constexpr (Part::whole(Field::grad)) {  // the full gradient buffers accumulate the next window from zero
-      Mem::zero(part_.template buffer<Field::grad>());
-      Mem::zero(part_.template buffer<Field::grad_f32>());
+      Memory<S>::zero(part_.template buffer<Field::grad>());
+      Memory<S>::zero(part_.template buffer<Field::grad_f32>());
     }
     const CommStats now = comm_->stats();
     for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
@@ -442,12 +442,12 @@ class Engine {
   void update(const optim::StepScalars& scalars, const double* gate) {
     const int segments = part_.layout().segment_count();
     if (!part_.offloaded()) {
-      for (int s = 0; s < segments; ++s) Mem::step(opt_, scalars, part_.template update_view<F32>(s), config_.optimizer_options, gate);
+      for (int s = 0; s < segments; ++s) ShardStep<S>::update(opt_, scalars, part_.template update_view<F32>(s), config_.optimizer_options, gate);
       return;
     }
     if (gate[1] != 0) return;
     offload_.run(segments, [&](int s) { return part_.template update_view<F32>(s); }, [&](const auto& v) {
-      Ops<MemorySpace::host>::step(opt_, scalars, v, config_.optimizer_options, gate);
+      ShardStep<MemorySpace::host>::update(opt_, scalars, v, config_.optimizer_options, gate);
     });
   }
 

@@ -1,6 +1,7 @@
-// zp/memory.hpp: where zp's buffers live and every operation the engine runs on them outside
-// collectives: zero, copy, accumulate, convert, the gradient statistics, the fused optimizer
-// step, and the transfers to and from host memory.
+// zp/memory.hpp: where zp's buffers live (Buffer, Allocator) and the operations on them outside
+// collectives (Memory<S>: zero, copy, accumulate, convert, the transfers to and from host
+// memory), the staging views that read or feed a buffer wherever it lives, and ZeRO-Offload's
+// transfers (OffloadStaging). The optimizer's per-space operations are in shard_step.hpp.
 //
 // Both are selected by a MemorySpace, which is a property of the backend (Backend::memory): the
 // threads and mpi backends use MemorySpace::host (here); device backends get the device
@@ -21,9 +22,8 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/config.hpp"
 #include "zp/error.hpp"
-#include "zp/optim/cpu.hpp"
-#include "zp/optim/optimizer.hpp"
 
 namespace zp {
 
@@ -118,7 +118,7 @@ class Buffer {
 };
 
 namespace detail {
-// The element math of Ops::accumulate and Ops::convert, written once for host loops and
+// The element math of Memory::accumulate and Memory::convert, written once for host loops and
 // device launches (zp/device/memory.hpp).
 template <class To, class From>
 struct Accumulate {  // dst += src in float, rounded once to To
@@ -134,12 +134,14 @@ struct Convert {  // to nearest even
 };
 }  // namespace detail
 
-// Element-wise operations on buffers of one memory space.
+// Memory<S>: the operations on buffers of one memory space that are not collectives: zero, copy,
+// accumulate, convert, the transfers to and from host memory, and a function run where a
+// pointer's memory is (the optimizer's per-space operations: shard_step.hpp).
 template <MemorySpace S>
-struct Ops;
+struct Memory;
 
 template <>
-struct Ops<MemorySpace::host> {
+struct Memory<MemorySpace::host> {
   template <class T>
   static void zero(std::span<T> x) {
     if (!x.empty()) std::memset(static_cast<void*>(x.data()), 0, x.size_bytes());
@@ -173,24 +175,6 @@ struct Ops<MemorySpace::host> {
   static void to_host(std::span<T> dst, std::span<const T> src) {
     copy(dst, src);
   }
-  // stats[0] += the squared L2 norm of g (as stored), stats[1] += 1 if any value is inf or nan;
-  // stats: 2 doubles in this space.
-  template <class G>
-  static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options& o) {
-    const optim::GradStats st = optim::cpu::grad_stats(g, o);
-    stats[0] += st.sumsq;
-    if (!st.finite) stats[1] += 1;
-  }
-  // One optimizer step over a shard (optim/cpu.hpp), gated by two doubles in this space (the
-  // engine's, computed where the statistics are): gate[1] nonzero skips it, gate[0] multiplies
-  // s.grad_mul.
-  template <class Opt, class T, class G>
-  static void step(const Opt& opt, optim::StepScalars s, const optim::ShardView<T, G>& shard,
-                   const optim::cpu::Options& o, const double* gate) {
-    if (gate[1] != 0) return;
-    s.grad_mul *= float(gate[0]);
-    optim::cpu::step(opt, s, shard, o);
-  }
   // f(p) once, where p lives (a device runs it as a one-thread kernel, so f's operator() must be
   // ZP_HOST_DEVICE): scalar decisions without a round trip to the host.
   template <class F, class X>
@@ -207,7 +191,7 @@ template <MemorySpace S, class U>
 std::span<const U> host_view(std::span<const U> src, bool host, std::vector<U>& tmp) {
   if (S == MemorySpace::host || host) return src;
   tmp.resize(src.size());
-  Ops<S>::to_host(std::span<U>(tmp), src);
+  Memory<S>::to_host(std::span<U>(tmp), src);
   return tmp;
 }
 // src as a span in S (e.g. a collective's input): itself, or copied into tmp (grown as needed).
@@ -215,7 +199,7 @@ template <MemorySpace S, class U>
 std::span<const U> space_view(std::span<const U> src, bool host, Buffer<U, S>& tmp) {
   if (S == MemorySpace::host || !host) return src;
   if (tmp.size() < src.size()) tmp = Buffer<U, S>(src.size(), "staging");
-  Ops<S>::from_host(tmp.span(0, src.size()), src);
+  Memory<S>::from_host(tmp.span(0, src.size()), src);
   return tmp.span(0, src.size());
 }
 // fill(a host span) writes dst: directly, or through a host copy.
@@ -224,7 +208,7 @@ void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
   if (S == MemorySpace::host || host) return fill(dst);
   std::vector<U> tmp(dst.size());
   fill(std::span<U>(tmp));
-  Ops<S>::from_host(dst, std::span<const U>(tmp));
+  Memory<S>::from_host(dst, std::span<const U>(tmp));
 }
 
 // ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to

@@ -119,14 +119,14 @@ class Partitioned {
                               " elements in all (ZeRO stage ", Stage, ", ", layout_.ranks(),
                               " ranks); the largest is '", big->name, "' with ", big->size, " elements"));
     }
-    Ops<S>::zero(params_.span());
-    Ops<S>::zero(grads_.span());
-    Ops<S>::zero(grads32_.span());
-    Ops<S>::zero(master_.span());
-    Ops<MemorySpace::host>::zero(master_host_.span());
+    Memory<S>::zero(params_.span());
+    Memory<S>::zero(grads_.span());
+    Memory<S>::zero(grads32_.span());
+    Memory<S>::zero(master_.span());
+    Memory<MemorySpace::host>::zero(master_host_.span());
     for (int k = 0; k < slots_; ++k) {
-      Ops<S>::zero(state_[std::size_t(k)].span());
-      Ops<MemorySpace::host>::zero(state_host_[std::size_t(k)].span());
+      Memory<S>::zero(state_[std::size_t(k)].span());
+      Memory<MemorySpace::host>::zero(state_host_[std::size_t(k)].span());
     }
   }
 

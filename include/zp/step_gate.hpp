@@ -18,11 +18,12 @@
 #include "zp/layout.hpp"
 #include "zp/memory.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/shard_step.hpp"
 
 namespace zp {
 
 namespace detail {
-// A step's decision from its all-reduced statistics, taken where they live (Ops::invoke: host
+// A step's decision from its all-reduced statistics, taken where they live (Memory::invoke: host
 // and device compute the same bits). s[0..6): the squared norm, the count of non-finite pieces,
 // and the sums of the hyper-parameter fingerprint's halves and their squares (this rank's halves
 // h0, h1); writes s[6] = grad_mul (unscale and clip) and s[7] = apply, overflow, or differ (skip,
@@ -56,12 +57,12 @@ class StepStatistics {
     h0_ = double(fingerprint & 0xffffu);
     h1_ = double((fingerprint >> 16) & 0xffffu);
     const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0};
-    Ops<S>::from_host(buf_.span(), std::span<const double>(init));
+    Memory<S>::from_host(buf_.span(), std::span<const double>(init));
   }
   // Adds the squared norm and non-finite count of `g` (in S).
   template <class G>
   void add(std::span<const G> g, const optim::cpu::Options& o) {
-    Ops<S>::grad_stats(g, buf_.data(), o);
+    ShardStep<S>::statistics(g, buf_.data(), o);
   }
   // Adds those of the parameters of `piece` (rank r's piece of segment s of L) for which
   // counted(p) holds, p a parameter index.
@@ -77,13 +78,13 @@ class StepStatistics {
   std::span<double> sums() { return buf_.span(0, count); }
   // The gate, for `ranks` ranks in all: unscale divides the gradients, max_norm clips (0: never).
   void decide(double ranks, float unscale, float max_norm) {
-    Ops<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm}, buf_.data());
+    Memory<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm}, buf_.data());
   }
   const double* gate() const noexcept { return buf_.data() + count; }  // in S
   // The statistics and the gate in host memory (a device: the host waits for them).
   std::array<double, slots> read() const {
     std::array<double, slots> host{};
-    Ops<S>::to_host(std::span<double>(host), std::span<const double>(buf_.span()));
+    Memory<S>::to_host(std::span<double>(host), std::span<const double>(buf_.span()));
     return host;
   }
 

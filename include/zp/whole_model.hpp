@@ -26,12 +26,12 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
                          bool broadcast) {
   const Layout& L = part.layout();
   Buffer<T, S> init(L.total(), "engine: initial parameter values");
-  Ops<S>::zero(init.span());
+  Memory<S>::zero(init.span());
   const auto& ps = L.params();
   for (std::size_t p = 0; p < ps.size(); ++p) {
     const View<T>& v = *values[p];
     if (v.bound())
-      Ops<S>::from_host(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));  // the model's own memory
+      Memory<S>::from_host(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));  // the model's own memory
     else
       ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name, "' has no initial values on rank ",
                 comm.rank(), " (its value view is unbound); point it at the model's initial weights");
@@ -40,11 +40,11 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
   std::vector<T> staged;
   for (int s = 0; s < L.segment_count(); ++s) {
     const auto param = part.template owned<Field::param>(s, Extent::kept);
-    Ops<S>::copy(param.span, std::span<const T>(init.span(param.offset, param.span.size())));
+    Memory<S>::copy(param.span, std::span<const T>(init.span(param.offset, param.span.size())));
     const auto master = part.template owned<Field::master>(s, Extent::kept);
     const std::span<const T> from = init.span(master.offset, master.span.size());
-    if (part.on_host(Field::master)) Ops<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
-    else Ops<S>::convert(master.span, from);
+    if (part.on_host(Field::master)) Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
+    else Memory<S>::convert(master.span, from);
   }
 }
 

@@ -61,10 +61,10 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
     exec(i, out);
   } else {
     zp::Buffer<T, zp::MemorySpace::device> di(in.size()), dout(out.size());
-    zp::Ops<zp::MemorySpace::device>::from_host(di.span(), std::span<const T>(in));
-    zp::Ops<zp::MemorySpace::device>::from_host(dout.span(), std::span<const T>(in_place ? in : out));
+    zp::Memory<zp::MemorySpace::device>::from_host(di.span(), std::span<const T>(in));
+    zp::Memory<zp::MemorySpace::device>::from_host(dout.span(), std::span<const T>(in_place ? in : out));
     exec(di.span(), dout.span());
-    zp::Ops<zp::MemorySpace::device>::to_host(std::span<T>(out), std::span<const T>(dout.span()));
+    zp::Memory<zp::MemorySpace::device>::to_host(std::span<T>(out), std::span<const T>(dout.span()));
   }
   return out;
 }

@@ -1,5 +1,5 @@
 // zp/device/memory.hpp on the simulated device: the waits that zp's device memory code relies on
-// besides the engine's (tests/engine_device.test.cpp): Ops::to_host into page-locked memory (an
+// besides the engine's (tests/engine_device.test.cpp): Memory::to_host into page-locked memory (an
 // asynchronous copy) returns with the values there; ZeRO-Offload's staging uploads every
 // segment's new values and, when it grows or is destroyed, waits for uploads still in flight
 // from its page-locked buffers. Each case delays the stream so that a missing wait shows as
@@ -14,7 +14,7 @@
 #include "zp/device/memory.hpp"
 
 namespace dev = zp::device;
-using Dev = zp::Ops<zp::MemorySpace::device>;
+using Dev = zp::Memory<zp::MemorySpace::device>;
 using namespace std::chrono_literals;
 
 namespace {

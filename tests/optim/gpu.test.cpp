@@ -25,7 +25,7 @@ namespace {
 
 const int devices = zp::test::devices_or_skip("the gpu optimizer tests");  // before doctest's main
 
-using Dev = zp::Ops<zp::MemorySpace::device>;
+using Dev = zp::Memory<zp::MemorySpace::device>;
 
 // An array in device memory, filled from and read back to the host.
 template <class X>

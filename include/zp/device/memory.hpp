@@ -1,5 +1,5 @@
-// zp/device/memory.hpp: zp's buffers and operations in device memory: Allocator, Ops and
-// OffloadStaging for MemorySpace::device, the specialisations memory.hpp names, so engine.hpp
+// zp/device/memory.hpp: zp's buffers and operations in device memory: Allocator, Memory,
+// ShardStep and OffloadStaging for MemorySpace::device, the specialisations memory.hpp names, so engine.hpp
 // runs unchanged on a device backend (nccl, cuda_threads) with this header included. Written on
 // the primitives of zp/device/runtime.hpp only: it builds with nvcc for a GPU, or with any C++
 // compiler for the simulated device (ZP_DEVICE_SIM).
@@ -7,7 +7,7 @@
 // Streams (zp/device/stream.hpp): every allocation, free and operation is enqueued on the
 // calling thread's current stream, the rank's compute stream, where the model's kernels run too;
 // the backends order their communication streams against it with events. Nothing waits for the
-// device except Ops::to_host (synchronize), the engine's one synchronisation per optimizer step,
+// device except Memory::to_host (synchronize), the engine's one synchronisation per optimizer step,
 // and ZeRO-Offload's copies.
 //
 //   zp::device::Stream compute;                          // the rank's compute stream
@@ -31,6 +31,7 @@
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
 #include "zp/optim/gpu.hpp"
+#include "zp/shard_step.hpp"
 
 namespace zp {
 
@@ -59,7 +60,7 @@ struct Allocator<MemorySpace::device> {
 };
 
 template <>
-struct Ops<MemorySpace::device> {
+struct Memory<MemorySpace::device> {
   template <class T>
   static void zero(std::span<T> x) {
     device::zero(x.data(), x.size_bytes(), device::detail::compute_stream());
@@ -88,15 +89,6 @@ struct Ops<MemorySpace::device> {
   static void to_host(std::span<T> dst, std::span<const T> src) {
     device::synchronize(copy_async(dst, src, "to_host"), "to_host.sync");
   }
-  template <class G>
-  static void grad_stats(std::span<const G> g, double* stats, const optim::cpu::Options&) {
-    optim::gpu::grad_stats(g, stats, device::detail::compute_stream());
-  }
-  template <class Opt, class T, class G>
-  static void step(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
-                   const optim::cpu::Options&, const double* gate) {
-    optim::gpu::step(opt, s, shard, gate, device::detail::compute_stream());
-  }
   template <class F, class X>
   static void invoke(const F& f, X* p) {
     device::launch(device::detail::compute_stream(), 1, device::detail::InvokeAt<F, X>{f, p});
@@ -110,6 +102,20 @@ struct Ops<MemorySpace::device> {
     const device::stream_t s = device::detail::compute_stream();
     device::copy(dst.data(), src.data(), src.size_bytes(), s);
     return s;
+  }
+};
+
+// The optimizer's shard operations on the rank's compute stream (optim/gpu.hpp).
+template <>
+struct ShardStep<MemorySpace::device> {
+  template <class G>
+  static void statistics(std::span<const G> g, double* stats, const optim::cpu::Options&) {
+    optim::gpu::grad_stats(g, stats, device::detail::compute_stream());
+  }
+  template <class Opt, class T, class G>
+  static void update(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
+                     const optim::cpu::Options&, const double* gate) {
+    optim::gpu::step(opt, s, shard, gate, device::detail::compute_stream());
   }
 };
 

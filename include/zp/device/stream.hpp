@@ -3,12 +3,12 @@
 //
 // Two roles of stream per rank. The compute stream is the calling thread's current stream
 // (current_stream(); StreamScope sets it): the model's kernels and every zp operation on
-// buffers (Ops<device>) run there. Each communicator has its own communication stream. An
+// buffers (Memory<device>) run there. Each communicator has its own communication stream. An
 // operation records an event on the compute stream that its communication stream waits on (its
 // inputs are complete), and its Work::wait() makes the compute stream wait for its completion
 // event: communication overlaps computation, and no host thread waits for either.
 //
-// The host waits for the device in one place, synchronize() (Ops<device>::to_host: the engine's
+// The host waits for the device in one place, synchronize() (Memory<device>::to_host: the engine's
 // one synchronisation per optimizer step; ZeRO-Offload's copies), counted per thread
 // (sync_count()). It polls the communicators this thread used (watch()), so an asynchronous
 // error or a hung peer becomes an error there, within the communicator's timeout, instead of a

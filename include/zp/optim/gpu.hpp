@@ -45,7 +45,7 @@ struct StepItem {
   int slots;
   std::size_t n;
   bool vectorized;
-  const double* gate;  // [0] multiplies grad_mul, [1] nonzero: skip (memory.hpp, Ops::step)
+  const double* gate;  // [0] multiplies grad_mul, [1] nonzero: skip (shard_step.hpp, ShardStep::update)
 
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     if (gate[1] != 0) return;  // the whole step is skipped
@@ -105,7 +105,7 @@ void grad_stats(std::span<const G> grad, double* stats, device::stream_t stream)
 }
 
 // One optimizer step over a shard in device memory, enqueued on `stream`, gated by the two
-// doubles at `gate` in device memory (memory.hpp, Ops::step). Throws Errc::invalid_argument on
+// doubles at `gate` in device memory (shard_step.hpp, ShardStep::update). Throws Errc::invalid_argument on
 // mismatched sizes.
 template <class Opt, class T, class G>
   requires Optimizer<Opt>
