@@ -372,19 +372,6 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
   }
 }
 
-template <class T, class B>
-void dispatch_stage(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
-  const zp::EngineConfig cfg = flag_config(o);
-  const zp::optim::AdamW opt{.lr = o.lr, .weight_decay = 0.01f};
-  const zp::schedule::Any sched = flag_schedule(o);
-  switch (o.stage) {
-    case 0: return train<zp::Engine<B, T, 0>>(comm, o, c, cfg, opt, sched);
-    case 1: return train<zp::Engine<B, T, 1>>(comm, o, c, cfg, opt, sched);
-    case 2: return train<zp::Engine<B, T, 2>>(comm, o, c, cfg, opt, sched);
-    default: return train<zp::Engine<B, T, 3>>(comm, o, c, cfg, opt, sched);
-  }
-}
-
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
 #if ZP_DEMO_IO
@@ -407,9 +394,12 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
     return;
   }
 #endif
-  if (o.precision == "fp32") return dispatch_stage<float>(comm, o, c);
-  if (o.precision == "fp16") return dispatch_stage<zp::fp16>(comm, o, c);
-  return dispatch_stage<zp::bf16>(comm, o, c);
+  const zp::EngineConfig cfg = flag_config(o);
+  const zp::optim::AdamW opt{.lr = o.lr, .weight_decay = 0.01f};
+  const zp::schedule::Any sched = flag_schedule(o);
+  zp::dispatch(o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+    train<zp::Engine<B, T, Stage>>(comm, o, c, cfg, opt, sched);
+  });
 }
 
 }  // namespace

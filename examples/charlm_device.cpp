@@ -46,16 +46,16 @@ namespace examples {
 template <class Comm>
 double device_mean(Comm& comm, double x) {
   zp::Buffer<double, zp::MemorySpace::device> d(1);
-  zp::Ops<zp::MemorySpace::device>::from_host(d.span(), std::span<const double>(&x, 1));
+  zp::Memory<zp::MemorySpace::device>::from_host(d.span(), std::span<const double>(&x, 1));
   comm.all_reduce(d.span(), zp::ReduceOp::avg);
-  zp::Ops<zp::MemorySpace::device>::to_host(std::span<double>(&x, 1), std::span<const double>(d.span()));
+  zp::Memory<zp::MemorySpace::device>::to_host(std::span<double>(&x, 1), std::span<const double>(d.span()));
   return x;
 }
 }  // namespace examples
 
 namespace demo_device {
 
-using Dev = zp::Ops<zp::MemorySpace::device>;
+using Dev = zp::Memory<zp::MemorySpace::device>;
 template <class X>
 using DevBuf = zp::Buffer<X, zp::MemorySpace::device>;
 zp::device::stream_t stream() { return zp::device::current_stream(); }
@@ -200,7 +200,7 @@ struct CharLmDevice : examples::CharLmParams<T> {
     return v;
   }
 
-  // zp's rule: gradients accumulate into the parameters' grad (Ops::accumulate).
+  // zp's rule: gradients accumulate into the parameters' grad (Memory::accumulate).
   void backward(int m) {
     if (m == 0) {
       Dev::zero(gw.span(0, emb.size()));
@@ -328,16 +328,11 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
 
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
-  auto with = [&]<class T>() {
-    switch (o.stage) {
-      case 0: return train<zp::Engine<B, T, 0>>(comm, o, corpus);
-      case 1: return train<zp::Engine<B, T, 1>>(comm, o, corpus);
-      case 2: return train<zp::Engine<B, T, 2>>(comm, o, corpus);
-      default: return train<zp::Engine<B, T, 3>>(comm, o, corpus);
-    }
-  };
-  if (o.precision == "fp32") with.template operator()<float>();
-  else with.template operator()<zp::bf16>();
+  // fp16 is refused by the flags: the device demo has no loss scaling.
+  zp::dispatch<zp::Types<float, zp::bf16>>(
+      o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+        train<zp::Engine<B, T, Stage>>(comm, o, corpus);
+      });
 }
 
 }  // namespace demo_device

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "zp/backend/threads.hpp"
+#include "zp/dispatch.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
 #if ZP_DEMO_MPI
@@ -105,6 +106,9 @@ struct TrainFlags {
   float lr = 3e-3f;
   bool offload = false;  // --offload cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
   std::vector<std::string> text;
+
+  // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
+  zp::DType dtype() const { return precision == "fp32" ? zp::DType::f32 : precision == "fp16" ? zp::DType::f16 : zp::DType::bf16; }
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,

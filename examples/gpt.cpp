@@ -187,21 +187,11 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   }
 }
 
-template <class T, class B>
-void dispatch_stage(zp::Collective<B>& comm, const Options& o, const examples::Corpus& c) {
-  switch (o.stage) {
-    case 0: return train<zp::Engine<B, T, 0>>(comm, o, c);
-    case 1: return train<zp::Engine<B, T, 1>>(comm, o, c);
-    case 2: return train<zp::Engine<B, T, 2>>(comm, o, c);
-    default: return train<zp::Engine<B, T, 3>>(comm, o, c);
-  }
-}
-
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& c) {
-  if (o.precision == "fp32") return dispatch_stage<float>(comm, o, c);
-  if (o.precision == "fp16") return dispatch_stage<zp::fp16>(comm, o, c);
-  return dispatch_stage<zp::bf16>(comm, o, c);
+  zp::dispatch(o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+    train<zp::Engine<B, T, Stage>>(comm, o, c);
+  });
 }
 
 }  // namespace

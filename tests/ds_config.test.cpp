@@ -916,3 +916,171 @@ TEST_CASE("a ds_config that is not a regular file is an error, not a hang") {
   zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ds::load(fifo); }, {"ds_config.json", "a FIFO"});
   zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ds::load(dir.path); }, {"a directory"});
 }
+
+namespace {
+
+namespace keys = zp::detail::keys;
+
+// A valid value of the key other than its default (the "other" of a choice is its first other
+// name), and the default itself as JSON (null when the default is not a value the key takes:
+// the key is then left out).
+keys::Value other_value(const keys::Spec& s) {
+  keys::Value v = s.def;
+  v.null = false;
+  const keys::Real r = s.real;
+  auto other = [&](double d) { return d != 0 ? d / 2 : r == keys::Real::unit_open || r == keys::Real::unit_closed ? 0.5 : 1.5; };
+  switch (s.kind) {
+    case keys::Kind::boolean: v.b = !s.def.b; break;
+    case keys::Kind::integer: v.i = s.def.i < s.hi ? std::max(s.def.i + 1, s.lo) : s.def.i - 1; break;
+    case keys::Kind::real:
+    case keys::Kind::real_f32: v.x = other(s.def.x); break;
+    case keys::Kind::text: v.s = "/some/where"; break;
+    case keys::Kind::choice:
+      for (const keys::Choice& c : s.choices)
+        if (s.def.null || c.value != s.def.i) {
+          v.i = c.value;
+          break;
+        }
+      break;
+    case keys::Kind::pair:
+      v.x = other(s.def.x);
+      v.y = other(s.def.y);
+      break;
+    case keys::Kind::any:
+    case keys::Kind::object: break;
+  }
+  return v;
+}
+
+json to_json(const keys::Spec& s, const keys::Value& v) {
+  if (v.null) return nullptr;
+  switch (s.kind) {
+    case keys::Kind::boolean: return v.b;
+    case keys::Kind::integer: return v.i;
+    case keys::Kind::real:
+    case keys::Kind::real_f32: return v.x;
+    case keys::Kind::text: return std::string(v.s);
+    case keys::Kind::choice:
+      for (const keys::Choice& c : s.choices)
+        if (c.value == v.i) return std::string(c.name);
+      break;
+    case keys::Kind::pair: return json::array({v.x, v.y});
+    case keys::Kind::any:
+    case keys::Kind::object: break;
+  }
+  return nullptr;
+}
+
+// The JSON pointer of a dotted key path ("scheduler.params" -> "/scheduler/params"; "" -> the root).
+json::json_pointer pointer(const std::string& path) {
+  json::json_pointer p;
+  for (std::size_t i = 0; !path.empty() && i <= path.size();) {
+    const std::size_t end = std::min(path.find('.', i), path.size());
+    p /= path.substr(i, end - i);
+    i = end + 1;
+  }
+  return p;
+}
+
+struct KeyCheck {
+  std::size_t checked = 0;
+  std::vector<std::string> unwired;  // keys that changed nothing
+};
+
+// For each key `table` declares as read (by its name and by its alias), a config that sets it to
+// a value other than its default parses to a Config other than the one with the default.
+template <class S, std::size_t N>
+void check_table(const zp::detail::keys::Key<S> (&table)[N], const std::string& path, const json& context,
+                 KeyCheck& out, const std::map<std::string, json>& values = {}) {
+  for (const auto* k : keys::read_keys(table)) {
+    if (k->spec.kind == keys::Kind::object || k->spec.kind == keys::Kind::any) continue;  // their own tables
+    for (std::string_view name : {k->name, k->alias}) {
+      if (name.empty()) continue;
+      const std::string key_path = path.empty() ? std::string(name) : path + "." + std::string(name);
+      CAPTURE(key_path);
+      const keys::Value def = k->spec.def;
+      const bool def_valid = def.null ? k->spec.null_ok
+                                      : k->spec.kind != keys::Kind::integer || (def.i >= k->spec.lo && def.i <= k->spec.hi);
+      json a = context, b = context;
+      const json::json_pointer at = pointer(path) / std::string(name);
+      if (def_valid) a[at] = to_json(k->spec, def);
+      else if (a.contains(at)) a[pointer(path)].erase(std::string(name));
+      const auto v = values.find(key_path);
+      b[at] = v != values.end() ? v->second : to_json(k->spec, other_value(k->spec));
+      const std::string text_a = a.dump(), text_b = b.dump();
+      CAPTURE(text_a);
+      CAPTURE(text_b);
+      std::set<std::string> got;
+      try {
+        got = changed(fields(zp::ds::parse(a, "ds_config.json")), fields(zp::ds::parse(b, "ds_config.json")));
+      } catch (const zp::Error& e) {
+        FAIL_CHECK("a valid value was refused: ", e.what());
+        continue;
+      }
+      ++out.checked;
+      if (got.empty()) out.unwired.push_back(key_path);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every key declared as read changes the Config when set to a value other than its default") {
+  // A key declared (and so accepted) but stored nowhere would pass every parse silently; each
+  // table of ds_config.hpp is walked here with a context that makes its keys matter (fp16's
+  // loss-scaler keys only act with fp16 enabled, a schedule's keys only under its type).
+  namespace d = zp::ds::detail;
+  const json batch = {{"train_batch_size", "auto"}, {"train_micro_batch_size_per_gpu", "auto"}};
+  auto with = [&](const char* extra) {
+    json j = batch;
+    j.merge_patch(json::parse(extra));
+    return j;
+  };
+  KeyCheck out;
+  check_table(d::root_keys, "", batch, out);
+  check_table(d::fp16_keys, "fp16", with(R"({"fp16": {"enabled": true}})"), out);
+  check_table(d::bf16_keys, "bf16", batch, out);
+  check_table(d::bf16_keys, "bfloat16", batch, out);
+  check_table(d::zero_keys, "zero_optimization", batch, out);
+  check_table(d::offload_keys, "zero_optimization.offload_optimizer", batch, out);
+  check_table(d::data_type_keys, "data_types", batch, out);
+  check_table(d::checkpoint_keys, "checkpoint", batch, out);
+  check_table(d::adam_keys, "optimizer.params", with(R"({"optimizer": {"type": "Adam"}})"), out);
+  check_table(d::lion_keys, "optimizer.params", with(R"({"optimizer": {"type": "Lion"}})"), out);
+  check_table(d::sgd_keys, "optimizer.params", with(R"({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}})"), out);
+  check_table(d::warmup_keys, "scheduler.params", with(R"({"scheduler": {"type": "WarmupLR"}})"), out);
+  check_table(d::decay_keys, "scheduler.params",
+              with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"), out);
+  check_table(d::cosine_keys, "scheduler.params",
+              with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"), out);
+  check_table(d::cycle_keys, "scheduler.params",
+              with(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})"),
+              out, {{"scheduler.params.cycle_max_mom", 0.95}});  // stays >= cycle_min_mom
+  CHECK_MESSAGE(out.unwired.empty(), "declared as read but stored nowhere: ", show({out.unwired.begin(), out.unwired.end()}));
+  CHECK(out.checked >= 60);
+  // The optimizer's and scheduler's "type" select a table; each type is a different Config.
+  std::set<std::string> seen;
+  for (const char* t : {"Adam", "AdamW", "SGD", "Lion"}) {
+    json j = batch;
+    j["optimizer"] = {{"type", t}};
+    if (std::string(t) == "Adam") j["optimizer"]["params"] = {{"adam_w_mode", false}};
+    seen.insert(zp::ds::describe(zp::ds::parse(j)));
+  }
+  for (const char* t : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"}) {
+    json j = batch;
+    j["scheduler"] = {{"type", t}, {"params", {{"total_num_steps", 5000}, {"cycle_min_lr", 0}, {"cycle_max_lr", 1}}}};
+    if (std::string(t) == "WarmupLR") j["scheduler"]["params"] = json::object();
+    if (std::string(t) != "OneCycle") j["scheduler"]["params"].erase("cycle_min_lr"), j["scheduler"]["params"].erase("cycle_max_lr");
+    else j["scheduler"]["params"].erase("total_num_steps");
+    seen.insert(zp::ds::describe(zp::ds::parse(j)));
+  }
+  CHECK(seen.size() == 8);
+}
+
+TEST_CASE("a default Config holds what parsing gives for a config that sets nothing but the batch") {
+  // Config's member defaults restate the declared defaults of ds_config.hpp's tables; they must agree.
+  Fields parsed = fields(parse_text(R"({"train_batch_size": "auto"})"));
+  Fields made = fields(Config{});
+  for (const char* k : {"auto_keys", "source", "optimizer_given"}) parsed.erase(k), made.erase(k);
+  CHECK_MESSAGE(parsed == made, "differ: ", show(changed(parsed, made)));
+}

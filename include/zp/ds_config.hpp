@@ -19,9 +19,11 @@
 //
 // Strictness. zp is deliberately stricter than DeepSpeed, which ignores unknown top-level keys
 // (a typo such as "zero_optimisation" there silently trains without ZeRO): every key at every
-// level must be one zp knows, and a misspelt one names the closest known key. Each key is one
-// of
-//  - read: it changes the Config;
+// level must be one zp knows, and a misspelt one names the closest known key. Each key is
+// declared once, in a table per JSON object (detail::root_keys, zero_keys, ... below), and the
+// strict reader of detail/json_keys.hpp walks the tables: the checks, "did you mean" and the
+// defaults all come from that one declaration. Each key is one of
+//  - read: it changes the Config (the declaration names its type, range, default and member);
 //  - ignored: DeepSpeed accepts it and for zp it is a harmless no-op, a choice of how (not what)
 //    to communicate: overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions,
 //    allgather_bucket_size, round_robin_gradients, stage3_max_reuse_distance, sub_group_size,
@@ -53,13 +55,12 @@
 #include <concepts>
 #include <cstdint>
 #include <filesystem>
-#include <functional>
 #include <limits>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -69,6 +70,8 @@
 
 #include "zp/detail/file.hpp"
 #include "zp/detail/json.hpp"
+#include "zp/detail/json_keys.hpp"
+#include "zp/dispatch.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
@@ -160,6 +163,7 @@ struct Config {
 namespace detail {
 
 using json = nlohmann::json;
+using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...
 
 // "fp32", "fp16", "bf16": the spelling of ds_config.json.
 inline const char* ds_name(DType t) noexcept {
@@ -175,675 +179,416 @@ inline const char* ds_name(OffloadDevice d) noexcept {
   return d == OffloadDevice::cpu ? "cpu" : d == OffloadDevice::nvme ? "nvme" : "none";
 }
 
-inline std::string lower(std::string_view s) {
-  std::string r(s);
-  for (char& ch : r)
-    if (ch >= 'A' && ch <= 'Z') ch = char(ch - 'A' + 'a');
-  return r;
+// Errors name the config; "auto" is the placeholder, recorded in Config::auto_keys.
+inline Ctx context(const std::string& source, std::vector<std::string>* auto_keys) {
+  return Ctx{.source = source,
+             .errc = Errc::invalid_argument,
+             .placeholder = "auto",
+             .placeholders = auto_keys,
+             .placeholder_hint = " (\"auto\" is accepted only for the batch sizes and the optimizer's and scheduler's params)",
+             .foreign = "DeepSpeed"};
 }
 
-// Levenshtein distance, case-insensitive (for "did you mean"). The lengths differ by at least
-// the distance, so a pair whose lengths differ by more than `limit` is not compared: its
-// distance is reported as limit + 1 (a hostile multi-MiB key costs nothing).
-inline std::size_t edit_distance(std::string_view a0, std::string_view b0, std::size_t limit = 3) {
-  if ((a0.size() > b0.size() ? a0.size() - b0.size() : b0.size() - a0.size()) > limit) return limit + 1;
-  const std::string a = lower(a0), b = lower(b0);
-  std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
+// ---- the keys, each declared once ---------------------------------------------------------------
+// A table per JSON object: each key read (its type, range and default, and the member it goes
+// to), ignored (a no-op for zp, type checked), unsupported (accepted only as its "off" value) or
+// misplaced. read_object (detail/json_keys.hpp) walks a table; the sections below add the
+// checks that span several keys.
 
-// The closest candidate within edit distance 3 (and not a complete rewrite), or "".
-template <class Names>
-std::string_view closest(std::string_view word, const Names& names) {
-  std::string_view best;
-  std::size_t best_d = 4;
-  for (std::string_view n : names) {
-    const std::size_t d = edit_distance(word, n, 3);
-    if (d < best_d && d < n.size()) {
-      best = n;
-      best_d = d;
-    }
-  }
-  return best;
-}
+constexpr std::int64_t max_i64 = std::numeric_limits<std::int64_t>::max();
 
-// A key path for messages; a key read from the file is shortened (it may be megabytes long).
-inline std::string join(std::string_view path, std::string_view key) {
-  const std::string k = zp::detail::text_excerpt(key);
-  return path.empty() ? k : std::string(path) + "." + k;
-}
-
-// A value for a message: JSON text (strings quoted), shortened; nan and inf by name.
-inline std::string show(const json& v) {
-  if (v.is_number_float() && !std::isfinite(v.get<double>())) return zp::detail::cat(v.get<double>());
-  return zp::detail::json_excerpt(v);
-}
-
-inline bool is_auto(const json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
-
-// Where errors come from, and where "auto" keys are recorded.
-struct Ctx {
-  std::string source;
-  std::vector<std::string>* auto_keys = nullptr;
-
-  template <class... Args>
-  [[noreturn]] void fail(std::string_view path, const Args&... msg) const {
-    throw Error(Errc::invalid_argument,
-                path.empty() ? zp::detail::cat(source, ": ", msg...) : zp::detail::cat(source, ": ", path, ": ", msg...));
-  }
-  // "expected <what>, got <value>", with a hint when the value is an "auto" placed where zp
-  // cannot take one.
-  [[noreturn]] void expected(std::string_view path, std::string_view what, const json& v) const {
-    fail(path, "expected ", what, ", got ", show(v),
-         is_auto(v) ? " (\"auto\" is accepted only for the batch sizes and the optimizer's and scheduler's params)"
-                    : "");
-  }
-  void note_auto(std::string path) const {
-    if (auto_keys) auto_keys->push_back(std::move(path));
-  }
-  // Runs f (a zp check), naming the source and key path in any zp::Error it raises.
-  template <class F>
-  decltype(auto) checked(std::string_view path, F&& f) const {
-    try {
-      return f();
-    } catch (const Error& e) {
-      fail(path, e.message());
-    }
-  }
+// fp16, as written; read_fp16 makes it the loss scaler.
+struct Fp16Section {
+  bool enabled = false;
+  float loss_scale = 0;  // > 0: fixed scale; 0: dynamic
+  std::int64_t initial_scale_power = 16, loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  float min_loss_scale = 1;
 };
+using Fp16Key = Key<Fp16Section>;
+inline constexpr Fp16Key fp16_keys[] = {
+    Fp16Key::read("enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; }),
+    Fp16Key::read("loss_scale", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.loss_scale; }),
+    Fp16Key::read("initial_scale_power", integer(16, 0, 127, "an integer in [0, 127] (the scale is 2^power)"),
+                  [](auto& s) -> auto& { return s.initial_scale_power; }),
+    Fp16Key::read("loss_scale_window", integer(1000, 1, max_i64, "a positive integer"),
+                  [](auto& s) -> auto& { return s.loss_scale_window; }),
+    Fp16Key::read("hysteresis", integer(2, 1, std::numeric_limits<int>::max(), "a positive integer"),
+                  [](auto& s) -> auto& { return s.hysteresis; }),
+    Fp16Key::read("consecutive_hysteresis", boolean(false), [](auto& s) -> auto& { return s.consecutive_hysteresis; }),
+    Fp16Key::read("min_loss_scale", real_f32(1, Real::positive), [](auto& s) -> auto& { return s.min_loss_scale; }),
+    Fp16Key::unsupported("auto_cast", Off::is_false),
+    Fp16Key::unsupported("fp16_master_weights_and_grads", Off::is_false)};
 
-// ---- scalar readers -------------------------------------------------------------------------
-
-inline bool as_bool(const Ctx& c, const json& v, std::string_view path) {
-  if (!v.is_boolean()) c.expected(path, "true or false", v);
-  return v.get<bool>();
-}
-
-inline std::string_view as_string(const Ctx& c, const json& v, std::string_view path, std::string_view what) {
-  if (!v.is_string()) c.expected(path, what, v);
-  return v.get_ref<const std::string&>();
-}
-
-// An integer in [lo, hi]. JSON floats with an integral value (5e8) count: DeepSpeed configs
-// write sizes that way.
-inline std::int64_t as_int(const Ctx& c, const json& v, std::string_view path, std::int64_t lo, std::int64_t hi,
-                           std::string_view what) {
-  std::int64_t x = 0;
-  if (v.is_number_unsigned()) {
-    const std::uint64_t u = v.get<std::uint64_t>();
-    if (u > std::uint64_t(std::numeric_limits<std::int64_t>::max())) c.fail(path, "expected ", what, ", got ", show(v));
-    x = std::int64_t(u);
-  } else if (v.is_number_integer()) {
-    x = v.get<std::int64_t>();
-  } else if (v.is_number_float()) {
-    const double d = v.get<double>();
-    if (!std::isfinite(d)) c.fail(path, "expected ", what, ", got ", show(v));
-    if (d != std::floor(d)) c.fail(path, "expected ", what, ", got ", show(v), " (not a whole number)");
-    if (!(d >= -0x1p63 && d < 0x1p63)) c.fail(path, "expected ", what, ", got ", show(v));
-    x = std::int64_t(d);
-  } else {
-    c.expected(path, what, v);
-  }
-  if (x < lo || x > hi) c.fail(path, "expected ", what, ", got ", show(v));
-  return x;
-}
-
-enum class Real : std::uint8_t { finite, non_negative, positive, unit_open, unit_closed };
-
-inline const char* real_what(Real r) noexcept {
-  switch (r) {
-    case Real::finite: return "a finite number";
-    case Real::non_negative: return "a finite number >= 0";
-    case Real::positive: return "a finite number > 0";
-    case Real::unit_open: return "a number in [0, 1)";
-    case Real::unit_closed: return "a number in [0, 1]";
-  }
-  return "a number";
-}
-
-inline double as_real(const Ctx& c, const json& v, std::string_view path, Real r) {
-  if (!v.is_number()) c.expected(path, real_what(r), v);
-  const double d = v.get<double>();
-  bool ok = std::isfinite(d);
-  switch (r) {
-    case Real::finite: break;
-    case Real::non_negative: ok = ok && d >= 0; break;
-    case Real::positive: ok = ok && d > 0; break;
-    case Real::unit_open: ok = ok && d >= 0 && d < 1; break;
-    case Real::unit_closed: ok = ok && d >= 0 && d <= 1; break;
-  }
-  if (!ok) c.fail(path, "expected ", real_what(r), ", got ", show(v));
-  return d;
-}
-
-// As as_real, for a value zp keeps as a float: one that overflows a float, or that is not zero
-// but rounds to zero (gradient_clipping 1e-50 would silently turn clipping off), is an error.
-inline float as_float(const Ctx& c, const json& v, std::string_view path, Real r) {
-  const double d = as_real(c, v, path, r);
-  if (std::fabs(d) > double(std::numeric_limits<float>::max()) || (d != 0 && float(d) == 0))
-    c.fail(path, "expected ", real_what(r), " that a 32-bit float holds (magnitude 1.4e-45 to 3.4e38, or 0), got ",
-           show(v));
-  return float(d);
-}
-
-// ---- objects and their known keys -----------------------------------------------------------
-
-enum class Use : std::uint8_t {
-  read,          // the parser reads it
-  ignore_bool,   // accepted, no effect on zp; must be true or false
-  ignore_size,   // accepted, no effect on zp; must be a non-negative integer
-  unsupported,   // known to DeepSpeed, not done by zp: an error unless `off`
-  misplaced,     // known to DeepSpeed elsewhere: an error whose message is the hint
+struct Bf16Section {
+  bool enabled = false;
 };
-// The value of an unsupported key that means "off" (accepted, nothing to do).
-enum class Off : std::uint8_t { never, is_false, is_true, is_null, number, null_or_number, not_enabled, device_none };
+using Bf16Key = Key<Bf16Section>;
+inline constexpr Bf16Key bf16_keys[] = {
+    Bf16Key::read("enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; })};
 
-struct Key {
-  std::string_view name;
-  Use use = Use::read;
-  Off off = Off::never;
-  double off_number = 0;
-  std::string_view hint = {};
+inline constexpr Choice offload_devices[] = {
+    {"none", std::int64_t(OffloadDevice::none)}, {"cpu", std::int64_t(OffloadDevice::cpu)},
+    {"nvme", std::int64_t(OffloadDevice::nvme)}};
+using OffloadKey = Key<OffloadOptimizer>;
+inline constexpr OffloadKey offload_keys[] = {
+    OffloadKey::read("device", choice(offload_devices, "\"none\", \"cpu\" or \"nvme\"", 0).or_null(),
+                     [](auto& o) -> auto& { return o.device; }),
+    OffloadKey::read("nvme_path", text("a path string").or_null(), [](auto& o) -> auto& { return o.nvme_path; }),
+    OffloadKey::read("pin_memory", boolean(false), [](auto& o) -> auto& { return o.pin_memory; }),
+    // Partial offload: zp offloads all of the optimizer or none.
+    OffloadKey::unsupported("ratio", Off::number, 1), OffloadKey::ignored("buffer_count", count()),
+    OffloadKey::ignored("fast_init", boolean()), OffloadKey::ignored("pipeline_read", boolean()),
+    OffloadKey::ignored("pipeline_write", boolean()), OffloadKey::ignored("pipeline", boolean())};
+
+using ConfigKey = Key<Config>;
+inline constexpr ConfigKey zero_keys[] = {
+    ConfigKey::read("stage", integer(0, 0, 3, "a ZeRO stage 0, 1, 2 or 3"), [](auto& c) -> auto& { return c.stage; }),
+    ConfigKey::read("reduce_bucket_size", integer(500'000'000, 1, max_i64, "a positive integer (elements)"),
+                    [](auto& c) -> auto& { return c.reduce_bucket_size; }),
+    ConfigKey::read("stage3_prefetch_bucket_size", count(50'000'000),
+                    [](auto& c) -> auto& { return c.prefetch_bucket_size; })
+        .or_alias("prefetch_bucket_size"),
+    ConfigKey::read("stage3_param_persistence_threshold", count(100'000),
+                    [](auto& c) -> auto& { return c.engine.persist_threshold; })
+        .or_alias("param_persistence_threshold"),
+    ConfigKey::read("stage3_max_live_parameters", count(1'000'000'000),
+                    [](auto& c) -> auto& { return c.engine.max_live_params; })
+        .or_alias("max_live_parameters"),
+    ConfigKey::object<offload_keys>("offload_optimizer", [](auto& c) -> auto& { return c.offload_optimizer; }).or_null(),
+    // How, not what, to communicate: no effect on zp.
+    ConfigKey::ignored("contiguous_gradients", boolean()), ConfigKey::ignored("reduce_scatter", boolean()),
+    ConfigKey::ignored("allgather_partitions", boolean()), ConfigKey::ignored("overlap_comm", boolean()),
+    ConfigKey::ignored("round_robin_gradients", boolean()), ConfigKey::ignored("allgather_bucket_size", count()),
+    ConfigKey::ignored("stage3_max_reuse_distance", count()), ConfigKey::ignored("max_reuse_distance", count()),
+    ConfigKey::ignored("sub_group_size", count()), ConfigKey::ignored("ignore_unused_parameters", boolean()),
+    ConfigKey::ignored("load_from_fp32_weights", boolean()),
+    ConfigKey::ignored("stage3_gather_16bit_weights_on_model_save", boolean()),
+    ConfigKey::ignored("gather_16bit_weights_on_model_save", boolean()),
+    ConfigKey::ignored("stage3_gather_fp16_weights_on_model_save", boolean()),
+    ConfigKey::ignored("memory_efficient_linear", boolean()), ConfigKey::ignored("override_module_apply", boolean()),
+    ConfigKey::ignored("use_multi_rank_bucket_allreduce", boolean()),
+    ConfigKey::ignored("log_trace_cache_warnings", boolean()),
+    // Known to DeepSpeed, not done by zp.
+    ConfigKey::unsupported("offload_param", Off::device_none), ConfigKey::unsupported("cpu_offload", Off::is_false),
+    ConfigKey::unsupported("cpu_offload_params", Off::is_false),
+    ConfigKey::unsupported("cpu_offload_use_pin_memory", Off::is_false),
+    ConfigKey::unsupported("elastic_checkpoint", Off::is_false), ConfigKey::unsupported("legacy_stage1", Off::is_false),
+    ConfigKey::unsupported("zero_hpz_partition_size", Off::number, 1),
+    ConfigKey::unsupported("zero_quantized_weights", Off::is_false),
+    ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
+    ConfigKey::unsupported("zero_quantized_gradients", Off::is_false),
+    ConfigKey::unsupported("mics_shard_size", Off::number, -1),
+    ConfigKey::unsupported("mics_hierarchical_params_gather", Off::is_false),
+    ConfigKey::unsupported("stage3_model_persistence_threshold"), ConfigKey::unsupported("model_persistence_threshold"),
+    ConfigKey::unsupported("stage3_use_all_reduce_for_fetch_params", Off::is_false),
+    ConfigKey::unsupported("use_all_reduce_for_fetch_params", Off::is_false),
+    ConfigKey::unsupported("pipeline_loading_checkpoint", Off::is_false),
+    ConfigKey::unsupported("zeropp_loco_param", Off::is_null)};
+
+// "optimizer" and "scheduler": a type that selects the table of "params".
+struct TypedSection {
+  std::string type;
+  const json* params = nullptr;  // null or absent: {} (every param at its default)
 };
-constexpr Key reads(std::string_view n) { return {n}; }
-constexpr Key ignores_bool(std::string_view n) { return {n, Use::ignore_bool}; }
-constexpr Key ignores_size(std::string_view n) { return {n, Use::ignore_size}; }
-constexpr Key unsupported(std::string_view n, Off off = Off::never, double x = 0) { return {n, Use::unsupported, off, x}; }
+using TypedKey = Key<TypedSection>;
+inline constexpr TypedKey optimizer_keys[] = {
+    TypedKey::read("type",
+                   text("an optimizer name (Adam, AdamW, SGD, Lion)").require("required (one of Adam, AdamW, SGD, Lion)"),
+                   [](auto& s) -> auto& { return s.type; }),
+    TypedKey::read("params", any().or_null(), [](auto& s) -> auto& { return s.params; }),
+    TypedKey::ignored("legacy_fusion", boolean())};
+inline constexpr TypedKey scheduler_keys[] = {
+    TypedKey::read("type",
+                   text("a scheduler name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)")
+                       .require("required (one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)"),
+                   [](auto& s) -> auto& { return s.type; }),
+    TypedKey::read("params", any().or_null(), [](auto& s) -> auto& { return s.params; })};
 
-inline bool is_off(const Key& k, const json& v) {
-  switch (k.off) {
-    case Off::never: return false;
-    case Off::is_false: return v.is_boolean() && !v.get<bool>();
-    case Off::is_true: return v.is_boolean() && v.get<bool>();
-    case Off::is_null: return v.is_null();
-    case Off::number: return v.is_number() && v.get<double>() == k.off_number;
-    case Off::null_or_number: return v.is_null() || (v.is_number() && v.get<double>() == k.off_number);
-    case Off::not_enabled: {
-      if (!v.is_object()) return false;
-      const auto it = v.find("enabled");
-      return it == v.end() || (it->is_boolean() && !it->get<bool>());
-    }
-    case Off::device_none: {
-      if (v.is_null()) return true;
-      if (!v.is_object()) return false;
-      const auto it = v.find("device");
-      return it == v.end() || it->is_null() || (it->is_string() && it->get_ref<const std::string&>() == "none");
-    }
-  }
-  return false;
-}
-
-inline std::string off_text(const Key& k) {
-  switch (k.off) {
-    case Off::never: return "";
-    case Off::is_false: return " (accepted only as false)";
-    case Off::is_true: return " (accepted only as true)";
-    case Off::is_null: return " (accepted only as null)";
-    case Off::number: return zp::detail::cat(" (accepted only as ", k.off_number, ")");
-    case Off::null_or_number: return zp::detail::cat(" (accepted only as null or ", k.off_number, ")");
-    case Off::not_enabled: return " (accepted only with \"enabled\": false)";
-    case Off::device_none: return " (accepted only with \"device\": \"none\")";
-  }
-  return "";
-}
-
-// One JSON object of the config: checks on construction that it is an object whose every key
-// is in `keys` (ignored and unsupported keys are dealt with there), then reads values.
-class Obj {
- public:
-  Obj(const Ctx& c, const json& j, std::string path, std::span<const Key> keys, bool auto_ok = false)
-      : c_(&c), j_(&j), path_(std::move(path)), keys_(keys), auto_ok_(auto_ok) {
-    if (!j.is_object()) c.expected(path_, "an object {...}", j);
-    for (auto it = j.begin(); it != j.end(); ++it) {
-      const std::string& name = it.key();
-      const json& v = it.value();
-      const Key* k = known(name);
-      if (!k) {
-        std::vector<std::string_view> names;
-        for (const Key& x : keys_) names.push_back(x.name);
-        const std::string_view near = closest(name, names);
-        std::string msg = near.empty() ? std::string() : zp::detail::cat("; did you mean ", near, "?");
-        if (near.empty()) {
-          msg = "; zp reads";
-          const char* sep = " ";
-          for (const Key& x : keys_)
-            if (x.use == Use::read) {
-              msg += sep;
-              msg += x.name;
-              sep = ", ";
-            }
-        }
-        c.fail(join(path_, name), "unknown key", msg,
-               " (zp rejects keys it does not know, at every level)");
-      }
-      switch (k->use) {
-        case Use::read: break;
-        case Use::ignore_bool: as_bool(c, v, join(path_, name)); break;
-        case Use::ignore_size:
-          as_int(c, v, join(path_, name), 0, std::numeric_limits<std::int64_t>::max(), "a non-negative integer");
-          break;
-        case Use::unsupported:
-          if (!is_off(*k, v))
-            c.fail(join(path_, name), "known DeepSpeed key that zp does not support", off_text(*k), ", got ",
-                   show(v));
-          break;
-        case Use::misplaced: c.fail(join(path_, name), k->hint);
-      }
-    }
-  }
-
-  std::string path(std::string_view key) const { return join(path_, key); }
-  const std::string& path() const noexcept { return path_; }
-
-  // The value of a key (which must be in the table), or nullptr when absent.
-  const json* find(std::string_view key) const {
-    const auto it = j_->find(std::string(key));
-    return it == j_->end() ? nullptr : &*it;
-  }
-  // As find, but an "auto" (where this object accepts one) is recorded and reads as absent.
-  const json* value(std::string_view key) const {
-    const json* v = find(key);
-    if (v && auto_ok_ && is_auto(*v)) {
-      c_->note_auto(path(key));
-      return nullptr;
-    }
-    return v;
-  }
-  // The key given under one of two names (DeepSpeed's stage3_ aliases); both is an error.
-  std::pair<const json*, std::string> either(std::string_view a, std::string_view b) const {
-    const json* va = value(a);
-    const json* vb = value(b);
-    if (find(a) && find(b))
-      c_->fail(path(b), "both ", a, " and its alias ", b, " are given; keep one");
-    return va ? std::pair{va, path(a)} : std::pair{vb, path(b)};
-  }
-
-  bool boolean(std::string_view key, bool def) const {
-    const json* v = value(key);
-    return v ? as_bool(*c_, *v, path(key)) : def;
-  }
-  std::int64_t integer(std::string_view key, std::int64_t def, std::int64_t lo, std::int64_t hi,
-                       std::string_view what) const {
-    const json* v = value(key);
-    return v ? as_int(*c_, *v, path(key), lo, hi, what) : def;
-  }
-  std::int64_t count(std::string_view key, std::int64_t def) const {
-    return integer(key, def, 0, std::numeric_limits<std::int64_t>::max(), "a non-negative integer");
-  }
-  double real(std::string_view key, double def, Real r) const {
-    const json* v = value(key);
-    return v ? as_real(*c_, *v, path(key), r) : def;
-  }
-  // A double that becomes a float at run time (a schedule's learning rate or momentum): it is
-  // kept as written, and must be one a float holds.
-  double real_f32(std::string_view key, double def, Real r) const {
-    const json* v = value(key);
-    if (!v) return def;
-    (void)as_float(*c_, *v, path(key), r);
-    return v->get<double>();
-  }
-  float real32(std::string_view key, float def, Real r) const {
-    const json* v = value(key);
-    return v ? as_float(*c_, *v, path(key), r) : def;
-  }
-  // A key the schedule needs: absent is an error ("auto" is accepted and keeps the default).
-  void require(std::string_view key, std::string_view by) const {
-    if (!find(key)) c_->fail(path(key), "required by ", by);
-  }
-
- private:
-  const Key* known(std::string_view name) const {
-    for (const Key& k : keys_)
-      if (k.name == name) return &k;
-    return nullptr;
-  }
-
-  const Ctx* c_;
-  const json* j_;
-  std::string path_;
-  std::span<const Key> keys_;
-  bool auto_ok_;
+// DeepSpeed's optimizer defaults (deepspeed/ops/adam, deepspeed/ops/lion): lr 1e-3 for all; Adam(W)
+// betas 0.9/0.999, eps 1e-8, weight_decay 0; Lion betas 0.9/0.999; SGD as torch.optim.SGD.
+inline constexpr std::string_view max_grad_norm_hint =
+    "max_grad_norm is not an optimizer parameter in DeepSpeed; clip with the top-level \"gradient_clipping\"";
+struct AdamSection {
+  optim::AdamW w;
+  bool adam_w_mode = true;  // false: Adam with L2 regularisation
 };
+using AdamKey = Key<AdamSection>;
+inline constexpr AdamKey adam_keys[] = {
+    AdamKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.w.lr; }),
+    AdamKey::read("betas", pair(0.9, 0.999, Real::unit_open, "an array of two numbers [beta1, beta2]"),
+                  [](auto& s) { return std::tie(s.w.beta1, s.w.beta2); }),
+    AdamKey::read("eps", real_f32(1e-8, Real::non_negative), [](auto& s) -> auto& { return s.w.eps; }),
+    AdamKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.w.weight_decay; }),
+    AdamKey::read("adam_w_mode", boolean(true), [](auto& s) -> auto& { return s.adam_w_mode; }),
+    AdamKey::ignored("torch_adam", boolean()), AdamKey::unsupported("bias_correction", Off::is_true),
+    AdamKey::unsupported("amsgrad", Off::is_false), AdamKey::misplaced("max_grad_norm", max_grad_norm_hint)};
+using LionKey = Key<optim::Lion>;
+inline constexpr LionKey lion_keys[] = {
+    LionKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
+    LionKey::read("betas", pair(0.9, 0.999, Real::unit_closed, "an array of two numbers [beta1, beta2]"),
+                  [](auto& o) { return std::tie(o.beta1, o.beta2); }),
+    LionKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.weight_decay; }),
+    LionKey::misplaced("max_grad_norm", max_grad_norm_hint)};
+using SgdKey = Key<optim::Sgd>;
+inline constexpr SgdKey sgd_keys[] = {
+    SgdKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
+    SgdKey::read("momentum", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.momentum; }),
+    SgdKey::read("dampening", real_f32(0, Real::unit_closed), [](auto& o) -> auto& { return o.dampening; }),
+    SgdKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.weight_decay; }),
+    SgdKey::read("nesterov", boolean(false), [](auto& o) -> auto& { return o.nesterov; }),
+    SgdKey::unsupported("maximize", Off::is_false), SgdKey::misplaced("max_grad_norm", max_grad_norm_hint)};
 
-// ---- sections -------------------------------------------------------------------------------
+// The schedules (deepspeed/runtime/lr_schedules.py, its defaults). Schedules step once per
+// applied optimizer step; last_batch_iteration (resuming mid-schedule) is zp's step count.
+inline constexpr Choice warmup_types[] = {{"log", std::int64_t(schedule::Warmup::log)},
+                                          {"linear", std::int64_t(schedule::Warmup::linear)}};
+constexpr Spec warmup_type = choice(warmup_types, "\"log\" or \"linear\"", std::int64_t(schedule::Warmup::log));
+using WarmupKey = Key<schedule::WarmupLR>;
+inline constexpr WarmupKey warmup_keys[] = {
+    WarmupKey::read("warmup_min_lr", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.warmup_min_lr; }),
+    WarmupKey::read("warmup_max_lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.warmup_max_lr; }),
+    WarmupKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    WarmupKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    WarmupKey::unsupported("last_batch_iteration", Off::number, -1)};
+using DecayKey = Key<schedule::WarmupDecayLR>;
+inline constexpr DecayKey decay_keys[] = {
+    DecayKey::read("warmup_min_lr", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.warmup_min_lr; }),
+    DecayKey::read("warmup_max_lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.warmup_max_lr; }),
+    DecayKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    DecayKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    DecayKey::read("total_num_steps", count(10000).require("required by WarmupDecayLR"),
+                   [](auto& s) -> auto& { return s.total_num_steps; }),
+    DecayKey::unsupported("last_batch_iteration", Off::number, -1)};
+using CosineKey = Key<schedule::WarmupCosineLR>;
+inline constexpr CosineKey cosine_keys[] = {
+    CosineKey::read("total_num_steps", count(10000).require("required by WarmupCosineLR"),
+                    [](auto& s) -> auto& { return s.total_num_steps; }),
+    CosineKey::read("warmup_min_ratio", real(0, Real::unit_closed), [](auto& s) -> auto& { return s.warmup_min_ratio; }),
+    CosineKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    CosineKey::read("cos_min_ratio", real(1e-4, Real::unit_closed), [](auto& s) -> auto& { return s.cos_min_ratio; }),
+    CosineKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    CosineKey::unsupported("last_batch_iteration", Off::number, -1)};
+using CycleKey = Key<schedule::OneCycle>;
+inline constexpr CycleKey cycle_keys[] = {
+    CycleKey::read("cycle_min_lr", real_f32(1e-4, Real::non_negative).require("required by OneCycle"),
+                   [](auto& s) -> auto& { return s.cycle_min_lr; }),
+    CycleKey::read("cycle_max_lr", real_f32(1e-3, Real::non_negative).require("required by OneCycle"),
+                   [](auto& s) -> auto& { return s.cycle_max_lr; }),
+    CycleKey::read("decay_lr_rate", real(0, Real::non_negative), [](auto& s) -> auto& { return s.decay_lr_rate; }),
+    CycleKey::read("cycle_first_step_size", integer(2000, 1, max_i64, "a positive integer"),
+                   [](auto& s) -> auto& { return s.cycle_first_step_size; }),
+    // 0 (null or absent): equal to the first step size.
+    CycleKey::read("cycle_second_step_size",
+                   integer(0, 1, max_i64, "a positive integer, or null for the first step size").or_null(),
+                   [](auto& s) -> auto& { return s.cycle_second_step_size; }),
+    CycleKey::read("decay_step_size", count(0), [](auto& s) -> auto& { return s.decay_step_size; }),
+    CycleKey::read("cycle_momentum", boolean(true), [](auto& s) -> auto& { return s.cycle_momentum; }),
+    CycleKey::read("cycle_min_mom", real_f32(0.8, Real::non_negative), [](auto& s) -> auto& { return s.cycle_min_mom; }),
+    CycleKey::read("cycle_max_mom", real_f32(0.9, Real::non_negative), [](auto& s) -> auto& { return s.cycle_max_mom; }),
+    CycleKey::read("decay_mom_rate", real(0, Real::finite), [](auto& s) -> auto& { return s.decay_mom_rate; }),
+    CycleKey::unsupported("cycle_first_stair_count", Off::number, 0),
+    CycleKey::unsupported("cycle_second_stair_count", Off::null_or_number, 0),
+    CycleKey::unsupported("last_batch_iteration", Off::number, -1)};
 
-inline void read_precision(const Ctx& c, const Obj& root, Config& cfg) {
-  static constexpr Key fp16_keys[] = {
-      reads("enabled"), reads("loss_scale"), reads("initial_scale_power"), reads("loss_scale_window"),
-      reads("hysteresis"), reads("consecutive_hysteresis"), reads("min_loss_scale"),
-      unsupported("auto_cast", Off::is_false), unsupported("fp16_master_weights_and_grads", Off::is_false)};
-  static constexpr Key bf16_keys[] = {reads("enabled")};
+// null, "fp32", "fp16" or "bf16" (communication_data_type also takes DeepSpeed's "bfp16").
+inline constexpr Choice dtypes[] = {{"fp32", std::int64_t(DType::f32)},
+                                    {"fp16", std::int64_t(DType::f16)},
+                                    {"bf16", std::int64_t(DType::bf16)}};
+inline constexpr Choice comm_dtypes[] = {{"fp32", std::int64_t(DType::f32)},
+                                         {"fp16", std::int64_t(DType::f16)},
+                                         {"bf16", std::int64_t(DType::bf16)},
+                                         {"bfp16", std::int64_t(DType::bf16)}};
+inline constexpr const char* dtype_what = "null, \"fp32\", \"fp16\" or \"bf16\"";
+inline constexpr ConfigKey data_type_keys[] = {ConfigKey::read(
+    "grad_accum_dtype", choice_or_null(dtypes, dtype_what), [](auto& c) -> auto& { return c.grad_accum_dtype; })};
 
-  bool fp16 = false;
-  if (const json* v = root.find("fp16")) {
-    const Obj o(c, *v, "fp16", fp16_keys);
-    fp16 = o.boolean("enabled", false);
-    const float fixed = o.real32("loss_scale", 0.0f, Real::non_negative);
-    const auto power = o.integer("initial_scale_power", 16, 0, 127, "an integer in [0, 127] (the scale is 2^power)");
-    const auto window = o.integer("loss_scale_window", 1000, 1, std::numeric_limits<std::int64_t>::max(),
-                                  "a positive integer");
-    const auto hysteresis = o.integer("hysteresis", 2, 1, std::numeric_limits<int>::max(), "a positive integer");
-    const bool consecutive = o.boolean("consecutive_hysteresis", false);
-    const float min_scale = o.real32("min_loss_scale", 1.0f, Real::positive);
-    const double initial = std::ldexp(1.0, int(power));
-    if (min_scale > initial)
-      c.fail(o.path("min_loss_scale"), "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
-             min_scale);
-    if (fp16)
-      cfg.engine.loss_scaler = c.checked("fp16", [&] {
-        return fixed > 0 ? LossScaler::fixed(fixed)
-                         : LossScaler::dynamic(DynamicScale{.initial_scale = float(initial),
-                                                            .window = window,
-                                                            .hysteresis = int(hysteresis),
-                                                            .consecutive_hysteresis = consecutive,
-                                                            .min_scale = min_scale});
-      });
-  }
-  const json* bf = root.find("bf16");
-  std::string bf_name = "bf16";
-  if (const json* old = root.find("bfloat16")) {
-    if (bf) c.fail("bfloat16", "both bf16 and its older name bfloat16 are given; keep one");
-    bf = old;
-    bf_name = "bfloat16";
-  }
-  bool bf16 = false;
-  if (bf) bf16 = Obj(c, *bf, bf_name, bf16_keys).boolean("enabled", false);
-  if (fp16 && bf16)
-    c.fail(join(bf_name, "enabled"), "fp16 and ", bf_name, " are both enabled; enable one (bf16 needs no loss scaling)");
-  cfg.precision = fp16 ? Precision::fp16 : bf16 ? Precision::bf16 : Precision::fp32;
+inline constexpr Choice tag_validations[] = {{"Warn", std::int64_t(TagValidation::warn)},
+                                             {"Ignore", std::int64_t(TagValidation::ignore)},
+                                             {"Fail", std::int64_t(TagValidation::fail)}};
+inline constexpr ConfigKey checkpoint_keys[] = {
+    ConfigKey::read("tag_validation",
+                    choice(tag_validations, "\"Warn\", \"Ignore\" or \"Fail\"", std::int64_t(TagValidation::warn),
+                           /*any_case=*/true),
+                    [](auto& c) -> auto& { return c.tag_validation; }),
+    ConfigKey::unsupported("load_universal", Off::is_false),
+    ConfigKey::unsupported("use_node_local_storage", Off::is_false), ConfigKey::unsupported("parallel_write")};
+
+void read_fp16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+void read_bf16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+void read_zero(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+void read_optimizer(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+void read_scheduler(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+
+// The three batch keys: "auto" or absent = 0 (not given).
+constexpr Spec batch_size = integer(0, 1, max_i64, "a positive integer or \"auto\"").or_placeholder();
+inline constexpr ConfigKey root_keys[] = {
+    ConfigKey::read("train_batch_size", batch_size, [](auto& c) -> auto& { return c.batch.train_batch_size; }),
+    ConfigKey::read("train_micro_batch_size_per_gpu", batch_size,
+                    [](auto& c) -> auto& { return c.batch.micro_batch_per_rank; }),
+    ConfigKey::read("gradient_accumulation_steps", batch_size,
+                    [](auto& c) -> auto& { return c.batch.gradient_accumulation_steps; }),
+    ConfigKey::object("fp16", read_fp16),
+    ConfigKey::object("bf16", read_bf16).or_alias("bfloat16", "older name"),
+    ConfigKey::object("zero_optimization", read_zero),
+    ConfigKey::object("optimizer", read_optimizer).if_given(),
+    ConfigKey::object("scheduler", read_scheduler).if_given(),
+    ConfigKey::read("gradient_clipping", real_f32(0, Real::non_negative),
+                    [](auto& c) -> auto& { return c.engine.max_grad_norm; }),
+    ConfigKey::read("steps_per_print", count(10), [](auto& c) -> auto& { return c.steps_per_print; }),
+    ConfigKey::read("wall_clock_breakdown", boolean(false), [](auto& c) -> auto& { return c.wall_clock_breakdown; }),
+    ConfigKey::read("communication_data_type", choice_or_null(comm_dtypes, dtype_what),
+                    [](auto& c) -> auto& { return c.communication_data_type; }),
+    ConfigKey::object<data_type_keys>("data_types", [](auto& c) -> auto& { return c; }),
+    ConfigKey::object<checkpoint_keys>("checkpoint", [](auto& c) -> auto& { return c; }),
+    ConfigKey::ignored("memory_breakdown", boolean()), ConfigKey::ignored("zero_force_ds_cpu_optimizer", boolean()),
+    ConfigKey::unsupported("amp", Off::not_enabled), ConfigKey::unsupported("zero_allow_untested_optimizer", Off::is_false),
+    ConfigKey::unsupported("prescale_gradients", Off::is_false),
+    ConfigKey::unsupported("gradient_predivide_factor", Off::number, 1),
+    ConfigKey::unsupported("sparse_gradients", Off::is_false), ConfigKey::unsupported("fp32_allreduce", Off::is_false),
+    ConfigKey::unsupported("disable_allgather", Off::is_false), ConfigKey::unsupported("dump_state", Off::is_false),
+    ConfigKey::unsupported("dataloader_drop_last", Off::is_false),
+    ConfigKey::unsupported("graph_harvesting", Off::is_false), ConfigKey::unsupported("activation_checkpointing"),
+    ConfigKey::unsupported("pipeline"), ConfigKey::unsupported("aio"), ConfigKey::unsupported("sparse_attention"),
+    ConfigKey::unsupported("compression_training"), ConfigKey::unsupported("flops_profiler", Off::not_enabled),
+    ConfigKey::unsupported("tensorboard", Off::not_enabled), ConfigKey::unsupported("wandb", Off::not_enabled),
+    ConfigKey::unsupported("csv_monitor", Off::not_enabled), ConfigKey::unsupported("comms_logger", Off::not_enabled),
+    ConfigKey::unsupported("autotuning", Off::not_enabled), ConfigKey::unsupported("elasticity", Off::not_enabled),
+    ConfigKey::unsupported("curriculum_learning", Off::not_enabled),
+    ConfigKey::unsupported("data_efficiency", Off::not_enabled), ConfigKey::unsupported("nebula", Off::not_enabled),
+    ConfigKey::unsupported("eigenvalue", Off::not_enabled),
+    ConfigKey::unsupported("progressive_layer_drop", Off::not_enabled),
+    ConfigKey::unsupported("quantize_training", Off::not_enabled),
+    ConfigKey::unsupported("hybrid_engine", Off::not_enabled),
+    ConfigKey::unsupported("torch_autocast", Off::not_enabled)};
+
+// ---- the checks that span keys ------------------------------------------------------------------
+
+inline void read_fp16(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
+  Fp16Section s;
+  read_object(c, j, path, fp16_keys, s);
+  const double initial = std::ldexp(1.0, int(s.initial_scale_power));
+  if (s.min_loss_scale > initial)
+    c.fail(join(path, "min_loss_scale"), "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
+           s.min_loss_scale);
+  if (!s.enabled) return;
+  cfg.precision = Precision::fp16;
+  cfg.engine.loss_scaler = c.checked(path, [&] {
+    return s.loss_scale > 0 ? LossScaler::fixed(s.loss_scale)
+                            : LossScaler::dynamic(DynamicScale{.initial_scale = float(initial),
+                                                               .window = s.loss_scale_window,
+                                                               .hysteresis = s.hysteresis,
+                                                               .consecutive_hysteresis = s.consecutive_hysteresis,
+                                                               .min_scale = s.min_loss_scale});
+  });
 }
 
-inline void read_zero(const Ctx& c, const json& j, Config& cfg) {
-  static constexpr Key offload_keys[] = {reads("device"), reads("nvme_path"), reads("pin_memory"),
-                                         // Partial offload: zp offloads all of the optimizer or none.
-                                         unsupported("ratio", Off::number, 1),
-                                         ignores_size("buffer_count"), ignores_bool("fast_init"),
-                                         ignores_bool("pipeline_read"), ignores_bool("pipeline_write"),
-                                         ignores_bool("pipeline")};
-  static constexpr Key keys[] = {
-      reads("stage"), reads("reduce_bucket_size"), reads("stage3_prefetch_bucket_size"),
-      reads("prefetch_bucket_size"), reads("stage3_param_persistence_threshold"),
-      reads("param_persistence_threshold"), reads("stage3_max_live_parameters"), reads("max_live_parameters"),
-      reads("offload_optimizer"),
-      // How, not what, to communicate: no effect on zp.
-      ignores_bool("contiguous_gradients"), ignores_bool("reduce_scatter"), ignores_bool("allgather_partitions"),
-      ignores_bool("overlap_comm"), ignores_bool("round_robin_gradients"), ignores_size("allgather_bucket_size"),
-      ignores_size("stage3_max_reuse_distance"), ignores_size("max_reuse_distance"), ignores_size("sub_group_size"),
-      ignores_bool("ignore_unused_parameters"), ignores_bool("load_from_fp32_weights"),
-      ignores_bool("stage3_gather_16bit_weights_on_model_save"), ignores_bool("gather_16bit_weights_on_model_save"),
-      ignores_bool("stage3_gather_fp16_weights_on_model_save"), ignores_bool("memory_efficient_linear"),
-      ignores_bool("override_module_apply"), ignores_bool("use_multi_rank_bucket_allreduce"),
-      ignores_bool("log_trace_cache_warnings"),
-      // Known to DeepSpeed, not done by zp.
-      unsupported("offload_param", Off::device_none), unsupported("cpu_offload", Off::is_false),
-      unsupported("cpu_offload_params", Off::is_false), unsupported("cpu_offload_use_pin_memory", Off::is_false),
-      unsupported("elastic_checkpoint", Off::is_false), unsupported("legacy_stage1", Off::is_false),
-      unsupported("zero_hpz_partition_size", Off::number, 1), unsupported("zero_quantized_weights", Off::is_false),
-      unsupported("zero_quantized_nontrainable_weights", Off::is_false),
-      unsupported("zero_quantized_gradients", Off::is_false), unsupported("mics_shard_size", Off::number, -1),
-      unsupported("mics_hierarchical_params_gather", Off::is_false),
-      unsupported("stage3_model_persistence_threshold"), unsupported("model_persistence_threshold"),
-      unsupported("stage3_use_all_reduce_for_fetch_params", Off::is_false),
-      unsupported("use_all_reduce_for_fetch_params", Off::is_false),
-      unsupported("pipeline_loading_checkpoint", Off::is_false), unsupported("zeropp_loco_param", Off::is_null)};
+// path: "bf16" or its older name "bfloat16", whichever is given.
+inline void read_bf16(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
+  Bf16Section s;
+  read_object(c, j, path, bf16_keys, s);
+  if (!s.enabled) return;
+  if (cfg.precision == Precision::fp16)
+    c.fail(join(path, "enabled"), "fp16 and ", path, " are both enabled; enable one (bf16 needs no loss scaling)");
+  cfg.precision = Precision::bf16;
+}
 
-  const Obj o(c, j, "zero_optimization", keys);
-  cfg.stage = int(o.integer("stage", 0, 0, 3, "a ZeRO stage 0, 1, 2 or 3"));
-  cfg.reduce_bucket_size = std::uint64_t(o.integer("reduce_bucket_size", std::int64_t(cfg.reduce_bucket_size), 1,
-                                                   std::numeric_limits<std::int64_t>::max(),
-                                                   "a positive integer (elements)"));
-  auto size = [&](std::string_view a, std::string_view b, std::uint64_t def) {
-    const auto [v, path] = o.either(a, b);
-    return v ? std::uint64_t(as_int(c, *v, path, 0, std::numeric_limits<std::int64_t>::max(),
-                                    "a non-negative integer"))
-             : def;
-  };
-  cfg.prefetch_bucket_size = size("stage3_prefetch_bucket_size", "prefetch_bucket_size", cfg.prefetch_bucket_size);
+inline void read_zero(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
+  read_object(c, j, path, zero_keys, cfg);
   cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
-  cfg.engine.persist_threshold =
-      std::size_t(size("stage3_param_persistence_threshold", "param_persistence_threshold", cfg.engine.persist_threshold));
-  cfg.engine.max_live_params =
-      std::size_t(size("stage3_max_live_parameters", "max_live_parameters", cfg.engine.max_live_params));
-
-  if (const json* v = o.find("offload_optimizer"); v && !v->is_null()) {
-    const Obj off(c, *v, o.path("offload_optimizer"), offload_keys);
-    OffloadOptimizer& r = cfg.offload_optimizer;
-    if (const json* d = off.find("device"); d && !d->is_null()) {
-      const std::string_view s = as_string(c, *d, off.path("device"), "\"none\", \"cpu\" or \"nvme\"");
-      if (s == "none") r.device = OffloadDevice::none;
-      else if (s == "cpu") r.device = OffloadDevice::cpu;
-      else if (s == "nvme") r.device = OffloadDevice::nvme;
-      else c.expected(off.path("device"), "\"none\", \"cpu\" or \"nvme\"", *d);
-    }
-    if (const json* p = off.find("nvme_path"); p && !p->is_null())
-      r.nvme_path = as_string(c, *p, off.path("nvme_path"), "a path string");
-    r.pin_memory = off.boolean("pin_memory", false);
-  }
-}
-
-// DeepSpeed's optimizer defaults (deepspeed/ops/adam, deepspeed/ops/lion): lr 1e-3 for all; Adam(W) betas 0.9/0.999, eps
-// 1e-8, weight_decay 0; Lion betas 0.9/0.999; SGD as torch.optim.SGD.
-inline void read_optimizer(const Ctx& c, const json& j, Config& cfg) {
-  static constexpr Key keys[] = {reads("type"), reads("params"), ignores_bool("legacy_fusion")};
-  static constexpr std::string_view hint =
-      "max_grad_norm is not an optimizer parameter in DeepSpeed; clip with the top-level \"gradient_clipping\"";
-  static constexpr Key adam_keys[] = {reads("lr"), reads("betas"), reads("eps"), reads("weight_decay"),
-                                      reads("adam_w_mode"), ignores_bool("torch_adam"),
-                                      unsupported("bias_correction", Off::is_true),
-                                      unsupported("amsgrad", Off::is_false),
-                                      {"max_grad_norm", Use::misplaced, Off::never, 0, hint}};
-  static constexpr Key lion_keys[] = {reads("lr"), reads("betas"), reads("weight_decay"),
-                                      {"max_grad_norm", Use::misplaced, Off::never, 0, hint}};
-  static constexpr Key sgd_keys[] = {reads("lr"), reads("momentum"), reads("dampening"), reads("weight_decay"),
-                                     reads("nesterov"), unsupported("maximize", Off::is_false),
-                                     {"max_grad_norm", Use::misplaced, Off::never, 0, hint}};
-  static constexpr std::string_view supported[] = {"Adam", "AdamW", "SGD", "Lion"};
-  static constexpr std::string_view deepspeed_only[] = {
-      "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD",
-      "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam"};
-
-  const Obj o(c, j, "optimizer", keys);
-  const std::size_t autos_before = cfg.auto_keys.size();
-  const json* t = o.find("type");
-  if (!t) c.fail(o.path("type"), "required (one of Adam, AdamW, SGD, Lion)");
-  const std::string_view type = as_string(c, *t, o.path("type"), "an optimizer name (Adam, AdamW, SGD, Lion)");
-  const std::string low = lower(type);
-  const json empty = json::object();
-  const json* pj = o.find("params");
-  if (!pj || pj->is_null()) pj = &empty;
-
-  auto betas = [&](const Obj& p, float& b1, float& b2, Real r) {
-    const json* v = p.value("betas");
-    if (!v) return;
-    const std::string path = p.path("betas");
-    if (!v->is_array() || v->size() != 2) c.expected(path, "an array of two numbers [beta1, beta2]", *v);
-    b1 = as_float(c, (*v)[0], path + "[0]", r);
-    b2 = as_float(c, (*v)[1], path + "[1]", r);
-  };
-  cfg.optimizer_given = true;
-  if (low == "adam" || low == "adamw") {
-    const Obj p(c, *pj, o.path("params"), adam_keys, true);
-    optim::AdamW w{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
-    w.lr = p.real32("lr", w.lr, Real::non_negative);
-    betas(p, w.beta1, w.beta2, Real::unit_open);
-    w.eps = p.real32("eps", w.eps, Real::non_negative);
-    w.weight_decay = p.real32("weight_decay", w.weight_decay, Real::non_negative);
-    const bool decoupled = p.boolean("adam_w_mode", true);
-    if (low == "adamw" && !decoupled)
-      c.fail(p.path("adam_w_mode"), "AdamW always decouples weight decay; for L2 regularisation use \"type\": "
-                                    "\"Adam\" with \"adam_w_mode\": false");
-    if (decoupled) cfg.optimizer = w;
-    else cfg.optimizer = optim::Adam{.lr = w.lr, .beta1 = w.beta1, .beta2 = w.beta2, .eps = w.eps, .weight_decay = w.weight_decay};
-  } else if (low == "lion") {
-    const Obj p(c, *pj, o.path("params"), lion_keys, true);
-    optim::Lion l{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .weight_decay = 0.0f};
-    l.lr = p.real32("lr", l.lr, Real::non_negative);
-    betas(p, l.beta1, l.beta2, Real::unit_closed);
-    l.weight_decay = p.real32("weight_decay", l.weight_decay, Real::non_negative);
-    cfg.optimizer = l;
-  } else if (low == "sgd") {
-    const Obj p(c, *pj, o.path("params"), sgd_keys, true);
-    optim::Sgd s{.lr = 1e-3f, .momentum = 0.0f, .dampening = 0.0f, .weight_decay = 0.0f, .nesterov = false};
-    s.lr = p.real32("lr", s.lr, Real::non_negative);
-    s.momentum = p.real32("momentum", s.momentum, Real::non_negative);
-    s.dampening = p.real32("dampening", s.dampening, Real::unit_closed);
-    s.weight_decay = p.real32("weight_decay", s.weight_decay, Real::non_negative);
-    s.nesterov = p.boolean("nesterov", s.nesterov);
-    cfg.optimizer = s;
-  } else {
-    for (std::string_view n : deepspeed_only)
-      if (lower(n) == low)
-        c.fail(o.path("type"), "\"", type, "\" is known to DeepSpeed, not supported by zp (zp has Adam, AdamW, SGD, Lion)");
-    const std::string_view near = closest(type, supported);
-    c.fail(o.path("type"), "unknown optimizer ", show(*t), near.empty() ? "" : "; did you mean ", near,
-           near.empty() ? "" : "?", " (zp has Adam, AdamW, SGD, Lion)");
-  }
-  // Cross-field rules (e.g. Nesterov needs a momentum) wait while "auto" placeholders stand in
-  // for values the program fills; the engine validates the optimizer it is given anyway.
-  if (cfg.auto_keys.size() == autos_before)
-    c.checked(o.path("params"), [&] { std::visit([](const auto& x) { optim::validate(x); }, cfg.optimizer); });
-}
-
-inline schedule::Warmup read_warmup_type(const Ctx& c, const Obj& p, schedule::Warmup def) {
-  const json* v = p.value("warmup_type");
-  if (!v) return def;
-  const std::string_view s = as_string(c, *v, p.path("warmup_type"), "\"log\" or \"linear\"");
-  if (s == "log") return schedule::Warmup::log;
-  if (s == "linear") return schedule::Warmup::linear;
-  c.expected(p.path("warmup_type"), "\"log\" or \"linear\"", *v);
 }
 
 inline float optimizer_lr(const AnyOptimizer& o) {
   return std::visit([](const auto& x) { return x.lr; }, o);
 }
 
-inline void read_scheduler(const Ctx& c, const json& j, Config& cfg) {
-  static constexpr Key keys[] = {reads("type"), reads("params")};
-  static constexpr Key warmup_keys[] = {reads("warmup_min_lr"), reads("warmup_max_lr"), reads("warmup_num_steps"),
-                                        reads("warmup_type"), unsupported("last_batch_iteration", Off::number, -1)};
-  static constexpr Key decay_keys[] = {reads("warmup_min_lr"), reads("warmup_max_lr"), reads("warmup_num_steps"),
-                                       reads("warmup_type"), reads("total_num_steps"),
-                                       unsupported("last_batch_iteration", Off::number, -1)};
-  static constexpr Key cosine_keys[] = {reads("total_num_steps"), reads("warmup_min_ratio"),
-                                        reads("warmup_num_steps"), reads("cos_min_ratio"), reads("warmup_type"),
-                                        unsupported("last_batch_iteration", Off::number, -1)};
-  static constexpr Key cycle_keys[] = {
-      reads("cycle_min_lr"), reads("cycle_max_lr"), reads("decay_lr_rate"), reads("cycle_first_step_size"),
-      reads("cycle_second_step_size"), reads("decay_step_size"), reads("cycle_momentum"), reads("cycle_min_mom"),
-      reads("cycle_max_mom"), reads("decay_mom_rate"), unsupported("cycle_first_stair_count", Off::number, 0),
-      unsupported("cycle_second_stair_count", Off::null_or_number, 0),
-      unsupported("last_batch_iteration", Off::number, -1)};
-  static constexpr std::string_view supported[] = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"};
+// "type" is the name of one of `supported` (any case), else an error naming the closest one,
+// or saying that DeepSpeed has it and zp does not.
+template <std::size_t N>
+std::string type_of(const Ctx& c, const TypedSection& s, const std::string& path, std::string_view what,
+                    const std::string_view (&supported)[N], std::span<const std::string_view> deepspeed_only) {
+  const std::string low = lower(s.type);
+  for (std::string_view n : supported)
+    if (lower(n) == low) return low;
+  std::string list;
+  for (std::string_view n : supported) list += zp::detail::cat(list.empty() ? "" : ", ", n);
+  for (std::string_view n : deepspeed_only)
+    if (lower(n) == low)
+      c.fail(join(path, "type"), "\"", s.type, "\" is known to DeepSpeed, not supported by zp (zp has ", list, ")");
+  const std::string_view near = closest(s.type, supported);
+  c.fail(join(path, "type"), "unknown ", what, " ", show(json(s.type)), near.empty() ? "" : "; did you mean ", near,
+         near.empty() ? "" : "?", " (zp has ", list, ")");
+}
 
-  const Obj o(c, j, "scheduler", keys);
-  const std::size_t autos_before = cfg.auto_keys.size();
-  const json* t = o.find("type");
-  if (!t) c.fail(o.path("type"), "required (one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)");
-  const std::string_view type =
-      as_string(c, *t, o.path("type"), "a scheduler name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)");
-  const std::string low = lower(type);
+inline void read_optimizer(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
+  static constexpr std::string_view supported[] = {"Adam", "AdamW", "SGD", "Lion"};
+  static constexpr std::string_view deepspeed_only[] = {
+      "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD",
+      "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam"};
+  TypedSection s;
+  read_object(c, j, path, optimizer_keys, s);
+  const std::string type = type_of(c, s, path, "optimizer", supported, deepspeed_only);
+  const std::size_t autos_before = c.placeholders ? c.placeholders->size() : 0;
   const json empty = json::object();
-  const json* pj = o.find("params");
-  if (!pj || pj->is_null()) pj = &empty;
-  const std::string pp = o.path("params");
-
-  if (low == "warmuplr") {
-    const Obj p(c, *pj, pp, warmup_keys, true);
-    schedule::WarmupLR s;
-    s.warmup_min_lr = p.real_f32("warmup_min_lr", 0.0, Real::non_negative);
-    s.warmup_max_lr = p.real_f32("warmup_max_lr", 1e-3, Real::non_negative);
-    s.warmup_num_steps = p.count("warmup_num_steps", 1000);
-    s.warmup_type = read_warmup_type(c, p, schedule::Warmup::log);
-    cfg.scheduler = s;
-  } else if (low == "warmupdecaylr") {
-    const Obj p(c, *pj, pp, decay_keys, true);
-    p.require("total_num_steps", "WarmupDecayLR");
-    schedule::WarmupDecayLR s;
-    s.warmup_min_lr = p.real_f32("warmup_min_lr", 0.0, Real::non_negative);
-    s.warmup_max_lr = p.real_f32("warmup_max_lr", 1e-3, Real::non_negative);
-    s.warmup_num_steps = p.count("warmup_num_steps", 1000);
-    s.total_num_steps = p.count("total_num_steps", s.total_num_steps);
-    s.warmup_type = read_warmup_type(c, p, schedule::Warmup::log);
-    cfg.scheduler = s;
-  } else if (low == "warmupcosinelr") {
-    const Obj p(c, *pj, pp, cosine_keys, true);
-    p.require("total_num_steps", "WarmupCosineLR");
-    schedule::WarmupCosineLR s;
-    s.base_lr = double(optimizer_lr(cfg.optimizer));
-    s.total_num_steps = p.count("total_num_steps", s.total_num_steps);
-    s.warmup_min_ratio = p.real("warmup_min_ratio", 0.0, Real::unit_closed);
-    s.warmup_num_steps = p.count("warmup_num_steps", 1000);
-    s.cos_min_ratio = p.real("cos_min_ratio", 1e-4, Real::unit_closed);
-    s.warmup_type = read_warmup_type(c, p, schedule::Warmup::log);
-    cfg.scheduler = s;
-  } else if (low == "onecycle") {
-    const Obj p(c, *pj, pp, cycle_keys, true);
-    p.require("cycle_min_lr", "OneCycle");
-    p.require("cycle_max_lr", "OneCycle");
-    schedule::OneCycle s;
-    s.cycle_min_lr = p.real_f32("cycle_min_lr", s.cycle_min_lr, Real::non_negative);
-    s.cycle_max_lr = p.real_f32("cycle_max_lr", s.cycle_max_lr, Real::non_negative);
-    s.decay_lr_rate = p.real("decay_lr_rate", 0.0, Real::non_negative);
-    s.cycle_first_step_size = p.integer("cycle_first_step_size", 2000, 1, std::numeric_limits<std::int64_t>::max(),
-                                        "a positive integer");
-    if (const json* v = p.value("cycle_second_step_size"); v && !v->is_null())
-      s.cycle_second_step_size = as_int(c, *v, p.path("cycle_second_step_size"), 1,
-                                        std::numeric_limits<std::int64_t>::max(),
-                                        "a positive integer, or null for the first step size");
-    s.decay_step_size = p.count("decay_step_size", 0);
-    s.cycle_momentum = p.boolean("cycle_momentum", true);
-    s.cycle_min_mom = p.real_f32("cycle_min_mom", 0.8, Real::non_negative);
-    s.cycle_max_mom = p.real_f32("cycle_max_mom", 0.9, Real::non_negative);
-    s.decay_mom_rate = p.real("decay_mom_rate", 0.0, Real::finite);
-    cfg.scheduler = s;
+  const json& params = s.params ? *s.params : empty;
+  const std::string pp = join(path, "params");
+  cfg.optimizer_given = true;
+  if (type == "adam" || type == "adamw") {
+    AdamSection a;
+    read_object(c, params, pp, adam_keys, a, /*placeholders=*/true);
+    if (type == "adamw" && !a.adam_w_mode)
+      c.fail(join(pp, "adam_w_mode"), "AdamW always decouples weight decay; for L2 regularisation use \"type\": "
+                                      "\"Adam\" with \"adam_w_mode\": false");
+    if (a.adam_w_mode) cfg.optimizer = a.w;
+    else cfg.optimizer = optim::Adam{.lr = a.w.lr, .beta1 = a.w.beta1, .beta2 = a.w.beta2, .eps = a.w.eps,
+                                     .weight_decay = a.w.weight_decay};
+  } else if (type == "lion") {
+    optim::Lion l;
+    read_object(c, params, pp, lion_keys, l, true);
+    cfg.optimizer = l;
   } else {
-    if (low == "lrrangetest")
-      c.fail(o.path("type"), "\"", type, "\" is known to DeepSpeed, not supported by zp (zp has WarmupLR, "
-                             "WarmupDecayLR, WarmupCosineLR, OneCycle)");
-    const std::string_view near = closest(type, supported);
-    c.fail(o.path("type"), "unknown scheduler ", show(*t), near.empty() ? "" : "; did you mean ", near,
-           near.empty() ? "" : "?", " (zp has WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)");
+    optim::Sgd o;
+    read_object(c, params, pp, sgd_keys, o, true);
+    cfg.optimizer = o;
   }
+  // Cross-field rules (e.g. Nesterov needs a momentum) wait while "auto" placeholders stand in
+  // for values the program fills; the engine validates the optimizer it is given anyway.
+  if (!c.placeholders || c.placeholders->size() == autos_before)
+    c.checked(pp, [&] { std::visit([](const auto& x) { optim::validate(x); }, cfg.optimizer); });
+}
+
+inline void read_scheduler(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
+  static constexpr std::string_view supported[] = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"};
+  static constexpr std::string_view deepspeed_only[] = {"LRRangeTest"};
+  TypedSection s;
+  read_object(c, j, path, scheduler_keys, s);
+  const std::string type = type_of(c, s, path, "scheduler", supported, deepspeed_only);
+  const std::size_t autos_before = c.placeholders ? c.placeholders->size() : 0;
+  const json empty = json::object();
+  const json& params = s.params ? *s.params : empty;
+  const std::string pp = join(path, "params");
+  auto read = [&](auto sched, const auto& keys) {
+    read_object(c, params, pp, keys, sched, /*placeholders=*/true);
+    cfg.scheduler = sched;
+  };
+  if (type == "warmuplr") read(schedule::WarmupLR{}, warmup_keys);
+  else if (type == "warmupdecaylr") read(schedule::WarmupDecayLR{}, decay_keys);
+  else if (type == "warmupcosinelr") read(schedule::WarmupCosineLR{.base_lr = double(optimizer_lr(cfg.optimizer))}, cosine_keys);
+  else read(schedule::OneCycle{}, cycle_keys);
   // As for the optimizer: "auto" placeholders (e.g. total_num_steps) are not checked against the
   // other settings; the schedule's lr() checks the values the program filled in.
-  if (cfg.auto_keys.size() == autos_before)
+  if (!c.placeholders || c.placeholders->size() == autos_before)
     c.checked(pp, [&] { std::visit([](const auto& x) { x.check(); }, *cfg.scheduler); });
 }
 
-// null, "fp32", "fp16" or "bf16" (communication_data_type also takes DeepSpeed's "bfp16").
-inline std::optional<DType> read_dtype(const Ctx& c, const json* v, std::string_view path, bool bfp16_alias) {
-  if (!v || v->is_null()) return std::nullopt;
-  const char* what = "null, \"fp32\", \"fp16\" or \"bf16\"";
-  const std::string_view s = as_string(c, *v, path, what);
-  if (s == "fp32") return DType::f32;
-  if (s == "fp16") return DType::f16;
-  if (s == "bf16" || (bfp16_alias && s == "bfp16")) return DType::bf16;
-  c.expected(path, what, *v);
-}
-
-// The three batch keys: "auto" or absent = 0 (not given).
-inline std::int64_t read_batch_key(const Ctx& c, const Obj& root, std::string_view key, bool& auto_seen) {
-  const json* v = root.find(key);
-  if (!v) return 0;
-  if (is_auto(*v)) {
-    c.note_auto(std::string(key));
-    auto_seen = true;
-    return 0;
-  }
-  return as_int(c, *v, key, 1, std::numeric_limits<std::int64_t>::max(), "a positive integer or \"auto\"");
-}
-
 // What can be checked before the world size is known: some world size must fit.
-inline void check_batch(const Ctx& c, const BatchConfig& b, bool auto_seen) {
+inline void check_batch(const Ctx& c, const Config& cfg) {
+  const BatchConfig& b = cfg.batch;
   const std::int64_t t = b.train_batch_size, m = b.micro_batch_per_rank, g = b.gradient_accumulation_steps;
   if (!t && !m) {
+    const bool auto_seen = cfg.is_auto("train_batch_size") || cfg.is_auto("train_micro_batch_size_per_gpu") ||
+                           cfg.is_auto("gradient_accumulation_steps");
     if (!auto_seen)
       c.fail("train_batch_size", "give train_batch_size or train_micro_batch_size_per_gpu (or both, or \"auto\" "
                                  "for the program to fill)");
@@ -863,69 +608,12 @@ inline void check_batch(const Ctx& c, const BatchConfig& b, bool auto_seen) {
 }
 
 inline Config parse_root(const json& j, std::string_view source) {
-  static constexpr Key keys[] = {
-      reads("train_batch_size"), reads("train_micro_batch_size_per_gpu"), reads("gradient_accumulation_steps"),
-      reads("fp16"), reads("bf16"), reads("bfloat16"), reads("zero_optimization"), reads("optimizer"),
-      reads("scheduler"), reads("gradient_clipping"), reads("steps_per_print"), reads("wall_clock_breakdown"),
-      reads("communication_data_type"), reads("data_types"), reads("checkpoint"),
-      ignores_bool("memory_breakdown"), ignores_bool("zero_force_ds_cpu_optimizer"),
-      unsupported("amp", Off::not_enabled), unsupported("zero_allow_untested_optimizer", Off::is_false),
-      unsupported("prescale_gradients", Off::is_false), unsupported("gradient_predivide_factor", Off::number, 1),
-      unsupported("sparse_gradients", Off::is_false), unsupported("fp32_allreduce", Off::is_false),
-      unsupported("disable_allgather", Off::is_false), unsupported("dump_state", Off::is_false),
-      unsupported("dataloader_drop_last", Off::is_false), unsupported("graph_harvesting", Off::is_false),
-      unsupported("activation_checkpointing"), unsupported("pipeline"), unsupported("aio"),
-      unsupported("sparse_attention"), unsupported("compression_training"),
-      unsupported("flops_profiler", Off::not_enabled), unsupported("tensorboard", Off::not_enabled),
-      unsupported("wandb", Off::not_enabled), unsupported("csv_monitor", Off::not_enabled),
-      unsupported("comms_logger", Off::not_enabled), unsupported("autotuning", Off::not_enabled),
-      unsupported("elasticity", Off::not_enabled), unsupported("curriculum_learning", Off::not_enabled),
-      unsupported("data_efficiency", Off::not_enabled), unsupported("nebula", Off::not_enabled),
-      unsupported("eigenvalue", Off::not_enabled), unsupported("progressive_layer_drop", Off::not_enabled),
-      unsupported("quantize_training", Off::not_enabled), unsupported("hybrid_engine", Off::not_enabled),
-      unsupported("torch_autocast", Off::not_enabled)};
-  static constexpr Key data_type_keys[] = {reads("grad_accum_dtype")};
-  static constexpr Key checkpoint_keys[] = {reads("tag_validation"), unsupported("load_universal", Off::is_false),
-                                            unsupported("use_node_local_storage", Off::is_false),
-                                            unsupported("parallel_write")};
-
   Config cfg;
   cfg.source = std::string(source);
-  const Ctx c{cfg.source, &cfg.auto_keys};
+  const Ctx c = context(cfg.source, &cfg.auto_keys);
   if (!j.is_object()) c.expected("", "a JSON object {...} at the top level", j);
-  const Obj root(c, j, "", keys);
-
-  bool auto_seen = false;
-  cfg.batch.train_batch_size = read_batch_key(c, root, "train_batch_size", auto_seen);
-  cfg.batch.micro_batch_per_rank = read_batch_key(c, root, "train_micro_batch_size_per_gpu", auto_seen);
-  cfg.batch.gradient_accumulation_steps = read_batch_key(c, root, "gradient_accumulation_steps", auto_seen);
-  check_batch(c, cfg.batch, auto_seen);
-
-  read_precision(c, root, cfg);
-  if (const json* v = root.find("zero_optimization")) read_zero(c, *v, cfg);
-  if (const json* v = root.find("optimizer")) read_optimizer(c, *v, cfg);
-  if (const json* v = root.find("scheduler")) read_scheduler(c, *v, cfg);
-
-  cfg.engine.max_grad_norm = root.real32("gradient_clipping", 0.0f, Real::non_negative);
-  cfg.steps_per_print = root.count("steps_per_print", 10);
-  cfg.wall_clock_breakdown = root.boolean("wall_clock_breakdown", false);
-  cfg.communication_data_type =
-      read_dtype(c, root.find("communication_data_type"), "communication_data_type", true);
-  if (const json* v = root.find("data_types")) {
-    const Obj d(c, *v, "data_types", data_type_keys);
-    cfg.grad_accum_dtype = read_dtype(c, d.find("grad_accum_dtype"), d.path("grad_accum_dtype"), false);
-  }
-  if (const json* v = root.find("checkpoint")) {
-    const Obj k(c, *v, "checkpoint", checkpoint_keys);
-    if (const json* t = k.find("tag_validation")) {
-      const char* what = "\"Warn\", \"Ignore\" or \"Fail\"";
-      const std::string low = lower(as_string(c, *t, k.path("tag_validation"), what));
-      if (low == "warn") cfg.tag_validation = TagValidation::warn;
-      else if (low == "ignore") cfg.tag_validation = TagValidation::ignore;
-      else if (low == "fail") cfg.tag_validation = TagValidation::fail;
-      else c.expected(k.path("tag_validation"), what, *t);
-    }
-  }
+  read_object(c, j, "", root_keys, cfg);
+  check_batch(c, cfg);
   return cfg;
 }
 
@@ -1028,22 +716,19 @@ inline std::string describe(const Config& c) {
 
 // ---- the dispatch ----------------------------------------------------------------------------
 
-// The element types, stages and optimizers a program compiles in for with_engine. Every
-// combination is one Engine instantiation (seconds of compile time each): list only what the
-// program's configs use.
-template <class... Ts>
-struct Types {};
-template <int... Ss>
-struct Stages {};
-template <class... Os>
-struct Optimizers {};
+// The element types, stages and optimizers a program compiles in for with_engine (dispatch.hpp).
+// Every combination is one Engine instantiation (seconds of compile time each): list only what
+// the program's configs use.
+using zp::Optimizers;
+using zp::Stages;
+using zp::Types;
 
 // The EngineConfig for element type T at `world_size` ranks: the batch triad completed
 // (resolve_batch; an inconsistent triad names the config's keys and all four numbers) and
 // reduce_bucket_size converted from elements to bytes of T.
 template <class T>
 EngineConfig engine_config(const Config& c, int world_size) {
-  const detail::Ctx ctx{c.source, nullptr};
+  const detail::Ctx ctx = detail::context(c.source, nullptr);
   EngineConfig e = c.engine;
   e.batch = ctx.checked(zp::detail::cat("train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps "
                                         "at world size ", world_size),
@@ -1061,30 +746,6 @@ EngineConfig engine_config(const Config& c, int world_size) {
 }
 
 namespace detail {
-
-template <class T, class... Ts>
-inline constexpr bool one_of = (std::is_same_v<T, Ts> || ...);
-
-// Lists with at least one entry (an empty one could select nothing).
-template <class L>
-inline constexpr bool non_empty = false;
-template <class T0, class... Ts>
-inline constexpr bool non_empty<Types<T0, Ts...>> = true;
-template <int S0, int... Ss>
-inline constexpr bool non_empty<Stages<S0, Ss...>> = true;
-template <class O0, class... Os>
-inline constexpr bool non_empty<Optimizers<O0, Os...>> = true;
-
-template <class... Ts>
-std::vector<DType> list(Types<Ts...>) { return {dtype_of<Ts>...}; }
-template <int... Ss>
-std::vector<int> list(Stages<Ss...>) { return {Ss...}; }
-template <class... Os>
-std::vector<std::string> list(Optimizers<Os...>) {
-  static_assert((one_of<Os, optim::AdamW, optim::Adam, optim::Sgd, optim::Lion> && ...),
-                "zp::ds::Optimizers lists only AdamW, Adam, Sgd, Lion");
-  return {optim::detail::type_name(Os{})...};
-}
 template <class V>
 std::string braces(const std::vector<V>& v) {
   std::string s = "{";
@@ -1096,38 +757,6 @@ inline std::string braces(const std::vector<DType>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) s += zp::detail::cat(i ? ", " : "", ds_name(v[i]));
   return s + "}";
 }
-
-template <Backend B, class T, int S, class F, class O0, class... Os>
-decltype(auto) pick_optimizer(Optimizers<O0, Os...>, const Config& c, const EngineConfig& ec, F& f) {
-  if constexpr (sizeof...(Os) == 0) {
-    return f(std::type_identity<Engine<B, T, S, O0>>{}, ec, std::get<O0>(c.optimizer));
-  } else {
-    if (std::holds_alternative<O0>(c.optimizer))
-      return f(std::type_identity<Engine<B, T, S, O0>>{}, ec, std::get<O0>(c.optimizer));
-    return pick_optimizer<B, T, S>(Optimizers<Os...>{}, c, ec, f);
-  }
-}
-
-template <Backend B, class T, class OptList, class F, int S0, int... Ss>
-decltype(auto) pick_stage(Stages<S0, Ss...>, const Config& c, const EngineConfig& ec, F& f) {
-  if constexpr (sizeof...(Ss) == 0) {
-    return pick_optimizer<B, T, S0>(OptList{}, c, ec, f);
-  } else {
-    if (c.stage == S0) return pick_optimizer<B, T, S0>(OptList{}, c, ec, f);
-    return pick_stage<B, T, OptList>(Stages<Ss...>{}, c, ec, f);
-  }
-}
-
-template <Backend B, class StageList, class OptList, class F, class T0, class... Ts>
-decltype(auto) pick_type(Types<T0, Ts...>, const Config& c, int world_size, F& f) {
-  if constexpr (sizeof...(Ts) == 0) {
-    return pick_stage<B, T0, OptList>(StageList{}, c, engine_config<T0>(c, world_size), f);
-  } else {
-    if (c.dtype() == dtype_of<T0>) return pick_stage<B, T0, OptList>(StageList{}, c, engine_config<T0>(c, world_size), f);
-    return pick_type<B, StageList, OptList>(Types<Ts...>{}, c, world_size, f);
-  }
-}
-
 }  // namespace detail
 
 // Calls f(std::type_identity<Engine<B, T, Stage, Opt>>{}, engine_config, optimizer) for the
@@ -1137,31 +766,27 @@ decltype(auto) pick_type(Types<T0, Ts...>, const Config& c, int world_size, F& f
 // did not compile in (naming what it did), for what zp's engine does not do yet
 // (offload_optimizer to nvme, a grad_accum_dtype or communication_data_type other than fp32 or
 // the model's type), and when the batch triad does not fit world_size.
-template <Backend B, class TypeList = Types<float, bf16, fp16>, class StageList = Stages<0, 1, 2, 3>,
-          class OptList = Optimizers<optim::AdamW, optim::Adam, optim::Sgd, optim::Lion>, class F>
+template <Backend B, class TypeList = AllTypes, class StageList = AllStages, class OptList = AllOptimizers, class F>
 decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
-  static_assert(detail::non_empty<TypeList> && detail::non_empty<StageList> && detail::non_empty<OptList>,
+  static_assert(zp::detail::non_empty_list<TypeList> && zp::detail::non_empty_list<StageList> &&
+                    zp::detail::non_empty_list<OptList>,
                 "with_engine<B, Types<T...>, Stages<S...>, Optimizers<O...>>: each list names at least one entry");
-  const detail::Ctx ctx{c.source, nullptr};
-  const auto types = detail::list(TypeList{});
-  const auto stages = detail::list(StageList{});
-  const auto opts = detail::list(OptList{});
+  const detail::Ctx ctx = detail::context(c.source, nullptr);
   if (c.offload_optimizer.device == OffloadDevice::nvme)
     ctx.fail("zero_optimization.offload_optimizer.device",
              "offload_optimizer to \"nvme\" is not supported (zp offloads the optimizer to host memory); use "
              "\"cpu\" or \"none\"");
   const DType t = c.dtype();
-  if (std::find(types.begin(), types.end(), t) == types.end())
+  if (!contains(TypeList{}, t))
     ctx.fail(c.precision == Precision::fp32 ? "" : c.precision == Precision::fp16 ? "fp16.enabled" : "bf16.enabled",
              "config asks for precision ", detail::ds_name(c.precision), ", this program was built with element types ",
-             detail::braces(types));
-  if (std::find(stages.begin(), stages.end(), c.stage) == stages.end())
+             detail::braces(values(TypeList{})));
+  if (!contains(StageList{}, c.stage))
     ctx.fail("zero_optimization.stage", "config asks for stage ", c.stage, ", this program was built with stages ",
-             detail::braces(stages));
-  const std::string opt = std::visit([](const auto& o) { return std::string(optim::detail::type_name(o)); }, c.optimizer);
-  if (std::find(opts.begin(), opts.end(), opt) == opts.end())
-    ctx.fail("optimizer.type", "config asks for optimizer ", opt, ", this program was built with optimizers ",
-             detail::braces(opts));
+             detail::braces(values(StageList{})));
+  if (!contains(OptList{}, c.optimizer))
+    ctx.fail("optimizer.type", "config asks for optimizer ", zp::detail::optimizer_name(c.optimizer),
+             ", this program was built with optimizers ", detail::braces(values(OptList{})));
   if (c.grad_accum_dtype && *c.grad_accum_dtype != t && *c.grad_accum_dtype != DType::f32)
     ctx.fail("data_types.grad_accum_dtype", detail::ds_name(*c.grad_accum_dtype),
              " is not supported: zp accumulates gradients in fp32 or the model's element type (",
@@ -1170,7 +795,14 @@ decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
     ctx.fail("communication_data_type", detail::ds_name(*c.communication_data_type),
              " is not supported: zp reduces gradients in fp32 or the model's element type (", detail::ds_name(t),
              " here)");
-  return detail::pick_type<B, StageList, OptList>(TypeList{}, c, world_size, f);
+  return dispatch_type<TypeList>(t, [&]<class T>(std::type_identity<T>) -> decltype(auto) {
+    const EngineConfig ec = engine_config<T>(c, world_size);
+    return dispatch_stage<StageList>(c.stage, [&]<int S>(std::integral_constant<int, S>) -> decltype(auto) {
+      return dispatch_optimizer<OptList>(c.optimizer, [&]<class O>(const O& opt) -> decltype(auto) {
+        return f(std::type_identity<Engine<B, T, S, O>>{}, ec, opt);
+      });
+    });
+  });
 }
 
 }  // namespace zp::ds
