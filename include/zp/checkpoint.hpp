@@ -58,6 +58,51 @@ void with_field(const P& part, std::size_t f, int s, Extent e, Fn&& fn) {
   else if (f == 1) fn(part.template owned<Field::master>(s, e), part.on_host(Field::master));
   else fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
 }
+
+// Verifies every file of the checkpoint (size and CRC-32C), each rank a share; a failure is an
+// error on every rank naming the file. Collective.
+template <Backend B>
+void verify_everywhere(Collective<B>& comm, const Reader& rd) {
+  const std::size_t F = rd.manifest().files.size();
+  std::vector<std::int64_t> bad(F, 0);
+  for (std::size_t i = std::size_t(comm.rank()); i < F; i += std::size_t(comm.size()))
+    bad[i] = rd.verify_file(int(i)).empty() ? 0 : 1;
+  all_reduce_host(comm, std::span<std::int64_t>(bad), ReduceOp::sum);
+  on_every_rank(comm, [&] {
+    for (std::size_t i = 0; i < F; ++i)
+      if (bad[i]) {
+        const std::string why = rd.verify_file(int(i));  // the checking rank's result, re-derived
+        throw Error(Errc::io, why.empty() ? detail::cat("checkpoint file ", rd.file_path(int(i)).string(),
+                                                        " failed verification on another rank")
+                                          : why);
+      }
+  });
+}
+
+// What save_checkpoint writes into manifest.json for the engine's state now.
+template <class E>
+Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) {
+  const auto& opt = engine.optimizer();
+  Manifest m;
+  m.tag = tag;
+  m.world_size = engine.comm().size();
+  m.stage = E::stage;
+  m.dtype = dtype_of<typename E::value_type>;
+  m.layout = engine.layout().options();
+  for (const auto& p : engine.layout().params()) m.params.push_back({p.name, p.module, p.size});
+  m.fields = {"param", "master"};
+  for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k) m.fields.push_back(optim::state_name(opt, k));
+  m.optimizer = optim::detail::type_name(opt);
+  optim::detail::for_each_field(opt, [&](const char* key, auto x) { m.hyper[key] = x; });
+  const auto prog = engine.progress();
+  m.step = prog.step;
+  m.micro_step = prog.micro_step;
+  m.scaler = prog.scaler;
+  m.scaler_kind = int(engine.loss_scaler().kind());
+  m.batch = engine.batch();
+  m.user_bytes = user_bytes;
+  return m;
+}
 }  // namespace ckpt
 
 // Saves the engine's complete training state under <dir>/<tag> (checkpoint_format.hpp), with
@@ -74,28 +119,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   ckpt::expect_data_parallel(engine, "save_checkpoint()");
   const auto& part = engine.partition();
   const Layout& L = engine.layout();
-  const auto& opt = engine.optimizer();
   const int r = comm.rank();
   const std::filesystem::path staging = ckpt::staging_dir(dir, tag);
-
-  ckpt::Manifest m;
-  m.tag = tag;
-  m.world_size = comm.size();
-  m.stage = E::stage;
-  m.dtype = dtype_of<T>;
-  m.layout = L.options();
-  for (const auto& p : L.params()) m.params.push_back({p.name, p.module, p.size});
-  m.fields = {"param", "master"};
-  for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k) m.fields.push_back(optim::state_name(opt, k));
-  m.optimizer = optim::detail::type_name(opt);
-  optim::detail::for_each_field(opt, [&](const char* key, auto x) { m.hyper[key] = x; });
-  const auto prog = engine.progress();
-  m.step = prog.step;
-  m.micro_step = prog.micro_step;
-  m.scaler = prog.scaler;
-  m.scaler_kind = int(engine.loss_scaler().kind());
-  m.batch = engine.batch();
-  m.user_bytes = user.size();
+  ckpt::Manifest m = ckpt::manifest_of(engine, tag, user.size());
 
   // Every rank must save under the same tag (DeepSpeed's tag_validation "Fail", always on).
   ZP_EXPECT(same_on_every_rank(comm, detail::Fnv1a().all(std::string_view(tag)).value()),
@@ -114,22 +140,22 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   safetensors::Summary mine{};
   std::vector<std::byte> copy;
   std::span<const std::byte> viewed;                        // the current piece in host memory
+  std::size_t first = 0;                                     // its first element's full-layout index
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
   on_every_rank(comm, [&] {
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(r, m.world_size), L, r, m, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
           const auto& lp = L.params()[p];
-          const auto& seg = L.segment(lp.segment);
-          const std::size_t at = lp.offset + s.first - (seg.offset + std::size_t(r) * seg.piece);
           const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
           if (current != std::pair{f, lp.segment}) {
             ckpt::with_field(part, f, lp.segment, Extent::piece, [&](auto piece, bool host) {
               viewed = host_view<E::memory_space>(std::as_bytes(piece.span), host, copy);
+              first = piece.offset;
             });
             current = {f, lp.segment};
           }
-          return viewed.subspan(at * elem, s.count * elem);
+          return viewed.subspan((lp.offset + s.first - first) * elem, s.count * elem);
         });
   });
 
@@ -253,22 +279,8 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
             ", step ", rd->manifest().step, "); every rank must load the same tag of the same directory (is `latest` "
             "local to each node?)");
 
-  // Verify every file, each rank a share; everyone learns every result.
+  ckpt::verify_everywhere(comm, *rd);
   const auto& m = rd->manifest();
-  const std::size_t F = m.files.size();
-  std::vector<std::int64_t> bad(F, 0);
-  for (std::size_t i = std::size_t(comm.rank()); i < F; i += std::size_t(comm.size()))
-    bad[i] = rd->verify_file(int(i)).empty() ? 0 : 1;
-  all_reduce_host(comm, std::span<std::int64_t>(bad), ReduceOp::sum);
-  on_every_rank(comm, [&] {
-    for (std::size_t i = 0; i < F; ++i)
-      if (bad[i]) {
-        const std::string why = rd->verify_file(int(i));  // the checking rank's result, re-derived
-        throw Error(Errc::io, why.empty() ? detail::cat("checkpoint file ", rd->file_path(int(i)).string(),
-                                                        " failed verification on another rank")
-                                          : why);
-      }
-  });
 
   // Read this rank's ranges, field by field, in the engine's layout.
   const auto& part = engine.partition();

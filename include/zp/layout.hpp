@@ -69,15 +69,7 @@ class Layout {
     ZP_EXPECT(opt.bucket_elems >= 1 && opt.first_bucket_elems >= 1,
               "layout: bucket sizes must be >= 1 element, got ", opt.bucket_elems, " and ",
               opt.first_bucket_elems);
-    ZP_EXPECT(!params.empty(), "layout: no parameters");
-    // Forward order: modules 0, 1, 2, ... each a contiguous run of parameters.
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const int prev = i ? params[i - 1].module : 0;
-      ZP_EXPECT(params[i].module == prev || params[i].module == prev + 1, "layout: parameter '", params[i].name,
-                "' (#", i, ") is in module ", params[i].module, " after ",
-                i ? "a parameter of module " + std::to_string(prev) : std::string("none"),
-                "; modules must be numbered 0, 1, 2, ... in forward order, each a contiguous run of parameters");
-    }
+    expect_forward_order(params);
     const int modules = params.back().module + 1;
     params_.resize(params.size());
     for (std::size_t i = 0; i < params.size(); ++i)
@@ -157,6 +149,17 @@ class Layout {
   std::uint64_t hash() const noexcept { return hash_; }
 
  private:
+  // Forward order: modules 0, 1, 2, ... each a contiguous run of parameters.
+  static void expect_forward_order(std::span<const ParamInfo> params) {
+    ZP_EXPECT(!params.empty(), "layout: no parameters");
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const int prev = i ? params[i - 1].module : 0;
+      ZP_EXPECT(params[i].module == prev || params[i].module == prev + 1, "layout: parameter '", params[i].name,
+                "' (#", i, ") is in module ", params[i].module, " after ",
+                i ? "a parameter of module " + std::to_string(prev) : std::string("none"),
+                "; modules must be numbered 0, 1, 2, ... in forward order, each a contiguous run of parameters");
+    }
+  }
   std::uint64_t compute_hash() const {
     detail::Fnv1a h;
     h.add(std::uint64_t(ranks_));

@@ -529,6 +529,8 @@ class Mpi {
     return detail::check_call(op, src, dst, n, t, rop, root, ctx_->rank, ctx_->size);
   }
 
+  // The MPI call that runs a collective and its post-step. One case per operation, each the
+  // whole plan of its operation (so the function is long, and read case by case).
   mpi_detail::Plan plan(CollOp op, const void* src, void* dst, std::size_t n, DType t,
                         ReduceOp rop, int root, std::vector<float>& stage) const {
     const auto& c = *ctx_;
