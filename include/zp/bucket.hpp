@@ -160,7 +160,7 @@ class GradBuckets {
   // Whether this micro-step reduces (stage 0/1: only at the accumulation boundary), and whether
   // it is the first of its accumulation window (scatter_accumulate copies instead of adding).
   void begin_micro_step(bool sync, bool first_in_window) {
-    ZP_EXPECT(inflight_.empty() && next_ == 0, "buckets: a micro-step began before the last one finished");
+    ZP_ASSERT(inflight_.empty() && next_ == 0, "buckets: a micro-step began before the last one finished");
     sync_ = sync || reduction_ == Reduction::scatter_accumulate;
     first_ = first_in_window;
   }
@@ -195,7 +195,7 @@ class GradBuckets {
               " was written after its reduction started in this micro-step; each module's backward "
               "runs once per micro-step");
     if (reduction_ == Reduction::scatter_accumulate)
-      ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
+      ZP_ASSERT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
     b.state = Bucket::State::ready;
     fold(b);
     if (sync_) launch_ready();
@@ -228,7 +228,7 @@ class GradBuckets {
     while (!inflight_.empty()) complete(inflight_.front());
     for (auto& b : buckets_) {
       if (b.state == Bucket::State::launched) b.work.wait();
-      ZP_EXPECT(b.slot < 0, "buckets: segment ", b.segment, " still holds scratch memory");
+      ZP_ASSERT(b.slot < 0, "buckets: segment ", b.segment, " still holds scratch memory");
       b.state = Bucket::State::idle;
       b.folded = false;
     }
@@ -244,7 +244,7 @@ class GradBuckets {
     return Partitioned<T, Stage, S>::whole(F) == full ? part.template buffer<F>() : std::span<U>{};
   }
   Bucket& at(int s) {
-    ZP_EXPECT(s >= 0 && s < count(), "buckets: no segment ", s, " (", count(), " buckets)");
+    ZP_ASSERT(s >= 0 && s < count(), "buckets: no segment ", s, " (", count(), " buckets)");
     return buckets_[std::size_t(s)];
   }
   std::span<T> segment_span(int s) const {
@@ -314,7 +314,7 @@ class GradBuckets {
   // Waits for bucket s (scatter_accumulate) and folds this rank's piece into the accumulator.
   void complete(int s) {
     Bucket& b = at(s);
-    ZP_EXPECT(!inflight_.empty() && inflight_.front() == s, "buckets: completion out of order");
+    ZP_ASSERT(!inflight_.empty() && inflight_.front() == s, "buckets: completion out of order");
     inflight_.pop_front();
     b.work.wait();
     const auto& g = layout_->segment(s);

@@ -195,9 +195,10 @@ class OneCaller {
 // device backends (memory space device) make the caller's current CUDA stream wait for it
 // instead (zp/device/stream.hpp), so kernels enqueued there afterwards see the result and the host
 // never waits. A handle destroyed without wait() must complete (or order) its operation
-// before it is gone, so no operation outlives the buffers its caller frees next.
+// before it is gone, so no operation outlives the buffers its caller frees next. A default
+// constructed handle is empty (Collective<B>::Work holds one before anything is issued).
 template <class W>
-concept WorkHandle = std::movable<W> && requires(W& w) {
+concept WorkHandle = std::movable<W> && std::default_initializable<W> && requires(W& w) {
   w.wait();
   { w.test() } -> std::same_as<bool>;
 };
@@ -210,7 +211,7 @@ concept Backend =
     std::movable<B> && WorkHandle<typename B::Work> &&
     requires(B& b, const B& cb, const void* src, void* dst, std::size_t n, DType t, ReduceOp op,
              int root, int color, int key, Launch launch) {
-      { B::memory } -> std::convertible_to<MemorySpace>;
+      typename std::integral_constant<MemorySpace, B::memory>;  // a constant: front ends branch on it
       { B::name } -> std::convertible_to<const char*>;
       { cb.rank() } -> std::same_as<int>;
       { cb.size() } -> std::same_as<int>;

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstddef>
 #include <limits>
 #include <source_location>
@@ -107,6 +108,12 @@ decltype(auto) with_context(F&& f, Wrap&& wrap) {
   } catch (const Error& e) {
     throw Error(e.category(), wrap(e.message()), e.native_code(), e.where());
   }
+}
+
+// A destructor (or another path that cannot throw) met an error it has to drop: it says so on
+// stderr instead of losing it silently. `where` names the code that dropped it.
+inline void log_dropped(const char* where, const char* what) noexcept {
+  std::fprintf(stderr, "zp: %s dropped an error it cannot report: %s\n", where, what);
 }
 
 // Size arithmetic that cannot wrap: an overflow is an invalid_argument naming `what` and both

@@ -79,7 +79,8 @@ struct Op {
   void finish() noexcept {
     try {
       zp::device::wait(zp::device::current_stream(), event->get(), "cuda_threads.work.wait");
-    } catch (const Error&) {
+    } catch (const Error& e) {  // sticky: the next call that can throw reports it, if any comes
+      zp::detail::log_dropped("cuda_threads backend: Work", e.what());
     }
     event.reset();
   }

@@ -182,15 +182,19 @@ struct Context final : device::Watched {
     }
   }
   void poll(std::chrono::steady_clock::duration waited) override { poll(waited, nullptr); }
+  static void dropped(cudaError_t e, const char* call) noexcept {
+    if (e != cudaSuccess) zp::detail::log_dropped(detail::cat("nccl backend: ", call).c_str(), cudaGetErrorString(e));
+  }
   ~Context() override {
     int prev = -1;
     cudaGetDevice(&prev);
     cudaSetDevice(device);
     if (comm) {
-      if (stream) cudaStreamSynchronize(stream);
-      ncclCommDestroy(comm);
+      if (stream) dropped(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      if (const ncclResult_t r = ncclCommDestroy(comm); r != ncclSuccess)
+        zp::detail::log_dropped("nccl backend: ncclCommDestroy", ncclGetErrorString(r));
     }
-    if (scratch) cudaFree(scratch);
+    if (scratch) dropped(cudaFree(scratch), "cudaFree");
     if (ready) device::destroy_event(ready);
     if (stream) device::destroy_stream(stream);
     if (prev >= 0) cudaSetDevice(prev);
@@ -247,7 +251,8 @@ class Op {
   void drop() noexcept {
     try {
       if (event_) device::wait(device::current_stream(), event_, "nccl.work.wait");
-    } catch (const Error&) {  // sticky: the next synchronisation reports it
+    } catch (const Error& e) {  // sticky: the next synchronisation reports it, if any comes
+      zp::detail::log_dropped("nccl backend: a dropped Work", e.what());
     }
     release();
   }

@@ -47,7 +47,9 @@ inline stream_t create_stream() {
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   return s;
 }
-inline void destroy_stream(stream_t s) noexcept { (void)cudaStreamDestroy(s); }
+inline void destroy_stream(stream_t s) noexcept {
+  if (const cudaError_t e = cudaStreamDestroy(s); e != cudaSuccess) zp::detail::log_dropped("cudaStreamDestroy", cudaGetErrorString(e));
+}
 inline bool stream_done(stream_t s) { return cuda_detail::done(cudaStreamQuery(s), "cudaStreamQuery"); }
 
 inline event_t create_event() {
@@ -55,7 +57,9 @@ inline event_t create_event() {
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   return e;
 }
-inline void destroy_event(event_t e) noexcept { (void)cudaEventDestroy(e); }  // after the waits on it
+inline void destroy_event(event_t e) noexcept {  // after the waits on it
+  if (const cudaError_t r = cudaEventDestroy(e); r != cudaSuccess) zp::detail::log_dropped("cudaEventDestroy", cudaGetErrorString(r));
+}
 inline void record(event_t e, stream_t s, const char* /*site*/) { check(cudaEventRecord(e, s), "cudaEventRecord"); }
 inline void wait(stream_t s, event_t e, const char* /*site*/) { check(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent"); }
 inline bool event_done(event_t e) { return cuda_detail::done(cudaEventQuery(e), "cudaEventQuery"); }

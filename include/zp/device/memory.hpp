@@ -134,7 +134,8 @@ class OffloadStaging<MemorySpace::device> {
   ~OffloadStaging() {
     try {
       if (uploaded_) device::synchronize(uploaded_->get(), "offload.free.sync");  // the last copies read the pinned memory
-    } catch (const Error&) {  // a failed device: nothing runs any more
+    } catch (const Error& e) {  // a failed device: nothing runs any more
+      zp::detail::log_dropped("offload staging's destructor", e.what());
     }
     for (int k = 0; k < 2; ++k) {
       device::deallocate_pinned(grad_[k]);

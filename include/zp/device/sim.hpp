@@ -552,7 +552,8 @@ inline void deallocate(void* p, stream_t s, const char* site) noexcept {
   if (d.dropped(site)) return d.free_now(p);  // the mutation: freed at once, not in stream order
   try {
     sim_detail::at(s).enqueue([p] { sim_detail::Device::get().free_now(p); }, "free", false);
-  } catch (const Error&) {  // a sticky error: the device is lost, its memory with it
+  } catch (const Error& e) {  // a sticky error: the device is lost, its memory with it
+    zp::detail::log_dropped("stream-ordered free", e.what());
   }
 }
 inline void* allocate_pinned(std::size_t bytes) { return sim_detail::Device::get().allocate_pinned(bytes); }

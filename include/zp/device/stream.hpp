@@ -124,7 +124,8 @@ class Stream {
   ~Stream() {
     try {
       while (!stream_done(s_)) std::this_thread::yield();
-    } catch (const Error&) {  // a failed device: nothing left to wait for
+    } catch (const Error& e) {  // a failed device: nothing left to wait for
+      zp::detail::log_dropped("device::Stream's destructor", e.what());
     }
     destroy_stream(s_);
   }
