@@ -690,3 +690,177 @@ TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate key
     zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); }, {"optimizer.params.lr", "32-bit float", "1e+300"});
   });
 }
+
+namespace {
+
+// A manifest as the writer makes it, built by hand (no engine, no files): 3 parameters in 2
+// modules over 2 ranks, bf16, AdamW with one state.
+zp::ckpt::Manifest small_manifest() {
+  zp::ckpt::Manifest m;
+  m.tag = "t1";
+  m.world_size = 2;
+  m.stage = 2;
+  m.dtype = zp::DType::bf16;
+  m.layout = {.bucket_elems = 64, .first_bucket_elems = 16, .align = 4};
+  m.params = {{"a", 0, 10}, {"b", 0, 7}, {"c", 1, 5}};
+  m.fields = {"param", "master", "exp_avg"};
+  m.optimizer = "AdamW";
+  m.hyper = {{"lr", 0.001}};
+  m.step = 3;
+  m.micro_step = 6;
+  m.scaler_kind = 2;
+  m.scaler = {.scale = 1024.0f, .iter = 5, .last_overflow = 2, .hysteresis = 2, .skipped = 1};
+  m.batch = {.train_batch_size = 8, .micro_batch_per_rank = 2, .gradient_accumulation_steps = 2};
+  m.files = {{zp::ckpt::rank_file_name(0, 2), 4096, 123}, {zp::ckpt::rank_file_name(1, 2), 4096, 0xffffffffu}};
+  m.user_bytes = 8;
+  return m;
+}
+
+// Every key of a manifest below the root, as a JSON pointer and as messages name it
+// ("params[1].size"), with whether it is an array item. The optimizer's params (free-form, the
+// engine reads them) and zp_version (not read) are left out.
+struct ManifestKeyPath {
+  nlohmann::json::json_pointer at;
+  std::string name;
+  bool item = false;
+};
+void key_paths(const nlohmann::json& v, const nlohmann::json::json_pointer& at, const std::string& name,
+               std::vector<ManifestKeyPath>& out) {
+  if (v.is_object() && name != "optimizer.params")
+    for (const auto& [k, x] : v.items()) {
+      if (k == "zp_version") continue;
+      const std::string n = name.empty() ? k : name + "." + k;
+      out.push_back({at / k, n});
+      key_paths(x, at / k, n, out);
+    }
+  if (v.is_array())
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const std::string n = name + "[" + std::to_string(i) + "]";
+      out.push_back({at / i, n, true});
+      key_paths(v[i], at / i, n, out);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("a manifest with any key missing, of the wrong type or out of range is an error naming that key") {
+  using nlohmann::json;
+  const zp::ckpt::Manifest good = small_manifest();
+  const json j = zp::ckpt::to_json(good);
+  const std::string src = "test/manifest.json";
+  // What the writer writes reads back as it was, and keys this zp does not know are skipped (a
+  // newer writer may add some).
+  CHECK(zp::ckpt::to_json(zp::ckpt::manifest_from_json(j, src)) == j);
+  json newer = j;
+  newer["written_by_a_newer_zp"] = {1, 2};
+  newer["progress"]["loss_scaler"]["new_counter"] = 7;
+  newer["files"][1]["sha256"] = "abc";
+  CHECK(zp::ckpt::to_json(zp::ckpt::manifest_from_json(newer, src)) == j);
+
+  auto rejects = [&](const json& m, std::initializer_list<std::string> needles) {
+    CAPTURE(m.dump());
+    zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ckpt::manifest_from_json(m, src); }, needles);
+    zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ckpt::manifest_from_json(m, src); },
+                           {"checkpoint manifest " + src + ": "});
+  };
+  std::vector<ManifestKeyPath> paths;
+  key_paths(j, json::json_pointer(), "", paths);
+  CHECK(paths.size() >= 40);
+  for (const auto& p : paths) {
+    CAPTURE(p.name);
+    json m = j;
+    // Missing: every key is required (an array item is not a key: removing one is a count error).
+    if (!p.item) {
+      m[p.at.parent_pointer()].erase(p.at.back());
+      rejects(m, {p.name + ": missing"});
+    }
+    // The wrong type: a number for a string, a string for anything else. An item of "fields" is
+    // named by its array.
+    m = j;
+    m[p.at] = j[p.at].is_string() ? json(5) : json("x");
+    const bool field = p.name.starts_with("fields[");
+    rejects(m, {(field ? std::string("fields") : p.name) + ": ", j[p.at].is_string() ? "5" : "\"x\""});
+  }
+  // Out of range, for every key with a range: each names the key.
+  struct Bad {
+    const char* at;
+    json value;
+    const char* key;
+  };
+  const Bad out_of_range[] = {
+      {"/format", "zp-checkpoint-rank", "format"},
+      {"/version", 0, "version"},
+      {"/tag", "../up", "tag"},
+      {"/tag", "latest", "tag"},
+      {"/world_size", 0, "world_size"},
+      {"/world_size", (1 << 24) + 1, "world_size"},
+      {"/world_size", 2.0, "world_size"},
+      {"/stage", 4, "stage"},
+      {"/stage", -1, "stage"},
+      {"/dtype", "f64", "dtype"},
+      {"/layout/bucket_elems", 0, "layout.bucket_elems"},
+      {"/layout/bucket_elems", (1LL << 48) + 1, "layout.bucket_elems"},
+      {"/layout/first_bucket_elems", 0, "layout.first_bucket_elems"},
+      {"/layout/align", 0, "layout.align"},
+      {"/layout/align", (1 << 20) + 1, "layout.align"},
+      {"/params", json::array(), "params"},
+      {"/params/0/module", -1, "params[0].module"},
+      {"/params/1/module", 2, "params[1].module"},
+      {"/params/0/size", 0, "params[0].size"},
+      {"/params/0/size", (1LL << 48) + 1, "params[0].size"},
+      {"/params/0/size", 0.5, "params[0].size"},
+      {"/params/2/name", "a", "params[2].name"},
+      {"/fields", json::array({"param"}), "fields"},
+      {"/fields/2", "master", "fields"},
+      {"/fields/2", "a/b", "fields"},
+      {"/fields/2", "", "fields"},
+      {"/fields/0", "master0", "fields"},
+      {"/optimizer/params", json::array(), "optimizer.params"},
+      {"/progress/step", -1, "progress.step"},
+      {"/progress/micro_step", -1, "progress.micro_step"},
+      {"/progress/loss_scaler/kind", 3, "progress.loss_scaler.kind"},
+      {"/progress/loss_scaler/scale", 0, "progress.loss_scaler.scale"},
+      {"/progress/loss_scaler/scale", -1, "progress.loss_scaler.scale"},
+      {"/progress/loss_scaler/scale", 1e39, "progress.loss_scaler.scale"},
+      {"/progress/loss_scaler/iter", -1, "progress.loss_scaler.iter"},
+      {"/progress/loss_scaler/last_overflow", -2, "progress.loss_scaler.last_overflow"},
+      {"/progress/loss_scaler/hysteresis", 0, "progress.loss_scaler.hysteresis"},
+      {"/progress/loss_scaler/hysteresis", 2147483648LL, "progress.loss_scaler.hysteresis"},
+      {"/progress/loss_scaler/skipped", -1, "progress.loss_scaler.skipped"},
+      {"/batch/train_batch_size", -1, "batch.train_batch_size"},
+      {"/batch/micro_batch_per_rank", -1, "batch.micro_batch_per_rank"},
+      {"/batch/gradient_accumulation_steps", -1, "batch.gradient_accumulation_steps"},
+      {"/files", json::array(), "files"},
+      {"/files/1/name", "rank-00000-of-00002.safetensors", "files[1].name"},
+      {"/files/0/bytes", 7, "files[0].bytes"},
+      {"/files/0/bytes", (1LL << 56) + 1, "files[0].bytes"},
+      {"/files/0/crc32c", -1, "files[0].crc32c"},
+      {"/files/0/crc32c", 4294967296LL, "files[0].crc32c"},
+      {"/user_bytes", -1, "user_bytes"},
+      {"/user_bytes", 4097, "user_bytes"}};
+  for (const Bad& b : out_of_range) {
+    CAPTURE(b.at);
+    json m = j;
+    m[json::json_pointer(b.at)] = b.value;
+    rejects(m, {std::string(b.key) + ": "});
+  }
+  // The specific messages: the range, the value, what the key must be.
+  auto with = [&](const char* pointer, const json& x) {
+    json m = j;
+    m[json::json_pointer(pointer)] = x;
+    return m;
+  };
+  rejects(with("/world_size", 2.0), {"world_size: expected an integer in [1, 16777216], got 2.0"});
+  rejects(with("/version", 2), {"version: format version 2; this zp reads version 1"});
+  rejects(with("/format", "pt"), {"format: expected \"zp-checkpoint\"", "got \"pt\""});
+  rejects(with("/params/1/module", 2), {"params[1].module: expected an integer in [0, 1], got 2"});
+  rejects(with("/files/0/crc32c", 4294967296LL), {"files[0].crc32c: expected an integer in [0, 4294967295]"});
+  rejects(with("/user_bytes", 4097), {"user_bytes: expected an integer in [0, 4096], got 4097"});
+  rejects(with("/dtype", "f64"), {"dtype: expected f32, bf16 or f16, got \"f64\""});
+  rejects(with("/files/1/name", "x"), {"files[1].name: expected rank-00001-of-00002.safetensors, got x"});
+  json small = with("/files/0/bytes", 100);
+  small["files"][1]["bytes"] = 100;
+  rejects(small, {"files: the files hold 200 bytes in all, fewer than the 22 parameter elements need (10 bytes"});
+  rejects(with("/tag", "../up"), {"tag: ", "not a checkpoint tag"});
+  rejects(json::array(), {"expected an object {...}"});
+}

@@ -44,6 +44,7 @@
 #include "zp/detail/file.hpp"
 #include "zp/detail/hash.hpp"
 #include "zp/detail/json.hpp"
+#include "zp/detail/json_keys.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine_config.hpp"
 #include "zp/error.hpp"
@@ -163,125 +164,211 @@ inline void check_tag(std::string_view tag, std::string_view where = "tag") {
 inline constexpr std::int64_t max_ranks = std::int64_t(1) << 24;
 inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 
-// Parses a manifest, naming the file and the key of anything missing, malformed or out of range.
-// Every integer must fit the field it lands in; sizes are checked against each other (the
-// files must be able to hold the parameters) before anything is allocated for them.
-inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source) {
-  Manifest m;
-  auto fail = [&](const std::string& key, const std::string& what) -> Error {
-    return Error(Errc::io, detail::cat("checkpoint manifest ", source, ": ", key, ": ", what));
-  };
-  auto get = [&](const nlohmann::json& o, const char* key, const std::string& path) -> const nlohmann::json& {
-    if (!o.is_object() || !o.contains(key)) throw fail(path + key, "missing");
-    return o.at(key);
-  };
-  auto num = [&](const nlohmann::json& o, const char* key, const std::string& path, std::int64_t lo,
-                 std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
-    const auto& v = get(o, key, path);
-    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(hi)) ||
-        v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
-      throw fail(path + key, detail::cat("expected an integer in [", lo, ", ", hi, "], got ", detail::json_excerpt(v)));
-    return v.get<std::int64_t>();
-  };
-  auto str = [&](const nlohmann::json& o, const char* key, const std::string& path) {
-    const auto& v = get(o, key, path);
-    if (!v.is_string()) throw fail(path + key, "expected a string, got " + detail::json_excerpt(v));
-    return v.get<std::string>();
-  };
-  constexpr std::int64_t int_max = std::numeric_limits<int>::max();
-  if (str(j, "format", "") != format_name) throw fail("format", "not a zp checkpoint manifest");
-  const auto version = num(j, "version", "", 1);
-  if (version != format_version)
-    throw fail("version", detail::cat("format version ", version, "; this zp reads version ", format_version));
-  m.tag = str(j, "tag", "");
-  try {
-    check_tag(m.tag);
-  } catch (const Error& e) {
-    throw fail("tag", e.message());
-  }
-  m.world_size = int(num(j, "world_size", "", 1, max_ranks));
-  m.stage = int(num(j, "stage", "", 0, 3));
-  const std::string dt = str(j, "dtype", "");
-  bool known = false;
-  for (DType d : {DType::f32, DType::bf16, DType::f16})
-    if (dt == name(d)) m.dtype = d, known = true;
-  if (!known) throw fail("dtype", "expected f32, bf16 or f16, got " + detail::text_excerpt(dt));
-  const auto& lay = get(j, "layout", "");
-  m.layout.bucket_elems = std::size_t(num(lay, "bucket_elems", "layout.", 1, max_elements));
-  m.layout.first_bucket_elems = std::size_t(num(lay, "first_bucket_elems", "layout.", 1, max_elements));
-  m.layout.align = std::size_t(num(lay, "align", "layout.", 1, std::int64_t(1) << 20));
-  const auto& ps = get(j, "params", "");
-  if (!ps.is_array() || ps.empty()) throw fail("params", "expected a non-empty array");
-  std::int64_t elements = 0;
+// ---- reading a manifest: its keys, each declared once ------------------------------------------
+// A table per JSON object of the manifest, walked by detail/json_keys.hpp (types, ranges,
+// "missing", the key path in every message); the functions here read the arrays and check what
+// spans keys (names unique, modules in order, the files large enough for the parameters). Every
+// key is required; keys no table declares (zp_version, or one a newer zp adds) are skipped. The
+// integers are JSON integers (zp writes no others), each in the range of the member it lands in.
+namespace schema {
+
+using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...
+using json = nlohmann::json;
+
+inline constexpr std::int64_t int_max = std::numeric_limits<int>::max();
+inline constexpr std::int64_t i64_max = std::numeric_limits<std::int64_t>::max();
+
+// A required integer in [lo, hi] ("expected an integer in [lo, hi]"), a required string.
+constexpr Spec whole(std::int64_t lo, std::int64_t hi = i64_max) { return integer(0, lo, hi, {}).require("missing"); }
+constexpr Spec str() { return text("a string").require("missing"); }
+
+// format and version, read before anything else: another format or version is named as such.
+struct Header {
+  int format = 0;
+  std::int64_t version = 0;
+};
+inline constexpr Choice formats[] = {{format_name, 1}};
+using HeaderKey = Key<Header>;
+inline constexpr HeaderKey header_keys[] = {
+    HeaderKey::read("format", choice(formats, "\"zp-checkpoint\" (a zp checkpoint manifest)", 0).require("missing"),
+                    [](auto& h) -> auto& { return h.format; }),
+    HeaderKey::read("version", whole(1), [](auto& h) -> auto& { return h.version; })};
+
+using ParamKey = Key<ParamInfo>;
+inline constexpr ParamKey param_keys[] = {
+    ParamKey::read("name", str(), [](auto& p) -> auto& { return p.name; }),
+    ParamKey::read("module", whole(0, int_max), [](auto& p) -> auto& { return p.module; }),
+    ParamKey::read("size", whole(1, max_elements), [](auto& p) -> auto& { return p.size; })};
+
+using FileKey = Key<Manifest::File>;
+inline constexpr FileKey file_keys[] = {
+    FileKey::read("name", str(), [](auto& f) -> auto& { return f.name; }),
+    FileKey::read("bytes", whole(8, std::int64_t(1) << 56), [](auto& f) -> auto& { return f.bytes; }),
+    FileKey::read("crc32c", whole(0, 0xffffffffLL), [](auto& f) -> auto& { return f.crc32c; })};
+
+using LayoutKey = Key<LayoutOptions>;
+inline constexpr LayoutKey layout_keys[] = {
+    LayoutKey::read("bucket_elems", whole(1, max_elements), [](auto& o) -> auto& { return o.bucket_elems; }),
+    LayoutKey::read("first_bucket_elems", whole(1, max_elements),
+                    [](auto& o) -> auto& { return o.first_bucket_elems; }),
+    LayoutKey::read("align", whole(1, std::int64_t(1) << 20), [](auto& o) -> auto& { return o.align; })};
+
+using BatchKey = Key<BatchConfig>;
+inline constexpr BatchKey batch_keys[] = {
+    BatchKey::read("train_batch_size", whole(0), [](auto& b) -> auto& { return b.train_batch_size; }),
+    BatchKey::read("micro_batch_per_rank", whole(0), [](auto& b) -> auto& { return b.micro_batch_per_rank; }),
+    BatchKey::read("gradient_accumulation_steps", whole(0),
+                   [](auto& b) -> auto& { return b.gradient_accumulation_steps; })};
+
+// The tag: a string that check_tag accepts.
+inline void read_tag(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  m.tag = as_string(c, v, path, "a string");
+  c.checked(path, [&] { check_tag(m.tag); });
+}
+
+// The parameters, forward order: each named once, modules counting up from 0 in steps of 0 or 1
+// (the layout's rule, so none exceeds its index), at most max_elements elements in all.
+inline void read_params(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  if (!v.is_array() || v.empty()) c.fail(path, "expected a non-empty array, got ", show(v));
   std::set<std::string, std::less<>> names;
-  for (std::size_t i = 0; i < ps.size(); ++i) {
-    const std::string at = detail::cat("params[", i, "].");
-    // Modules count up from 0 in steps of 0 or 1 (the layout's rule), so none exceeds i.
-    m.params.push_back({str(ps[i], "name", at), int(num(ps[i], "module", at, 0, std::min<std::int64_t>(i, int_max))),
-                        std::size_t(num(ps[i], "size", at, 1, max_elements))});
-    if (!names.insert(m.params.back().name).second)
-      throw fail(at + "name", detail::cat("the parameter ", detail::text_excerpt(m.params.back().name), " appears twice"));
-    elements += std::int64_t(m.params.back().size);
-    if (elements > max_elements) throw fail(at + "size", detail::cat("the parameters add up to more than ", max_elements, " elements"));
+  std::int64_t elements = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::string at = detail::cat(path, "[", i, "]");
+    ParamInfo p;
+    read_object(c, v[i], at, param_keys, p);
+    if (std::size_t(p.module) > i) c.fail(join(at, "module"), "expected an integer in [0, ", i, "], got ", p.module);
+    if (!names.insert(p.name).second)
+      c.fail(join(at, "name"), "the parameter ", detail::text_excerpt(p.name), " appears twice");
+    elements += std::int64_t(p.size);
+    if (elements > max_elements)
+      c.fail(join(at, "size"), "the parameters add up to more than ", max_elements, " elements");
+    m.params.push_back(std::move(p));
   }
-  const auto& fields = get(j, "fields", "");
-  if (!fields.is_array() || fields.size() < 2 || fields.size() > 16)
-    throw fail("fields", "expected [\"param\", \"master\", ...] (2 to 16 names)");
-  for (const auto& f : fields) {
+}
+
+// The fields: "param", "master", then the optimizer's states; 2 to 16 distinct names, each one a
+// tensor name prefix (no '/').
+inline void read_fields(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  if (!v.is_array() || v.size() < 2 || v.size() > 16)
+    c.fail(path, "expected [\"param\", \"master\", ...] (2 to 16 names), got ",
+           v.is_array() ? detail::cat(v.size(), " names") : show(v));
+  for (const json& f : v) {
     if (!f.is_string() || f.get_ref<const std::string&>().empty() ||
         f.get_ref<const std::string&>().find('/') != std::string::npos)
-      throw fail("fields", "expected non-empty names without '/', got " + detail::json_excerpt(f));
-    if (std::find(m.fields.begin(), m.fields.end(), f.get<std::string>()) != m.fields.end())
-      throw fail("fields", "the name " + detail::json_excerpt(f) + " appears twice");
+      c.fail(path, "expected non-empty names without '/', got ", show(f));
+    if (std::find(m.fields.begin(), m.fields.end(), f.get_ref<const std::string&>()) != m.fields.end())
+      c.fail(path, "the name ", show(f), " appears twice");
     m.fields.push_back(f.get<std::string>());
   }
-  if (m.fields[0] != "param" || m.fields[1] != "master") throw fail("fields", "expected [\"param\", \"master\", ...]");
-  const auto& opt = get(j, "optimizer", "");
-  m.optimizer = str(opt, "type", "optimizer.");
-  m.hyper = get(opt, "params", "optimizer.");
-  if (!m.hyper.is_object()) throw fail("optimizer.params", "expected an object, got " + detail::json_excerpt(m.hyper));
-  const auto& pr = get(j, "progress", "");
-  m.step = num(pr, "step", "progress.", 0);
-  m.micro_step = num(pr, "micro_step", "progress.", 0);
-  const auto& ls = get(pr, "loss_scaler", "progress.");
-  m.scaler_kind = int(num(ls, "kind", "progress.loss_scaler.", 0, 2));
-  const auto& sc = get(ls, "scale", "progress.loss_scaler.");
-  if (!sc.is_number() || !(sc.get<double>() > 0) || !(sc.get<double>() <= double(std::numeric_limits<float>::max())))
-    throw fail("progress.loss_scaler.scale", "expected a number in (0, 3.4e38], got " + detail::json_excerpt(sc));
-  m.scaler.scale = sc.get<float>();
-  m.scaler.iter = num(ls, "iter", "progress.loss_scaler.", 0);
-  m.scaler.last_overflow = num(ls, "last_overflow", "progress.loss_scaler.", -1);
-  m.scaler.hysteresis = int(num(ls, "hysteresis", "progress.loss_scaler.", 1, int_max));
-  m.scaler.skipped = num(ls, "skipped", "progress.loss_scaler.", 0);
-  const auto& b = get(j, "batch", "");
-  m.batch.train_batch_size = num(b, "train_batch_size", "batch.", 0);
-  m.batch.micro_batch_per_rank = num(b, "micro_batch_per_rank", "batch.", 0);
-  m.batch.gradient_accumulation_steps = num(b, "gradient_accumulation_steps", "batch.", 0);
-  const auto& files = get(j, "files", "");
-  if (!files.is_array() || files.size() != std::size_t(m.world_size))
-    throw fail("files", detail::cat("expected ", m.world_size, " entries (one per rank)"));
-  std::uint64_t file_bytes = 0;
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    const std::string at = detail::cat("files[", i, "].");
-    Manifest::File f{str(files[i], "name", at), std::uint64_t(num(files[i], "bytes", at, 8, std::int64_t(1) << 56)),
-                     std::uint32_t(num(files[i], "crc32c", at, 0, 0xffffffffLL))};
-    if (f.name != rank_file_name(int(i), m.world_size))
-      throw fail(at + "name", detail::cat("expected ", rank_file_name(int(i), m.world_size), ", got ",
-                                          detail::text_excerpt(f.name)));
-    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1) << 62);  // saturates, no wrap
+  if (m.fields[0] != "param" || m.fields[1] != "master") c.fail(path, "expected [\"param\", \"master\", ...]");
+}
+
+// The optimizer's hyper-parameters by name: an object (the engine's load reads its keys).
+inline void read_hyper(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  if (!v.is_object()) c.fail(path, "expected an object, got ", show(v));
+  m.hyper = v;
+}
+
+// One file per rank (world_size, read before), each named for its rank. The count is checked
+// before any entry is read.
+inline void read_files(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  if (!v.is_array() || v.size() != std::size_t(m.world_size))
+    c.fail(path, "expected ", m.world_size, " entries (one per rank), got ",
+           v.is_array() ? detail::cat(v.size()) : show(v));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::string at = detail::cat(path, "[", i, "]");
+    Manifest::File f;
+    read_object(c, v[i], at, file_keys, f);
+    const std::string expected = rank_file_name(int(i), m.world_size);
+    if (f.name != expected) c.fail(join(at, "name"), "expected ", expected, ", got ", detail::text_excerpt(f.name));
     m.files.push_back(std::move(f));
   }
-  m.user_bytes = std::uint64_t(num(j, "user_bytes", "", 0, std::int64_t(m.files[0].bytes)));
-  // Every element of every field is in some rank's file: the files must be at least that large.
+}
+
+// The user data is in rank 0's file (files, read before): at most that file's size.
+inline void read_user_bytes(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  m.user_bytes = std::uint64_t(as_int(c, v, path, 0, std::int64_t(m.files.at(0).bytes), {}));
+}
+
+// Errors are Errc::io (a checkpoint is data read from disk) and name the manifest file; unknown
+// keys are skipped and integers are JSON integers.
+inline Ctx context(const std::string& source) {
+  Ctx c;
+  c.source = "checkpoint manifest " + source;
+  c.errc = Errc::io;
+  c.skip_unknown = true;
+  c.whole_floats = false;
+  return c;
+}
+
+using ManifestKey = Key<Manifest>;
+constexpr auto whole_manifest = [](Manifest& m) -> Manifest& { return m; };
+inline constexpr ManifestKey optimizer_keys[] = {
+    ManifestKey::read("type", str(), [](auto& m) -> auto& { return m.optimizer; }),
+    ManifestKey::custom("params", read_hyper).require("missing")};
+inline constexpr ManifestKey loss_scaler_keys[] = {
+    ManifestKey::read("kind", whole(0, 2), [](auto& m) -> auto& { return m.scaler_kind; }),
+    ManifestKey::read("scale", real_f32(1, Real::positive).require("missing"),
+                      [](auto& m) -> auto& { return m.scaler.scale; }),
+    ManifestKey::read("iter", whole(0), [](auto& m) -> auto& { return m.scaler.iter; }),
+    ManifestKey::read("last_overflow", whole(-1), [](auto& m) -> auto& { return m.scaler.last_overflow; }),
+    ManifestKey::read("hysteresis", whole(1, int_max), [](auto& m) -> auto& { return m.scaler.hysteresis; }),
+    ManifestKey::read("skipped", whole(0), [](auto& m) -> auto& { return m.scaler.skipped; })};
+inline constexpr ManifestKey progress_keys[] = {
+    ManifestKey::read("step", whole(0), [](auto& m) -> auto& { return m.step; }),
+    ManifestKey::read("micro_step", whole(0), [](auto& m) -> auto& { return m.micro_step; }),
+    ManifestKey::object<loss_scaler_keys>("loss_scaler", whole_manifest).require("missing")};
+
+inline constexpr Choice dtypes[] = {
+    {"f32", std::int64_t(DType::f32)}, {"bf16", std::int64_t(DType::bf16)}, {"f16", std::int64_t(DType::f16)}};
+
+// After format and version, in the order a manifest is checked (a key's reader may use the keys
+// above it).
+inline constexpr ManifestKey manifest_keys[] = {
+    ManifestKey::custom("tag", read_tag).require("missing"),
+    ManifestKey::read("world_size", whole(1, max_ranks), [](auto& m) -> auto& { return m.world_size; }),
+    ManifestKey::read("stage", whole(0, 3), [](auto& m) -> auto& { return m.stage; }),
+    ManifestKey::read("dtype", choice(dtypes, "f32, bf16 or f16", 0).require("missing"),
+                      [](auto& m) -> auto& { return m.dtype; }),
+    ManifestKey::object<layout_keys>("layout", [](auto& m) -> auto& { return m.layout; }).require("missing"),
+    ManifestKey::custom("params", read_params).require("missing"),
+    ManifestKey::custom("fields", read_fields).require("missing"),
+    ManifestKey::object<optimizer_keys>("optimizer", whole_manifest).require("missing"),
+    ManifestKey::object<progress_keys>("progress", whole_manifest).require("missing"),
+    ManifestKey::object<batch_keys>("batch", [](auto& m) -> auto& { return m.batch; }).require("missing"),
+    ManifestKey::custom("files", read_files).require("missing"),
+    ManifestKey::custom("user_bytes", read_user_bytes).require("missing")};
+
+// What spans the tables: every element of every field is in some rank's file, so the files must
+// be at least that large (checked before anything is allocated for them), and the parameter list
+// must lay out.
+inline void check_sizes(const Ctx& c, const Manifest& m) {
+  std::uint64_t elements = 0, file_bytes = 0;
+  for (const auto& p : m.params) elements += p.size;  // at most max_elements (read_params)
+  for (const auto& f : m.files)
+    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1) << 62);  // saturates, no wrap
   const std::uint64_t per_element = size_of(m.dtype) + sizeof(float) * (m.fields.size() - 1);
-  if (std::uint64_t(elements) * per_element + m.user_bytes > file_bytes)
-    throw fail("files", detail::cat("the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
-                                    " parameter elements need (", per_element, " bytes each over the fields)"));
-  try {
-    m.make_layout();  // the parameter list must lay out (modules numbered, sizes sane)
-  } catch (const Error& e) {
-    throw fail("params", e.message());
-  }
+  if (elements * per_element + m.user_bytes > file_bytes)
+    c.fail("files", "the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
+           " parameter elements need (", per_element, " bytes each over the fields)");
+  c.checked("params", [&] { (void)m.make_layout(); });  // modules numbered, sizes sane
+}
+
+}  // namespace schema
+
+// Parses a manifest, naming the file and the key of anything missing, malformed or out of range
+// (zp::Error(io): "checkpoint manifest <source>: <key path>: <what>"). Every integer must fit the
+// field it lands in; sizes are checked against each other (the files must be able to hold the
+// parameters) before anything is allocated for them.
+inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source) {
+  const schema::Ctx c = schema::context(source);
+  schema::Header h;
+  schema::read_object(c, j, "", schema::header_keys, h);
+  if (h.version != format_version)
+    c.fail("version", "format version ", h.version, "; this zp reads version ", format_version);
+  Manifest m;
+  schema::read_object(c, j, "", schema::manifest_keys, m);
+  schema::check_sizes(c, m);
   return m;
 }
 

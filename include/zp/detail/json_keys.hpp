@@ -2,7 +2,7 @@
 // once: its name (and an alias), whether it is read, ignored, unsupported or misplaced, the type
 // and range of its value, its default, and where the value goes. One walker does for every table
 //  - unknown keys: an error naming the closest declared key ("did you mean stage?") or, with none
-//    close, the keys that are read;
+//    close, the keys that are read (or skipped, where the Ctx says: a format newer writers extend);
 //  - types and ranges: an error naming the full key path and what was expected;
 //  - defaults: an absent key (or null, where null means absent) stores its declared default, so
 //    a key declared as read is always read;
@@ -101,6 +101,12 @@ struct Ctx {
   std::string_view placeholder_hint;
   // Whose keys the unsupported ones are, for "known <foreign> key that zp does not support".
   std::string_view foreign = "foreign";
+  // Keys no table declares are skipped, not errors: for a file format whose newer writers may
+  // add keys that an older reader does not need.
+  bool skip_unknown = false;
+  // JSON floats with a whole value (5e8) read as integers; a format that writes integers only
+  // turns this off.
+  bool whole_floats = true;
 
   template <class... Args>
   [[noreturn]] void fail(std::string_view path, const Args&... msg) const {
@@ -139,27 +145,32 @@ inline std::string_view as_string(const Ctx& c, const json& v, std::string_view 
   return v.get_ref<const std::string&>();
 }
 
-// An integer in [lo, hi]. JSON floats with an integral value (5e8) count: configs write sizes
-// that way.
+// An integer in [lo, hi]; `what` says so in messages ("" for "an integer in [lo, hi]"). JSON
+// floats with an integral value (5e8) count where the Ctx allows: configs write sizes that way.
 inline std::int64_t as_int(const Ctx& c, const json& v, std::string_view path, std::int64_t lo, std::int64_t hi,
                            std::string_view what) {
+  const auto bad = [&](std::string_view why = {}) {
+    const std::string range = what.empty() ? cat("an integer in [", lo, ", ", hi, "]") : std::string(what);
+    c.fail(path, "expected ", range, ", got ", show(v), why,
+           c.is_placeholder(v) ? c.placeholder_hint : std::string_view());
+  };
   std::int64_t x = 0;
   if (v.is_number_unsigned()) {
     const std::uint64_t u = v.get<std::uint64_t>();
-    if (u > std::uint64_t(std::numeric_limits<std::int64_t>::max())) c.fail(path, "expected ", what, ", got ", show(v));
+    if (u > std::uint64_t(std::numeric_limits<std::int64_t>::max())) bad();
     x = std::int64_t(u);
   } else if (v.is_number_integer()) {
     x = v.get<std::int64_t>();
-  } else if (v.is_number_float()) {
+  } else if (v.is_number_float() && c.whole_floats) {
     const double d = v.get<double>();
-    if (!std::isfinite(d)) c.fail(path, "expected ", what, ", got ", show(v));
-    if (d != std::floor(d)) c.fail(path, "expected ", what, ", got ", show(v), " (not a whole number)");
-    if (!(d >= -0x1p63 && d < 0x1p63)) c.fail(path, "expected ", what, ", got ", show(v));
+    if (!std::isfinite(d)) bad();
+    if (d != std::floor(d)) bad(" (not a whole number)");
+    if (!(d >= -0x1p63 && d < 0x1p63)) bad();
     x = std::int64_t(d);
   } else {
-    c.expected(path, what, v);
+    bad();
   }
-  if (x < lo || x > hi) c.fail(path, "expected ", what, ", got ", show(v));
+  if (x < lo || x > hi) bad();
   return x;
 }
 
@@ -392,6 +403,11 @@ struct Key {
     k.section = fn;
     return k;
   }
+  // Any value (an array, a value whose range depends on keys read before it, in the table's
+  // order), read and checked by `fn` as object(name, fn) reads an object.
+  static constexpr Key custom(std::string_view name, void (*fn)(const Ctx&, const json&, const std::string&, S&)) {
+    return object(name, fn);
+  }
   // A nested object read against table `Table` into at(target).
   template <const auto& Table, class At>
   static constexpr Key object(std::string_view name, At) {
@@ -434,6 +450,12 @@ struct Key {
   constexpr Key if_given() const {
     Key k = *this;
     k.spec.if_given = true;
+    return k;
+  }
+  // Absent is an error with this text (for objects and custom keys; a value's Spec says it).
+  constexpr Key require(std::string_view message) const {
+    Key k = *this;
+    k.spec.required = message;
     return k;
   }
 };
@@ -524,6 +546,7 @@ void read_object(const Ctx& c, const json& j, const std::string& path, const Key
     const std::string& name = it.key();
     const json& v = it.value();
     const Key<S>* k = declared(name);
+    if (!k && c.skip_unknown) continue;
     if (!k) {
       std::vector<std::string_view> names;
       for (const Key<S>& x : keys) {
