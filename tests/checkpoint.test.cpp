@@ -616,7 +616,7 @@ TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate key
         if (v.is_array())
           for (std::size_t i = 0; i < v.size(); ++i) walk(v[i], at / i);
       };
-  walk(j, {});
+  walk(j, nlohmann::json::json_pointer());
   CHECK(numbers.size() >= 20);
   // Reads everything a load reads: verification, every field of every parameter, the user data.
   auto read_all = [&] {

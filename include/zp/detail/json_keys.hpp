@@ -529,6 +529,29 @@ inline Value check(const Ctx& c, const Spec& s, const json& v, const std::string
   return x;
 }
 
+// The error for a key the table does not declare: the closest declared name, or with none close,
+// the keys that are read.
+template <class S, std::size_t N>
+[[noreturn]] void unknown_key(const Ctx& c, const Key<S> (&keys)[N], const std::string& path, const std::string& name) {
+  std::vector<std::string_view> names;
+  for (const Key<S>& x : keys) {
+    names.push_back(x.name);
+    if (!x.alias.empty()) names.push_back(x.alias);
+  }
+  const std::string_view near = closest(name, names);
+  std::string msg = near.empty() ? std::string() : cat("; did you mean ", near, "?");
+  if (near.empty()) {
+    msg = "; zp reads";
+    const char* sep = " ";
+    for (const Key<S>& x : keys)
+      if (x.use == Use::read) {
+        msg += cat(sep, x.name, x.alias.empty() ? "" : ", ", x.alias);
+        sep = ", ";
+      }
+  }
+  c.fail(join(path, name), "unknown key", msg, " (zp rejects keys it does not know, at every level)");
+}
+
 // Reads object j (at `path`) into target: checks every key it holds against the table (in the
 // document's order), then reads every key the table declares as read (in the table's order: the
 // order placeholders are recorded in), storing the value or its default. `placeholders`: every
@@ -547,25 +570,7 @@ void read_object(const Ctx& c, const json& j, const std::string& path, const Key
     const json& v = it.value();
     const Key<S>* k = declared(name);
     if (!k && c.skip_unknown) continue;
-    if (!k) {
-      std::vector<std::string_view> names;
-      for (const Key<S>& x : keys) {
-        names.push_back(x.name);
-        if (!x.alias.empty()) names.push_back(x.alias);
-      }
-      const std::string_view near = closest(name, names);
-      std::string msg = near.empty() ? std::string() : cat("; did you mean ", near, "?");
-      if (near.empty()) {
-        msg = "; zp reads";
-        const char* sep = " ";
-        for (const Key<S>& x : keys)
-          if (x.use == Use::read) {
-            msg += cat(sep, x.name, x.alias.empty() ? "" : ", ", x.alias);
-            sep = ", ";
-          }
-      }
-      c.fail(join(path, name), "unknown key", msg, " (zp rejects keys it does not know, at every level)");
-    }
+    if (!k) unknown_key(c, keys, path, name);
     switch (k->use) {
       case Use::read: break;
       case Use::ignored: (void)check(c, k->spec, v, join(path, name)); break;
