@@ -1084,3 +1084,108 @@ TEST_CASE("a default Config holds what parsing gives for a config that sets noth
   for (const char* k : {"auto_keys", "source", "optimizer_given"}) parsed.erase(k), made.erase(k);
   CHECK_MESSAGE(parsed == made, "differ: ", show(changed(parsed, made)));
 }
+
+namespace {
+// Every read key of `table` (by its name, under `path`) has a line "    <path>: " in d.
+template <class S, std::size_t N>
+std::size_t check_described(const std::string& d, const zp::detail::keys::Key<S> (&table)[N], const std::string& path) {
+  std::size_t n = 0;
+  for (const auto* k : zp::detail::keys::read_keys(table)) {
+    const std::string key_path = path.empty() ? std::string(k->name) : path + "." + std::string(k->name);
+    const bool nested = k->spec.kind == zp::detail::keys::Kind::object || k->spec.kind == zp::detail::keys::Kind::any;
+    // An object's own keys follow its path ("zero_optimization.stage"); a value has "path: value".
+    CHECK_MESSAGE(d.find("    " + key_path + (nested ? "" : ": ")) != std::string::npos, "describe() lacks ", key_path,
+                  " in\n", d);
+    ++n;
+  }
+  return n;
+}
+}  // namespace
+
+TEST_CASE("describe() lists every key declared as read, from the declarations") {
+  namespace d = zp::ds::detail;
+  // A default Config: every table it reaches (AdamW's params, no scheduler).
+  const std::string def = zp::ds::describe(Config{});
+  std::size_t n = 0;
+  n += check_described(def, d::root_keys, "");
+  n += check_described(def, d::fp16_keys, "fp16");
+  n += check_described(def, d::bf16_keys, "bf16");
+  n += check_described(def, d::zero_keys, "zero_optimization");
+  n += check_described(def, d::offload_keys, "zero_optimization.offload_optimizer");
+  n += check_described(def, d::data_type_keys, "data_types");
+  n += check_described(def, d::checkpoint_keys, "checkpoint");
+  n += check_described(def, d::optimizer_keys, "optimizer");
+  n += check_described(def, d::adam_keys, "optimizer.params");
+  CHECK(n >= 35);
+  CHECK(def.find("    scheduler: null\n") != std::string::npos);
+  // The tables a type selects: each optimizer's and scheduler's params.
+  const json batch = {{"train_batch_size", 8}};
+  auto with = [&](const char* extra) {
+    json j = batch;
+    j.merge_patch(json::parse(extra));
+    return zp::ds::describe(zp::ds::parse(j));
+  };
+  check_described(with(R"({"optimizer": {"type": "SGD"}})"), d::sgd_keys, "optimizer.params");
+  check_described(with(R"({"optimizer": {"type": "Lion"}})"), d::lion_keys, "optimizer.params");
+  check_described(with(R"({"scheduler": {"type": "WarmupLR"}})"), d::warmup_keys, "scheduler.params");
+  check_described(with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"), d::decay_keys,
+                  "scheduler.params");
+  check_described(with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"),
+                  d::cosine_keys, "scheduler.params");
+  const std::string cycle =
+      with(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})");
+  check_described(cycle, d::cycle_keys, "scheduler.params");
+  check_described(cycle, d::scheduler_keys, "scheduler");
+  // Values as the Config keeps them, in ds_config's spelling; "auto" marked.
+  const std::string s = with(R"({"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": true,
+      "loss_scale_window": 500}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+      "optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.95], "adam_w_mode": false, "lr": "auto"}},
+      "communication_data_type": "bfp16", "checkpoint": {"tag_validation": "fail"}})");
+  for (const char* line :
+       {"    train_batch_size: 8\n", "    train_micro_batch_size_per_gpu: 0 (\"auto\")\n", "    fp16.enabled: true\n",
+        "    fp16.loss_scale_window: 500\n", "    fp16.initial_scale_power: 16\n", "    zero_optimization.stage: 3\n",
+        "    zero_optimization.offload_optimizer.device: \"cpu\"\n", "    optimizer.type: \"Adam\"\n",
+        "    optimizer.params.betas: [0.8, 0.95]\n", "    optimizer.params.adam_w_mode: false\n",
+        "    optimizer.params.lr: 0.001 (\"auto\")\n", "    communication_data_type: \"bf16\"\n",
+        "    data_types.grad_accum_dtype: null\n", "    checkpoint.tag_validation: \"Fail\"\n"})
+    CHECK_MESSAGE(s.find(line) != std::string::npos, "missing \"", line, "\" in\n", s);
+  // The summary lines stay above the listing.
+  CHECK(s.find("  zero: stage 3") < s.find("    zero_optimization.stage: 3"));
+}
+
+TEST_CASE("list_object describes any table: each read key by its declaration, in order") {
+  namespace keys = zp::detail::keys;
+  struct T {
+    int a = 0;
+    std::optional<zp::DType> t;
+    std::string name;
+    float lo = 0, hi = 0;
+  };
+  static constexpr keys::Choice types[] = {{"fp32", std::int64_t(zp::DType::f32)}, {"bf16", std::int64_t(zp::DType::bf16)}};
+  using K = keys::Key<T>;
+  static constexpr K table[] = {K::read("a", keys::count(3), [](auto& x) -> auto& { return x.a; }),
+                                K::ignored("skipped", keys::boolean()), K::unsupported("no"),
+                                K::read("t", keys::choice_or_null(types, "a type"), [](auto& x) -> auto& { return x.t; }),
+                                K::read("name", keys::text("a name"), [](auto& x) -> auto& { return x.name; }),
+                                K::read("range", keys::pair(0, 1, keys::Real::finite, "two numbers"),
+                                        [](auto& x) { return std::tie(x.lo, x.hi); })};
+  T x{.a = 7, .t = zp::DType::bf16, .name = "q\"r", .lo = 0.5f, .hi = 2};
+  const keys::Listing got = keys::list_object(table, x, "top");
+  REQUIRE(got.size() == 4);
+  CHECK(got[0].path == "top.a");
+  CHECK(got[0].value == "7");
+  CHECK(got[1].path == "top.t");
+  CHECK(got[1].value == "\"bf16\"");
+  CHECK(got[2].value == "\"q\\\"r\"");
+  CHECK(got[3].path == "top.range");
+  CHECK(got[3].value == "[0.5, 2]");
+  x.t.reset();
+  CHECK(keys::list_object(table, x)[1].path == "t");
+  CHECK(keys::list_object(table, x)[1].value == "null");
+  // get reads back what put stored.
+  for (const K* k : keys::read_keys(table)) {
+    T y;
+    k->put(y, k->spec.def);
+    CHECK(keys::show(k->spec, k->get(y)) == keys::show(k->spec, k->spec.def));
+  }
+}

@@ -420,6 +420,10 @@ void read_bf16(const Ctx& c, const json& j, const std::string& path, Config& cfg
 void read_zero(const Ctx& c, const json& j, const std::string& path, Config& cfg);
 void read_optimizer(const Ctx& c, const json& j, const std::string& path, Config& cfg);
 void read_scheduler(const Ctx& c, const json& j, const std::string& path, Config& cfg);
+// What describe() lists for the sections read by a function (list_object walks the tables).
+inline void list_fp16(const Config& cfg, const std::string& path, Listing& out);
+inline void list_optimizer(const Config& cfg, const std::string& path, Listing& out);
+inline void list_scheduler(const Config& cfg, const std::string& path, Listing& out);
 
 // The three batch keys: "auto" or absent = 0 (not given).
 constexpr Spec batch_size = integer(0, 1, max_i64, "a positive integer or \"auto\"").or_placeholder();
@@ -429,11 +433,13 @@ inline constexpr ConfigKey root_keys[] = {
                     [](auto& c) -> auto& { return c.batch.micro_batch_per_rank; }),
     ConfigKey::read("gradient_accumulation_steps", batch_size,
                     [](auto& c) -> auto& { return c.batch.gradient_accumulation_steps; }),
-    ConfigKey::object("fp16", read_fp16),
-    ConfigKey::object("bf16", read_bf16).or_alias("bfloat16", "older name"),
-    ConfigKey::object("zero_optimization", read_zero),
-    ConfigKey::object("optimizer", read_optimizer).if_given(),
-    ConfigKey::object("scheduler", read_scheduler).if_given(),
+    ConfigKey::object("fp16", read_fp16).listed(list_fp16),
+    ConfigKey::object("bf16", read_bf16)
+        .or_alias("bfloat16", "older name")
+        .listed<bf16_keys>([](const Config& c) { return Bf16Section{.enabled = c.precision == Precision::bf16}; }),
+    ConfigKey::object("zero_optimization", read_zero).listed<zero_keys>([](auto& c) -> auto& { return c; }),
+    ConfigKey::object("optimizer", read_optimizer).if_given().listed(list_optimizer),
+    ConfigKey::object("scheduler", read_scheduler).if_given().listed(list_scheduler),
     ConfigKey::read("gradient_clipping", real_f32(0, Real::non_negative),
                     [](auto& c) -> auto& { return c.engine.max_grad_norm; }),
     ConfigKey::read("steps_per_print", count(10), [](auto& c) -> auto& { return c.steps_per_print; }),
@@ -582,6 +588,91 @@ inline void read_scheduler(const Ctx& c, const json& j, const std::string& path,
     c.checked(pp, [&] { std::visit([](const auto& x) { x.check(); }, *cfg.scheduler); });
 }
 
+// ---- what describe() lists for the sections read by a function -----------------------------------
+
+// fp16 as the Config holds it: enabled (the precision) and the loss scaler. The dynamic scaler's
+// keys are kept only when fp16 is on without a fixed loss_scale; otherwise their defaults show,
+// marked unused.
+inline Fp16Section fp16_of(const Config& cfg) {
+  Fp16Section s;
+  s.enabled = cfg.precision == Precision::fp16;
+  const LossScaler& ls = cfg.engine.loss_scaler;
+  if (ls.kind() == LossScaler::Kind::fixed) s.loss_scale = ls.scale();
+  if (ls.kind() == LossScaler::Kind::dynamic) {
+    const DynamicScale& d = ls.config();
+    s.initial_scale_power = std::ilogb(d.initial_scale);
+    s.loss_scale_window = d.window;
+    s.hysteresis = d.hysteresis;
+    s.consecutive_hysteresis = d.consecutive_hysteresis;
+    s.min_loss_scale = d.min_scale;
+  }
+  return s;
+}
+inline void list_fp16(const Config& cfg, const std::string& path, Listing& out) {
+  const std::size_t first = out.size();
+  list_object(fp16_keys, fp16_of(cfg), path, out);
+  if (cfg.engine.loss_scaler.kind() == LossScaler::Kind::dynamic) return;
+  for (std::size_t i = first; i < out.size(); ++i)
+    if (out[i].path != join(path, "enabled") && out[i].path != join(path, "loss_scale"))
+      out[i].value += " (unused: no dynamic loss scaling)";
+}
+
+// "optimizer" and "scheduler": their table's keys, with "params" replaced by the lines of the
+// table the type selects.
+template <std::size_t N>
+void list_typed(const TypedKey (&keys)[N], std::string_view type, const std::string& path, const Listing& params,
+                Listing& out) {
+  const TypedSection s{.type = std::string(type)};
+  for (Shown& line : list_object(keys, s, path)) {
+    if (line.path == join(path, "params")) out.insert(out.end(), params.begin(), params.end());
+    else out.push_back(std::move(line));
+  }
+}
+
+inline void list_optimizer(const Config& cfg, const std::string& path, Listing& out) {
+  const std::string pp = join(path, "params");
+  std::visit(
+      [&](const auto& o) {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, optim::AdamW> || std::is_same_v<O, optim::Adam>) {
+          constexpr bool w = std::is_same_v<O, optim::AdamW>;
+          const AdamSection a{.w = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps,
+                                    .weight_decay = o.weight_decay},
+                              .adam_w_mode = w};
+          list_typed(optimizer_keys, w ? "AdamW" : "Adam", path, list_object(adam_keys, a, pp), out);
+        } else if constexpr (std::is_same_v<O, optim::Lion>) {
+          list_typed(optimizer_keys, "Lion", path, list_object(lion_keys, o, pp), out);
+        } else {
+          static_assert(std::is_same_v<O, optim::Sgd>, "list_optimizer: an optimizer without a table");
+          list_typed(optimizer_keys, "SGD", path, list_object(sgd_keys, o, pp), out);
+        }
+      },
+      cfg.optimizer);
+}
+
+inline void list_scheduler(const Config& cfg, const std::string& path, Listing& out) {
+  if (!cfg.scheduler) {
+    out.push_back({path, "null"});
+    return;
+  }
+  const std::string pp = join(path, "params");
+  std::visit(
+      [&](const auto& x) {
+        using S = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<S, schedule::WarmupLR>)
+          list_typed(scheduler_keys, "WarmupLR", path, list_object(warmup_keys, x, pp), out);
+        else if constexpr (std::is_same_v<S, schedule::WarmupDecayLR>)
+          list_typed(scheduler_keys, "WarmupDecayLR", path, list_object(decay_keys, x, pp), out);
+        else if constexpr (std::is_same_v<S, schedule::WarmupCosineLR>)
+          list_typed(scheduler_keys, "WarmupCosineLR", path, list_object(cosine_keys, x, pp), out);
+        else if constexpr (std::is_same_v<S, schedule::OneCycle>)
+          list_typed(scheduler_keys, "OneCycle", path, list_object(cycle_keys, x, pp), out);
+        else  // Constant: set by a program, not read from a ds_config
+          list_typed(scheduler_keys, "Constant", path, {{join(pp, "value"), zp::detail::cat(x.value)}}, out);
+      },
+      *cfg.scheduler);
+}
+
 // What can be checked before the world size is known: some world size must fit.
 inline void check_batch(const Ctx& c, const Config& cfg) {
   const BatchConfig& b = cfg.batch;
@@ -671,7 +762,9 @@ inline std::string describe_schedule(const schedule::Any& s) {
 }
 }  // namespace detail
 
-// One line per setting, for a program's startup print.
+// A summary, a line per setting, then every key zp reads with its value as the Config keeps it
+// ("zero_optimization.stage: 3"), listed from the same declarations the reader walks: for a
+// program's startup print.
 inline std::string describe(const Config& c) {
   using zp::detail::cat;
   auto batch = [&](std::int64_t v, const char* key) { return v ? cat(v) : c.is_auto(key) ? "auto" : "not given"; };
@@ -711,6 +804,10 @@ inline std::string describe(const Config& c) {
     for (std::size_t i = 0; i < c.auto_keys.size(); ++i) out += (i ? ", " : " ") + c.auto_keys[i];
     out += "\n";
   }
+  // Then every key zp reads, from its declaration (detail::root_keys and the tables under it).
+  out += "  as read (each key zp reads, as the Config keeps it):\n";
+  for (const detail::Shown& line : detail::list_object(detail::root_keys, c))
+    out += cat("    ", line.path, ": ", line.value, c.is_auto(line.path) ? " (\"auto\")" : "", "\n");
   return out;
 }
 

@@ -356,6 +356,84 @@ void store(std::optional<T>& d, const Value& v) {
   d = t;
 }
 
+// The other way: a stored value read back as a Value (for descriptions), one overload per type.
+inline Value load(bool d) {
+  Value v;
+  v.b = d;
+  return v;
+}
+template <class I>
+  requires(std::is_integral_v<I> && !std::is_same_v<I, bool>)
+Value load(I d) {
+  Value v;
+  v.i = std::int64_t(d);
+  return v;
+}
+template <class E>
+  requires std::is_enum_v<E>
+Value load(E d) {
+  Value v;
+  v.i = std::int64_t(d);
+  return v;
+}
+inline Value load(double d) {
+  Value v;
+  v.x = d;
+  return v;
+}
+inline Value load(float d) { return load(double(d)); }
+inline Value load(const std::string& d) {  // a view of d: read it while d lives
+  Value v;
+  v.s = d;
+  return v;
+}
+inline Value load(const json* d) {
+  Value v;
+  v.j = d;
+  return v;
+}
+template <class A, class B>
+Value load(const std::tuple<A, B>& d) {
+  Value v;
+  v.x = double(std::get<0>(d));
+  v.y = double(std::get<1>(d));
+  return v;
+}
+template <class T>
+Value load(const std::optional<T>& d) {
+  if (d) return load(*d);
+  Value v;
+  v.null = true;
+  return v;
+}
+
+// A value as a description shows it, in JSON's spelling: strings and choices quoted, a pair as
+// [a, b], a value kept as a float (real_f32, pair) at a float's precision.
+inline std::string show(const Spec& s, const Value& v) {
+  if (v.null) return "null";
+  switch (s.kind) {
+    case Kind::boolean: return v.b ? "true" : "false";
+    case Kind::integer: return cat(v.i);
+    case Kind::real: return cat(v.x);
+    case Kind::real_f32: return cat(float(v.x));
+    case Kind::text: return json(std::string(v.s)).dump(-1, ' ', false, json::error_handler_t::replace);
+    case Kind::choice:
+      for (const Choice& ch : s.choices)
+        if (ch.value == v.i) return cat('"', ch.name, '"');
+      return cat(v.i);
+    case Kind::pair: return cat('[', float(v.x), ", ", float(v.y), ']');
+    case Kind::any: return v.j ? json_excerpt(*v.j) : "null";
+    case Kind::object: break;
+  }
+  return "{...}";
+}
+
+// One line of a description: a key's full path and its value as show() writes it.
+struct Shown {
+  std::string path, value;
+};
+using Listing = std::vector<Shown>;
+
 // ---- keys -----------------------------------------------------------------------------------
 
 enum class Use : std::uint8_t {
@@ -372,6 +450,8 @@ struct Key;
 template <class S, std::size_t N>
 void read_object(const Ctx& c, const json& j, const std::string& path, const Key<S> (&keys)[N], S& target,
                  bool placeholders = false);
+template <class S, std::size_t N>
+void list_object(const Key<S> (&keys)[N], const S& target, const std::string& path, Listing& out);
 
 // One key of a table that reads into a target of type S.
 template <class S>
@@ -384,7 +464,10 @@ struct Key {
   double off_number = 0;
   std::string_view hint{};                  // misplaced
   void (*put)(S&, const Value&) = nullptr;  // read: stores a value in the target
+  Value (*get)(const S&) = nullptr;         // read: the stored value, back (for list_object)
   void (*section)(const Ctx&, const json&, const std::string&, S&) = nullptr;  // read object
+  // read object (or custom): appends the lines that describe what it stored (list_object).
+  void (*list)(const S&, const std::string&, Listing&) = nullptr;
 
   // A value (spec) that goes where at(target) says: at is a lambda without captures returning
   // the target's member (or a std::tie of two floats, for a pair).
@@ -393,6 +476,8 @@ struct Key {
     Key k = make(name, Use::read);
     k.spec = spec;
     k.put = +[](S& t, const Value& v) { store(At{}(t), v); };
+    if constexpr (std::is_invocable_v<At, const S&>)  // at(target) reads a const target too
+      k.get = +[](const S& t) { return load(At{}(t)); };
     return k;
   }
   // A nested object, read by `fn(ctx, value, path, target)` (absent: read as {}, unless
@@ -411,7 +496,25 @@ struct Key {
   // A nested object read against table `Table` into at(target).
   template <const auto& Table, class At>
   static constexpr Key object(std::string_view name, At) {
-    return object(name, +[](const Ctx& c, const json& v, const std::string& p, S& t) { read_object(c, v, p, Table, At{}(t)); });
+    return object(name, +[](const Ctx& c, const json& v, const std::string& p, S& t) { read_object(c, v, p, Table, At{}(t)); })
+        .template listed<Table>(At{});
+  }
+  // How list_object describes an object or custom key: by `fn(target, path, out)`, ...
+  constexpr Key listed(void (*fn)(const S&, const std::string&, Listing&)) const {
+    Key k = *this;
+    k.list = fn;
+    return k;
+  }
+  // ... or by table `Table` over view(target) (a lambda without captures returning the member
+  // the key was read into, or a value rebuilt from what the target holds).
+  // (An at or view that takes only a non-const target lists nothing: list_object says "(not
+  // shown)" for the key.)
+  template <const auto& Table, class View>
+  constexpr Key listed(View) const {
+    if constexpr (std::is_invocable_v<View, const S&>)
+      return listed(+[](const S& t, const std::string& p, Listing& out) { list_object(Table, View{}(t), p, out); });
+    else
+      return *this;
   }
   static constexpr Key ignored(std::string_view name, Spec spec) {
     Key k = make(name, Use::ignored);
@@ -608,6 +711,28 @@ void read_object(const Ctx& c, const json& j, const std::string& path, const Key
       k.put(target, v ? check(c, k.spec, *v, p) : k.spec.def);
     }
   }
+}
+
+// Describes target as read against the table: a line per key declared as read, in the table's
+// order, with its full path (by its name, not its alias) and its value as stored, read back by
+// the key's get (show(spec, value)); an object or custom key adds the lines of its `list` (a
+// nested table's keys), or without one a line "(not shown)". A key declared in a table is so
+// described with no code of its own.
+template <class S, std::size_t N>
+void list_object(const Key<S> (&keys)[N], const S& target, const std::string& path, Listing& out) {
+  for (const Key<S>& k : keys) {
+    if (k.use != Use::read) continue;
+    const std::string p = join(path, k.name);
+    if (k.list) k.list(target, p, out);
+    else if (k.get) out.push_back({p, show(k.spec, k.get(target))});
+    else out.push_back({p, "(not shown)"});
+  }
+}
+template <class S, std::size_t N>
+Listing list_object(const Key<S> (&keys)[N], const S& target, const std::string& path = {}) {
+  Listing out;
+  list_object(keys, target, path, out);
+  return out;
 }
 
 // Every key a table declares as read, with its alias, in order (for tests and descriptions).
