@@ -71,8 +71,7 @@
 
 namespace zp {
 
-template <Backend B, class T, int Stage, class Opt = optim::AdamW>
-  requires optim::Optimizer<Opt>
+template <Backend B, class T, int Stage, optim::Optimizer Opt = optim::AdamW>
 class Engine {
   static_assert(Stage >= 0 && Stage <= 3, "ZeRO stage must be 0, 1, 2 or 3");
   static constexpr MemorySpace S = B::memory;
@@ -93,8 +92,7 @@ class Engine {
   // rank (one all_reduce), copies the initial values (broadcast from rank 0 unless disabled) and
   // rebinds the model's views into zp memory. Collective. The model must not move while the
   // engine lives.
-  template <class M>
-    requires Model<M, T>
+  template <Model<T> M>
   Engine(Collective<B>& comm, M& model, EngineConfig config = {}, Opt optimizer = {})
       : comm_(&comm),
         config_(std::move(config)),
@@ -126,8 +124,7 @@ class Engine {
   // norm, the overflow check and the hyper-parameter check span the whole replica
   // (model_parallel(): the statistics are summed over it too, replicated parameters counted on
   // TP rank 0 only). The grid must outlive the engine. Collective over the world.
-  template <class M>
-    requires Model<M, T>
+  template <Model<T> M>
   Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
       : Engine(grid.dp(), model, std::move(config), optimizer) {
     if (grid.model_parallel().size() > 1) {

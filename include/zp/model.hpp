@@ -153,8 +153,7 @@ concept Model = requires(M& m, detail::ParamVisitor<T, detail::IgnoreParam>& v) 
 
 // Calls f(name, module, View<T>& value, View<T>& grad) -- or, if f takes it, f(..., TensorParallel)
 // -- for each parameter, in forward order.
-template <class T, class M, class F>
-  requires Model<M, T>
+template <class T, Model<T> M, class F>
 void visit_parameters(M& model, F&& f) {
   detail::ParamVisitor<T, std::remove_reference_t<F>> v{f};
   for_each_parameter(model, v);
@@ -173,8 +172,7 @@ struct BoundParameters {
 // non-decreasing order without gaps, names are not empty, every view is a distinct object (the
 // same Param registered twice, or a value view passed as its own gradient, would have zp write
 // two things into one view), and the second visit sees exactly what the first did.
-template <class T, class M>
-  requires Model<M, T>
+template <class T, Model<T> M>
 BoundParameters<T> bind_parameters(M& model) {
   BoundParameters<T> out;
   std::vector<std::pair<const View<T>*, std::size_t>> seen;  // every view, with its parameter
@@ -227,8 +225,7 @@ BoundParameters<T> bind_parameters(M& model) {
 }
 
 // The parameter list of a model, checked as bind_parameters does.
-template <class T, class M>
-  requires Model<M, T>
+template <class T, Model<T> M>
 std::vector<ParamInfo> describe_parameters(M& model) {
   return bind_parameters<T>(model).params;
 }

@@ -141,6 +141,10 @@ inline json parse_json(const std::filesystem::path& file, std::string_view text,
 // atomically and durably (zp::detail::AtomicFile). Destroyed before commit(), it leaves nothing
 // under `path`. Memory: the header only, never the data. Put larger elements first (F64, F32,
 // then 16-bit) to keep every tensor aligned to its element size; the format does not require it.
+// What the untyped write() takes: anything that is its bytes.
+template <class T>
+concept Plain = std::is_trivially_copyable_v<T>;
+
 class Writer {
  public:
   // `tensors` give name, dtype and shape; their offsets are computed here. Checks that names are
@@ -202,8 +206,7 @@ class Writer {
     written_ += data.size();
   }
   // Typed form: for a zp element type, also checks that every tensor it reaches stores T.
-  template <class T>
-    requires std::is_trivially_copyable_v<T>
+  template <Plain T>
   void write(std::span<const T> data) {
     if constexpr (Element<T>) {
       const std::uint64_t stop = written_ + std::min<std::uint64_t>(data.size_bytes(), total_ - written_);

@@ -10,6 +10,10 @@
 
 namespace zp::detail {
 
+// What Fnv1a::add hashes by value: arithmetic types and enums.
+template <class T>
+concept Scalar = std::is_arithmetic_v<T> || std::is_enum_v<T>;
+
 class Fnv1a {
  public:
   Fnv1a& bytes(const void* p, std::size_t n) noexcept {
@@ -19,8 +23,7 @@ class Fnv1a {
   }
   // Scalars by their exact bits (floats included: -0 and +0, or two NaNs, differ). Only types
   // without padding, so no indeterminate byte is ever hashed.
-  template <class T>
-    requires(std::is_arithmetic_v<T> || std::is_enum_v<T>)
+  template <Scalar T>
   Fnv1a& add(T v) noexcept {
     if constexpr (std::is_same_v<T, bool>) {
       const unsigned char b = v ? 1 : 0;

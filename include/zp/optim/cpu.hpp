@@ -300,8 +300,7 @@ GradStats grad_stats(std::span<G> grad, const Options& options = {}) {
 // One optimizer step over a shard: master and state updated in place, param written from the
 // new master. The caller has checked for overflow (grad_stats): this function does not skip.
 // Throws zp::Error(invalid_argument) when the spans' sizes differ.
-template <class Opt, class T, class G>
-  requires Optimizer<Opt>
+template <Optimizer Opt, class T, class G>
 void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, const Options& options = {}) {
   const std::size_t n = shard.master.size();
   ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n, "optimizer step: sizes differ: master ",
@@ -325,8 +324,7 @@ void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, co
 // Single-rank convenience without clipping: grad_stats, then the step only when every gradient
 // value is finite. On overflow nothing is written. Returns the statistics (finite says whether
 // the step was taken). A multi-rank engine calls grad_stats and step itself.
-template <class Opt, class T, class G>
-  requires Optimizer<Opt>
+template <Optimizer Opt, class T, class G>
 GradStats step_if_finite(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard,
                          const Options& options = {}) {
   const GradStats stats = grad_stats(shard.grad, options);

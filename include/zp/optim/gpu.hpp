@@ -107,8 +107,7 @@ void grad_stats(std::span<const G> grad, double* stats, device::stream_t stream)
 // One optimizer step over a shard in device memory, enqueued on `stream`, gated by the two
 // doubles at `gate` in device memory (shard_step.hpp, ShardStep::update). Throws Errc::invalid_argument on
 // mismatched sizes.
-template <class Opt, class T, class G>
-  requires Optimizer<Opt>
+template <Optimizer Opt, class T, class G>
 void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, const double* gate,
           device::stream_t stream) {
   const std::size_t n = shard.master.size();

@@ -81,9 +81,11 @@ inline const char* type_name(const AdamW&) { return "AdamW"; }
 inline const char* type_name(const Adam&) { return "Adam"; }
 inline const char* type_name(const Sgd&) { return "Sgd"; }
 inline const char* type_name(const Lion&) { return "Lion"; }
+// O is one of Opts, const or not.
+template <class O, class... Opts>
+concept one_of = (std::same_as<std::remove_const_t<O>, Opts> || ...);
 // O may be const (read the fields) or not (assign them, e.g. from a checkpoint).
-template <class O, class F>
-  requires std::same_as<std::remove_const_t<O>, AdamW> || std::same_as<std::remove_const_t<O>, Adam>
+template <one_of<AdamW, Adam> O, class F>
 void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("beta1", o.beta1);
@@ -91,8 +93,7 @@ void for_each_field(O& o, F&& f) {
   f("eps", o.eps);
   f("weight_decay", o.weight_decay);
 }
-template <class O, class F>
-  requires std::same_as<std::remove_const_t<O>, Sgd>
+template <one_of<Sgd> O, class F>
 void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("momentum", o.momentum);
@@ -100,8 +101,7 @@ void for_each_field(O& o, F&& f) {
   f("weight_decay", o.weight_decay);
   f("nesterov", o.nesterov);
 }
-template <class O, class F>
-  requires std::same_as<std::remove_const_t<O>, Lion>
+template <one_of<Lion> O, class F>
 void for_each_field(O& o, F&& f) {
   f("lr", o.lr);
   f("beta1", o.beta1);
