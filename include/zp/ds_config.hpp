@@ -712,8 +712,7 @@ inline Config parse_root(const json& j, std::string_view source) {
 
 // Checks a parsed JSON document and fills DeepSpeed's defaults. Throws zp::Error(invalid_argument)
 // naming `source_name`, the key path and what was expected.
-template <class Json>
-  requires std::same_as<Json, nlohmann::json>
+template <std::same_as<nlohmann::json> Json>
 Config parse(const Json& j, std::string_view source_name = "ds_config") {
   return detail::parse_root(j, source_name);
 }

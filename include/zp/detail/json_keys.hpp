@@ -325,15 +325,19 @@ constexpr Spec any() {
   return Spec{};  // Kind::any
 }
 
+// The integer and enum targets of store() and load() (bool has its own overloads).
+template <class I>
+concept Integer = std::is_integral_v<I> && !std::is_same_v<I, bool>;
+template <class E>
+concept Enum = std::is_enum_v<E>;
+
 // Where a checked value goes: one overload per target type.
 inline void store(bool& d, const Value& v) { d = v.b; }
-template <class I>
-  requires(std::is_integral_v<I> && !std::is_same_v<I, bool>)
+template <Integer I>
 void store(I& d, const Value& v) {
   d = I(v.i);
 }
-template <class E>
-  requires std::is_enum_v<E>
+template <Enum E>
 void store(E& d, const Value& v) {
   d = E(v.i);
 }
@@ -362,15 +366,13 @@ inline Value load(bool d) {
   v.b = d;
   return v;
 }
-template <class I>
-  requires(std::is_integral_v<I> && !std::is_same_v<I, bool>)
+template <Integer I>
 Value load(I d) {
   Value v;
   v.i = std::int64_t(d);
   return v;
 }
-template <class E>
-  requires std::is_enum_v<E>
+template <Enum E>
 Value load(E d) {
   Value v;
   v.i = std::int64_t(d);
