@@ -59,17 +59,20 @@ namespace {
 using zp::CollOp;
 
 constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
-const std::vector<std::size_t> sizes = {4 * KiB,   16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
-                                        4 * MiB,   16 * MiB, 64 * MiB, 256 * MiB};
+const std::vector<std::size_t> sizes = {4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
+                                        4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB};
 
 // Fixed iteration counts (identical on every MPI rank): about 1 GiB of S per benchmark,
 // between 5 and 2000 iterations.
 benchmark::IterationCount iterations(std::size_t bytes) {
-  return std::clamp<benchmark::IterationCount>(benchmark::IterationCount((1024 * MiB) / bytes), 5, 2000);
+  return std::clamp<benchmark::IterationCount>(benchmark::IterationCount((1024 * MiB) / bytes), 5,
+                                               2000);
 }
 
 // Exact inputs: small integers, so sums over <= 64 ranks are exact in float.
-inline float value(int rank, std::size_t i) { return float(int((i + 3 * std::size_t(rank)) % 13) - 6); }
+inline float value(int rank, std::size_t i) {
+  return float(int((i + 3 * std::size_t(rank)) % 13) - 6);
+}
 constexpr float poison = -1000.0f;
 
 // Fills this rank's buffer of `elems` floats for an in-place `op` over N ranks.
@@ -86,7 +89,8 @@ void fill(std::vector<float>& buf, CollOp op, int rank, int N) {
 
 // Elements of this rank's result that differ from the exact one. shard_at_start: the raw
 // MPI_Reduce_scatter_block in place leaves the shard at the start of the buffer.
-std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N, bool shard_at_start = false) {
+std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N,
+                    bool shard_at_start = false) {
   const std::size_t n = buf.size() / std::size_t(N);
   auto sum = [&](std::size_t i) {
     float s = 0;
@@ -120,7 +124,8 @@ void set_counters(benchmark::State& state, CollOp op, int N, std::size_t bytes, 
   // In GB (1e9 bytes) so that, divided by the seconds (kIsRate), the value is GB/s as named.
   const double s = double(bytes) * double(state.iterations()) * 1e-9;
   state.counters["algbw_GBps"] = benchmark::Counter(s, benchmark::Counter::kIsRate);
-  state.counters["busbw_GBps"] = benchmark::Counter(s * zp::bus_factor(op, N), benchmark::Counter::kIsRate);
+  state.counters["busbw_GBps"] =
+      benchmark::Counter(s * zp::bus_factor(op, N), benchmark::Counter::kIsRate);
   state.counters["wrong"] = double(bad);
 }
 
@@ -170,7 +175,8 @@ std::string bench_name(const char* backend, CollOp op, int N, std::size_t bytes)
          "/bytes:" + std::to_string(bytes);
 }
 
-const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather, CollOp::broadcast};
+const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather,
+                      CollOp::broadcast};
 
 // --- threads: rank 0 is the benchmark's thread, ranks 1..N-1 persistent threads that run
 // the same number of operations; the timed region is rank 0's loop of collectives.
@@ -227,8 +233,9 @@ void bench_threads_p2p(benchmark::State& state, std::size_t bytes) {
   auto rank_body = [&](zp::Collective<Threads>& comm, int r, bool timed) {
     auto& buf = bufs[std::size_t(r)];
     auto once = [&] {
-      ping_pong(r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
-                [&](int peer) { comm.recv(std::span<float>(buf), peer); });
+      ping_pong(
+          r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
+          [&](int peer) { comm.recv(std::span<float>(buf), peer); });
     };
     fill_ping_pong(buf, r);
     once();  // the check run (and warm-up)
@@ -254,7 +261,8 @@ void bench_threads_p2p(benchmark::State& state, std::size_t bytes) {
     comm.barrier();
   }
   if (bad[0]) {
-    state.SkipWithError(("threads send_recv: " + std::to_string(bad[0]) + " wrong elements").c_str());
+    state.SkipWithError(
+        ("threads send_recv: " + std::to_string(bad[0]) + " wrong elements").c_str());
     return;
   }
   set_counters(state, CollOp::send, 2, 2 * bytes, bad[0]);
@@ -307,9 +315,12 @@ void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check
 int raw_op(CollOp op, float* buf, std::size_t elems, int N, MPI_Comm comm) {
   const int n = int(elems / std::size_t(N));
   switch (op) {
-    case CollOp::all_reduce: return MPI_Allreduce(MPI_IN_PLACE, buf, int(elems), MPI_FLOAT, MPI_SUM, comm);
-    case CollOp::reduce_scatter: return MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm);
-    case CollOp::all_gather: return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, MPI_FLOAT, comm);
+    case CollOp::all_reduce:
+      return MPI_Allreduce(MPI_IN_PLACE, buf, int(elems), MPI_FLOAT, MPI_SUM, comm);
+    case CollOp::reduce_scatter:
+      return MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm);
+    case CollOp::all_gather:
+      return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, MPI_FLOAT, comm);
     case CollOp::broadcast: return MPI_Bcast(buf, int(elems), MPI_FLOAT, 0, comm);
     case CollOp::barrier: return MPI_Barrier(comm);
     case CollOp::send:
@@ -330,11 +341,13 @@ void bench_mpi_p2p(benchmark::State& state, std::size_t bytes, bool raw, bool ch
   const int n = int(buf.size());
   auto once = [&] {
     if (raw)
-      ping_pong(r, [&](int peer) { MPI_Send(buf.data(), n, MPI_FLOAT, peer, 7, c); },
-                [&](int peer) { MPI_Recv(buf.data(), n, MPI_FLOAT, peer, 7, c, MPI_STATUS_IGNORE); });
+      ping_pong(
+          r, [&](int peer) { MPI_Send(buf.data(), n, MPI_FLOAT, peer, 7, c); },
+          [&](int peer) { MPI_Recv(buf.data(), n, MPI_FLOAT, peer, 7, c, MPI_STATUS_IGNORE); });
     else
-      ping_pong(r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
-                [&](int peer) { comm.recv(std::span<float>(buf), peer); });
+      ping_pong(
+          r, [&](int peer) { comm.send(std::span<const float>(buf), peer); },
+          [&](int peer) { comm.recv(std::span<float>(buf), peer); });
   };
   fill_ping_pong(buf, r);
   once();
@@ -412,8 +425,9 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
 void register_mpi(int N) {
   for (std::size_t bytes : sizes) {
     auto reg = [&](const char* backend, bool raw, bool check_calls) {
-      benchmark::RegisterBenchmark(p2p_name(backend, bytes).c_str(),
-                                   [=](benchmark::State& s) { bench_mpi_p2p(s, bytes, raw, check_calls); })
+      benchmark::RegisterBenchmark(
+          p2p_name(backend, bytes).c_str(),
+          [=](benchmark::State& s) { bench_mpi_p2p(s, bytes, raw, check_calls); })
           ->Iterations(iterations(2 * bytes))
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
@@ -443,7 +457,8 @@ void register_mpi(int N) {
 
 // Launched by mpirun/mpiexec/srun? (Initialising MPI otherwise would need a singleton launch.)
 bool under_mpi_launcher() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_PROCID"})
+  for (const char* v :
+       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_PROCID"})
     if (std::getenv(v)) return true;
   return false;
 }

@@ -27,7 +27,8 @@
 namespace zp::bench {
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) inline void stream_copy_avx2(char* dst, const char* src, std::size_t bytes) {
+__attribute__((target("avx2"))) inline void stream_copy_avx2(char* dst, const char* src,
+                                                             std::size_t bytes) {
   for (std::size_t i = 0; i < bytes; i += 32)
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm256_load_si256(reinterpret_cast<const __m256i*>(src + i)));
@@ -73,7 +74,8 @@ inline void membw_copy(benchmark::State& state, int threads, std::size_t bytes) 
     benchmark::ClobberMemory();
   }
   state.counters["GBps"] =  // GB/s: GB moved divided by the seconds
-      benchmark::Counter(double(2 * bytes) * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+      benchmark::Counter(double(2 * bytes) * double(state.iterations()) * 1e-9,
+                         benchmark::Counter::kIsRate);
 }
 
 inline void register_membw_copy(std::size_t bytes, std::initializer_list<int> threads) {

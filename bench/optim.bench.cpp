@@ -26,8 +26,8 @@ constexpr double bytes_per_param = 28.0;
 
 // The plain loop: torch.optim.AdamW's update written out, one element at a time.
 template <class T, class G>
-void adamw_scalar_loop(const AdamW& o, std::int64_t t, float grad_mul, float* master, const G* grad, float* m,
-                       float* v, T* param, std::size_t n) {
+void adamw_scalar_loop(const AdamW& o, std::int64_t t, float grad_mul, float* master, const G* grad,
+                       float* m, float* v, T* param, std::size_t n) {
   const float bc1 = 1.0f - std::pow(o.beta1, float(t));
   const float bc2_sqrt = std::sqrt(1.0f - std::pow(o.beta2, float(t)));
   const float step = o.lr / bc1, decay = 1.0f - o.lr * o.weight_decay;
@@ -47,7 +47,8 @@ struct Buffers {
   std::vector<float> master, m, v;
   std::vector<G> grad;
   std::vector<T> param;  // empty for the fp32 layout: the model copy is the master itself
-  explicit Buffers(std::size_t n) : master(n), m(n), v(n), grad(n), param(std::is_same_v<T, float> ? 0 : n) {
+  explicit Buffers(std::size_t n)
+      : master(n), m(n), v(n), grad(n), param(std::is_same_v<T, float> ? 0 : n) {
     for (std::size_t i = 0; i < n; ++i) {
       master[i] = 1.0f + float(i % 1024) * 1e-3f;
       grad[i] = G(float(int(i % 37) - 18) * 1e-2f);
@@ -57,8 +58,10 @@ struct Buffers {
   }
   ShardView<T, G> view() {
     std::span<T> p;
-    if constexpr (std::is_same_v<T, float>) p = master;
-    else p = param;
+    if constexpr (std::is_same_v<T, float>)
+      p = master;
+    else
+      p = param;
     return {master, std::span<const G>(grad), {std::span<float>(m), std::span<float>(v)}, p};
   }
 };
@@ -71,7 +74,8 @@ bool result_ok(int threads) {
   Buffers<T, G> a(n), b(n);
   cpu::step(AdamW{}, {3, 0.5f}, a.view(), {.threads = threads});
   const auto bv = b.view();
-  adamw_scalar_loop(AdamW{}, 3, 0.5f, b.master.data(), b.grad.data(), b.m.data(), b.v.data(), bv.param.data(), n);
+  adamw_scalar_loop(AdamW{}, 3, 0.5f, b.master.data(), b.grad.data(), b.m.data(), b.v.data(),
+                    bv.param.data(), n);
   for (std::size_t i = 0; i < n; ++i)
     if (std::abs(a.master[i] - b.master[i]) > 1e-6f * std::abs(b.master[i]) + 1e-9f ||
         std::abs(a.m[i] - b.m[i]) > 1e-6f * std::abs(b.m[i]) + 1e-12f)
@@ -82,7 +86,8 @@ bool result_ok(int threads) {
 void set_counters(benchmark::State& state, std::size_t n, double bytes) {
   const double it = double(state.iterations());
   state.counters["params_per_s"] = benchmark::Counter(double(n) * it, benchmark::Counter::kIsRate);
-  state.counters["GBps"] = benchmark::Counter(bytes * double(n) * it * 1e-9, benchmark::Counter::kIsRate);  // GB/s
+  state.counters["GBps"] =
+      benchmark::Counter(bytes * double(n) * it * 1e-9, benchmark::Counter::kIsRate);  // GB/s
 }
 
 template <class T, class G>
@@ -121,14 +126,16 @@ void bench_grad_stats(benchmark::State& state, int threads, std::size_t n) {
     state.SkipWithError("grad_stats wrong");
     return;
   }
-  for (auto _ : state) benchmark::DoNotOptimize(cpu::grad_stats(std::span<const G>(g), {.threads = threads}));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(cpu::grad_stats(std::span<const G>(g), {.threads = threads}));
   set_counters(state, n, double(sizeof(G)));
 }
 
 template <class F>
 void add(const std::string& name, F f, int threads, std::int64_t n) {
-  benchmark::RegisterBenchmark((name + "/threads:" + std::to_string(threads) + "/params:" + std::to_string(n)).c_str(),
-                               [=](benchmark::State& s) { f(s, threads, std::size_t(n)); })
+  benchmark::RegisterBenchmark(
+      (name + "/threads:" + std::to_string(threads) + "/params:" + std::to_string(n)).c_str(),
+      [=](benchmark::State& s) { f(s, threads, std::size_t(n)); })
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
 }

@@ -42,7 +42,8 @@ X* device_array(std::size_t n, float first) {
   std::vector<X> h(std::min<std::size_t>(n, 1 << 20));
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = X(first + float(int(i % 37) - 18) * 1e-2f);
   for (std::size_t at = 0; at < n; at += h.size())
-    ok(cudaMemcpy(p + at, h.data(), std::min(h.size(), n - at) * sizeof(X), cudaMemcpyHostToDevice), "cudaMemcpy");
+    ok(cudaMemcpy(p + at, h.data(), std::min(h.size(), n - at) * sizeof(X), cudaMemcpyHostToDevice),
+       "cudaMemcpy");
   return p;
 }
 
@@ -84,7 +85,8 @@ double copy_gbps(std::size_t bytes) {
   ok(cudaMalloc(&src, bytes), "cudaMalloc");
   ok(cudaMalloc(&dst, bytes), "cudaMalloc");
   ok(cudaMemset(src, 1, bytes), "cudaMemset");
-  const double t = timed([&] { ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); });
+  const double t = timed(
+      [&] { ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); });
   cudaFree(src);
   cudaFree(dst);
   return seen[bytes] = 2.0 * double(bytes) / t / 1e9;
@@ -121,15 +123,20 @@ bool same_as_cpu() {
   ok(cudaMemcpy(ds1, v.data(), n * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
   ok(cudaMemcpy(dg, grad.data(), n * sizeof(G), cudaMemcpyHostToDevice), "cudaMemcpy");
   const StepScalars s{3, 0.5f};
-  zp::optim::gpu::step(AdamW{}, s, ShardView<T, G>{{dm, n}, {dg, n}, {std::span<float>(ds0, n), std::span<float>(ds1, n)}, {dp, n}},
-                       apply_gate(), nullptr);
-  cpu::step(AdamW{}, s, ShardView<T, G>{master, grad, {std::span<float>(m), std::span<float>(v)}, param});
+  zp::optim::gpu::step(
+      AdamW{}, s,
+      ShardView<T, G>{
+          {dm, n}, {dg, n}, {std::span<float>(ds0, n), std::span<float>(ds1, n)}, {dp, n}},
+      apply_gate(), nullptr);
+  cpu::step(AdamW{}, s,
+            ShardView<T, G>{master, grad, {std::span<float>(m), std::span<float>(v)}, param});
   std::vector<float> gm(n);
   std::vector<T> gp(n);
   ok(cudaMemcpy(gm.data(), dm, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   ok(cudaMemcpy(gp.data(), dp, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
   for (void* p : {(void*)dm, (void*)ds0, (void*)ds1, (void*)dg, (void*)dp}) cudaFree(p);
-  return std::memcmp(gm.data(), master.data(), n * 4) == 0 && std::memcmp(gp.data(), param.data(), n * sizeof(T)) == 0;
+  return std::memcmp(gm.data(), master.data(), n * 4) == 0 &&
+         std::memcmp(gp.data(), param.data(), n * sizeof(T)) == 0;
 }
 
 // fp32 layout: the model copy is the master itself (T = float, param aliases master).
@@ -145,11 +152,14 @@ void adamw(benchmark::State& state) {
   float* v = device_array<float>(n, 1e-4f);
   G* grad = device_array<G>(n, 0.0f);
   T* param = std::is_same_v<T, float> ? reinterpret_cast<T*>(master) : device_array<T>(n, 1.0f);
-  const ShardView<T, G> shard{{master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {param, n}};
+  const ShardView<T, G> shard{
+      {master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {param, n}};
   std::int64_t t = 0;
   double seconds = 0;
   for (auto _ : state) {
-    seconds = timed([&] { zp::optim::gpu::step(AdamW{}, StepScalars{++t, 1.0f}, shard, apply_gate(), nullptr); });
+    seconds = timed([&] {
+      zp::optim::gpu::step(AdamW{}, StepScalars{++t, 1.0f}, shard, apply_gate(), nullptr);
+    });
     state.SetIterationTime(seconds);
   }
   const double gbps = bytes_per_param * double(n) / seconds / 1e9;
@@ -168,7 +178,8 @@ void grad_stats(benchmark::State& state) {
   ok(cudaMalloc(&stats, 2 * sizeof(double)), "cudaMalloc");
   double seconds = 0;
   for (auto _ : state) {
-    seconds = timed([&] { zp::optim::gpu::grad_stats(std::span<const G>(grad, n), stats, nullptr); });
+    seconds =
+        timed([&] { zp::optim::gpu::grad_stats(std::span<const G>(grad, n), stats, nullptr); });
     state.SetIterationTime(seconds);
   }
   state.counters["GBps"] = double(n * sizeof(G)) / seconds / 1e9;
@@ -182,11 +193,28 @@ const bool registered = [] {
     std::printf("zp_bench_optim_cuda: no CUDA device, nothing to measure\n");
     return false;
   }
-  for (std::int64_t n : {std::int64_t(1) << 24, std::int64_t(1) << 26, std::int64_t(1) << 28, std::int64_t(1) << 30}) {
-    benchmark::RegisterBenchmark("cuda/adamw/fp32", adamw<float, float>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("cuda/adamw/bf16", adamw<zp::bf16, zp::bf16>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("cuda/grad_stats/bf16", grad_stats<zp::bf16>)->Arg(n)->ArgName("params")->UseManualTime()->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("cuda/copy", copy_bench)->Arg(std::int64_t(bytes_per_param / 2) * n)->ArgName("bytes")->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (std::int64_t n : {std::int64_t(1) << 24, std::int64_t(1) << 26, std::int64_t(1) << 28,
+                         std::int64_t(1) << 30}) {
+    benchmark::RegisterBenchmark("cuda/adamw/fp32", adamw<float, float>)
+        ->Arg(n)
+        ->ArgName("params")
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/adamw/bf16", adamw<zp::bf16, zp::bf16>)
+        ->Arg(n)
+        ->ArgName("params")
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/grad_stats/bf16", grad_stats<zp::bf16>)
+        ->Arg(n)
+        ->ArgName("params")
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/copy", copy_bench)
+        ->Arg(std::int64_t(bytes_per_param / 2) * n)
+        ->ArgName("bytes")
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
   return true;
 }();

@@ -54,8 +54,8 @@ struct Measured {
 Measured measure(Schedule sched, int stages, int m, int iterations) {
   Measured out;
   // [iteration][stage]; iteration 0 is the checked one, not timed.
-  std::vector<std::vector<zp::pipeline::Stats>> stats(std::size_t(iterations) + 1,
-                                                      std::vector<zp::pipeline::Stats>(std::size_t(stages)));
+  std::vector<std::vector<zp::pipeline::Stats>> stats(
+      std::size_t(iterations) + 1, std::vector<zp::pipeline::Stats>(std::size_t(stages)));
   std::vector<std::string> errors(static_cast<std::size_t>(stages));
   zp::backend::run_threads(stages, [&](Collective<Threads>& pp) {
     const int s = pp.rank(), p = pp.size();
@@ -63,20 +63,25 @@ Measured measure(Schedule sched, int stages, int m, int iterations) {
     std::string& err = errors[std::size_t(s)];
     const auto expect = [&](const char* what, int k, float got, float want) {
       if (got != want && err.empty())
-        err = "stage " + std::to_string(s) + " micro-batch " + std::to_string(k) + ": " + what + " " +
-              std::to_string(got) + ", expected " + std::to_string(want);
+        err = "stage " + std::to_string(s) + " micro-batch " + std::to_string(k) + ": " + what +
+              " " + std::to_string(got) + ", expected " + std::to_string(want);
     };
     const auto fwd = [&](int k, int, std::span<const float> in, std::span<float> o) {
       std::this_thread::sleep_for(tf);
       if (s > 0) expect("activation", k, in.back(), float(k + s - 1));
-      if (s == 0) std::fill(o.begin(), o.end(), float(k));
-      else if (!o.empty()) std::transform(in.begin(), in.end(), o.begin(), [](float v) { return v + 1; });
+      if (s == 0)
+        std::fill(o.begin(), o.end(), float(k));
+      else if (!o.empty())
+        std::transform(in.begin(), in.end(), o.begin(), [](float v) { return v + 1; });
     };
     const auto bwd = [&](int k, int, std::span<const float> out_grad, std::span<float> in_grad) {
       std::this_thread::sleep_for(tb);
       if (s < p - 1) expect("gradient", k, out_grad.front(), float(k + p - 2 - s));
-      if (s == p - 1) std::fill(in_grad.begin(), in_grad.end(), float(k));
-      else if (!in_grad.empty()) std::transform(out_grad.begin(), out_grad.end(), in_grad.begin(), [](float v) { return v + 1; });
+      if (s == p - 1)
+        std::fill(in_grad.begin(), in_grad.end(), float(k));
+      else if (!in_grad.empty())
+        std::transform(out_grad.begin(), out_grad.end(), in_grad.begin(),
+                       [](float v) { return v + 1; });
     };
     std::vector<double> times;
     for (int it = 0; it <= iterations; ++it) {
@@ -84,7 +89,9 @@ Measured measure(Schedule sched, int stages, int m, int iterations) {
       const auto t0 = std::chrono::steady_clock::now();
       stats[std::size_t(it)][std::size_t(s)] = pipe.run(fwd, bwd);
       pp.barrier();
-      if (it > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (it > 0)
+        times.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     if (s == 0) out.seconds = times;
   });
@@ -94,7 +101,8 @@ Measured measure(Schedule sched, int stages, int m, int iterations) {
     const auto& st = stats[0][std::size_t(s)];
     const std::uint64_t msgs = std::uint64_t(s > 0 ? m : 0) + std::uint64_t(s < stages - 1 ? m : 0);
     if (out.error.empty() && (st.sent != msgs || st.received != msgs))
-      out.error = "stage " + std::to_string(s) + " message counts differ from 2 per micro-batch per boundary";
+      out.error = "stage " + std::to_string(s) +
+                  " message counts differ from 2 per micro-batch per boundary";
     if (out.error.empty() && st.peak_in_flight != zp::pipeline::max_in_flight(sched, stages, s, m))
       out.error = "stage " + std::to_string(s) + " peak in flight differs from max_in_flight";
   }
@@ -137,10 +145,18 @@ void pipeline_flush(benchmark::State& state, Schedule sched) {
 
 // Names: pipeline/gpipe/stages:P/micro_batches:M/iterations:5/manual_time.
 BENCHMARK_CAPTURE(pipeline_flush, gpipe, Schedule::gpipe)
-    ->Name("pipeline/gpipe")->ArgNames({"stages", "micro_batches"})->ArgsProduct({{2, 4}, {4, 8, 16}})
-    ->Iterations(5)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("pipeline/gpipe")
+    ->ArgNames({"stages", "micro_batches"})
+    ->ArgsProduct({{2, 4}, {4, 8, 16}})
+    ->Iterations(5)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(pipeline_flush, one_f_one_b, Schedule::one_f_one_b)
-    ->Name("pipeline/1f1b")->ArgNames({"stages", "micro_batches"})->ArgsProduct({{2, 4}, {4, 8, 16}})
-    ->Iterations(5)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("pipeline/1f1b")
+    ->ArgNames({"stages", "micro_batches"})
+    ->ArgsProduct({{2, 4}, {4, 8, 16}})
+    ->Iterations(5)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

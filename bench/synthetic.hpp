@@ -69,9 +69,11 @@ std::string check_first_step(const E& engine, const zp::StepResult& first, int r
                           2.0 * f * double(E::statistics_count * sizeof(double));
   const double bus = engine.last_step_comm().total().bus_bytes;
   if (!first.applied) return "the first step was not applied";
-  if (engine.memory().model_states() != zp::zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T), 2))
+  if (engine.memory().model_states() !=
+      zp::zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T), 2))
     return "model-state bytes differ from the ZeRO formula";
-  if (std::abs(bus - want_bus) > 1e-6 * want_bus + 1) return "bus bytes differ from the ZeRO formula";
+  if (std::abs(bus - want_bus) > 1e-6 * want_bus + 1)
+    return "bus bytes differ from the ZeRO formula";
   return "";
 }
 

@@ -36,7 +36,10 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
   std::vector<bf16> grad_w, grad_b;  // the "computed" gradient each backward writes
   float sink = 0;
 
-  Synthetic() : SyntheticParams(weight_elems, bias_elems), grad_w(weight_elems), grad_b(bias_elems, bf16(1e-3f)) {
+  Synthetic()
+      : SyntheticParams(weight_elems, bias_elems),
+        grad_w(weight_elems),
+        grad_b(bias_elems, bf16(1e-3f)) {
     for (std::size_t i = 0; i < weight_elems; ++i) grad_w[i] = weight_grad(i);
   }
   void forward(int m) {  // touches the gathered parameters, as a layer would
@@ -110,9 +113,38 @@ void zero_step(benchmark::State& state) {
 }  // namespace
 
 // Names: zero_step/stage:S/ranks:N/iterations:3/manual_time.
-BENCHMARK(zero_step<0>)->Name("zero_step/stage:0")->ArgName("ranks")->Arg(1)->Arg(2)->Arg(4)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<1>)->Name("zero_step/stage:1")->ArgName("ranks")->Arg(2)->Arg(4)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<2>)->Name("zero_step/stage:2")->ArgName("ranks")->Arg(2)->Arg(4)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<3>)->Name("zero_step/stage:3")->ArgName("ranks")->Arg(2)->Arg(4)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(zero_step<0>)
+    ->Name("zero_step/stage:0")
+    ->ArgName("ranks")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(zero_step<1>)
+    ->Name("zero_step/stage:1")
+    ->ArgName("ranks")
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(zero_step<2>)
+    ->Name("zero_step/stage:2")
+    ->ArgName("ranks")
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(zero_step<3>)
+    ->Name("zero_step/stage:3")
+    ->ArgName("ranks")
+    ->Arg(2)
+    ->Arg(4)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

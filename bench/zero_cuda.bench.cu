@@ -56,7 +56,8 @@ void ok(cudaError_t e, const char* what) { zp::device::check(e, what); }
 
 __global__ void touch_kernel(const bf16* w, std::size_t n, float* sink) {
   float acc = 0;  // reads one element per 4096, as the CPU bench's forward
-  for (std::size_t i = threadIdx.x * 4096; i < n; i += std::size_t(blockDim.x) * 4096) acc += float(w[i]);
+  for (std::size_t i = threadIdx.x * 4096; i < n; i += std::size_t(blockDim.x) * 4096)
+    acc += float(w[i]);
   if (acc == 12345.0f) *sink = acc;  // never true; keeps the reads
 }
 
@@ -94,24 +95,38 @@ struct Bare {
   DevBuf<double> stats{zp::detail::StepGate::statistics + 2};
 
   Bare(std::size_t total, int ranks, int r)
-      : P(total), shard(total / std::size_t(ranks)), n(ranks), rank(r), params(Stage < 3 ? P : shard),
-        grads(P), gathered(Stage == 3 ? P : 0), master(Stage < 1 ? P : shard),
-        m(Stage < 1 ? P : shard), v(Stage < 1 ? P : shard) {
+      : P(total),
+        shard(total / std::size_t(ranks)),
+        n(ranks),
+        rank(r),
+        params(Stage < 3 ? P : shard),
+        grads(P),
+        gathered(Stage == 3 ? P : 0),
+        master(Stage < 1 ? P : shard),
+        m(Stage < 1 ? P : shard),
+        v(Stage < 1 ? P : shard) {
     for (auto* b : {&master, &m, &v}) Dev::zero(b->span());
     Dev::zero(params.span());
     Dev::zero(grads.span());
   }
-  void step(Collective<CudaThreads>& comm, Synthetic& model, const zp::optim::AdamW& opt, std::int64_t t) {
+  void step(Collective<CudaThreads>& comm, Synthetic& model, const zp::optim::AdamW& opt,
+            std::int64_t t) {
     const std::size_t mod = weight_elems + bias_elems;
-    if constexpr (Stage == 3) comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
+    if constexpr (Stage == 3)
+      comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
     for (int k = 0; k < modules; ++k)
       model.touch((Stage == 3 ? gathered : params).data() + std::size_t(k) * mod);
-    if constexpr (Stage == 3) comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
+    if constexpr (Stage == 3)
+      comm.all_gather(std::span<const bf16>(params.span()), gathered.span());
     for (int k = modules - 1; k >= 0; --k)
-      model.write_grads(grads.data() + std::size_t(k) * mod, grads.data() + std::size_t(k) * mod + weight_elems);
-    if constexpr (Stage == 0) comm.all_reduce(grads.span(), zp::ReduceOp::avg);
-    else comm.reduce_scatter(grads.span(), zp::ReduceOp::avg);
-    const std::span<bf16> g = Stage == 0 ? grads.span() : grads.span(std::size_t(rank) * shard, shard);
+      model.write_grads(grads.data() + std::size_t(k) * mod,
+                        grads.data() + std::size_t(k) * mod + weight_elems);
+    if constexpr (Stage == 0)
+      comm.all_reduce(grads.span(), zp::ReduceOp::avg);
+    else
+      comm.reduce_scatter(grads.span(), zp::ReduceOp::avg);
+    const std::span<bf16> g =
+        Stage == 0 ? grads.span() : grads.span(std::size_t(rank) * shard, shard);
     constexpr std::size_t k = zp::detail::StepGate::statistics;
     double host[k + 2] = {};
     Dev::from_host(stats.span(), std::span<const double>(host));
@@ -121,12 +136,14 @@ struct Bare {
     zp::optim::ShardView<bf16, bf16> view;
     view.master = master.span();
     view.grad = g;
-    view.param = Stage == 0 || Stage == 3 ? params.span() : params.span(std::size_t(rank) * shard, shard);
+    view.param =
+        Stage == 0 || Stage == 3 ? params.span() : params.span(std::size_t(rank) * shard, shard);
     view.state[0] = m.span();
     view.state[1] = v.span();
     DevStep::update(opt, zp::optim::StepScalars{t, 1.0f}, view, {}, stats.data() + k);
     if constexpr (Stage == 1 || Stage == 2) comm.all_gather(params.span());
-    Dev::to_host(std::span<double>(host), std::span<const double>(stats.span()));  // the step's one sync
+    Dev::to_host(std::span<double>(host),
+                 std::span<const double>(stats.span()));  // the step's one sync
   }
 };
 
@@ -218,7 +235,10 @@ template <int Stage>
 void zero_offload_gpu(benchmark::State& state) {
   const int ranks = int(state.range(0));
   Measured gpu, off;
-  if (!guarded(state, [&] { gpu = measure<Stage>(ranks, 5, false), off = measure<Stage>(ranks, 5, true); })) return;
+  if (!guarded(state, [&] {
+        gpu = measure<Stage>(ranks, 5, false), off = measure<Stage>(ranks, 5, true);
+      }))
+    return;
   if (!off.error.empty()) return state.SkipWithError(off.error.c_str());
   for (auto _ : state) state.SetIterationTime(off.seconds);
   state.counters["vs_gpu_step"] = off.seconds / gpu.seconds;
@@ -231,11 +251,31 @@ const bool registered = [] {
     std::printf("zp_bench_zero_cuda: no CUDA device, nothing to measure\n");
     return false;
   }
-  for (auto [name, fn] : {std::pair{"zero_step_gpu/stage:0", &zero_step_gpu<0>}, {"zero_step_gpu/stage:1", &zero_step_gpu<1>},
-                          {"zero_step_gpu/stage:2", &zero_step_gpu<2>}, {"zero_step_gpu/stage:3", &zero_step_gpu<3>}})
-    benchmark::RegisterBenchmark(name, fn)->ArgName("ranks")->Arg(1)->Arg(2)->Arg(4)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("zero_offload_gpu/stage:2", &zero_offload_gpu<2>)->ArgName("ranks")->Arg(1)->Arg(2)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("zero_offload_gpu/stage:3", &zero_offload_gpu<3>)->ArgName("ranks")->Arg(2)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (auto [name, fn] : {std::pair{"zero_step_gpu/stage:0", &zero_step_gpu<0>},
+                          {"zero_step_gpu/stage:1", &zero_step_gpu<1>},
+                          {"zero_step_gpu/stage:2", &zero_step_gpu<2>},
+                          {"zero_step_gpu/stage:3", &zero_step_gpu<3>}})
+    benchmark::RegisterBenchmark(name, fn)
+        ->ArgName("ranks")
+        ->Arg(1)
+        ->Arg(2)
+        ->Arg(4)
+        ->Iterations(1)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("zero_offload_gpu/stage:2", &zero_offload_gpu<2>)
+      ->ArgName("ranks")
+      ->Arg(1)
+      ->Arg(2)
+      ->Iterations(1)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("zero_offload_gpu/stage:3", &zero_offload_gpu<3>)
+      ->ArgName("ranks")
+      ->Arg(2)
+      ->Iterations(1)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   return true;
 }();
 

@@ -2,7 +2,7 @@
 # Installs, from Debian's packages, whatever zp's build, tests, benchmarks and demo need and is
 # missing. The CUDA toolkit (optional) is expected in /usr/local/cuda.
 set -euo pipefail
-pkgs=(cmake ninja-build g++ make doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin
+pkgs=(cmake ninja-build g++ make clang-format doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin
       nlohmann-json3-dev python3-numpy python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -98,7 +98,8 @@ struct CharLm : examples::CharLmParams<T> {
     y.assign(std::size_t(batch * L.out), 0.0f);
     for (int b = 0; b < batch; ++b)
       for (int o = 0; o < L.out; ++o) {
-        const float a = dot(wf.data() + std::size_t(o) * std::size_t(L.in), x.data() + std::size_t(b * L.in), L.in) +
+        const float a = dot(wf.data() + std::size_t(o) * std::size_t(L.in),
+                            x.data() + std::size_t(b * L.in), L.in) +
                         float(L.b.value[std::size_t(o)]);
         y[std::size_t(b * L.out + o)] = m < 3 ? std::tanh(a) : a;
       }
@@ -132,7 +133,8 @@ struct CharLm : examples::CharLmParams<T> {
       for (int b = 0; b < batch; ++b)
         for (int c = 0; c < d.context; ++c)
           for (int e = 0; e < d.embed; ++e)
-            ge[std::size_t(ctx[std::size_t(b * d.context + c)] * d.embed + e)] += dh[0][std::size_t(b * w + c * d.embed + e)];
+            ge[std::size_t(ctx[std::size_t(b * d.context + c)] * d.embed + e)] +=
+                dh[0][std::size_t(b * w + c * d.embed + e)];
       add_into(emb.grad, ge);
       return;
     }
@@ -178,25 +180,33 @@ struct Options : examples::TrainFlags {  // TrainFlags' defaults are this demo's
 const char* usage =
     "usage: zp_demo [options]\n"
     "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
-    "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default threads)\n"
+    "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default "
+    "threads)\n"
     "  --ranks N          thread ranks for the threads backend (default 4)\n"
     "  --precision P      fp32, bf16 or fp16 (fp16 uses dynamic loss scaling) (default bf16)\n"
     "  --accum N          gradient accumulation steps (default 1)\n"
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
-    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory (default none)\n"
+    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
+    "(default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
-    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: never)\n"
-    "  --resume           continue from D/latest (any --ranks, --stage, --backend); none yet: step 0\n"
+    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
+    "never)\n"
+    "  --resume           continue from D/latest (any --ranks, --stage, --backend); none yet: step "
+    "0\n"
     "  --export DIR       write the trained model as DIR/model.safetensors at the end\n"
     "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
-    "  --log-json PATH    append one JSON line per step: loss and phase times (tools/plot_timers.py)\n"
-    "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, optimizer\n"
-    "                     (AdamW only in this demo), scheduler, clipping, loss scaling and buckets,\n"
-    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" batch\n"
+    "  --log-json PATH    append one JSON line per step: loss and phase times "
+    "(tools/plot_timers.py)\n"
+    "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
+    "optimizer\n"
+    "                     (AdamW only in this demo), scheduler, clipping, loss scaling and "
+    "buckets,\n"
+    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
+    "batch\n"
     "                     keys are filled from --micro-batch and --accum\n"
     "  --help             this text\n";
 
@@ -206,25 +216,35 @@ const examples::Program program{"zp_demo", usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(
-      program, argc, argv,
-      [&](const std::string& a, const std::string& v) {
-        if (a == "--resume") o.resume = true;
-        else if (a == "--wall-clock-breakdown") o.breakdown = true;
-        else if (examples::parse_train_flag(program, o, a, v)) return true;
-        else if (a == "--save-every") o.save_every = examples::to_int(program, a, v, 1, 10000000);
-        else if (a == "--checkpoint-dir") o.checkpoint_dir = v;
-        else if (a == "--export") o.export_dir = v;
-        else if (a == "--log-json") o.log_json = v;
-        else if (a == "--config") o.config = v;
-        else return false;
-        return true;
-      },
-      {"--resume", "--wall-clock-breakdown"});
-  if ((o.save_every || o.resume) && o.checkpoint_dir.empty()) bad("--save-every and --resume need --checkpoint-dir");
+  examples::parse_args(program, argc, argv,
+                       [&](const std::string& a, const std::string& v) {
+                         if (a == "--resume")
+                           o.resume = true;
+                         else if (a == "--wall-clock-breakdown")
+                           o.breakdown = true;
+                         else if (examples::parse_train_flag(program, o, a, v))
+                           return true;
+                         else if (a == "--save-every")
+                           o.save_every = examples::to_int(program, a, v, 1, 10000000);
+                         else if (a == "--checkpoint-dir")
+                           o.checkpoint_dir = v;
+                         else if (a == "--export")
+                           o.export_dir = v;
+                         else if (a == "--log-json")
+                           o.log_json = v;
+                         else if (a == "--config")
+                           o.config = v;
+                         else
+                           return false;
+                         return true;
+                       },
+                       {"--resume", "--wall-clock-breakdown"});
+  if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
+    bad("--save-every and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
-    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no checkpoints or configs");
+    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no "
+        "checkpoints or configs");
 #endif
   examples::default_text(program, o.text);
   return o;
@@ -239,24 +259,29 @@ zp::EngineConfig flag_config(const Options& o) {
   cfg.max_grad_norm = 1.0f;
   cfg.bucket_bytes = std::size_t(256) << 10;  // several buckets even for this small model
   cfg.first_bucket_bytes = std::size_t(64) << 10;
-  cfg.persist_threshold = 10000;              // the output bias and small layers stay gathered
+  cfg.persist_threshold = 10000;  // the output bias and small layers stay gathered
   cfg.wall_clock_breakdown = o.breakdown;
   cfg.steps_per_print = o.log_every;
   cfg.offload_optimizer = o.offload;
-  if (o.precision == "fp16") cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
+  if (o.precision == "fp16")
+    cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return cfg;
 }
 
 zp::schedule::Any flag_schedule(const Options& o) {
-  return zp::schedule::WarmupCosineLR{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
-                                      .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+  return zp::schedule::WarmupCosineLR{.base_lr = o.lr,
+                                      .total_num_steps = o.steps,
+                                      .warmup_num_steps = std::max(1, o.steps / 20),
+                                      .cos_min_ratio = 0.1,
+                                      .warmup_type = zp::schedule::Warmup::linear};
 }
 
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config.
 template <class E, class B>
-void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, const zp::EngineConfig& cfg,
-           typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
+void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
+           const zp::EngineConfig& cfg, typename E::optimizer_type opt,
+           const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
   const int n = comm.size(), r = comm.rank();
@@ -265,28 +290,35 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
   dims.vocab = int(corpus.chars.size());
   CharLm<T> model(dims);
   E engine(comm, model, cfg, opt);
-  const int micro_batch = int(engine.batch().micro_batch_per_rank), accum = int(engine.batch().gradient_accumulation_steps);
+  const int micro_batch = int(engine.batch().micro_batch_per_rank),
+            accum = int(engine.batch().gradient_accumulation_steps);
 
   const auto& L = engine.layout();
   if (lead) {
-    std::printf("zp_demo: char-level LM on %zu characters (vocabulary %d), %zu parameters in %d modules, %d buckets\n",
-                corpus.ids.size(), dims.vocab, L.used(), L.module_count(), L.segment_count());
-    std::printf("         ZeRO stage %d, backend %s, %d ranks, %s, micro-batch %d x accumulation %d x ranks %d = %lld sequences/step\n",
-                Stage, B::name, n, zp::name(zp::dtype_of<T>), micro_batch, accum, n,
-                static_cast<long long>(engine.batch().train_batch_size));
+    std::printf(
+        "zp_demo: char-level LM on %zu characters (vocabulary %d), %zu parameters in %d modules, "
+        "%d buckets\n",
+        corpus.ids.size(), dims.vocab, L.used(), L.module_count(), L.segment_count());
+    std::printf(
+        "         ZeRO stage %d, backend %s, %d ranks, %s, micro-batch %d x accumulation %d x "
+        "ranks %d = %lld sequences/step\n",
+        Stage, B::name, n, zp::name(zp::dtype_of<T>), micro_batch, accum, n,
+        static_cast<long long>(engine.batch().train_batch_size));
   }
   // Each micro-batch's samples depend only on (rank, step, micro-step), so a resumed run needs
   // nothing but the step to continue the same data stream.
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   auto next_batch = [&](std::int64_t step, int a) {
-    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull + std::uint64_t(r) * 7919 + 17);
+    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull +
+                        std::uint64_t(r) * 7919 + 17);
     model.batch = micro_batch;
     model.ctx.resize(std::size_t(micro_batch * dims.context));
     model.target.resize(std::size_t(micro_batch));
     for (int b = 0; b < micro_batch; ++b) {
       const std::size_t s = pick(rng);
-      for (int c = 0; c < dims.context; ++c) model.ctx[std::size_t(b * dims.context + c)] = corpus.ids[s + std::size_t(c)];
+      for (int c = 0; c < dims.context; ++c)
+        model.ctx[std::size_t(b * dims.context + c)] = corpus.ids[s + std::size_t(c)];
       model.target[std::size_t(b)] = corpus.ids[s + std::size_t(dims.context)];
     }
   };
@@ -294,20 +326,23 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
   int first_step = 0;
 #if ZP_DEMO_IO
   // --resume with no checkpoint yet starts at step 0, so one command line serves every restart.
-  std::int64_t saved = o.resume && std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
-  if (o.resume) comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
+  std::int64_t saved =
+      o.resume && std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
+  if (o.resume)
+    comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
   if (o.resume && !saved && lead)
     std::printf("no checkpoint in %s yet: starting at step 0\n", o.checkpoint_dir.c_str());
   if (saved) {
     const std::vector<std::byte> blob = zp::load_checkpoint(engine, o.checkpoint_dir);
     std::int64_t done = 0;
-    if (blob.size() != sizeof done) throw std::runtime_error("the checkpoint's user data is not a zp_demo step count");
+    if (blob.size() != sizeof done)
+      throw std::runtime_error("the checkpoint's user data is not a zp_demo step count");
     std::memcpy(&done, blob.data(), sizeof done);
     first_step = int(done);
     if (lead)
-      std::printf("resumed from %s/%s at step %d (%lld updates applied)\n", o.checkpoint_dir.c_str(),
-                  zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(), first_step,
-                  static_cast<long long>(engine.steps()));
+      std::printf("resumed from %s/%s at step %d (%lld updates applied)\n",
+                  o.checkpoint_dir.c_str(), zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(),
+                  first_step, static_cast<long long>(engine.steps()));
   }
 #endif
   std::FILE* json = nullptr;
@@ -334,13 +369,16 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
       res = engine.step();
     }
     if (step > first_step) sum += res.times;
-    if (json) std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss, res.times.json_fields().c_str());
+    if (json)
+      std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss,
+                   res.times.json_fields().c_str());
     progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
 #if ZP_DEMO_IO
     if (o.save_every && (step + 1) % o.save_every == 0) {
       const std::int64_t done = step + 1;
       const std::string tag = "step" + std::to_string(done);
-      zp::save_checkpoint(engine, o.checkpoint_dir, tag, std::as_bytes(std::span<const std::int64_t>(&done, 1)));
+      zp::save_checkpoint(engine, o.checkpoint_dir, tag,
+                          std::as_bytes(std::span<const std::int64_t>(&done, 1)));
       if (lead) std::printf("saved %s/%s\n", o.checkpoint_dir.c_str(), tag.c_str());
     }
 #endif
@@ -357,18 +395,22 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus, cons
   const double f = n > 1 ? double(n - 1) / n : 0.0;
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
   if (lead) {
-    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n", progress.first_loss(),
-                progress.last_loss(), o.steps - first_step, static_cast<long long>(engine.steps()),
+    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n",
+                progress.first_loss(), progress.last_loss(), o.steps - first_step,
+                static_cast<long long>(engine.steps()),
                 static_cast<unsigned long long>(progress.skipped()), secs);
     examples::print_memory(engine.memory());
     if (o.steps - first_step > 1)
-      std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n", o.steps - first_step - 1,
+      std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n",
+                  o.steps - first_step - 1,
                   (zp::StepTimes(sum) *= 1.0 / double(o.steps - first_step - 1)).describe().c_str(),
                   100.0 * sum.untracked() / sum.total);
-    std::printf("communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f MB), "
-                "%llu calls; total %.3f GB\n",
-                c.total().bus_bytes / 1e6, want / 1e6, static_cast<unsigned long long>(c.total().calls),
-                double(comm.stats().total().bytes) / 1e9);
+    std::printf(
+        "communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f "
+        "MB), "
+        "%llu calls; total %.3f GB\n",
+        c.total().bus_bytes / 1e6, want / 1e6, static_cast<unsigned long long>(c.total().calls),
+        double(comm.stats().total().bytes) / 1e9);
   }
 }
 
@@ -380,14 +422,18 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
     // "auto" batch keys come from the flags (as Hugging Face's Trainer fills them).
     if (dc.is_auto("train_micro_batch_size_per_gpu")) dc.batch.micro_batch_per_rank = o.micro_batch;
     if (dc.is_auto("gradient_accumulation_steps")) dc.batch.gradient_accumulation_steps = o.accum;
-    if (dc.is_auto("optimizer.params.lr")) std::visit([&](auto& opt) { opt.lr = o.lr; }, dc.optimizer);
-    if (comm.rank() == 0) std::printf("zp_demo: %s\n%s", o.config.c_str(), zp::ds::describe(dc).c_str());
+    if (dc.is_auto("optimizer.params.lr"))
+      std::visit([&](auto& opt) { opt.lr = o.lr; }, dc.optimizer);
+    if (comm.rank() == 0)
+      std::printf("zp_demo: %s\n%s", o.config.c_str(), zp::ds::describe(dc).c_str());
     const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(o);
     using Types = zp::ds::Types<float, zp::bf16, zp::fp16>;
     using Stages = zp::ds::Stages<0, 1, 2, 3>;
-    using Optimizers = zp::ds::Optimizers<zp::optim::AdamW>;  // the demo's; a library user lists theirs
+    using Optimizers =
+        zp::ds::Optimizers<zp::optim::AdamW>;  // the demo's; a library user lists theirs
     zp::ds::with_engine<B, Types, Stages, Optimizers>(
-        dc, comm.size(), [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, typename E::optimizer_type opt) {
+        dc, comm.size(),
+        [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, typename E::optimizer_type opt) {
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || o.breakdown;
           train<E>(comm, o, c, ec, opt, sched);
         });
@@ -397,9 +443,10 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
   const zp::EngineConfig cfg = flag_config(o);
   const zp::optim::AdamW opt{.lr = o.lr, .weight_decay = 0.01f};
   const zp::schedule::Any sched = flag_schedule(o);
-  zp::dispatch(o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-    train<zp::Engine<B, T, Stage>>(comm, o, c, cfg, opt, sched);
-  });
+  zp::dispatch(o.dtype(), o.stage,
+               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+                 train<zp::Engine<B, T, Stage>>(comm, o, c, cfg, opt, sched);
+               });
 }
 
 }  // namespace
@@ -407,5 +454,6 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const Corpus corpus = examples::load_corpus_or_exit(program, o.text, 100);
-  return examples::launch(program, argc, argv, o.backend, o.ranks, [&](auto& comm) { dispatch(comm, o, corpus); });
+  return examples::launch(program, argc, argv, o.backend, o.ranks,
+                          [&](auto& comm) { dispatch(comm, o, corpus); });
 }

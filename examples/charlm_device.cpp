@@ -48,7 +48,8 @@ double device_mean(Comm& comm, double x) {
   zp::Buffer<double, zp::MemorySpace::device> d(1);
   zp::Memory<zp::MemorySpace::device>::from_host(d.span(), std::span<const double>(&x, 1));
   comm.all_reduce(d.span(), zp::ReduceOp::avg);
-  zp::Memory<zp::MemorySpace::device>::to_host(std::span<double>(&x, 1), std::span<const double>(d.span()));
+  zp::Memory<zp::MemorySpace::device>::to_host(std::span<double>(&x, 1),
+                                               std::span<const double>(d.span()));
   return x;
 }
 }  // namespace examples
@@ -150,13 +151,14 @@ struct CharLmDevice : examples::CharLmParams<T> {
   DevBuf<float> h[4], dh[4], wf, gw;
   DevBuf<double> row_loss, loss_sum;
 
-  CharLmDevice(Dims dims, int micro_batch, std::uint64_t seed = 1) : Base(dims, seed), rows(micro_batch) {
+  CharLmDevice(Dims dims, int micro_batch, std::uint64_t seed = 1)
+      : Base(dims, seed), rows(micro_batch) {
     std::size_t most = emb.size();
     for (const Dense& L : layer) most = std::max(most, L.w.size());
     ctx = DevBuf<int>(std::size_t(rows) * d.context);
     target = DevBuf<int>(std::size_t(rows));
-    const std::size_t widths[4] = {std::size_t(d.context) * d.embed, std::size_t(d.hidden), std::size_t(d.hidden),
-                                   std::size_t(d.vocab)};
+    const std::size_t widths[4] = {std::size_t(d.context) * d.embed, std::size_t(d.hidden),
+                                   std::size_t(d.hidden), std::size_t(d.vocab)};
     for (int k = 0; k < 4; ++k) {
       h[k] = DevBuf<float>(std::size_t(rows) * widths[k]);
       dh[k] = DevBuf<float>(std::size_t(rows) * widths[k]);
@@ -177,19 +179,22 @@ struct CharLmDevice : examples::CharLmParams<T> {
   // an [in, out] matrix, x an [in, rows] one and y an [out, rows] one, so y = w^T x.
   void forward(int m) {
     if (m == 0) {
-      zp::device::launch(stream(), std::size_t(rows) * d.context * d.embed, Embed<T>{h[0].data(), emb.value.data(), ctx.data(), d.embed});
+      zp::device::launch(stream(), std::size_t(rows) * d.context * d.embed,
+                         Embed<T>{h[0].data(), emb.value.data(), ctx.data(), d.embed});
       return;
     }
     Dense& L = layer[m - 1];
     Dev::convert(wf.span(0, L.w.size()), std::span<const T>(L.w.value.data(), L.w.size()));
-    zp::device::gemm(stream(), true, false, L.out, rows, L.in, 1.0f, wf.data(), L.in, h[m - 1].data(), L.in, 0.0f,
-                     h[m].data(), L.out);
-    zp::device::launch(stream(), std::size_t(rows) * L.out, BiasAct<T>{h[m].data(), L.b.value.data(), L.out, m < 3});
+    zp::device::gemm(stream(), true, false, L.out, rows, L.in, 1.0f, wf.data(), L.in,
+                     h[m - 1].data(), L.in, 0.0f, h[m].data(), L.out);
+    zp::device::launch(stream(), std::size_t(rows) * L.out,
+                       BiasAct<T>{h[m].data(), L.b.value.data(), L.out, m < 3});
   }
 
   void loss(float scale) {
-    zp::device::launch(stream(), std::size_t(rows),
-                       Xent{dh[3].data(), row_loss.data(), h[3].data(), target.data(), rows, d.vocab, scale});
+    zp::device::launch(
+        stream(), std::size_t(rows),
+        Xent{dh[3].data(), row_loss.data(), h[3].data(), target.data(), rows, d.vocab, scale});
     zp::device::sum(stream(), std::size_t(rows), Value{row_loss.data()}, loss_sum.data());
   }
   // The sum of the micro-batch mean losses since the last call (reads the device: a sync).
@@ -204,23 +209,29 @@ struct CharLmDevice : examples::CharLmParams<T> {
   void backward(int m) {
     if (m == 0) {
       Dev::zero(gw.span(0, emb.size()));
-      zp::device::launch(stream(), std::size_t(d.embed),
-                         EmbedGrad{gw.data(), dh[0].data(), ctx.data(), std::size_t(rows) * d.context, d.embed});
-      Dev::accumulate(std::span<T>(emb.grad.data(), emb.size()), std::span<const float>(gw.span(0, emb.size())));
+      zp::device::launch(
+          stream(), std::size_t(d.embed),
+          EmbedGrad{gw.data(), dh[0].data(), ctx.data(), std::size_t(rows) * d.context, d.embed});
+      Dev::accumulate(std::span<T>(emb.grad.data(), emb.size()),
+                      std::span<const float>(gw.span(0, emb.size())));
       return;
     }
     Dense& L = layer[m - 1];
-    if (m < 3) zp::device::launch(stream(), std::size_t(rows) * L.out, TanhGrad{dh[m].data(), h[m].data()});
+    if (m < 3)
+      zp::device::launch(stream(), std::size_t(rows) * L.out, TanhGrad{dh[m].data(), h[m].data()});
     // gW (row-major [out, in]) = dy^T x: column-major [in, out] = x^T(in x rows) dy(rows x out).
-    zp::device::gemm(stream(), false, true, L.in, L.out, rows, 1.0f, h[m - 1].data(), L.in, dh[m].data(), L.out, 0.0f,
-                     gw.data(), L.in);
-    Dev::accumulate(std::span<T>(L.w.grad.data(), L.w.size()), std::span<const float>(gw.span(0, L.w.size())));
-    zp::device::launch(stream(), std::size_t(L.out), ColumnSum{gw.data(), dh[m].data(), rows, L.out});
-    Dev::accumulate(std::span<T>(L.b.grad.data(), L.b.size()), std::span<const float>(gw.span(0, L.b.size())));
+    zp::device::gemm(stream(), false, true, L.in, L.out, rows, 1.0f, h[m - 1].data(), L.in,
+                     dh[m].data(), L.out, 0.0f, gw.data(), L.in);
+    Dev::accumulate(std::span<T>(L.w.grad.data(), L.w.size()),
+                    std::span<const float>(gw.span(0, L.w.size())));
+    zp::device::launch(stream(), std::size_t(L.out),
+                       ColumnSum{gw.data(), dh[m].data(), rows, L.out});
+    Dev::accumulate(std::span<T>(L.b.grad.data(), L.b.size()),
+                    std::span<const float>(gw.span(0, L.b.size())));
     // dx (row-major [rows, in]) = dy w: column-major [in, rows] = w(in x out) dy^T(out x rows).
     Dev::convert(wf.span(0, L.w.size()), std::span<const T>(L.w.value.data(), L.w.size()));
-    zp::device::gemm(stream(), false, false, L.in, rows, L.out, 1.0f, wf.data(), L.in, dh[m].data(), L.out, 0.0f,
-                     dh[m - 1].data(), L.in);
+    zp::device::gemm(stream(), false, false, L.in, rows, L.out, 1.0f, wf.data(), L.in, dh[m].data(),
+                     L.out, 0.0f, dh[m - 1].data(), L.in);
   }
 };
 
@@ -232,12 +243,15 @@ struct Options : examples::TrainFlags {
 };
 
 const char* usage =
-    "usage: " ZP_DEMO_NAME " [options]\n"
-    "  --backend B        cuda_threads (N ranks on one device) or nccl (zp_demo_gpu under mpirun, one process per GPU)\n"
+    "usage: " ZP_DEMO_NAME
+    " [options]\n"
+    "  --backend B        cuda_threads (N ranks on one device) or nccl (zp_demo_gpu under mpirun, "
+    "one process per GPU)\n"
     "  --ranks N          ranks for cuda_threads (default 4)\n"
     "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
     "  --precision P      fp32 or bf16 (default bf16)\n"
-    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory (default none)\n"
+    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
+    "(default none)\n"
     "  --accum N          gradient accumulation steps (default 1)\n"
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
@@ -252,14 +266,21 @@ Options parse(int argc, char** argv) {
   Options o;
   examples::parse_args(program, argc, argv, [&](const std::string& a, const std::string& v) {
     if (a == "--backend") {
-      if (v != "cuda_threads" && v != "nccl") examples::bad(program, "--backend expects cuda_threads or nccl, got '" + v + "'");
+      if (v != "cuda_threads" && v != "nccl")
+        examples::bad(program, "--backend expects cuda_threads or nccl, got '" + v + "'");
       o.backend = v;
     } else if (examples::parse_train_flag(program, o, a, v)) {
-      if (o.precision == "fp16") examples::bad(program, "--precision fp16 is not offered by the device demo; use fp32 or bf16");
-    } else if (a == "--embed") o.embed = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--context") o.context = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--hidden") o.hidden = examples::to_int(program, a, v, 1, 1 << 20);
-    else return false;
+      if (o.precision == "fp16")
+        examples::bad(program,
+                      "--precision fp16 is not offered by the device demo; use fp32 or bf16");
+    } else if (a == "--embed")
+      o.embed = examples::to_int(program, a, v, 1, 65536);
+    else if (a == "--context")
+      o.context = examples::to_int(program, a, v, 1, 65536);
+    else if (a == "--hidden")
+      o.hidden = examples::to_int(program, a, v, 1, 1 << 20);
+    else
+      return false;
     return true;
   });
   examples::default_text(program, o.text);
@@ -278,13 +299,18 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   ec.offload_optimizer = o.offload;
   E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr});
   const zp::schedule::Any schedule =
-      zp::schedule::WarmupCosineLR{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
-                                   .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+      zp::schedule::WarmupCosineLR{.base_lr = o.lr,
+                                   .total_num_steps = o.steps,
+                                   .warmup_num_steps = std::max(1, o.steps / 20),
+                                   .cos_min_ratio = 0.1,
+                                   .warmup_type = zp::schedule::Warmup::linear};
   if (r == 0)
-    std::printf(ZP_DEMO_NAME ": char-level LM on %zu characters (vocabulary %d), %zu parameters; ZeRO stage %d, backend %s, "
+    std::printf(ZP_DEMO_NAME
+                ": char-level LM on %zu characters (vocabulary %d), %zu parameters; ZeRO stage %d, "
+                "backend %s, "
                 "%d ranks, %s%s\n",
-                corpus.ids.size(), dims.vocab, engine.layout().used(), E::stage, B::name, n, zp::name(zp::dtype_of<T>),
-                o.offload ? ", optimizer offloaded to the CPU" : "");
+                corpus.ids.size(), dims.vocab, engine.layout().used(), E::stage, B::name, n,
+                zp::name(zp::dtype_of<T>), o.offload ? ", optimizer offloaded to the CPU" : "");
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   std::vector<int> c(std::size_t(o.micro_batch) * dims.context), t(std::size_t(o.micro_batch));
@@ -294,10 +320,12 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     zp::StepResult res;
     for (int a = 0; a < o.accum; ++a) {
-      std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull + std::uint64_t(r) * 7919 + 17);
+      std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull +
+                          std::uint64_t(r) * 7919 + 17);
       for (int b = 0; b < o.micro_batch; ++b) {
         const std::size_t s = pick(rng);
-        for (int k = 0; k < dims.context; ++k) c[std::size_t(b * dims.context + k)] = corpus.ids[s + std::size_t(k)];
+        for (int k = 0; k < dims.context; ++k)
+          c[std::size_t(b * dims.context + k)] = corpus.ids[s + std::size_t(k)];
         t[std::size_t(b)] = corpus.ids[s + std::size_t(dims.context)];
       }
       model.load(c, t);
@@ -319,8 +347,9 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   zp::device::synchronize(stream(), "demo end");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (r == 0) {
-    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates), %.1f s, %.0f tokens/s\n", progress.first_loss(),
-                progress.last_loss(), o.steps, static_cast<long long>(engine.steps()), secs,
+    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates), %.1f s, %.0f tokens/s\n",
+                progress.first_loss(), progress.last_loss(), o.steps,
+                static_cast<long long>(engine.steps()), secs,
                 double(o.steps) * o.micro_batch * o.accum * n / secs);
     examples::print_memory(engine.memory());
   }
@@ -330,7 +359,8 @@ template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
   // fp16 is refused by the flags: the device demo has no loss scaling.
   zp::dispatch<zp::Types<float, zp::bf16>>(
-      o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+      o.dtype(), o.stage,
+      [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
         train<zp::Engine<B, T, Stage>>(comm, o, corpus);
       });
 }
@@ -341,7 +371,8 @@ using namespace demo_device;
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  const examples::Corpus corpus = examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
+  const examples::Corpus corpus =
+      examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
   if (zp::device::device_count() == 0) {
     std::fprintf(stderr, ZP_DEMO_NAME ": no CUDA device available\n");
     return 2;
@@ -350,7 +381,8 @@ int main(int argc, char** argv) {
     if (o.backend == "nccl") {
 #if ZP_DEMO_NCCL
       zp::backend::MpiEnvironment env(&argc, &argv);
-      zp::Collective<zp::backend::Nccl> comm(zp::backend::nccl_from_mpi(MPI_COMM_WORLD));  // sets the device
+      zp::Collective<zp::backend::Nccl> comm(
+          zp::backend::nccl_from_mpi(MPI_COMM_WORLD));  // sets the device
       zp::device::Stream compute;  // the model's and the engine's; nccl communicates on its own
       zp::device::StreamScope on(compute.get());
       dispatch(comm, o, corpus);
@@ -358,7 +390,9 @@ int main(int argc, char** argv) {
       examples::bad(program, "this " ZP_DEMO_NAME " was built without NCCL and MPI");
 #endif
     } else {
-      zp::backend::run_cuda_threads(o.ranks, [&](zp::Collective<zp::backend::CudaThreads>& comm) { dispatch(comm, o, corpus); });
+      zp::backend::run_cuda_threads(o.ranks, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
+        dispatch(comm, o, corpus);
+      });
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, ZP_DEMO_NAME ": %s\n", e.what());

@@ -36,7 +36,8 @@ struct CharLmParams {
     emb = zp::Param<T>(std::size_t(d.vocab) * std::size_t(d.embed));
     for (std::size_t i = 0; i < emb.size(); ++i) emb0.push_back(T(0.5f * u(rng)));
     emb.value.rebind(emb0.data());
-    const int ins[3] = {d.context * d.embed, d.hidden, d.hidden}, outs[3] = {d.hidden, d.hidden, d.vocab};
+    const int ins[3] = {d.context * d.embed, d.hidden, d.hidden},
+              outs[3] = {d.hidden, d.hidden, d.vocab};
     for (int l = 0; l < 3; ++l) {
       Dense& L = layer[l];
       L.in = ins[l];

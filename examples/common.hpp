@@ -83,8 +83,8 @@ void parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
       std::fputs(p.usage, stdout);
       std::exit(0);
     }
-    const bool is_switch = std::find_if(switches.begin(), switches.end(), [&](const char* s) { return a == s; }) !=
-                           switches.end();
+    const bool is_switch = std::find_if(switches.begin(), switches.end(),
+                                        [&](const char* s) { return a == s; }) != switches.end();
     if (!is_switch && i + 1 >= argc) bad(p, "unknown flag or missing value: '" + a + "'");
     const std::string v = is_switch ? std::string() : std::string(argv[++i]);
     if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");
@@ -95,7 +95,8 @@ inline int to_int(const Program& p, const std::string& flag, const std::string& 
   char* end = nullptr;
   const long x = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || x < lo || x > hi)
-    bad(p, flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+    bad(p, flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+               "], got '" + v + "'");
   return int(x);
 }
 
@@ -108,28 +109,41 @@ struct TrainFlags {
   std::vector<std::string> text;
 
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
-  zp::DType dtype() const { return precision == "fp32" ? zp::DType::f32 : precision == "fp16" ? zp::DType::f16 : zp::DType::bf16; }
+  zp::DType dtype() const {
+    return precision == "fp32"   ? zp::DType::f32
+           : precision == "fp16" ? zp::DType::f16
+                                 : zp::DType::bf16;
+  }
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
 // --micro-batch, --log-every, --backend, --precision, --lr, --offload, --text); false if not.
-inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a, const std::string& v) {
-  if (a == "--stage") o.stage = to_int(p, a, v, 0, 3);
-  else if (a == "--ranks") o.ranks = to_int(p, a, v, 1, 256);
-  else if (a == "--accum") o.accum = to_int(p, a, v, 1, 1024);
-  else if (a == "--steps") o.steps = to_int(p, a, v, 1, 10000000);
-  else if (a == "--micro-batch") o.micro_batch = to_int(p, a, v, 1, 65536);
-  else if (a == "--log-every") o.log_every = to_int(p, a, v, 1, 10000000);
+inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a,
+                             const std::string& v) {
+  if (a == "--stage")
+    o.stage = to_int(p, a, v, 0, 3);
+  else if (a == "--ranks")
+    o.ranks = to_int(p, a, v, 1, 256);
+  else if (a == "--accum")
+    o.accum = to_int(p, a, v, 1, 1024);
+  else if (a == "--steps")
+    o.steps = to_int(p, a, v, 1, 10000000);
+  else if (a == "--micro-batch")
+    o.micro_batch = to_int(p, a, v, 1, 65536);
+  else if (a == "--log-every")
+    o.log_every = to_int(p, a, v, 1, 10000000);
   else if (a == "--backend") {
     if (v != "threads" && v != "mpi") bad(p, "--backend expects threads or mpi, got '" + v + "'");
     o.backend = v;
   } else if (a == "--precision") {
-    if (v != "fp32" && v != "bf16" && v != "fp16") bad(p, "--precision expects fp32, bf16 or fp16, got '" + v + "'");
+    if (v != "fp32" && v != "bf16" && v != "fp16")
+      bad(p, "--precision expects fp32, bf16 or fp16, got '" + v + "'");
     o.precision = v;
   } else if (a == "--lr") {
     char* end = nullptr;
     o.lr = std::strtof(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f) bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
+    if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
+      bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
   } else if (a == "--offload") {
     if (v != "cpu" && v != "none") bad(p, "--offload expects cpu or none, got '" + v + "'");
     o.offload = v == "cpu";
@@ -175,12 +189,15 @@ double mean_over_ranks(Comm& comm, double x) {
 class Progress {
  public:
   Progress(int log_every, int first_step, int last_step)
-      : every_(log_every), first_step_(first_step), last_step_(last_step), t_log_(std::chrono::steady_clock::now()) {}
+      : every_(log_every),
+        first_step_(first_step),
+        last_step_(last_step),
+        t_log_(std::chrono::steady_clock::now()) {}
 
   // comm_bytes: what the run has communicated so far (default: comm's own counters).
   template <class Comm, class Engine>
-  void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res, std::int64_t tokens,
-            std::optional<std::uint64_t> comm_bytes = std::nullopt) {
+  void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res,
+            std::int64_t tokens, std::optional<std::uint64_t> comm_bytes = std::nullopt) {
     skipped_ += res.overflow;
     window_loss_ += loss;
     ++window_steps_;
@@ -192,10 +209,12 @@ class Progress {
     if (first_loss_ < 0) first_loss_ = mean;
     last_loss_ = mean;
     if (comm.rank() == 0)
-      std::printf("step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank %.2f MiB  comm %.3f GB\n",
-                  step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
-                  static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
-                  double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9);
+      std::printf(
+          "step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank "
+          "%.2f MiB  comm %.3f GB\n",
+          step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
+          static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
+          double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9);
     std::fflush(stdout);
     t_log_ = now;
     window_loss_ = 0;
@@ -205,7 +224,9 @@ class Progress {
 
   // Whether step() prints a line at this step (a trainer that keeps its loss on a device reads
   // it only then, passing the window's sum of per-step losses and 0 otherwise).
-  bool logs(int step) const noexcept { return (step + 1) % every_ == 0 || step == first_step_ || step + 1 == last_step_; }
+  bool logs(int step) const noexcept {
+    return (step + 1) % every_ == 0 || step == first_step_ || step + 1 == last_step_;
+  }
   double first_loss() const noexcept { return first_loss_; }
   double last_loss() const noexcept { return last_loss_; }
   std::uint64_t skipped() const noexcept { return skipped_; }
@@ -221,15 +242,18 @@ class Progress {
 
 // The summary's memory line.
 inline void print_memory(const zp::MemoryReport& m) {
-  std::printf("memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
-              "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
-              mib(m.params), mib(m.grads), mib(m.master), mib(m.optimizer_state), mib(m.model_states()),
-              mib(m.buckets), mib(m.gathered_peak));
-  if (m.offloaded) std::printf("        of which in host memory (ZeRO-Offload): %.3f MiB\n", mib(m.offloaded));
+  std::printf(
+      "memory per rank (MiB): params %.3f  grads %.3f  fp32 master %.3f  optimizer state %.3f  "
+      "= model states %.3f; buckets %.3f  gathered peak %.3f\n",
+      mib(m.params), mib(m.grads), mib(m.master), mib(m.optimizer_state), mib(m.model_states()),
+      mib(m.buckets), mib(m.gathered_peak));
+  if (m.offloaded)
+    std::printf("        of which in host memory (ZeRO-Offload): %.3f MiB\n", mib(m.offloaded));
 }
 
 // The training text, or the exit status 1 with the error printed.
-inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::string>& paths, std::size_t at_least) {
+inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::string>& paths,
+                                  std::size_t at_least) {
   Corpus c;
   try {
     c = load_corpus(paths);
@@ -238,8 +262,8 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
     std::exit(1);
   }
   if (c.ids.size() < at_least)
-    bad(p, "the training text is too short (" + std::to_string(c.ids.size()) + " characters, at least " +
-               std::to_string(at_least) + " needed)");
+    bad(p, "the training text is too short (" + std::to_string(c.ids.size()) +
+               " characters, at least " + std::to_string(at_least) + " needed)");
   return c;
 }
 
@@ -249,7 +273,8 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
 // `ranks` threads. Returns the exit status; errors are printed, on MPI by each rank before its
 // exception leaves the communicator (that aborts the job, and the abort cannot see the text).
 template <class Train>
-int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks, Train&& train) {
+int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks,
+           Train&& train) {
   try {
     if (backend == "mpi") {
 #if ZP_DEMO_MPI
@@ -263,10 +288,12 @@ int launch(const Program& p, int& argc, char**& argv, const std::string& backend
       }
 #else
       (void)argc, (void)argv;
-      bad(p, std::string("this ") + p.name + " was built without MPI (zp::mpi was not found at configure time)");
+      bad(p, std::string("this ") + p.name +
+                 " was built without MPI (zp::mpi was not found at configure time)");
 #endif
     } else {
-      zp::backend::run_threads(ranks, [&](zp::Collective<zp::backend::Threads>& comm) { train(comm); });
+      zp::backend::run_threads(ranks,
+                               [&](zp::Collective<zp::backend::Threads>& comm) { train(comm); });
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", p.name, e.what());

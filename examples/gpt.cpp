@@ -43,17 +43,21 @@ struct Options : examples::TrainFlags {
 const char* usage =
     "usage: zp_gpt [options]\n"
     "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
-    "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default threads)\n"
-    "  --ranks N          thread ranks for the threads backend (default 4); dp = ranks / (tp * pp)\n"
+    "  --backend B        threads or mpi (mpi: run under mpirun, one process per rank) (default "
+    "threads)\n"
+    "  --ranks N          thread ranks for the threads backend (default 4); dp = ranks / (tp * "
+    "pp)\n"
     "  --tp N             tensor-parallel ranks per layer; must divide --heads (default 1)\n"
     "  --pp N             pipeline stages, at most --layers + 2 (default 1)\n"
     "  --schedule S       pipeline schedule, 1f1b or gpipe (default 1f1b)\n"
     "  --precision P      fp32, bf16 or fp16 (fp16 uses dynamic loss scaling) (default bf16)\n"
-    "  --accum N          micro-batches per step: gradient accumulation, and the pipeline's (default 1)\n"
+    "  --accum N          micro-batches per step: gradient accumulation, and the pipeline's "
+    "(default 1)\n"
     "  --steps N          optimizer steps (default 300)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 8)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
-    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory (default none)\n"
+    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
+    "(default none)\n"
     "  --log-every N      progress line every N steps (default 25)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --layers N         transformer blocks (default 2)\n"
@@ -68,25 +72,38 @@ Options parse(int argc, char** argv) {
   Options o;
   examples::parse_args(program, argc, argv, [&](const std::string& a, const std::string& v) {
     if (examples::parse_train_flag(program, o, a, v)) return true;
-    if (a == "--layers") o.layers = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--d-model") o.d_model = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--heads") o.heads = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--context") o.context = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--tp") o.tp = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--pp") o.pp = examples::to_int(program, a, v, 1, 1024);
+    if (a == "--layers")
+      o.layers = examples::to_int(program, a, v, 1, 1024);
+    else if (a == "--d-model")
+      o.d_model = examples::to_int(program, a, v, 1, 65536);
+    else if (a == "--heads")
+      o.heads = examples::to_int(program, a, v, 1, 1024);
+    else if (a == "--context")
+      o.context = examples::to_int(program, a, v, 1, 65536);
+    else if (a == "--tp")
+      o.tp = examples::to_int(program, a, v, 1, 1024);
+    else if (a == "--pp")
+      o.pp = examples::to_int(program, a, v, 1, 1024);
     else if (a == "--schedule") {
-      if (v == "1f1b") o.schedule = zp::pipeline::Schedule::one_f_one_b;
-      else if (v == "gpipe") o.schedule = zp::pipeline::Schedule::gpipe;
-      else examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
-    } else return false;
+      if (v == "1f1b")
+        o.schedule = zp::pipeline::Schedule::one_f_one_b;
+      else if (v == "gpipe")
+        o.schedule = zp::pipeline::Schedule::gpipe;
+      else
+        examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
+    } else
+      return false;
     return true;
   });
   if (o.d_model % o.heads != 0)
-    examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " + std::to_string(o.d_model));
+    examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
+                               std::to_string(o.d_model));
   if (o.heads % o.tp != 0)
-    examples::bad(program, "--tp " + std::to_string(o.tp) + " does not divide --heads " + std::to_string(o.heads));
+    examples::bad(program, "--tp " + std::to_string(o.tp) + " does not divide --heads " +
+                               std::to_string(o.heads));
   if (o.pp > o.layers + 2)
-    examples::bad(program, "--pp " + std::to_string(o.pp) + " is more than the " + std::to_string(o.layers + 2) +
+    examples::bad(program, "--pp " + std::to_string(o.pp) + " is more than the " +
+                               std::to_string(o.layers + 2) +
                                " modules of the model (--layers + 2)");
   examples::default_text(program, o.text);
   return o;
@@ -98,15 +115,20 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   constexpr int Stage = E::stage;
   const int n = world.size();
   if (n % (o.tp * o.pp) != 0)
-    throw zp::Error(zp::Errc::invalid_argument, "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
-                                                    std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
+    throw zp::Error(zp::Errc::invalid_argument,
+                    "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
+                        std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
   zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   const int dp = grid.shape().dp, dp_rank = grid.coords().dp;
   const bool lead = world.rank() == 0;
-  const gpt::Config cfg{.vocab = int(corpus.chars.size()), .context = o.context, .d_model = o.d_model,
-                        .heads = o.heads, .layers = o.layers};
+  const gpt::Config cfg{.vocab = int(corpus.chars.size()),
+                        .context = o.context,
+                        .d_model = o.d_model,
+                        .heads = o.heads,
+                        .layers = o.layers};
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
-  gpt::Model<T> model(cfg, 1234, zp::tp::Group<float>(grid.tp()), {first, end});  // the same initial weights on every grid
+  gpt::Model<T> model(cfg, 1234, zp::tp::Group<float>(grid.tp()),
+                      {first, end});  // the same initial weights on every grid
   // zp_demo's engine settings: several buckets even for a small model, small tensors persist.
   zp::EngineConfig ec;
   ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
@@ -116,15 +138,20 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   ec.persist_threshold = 10000;
   ec.steps_per_print = o.log_every;
   ec.offload_optimizer = o.offload;
-  if (o.precision == "fp16") ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
+  if (o.precision == "fp16")
+    ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   E engine(grid, model, ec, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
   const std::size_t rows = std::size_t(o.micro_batch) * std::size_t(cfg.context);
-  zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, o.accum, rows * std::size_t(cfg.d_model));
+  zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, o.accum,
+                                        rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
   for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, o.micro_batch);
   const zp::schedule::Any schedule =
-      zp::schedule::WarmupCosineLR{.base_lr = o.lr, .total_num_steps = o.steps, .warmup_num_steps = std::max(1, o.steps / 20),
-                                   .cos_min_ratio = 0.1, .warmup_type = zp::schedule::Warmup::linear};
+      zp::schedule::WarmupCosineLR{.base_lr = o.lr,
+                                   .total_num_steps = o.steps,
+                                   .warmup_num_steps = std::max(1, o.steps / 20),
+                                   .cos_min_ratio = 0.1,
+                                   .warmup_type = zp::schedule::Warmup::linear};
 
   // Every rank's parameter count, summed over the replica's TP x PP ranks.
   std::int64_t params = std::int64_t(engine.layout().used());
@@ -132,18 +159,24 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     // Replicated tensors are counted once: only TP rank 0 adds them.
     params = 0;
     for (const auto& t : model.tensors())
-      if (t.tp == zp::TensorParallel::split || grid.coords().tp == 0) params += std::int64_t(t.slice.size());
+      if (t.tp == zp::TensorParallel::split || grid.coords().tp == 0)
+        params += std::int64_t(t.slice.size());
     mp->all_reduce(std::span<std::int64_t>(&params, 1));
   }
   if (lead) {
-    std::printf("zp_gpt: GPT on %zu characters (vocabulary %d): %d layers, d_model %d, %d heads, context %d; "
-                "%lld parameters\n",
-                corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context,
-                static_cast<long long>(params));
-    std::printf("        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0), ZeRO stage %d over dp, backend %s, %s\n"
-                "        micro-batch %d x micro-batches %d x dp %d = %lld sequences/step\n",
-                dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(), Stage, B::name,
-                zp::name(zp::dtype_of<T>), o.micro_batch, o.accum, dp, static_cast<long long>(engine.batch().train_batch_size));
+    std::printf(
+        "zp_gpt: GPT on %zu characters (vocabulary %d): %d layers, d_model %d, %d heads, context "
+        "%d; "
+        "%lld parameters\n",
+        corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context,
+        static_cast<long long>(params));
+    std::printf(
+        "        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0), ZeRO stage %d "
+        "over dp, backend %s, %s\n"
+        "        micro-batch %d x micro-batches %d x dp %d = %lld sequences/step\n",
+        dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(), Stage, B::name,
+        zp::name(zp::dtype_of<T>), o.micro_batch, o.accum, dp,
+        static_cast<long long>(engine.batch().train_batch_size));
   }
   // Windows of context + 1 characters: the first context are the input, the last context the
   // targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch), so every
@@ -152,7 +185,8 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   int step = 0;
   auto fill = [&](int micro, gpt::Activations<float>& a) {
-    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull + std::uint64_t(dp_rank) * 7919 + 17);
+    std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull +
+                        std::uint64_t(dp_rank) * 7919 + 17);
     for (int b = 0; b < o.micro_batch; ++b) {
       const std::size_t s = pick(rng);
       for (int t = 0; t < cfg.context; ++t) {
@@ -164,7 +198,8 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
 
   auto traffic = [&] {
     std::uint64_t bytes = world.stats().total().bytes;
-    for (auto* c : {&grid.dp(), &grid.tp(), &grid.pp(), &grid.model_parallel()}) bytes += c->stats().total().bytes;
+    for (auto* c : {&grid.dp(), &grid.tp(), &grid.pp(), &grid.model_parallel()})
+      bytes += c->stats().total().bytes;
     return bytes;
   };
   const auto t0 = std::chrono::steady_clock::now();
@@ -175,29 +210,35 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     // The loss lives on the last stage (once per TP group): its mean over the replicas.
     double loss = grid.last_stage() && grid.coords().tp == 0 ? r.loss / dp : 0.0;
     world.all_reduce(std::span<double>(&loss, 1));
-    progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * o.accum * dp, traffic());
+    progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * o.accum * dp,
+                  traffic());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead) {
-    std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f tokens/s\n",
-                progress.first_loss(), progress.last_loss(), o.steps, static_cast<long long>(engine.steps()),
-                static_cast<unsigned long long>(progress.skipped()), secs,
-                double(o.steps) * double(rows) * o.accum * dp / secs);
+    std::printf(
+        "\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f "
+        "tokens/s\n",
+        progress.first_loss(), progress.last_loss(), o.steps,
+        static_cast<long long>(engine.steps()), static_cast<unsigned long long>(progress.skipped()),
+        secs, double(o.steps) * double(rows) * o.accum * dp / secs);
     examples::print_memory(engine.memory());
   }
 }
 
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& c) {
-  zp::dispatch(o.dtype(), o.stage, [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-    train<zp::Engine<B, T, Stage>>(comm, o, c);
-  });
+  zp::dispatch(o.dtype(), o.stage,
+               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+                 train<zp::Engine<B, T, Stage>>(comm, o, c);
+               });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  const examples::Corpus corpus = examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
-  return examples::launch(program, argc, argv, o.backend, o.ranks, [&](auto& comm) { dispatch(comm, o, corpus); });
+  const examples::Corpus corpus =
+      examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
+  return examples::launch(program, argc, argv, o.backend, o.ranks,
+                          [&](auto& comm) { dispatch(comm, o, corpus); });
 }

@@ -40,9 +40,11 @@ struct Config {
 
   int head_dim() const { return d_model / heads; }
   void check() const {
-    ZP_EXPECT(vocab > 0 && context > 0 && d_model > 0 && heads > 0 && layers > 0, "gpt: vocab ", vocab, ", context ",
-              context, ", d_model ", d_model, ", heads ", heads, " and layers ", layers, " must all be positive");
-    ZP_EXPECT(d_model % heads == 0, "gpt: d_model ", d_model, " is not a multiple of heads ", heads);
+    ZP_EXPECT(vocab > 0 && context > 0 && d_model > 0 && heads > 0 && layers > 0, "gpt: vocab ",
+              vocab, ", context ", context, ", d_model ", d_model, ", heads ", heads,
+              " and layers ", layers, " must all be positive");
+    ZP_EXPECT(d_model % heads == 0, "gpt: d_model ", d_model, " is not a multiple of heads ",
+              heads);
   }
 };
 
@@ -79,7 +81,8 @@ void matmul_forward(F* y, const F* x, const F* w, const F* b, int rows, int in, 
 // The backward of matmul_forward: dx = dy W^T (overwritten; skipped when dx is null), and
 // dW += x^T dy, db += the column sums of dy (db may be null).
 template <class F>
-void matmul_backward(F* dx, F* dw, F* db, const F* dy, const F* x, const F* w, int rows, int in, int out) {
+void matmul_backward(F* dx, F* dw, F* db, const F* dy, const F* x, const F* w, int rows, int in,
+                     int out) {
   for (int n = 0; n < rows; ++n) {
     const F* dyn = dy + std::size_t(n) * std::size_t(out);
     const F* xn = x + std::size_t(n) * std::size_t(in);
@@ -98,7 +101,8 @@ void matmul_backward(F* dx, F* dw, F* db, const F* dy, const F* x, const F* w, i
 // y = (x - mean) / sqrt(var + 1e-5) * g + b per row of d elements (GPT-2's epsilon, biased
 // variance); keeps mean and 1/std per row for the backward.
 template <class F>
-void layernorm_forward(F* y, F* mean, F* rstd, const F* x, const F* g, const F* b, int rows, int d) {
+void layernorm_forward(F* y, F* mean, F* rstd, const F* x, const F* g, const F* b, int rows,
+                       int d) {
   for (int n = 0; n < rows; ++n) {
     const F* xn = x + std::size_t(n) * std::size_t(d);
     F* yn = y + std::size_t(n) * std::size_t(d);
@@ -116,8 +120,8 @@ void layernorm_forward(F* y, F* mean, F* rstd, const F* x, const F* g, const F* 
 // dx = (1/std) (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) with dxhat = dy g; adds into dx
 // (the residual stream's gradient is already there), dg and db.
 template <class F>
-void layernorm_backward(F* dx, F* dg, F* db, const F* dy, const F* x, const F* mean, const F* rstd, const F* g,
-                        int rows, int d) {
+void layernorm_backward(F* dx, F* dg, F* db, const F* dy, const F* x, const F* mean, const F* rstd,
+                        const F* g, int rows, int d) {
   for (int n = 0; n < rows; ++n) {
     const F* xn = x + std::size_t(n) * std::size_t(d);
     const F* dyn = dy + std::size_t(n) * std::size_t(d);
@@ -156,12 +160,24 @@ F gelu_grad(F x) {
 
 // A block's tensors, in forward order; BlockWeights/BlockGrads index by these.
 enum BlockTensor : int {
-  ln_1_weight, ln_1_bias, c_attn_weight, c_attn_bias, attn_c_proj_weight, attn_c_proj_bias,
-  ln_2_weight, ln_2_bias, c_fc_weight, c_fc_bias, mlp_c_proj_weight, mlp_c_proj_bias, block_tensors
+  ln_1_weight,
+  ln_1_bias,
+  c_attn_weight,
+  c_attn_bias,
+  attn_c_proj_weight,
+  attn_c_proj_bias,
+  ln_2_weight,
+  ln_2_bias,
+  c_fc_weight,
+  c_fc_bias,
+  mlp_c_proj_weight,
+  mlp_c_proj_bias,
+  block_tensors
 };
 inline constexpr const char* block_tensor_names[block_tensors] = {
-    "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
-    "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+    "ln_1.weight",        "ln_1.bias",        "attn.c_attn.weight", "attn.c_attn.bias",
+    "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",        "ln_2.bias",
+    "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
 
 // A block's widths on one tensor-parallel rank (Megatron's split): `heads` of the config's heads
 // (c_attn's columns and attn.c_proj's rows for them) and `ff` of the MLP's 4d columns (c_fc's
@@ -183,20 +199,23 @@ using BlockGrads = std::array<F*, block_tensors>;
 template <class F>
 struct BlockActivations {
   std::vector<F> ln1, mean1, rstd1;  // ln_1's output [rows, d] and statistics [rows]
-  std::vector<F> qkv;                // [rows, 3w]: q | k | v, local head h in columns h*hd .. (h+1)*hd of each
-  std::vector<F> att;                // softmax probabilities [batch, heads, context, context], 0 above the diagonal
-  std::vector<F> heads;              // attention output before c_proj [rows, w]
-  std::vector<F> mid;                // residual stream after attention [rows, d]
+  std::vector<F> qkv;  // [rows, 3w]: q | k | v, local head h in columns h*hd .. (h+1)*hd of each
+  std::vector<F>
+      att;  // softmax probabilities [batch, heads, context, context], 0 above the diagonal
+  std::vector<F> heads;  // attention output before c_proj [rows, w]
+  std::vector<F> mid;    // residual stream after attention [rows, d]
   std::vector<F> ln2, mean2, rstd2;
-  std::vector<F> fc, act;            // c_fc's output before and after GELU [rows, ff]
+  std::vector<F> fc, act;  // c_fc's output before and after GELU [rows, ff]
 
   void resize(const BlockShape& s, int context, int batch) {
-    const std::size_t r = std::size_t(batch) * std::size_t(context), d = std::size_t(s.d), w = std::size_t(s.width());
+    const std::size_t r = std::size_t(batch) * std::size_t(context), d = std::size_t(s.d),
+                      w = std::size_t(s.width());
     for (auto* v : {&ln1, &mid, &ln2}) v->resize(r * d);
     for (auto* v : {&mean1, &rstd1, &mean2, &rstd2}) v->resize(r);
     heads.resize(r * w);
     qkv.resize(r * 3 * w);
-    att.resize(std::size_t(batch) * std::size_t(s.heads) * std::size_t(context) * std::size_t(context));
+    att.resize(std::size_t(batch) * std::size_t(s.heads) * std::size_t(context) *
+               std::size_t(context));
     fc.resize(r * std::size_t(s.ff));
     act.resize(r * std::size_t(s.ff));
   }
@@ -206,23 +225,27 @@ struct BlockActivations {
 // and c_fc are column-parallel, the two c_proj row-parallel: their partial outputs are summed
 // over the tensor-parallel group `tp` before the (replicated) bias is added.
 template <class F>
-void block_forward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w, const F* x, F* y,
-                   BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
+void block_forward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w,
+                   const F* x, F* y, BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
   const int T = context, d = s.d, H = s.heads, hd = s.head_dim, W = s.width(), rows = batch * T;
   const std::size_t rd = std::size_t(rows) * std::size_t(d);
   const F scale = F(1) / std::sqrt(F(hd));
   a.resize(s, context, batch);
-  layernorm_forward(a.ln1.data(), a.mean1.data(), a.rstd1.data(), x, w[ln_1_weight], w[ln_1_bias], rows, d);
+  layernorm_forward(a.ln1.data(), a.mean1.data(), a.rstd1.data(), x, w[ln_1_weight], w[ln_1_bias],
+                    rows, d);
   matmul_forward(a.qkv.data(), a.ln1.data(), w[c_attn_weight], w[c_attn_bias], rows, d, 3 * W);
   std::vector<F> sc(std::size_t(T), F(0));
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t) {
-        const F* q = a.qkv.data() + std::size_t(b * T + t) * std::size_t(3 * W) + std::size_t(h * hd);
-        F* p = a.att.data() + (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
+        const F* q =
+            a.qkv.data() + std::size_t(b * T + t) * std::size_t(3 * W) + std::size_t(h * hd);
+        F* p = a.att.data() +
+               (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
         F mx = -INFINITY;
         for (int u = 0; u <= t; ++u) {  // the causal mask: position t sees positions 0 .. t
-          const F* k = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) + std::size_t(W + h * hd);
+          const F* k =
+              a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) + std::size_t(W + h * hd);
           sc[std::size_t(u)] = dot(q, k, hd) * scale;
           mx = std::max(mx, sc[std::size_t(u)]);
         }
@@ -232,17 +255,21 @@ void block_forward(const BlockShape& s, int context, int batch, const BlockWeigh
         F* o = a.heads.data() + std::size_t(b * T + t) * std::size_t(W) + std::size_t(h * hd);
         std::fill(o, o + hd, F(0));
         for (int u = 0; u <= t; ++u) {
-          const F* v = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) + std::size_t(2 * W + h * hd);
+          const F* v = a.qkv.data() + std::size_t(b * T + u) * std::size_t(3 * W) +
+                       std::size_t(2 * W + h * hd);
           for (int i = 0; i < hd; ++i) o[i] += p[u] * v[i];
         }
       }
-  matmul_forward(a.mid.data(), a.heads.data(), w[attn_c_proj_weight], static_cast<const F*>(nullptr), rows, W, d);
+  matmul_forward(a.mid.data(), a.heads.data(), w[attn_c_proj_weight],
+                 static_cast<const F*>(nullptr), rows, W, d);
   tp.all_reduce(std::span<F>(a.mid));
   for (std::size_t i = 0; i < rd; ++i) a.mid[i] += w[attn_c_proj_bias][i % std::size_t(d)] + x[i];
-  layernorm_forward(a.ln2.data(), a.mean2.data(), a.rstd2.data(), a.mid.data(), w[ln_2_weight], w[ln_2_bias], rows, d);
+  layernorm_forward(a.ln2.data(), a.mean2.data(), a.rstd2.data(), a.mid.data(), w[ln_2_weight],
+                    w[ln_2_bias], rows, d);
   matmul_forward(a.fc.data(), a.ln2.data(), w[c_fc_weight], w[c_fc_bias], rows, d, s.ff);
   for (std::size_t i = 0; i < a.fc.size(); ++i) a.act[i] = gelu(a.fc[i]);
-  matmul_forward(y, a.act.data(), w[mlp_c_proj_weight], static_cast<const F*>(nullptr), rows, s.ff, d);
+  matmul_forward(y, a.act.data(), w[mlp_c_proj_weight], static_cast<const F*>(nullptr), rows, s.ff,
+                 d);
   tp.all_reduce(std::span<F>(y, rd));
   for (std::size_t i = 0; i < rd; ++i) y[i] += w[mlp_c_proj_bias][i % std::size_t(d)] + a.mid[i];
 }
@@ -251,30 +278,35 @@ void block_forward(const BlockShape& s, int context, int batch, const BlockWeigh
 // weight gradients into g. x is the block's input as the forward saw it. The input gradients of
 // the two column-parallel products are summed over `tp`; everything else is local.
 template <class F>
-void block_backward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w, const BlockGrads<F>& g,
-                    const F* x, const F* dy, F* dx, const BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
+void block_backward(const BlockShape& s, int context, int batch, const BlockWeights<F>& w,
+                    const BlockGrads<F>& g, const F* x, const F* dy, F* dx,
+                    const BlockActivations<F>& a, const zp::tp::Group<F>& tp) {
   const int T = context, d = s.d, H = s.heads, hd = s.head_dim, W = s.width(), rows = batch * T;
   const std::size_t rd = std::size_t(rows) * std::size_t(d);
   const F scale = F(1) / std::sqrt(F(hd));
   // MLP: the residual passes dy through; c_proj, GELU, c_fc and ln_2 add the rest into dmid.
   std::vector<F> dmid(dy, dy + rd), dact(a.act.size()), dln(rd);
-  matmul_backward(dact.data(), g[mlp_c_proj_weight], g[mlp_c_proj_bias], dy, a.act.data(), w[mlp_c_proj_weight], rows,
-                  s.ff, d);
+  matmul_backward(dact.data(), g[mlp_c_proj_weight], g[mlp_c_proj_bias], dy, a.act.data(),
+                  w[mlp_c_proj_weight], rows, s.ff, d);
   for (std::size_t i = 0; i < dact.size(); ++i) dact[i] *= gelu_grad(a.fc[i]);
-  matmul_backward(dln.data(), g[c_fc_weight], g[c_fc_bias], dact.data(), a.ln2.data(), w[c_fc_weight], rows, d, s.ff);
+  matmul_backward(dln.data(), g[c_fc_weight], g[c_fc_bias], dact.data(), a.ln2.data(),
+                  w[c_fc_weight], rows, d, s.ff);
   tp.all_reduce(std::span<F>(dln));
-  layernorm_backward(dmid.data(), g[ln_2_weight], g[ln_2_bias], dln.data(), a.mid.data(), a.mean2.data(),
-                     a.rstd2.data(), w[ln_2_weight], rows, d);
+  layernorm_backward(dmid.data(), g[ln_2_weight], g[ln_2_bias], dln.data(), a.mid.data(),
+                     a.mean2.data(), a.rstd2.data(), w[ln_2_weight], rows, d);
   // Attention: the same with c_proj, the heads and c_attn; dx starts as the residual's dmid.
-  std::vector<F> dheads(std::size_t(rows) * std::size_t(W)), dqkv(a.qkv.size(), F(0)), dp(static_cast<std::size_t>(T));
-  matmul_backward(dheads.data(), g[attn_c_proj_weight], g[attn_c_proj_bias], dmid.data(), a.heads.data(),
-                  w[attn_c_proj_weight], rows, W, d);
+  std::vector<F> dheads(std::size_t(rows) * std::size_t(W)), dqkv(a.qkv.size(), F(0)),
+      dp(static_cast<std::size_t>(T));
+  matmul_backward(dheads.data(), g[attn_c_proj_weight], g[attn_c_proj_bias], dmid.data(),
+                  a.heads.data(), w[attn_c_proj_weight], rows, W, d);
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t) {
         const std::size_t row = std::size_t(b * T + t) * std::size_t(3 * W);
-        const F* p = a.att.data() + (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
-        const F* dout = dheads.data() + std::size_t(b * T + t) * std::size_t(W) + std::size_t(h * hd);
+        const F* p = a.att.data() +
+                     (std::size_t(b * H + h) * std::size_t(T) + std::size_t(t)) * std::size_t(T);
+        const F* dout =
+            dheads.data() + std::size_t(b * T + t) * std::size_t(W) + std::size_t(h * hd);
         F pdp = 0;  // sum_u p[u] dp[u], for the softmax backward
         for (int u = 0; u <= t; ++u) {
           const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * W);
@@ -287,7 +319,8 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
         const F* q = a.qkv.data() + row + std::size_t(h * hd);
         F* dq = dqkv.data() + row + std::size_t(h * hd);
         for (int u = 0; u <= t; ++u) {
-          const F ds = p[u] * (dp[std::size_t(u)] - pdp) * scale;  // through softmax and the 1/sqrt(hd)
+          const F ds =
+              p[u] * (dp[std::size_t(u)] - pdp) * scale;  // through softmax and the 1/sqrt(hd)
           const std::size_t ru = std::size_t(b * T + u) * std::size_t(3 * W);
           const F* k = a.qkv.data() + ru + std::size_t(W + h * hd);
           F* dk = dqkv.data() + ru + std::size_t(W + h * hd);
@@ -297,12 +330,12 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
           }
         }
       }
-  matmul_backward(dln.data(), g[c_attn_weight], g[c_attn_bias], dqkv.data(), a.ln1.data(), w[c_attn_weight], rows, d,
-                  3 * W);
+  matmul_backward(dln.data(), g[c_attn_weight], g[c_attn_bias], dqkv.data(), a.ln1.data(),
+                  w[c_attn_weight], rows, d, 3 * W);
   tp.all_reduce(std::span<F>(dln));
   std::copy(dmid.begin(), dmid.end(), dx);
-  layernorm_backward(dx, g[ln_1_weight], g[ln_1_bias], dln.data(), x, a.mean1.data(), a.rstd1.data(), w[ln_1_weight],
-                     rows, d);
+  layernorm_backward(dx, g[ln_1_weight], g[ln_1_bias], dln.data(), x, a.mean1.data(),
+                     a.rstd1.data(), w[ln_1_weight], rows, d);
 }
 
 // ---- the model ------------------------------------------------------------------------------
@@ -312,12 +345,12 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
 template <class F>
 struct Activations {
   int batch = 0;
-  std::vector<int> tokens, targets;     // [batch, context]; targets[i] is the token after tokens[i],
-                                        // or zp::tp::ignore_index to leave position i out of the loss
-  std::vector<std::vector<F>> x, dx;    // residual stream [layers + 1][rows, d] and d loss / d x
+  std::vector<int> tokens, targets;   // [batch, context]; targets[i] is the token after tokens[i],
+                                      // or zp::tp::ignore_index to leave position i out of the loss
+  std::vector<std::vector<F>> x, dx;  // residual stream [layers + 1][rows, d] and d loss / d x
   std::vector<BlockActivations<F>> blocks;
-  std::vector<F> lnf, meanf, rstdf;     // ln_f
-  std::vector<F> logits, dlogits;       // [rows, this rank's vocabulary columns]
+  std::vector<F> lnf, meanf, rstdf;  // ln_f
+  std::vector<F> logits, dlogits;    // [rows, this rank's vocabulary columns]
 
   Activations(const Config& c, int batch_) : batch(batch_) {
     c.check();
@@ -339,13 +372,17 @@ namespace detail {
 // Storage type <-> compute type; zp's 16-bit types convert through float.
 template <class F, class T>
 F to_compute(T v) {
-  if constexpr (std::is_floating_point_v<T>) return F(v);
-  else return F(float(v));
+  if constexpr (std::is_floating_point_v<T>)
+    return F(v);
+  else
+    return F(float(v));
 }
 template <class T, class F>
 T to_storage(F v) {
-  if constexpr (std::is_floating_point_v<T>) return T(v);
-  else return T(float(v));
+  if constexpr (std::is_floating_point_v<T>)
+    return T(v);
+  else
+    return T(float(v));
 }
 }  // namespace detail
 
@@ -357,7 +394,9 @@ struct Slice {
   zp::tp::Range row, col;
   std::size_t parts = 1;
 
-  static Slice all(std::size_t rows, std::size_t cols) { return {rows, cols, {0, rows}, {0, cols}, 1}; }
+  static Slice all(std::size_t rows, std::size_t cols) {
+    return {rows, cols, {0, rows}, {0, cols}, 1};
+  }
   std::size_t size() const { return row.size() * parts * col.size(); }
   std::size_t full_size() const { return rows * cols; }
   std::size_t full_index(std::size_t i) const {
@@ -381,18 +420,24 @@ class Model {
     int first = 0, end = -1;  // -1: through the last module
   };
 
-  Model(const Config& c, std::uint64_t seed, zp::tp::Group<F> tp = {}, Modules modules = {}) : cfg_(c), tp_(std::move(tp)) {
+  Model(const Config& c, std::uint64_t seed, zp::tp::Group<F> tp = {}, Modules modules = {})
+      : cfg_(c), tp_(std::move(tp)) {
     c.check();
     const int P = tp_.size(), r = tp_.rank();
     first_ = modules.first;
     end_ = modules.end < 0 ? c.layers + 2 : modules.end;
-    ZP_EXPECT(0 <= first_ && first_ < end_ && end_ <= c.layers + 2, "gpt: modules [", modules.first, ", ", modules.end,
-              ") are not a non-empty range of the model's ", c.layers + 2, " modules");
-    ZP_EXPECT(c.heads % P == 0, "gpt: heads ", c.heads, " do not split over ", P, " tensor-parallel ranks");
-    ZP_EXPECT(c.vocab >= P, "gpt: the vocabulary of ", c.vocab, " is smaller than the ", P, " tensor-parallel ranks");
-    const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model), hd = std::size_t(c.head_dim());
+    ZP_EXPECT(0 <= first_ && first_ < end_ && end_ <= c.layers + 2, "gpt: modules [", modules.first,
+              ", ", modules.end, ") are not a non-empty range of the model's ", c.layers + 2,
+              " modules");
+    ZP_EXPECT(c.heads % P == 0, "gpt: heads ", c.heads, " do not split over ", P,
+              " tensor-parallel ranks");
+    ZP_EXPECT(c.vocab >= P, "gpt: the vocabulary of ", c.vocab, " is smaller than the ", P,
+              " tensor-parallel ranks");
+    const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model),
+                      hd = std::size_t(c.head_dim());
     vocab_ = zp::tp::split(V, P, r);
-    const zp::tp::Range heads = zp::tp::split(std::size_t(c.heads), P, r), ff = zp::tp::split(4 * d, P, r);
+    const zp::tp::Range heads = zp::tp::split(std::size_t(c.heads), P, r),
+                        ff = zp::tp::split(4 * d, P, r);
     shape_ = {c.d_model, int(heads.size()), c.head_dim(), int(ff.size())};
     const zp::tp::Range width{heads.begin * hd, heads.end * hd};
 
@@ -400,8 +445,8 @@ class Model {
     // tensor k from (seed, k, full index of i), so every rank draws its part alone.
     int k = 0;
     const auto split = zp::TensorParallel::split, replicated = zp::TensorParallel::replicated;
-    auto add = [&](int module, std::string name, const Slice& sl, zp::TensorParallel kind, double std_dev,
-                   double constant = 0) {
+    auto add = [&](int module, std::string name, const Slice& sl, zp::TensorParallel kind,
+                   double std_dev, double constant = 0) {
       const int tensor = k++;
       if (module < first_ || module >= end_) return;
       Tensor& t = tensors_.emplace_back();
@@ -412,26 +457,36 @@ class Model {
       t.param = zp::Param<T>(sl.size());
       t.init.resize(sl.size());
       for (std::size_t i = 0; i < sl.size(); ++i)
-        t.init[i] = detail::to_storage<T>(std_dev == 0 ? constant
-                                                       : std_dev * normal(seed, std::uint64_t(tensor), sl.full_index(i)));
+        t.init[i] = detail::to_storage<T>(
+            std_dev == 0 ? constant
+                         : std_dev * normal(seed, std::uint64_t(tensor), sl.full_index(i)));
     };
     const std::size_t C = std::size_t(c.context), D4 = 4 * d;
     add(0, "wte.weight", {V, d, vocab_, {0, d}, 1}, split, 0.02);
     add(0, "wpe.weight", Slice::all(C, d), replicated, 0.02);
-    const double proj = 0.02 / std::sqrt(2.0 * c.layers);  // GPT-2: residual projections scaled by 1/sqrt(2L)
+    const double proj =
+        0.02 / std::sqrt(2.0 * c.layers);  // GPT-2: residual projections scaled by 1/sqrt(2L)
     for (int l = 0; l < c.layers; ++l) {
       const std::string h = "h." + std::to_string(l) + ".";
-      const Slice slices[block_tensors] = {
-          Slice::all(1, d), Slice::all(1, d), {d, 3 * d, {0, d}, width, 3}, {1, 3 * d, {0, 1}, width, 3},
-          {d, d, width, {0, d}, 1}, Slice::all(1, d), Slice::all(1, d), Slice::all(1, d),
-          {d, D4, {0, d}, ff, 1}, {1, D4, {0, 1}, ff, 1}, {D4, d, ff, {0, d}, 1}, Slice::all(1, d)};
+      const Slice slices[block_tensors] = {Slice::all(1, d),
+                                           Slice::all(1, d),
+                                           {d, 3 * d, {0, d}, width, 3},
+                                           {1, 3 * d, {0, 1}, width, 3},
+                                           {d, d, width, {0, d}, 1},
+                                           Slice::all(1, d),
+                                           Slice::all(1, d),
+                                           Slice::all(1, d),
+                                           {d, D4, {0, d}, ff, 1},
+                                           {1, D4, {0, 1}, ff, 1},
+                                           {D4, d, ff, {0, d}, 1},
+                                           Slice::all(1, d)};
       for (int t = 0; t < block_tensors; ++t) {
         const bool ln_gain = t == ln_1_weight || t == ln_2_weight, bias = t % 2 == 1;
-        const bool split_t = t == c_attn_weight || t == c_attn_bias || t == attn_c_proj_weight || t == c_fc_weight ||
-                             t == c_fc_bias || t == mlp_c_proj_weight;
+        const bool split_t = t == c_attn_weight || t == c_attn_bias || t == attn_c_proj_weight ||
+                             t == c_fc_weight || t == c_fc_bias || t == mlp_c_proj_weight;
         const double sd = t == attn_c_proj_weight || t == mlp_c_proj_weight ? proj : 0.02;
-        add(1 + l, h + block_tensor_names[t], slices[t], split_t ? split : replicated, ln_gain || bias ? 0.0 : sd,
-            ln_gain ? 1.0 : 0.0);
+        add(1 + l, h + block_tensor_names[t], slices[t], split_t ? split : replicated,
+            ln_gain || bias ? 0.0 : sd, ln_gain ? 1.0 : 0.0);
       }
     }
     add(c.layers + 1, "ln_f.weight", Slice::all(1, d), replicated, 0.0, 1.0);
@@ -440,7 +495,8 @@ class Model {
     for (Tensor& t : tensors_) t.param.value.rebind(t.init.data());
     for (int m = first_; m < end_; ++m) {
       module_begin_.push_back(0);
-      while (module_begin_.back() < tensors_.size() && tensors_[module_begin_.back()].module < m) ++module_begin_.back();
+      while (module_begin_.back() < tensors_.size() && tensors_[module_begin_.back()].module < m)
+        ++module_begin_.back();
     }
     module_begin_.push_back(tensors_.size());
   }
@@ -482,16 +538,17 @@ class Model {
       zp::tp::embedding_forward(tp_, vocab_, std::size_t(c.vocab), std::span<const F>(wf_[0]),
                                 std::span<const int>(a.tokens), std::size_t(d), std::span<F>(x));
       for (int r = 0; r < rows; ++r)
-        for (int i = 0; i < d; ++i) x[std::size_t(r * d + i)] += wf_[1][std::size_t((r % c.context) * d + i)];
+        for (int i = 0; i < d; ++i)
+          x[std::size_t(r * d + i)] += wf_[1][std::size_t((r % c.context) * d + i)];
     } else if (m <= c.layers) {
-      block_forward(shape_, c.context, a.batch, weights(), a.x[std::size_t(m - 1)].data(), a.x[std::size_t(m)].data(),
-                    a.blocks[std::size_t(m - 1)], tp_);
+      block_forward(shape_, c.context, a.batch, weights(), a.x[std::size_t(m - 1)].data(),
+                    a.x[std::size_t(m)].data(), a.blocks[std::size_t(m - 1)], tp_);
     } else {
-      layernorm_forward(a.lnf.data(), a.meanf.data(), a.rstdf.data(), a.x[std::size_t(c.layers)].data(),
-                        wf_[0].data(), wf_[1].data(), rows, d);
+      layernorm_forward(a.lnf.data(), a.meanf.data(), a.rstdf.data(),
+                        a.x[std::size_t(c.layers)].data(), wf_[0].data(), wf_[1].data(), rows, d);
       a.logits.resize(std::size_t(rows) * vocab_.size());
-      matmul_forward(a.logits.data(), a.lnf.data(), wf_[2].data(), static_cast<const F*>(nullptr), rows, d,
-                     int(vocab_.size()));
+      matmul_forward(a.logits.data(), a.lnf.data(), wf_[2].data(), static_cast<const F*>(nullptr),
+                     rows, d, int(vocab_.size()));
     }
   }
 
@@ -502,7 +559,8 @@ class Model {
   F loss(Activations<F>& a, float scale) {
     a.dlogits.resize(a.logits.size());
     return zp::tp::cross_entropy(tp_, vocab_, std::size_t(cfg_.vocab), std::span<const F>(a.logits),
-                                 std::span<const int>(a.targets), std::span<F>(a.dlogits), F(scale));
+                                 std::span<const int>(a.targets), std::span<F>(a.dlogits),
+                                 F(scale));
   }
 
   // Module m's backward: adds its parameters' gradients into their grad views (zp's rule) and,
@@ -511,28 +569,34 @@ class Model {
     const Config& c = cfg_;
     const int rows = a.rows(c), d = c.d_model;
     load(m);
-    const std::size_t first = module_begin_[std::size_t(m - first_)], end = module_begin_[std::size_t(m - first_ + 1)];
+    const std::size_t first = module_begin_[std::size_t(m - first_)],
+                      end = module_begin_[std::size_t(m - first_ + 1)];
     gf_.resize(end - first);
-    for (std::size_t k = 0; k < gf_.size(); ++k) gf_[k].assign(tensors_[first + k].param.size(), F(0));
+    for (std::size_t k = 0; k < gf_.size(); ++k)
+      gf_[k].assign(tensors_[first + k].param.size(), F(0));
     if (m == 0) {
-      zp::tp::embedding_backward(vocab_, std::size_t(c.vocab), std::span<F>(gf_[0]), std::span<const int>(a.tokens),
-                                 std::size_t(d), std::span<const F>(a.dx[0]));
+      zp::tp::embedding_backward(vocab_, std::size_t(c.vocab), std::span<F>(gf_[0]),
+                                 std::span<const int>(a.tokens), std::size_t(d),
+                                 std::span<const F>(a.dx[0]));
       for (int r = 0; r < rows; ++r)
-        for (int i = 0; i < d; ++i) gf_[1][std::size_t((r % c.context) * d + i)] += a.dx[0][std::size_t(r * d + i)];
+        for (int i = 0; i < d; ++i)
+          gf_[1][std::size_t((r % c.context) * d + i)] += a.dx[0][std::size_t(r * d + i)];
     } else if (m <= c.layers) {
       BlockGrads<F> g;
       for (int t = 0; t < block_tensors; ++t) g[std::size_t(t)] = gf_[std::size_t(t)].data();
-      block_backward(shape_, c.context, a.batch, weights(), g, a.x[std::size_t(m - 1)].data(), a.dx[std::size_t(m)].data(),
-                     a.dx[std::size_t(m - 1)].data(), a.blocks[std::size_t(m - 1)], tp_);
+      block_backward(shape_, c.context, a.batch, weights(), g, a.x[std::size_t(m - 1)].data(),
+                     a.dx[std::size_t(m)].data(), a.dx[std::size_t(m - 1)].data(),
+                     a.blocks[std::size_t(m - 1)], tp_);
     } else {
       std::vector<F> dln(std::size_t(rows) * std::size_t(d));
-      matmul_backward(dln.data(), gf_[2].data(), static_cast<F*>(nullptr), a.dlogits.data(), a.lnf.data(),
-                      wf_[2].data(), rows, d, int(vocab_.size()));
+      matmul_backward(dln.data(), gf_[2].data(), static_cast<F*>(nullptr), a.dlogits.data(),
+                      a.lnf.data(), wf_[2].data(), rows, d, int(vocab_.size()));
       tp_.all_reduce(std::span<F>(dln));  // lm_head is column-parallel
       auto& dx = a.dx[std::size_t(c.layers)];
       std::fill(dx.begin(), dx.end(), F(0));
-      layernorm_backward(dx.data(), gf_[0].data(), gf_[1].data(), dln.data(), a.x[std::size_t(c.layers)].data(),
-                         a.meanf.data(), a.rstdf.data(), wf_[0].data(), rows, d);
+      layernorm_backward(dx.data(), gf_[0].data(), gf_[1].data(), dln.data(),
+                         a.x[std::size_t(c.layers)].data(), a.meanf.data(), a.rstdf.data(),
+                         wf_[0].data(), rows, d);
     }
     for (std::size_t k = 0; k < gf_.size(); ++k) {
       zp::View<T>& gv = tensors_[first + k].param.grad;
@@ -551,7 +615,8 @@ class Model {
       x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
       return x ^ (x >> 31);
     };
-    const std::uint64_t base = mix(mix(seed) ^ (tensor * 0xd1b54a32d192ed03ull)) ^ (i * 2 * 0x9e3779b97f4a7c15ull);
+    const std::uint64_t base =
+        mix(mix(seed) ^ (tensor * 0xd1b54a32d192ed03ull)) ^ (i * 2 * 0x9e3779b97f4a7c15ull);
     const double u1 = (double(mix(base) >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]: the log stays finite
     const double u2 = double(mix(base + 1) >> 11) * 0x1.0p-53;
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
@@ -559,9 +624,10 @@ class Model {
 
   // Module m's parameters in the compute type, into wf_ (one vector per tensor).
   void load(int m) {
-    ZP_EXPECT(m >= first_ && m < end_, "gpt: module ", m, " is not one of this rank's modules [", first_, ", ", end_,
-              ")");
-    const std::size_t first = module_begin_[std::size_t(m - first_)], end = module_begin_[std::size_t(m - first_ + 1)];
+    ZP_EXPECT(m >= first_ && m < end_, "gpt: module ", m, " is not one of this rank's modules [",
+              first_, ", ", end_, ")");
+    const std::size_t first = module_begin_[std::size_t(m - first_)],
+                      end = module_begin_[std::size_t(m - first_ + 1)];
     wf_.resize(end - first);
     for (std::size_t k = 0; k < wf_.size(); ++k) {
       const zp::View<T>& v = tensors_[first + k].param.value;
@@ -581,15 +647,17 @@ class Model {
   zp::tp::Range vocab_;
   BlockShape shape_;
   std::vector<Tensor> tensors_;
-  std::vector<std::size_t> module_begin_;  // tensors_ index of each of this rank's modules, and the end
-  std::vector<std::vector<F>> wf_, gf_;    // the current module's weights and gradients in F
+  std::vector<std::size_t>
+      module_begin_;  // tensors_ index of each of this rank's modules, and the end
+  std::vector<std::vector<F>> wf_, gf_;  // the current module's weights and gradients in F
 };
 
 // The modules of pipeline stage `stage` of `stages`: the model's layers + 2 modules cut into
 // contiguous ranges of nearly equal count.
 inline std::pair<int, int> pipeline_stage(const Config& c, int stages, int stage) {
-  ZP_EXPECT(stages >= 1 && stages <= c.layers + 2, "gpt: ", stages, " pipeline stages for a model of ", c.layers + 2,
-            " modules (", c.layers, " layers + embedding + head); at most one stage per module");
+  ZP_EXPECT(stages >= 1 && stages <= c.layers + 2, "gpt: ", stages,
+            " pipeline stages for a model of ", c.layers + 2, " modules (", c.layers,
+            " layers + embedding + head); at most one stage per module");
   const zp::tp::Range r = zp::tp::split(std::size_t(c.layers + 2), stages, stage);
   return {int(r.begin), int(r.end)};
 }
@@ -597,7 +665,7 @@ inline std::pair<int, int> pipeline_stage(const Config& c, int stages, int stage
 // What one optimizer step of train_step() did on this rank.
 struct StepOut {
   zp::StepResult result;  // the flush's engine.step(): the accumulation boundary
-  double loss = 0;        // mean of the micro-batches' losses (Model::loss) on a last-stage rank, else 0
+  double loss = 0;  // mean of the micro-batches' losses (Model::loss) on a last-stage rank, else 0
 };
 
 // One optimizer step of a rank's part of the model on any grid: the pipeline runner's schedule
@@ -609,11 +677,12 @@ struct StepOut {
 template <class E, class B, class T, class F, class Fill>
 StepOut train_step(E& engine, Model<T, F>& model, zp::pipeline::Runner<B, F>& runner,
                    std::vector<Activations<F>>& slots, Fill&& fill) {
-  ZP_EXPECT(runner.micro_batches() == engine.batch().gradient_accumulation_steps, "gpt: the pipeline runs ",
-            runner.micro_batches(), " micro-batches per flush but the engine accumulates ",
+  ZP_EXPECT(runner.micro_batches() == engine.batch().gradient_accumulation_steps,
+            "gpt: the pipeline runs ", runner.micro_batches(),
+            " micro-batches per flush but the engine accumulates ",
             engine.batch().gradient_accumulation_steps, "; they must be equal");
-  ZP_EXPECT(slots.size() >= std::size_t(runner.slots()), "gpt: ", slots.size(), " activation sets for ",
-            runner.slots(), " pipeline slots");
+  ZP_EXPECT(slots.size() >= std::size_t(runner.slots()), "gpt: ", slots.size(),
+            " activation sets for ", runner.slots(), " pipeline slots");
   const int first = model.first_module(), end = model.end_module();
   StepOut out;
   int backwards = 0;
@@ -626,17 +695,21 @@ StepOut train_step(E& engine, Model<T, F>& model, zp::pipeline::Runner<B, F>& ru
           auto guard = engine.forward(m - first);
           model.forward(m, a);
         }
-        if (model.has_loss()) out.loss += double(model.loss(a, engine.loss_scale()));
-        else std::copy_n(a.x[std::size_t(end - 1)].begin(), to_next.size(), to_next.begin());
+        if (model.has_loss())
+          out.loss += double(model.loss(a, engine.loss_scale()));
+        else
+          std::copy_n(a.x[std::size_t(end - 1)].begin(), to_next.size(), to_next.begin());
       },
       [&](int, int slot, std::span<const F> from_next, std::span<F> to_prev) {
         Activations<F>& a = slots[std::size_t(slot)];
-        if (!model.has_loss()) std::copy(from_next.begin(), from_next.end(), a.dx[std::size_t(end - 1)].begin());
+        if (!model.has_loss())
+          std::copy(from_next.begin(), from_next.end(), a.dx[std::size_t(end - 1)].begin());
         for (int m = end - 1; m >= first; --m) {
           auto guard = engine.backward(m - first);
           model.backward(m, a);
         }
-        if (first > 0) std::copy_n(a.dx[std::size_t(first - 1)].begin(), to_prev.size(), to_prev.begin());
+        if (first > 0)
+          std::copy_n(a.dx[std::size_t(first - 1)].begin(), to_prev.size(), to_prev.begin());
         if (++backwards < runner.micro_batches()) engine.step();
       });
   // The boundary's step() is collective over the replica's stages (the gradient norm): it must

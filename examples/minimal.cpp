@@ -12,7 +12,7 @@
 struct Net {
   static constexpr int in = 8, hidden = 32;
   zp::Param<float> w1{hidden * in}, w2{hidden};
-  std::vector<float> init1, init2;  // initial weights; zp copies rank 0's once
+  std::vector<float> init1, init2;     // initial weights; zp copies rank 0's once
   std::vector<float> x, h, y, dy, dh;  // this micro-batch: activations and their gradients
 
   Net() : init1(hidden * in), init2(hidden) {
@@ -29,13 +29,15 @@ struct Net {
       for (int b = 0; b < batch; ++b)
         for (int j = 0; j < hidden; ++j) {
           float a = 0;
-          for (int i = 0; i < in; ++i) a += w1.value[std::size_t(j * in + i)] * x[std::size_t(b * in + i)];
+          for (int i = 0; i < in; ++i)
+            a += w1.value[std::size_t(j * in + i)] * x[std::size_t(b * in + i)];
           h[std::size_t(b * hidden + j)] = std::tanh(a);
         }
     } else {
       y.assign(std::size_t(batch), 0.0f);
       for (int b = 0; b < batch; ++b)
-        for (int j = 0; j < hidden; ++j) y[std::size_t(b)] += w2.value[std::size_t(j)] * h[std::size_t(b * hidden + j)];
+        for (int j = 0; j < hidden; ++j)
+          y[std::size_t(b)] += w2.value[std::size_t(j)] * h[std::size_t(b * hidden + j)];
     }
   }
   // Backward adds (+=) into the gradient views, which point into zp's gradient buckets. Each
@@ -54,7 +56,8 @@ struct Net {
         for (int j = 0; j < hidden; ++j) {
           const float hj = h[std::size_t(b * hidden + j)];
           const float da = dh[std::size_t(b * hidden + j)] * (1 - hj * hj);
-          for (int i = 0; i < in; ++i) w1.grad[std::size_t(j * in + i)] += da * x[std::size_t(b * in + i)];
+          for (int i = 0; i < in; ++i)
+            w1.grad[std::size_t(j * in + i)] += da * x[std::size_t(b * in + i)];
         }
     }
   }
@@ -87,9 +90,11 @@ int main() {
   float first_loss = 0, last_loss = 0;
   zp::backend::run_threads(ranks, [&](zp::Collective<zp::backend::Threads>& comm) {
     Net net;
-    zp::EngineConfig cfg{.batch = {.micro_batch_per_rank = micro_batch, .gradient_accumulation_steps = 1},
-                         .max_grad_norm = 1.0f};
-    zp::Engine<zp::backend::Threads, float, /*stage*/ 3> engine(comm, net, cfg, zp::optim::AdamW{.lr = 1e-2f});
+    zp::EngineConfig cfg{
+        .batch = {.micro_batch_per_rank = micro_batch, .gradient_accumulation_steps = 1},
+        .max_grad_norm = 1.0f};
+    zp::Engine<zp::backend::Threads, float, /*stage*/ 3> engine(comm, net, cfg,
+                                                                zp::optim::AdamW{.lr = 1e-2f});
     std::vector<float> target;
     for (int step = 0; step < steps; ++step) {
       load_batch(net, long(step * ranks + comm.rank()) * micro_batch, micro_batch, target);
@@ -107,7 +112,7 @@ int main() {
       for (int m = 1; m >= 0; --m) {  // backward: the guard binds m's gradients to a bucket
         auto guard = engine.backward(m);
         net.backward(m, micro_batch);
-      }  // leaving the guard launches the bucket's reduce_scatter
+      }               // leaving the guard launches the bucket's reduce_scatter
       engine.step();  // stats all_reduce, clip, AdamW on this rank's shard
       // the loss over every rank's micro-batch
       comm.all_reduce(std::span<float>(&loss, 1), zp::ReduceOp::avg);
@@ -116,10 +121,12 @@ int main() {
     }
     if (comm.rank() == 0) {
       const zp::MemoryReport mem = engine.memory();
-      std::printf("model states per rank: %zu bytes (params %zu, grads %zu, master %zu, optimizer %zu)\n",
-                  mem.model_states(), mem.params, mem.grads, mem.master, mem.optimizer_state);
+      std::printf(
+          "model states per rank: %zu bytes (params %zu, grads %zu, master %zu, optimizer %zu)\n",
+          mem.model_states(), mem.params, mem.grads, mem.master, mem.optimizer_state);
     }
   });
-  std::printf("loss %.3g -> %.3g after %d steps on %d ranks\n", first_loss, last_loss, steps, ranks);
+  std::printf("loss %.3g -> %.3g after %d steps on %d ranks\n", first_loss, last_loss, steps,
+              ranks);
   return last_loss < 0.5f * first_loss ? 0 : 1;
 }

@@ -24,15 +24,18 @@ std::uint64_t seed() { return zp::test::run_seed("agreement.test"); }
 // not; negative and extreme values included.
 std::int64_t value(int r, std::size_t i) {
   const std::uint64_t h = zp::test::mix(seed() + i);
-  if (h % 3 == 0) return std::int64_t(h >> 1) - std::int64_t(std::uint64_t(1) << 62);  // one value on every rank
-  const std::int64_t pool[] = {std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::min() + 1,
-                               -7, 0, 42};
+  if (h % 3 == 0)
+    return std::int64_t(h >> 1) - std::int64_t(std::uint64_t(1) << 62);  // one value on every rank
+  const std::int64_t pool[] = {std::numeric_limits<std::int64_t>::max(),
+                               std::numeric_limits<std::int64_t>::min() + 1, -7, 0, 42};
   return pool[zp::test::mix(h + std::uint64_t(r)) % 5];
 }
 
 }  // namespace
 
-TEST_CASE("spread gives every rank each value's smallest and largest over the ranks, as a serial loop does") {
+TEST_CASE(
+    "spread gives every rank each value's smallest and largest over the ranks, as a serial loop "
+    "does") {
   const std::size_t n = 37;
   for (int P : {1, 2, 3, 5}) {
     CAPTURE(P);
@@ -53,7 +56,9 @@ TEST_CASE("spread gives every rank each value's smallest and largest over the ra
   }
 }
 
-TEST_CASE("first_difference names the first fingerprint some rank disagrees on, and same_on_every_rank agrees") {
+TEST_CASE(
+    "first_difference names the first fingerprint some rank disagrees on, and same_on_every_rank "
+    "agrees") {
   const std::size_t n = 9;
   for (int P : {1, 2, 4}) {
     for (std::size_t differ = 0; differ <= n; ++differ) {  // n: none differs
@@ -73,7 +78,9 @@ TEST_CASE("first_difference names the first fingerprint some rank disagrees on, 
   }
 }
 
-TEST_CASE("on_every_rank turns one rank's failure into an error on every rank, naming it and its message") {
+TEST_CASE(
+    "on_every_rank turns one rank's failure into an error on every rank, naming it and its "
+    "message") {
   for (int P : {1, 3}) {
     for (int failing = 0; failing < P; ++failing) {
       CAPTURE(P);
@@ -87,8 +94,12 @@ TEST_CASE("on_every_rank turns one rank's failure into an error on every rank, n
             if (comm.rank() == failing) throw zp::Error(zp::Errc::io, "disk full on purpose");
           });
         };
-        if (comm.rank() == failing) zp::test::expect_error(zp::Errc::io, f, {"disk full on purpose"});
-        else zp::test::expect_error(zp::Errc::io, f, {"rank " + std::to_string(failing) + " failed", "disk full on purpose"});
+        if (comm.rank() == failing)
+          zp::test::expect_error(zp::Errc::io, f, {"disk full on purpose"});
+        else
+          zp::test::expect_error(
+              zp::Errc::io, f,
+              {"rank " + std::to_string(failing) + " failed", "disk full on purpose"});
       });
     }
   }
@@ -97,7 +108,8 @@ TEST_CASE("on_every_rank turns one rank's failure into an error on every rank, n
 TEST_CASE("spread refuses INT64_MIN, whose negation does not exist, as zp's own error") {
   run_threads(1, [](Collective<Threads>& comm) {
     const std::int64_t v[] = {std::numeric_limits<std::int64_t>::min()};
-    zp::test::expect_error(zp::Errc::internal, [&] { (void)zp::spread(comm, std::span<const std::int64_t>(v)); },
+    zp::test::expect_error(zp::Errc::internal,
+                           [&] { (void)zp::spread(comm, std::span<const std::int64_t>(v)); },
                            {"INT64_MIN"});
   });
 }

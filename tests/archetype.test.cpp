@@ -44,7 +44,8 @@ std::vector<T> iota(std::size_t n, float first) {
 
 template <class T>
 bool same_bits(std::span<const T> a, std::span<const T> b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size_bytes()) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size_bytes()) == 0);
 }
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
@@ -53,8 +54,9 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("every member function template of Collective compiles and works against the archetype backend",
-                   T, float, zp::bf16) {
+TEST_CASE_TEMPLATE(
+    "every member function template of Collective compiles and works against the archetype backend",
+    T, float, zp::bf16) {
   Comm comm(archetype_world());
   static_assert(Comm::memory == zp::MemorySpace::host);
   static_assert(std::is_same_v<Comm::backend_type, Archetype>);
@@ -96,7 +98,7 @@ TEST_CASE_TEMPLATE("every member function template of Collective compiles and wo
     {
       auto w = comm.reduce_scatter_async(in, out, zp::ReduceOp::avg);
       CHECK(dst[0] == T(0.0f));  // the archetype completes at wait(), not at issue
-    }  // a Work destroyed without wait() completes its operation
+    }                            // a Work destroyed without wait() completes its operation
     CHECK(same_bits(dst, src));
     std::vector<T> io = src;
     comm.reduce_scatter(std::span<T>(io));
@@ -141,7 +143,8 @@ TEST_CASE_TEMPLATE("every member function template of Collective compiles and wo
     zp::test::expect_invalid([&] { (void)comm.send_async(in, 1); }, {"send", "peer 1"});
     zp::test::expect_invalid([&] { (void)comm.send_async(buf, 1); }, {"send", "peer 1"});
     zp::test::expect_invalid([&] { comm.recv(buf, 1); }, {"recv", "peer 1"});
-    zp::test::expect_invalid([&] { (void)comm.recv_async(buf, 0); }, {"recv", "peer 0 is this rank"});
+    zp::test::expect_invalid([&] { (void)comm.recv_async(buf, 0); },
+                             {"recv", "peer 0 is this rank"});
   }
   SUBCASE("split, move, a default Work") {
     Comm sub = comm.split(0, 0);
@@ -180,7 +183,8 @@ struct Result {
 template <class B, class T, int Stage>
 Result train(zp::Collective<B>& comm, int steps, int gas) {
   zp::test::Mlp<T> model;
-  zp::Engine<B, T, Stage> engine(comm, model, small_buckets(gas), zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});
+  zp::Engine<B, T, Stage> engine(comm, model, small_buckets(gas),
+                                 zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});
   Result r;
   for (const T& x : engine.gather_params()) r.params_before.push_back(float(x));
   for (int t = 0; t < steps; ++t)
@@ -211,8 +215,9 @@ struct Case {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("the engine on the archetype backend trains bit for bit like the threads backend at one rank", C,
-                   Case<float, 0>, Case<float, 1>, Case<float, 2>, Case<float, 3>, Case<zp::bf16, 3>) {
+TEST_CASE_TEMPLATE(
+    "the engine on the archetype backend trains bit for bit like the threads backend at one rank",
+    C, Case<float, 0>, Case<float, 1>, Case<float, 2>, Case<float, 3>, Case<zp::bf16, 3>) {
   using T = typename C::type;
   constexpr int S = C::stage;
   const int steps = 3, gas = 2;

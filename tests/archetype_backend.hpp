@@ -67,7 +67,8 @@ class Archetype {
 
    private:
     friend class Archetype;
-    Work(const void* src, void* dst, std::size_t bytes) noexcept : src_(src), dst_(dst), bytes_(bytes) {}
+    Work(const void* src, void* dst, std::size_t bytes) noexcept
+        : src_(src), dst_(dst), bytes_(bytes) {}
     void complete() noexcept {
       if (bytes_ > 0 && src_ != dst_) std::memmove(dst_, src_, bytes_);
       bytes_ = 0;
@@ -89,7 +90,8 @@ class Archetype {
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch launch) {
     return issue(CollOp::all_reduce, src, dst, n, t, op, 0, launch);
   }
-  Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch launch) {
+  Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op,
+                      Launch launch) {
     return issue(CollOp::reduce_scatter, src, dst, n, t, op, 0, launch);
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch launch) {
@@ -98,7 +100,9 @@ class Archetype {
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch launch) {
     return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, launch);
   }
-  Work barrier(Launch launch) { return issue(CollOp::barrier, nullptr, nullptr, 0, DType::f32, ReduceOp::sum, 0, launch); }
+  Work barrier(Launch launch) {
+    return issue(CollOp::barrier, nullptr, nullptr, 0, DType::f32, ReduceOp::sum, 0, launch);
+  }
   Work send(const void* src, std::size_t n, DType t, int peer, Launch) {
     throw Error(Errc::invalid_argument, detail::check_p2p(CollOp::send, src, n, t, peer, 0, 1));
   }
@@ -112,8 +116,8 @@ class Archetype {
   friend Archetype archetype_world();
   Archetype() = default;
 
-  static Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop, int root,
-                    Launch launch) {
+  static Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
+                    int root, Launch launch) {
     const std::string bad = detail::check_call(op, src, dst, n, t, rop, root, 0, 1);
     if (!bad.empty()) throw Error(Errc::invalid_argument, detail::cat("archetype backend: ", bad));
     Work w(src, dst, op == CollOp::barrier ? 0 : n * size_of(t));

@@ -17,7 +17,8 @@ using zp::backend::Threads;
 namespace {
 
 Layout test_layout(int ranks) {
-  std::vector<zp::ParamInfo> ps = {{"a", 0, 37}, {"b", 0, 5}, {"c", 1, 100}, {"d", 1, 3}, {"e", 2, 11}};
+  std::vector<zp::ParamInfo> ps = {
+      {"a", 0, 37}, {"b", 0, 5}, {"c", 1, 100}, {"d", 1, 3}, {"e", 2, 11}};
   return Layout(ps, ranks, {.bucket_elems = 64, .first_bucket_elems = 8, .align = 2});
 }
 
@@ -28,14 +29,17 @@ float grad(int r, std::size_t i) { return float((int(i) * 7 + r * 3) % 11) * 0.2
 
 TEST_CASE("each reduction leaves the rank-averaged gradient where its stage reads it") {
   for (int ranks : {1, 2, 3, 4})
-    for (Reduction red : {Reduction::all_reduce, Reduction::scatter_in_place, Reduction::scatter_accumulate}) {
+    for (Reduction red :
+         {Reduction::all_reduce, Reduction::scatter_in_place, Reduction::scatter_accumulate}) {
       CAPTURE(ranks);
       run_threads(ranks, [&](Collective<Threads>& comm) {
         const int n = comm.size(), r = comm.rank();
         const Layout L = test_layout(n);
         std::vector<float> full(L.total(), 0.0f), acc(L.shard(), -1.0f);
-        GradBuckets<float, Threads> buckets(comm, L, red, red == Reduction::scatter_accumulate ? std::span<float>{} : std::span<float>(full),
-                                            std::span<float>(acc), 2);
+        GradBuckets<float, Threads> buckets(
+            comm, L, red,
+            red == Reduction::scatter_accumulate ? std::span<float>{} : std::span<float>(full),
+            std::span<float>(acc), 2);
         const int micros = red == Reduction::scatter_accumulate ? 2 : 1;
         for (int micro = 0; micro < micros; ++micro) {
           buckets.begin_micro_step(true, micro == 0);
@@ -43,10 +47,12 @@ TEST_CASE("each reduction leaves the rank-averaged gradient where its stage read
           for (int s = buckets.count() - 1; s >= 0; --s) {
             if (red == Reduction::scatter_accumulate && s < buckets.count() - 2) break;
             auto mem = buckets.acquire(s);
-            for (std::size_t i = 0; i < L.segment(s).used; ++i) mem[i] += grad(r, L.segment(s).offset + i);
+            for (std::size_t i = 0; i < L.segment(s).used; ++i)
+              mem[i] += grad(r, L.segment(s).offset + i);
             buckets.ready(s);
           }
-          buckets.launch_all();  // the rest: their memory is written here, zeros for scratch buckets
+          buckets
+              .launch_all();  // the rest: their memory is written here, zeros for scratch buckets
           buckets.finish();
         }
         for (int s = 0; s < L.segment_count(); ++s) {

@@ -47,7 +47,8 @@ void train(E& e, Mlp<T>& m, std::int64_t t0, std::int64_t t1) {
   const auto gas = e.batch().gradient_accumulation_steps;
   const int n = e.comm().size(), r = e.comm().rank();
   for (std::int64_t t = t0; t < t1; ++t)
-    for (std::int64_t i = 0; i < gas; ++i) zp::test::micro_step(e, m, ((t * gas + i) * n + r) * 2, 2);
+    for (std::int64_t i = 0; i < gas; ++i)
+      zp::test::micro_step(e, m, ((t * gas + i) * n + r) * 2, 2);
 }
 
 // Everything an engine's training state holds, gathered (rank 0 keeps it).
@@ -60,8 +61,8 @@ struct Snapshot {
 };
 template <class E>
 Snapshot<typename E::value_type> snapshot(E& e) {
-  Snapshot<typename E::value_type> s{e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1),
-                                     e.loss_scaler().state(), e.steps()};
+  Snapshot<typename E::value_type> s{e.gather_params(), e.gather_master(),       e.gather_state(0),
+                                     e.gather_state(1), e.loss_scaler().state(), e.steps()};
   return s;
 }
 template <class T>
@@ -155,7 +156,9 @@ TEST_CASE("resume is exact: 2k steps equal k steps, save, a fresh engine, load a
   }
 }
 
-TEST_CASE("a checkpoint saved at N ranks and stage S loads at M ranks and stage S', bitwise, and training goes on") {
+TEST_CASE(
+    "a checkpoint saved at N ranks and stage S loads at M ranks and stage S', bitwise, and "
+    "training goes on") {
   using T = zp::bf16;
   for (int n = 1; n <= 4; ++n)
     for (int s = 0; s <= 3; ++s) {
@@ -222,7 +225,9 @@ void flip_byte(const fs::path& p, std::uintmax_t at) {
 
 }  // namespace
 
-TEST_CASE("a save that fails after any file operation leaves a directory the same command line resumes from") {
+TEST_CASE(
+    "a save that fails after any file operation leaves a directory the same command line resumes "
+    "from") {
   TempDir base("crash");
   Snapshot<float> first;
   on_two_ranks([&](E2& e, Mlp<float>& m) {
@@ -296,7 +301,9 @@ TEST_CASE("a save that fails after any file operation leaves a directory the sam
   CHECK(faults >= 8);
 }
 
-TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error naming the file or parameter") {
+TEST_CASE(
+    "a corrupt, truncated, missing or foreign checkpoint is an error naming the file or "
+    "parameter") {
   TempDir dir("corrupt");
   on_two_ranks([&](E2& e, Mlp<float>& m) {
     train(e, m, 0, 1);
@@ -310,7 +317,8 @@ TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error namin
   auto expect_load_error = [&](const std::string& tag, std::initializer_list<std::string> needles,
                                zp::Errc c = zp::Errc::io) {
     on_two_ranks([&](E2& e, Mlp<float>&) {
-      zp::test::expect_error(c, [&] { zp::load_checkpoint(e, dir.path, tag); }, needles);
+      zp::test::expect_error(
+          c, [&] { zp::load_checkpoint(e, dir.path, tag); }, needles);
     });
   };
   const std::string file1 = "rank-00001-of-00002.safetensors";
@@ -346,22 +354,24 @@ TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error namin
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<zp::bf16> model;
     zp::Engine<Threads, zp::bf16, 2> e(comm, model, config(1));
-    zp::test::expect_error(zp::Errc::invalid_argument, [&] { zp::load_checkpoint(e, dir.path, "good"); },
-                           {"f32", "bf16"});
+    zp::test::expect_error(zp::Errc::invalid_argument,
+                           [&] { zp::load_checkpoint(e, dir.path, "good"); }, {"f32", "bf16"});
   });
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> model;
     zp::Engine<Threads, float, 2, zp::optim::Sgd> e(comm, model, config(1));
-    zp::test::expect_error(zp::Errc::invalid_argument, [&] { zp::load_checkpoint(e, dir.path, "good"); },
-                           {"AdamW", "Sgd"});
+    zp::test::expect_error(zp::Errc::invalid_argument,
+                           [&] { zp::load_checkpoint(e, dir.path, "good"); }, {"AdamW", "Sgd"});
   });
 
   // Saving: an existing tag, a bad tag, inside an accumulation window.
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, "good"); }, {"good", "already exists"});
+    zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, "good"); },
+                             {"good", "already exists"});
     zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, "a/b"); }, {"a/b"});
     const std::string mine = e.comm().rank() == 0 ? "x0" : "x1";
-    zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, mine); }, {"different tags", "'" + mine + "'"});
+    zp::test::expect_invalid([&] { zp::save_checkpoint(e, dir.path, mine); },
+                             {"different tags", "'" + mine + "'"});
   });
   on_two_ranks(
       [&](E2& e, Mlp<float>& m) {
@@ -374,7 +384,9 @@ TEST_CASE("a corrupt, truncated, missing or foreign checkpoint is an error namin
       config(2));
 }
 
-TEST_CASE("safetensors export: from a live engine and offline from a checkpoint, split, and loaded back by name") {
+TEST_CASE(
+    "safetensors export: from a live engine and offline from a checkpoint, split, and loaded back "
+    "by name") {
   TempDir dir("export");
   Snapshot<zp::bf16> ref;
   std::vector<std::string> names;
@@ -417,8 +429,8 @@ TEST_CASE("safetensors export: from a live engine and offline from a checkpoint,
   check_dir(dir.path / "live-master", ref.master);
   check_dir(dir.path / "offline-master", ref.master);
   CHECK(fs::exists(dir.path / "split" / "model.safetensors.index.json"));
-  CHECK(zp::safetensors::read_index(dir.path / "split" / "model.safetensors.index.json").weight_map.size() ==
-        names.size());
+  CHECK(zp::safetensors::read_index(dir.path / "split" / "model.safetensors.index.json")
+            .weight_map.size() == names.size());
 
   // Loaded back by name at another rank count and stage: T exports give the parameters (and
   // master = the parameters widened), fp32 exports the master (and parameters = it rounded).
@@ -439,7 +451,8 @@ TEST_CASE("safetensors export: from a live engine and offline from a checkpoint,
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<zp::bf16> other({Mlp<zp::bf16>::inputs, 61, 60, 53, Mlp<zp::bf16>::classes});
     zp::Engine<Threads, zp::bf16, 1> e(comm, other, config(1));
-    zp::test::expect_invalid([&] { zp::load_safetensors(e, dir.path / "live"); }, {"layer1.weight", "elements"});
+    zp::test::expect_invalid([&] { zp::load_safetensors(e, dir.path / "live"); },
+                             {"layer1.weight", "elements"});
   });
 }
 
@@ -468,25 +481,31 @@ TEST_CASE("tags and `latest`: only plain names, never a path out of the director
   Saved s;
   const fs::path& d = s.dir.path;
   // Saving under a tag that is not a plain name is refused on every rank, naming the tag.
-  for (const std::string& bad : std::vector<std::string>{"a/b", "..", ".hidden", "step1 ", " step1", "x\ty", "new\nline",
-                                                         "latest", "", std::string(201, 'x'), "caf\xc3\xa9", "a\\b"})
+  for (const std::string& bad :
+       std::vector<std::string>{"a/b", "..", ".hidden", "step1 ", " step1", "x\ty", "new\nline",
+                                "latest", "", std::string(201, 'x'), "caf\xc3\xa9", "a\\b"})
     on_two_ranks([&](E2& e, Mlp<float>&) {
       CAPTURE(bad);
-      zp::test::expect_invalid([&] { zp::save_checkpoint(e, d, bad); }, {"is not a checkpoint tag"});
+      zp::test::expect_invalid([&] { zp::save_checkpoint(e, d, bad); },
+                               {"is not a checkpoint tag"});
     });
   CHECK(!fs::exists(d / "step1 "));
   // Loading one: a tag given explicitly, or what `latest` holds, is checked the same way.
   TempDir outside("outside");  // a sibling of d: "../<its name>" leads out of d
   const std::string up = "../" + outside.path.filename().string();
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_invalid([&] { zp::load_checkpoint(e, d, up); }, {"'" + up + "'", "not a checkpoint tag"});
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, d, up); },
+                             {"'" + up + "'", "not a checkpoint tag"});
   });
   auto latest_is = [&](const std::string& text, std::initializer_list<std::string> needles,
                        zp::Errc c = zp::Errc::invalid_argument) {
     fs::remove_all(d / "latest");
     put_text(d / "latest", text);
     CAPTURE(text);
-    on_two_ranks([&](E2& e, Mlp<float>&) { zp::test::expect_error(c, [&] { zp::load_checkpoint(e, d); }, needles); });
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      zp::test::expect_error(
+          c, [&] { zp::load_checkpoint(e, d); }, needles);
+    });
   };
   latest_is("../good\n", {"latest holds", "'../good'", "'/'"});
   latest_is(d.string() + "/good", {"latest holds", "'/'"});
@@ -504,12 +523,14 @@ TEST_CASE("tags and `latest`: only plain names, never a path out of the director
   fs::remove(d / "latest");
   fs::create_directory(d / "latest");
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); }, {"latest", "not a regular file (a directory)"});
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); },
+                           {"latest", "not a regular file (a directory)"});
   });
   fs::remove(d / "latest");
   REQUIRE(::mkfifo((d / "latest").c_str(), 0644) == 0);
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); }, {"latest", "not a regular file (a FIFO)"});
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, d); },
+                           {"latest", "not a regular file (a FIFO)"});
   });
 }
 
@@ -520,16 +541,21 @@ TEST_CASE("a FIFO or directory where a checkpoint file should be is an error, ne
   fs::rename(tag / file1, s.dir.path / "saved-file");
   REQUIRE(::mkfifo((tag / file1).c_str(), 0644) == 0);
   zp::ckpt::Reader rd(s.dir.path);
-  CHECK(rd.verify_file(1).find("not a regular file (a FIFO)") != std::string::npos);  // zp_ckpt verify
+  CHECK(rd.verify_file(1).find("not a regular file (a FIFO)") !=
+        std::string::npos);  // zp_ckpt verify
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); }, {file1, "a FIFO"});
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); },
+                           {file1, "a FIFO"});
   });
   fs::remove(tag / "manifest.json");
   REQUIRE(::mkfifo((tag / "manifest.json").c_str(), 0644) == 0);
-  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader r(s.dir.path); }, {"manifest.json", "a FIFO"});
+  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader r(s.dir.path); },
+                         {"manifest.json", "a FIFO"});
 }
 
-TEST_CASE("two jobs saving into one directory at once: one saves, the other fails and publishes nothing") {
+TEST_CASE(
+    "two jobs saving into one directory at once: one saves, the other fails and publishes "
+    "nothing") {
   TempDir dir("race");
   // The lock is the contract: while another saver holds it, a save fails on every rank at once.
   {
@@ -557,7 +583,8 @@ TEST_CASE("two jobs saving into one directory at once: one saves, the other fail
             if (e.comm().rank() == 0) winner[job] = std::move(s), ++saved;
           } catch (const zp::Error& err) {
             const std::string w = err.what();
-            CHECK((w.find("is locked") != std::string::npos || w.find("already exists") != std::string::npos));
+            CHECK((w.find("is locked") != std::string::npos ||
+                   w.find("already exists") != std::string::npos));
             if (e.comm().rank() == 0) ++refused;
           }
         });
@@ -589,11 +616,13 @@ TEST_CASE("ranks that would load different checkpoints fail together before read
   put_text(b.path / "latest", "p\n");
   on_two_ranks([&](E2& e, Mlp<float>&) {
     const auto before = snapshot(e);
-    zp::test::expect_invalid([&] { zp::load_checkpoint(e, e.comm().rank() == 0 ? a.path : b.path); },
-                             {"the ranks are loading different checkpoints", "latest"});
+    zp::test::expect_invalid(
+        [&] { zp::load_checkpoint(e, e.comm().rank() == 0 ? a.path : b.path); },
+        {"the ranks are loading different checkpoints", "latest"});
     // Tags passed differently per rank.
-    zp::test::expect_invalid([&] { zp::load_checkpoint(e, a.path, e.comm().rank() == 0 ? "p" : "q"); },
-                             {"different checkpoints", e.comm().rank() == 0 ? "step 1" : "step 2"});
+    zp::test::expect_invalid(
+        [&] { zp::load_checkpoint(e, a.path, e.comm().rank() == 0 ? "p" : "q"); },
+        {"different checkpoints", e.comm().rank() == 0 ? "step 1" : "step 2"});
     auto after = snapshot(e);
     if (e.comm().rank() == 0) check_same(before, after);  // nothing was read
   });
@@ -602,7 +631,8 @@ TEST_CASE("ranks that would load different checkpoints fail together before read
 // Every integer of a real manifest set to values around the limits of the types it could land
 // in, one at a time: reading the checkpoint (as load and zp_ckpt do) either works or is a
 // zp::Error naming the manifest; never a crash, a std::bad_alloc or a silent wrap.
-TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate keys are named errors") {
+TEST_CASE(
+    "generated manifests: out-of-range integers, nesting and duplicate keys are named errors") {
   Saved s;
   const fs::path manifest = s.dir.path / "good" / "manifest.json";
   const std::string original = zp::detail::read_whole_file(manifest, 1 << 20);
@@ -631,8 +661,19 @@ TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate key
     (void)rd.user_blob();
   };
   read_all();
-  const nlohmann::json extremes[] = {-1, 0, 1, 2147483647LL, 2147483648LL, 4294967298LL, 9223372036854775807LL,
-                                     18446744073709551615ULL, 1e300, -1e300, 0.5, "7", nullptr};
+  const nlohmann::json extremes[] = {-1,
+                                     0,
+                                     1,
+                                     2147483647LL,
+                                     2147483648LL,
+                                     4294967298LL,
+                                     9223372036854775807LL,
+                                     18446744073709551615ULL,
+                                     1e300,
+                                     -1e300,
+                                     0.5,
+                                     "7",
+                                     nullptr};
   int rejected = 0;
   for (const auto& at : numbers)
     for (const auto& x : extremes) {
@@ -660,10 +701,12 @@ TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate key
     m[nlohmann::json::json_pointer(pointer)] = x;
     return m.dump();
   };
-  rejects(with("/world_size", 4294967298LL), {"world_size", "expected an integer in [1, 16777216], got 4294967298"});
+  rejects(with("/world_size", 4294967298LL),
+          {"world_size", "expected an integer in [1, 16777216], got 4294967298"});
   rejects(with("/params/2/module", 2147483646), {"params[2].module", "2147483646"});
   rejects(with("/params/0/module", 1), {"params[0].module"});
-  rejects(with("/params/3/module", 0), {"params", "module 0 after a parameter of module 1"});  // decreasing
+  rejects(with("/params/3/module", 0),
+          {"params", "module 0 after a parameter of module 1"});  // decreasing
   rejects(with("/params/0/size", 1LL << 47), {"fewer than the", "parameter elements need"});
   rejects(with("/files/0/crc32c", 4294967296LL), {"files[0].crc32c"});
   rejects(with("/user_bytes", 7), {"user data has 7 bytes", "holds 8"});
@@ -678,16 +721,19 @@ TEST_CASE("generated manifests: out-of-range integers, nesting and duplicate key
   dup = original;
   dup.insert(dup.find("\"kind\""), "\"kind\": 0,");
   rejects(dup, {"progress.loss_scaler.kind: duplicate key"});
-  rejects("{\"format\":" + std::string(1'000'000, '['), {"manifest.json", "nesting deeper than 32 levels"});
+  rejects("{\"format\":" + std::string(1'000'000, '['),
+          {"manifest.json", "nesting deeper than 32 levels"});
   // The engine's load reports the same, on every rank, and leaves its state alone.
   rejects(with("/world_size", 4294967298LL), {"world_size"});
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); }, {"world_size", "4294967298"});
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); },
+                           {"world_size", "4294967298"});
   });
   // Hyper-parameters are read by the engine: a value no float holds is named, not converted.
   put_text(manifest, with("/optimizer/params/lr", 1e300));
   on_two_ranks([&](E2& e, Mlp<float>&) {
-    zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); }, {"optimizer.params.lr", "32-bit float", "1e+300"});
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); },
+                             {"optimizer.params.lr", "32-bit float", "1e+300"});
   });
 }
 
@@ -711,7 +757,8 @@ zp::ckpt::Manifest small_manifest() {
   m.scaler_kind = 2;
   m.scaler = {.scale = 1024.0f, .iter = 5, .last_overflow = 2, .hysteresis = 2, .skipped = 1};
   m.batch = {.train_batch_size = 8, .micro_batch_per_rank = 2, .gradient_accumulation_steps = 2};
-  m.files = {{zp::ckpt::rank_file_name(0, 2), 4096, 123}, {zp::ckpt::rank_file_name(1, 2), 4096, 0xffffffffu}};
+  m.files = {{zp::ckpt::rank_file_name(0, 2), 4096, 123},
+             {zp::ckpt::rank_file_name(1, 2), 4096, 0xffffffffu}};
   m.user_bytes = 8;
   return m;
 }
@@ -724,8 +771,8 @@ struct ManifestKeyPath {
   std::string name;
   bool item = false;
 };
-void key_paths(const nlohmann::json& v, const nlohmann::json::json_pointer& at, const std::string& name,
-               std::vector<ManifestKeyPath>& out) {
+void key_paths(const nlohmann::json& v, const nlohmann::json::json_pointer& at,
+               const std::string& name, std::vector<ManifestKeyPath>& out) {
   if (v.is_object() && name != "optimizer.params")
     for (const auto& [k, x] : v.items()) {
       if (k == "zp_version") continue;
@@ -743,7 +790,9 @@ void key_paths(const nlohmann::json& v, const nlohmann::json::json_pointer& at, 
 
 }  // namespace
 
-TEST_CASE("a manifest with any key missing, of the wrong type or out of range is an error naming that key") {
+TEST_CASE(
+    "a manifest with any key missing, of the wrong type or out of range is an error naming that "
+    "key") {
   using nlohmann::json;
   const zp::ckpt::Manifest good = small_manifest();
   const json j = zp::ckpt::to_json(good);
@@ -759,7 +808,8 @@ TEST_CASE("a manifest with any key missing, of the wrong type or out of range is
 
   auto rejects = [&](const json& m, std::initializer_list<std::string> needles) {
     CAPTURE(m.dump());
-    zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ckpt::manifest_from_json(m, src); }, needles);
+    zp::test::expect_error(
+        zp::Errc::io, [&] { (void)zp::ckpt::manifest_from_json(m, src); }, needles);
     zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ckpt::manifest_from_json(m, src); },
                            {"checkpoint manifest " + src + ": "});
   };
@@ -779,7 +829,8 @@ TEST_CASE("a manifest with any key missing, of the wrong type or out of range is
     m = j;
     m[p.at] = j[p.at].is_string() ? json(5) : json("x");
     const bool field = p.name.starts_with("fields[");
-    rejects(m, {(field ? std::string("fields") : p.name) + ": ", j[p.at].is_string() ? "5" : "\"x\""});
+    rejects(m,
+            {(field ? std::string("fields") : p.name) + ": ", j[p.at].is_string() ? "5" : "\"x\""});
   }
   // Out of range, for every key with a range: each names the key.
   struct Bad {
@@ -854,13 +905,16 @@ TEST_CASE("a manifest with any key missing, of the wrong type or out of range is
   rejects(with("/version", 2), {"version: format version 2; this zp reads version 1"});
   rejects(with("/format", "pt"), {"format: expected \"zp-checkpoint\"", "got \"pt\""});
   rejects(with("/params/1/module", 2), {"params[1].module: expected an integer in [0, 1], got 2"});
-  rejects(with("/files/0/crc32c", 4294967296LL), {"files[0].crc32c: expected an integer in [0, 4294967295]"});
+  rejects(with("/files/0/crc32c", 4294967296LL),
+          {"files[0].crc32c: expected an integer in [0, 4294967295]"});
   rejects(with("/user_bytes", 4097), {"user_bytes: expected an integer in [0, 4096], got 4097"});
   rejects(with("/dtype", "f64"), {"dtype: expected f32, bf16 or f16, got \"f64\""});
-  rejects(with("/files/1/name", "x"), {"files[1].name: expected rank-00001-of-00002.safetensors, got x"});
+  rejects(with("/files/1/name", "x"),
+          {"files[1].name: expected rank-00001-of-00002.safetensors, got x"});
   json small = with("/files/0/bytes", 100);
   small["files"][1]["bytes"] = 100;
-  rejects(small, {"files: the files hold 200 bytes in all, fewer than the 22 parameter elements need (10 bytes"});
+  rejects(small, {"files: the files hold 200 bytes in all, fewer than the 22 parameter elements "
+                  "need (10 bytes"});
   rejects(with("/tag", "../up"), {"tag: ", "not a checkpoint tag"});
   rejects(json::array(), {"expected an object {...}"});
 }

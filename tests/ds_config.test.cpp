@@ -34,7 +34,8 @@ using zp::test::expect_invalid;
 namespace {
 
 // The three example configs of REFERENCE.md ("DeepSpeed's ds_config.json"), verbatim.
-const char* const example1 = R"({ "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+const char* const example1 =
+    R"({ "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
   "fp16": { "enabled": true, "loss_scale": 0, "initial_scale_power": 16 },
   "zero_optimization": { "stage": 2, "allgather_partitions": true, "reduce_scatter": true,
                          "offload_optimizer": { "device": "cpu", "pin_memory": true },
@@ -44,7 +45,8 @@ const char* const example1 = R"({ "train_batch_size": "auto", "train_micro_batch
                                                  "warmup_num_steps": "auto" } },
   "steps_per_print": 100, "wall_clock_breakdown": false })";
 
-const char* const example2 = R"({ "train_batch_size": 256, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+const char* const example2 =
+    R"({ "train_batch_size": 256, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
   "bf16": { "enabled": true },
   "zero_optimization": { "stage": 3, "overlap_comm": true, "contiguous_gradients": true,
                          "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7,
@@ -53,13 +55,16 @@ const char* const example2 = R"({ "train_batch_size": 256, "train_micro_batch_si
   "scheduler": { "type": "WarmupCosineLR", "params": { "total_num_steps": 10000, "warmup_num_steps": 500 } },
   "data_types": { "grad_accum_dtype": "fp32" }, "steps_per_print": 50 })";
 
-const char* const example3 = R"({ "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2,
+const char* const example3 =
+    R"({ "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2,
   "zero_optimization": { "stage": 1 },
   "optimizer": { "type": "SGD", "params": { "lr": 0.1, "momentum": 0.9, "nesterov": true } },
   "scheduler": { "type": "WarmupDecayLR", "params": { "warmup_max_lr": 0.1, "warmup_num_steps": 100,
                                                       "total_num_steps": 2000, "warmup_type": "linear" } } })";
 
-Config parse_text(const std::string& text) { return zp::ds::parse(std::string_view(text), "ds_config.json"); }
+Config parse_text(const std::string& text) {
+  return zp::ds::parse(std::string_view(text), "ds_config.json");
+}
 
 // ---- with_engine, compiled for 2 x 2 x 2 combinations ---------------------------------------
 // Only two of them build and run an engine (each Engine instantiation costs seconds of compile
@@ -86,33 +91,36 @@ struct Picked {
 Picked dispatch(const Config& c, int world) {
   std::vector<Picked> out(static_cast<std::size_t>(world));
   run_threads(world, [&](Collective<Threads>& comm) {
-    out[std::size_t(comm.rank())] = zp::ds::with_engine<Threads, TestTypes, TestStages, TestOptimizers>(
-        c, comm.size(),
-        [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, typename E::optimizer_type opt) -> Picked {
-          using T = typename E::value_type;
-          using O = typename E::optimizer_type;
-          Picked p;
-          p.engine = typeid(E);
-          p.stage = E::stage;
-          p.dtype = zp::dtype_of<T>;
-          p.optimizer = zp::optim::detail::type_name(opt);
-          p.lr = opt.lr;
-          p.ec = ec;
-          if constexpr ((E::stage == 3 && std::is_same_v<T, zp::bf16> && std::is_same_v<O, AdamW>) ||
-                        (E::stage == 1 && std::is_same_v<T, float> && std::is_same_v<O, Sgd>)) {
-            zp::test::Mlp<T> model;
-            E engine(comm, model, ec, opt);
-            const int mb = int(engine.batch().micro_batch_per_rank);
-            for (std::int64_t i = 0; i < engine.batch().gradient_accumulation_steps; ++i)
-              zp::test::micro_step(engine, model, (i * comm.size() + comm.rank()) * mb, mb);
-            p.ran = true;
-            p.batch = engine.batch();
-            p.max_live = engine.max_live_params();
-            p.steps = engine.steps();
-            p.loss_scale = engine.loss_scale();
-          }
-          return p;
-        });
+    out[std::size_t(comm.rank())] =
+        zp::ds::with_engine<Threads, TestTypes, TestStages, TestOptimizers>(
+            c, comm.size(),
+            [&]<class E>(std::type_identity<E>, zp::EngineConfig ec,
+                         typename E::optimizer_type opt) -> Picked {
+              using T = typename E::value_type;
+              using O = typename E::optimizer_type;
+              Picked p;
+              p.engine = typeid(E);
+              p.stage = E::stage;
+              p.dtype = zp::dtype_of<T>;
+              p.optimizer = zp::optim::detail::type_name(opt);
+              p.lr = opt.lr;
+              p.ec = ec;
+              if constexpr ((E::stage == 3 && std::is_same_v<T, zp::bf16> &&
+                             std::is_same_v<O, AdamW>) ||
+                            (E::stage == 1 && std::is_same_v<T, float> && std::is_same_v<O, Sgd>)) {
+                zp::test::Mlp<T> model;
+                E engine(comm, model, ec, opt);
+                const int mb = int(engine.batch().micro_batch_per_rank);
+                for (std::int64_t i = 0; i < engine.batch().gradient_accumulation_steps; ++i)
+                  zp::test::micro_step(engine, model, (i * comm.size() + comm.rank()) * mb, mb);
+                p.ran = true;
+                p.batch = engine.batch();
+                p.max_live = engine.max_live_params();
+                p.steps = engine.steps();
+                p.loss_scale = engine.loss_scale();
+              }
+              return p;
+            });
   });
   return out[0];
 }
@@ -138,7 +146,8 @@ void add_schedule(const zp::schedule::Any& s, Fields& f) {
           f["scheduler.warmup_max_lr"] = str(x.warmup_max_lr);
           f["scheduler.warmup_num_steps"] = str(x.warmup_num_steps);
           f["scheduler.warmup_type"] = type(x.warmup_type);
-          if constexpr (std::is_same_v<S, sc::WarmupDecayLR>) f["scheduler.total_num_steps"] = str(x.total_num_steps);
+          if constexpr (std::is_same_v<S, sc::WarmupDecayLR>)
+            f["scheduler.total_num_steps"] = str(x.total_num_steps);
         } else if constexpr (std::is_same_v<S, sc::WarmupCosineLR>) {
           f["scheduler.type"] = "WarmupCosineLR";
           f["scheduler.base_lr"] = str(x.base_lr);
@@ -199,7 +208,8 @@ Fields fields(const Config& c) {
   std::visit(
       [&](const auto& o) {
         f["optimizer.type"] = zp::optim::detail::type_name(o);
-        zp::optim::detail::for_each_field(o, [&](const char* name, auto x) { f[std::string("optimizer.") + name] = str(x); });
+        zp::optim::detail::for_each_field(
+            o, [&](const char* name, auto x) { f[std::string("optimizer.") + name] = str(x); });
       },
       c.optimizer);
   f["optimizer_given"] = str(c.optimizer_given);
@@ -207,7 +217,8 @@ Fields fields(const Config& c) {
   f["steps_per_print"] = str(c.steps_per_print);
   f["wall_clock_breakdown"] = str(c.wall_clock_breakdown);
   f["grad_accum_dtype"] = c.grad_accum_dtype ? zp::name(*c.grad_accum_dtype) : "null";
-  f["communication_data_type"] = c.communication_data_type ? zp::name(*c.communication_data_type) : "null";
+  f["communication_data_type"] =
+      c.communication_data_type ? zp::name(*c.communication_data_type) : "null";
   f["tag_validation"] = str(int(c.tag_validation));
   std::string autos;
   for (const auto& k : c.auto_keys) autos += k + ";";
@@ -241,7 +252,8 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(c.batch.micro_batch_per_rank == 4);
     CHECK(c.batch.gradient_accumulation_steps == 4);
     CHECK(c.auto_keys == std::vector<std::string>{"train_batch_size", "optimizer.params.lr",
-                                                  "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+                                                  "scheduler.params.warmup_min_lr",
+                                                  "scheduler.params.warmup_max_lr",
                                                   "scheduler.params.warmup_num_steps"});
     CHECK(c.is_auto("optimizer.params.lr"));
     CHECK(!c.is_auto("optimizer.params.eps"));
@@ -324,16 +336,20 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(ec.batch.gradient_accumulation_steps == 8);
     CHECK(ec.bucket_bytes == 100'000'000u);
     CHECK(zp::ds::engine_config<float>(c, 4).bucket_bytes == 200'000'000u);
-    expect_invalid([&] { zp::ds::engine_config<zp::bf16>(c, 3); },
-                   {"ds_config.json: train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps at "
-                    "world size 3: ", "not a multiple"});
+    expect_invalid(
+        [&] { zp::ds::engine_config<zp::bf16>(c, 3); },
+        {"ds_config.json: "
+         "train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps at "
+         "world size 3: ",
+         "not a multiple"});
     // The fp32 accumulation asked for reaches the engine; fp16 accumulation of a bf16 model cannot.
     CHECK(ec.grad_accum_dtype == zp::DType::f32);
     CHECK(!ec.communication_dtype);
     json j = json::parse(example2);
     j["data_types"]["grad_accum_dtype"] = "fp16";
-    expect_invalid([&] { dispatch(zp::ds::parse(j, "ds_config.json"), 2); },
-                   {"ds_config.json: data_types.grad_accum_dtype: fp16 is not supported", "bf16 here"});
+    expect_invalid(
+        [&] { dispatch(zp::ds::parse(j, "ds_config.json"), 2); },
+        {"ds_config.json: data_types.grad_accum_dtype: fp16 is not supported", "bf16 here"});
   }
   SUBCASE("3: fp32, stage 1, SGD with Nesterov, WarmupDecayLR") {
     const Config c = parse_text(example3);
@@ -373,10 +389,12 @@ TEST_CASE("without a section, DeepSpeed's defaults apply (not zp's struct defaul
   CHECK(!c.scheduler);
   CHECK(c.engine.max_grad_norm == 0.0f);
   CHECK(c.steps_per_print == 10);
-  const auto lion = std::get<zp::optim::Lion>(parse_text(R"({"train_batch_size": 8, "optimizer": {"type": "lion"}})").optimizer);
+  const auto lion = std::get<zp::optim::Lion>(
+      parse_text(R"({"train_batch_size": 8, "optimizer": {"type": "lion"}})").optimizer);
   CHECK(lion.lr == 1e-3f);
   CHECK(lion.beta2 == 0.999f);  // DeepSpeed's, not the paper's 0.99
-  const auto sgd = std::get<Sgd>(parse_text(R"({"train_batch_size": 8, "optimizer": {"type": "sgd"}})").optimizer);
+  const auto sgd = std::get<Sgd>(
+      parse_text(R"({"train_batch_size": 8, "optimizer": {"type": "sgd"}})").optimizer);
   CHECK(sgd.lr == 1e-3f);  // torch.optim.SGD's
   const auto adam_l2 = parse_text(R"({"train_batch_size": 8,
       "optimizer": {"type": "Adam", "params": {"adam_w_mode": false, "weight_decay": 0.5}}})");
@@ -391,9 +409,10 @@ TEST_CASE("without a section, DeepSpeed's defaults apply (not zp's struct defaul
   CHECK(oc.cycle_max_mom == 0.9);
   // describe() names every setting on its own line.
   const std::string d = zp::ds::describe(c);
-  for (const char* line : {"batch: train_batch_size 8", "precision: fp32", "zero: stage 0", "optimizer: AdamW(",
-                           "DeepSpeed's Adam defaults", "scheduler: none", "gradient_clipping: 0 (off)",
-                           "checkpoint: tag_validation Warn", "steps_per_print: 10"})
+  for (const char* line :
+       {"batch: train_batch_size 8", "precision: fp32", "zero: stage 0", "optimizer: AdamW(",
+        "DeepSpeed's Adam defaults", "scheduler: none", "gradient_clipping: 0 (off)",
+        "checkpoint: tag_validation Warn", "steps_per_print: 10"})
     CHECK_MESSAGE(d.find(line) != std::string::npos, "missing \"", line, "\" in\n", d);
 }
 
@@ -409,9 +428,12 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
   const char* const sgd = R"({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}})";
   const char* const lion = R"({"optimizer": {"type": "Lion"}})";
   const char* const warmup = R"({"scheduler": {"type": "WarmupLR"}})";
-  const char* const decay = R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})";
-  const char* const cosine = R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})";
-  const char* const cycle = R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})";
+  const char* const decay =
+      R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})";
+  const char* const cosine =
+      R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})";
+  const char* const cycle =
+      R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})";
   const Row rows[] = {
       {"{}", R"({"train_batch_size": 8})", {"batch.train_batch_size"}},
       {"{}", R"({"train_micro_batch_size_per_gpu": 2})", {"batch.micro_batch_per_rank"}},
@@ -420,7 +442,9 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}", R"({"gradient_accumulation_steps": "auto"})", {"auto_keys"}},
       {"{}", fp16, {"precision", "scaler.kind", "scaler.scale", "scaler.initial_scale"}},
       {"{}", R"({"fp16": {"enabled": false, "loss_scale": 8}})", {}},
-      {fp16, R"({"fp16": {"loss_scale": 128}})", {"scaler.kind", "scaler.scale", "scaler.initial_scale"}},
+      {fp16,
+       R"({"fp16": {"loss_scale": 128}})",
+       {"scaler.kind", "scaler.scale", "scaler.initial_scale"}},
       {fp16, R"({"fp16": {"loss_scale": 0}})", {}},
       {fp16, R"({"fp16": {"initial_scale_power": 8}})", {"scaler.scale", "scaler.initial_scale"}},
       {fp16, R"({"fp16": {"loss_scale_window": 500}})", {"scaler.window"}},
@@ -432,69 +456,129 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}", R"({"bfloat16": {"enabled": true}})", {"precision"}},
       {"{}", R"({"zero_optimization": {"stage": 3}})", {"stage"}},
       {"{}", R"({"zero_optimization": {"reduce_bucket_size": 1e6}})", {"reduce_bucket_size"}},
-      {"{}", R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0}})", {"prefetch_bucket_size", "engine.prefetch"}},
+      {"{}",
+       R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0}})",
+       {"prefetch_bucket_size", "engine.prefetch"}},
       {"{}", R"({"zero_optimization": {"prefetch_bucket_size": 123}})", {"prefetch_bucket_size"}},
-      {"{}", R"({"zero_optimization": {"stage3_param_persistence_threshold": 10}})", {"engine.persist_threshold"}},
-      {"{}", R"({"zero_optimization": {"param_persistence_threshold": 10}})", {"engine.persist_threshold"}},
-      {"{}", R"({"zero_optimization": {"stage3_max_live_parameters": 1e6}})", {"engine.max_live_params"}},
+      {"{}",
+       R"({"zero_optimization": {"stage3_param_persistence_threshold": 10}})",
+       {"engine.persist_threshold"}},
+      {"{}",
+       R"({"zero_optimization": {"param_persistence_threshold": 10}})",
+       {"engine.persist_threshold"}},
+      {"{}",
+       R"({"zero_optimization": {"stage3_max_live_parameters": 1e6}})",
+       {"engine.max_live_params"}},
       {"{}", R"({"zero_optimization": {"max_live_parameters": 1e6}})", {"engine.max_live_params"}},
-      {"{}", R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})", {"offload.device"}},
-      {"{}", R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})",
+      {"{}",
+       R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",
+       {"offload.device"}},
+      {"{}",
+       R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})",
        {"offload.device", "offload.nvme_path"}},
-      {"{}", R"({"zero_optimization": {"offload_optimizer": {"pin_memory": true}}})", {"offload.pin_memory"}},
-      {"{}", R"({"zero_optimization": {"offload_optimizer": null, "offload_param": {"device": "none"}}})", {}},
+      {"{}",
+       R"({"zero_optimization": {"offload_optimizer": {"pin_memory": true}}})",
+       {"offload.pin_memory"}},
+      {"{}",
+       R"({"zero_optimization": {"offload_optimizer": null, "offload_param": {"device": "none"}}})",
+       {}},
       // Accepted and ignored: how to communicate, not what.
-      {"{}", R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false, "reduce_scatter": true,
+      {"{}",
+       R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false, "reduce_scatter": true,
                  "allgather_partitions": true, "round_robin_gradients": true, "allgather_bucket_size": 2e8,
                  "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9,
-                 "stage3_gather_16bit_weights_on_model_save": true}})", {}},
-      {"{}", R"({"memory_breakdown": true, "tensorboard": {"enabled": false, "output_path": "x"}, "amp": {"enabled": false},
-                 "zero_allow_untested_optimizer": false, "gradient_predivide_factor": 1.0})", {}},
+                 "stage3_gather_16bit_weights_on_model_save": true}})",
+       {}},
+      {"{}",
+       R"({"memory_breakdown": true, "tensorboard": {"enabled": false, "output_path": "x"}, "amp": {"enabled": false},
+                 "zero_allow_untested_optimizer": false, "gradient_predivide_factor": 1.0})",
+       {}},
       {"{}", adamw, {"optimizer_given"}},
       {adamw, R"({"optimizer": {"type": "adam"}})", {}},  // DeepSpeed's Adam is AdamW
-      {adamw, R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})", {"optimizer.type"}},
+      {adamw,
+       R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})",
+       {"optimizer.type"}},
       {adamw, R"({"optimizer": {"params": {"lr": 0.01}}})", {"optimizer.lr"}},
       {adamw, R"({"optimizer": {"params": {"lr": "auto"}}})", {"auto_keys"}},
-      {adamw, R"({"optimizer": {"params": {"betas": [0.8, 0.9]}}})", {"optimizer.beta1", "optimizer.beta2"}},
+      {adamw,
+       R"({"optimizer": {"params": {"betas": [0.8, 0.9]}}})",
+       {"optimizer.beta1", "optimizer.beta2"}},
       {adamw, R"({"optimizer": {"params": {"eps": 1e-6}}})", {"optimizer.eps"}},
       {adamw, R"({"optimizer": {"params": {"weight_decay": 0.1}}})", {"optimizer.weight_decay"}},
-      {adamw, R"({"optimizer": {"params": {"torch_adam": true, "amsgrad": false, "bias_correction": true}}})", {}},
+      {adamw,
+       R"({"optimizer": {"params": {"torch_adam": true, "amsgrad": false, "bias_correction": true}}})",
+       {}},
       {sgd, R"({"optimizer": {"params": {"lr": 0.5}}})", {"optimizer.lr"}},
       {sgd, R"({"optimizer": {"params": {"momentum": 0.9}}})", {"optimizer.momentum"}},
       {sgd, R"({"optimizer": {"params": {"dampening": 0.1}}})", {"optimizer.dampening"}},
       {sgd, R"({"optimizer": {"params": {"weight_decay": 0.1}}})", {"optimizer.weight_decay"}},
       {sgd, R"({"optimizer": {"params": {"nesterov": true}}})", {"optimizer.nesterov"}},
       {lion, R"({"optimizer": {"params": {"lr": 1e-4}}})", {"optimizer.lr"}},
-      {lion, R"({"optimizer": {"params": {"betas": [0.95, 0.98]}}})", {"optimizer.beta1", "optimizer.beta2"}},
+      {lion,
+       R"({"optimizer": {"params": {"betas": [0.95, 0.98]}}})",
+       {"optimizer.beta1", "optimizer.beta2"}},
       {lion, R"({"optimizer": {"params": {"weight_decay": 0.1}}})", {"optimizer.weight_decay"}},
-      {warmup, R"({"scheduler": {"params": {"warmup_min_lr": 1e-5}}})", {"scheduler.warmup_min_lr"}},
-      {warmup, R"({"scheduler": {"params": {"warmup_max_lr": 1e-2}}})", {"scheduler.warmup_max_lr"}},
-      {warmup, R"({"scheduler": {"params": {"warmup_num_steps": 10}}})", {"scheduler.warmup_num_steps"}},
-      {warmup, R"({"scheduler": {"params": {"warmup_type": "linear"}}})", {"scheduler.warmup_type"}},
+      {warmup,
+       R"({"scheduler": {"params": {"warmup_min_lr": 1e-5}}})",
+       {"scheduler.warmup_min_lr"}},
+      {warmup,
+       R"({"scheduler": {"params": {"warmup_max_lr": 1e-2}}})",
+       {"scheduler.warmup_max_lr"}},
+      {warmup,
+       R"({"scheduler": {"params": {"warmup_num_steps": 10}}})",
+       {"scheduler.warmup_num_steps"}},
+      {warmup,
+       R"({"scheduler": {"params": {"warmup_type": "linear"}}})",
+       {"scheduler.warmup_type"}},
       {warmup, R"({"scheduler": {"params": {"last_batch_iteration": -1}}})", {}},
-      {decay, R"({"scheduler": {"params": {"total_num_steps": 6000}}})", {"scheduler.total_num_steps"}},
+      {decay,
+       R"({"scheduler": {"params": {"total_num_steps": 6000}}})",
+       {"scheduler.total_num_steps"}},
       {decay, R"({"scheduler": {"params": {"warmup_max_lr": 1e-2}}})", {"scheduler.warmup_max_lr"}},
       {decay, R"({"scheduler": {"params": {"warmup_min_lr": 1e-5}}})", {"scheduler.warmup_min_lr"}},
-      {decay, R"({"scheduler": {"params": {"warmup_num_steps": 10}}})", {"scheduler.warmup_num_steps"}},
+      {decay,
+       R"({"scheduler": {"params": {"warmup_num_steps": 10}}})",
+       {"scheduler.warmup_num_steps"}},
       {decay, R"({"scheduler": {"params": {"warmup_type": "linear"}}})", {"scheduler.warmup_type"}},
-      {cosine, R"({"scheduler": {"params": {"total_num_steps": 6000}}})", {"scheduler.total_num_steps"}},
-      {cosine, R"({"scheduler": {"params": {"warmup_min_ratio": 0.1}}})", {"scheduler.warmup_min_ratio"}},
-      {cosine, R"({"scheduler": {"params": {"warmup_num_steps": 10}}})", {"scheduler.warmup_num_steps"}},
-      {cosine, R"({"scheduler": {"params": {"cos_min_ratio": 0.01}}})", {"scheduler.cos_min_ratio"}},
-      {cosine, R"({"scheduler": {"params": {"warmup_type": "linear"}}})", {"scheduler.warmup_type"}},
-      {cosine, R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})",
+      {cosine,
+       R"({"scheduler": {"params": {"total_num_steps": 6000}}})",
+       {"scheduler.total_num_steps"}},
+      {cosine,
+       R"({"scheduler": {"params": {"warmup_min_ratio": 0.1}}})",
+       {"scheduler.warmup_min_ratio"}},
+      {cosine,
+       R"({"scheduler": {"params": {"warmup_num_steps": 10}}})",
+       {"scheduler.warmup_num_steps"}},
+      {cosine,
+       R"({"scheduler": {"params": {"cos_min_ratio": 0.01}}})",
+       {"scheduler.cos_min_ratio"}},
+      {cosine,
+       R"({"scheduler": {"params": {"warmup_type": "linear"}}})",
+       {"scheduler.warmup_type"}},
+      {cosine,
+       R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})",
        {"optimizer.lr", "optimizer_given", "scheduler.base_lr"}},
       {cycle, R"({"scheduler": {"params": {"cycle_min_lr": 1e-5}}})", {"scheduler.cycle_min_lr"}},
       {cycle, R"({"scheduler": {"params": {"cycle_max_lr": 1e-2}}})", {"scheduler.cycle_max_lr"}},
       {cycle, R"({"scheduler": {"params": {"decay_lr_rate": 0.1}}})", {"scheduler.decay_lr_rate"}},
-      {cycle, R"({"scheduler": {"params": {"cycle_first_step_size": 100}}})", {"scheduler.cycle_first_step_size"}},
-      {cycle, R"({"scheduler": {"params": {"cycle_second_step_size": 100}}})", {"scheduler.cycle_second_step_size"}},
+      {cycle,
+       R"({"scheduler": {"params": {"cycle_first_step_size": 100}}})",
+       {"scheduler.cycle_first_step_size"}},
+      {cycle,
+       R"({"scheduler": {"params": {"cycle_second_step_size": 100}}})",
+       {"scheduler.cycle_second_step_size"}},
       {cycle, R"({"scheduler": {"params": {"cycle_second_step_size": null}}})", {}},
-      {cycle, R"({"scheduler": {"params": {"decay_step_size": 100}}})", {"scheduler.decay_step_size"}},
-      {cycle, R"({"scheduler": {"params": {"cycle_momentum": false}}})", {"scheduler.cycle_momentum"}},
+      {cycle,
+       R"({"scheduler": {"params": {"decay_step_size": 100}}})",
+       {"scheduler.decay_step_size"}},
+      {cycle,
+       R"({"scheduler": {"params": {"cycle_momentum": false}}})",
+       {"scheduler.cycle_momentum"}},
       {cycle, R"({"scheduler": {"params": {"cycle_min_mom": 0.7}}})", {"scheduler.cycle_min_mom"}},
       {cycle, R"({"scheduler": {"params": {"cycle_max_mom": 0.95}}})", {"scheduler.cycle_max_mom"}},
-      {cycle, R"({"scheduler": {"params": {"decay_mom_rate": 0.1}}})", {"scheduler.decay_mom_rate"}},
+      {cycle,
+       R"({"scheduler": {"params": {"decay_mom_rate": 0.1}}})",
+       {"scheduler.decay_mom_rate"}},
       {"{}", R"({"gradient_clipping": 1.0})", {"engine.max_grad_norm"}},
       {"{}", R"({"steps_per_print": 1})", {"steps_per_print"}},
       {"{}", R"({"wall_clock_breakdown": true})", {"wall_clock_breakdown"}},
@@ -502,7 +586,8 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}", R"({"communication_data_type": null})", {}},
       {"{}", R"({"data_types": {"grad_accum_dtype": "fp32"}})", {"grad_accum_dtype"}},
       {"{}", R"({"checkpoint": {"tag_validation": "Fail"}})", {"tag_validation"}},
-      {"{}", R"({"checkpoint": {"tag_validation": "ignore", "load_universal": false, "use_node_local_storage": false}})",
+      {"{}",
+       R"({"checkpoint": {"tag_validation": "ignore", "load_universal": false, "use_node_local_storage": false}})",
        {"tag_validation"}},
   };
   for (const Row& row : rows) {
@@ -533,36 +618,48 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {"ds_config.json: zero_optimisation: unknown key", "did you mean zero_optimization?"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stge": 1}})",
        {"ds_config.json: zero_optimization.stge: unknown key", "did you mean stage?"}},
-      {R"({"train_batch_size": 8, "fp16": {"enable": true}})", {"fp16.enable: unknown key", "did you mean enabled?"}},
+      {R"({"train_batch_size": 8, "fp16": {"enable": true}})",
+       {"fp16.enable: unknown key", "did you mean enabled?"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas1": [0.9, 0.99]}}})",
        {"optimizer.params.betas1: unknown key", "did you mean betas?"}},
       {R"({"train_batch_size": 8, "Train_Micro_Batch_Size_Per_GPU": 2})",
-       {"Train_Micro_Batch_Size_Per_GPU: unknown key", "did you mean train_micro_batch_size_per_gpu?"}},
-      {R"({"train_batch_size": 8, "something_else": 1})", {"something_else: unknown key", "zp reads train_batch_size"}},
+       {"Train_Micro_Batch_Size_Per_GPU: unknown key",
+        "did you mean train_micro_batch_size_per_gpu?"}},
+      {R"({"train_batch_size": 8, "something_else": 1})",
+       {"something_else: unknown key", "zp reads train_batch_size"}},
       // wrong types
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": "many"}})",
        {R"(ds_config.json: zero_optimization.stage3_max_live_parameters: expected a non-negative integer, got "many")"}},
-      {R"({"train_batch_size": "8"})", {R"(train_batch_size: expected a positive integer or "auto", got "8")"}},
+      {R"({"train_batch_size": "8"})",
+       {R"(train_batch_size: expected a positive integer or "auto", got "8")"}},
       {R"({"train_batch_size": 8, "wall_clock_breakdown": "yes"})",
        {R"(wall_clock_breakdown: expected true or false, got "yes")"}},
       {R"({"train_batch_size": 8, "fp16": true})", {"fp16: expected an object {...}, got true"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"overlap_comm": 1}})",
        {"zero_optimization.overlap_comm: expected true or false, got 1"}},
       {R"({"train_batch_size": 8, "gradient_clipping": "auto"})",
-       {R"(gradient_clipping: expected a finite number >= 0, got "auto")", "accepted only for the batch sizes"}},
-      {R"([{"train_batch_size": 8}])", {"ds_config.json: expected a JSON object {...} at the top level"}},
+       {R"(gradient_clipping: expected a finite number >= 0, got "auto")",
+        "accepted only for the batch sizes"}},
+      {R"([{"train_batch_size": 8}])",
+       {"ds_config.json: expected a JSON object {...} at the top level"}},
       // numbers
       {R"({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": 1.5}})",
-       {"zero_optimization.reduce_bucket_size: expected a positive integer (elements), got 1.5 (not a whole number)"}},
+       {"zero_optimization.reduce_bucket_size: expected a positive integer (elements), got 1.5 "
+        "(not a whole number)"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_param_persistence_threshold": -1}})",
-       {"zero_optimization.stage3_param_persistence_threshold: expected a non-negative integer, got -1"}},
+       {"zero_optimization.stage3_param_persistence_threshold: expected a non-negative integer, "
+        "got -1"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": 1e30}})",
-       {"zero_optimization.stage3_max_live_parameters: expected a non-negative integer, got 1e+30"}},
-      {R"({"train_batch_size": 0})", {R"(train_batch_size: expected a positive integer or "auto", got 0)"}},
+       {"zero_optimization.stage3_max_live_parameters: expected a non-negative integer, got "
+        "1e+30"}},
+      {R"({"train_batch_size": 0})",
+       {R"(train_batch_size: expected a positive integer or "auto", got 0)"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 5}})",
        {"zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got 5"}},
-      {R"({"train_batch_size": 8, "gradient_clipping": 1e999})", {"ds_config.json: invalid JSON", "number overflow"}},
-      {R"({"train_batch_size": 8, "gradient_clipping": NaN})", {"ds_config.json:1:46: invalid JSON"}},
+      {R"({"train_batch_size": 8, "gradient_clipping": 1e999})",
+       {"ds_config.json: invalid JSON", "number overflow"}},
+      {R"({"train_batch_size": 8, "gradient_clipping": NaN})",
+       {"ds_config.json:1:46: invalid JSON"}},
       {R"({"train_batch_size": 8, "gradient_clipping": 1e39})",
        {"gradient_clipping: expected a finite number >= 0 that a 32-bit float holds", "got 1e+39"}},
       // precision
@@ -575,7 +672,8 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "fp16": {"enabled": true, "hysteresis": 0}})",
        {"fp16.hysteresis: expected a positive integer, got 0"}},
       // duplicates and syntax
-      {R"({"train_batch_size": 8, "train_batch_size": 16})", {"ds_config.json: train_batch_size: duplicate key"}},
+      {R"({"train_batch_size": 8, "train_batch_size": 16})",
+       {"ds_config.json: train_batch_size: duplicate key"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "overlap_comm": true, "stage": 2}})",
        {"ds_config.json: zero_optimization.stage: duplicate key"}},
       {"{\n  \"train_batch_size\": 8,\n}", {"ds_config.json:3:1: invalid JSON", "syntax error"}},
@@ -585,8 +683,10 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {"nesting deeper than 32 levels"}},
       // the batch triad
       {R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})",
-       {"ds_config.json: train_batch_size: train_batch_size (30) must equal train_micro_batch_size_per_gpu (4) * "
-        "gradient_accumulation_steps (2) * the world size", "not a multiple of 8"}},
+       {"ds_config.json: train_batch_size: train_batch_size (30) must equal "
+        "train_micro_batch_size_per_gpu (4) * "
+        "gradient_accumulation_steps (2) * the world size",
+        "not a multiple of 8"}},
       {R"({"gradient_accumulation_steps": 2})",
        {"train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu"}},
       // zero_optimization
@@ -596,15 +696,20 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        {R"(zero_optimization.offload_optimizer.device: expected "none", "cpu" or "nvme", got "gpu")"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": 1, "max_live_parameters": 2}})",
-       {"zero_optimization.max_live_parameters: both stage3_max_live_parameters and its alias max_live_parameters"}},
+       {"zero_optimization.max_live_parameters: both stage3_max_live_parameters and its alias "
+        "max_live_parameters"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"zero_quantized_weights": true}})",
-       {"zero_optimization.zero_quantized_weights: known DeepSpeed key that zp does not support (accepted only as false)"}},
+       {"zero_optimization.zero_quantized_weights: known DeepSpeed key that zp does not support "
+        "(accepted only as false)"}},
       // known DeepSpeed keys zp does not do
-      {R"({"train_batch_size": 8, "amp": {"enabled": true}})", {"amp: known DeepSpeed key that zp does not support"}},
+      {R"({"train_batch_size": 8, "amp": {"enabled": true}})",
+       {"amp: known DeepSpeed key that zp does not support"}},
       {R"({"train_batch_size": 8, "zero_allow_untested_optimizer": true})",
-       {"zero_allow_untested_optimizer: known DeepSpeed key that zp does not support (accepted only as false)"}},
+       {"zero_allow_untested_optimizer: known DeepSpeed key that zp does not support (accepted "
+        "only as false)"}},
       {R"({"train_batch_size": 8, "checkpoint": {"load_universal": true}})",
-       {"checkpoint.load_universal: known DeepSpeed key that zp does not support (accepted only as false)"}},
+       {"checkpoint.load_universal: known DeepSpeed key that zp does not support (accepted only as "
+        "false)"}},
       {R"({"train_batch_size": 8, "checkpoint": {"tag_validation": "Maybe"}})",
        {R"(checkpoint.tag_validation: expected "Warn", "Ignore" or "Fail", got "Maybe")"}},
       {R"({"train_batch_size": 8, "communication_data_type": "fp8"})",
@@ -614,9 +719,11 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {R"(optimizer.type: unknown optimizer "AdamWW"; did you mean AdamW?)"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})",
        {R"(optimizer.type: "Lamb" is known to DeepSpeed, not supported by zp)"}},
-      {R"({"train_batch_size": 8, "optimizer": {"params": {"lr": 0.1}}})", {"optimizer.type: required"}},
+      {R"({"train_batch_size": 8, "optimizer": {"params": {"lr": 0.1}}})",
+       {"optimizer.type: required"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}})",
-       {"optimizer.params.max_grad_norm: max_grad_norm is not an optimizer parameter", "gradient_clipping"}},
+       {"optimizer.params.max_grad_norm: max_grad_norm is not an optimizer parameter",
+        "gradient_clipping"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})",
        {"optimizer.params.betas: expected an array of two numbers [beta1, beta2], got [0.9]"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}})",
@@ -638,19 +745,23 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {"scheduler.params.total_num_steps: required by WarmupDecayLR"}},
       {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10,
           "warmup_num_steps": 100}}})",
-       {"ds_config.json: scheduler.params: schedule: WarmupDecayLR: total_num_steps (10) must be >= warmup_num_steps (100)"}},
+       {"ds_config.json: scheduler.params: schedule: WarmupDecayLR: total_num_steps (10) must be "
+        ">= warmup_num_steps (100)"}},
       {R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}})",
        {"scheduler.params.cycle_max_lr: required by OneCycle"}},
       {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 100}}})",
-       {"scheduler.params.last_batch_iteration: known DeepSpeed key that zp does not support (accepted only as -1)"}},
+       {"scheduler.params.last_batch_iteration: known DeepSpeed key that zp does not support "
+        "(accepted only as -1)"}},
       // values zp would ignore, or could not represent (a float that rounds to 0 or overflows)
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
-       {"zero_optimization.offload_optimizer.ratio: known DeepSpeed key that zp does not support (accepted only as 1), got 0.5"}},
+       {"zero_optimization.offload_optimizer.ratio: known DeepSpeed key that zp does not support "
+        "(accepted only as 1), got 0.5"}},
       {R"({"train_batch_size": 8, "gradient_clipping": 1e-50})",
        {"gradient_clipping: expected a finite number >= 0 that a 32-bit float holds", "got 1e-50"}},
       {R"({"train_batch_size": 8, "fp16": {"enabled": true, "loss_scale": 1e-46}})",
        {"fp16.loss_scale: expected a finite number >= 0 that a 32-bit float holds", "got 1e-46"}},
-      {R"({"train_batch_size": 8, "fp16": {"enabled": true, "min_loss_scale": 1e-46}})", {"fp16.min_loss_scale", "got 1e-46"}},
+      {R"({"train_batch_size": 8, "fp16": {"enabled": true, "min_loss_scale": 1e-46}})",
+       {"fp16.min_loss_scale", "got 1e-46"}},
       {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"eps": 1e-60}}})",
        {"optimizer.params.eps", "got 1e-60"}},
       {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-50}}})",
@@ -668,15 +779,18 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
 
 TEST_CASE("\"auto\" is a placeholder the program fills: recorded, defaulted, not cross-checked") {
   // Hugging Face style: the Trainer fills these from its own arguments.
-  const Config c = parse_text(R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+  const Config c =
+      parse_text(R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
       "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": "auto", "nesterov": true}},
       "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 20000}}})");
-  CHECK(c.auto_keys == std::vector<std::string>{"train_batch_size", "train_micro_batch_size_per_gpu",
+  CHECK(c.auto_keys == std::vector<std::string>{"train_batch_size",
+                                                "train_micro_batch_size_per_gpu",
                                                 "optimizer.params.lr", "optimizer.params.momentum",
                                                 "scheduler.params.total_num_steps"});
   CHECK(std::get<Sgd>(c.optimizer).lr == 1e-3f);
   CHECK(std::get<zp::schedule::WarmupDecayLR>(*c.scheduler).total_num_steps == 10000);
-  CHECK(zp::ds::describe(c).find("\"auto\" (for the program to fill): train_batch_size, ") != std::string::npos);
+  CHECK(zp::ds::describe(c).find("\"auto\" (for the program to fill): train_batch_size, ") !=
+        std::string::npos);
   // Unfilled batch keys are an error once the world size is known.
   expect_invalid([&] { zp::ds::engine_config<float>(c, 2); },
                  {"at world size 2", "give train_batch_size or micro_batch_per_rank"});
@@ -686,9 +800,10 @@ TEST_CASE("\"auto\" is a placeholder the program fills: recorded, defaulted, not
   std::get<Sgd>(filled.optimizer).momentum = 0.9f;
   CHECK(zp::ds::engine_config<float>(filled, 2).batch.train_batch_size == 4);
   // "auto" stays an error where the program has no say.
-  expect_invalid([&] { parse_text(R"({"train_batch_size": 8, "zero_optimization": {"stage": "auto"}})"); },
-                 {R"(zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got "auto")",
-                  "accepted only for the batch sizes"});
+  expect_invalid(
+      [&] { parse_text(R"({"train_batch_size": 8, "zero_optimization": {"stage": "auto"}})"); },
+      {R"(zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got "auto")",
+       "accepted only for the batch sizes"});
   expect_invalid([&] { parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": "auto"}})"); },
                  {R"(fp16.enabled: expected true or false, got "auto")"});
 }
@@ -696,14 +811,16 @@ TEST_CASE("\"auto\" is a placeholder the program fills: recorded, defaulted, not
 TEST_CASE("NaN and infinity in a JSON value built by the program are errors too") {
   json j = json::parse(example3);
   j["gradient_clipping"] = std::nan("");
-  expect_invalid([&] { zp::ds::parse(j, "cfg"); }, {"cfg: gradient_clipping: expected a finite number >= 0, got nan"});
+  expect_invalid([&] { zp::ds::parse(j, "cfg"); },
+                 {"cfg: gradient_clipping: expected a finite number >= 0, got nan"});
   j = json::parse(example3);
   j["zero_optimization"]["reduce_bucket_size"] = INFINITY;
-  expect_invalid([&] { zp::ds::parse(j); },
-                 {"ds_config: zero_optimization.reduce_bucket_size: expected a positive integer (elements), got inf"});
+  expect_invalid([&] { zp::ds::parse(j); }, {"ds_config: zero_optimization.reduce_bucket_size: "
+                                             "expected a positive integer (elements), got inf"});
   j = json::parse(example3);
   j["optimizer"]["params"]["lr"] = -INFINITY;
-  expect_invalid([&] { zp::ds::parse(j); }, {"optimizer.params.lr: expected a finite number >= 0, got -inf"});
+  expect_invalid([&] { zp::ds::parse(j); },
+                 {"optimizer.params.lr: expected a finite number >= 0, got -inf"});
 }
 
 TEST_CASE("load reads a file and names it in errors; a missing file is an I/O error") {
@@ -717,7 +834,8 @@ TEST_CASE("load reads a file and names it in errors; a missing file is an I/O er
   CHECK(c.source == good.string());
   CHECK(c.stage == 1);
   expect_invalid([&] { zp::ds::load(bad); },
-                 {bad.string() + ": zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got \"two\""});
+                 {bad.string() +
+                  ": zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got \"two\""});
   try {
     zp::ds::load(dir / "absent.json");
     FAIL_CHECK("no error for a missing file");
@@ -787,37 +905,65 @@ TEST_CASE("with_engine builds the engine type the config selects, with the confi
     json j = json::parse(example3);
     j["zero_optimization"]["stage"] = 2;
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
-                   {"ds_config: zero_optimization.stage: config asks for stage 2, this program was built with stages {1, 3}"});
+                   {"ds_config: zero_optimization.stage: config asks for stage 2, this program was "
+                    "built with stages {1, 3}"});
     j = json::parse(example3);
     j["fp16"] = {{"enabled", true}};
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
-                   {"fp16.enabled: config asks for precision fp16, this program was built with element types {fp32, bf16}"});
+                   {"fp16.enabled: config asks for precision fp16, this program was built with "
+                    "element types {fp32, bf16}"});
     j = json::parse(example3);
     j["optimizer"] = {{"type", "Lion"}};
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
-                   {"optimizer.type: config asks for optimizer Lion, this program was built with optimizers {AdamW, Sgd}"});
+                   {"optimizer.type: config asks for optimizer Lion, this program was built with "
+                    "optimizers {AdamW, Sgd}"});
     j = json::parse(example3);
     j["communication_data_type"] = "bf16";
     expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
                    {"communication_data_type: bf16 is not supported", "fp32 here"});
     j = json::parse(example3);
     j["train_batch_size"] = 96;  // fits 3 ranks (16 * 2 * 3), not 2
-    expect_invalid([&] { dispatch(zp::ds::parse(j), 2); },
-                   {"at world size 2: ", "train_batch_size must equal micro_batch_per_rank * gradient_accumulation_steps * ranks"});
+    expect_invalid(
+        [&] { dispatch(zp::ds::parse(j), 2); },
+        {"at world size 2: ",
+         "train_batch_size must equal micro_batch_per_rank * gradient_accumulation_steps * ranks"});
   }
 }
 
 TEST_CASE("random mutations of the example configs parse or throw zp::Error, never anything else") {
   const std::uint64_t seed = zp::test::fresh_seed();
-  std::printf("ds_config fuzz: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", (unsigned long long)seed,
-              (unsigned long long)seed);
+  std::printf("ds_config fuzz: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n",
+              (unsigned long long)seed, (unsigned long long)seed);
   std::mt19937_64 rng(seed);
   auto below = [&](std::size_t n) { return n ? std::size_t(rng() % n) : 0; };
   const std::string seeds[] = {example1, example2, example3};
-  const char* const tokens[] = {"\"auto\"", "1.5", "-1", "0", "1e999", "1e308", "null", "true", "false", "[", "]", "{",
-                                "}", ",", ":", "\"stage\": 3,", "9223372036854775808", "-0", "1e-400", "\"\\u0000\"",
-                                "\"\\ud800\"", "\"fp16\": {\"enabled\": true},", "[0.9, 0.999]", "\"\xff\"", "{}",
-                                "\"enabled\": true", "\"zero_optimization\": {},"};
+  const char* const tokens[] = {"\"auto\"",
+                                "1.5",
+                                "-1",
+                                "0",
+                                "1e999",
+                                "1e308",
+                                "null",
+                                "true",
+                                "false",
+                                "[",
+                                "]",
+                                "{",
+                                "}",
+                                ",",
+                                ":",
+                                "\"stage\": 3,",
+                                "9223372036854775808",
+                                "-0",
+                                "1e-400",
+                                "\"\\u0000\"",
+                                "\"\\ud800\"",
+                                "\"fp16\": {\"enabled\": true},",
+                                "[0.9, 0.999]",
+                                "\"\xff\"",
+                                "{}",
+                                "\"enabled\": true",
+                                "\"zero_optimization\": {},"};
   const char bytes[] = "{}[]\",:0123456789.eE+-tfnaul \\\n";
   std::size_t ok = 0, rejected = 0, not_json = 0;
   const auto start = std::chrono::steady_clock::now();
@@ -850,25 +996,33 @@ TEST_CASE("random mutations of the example configs parse or throw zp::Error, nev
           s.replace(a.first, a.second, sb);
           break;
         }
-        case 6: case 7: case 8: {  // replace a number with another
+        case 6:
+        case 7:
+        case 8: {  // replace a number with another
           std::vector<std::size_t> nums;
           for (std::size_t p = 0; p < s.size(); ++p)
-            if ((s[p] >= '0' && s[p] <= '9') && (p == 0 || s[p - 1] == ' ' || s[p - 1] == ':' || s[p - 1] == '['))
+            if ((s[p] >= '0' && s[p] <= '9') &&
+                (p == 0 || s[p - 1] == ' ' || s[p - 1] == ':' || s[p - 1] == '['))
               nums.push_back(p);
           if (nums.empty()) break;
           const std::size_t p = nums[below(nums.size())];
           std::size_t end = p;
-          while (end < s.size() && std::string_view("0123456789.eE+-").find(s[end]) != std::string_view::npos) ++end;
+          while (end < s.size() &&
+                 std::string_view("0123456789.eE+-").find(s[end]) != std::string_view::npos)
+            ++end;
           s.replace(p, end - p, tokens[below(std::size(tokens))]);
           break;
         }
         default: {  // replace a quoted string (key or value) with another's text or a token
           std::vector<std::size_t> quotes;
-          for (std::size_t p = s.find('"'); p != std::string::npos; p = s.find('"', p + 1)) quotes.push_back(p);
+          for (std::size_t p = s.find('"'); p != std::string::npos; p = s.find('"', p + 1))
+            quotes.push_back(p);
           if (quotes.size() < 2) break;
           const std::size_t k = below(quotes.size() / 2) * 2;
           const std::size_t a = quotes[k], len = quotes[k + 1] + 1 - a;
-          s.replace(a, len, below(2) ? std::string(tokens[below(std::size(tokens))]) : "\"stage3_max_live_parameters\"");
+          s.replace(a, len,
+                    below(2) ? std::string(tokens[below(std::size(tokens))])
+                             : "\"stage3_max_live_parameters\"");
         }
       }
     }
@@ -878,15 +1032,17 @@ TEST_CASE("random mutations of the example configs parse or throw zp::Error, nev
       (void)zp::ds::engine_config<zp::bf16>(c, 1 + int(below(4)));
       ++ok;
     } catch (const zp::Error& e) {
-      if (e.category() != zp::Errc::invalid_argument) FAIL_CHECK("category ", int(e.category()), ": ", e.what());
+      if (e.category() != zp::Errc::invalid_argument)
+        FAIL_CHECK("category ", int(e.category()), ": ", e.what());
       ++(std::string(e.what()).find("invalid JSON") != std::string::npos ? not_json : rejected);
     } catch (const std::exception& e) {
       FAIL_CHECK("not a zp::Error: ", e.what(), "\ninput:\n", s);
     }
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("ds_config fuzz: %zu parsed, %zu rejected by the checks, %zu not JSON, in %.2f s\n", ok, rejected,
-              not_json, seconds);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("ds_config fuzz: %zu parsed, %zu rejected by the checks, %zu not JSON, in %.2f s\n",
+              ok, rejected, not_json, seconds);
   CHECK(ok > 0);
   CHECK(rejected > 0);
   CHECK(not_json > 0);
@@ -913,7 +1069,8 @@ TEST_CASE("a ds_config that is not a regular file is an error, not a hang") {
   zp::test::TempDir dir;
   const auto fifo = dir.path / "ds_config.json";
   REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
-  zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ds::load(fifo); }, {"ds_config.json", "a FIFO"});
+  zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ds::load(fifo); },
+                         {"ds_config.json", "a FIFO"});
   zp::test::expect_error(zp::Errc::io, [&] { (void)zp::ds::load(dir.path); }, {"a directory"});
 }
 
@@ -928,10 +1085,14 @@ keys::Value other_value(const keys::Spec& s) {
   keys::Value v = s.def;
   v.null = false;
   const keys::Real r = s.real;
-  auto other = [&](double d) { return d != 0 ? d / 2 : r == keys::Real::unit_open || r == keys::Real::unit_closed ? 0.5 : 1.5; };
+  auto other = [&](double d) {
+    return d != 0 ? d / 2 : r == keys::Real::unit_open || r == keys::Real::unit_closed ? 0.5 : 1.5;
+  };
   switch (s.kind) {
     case keys::Kind::boolean: v.b = !s.def.b; break;
-    case keys::Kind::integer: v.i = s.def.i < s.hi ? std::max(s.def.i + 1, s.lo) : s.def.i - 1; break;
+    case keys::Kind::integer:
+      v.i = s.def.i < s.hi ? std::max(s.def.i + 1, s.lo) : s.def.i - 1;
+      break;
     case keys::Kind::real:
     case keys::Kind::real_f32: v.x = other(s.def.x); break;
     case keys::Kind::text: v.s = "/some/where"; break;
@@ -990,21 +1151,27 @@ struct KeyCheck {
 // For each key `table` declares as read (by its name and by its alias), a config that sets it to
 // a value other than its default parses to a Config other than the one with the default.
 template <class S, std::size_t N>
-void check_table(const zp::detail::keys::Key<S> (&table)[N], const std::string& path, const json& context,
-                 KeyCheck& out, const std::map<std::string, json>& values = {}) {
+void check_table(const zp::detail::keys::Key<S> (&table)[N], const std::string& path,
+                 const json& context, KeyCheck& out,
+                 const std::map<std::string, json>& values = {}) {
   for (const auto* k : keys::read_keys(table)) {
-    if (k->spec.kind == keys::Kind::object || k->spec.kind == keys::Kind::any) continue;  // their own tables
+    if (k->spec.kind == keys::Kind::object || k->spec.kind == keys::Kind::any)
+      continue;  // their own tables
     for (std::string_view name : {k->name, k->alias}) {
       if (name.empty()) continue;
-      const std::string key_path = path.empty() ? std::string(name) : path + "." + std::string(name);
+      const std::string key_path =
+          path.empty() ? std::string(name) : path + "." + std::string(name);
       CAPTURE(key_path);
       const keys::Value def = k->spec.def;
       const bool def_valid = def.null ? k->spec.null_ok
-                                      : k->spec.kind != keys::Kind::integer || (def.i >= k->spec.lo && def.i <= k->spec.hi);
+                                      : k->spec.kind != keys::Kind::integer ||
+                                            (def.i >= k->spec.lo && def.i <= k->spec.hi);
       json a = context, b = context;
       const json::json_pointer at = pointer(path) / std::string(name);
-      if (def_valid) a[at] = to_json(k->spec, def);
-      else if (a.contains(at)) a[pointer(path)].erase(std::string(name));
+      if (def_valid)
+        a[at] = to_json(k->spec, def);
+      else if (a.contains(at))
+        a[pointer(path)].erase(std::string(name));
       const auto v = values.find(key_path);
       b[at] = v != values.end() ? v->second : to_json(k->spec, other_value(k->spec));
       const std::string text_a = a.dump(), text_b = b.dump();
@@ -1012,7 +1179,8 @@ void check_table(const zp::detail::keys::Key<S> (&table)[N], const std::string& 
       CAPTURE(text_b);
       std::set<std::string> got;
       try {
-        got = changed(fields(zp::ds::parse(a, "ds_config.json")), fields(zp::ds::parse(b, "ds_config.json")));
+        got = changed(fields(zp::ds::parse(a, "ds_config.json")),
+                      fields(zp::ds::parse(b, "ds_config.json")));
       } catch (const zp::Error& e) {
         FAIL_CHECK("a valid value was refused: ", e.what());
         continue;
@@ -1025,7 +1193,8 @@ void check_table(const zp::detail::keys::Key<S> (&table)[N], const std::string& 
 
 }  // namespace
 
-TEST_CASE("every key declared as read changes the Config when set to a value other than its default") {
+TEST_CASE(
+    "every key declared as read changes the Config when set to a value other than its default") {
   // A key declared (and so accepted) but stored nowhere would pass every parse silently; each
   // table of ds_config.hpp is walked here with a context that makes its keys matter (fp16's
   // loss-scaler keys only act with fp16 enabled, a schedule's keys only under its type).
@@ -1047,16 +1216,25 @@ TEST_CASE("every key declared as read changes the Config when set to a value oth
   check_table(d::checkpoint_keys, "checkpoint", batch, out);
   check_table(d::adam_keys, "optimizer.params", with(R"({"optimizer": {"type": "Adam"}})"), out);
   check_table(d::lion_keys, "optimizer.params", with(R"({"optimizer": {"type": "Lion"}})"), out);
-  check_table(d::sgd_keys, "optimizer.params", with(R"({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}})"), out);
-  check_table(d::warmup_keys, "scheduler.params", with(R"({"scheduler": {"type": "WarmupLR"}})"), out);
-  check_table(d::decay_keys, "scheduler.params",
-              with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"), out);
-  check_table(d::cosine_keys, "scheduler.params",
-              with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"), out);
-  check_table(d::cycle_keys, "scheduler.params",
-              with(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})"),
-              out, {{"scheduler.params.cycle_max_mom", 0.95}});  // stays >= cycle_min_mom
-  CHECK_MESSAGE(out.unwired.empty(), "declared as read but stored nowhere: ", show({out.unwired.begin(), out.unwired.end()}));
+  check_table(d::sgd_keys, "optimizer.params",
+              with(R"({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}})"), out);
+  check_table(d::warmup_keys, "scheduler.params", with(R"({"scheduler": {"type": "WarmupLR"}})"),
+              out);
+  check_table(
+      d::decay_keys, "scheduler.params",
+      with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"),
+      out);
+  check_table(
+      d::cosine_keys, "scheduler.params",
+      with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"),
+      out);
+  check_table(
+      d::cycle_keys, "scheduler.params",
+      with(
+          R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})"),
+      out, {{"scheduler.params.cycle_max_mom", 0.95}});  // stays >= cycle_min_mom
+  CHECK_MESSAGE(out.unwired.empty(), "declared as read but stored nowhere: ",
+                show({out.unwired.begin(), out.unwired.end()}));
   CHECK(out.checked >= 60);
   // The optimizer's and scheduler's "type" select a table; each type is a different Config.
   std::set<std::string> seen;
@@ -1068,16 +1246,22 @@ TEST_CASE("every key declared as read changes the Config when set to a value oth
   }
   for (const char* t : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"}) {
     json j = batch;
-    j["scheduler"] = {{"type", t}, {"params", {{"total_num_steps", 5000}, {"cycle_min_lr", 0}, {"cycle_max_lr", 1}}}};
+    j["scheduler"] = {
+        {"type", t},
+        {"params", {{"total_num_steps", 5000}, {"cycle_min_lr", 0}, {"cycle_max_lr", 1}}}};
     if (std::string(t) == "WarmupLR") j["scheduler"]["params"] = json::object();
-    if (std::string(t) != "OneCycle") j["scheduler"]["params"].erase("cycle_min_lr"), j["scheduler"]["params"].erase("cycle_max_lr");
-    else j["scheduler"]["params"].erase("total_num_steps");
+    if (std::string(t) != "OneCycle")
+      j["scheduler"]["params"].erase("cycle_min_lr"),
+          j["scheduler"]["params"].erase("cycle_max_lr");
+    else
+      j["scheduler"]["params"].erase("total_num_steps");
     seen.insert(zp::ds::describe(zp::ds::parse(j)));
   }
   CHECK(seen.size() == 8);
 }
 
-TEST_CASE("a default Config holds what parsing gives for a config that sets nothing but the batch") {
+TEST_CASE(
+    "a default Config holds what parsing gives for a config that sets nothing but the batch") {
   // Config's member defaults restate the declared defaults of ds_config.hpp's tables; they must agree.
   Fields parsed = fields(parse_text(R"({"train_batch_size": "auto"})"));
   Fields made = fields(Config{});
@@ -1088,14 +1272,17 @@ TEST_CASE("a default Config holds what parsing gives for a config that sets noth
 namespace {
 // Every read key of `table` (by its name, under `path`) has a line "    <path>: " in d.
 template <class S, std::size_t N>
-std::size_t check_described(const std::string& d, const zp::detail::keys::Key<S> (&table)[N], const std::string& path) {
+std::size_t check_described(const std::string& d, const zp::detail::keys::Key<S> (&table)[N],
+                            const std::string& path) {
   std::size_t n = 0;
   for (const auto* k : zp::detail::keys::read_keys(table)) {
-    const std::string key_path = path.empty() ? std::string(k->name) : path + "." + std::string(k->name);
-    const bool nested = k->spec.kind == zp::detail::keys::Kind::object || k->spec.kind == zp::detail::keys::Kind::any;
+    const std::string key_path =
+        path.empty() ? std::string(k->name) : path + "." + std::string(k->name);
+    const bool nested = k->spec.kind == zp::detail::keys::Kind::object ||
+                        k->spec.kind == zp::detail::keys::Kind::any;
     // An object's own keys follow its path ("zero_optimization.stage"); a value has "path: value".
-    CHECK_MESSAGE(d.find("    " + key_path + (nested ? "" : ": ")) != std::string::npos, "describe() lacks ", key_path,
-                  " in\n", d);
+    CHECK_MESSAGE(d.find("    " + key_path + (nested ? "" : ": ")) != std::string::npos,
+                  "describe() lacks ", key_path, " in\n", d);
     ++n;
   }
   return n;
@@ -1127,13 +1314,16 @@ TEST_CASE("describe() lists every key declared as read, from the declarations") 
   };
   check_described(with(R"({"optimizer": {"type": "SGD"}})"), d::sgd_keys, "optimizer.params");
   check_described(with(R"({"optimizer": {"type": "Lion"}})"), d::lion_keys, "optimizer.params");
-  check_described(with(R"({"scheduler": {"type": "WarmupLR"}})"), d::warmup_keys, "scheduler.params");
-  check_described(with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"), d::decay_keys,
+  check_described(with(R"({"scheduler": {"type": "WarmupLR"}})"), d::warmup_keys,
                   "scheduler.params");
-  check_described(with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"),
-                  d::cosine_keys, "scheduler.params");
-  const std::string cycle =
-      with(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})");
+  check_described(
+      with(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000}}})"),
+      d::decay_keys, "scheduler.params");
+  check_described(
+      with(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}})"),
+      d::cosine_keys, "scheduler.params");
+  const std::string cycle = with(
+      R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})");
   check_described(cycle, d::cycle_keys, "scheduler.params");
   check_described(cycle, d::scheduler_keys, "scheduler");
   // Values as the Config keeps them, in ds_config's spelling; "auto" marked.
@@ -1142,12 +1332,14 @@ TEST_CASE("describe() lists every key declared as read, from the declarations") 
       "optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.95], "adam_w_mode": false, "lr": "auto"}},
       "communication_data_type": "bfp16", "checkpoint": {"tag_validation": "fail"}})");
   for (const char* line :
-       {"    train_batch_size: 8\n", "    train_micro_batch_size_per_gpu: 0 (\"auto\")\n", "    fp16.enabled: true\n",
-        "    fp16.loss_scale_window: 500\n", "    fp16.initial_scale_power: 16\n", "    zero_optimization.stage: 3\n",
-        "    zero_optimization.offload_optimizer.device: \"cpu\"\n", "    optimizer.type: \"Adam\"\n",
-        "    optimizer.params.betas: [0.8, 0.95]\n", "    optimizer.params.adam_w_mode: false\n",
-        "    optimizer.params.lr: 0.001 (\"auto\")\n", "    communication_data_type: \"bf16\"\n",
-        "    data_types.grad_accum_dtype: null\n", "    checkpoint.tag_validation: \"Fail\"\n"})
+       {"    train_batch_size: 8\n", "    train_micro_batch_size_per_gpu: 0 (\"auto\")\n",
+        "    fp16.enabled: true\n", "    fp16.loss_scale_window: 500\n",
+        "    fp16.initial_scale_power: 16\n", "    zero_optimization.stage: 3\n",
+        "    zero_optimization.offload_optimizer.device: \"cpu\"\n",
+        "    optimizer.type: \"Adam\"\n", "    optimizer.params.betas: [0.8, 0.95]\n",
+        "    optimizer.params.adam_w_mode: false\n", "    optimizer.params.lr: 0.001 (\"auto\")\n",
+        "    communication_data_type: \"bf16\"\n", "    data_types.grad_accum_dtype: null\n",
+        "    checkpoint.tag_validation: \"Fail\"\n"})
     CHECK_MESSAGE(s.find(line) != std::string::npos, "missing \"", line, "\" in\n", s);
   // The summary lines stay above the listing.
   CHECK(s.find("  zero: stage 3") < s.find("    zero_optimization.stage: 3"));
@@ -1161,14 +1353,20 @@ TEST_CASE("list_object describes any table: each read key by its declaration, in
     std::string name;
     float lo = 0, hi = 0;
   };
-  static constexpr keys::Choice types[] = {{"fp32", std::int64_t(zp::DType::f32)}, {"bf16", std::int64_t(zp::DType::bf16)}};
+  static constexpr keys::Choice types[] = {{"fp32", std::int64_t(zp::DType::f32)},
+                                           {"bf16", std::int64_t(zp::DType::bf16)}};
   using K = keys::Key<T>;
-  static constexpr K table[] = {K::read("a", keys::count(3), [](auto& x) -> auto& { return x.a; }),
-                                K::ignored("skipped", keys::boolean()), K::unsupported("no"),
-                                K::read("t", keys::choice_or_null(types, "a type"), [](auto& x) -> auto& { return x.t; }),
-                                K::read("name", keys::text("a name"), [](auto& x) -> auto& { return x.name; }),
-                                K::read("range", keys::pair(0, 1, keys::Real::finite, "two numbers"),
-                                        [](auto& x) { return std::tie(x.lo, x.hi); })};
+  static constexpr K table[] = {
+      K::read(
+          "a", keys::count(3), [](auto& x) -> auto& { return x.a; }),
+      K::ignored("skipped", keys::boolean()),
+      K::unsupported("no"),
+      K::read(
+          "t", keys::choice_or_null(types, "a type"), [](auto& x) -> auto& { return x.t; }),
+      K::read(
+          "name", keys::text("a name"), [](auto& x) -> auto& { return x.name; }),
+      K::read("range", keys::pair(0, 1, keys::Real::finite, "two numbers"),
+              [](auto& x) { return std::tie(x.lo, x.hi); })};
   T x{.a = 7, .t = zp::DType::bf16, .name = "q\"r", .lo = 0.5f, .hi = 2};
   const keys::Listing got = keys::list_object(table, x, "top");
   REQUIRE(got.size() == 4);

@@ -79,16 +79,20 @@ TEST_CASE("dtype metadata") {
 
 // An int cast into one of zp's enums (DType, ReduceOp, CollOp, Schedule) is named with its
 // number wherever a message names it, and where it selects code it is an error naming it.
-TEST_CASE("a value outside its enum is named with its number, and an error where it would select code") {
+TEST_CASE(
+    "a value outside its enum is named with its number, and an error where it would select code") {
   using zp::CollOp, zp::DType, zp::ReduceOp;
   CHECK(std::string(zp::name(DType(6))) == "DType(6)");
   CHECK(std::string(zp::name(DType(255))) == "DType(255)");
   CHECK(std::string(zp::name(ReduceOp(9))) == "ReduceOp(9)");
   CHECK(std::string(zp::name(CollOp(42))) == "CollOp(42)");
   CHECK(std::string(zp::pipeline::name(zp::pipeline::Schedule(7))) == "Schedule(7)");
-  CHECK_THROWS_WITH_AS(zp::visit_dtype(DType(6), [](auto) { return 0; }),
-                       doctest::Contains("expected a DType (f32, f64, i32, i64, bf16, f16), got DType(6)"), zp::Error);
+  CHECK_THROWS_WITH_AS(
+      zp::visit_dtype(DType(6), [](auto) { return 0; }),
+      doctest::Contains("expected a DType (f32, f64, i32, i64, bf16, f16), got DType(6)"),
+      zp::Error);
   zp::CommStats stats;
-  CHECK_THROWS_WITH_AS((void)stats[CollOp(9)], doctest::Contains("expected a CollOp (all_reduce, "), zp::Error);
+  CHECK_THROWS_WITH_AS((void)stats[CollOp(9)], doctest::Contains("expected a CollOp (all_reduce, "),
+                       zp::Error);
   CHECK_THROWS_WITH_AS((void)stats[CollOp(9)], doctest::Contains("got CollOp(9)"), zp::Error);
 }

@@ -64,13 +64,14 @@ Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cf
     // eps 1e-4, not 1e-8: Adam divides by sqrt(v) + eps, so a gradient that is zero up to rounding
     // (a dead unit) would turn different roundings into full +-lr steps, and runs that should
     // agree to rounding would differ by 2 lr in a few elements for some seeds.
-    zp::Engine<Threads, T, Stage> engine(comm, model, cfg, zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});
+    zp::Engine<Threads, T, Stage> engine(comm, model, cfg,
+                                         zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});
     std::vector<float> losses;
     for (int t = 0; t < steps; ++t)
       for (int i = 0; i < gas; ++i) {
         float loss = 0;
-        const auto res = zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch,
-                                              micro_batch, &loss);
+        const auto res = zp::test::micro_step(
+            engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch, micro_batch, &loss);
         CHECK(res.boundary == (i + 1 == gas));
         CHECK(!res.overflow);
         losses.push_back(loss);
@@ -159,8 +160,9 @@ void check_close(const Diff& d) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("stages 0-3 give bitwise identical parameters after 20 steps without accumulation", T,
-                   float, zp::bf16) {
+TEST_CASE_TEMPLATE(
+    "stages 0-3 give bitwise identical parameters after 20 steps without accumulation", T, float,
+    zp::bf16) {
   for (int ranks : {1, 2, 3, 4}) {
     CAPTURE(ranks);
     const auto s0 = train_stage<T>(0, ranks, 20, 1, 3);
@@ -184,8 +186,8 @@ TEST_CASE_TEMPLATE("stages 0-3 give bitwise identical parameters after 20 steps 
 // and accumulate the reduced shards: within each pair the order of every addition is the same,
 // across pairs it differs, so they agree only to the rounding of T (check_close). (bf16 stage 0
 // accumulates in fp32 by default, as DeepSpeed; here both accumulate in T.)
-TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bitwise identical", T, float,
-                   zp::bf16) {
+TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bitwise identical", T,
+                   float, zp::bf16) {
   for (int ranks : {2, 3}) {
     CAPTURE(ranks);
     const auto s0 = train_stage<T>(0, ranks, 20, 4, 2, zp::dtype_of<T>);
@@ -197,7 +199,8 @@ TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bi
     CHECK(bitwise_equal(s2.params, s3.params));
     const Diff d = diff(train_stage<T>(0, ranks, close_steps, 4, 2, zp::dtype_of<T>).master,
                         train_stage<T>(2, ranks, close_steps, 4, 2).master);
-    MESSAGE("stage 0 vs 2 with accumulation, ", ranks, " ranks: |diff| max ", d.max, " mean ", d.mean);
+    MESSAGE("stage 0 vs 2 with accumulation, ", ranks, " ranks: |diff| max ", d.max, " mean ",
+            d.mean);
     check_close<T>(d);
   }
 }
@@ -206,8 +209,8 @@ TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bi
 // from host copies of the gradient shard; on the threads backend the copies are memcpys, so this
 // checks the offload path's staging, pieces and conversions: bitwise equal to no offload, and
 // the memory report puts master and state bytes on the host.
-TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as without offload", T, float,
-                   zp::bf16) {
+TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as without offload",
+                   T, float, zp::bf16) {
   for (int stage = 0; stage <= 3; ++stage)
     for (int ranks : {1, 3}) {
       CAPTURE(stage);
@@ -241,7 +244,8 @@ TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as
 
 // A single rank on the same global batch sums each gradient over the whole batch in one pass,
 // N ranks sum partial batches and then average: same math, different rounding (check_close).
-TEST_CASE_TEMPLATE("every stage agrees with a single-rank run on the same global batch", T, float, zp::bf16) {
+TEST_CASE_TEMPLATE("every stage agrees with a single-rank run on the same global batch", T, float,
+                   zp::bf16) {
   for (int ranks : {2, 4}) {
     const auto one = train_stage<T>(0, 1, close_steps, 2, 3 * ranks);
     for (int stage : {0, 3}) {
@@ -249,7 +253,8 @@ TEST_CASE_TEMPLATE("every stage agrees with a single-rank run on the same global
       CAPTURE(stage);
       const auto s = train_stage<T>(stage, ranks, close_steps, 2, 3);
       const Diff d = diff(one.master, s.master);
-      MESSAGE("single rank vs ", ranks, " ranks, stage ", stage, ": |diff| max ", d.max, " mean ", d.mean);
+      MESSAGE("single rank vs ", ranks, " ranks, stage ", stage, ": |diff| max ", d.max, " mean ",
+              d.mean);
       check_close<T>(d);
     }
   }
@@ -283,16 +288,19 @@ void check_accounting(int ranks) {
     const auto& c = engine.last_step_comm();
     const double f = double(n - 1) / n, bytes = double(P * elem);
     // the statistics all_reduce of statistics_count doubles
-    const double stats_bus = double(zp::Engine<Threads, T, Stage>::statistics_count * sizeof(double)) * 2.0 * f;
+    const double stats_bus =
+        double(zp::Engine<Threads, T, Stage>::statistics_count * sizeof(double)) * 2.0 * f;
     if (Stage == 0) {
-      CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(2 * f * bytes + stats_bus).epsilon(1e-12));
+      CHECK(c[CollOp::all_reduce].bus_bytes ==
+            doctest::Approx(2 * f * bytes + stats_bus).epsilon(1e-12));
       CHECK(c[CollOp::reduce_scatter].calls == 0);
       CHECK(c[CollOp::all_gather].calls == 0);
     } else {
       CHECK(c[CollOp::all_reduce].calls == 1);
       CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
       CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(f * bytes).epsilon(1e-12));
-      CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx((Stage == 3 ? 2 : 1) * f * bytes).epsilon(1e-12));
+      CHECK(c[CollOp::all_gather].bus_bytes ==
+            doctest::Approx((Stage == 3 ? 2 : 1) * f * bytes).epsilon(1e-12));
     }
     const double total = c.total().bus_bytes - stats_bus;
     CHECK(total == doctest::Approx((Stage == 3 ? 3 : 2) * f * bytes).epsilon(1e-12));
@@ -301,7 +309,9 @@ void check_accounting(int ranks) {
 
 }  // namespace
 
-TEST_CASE("per-rank model-state bytes (reported and as allocated) and per-step bus bytes follow the ZeRO formulas") {
+TEST_CASE(
+    "per-rank model-state bytes (reported and as allocated) and per-step bus bytes follow the ZeRO "
+    "formulas") {
   for (int ranks : {1, 2, 3, 4}) {
     CAPTURE(ranks);
     check_accounting<zp::bf16, 0>(ranks);
@@ -360,10 +370,17 @@ void check_overflow_skip(int ranks) {
     auto cfg = test_config(2, 1);
     cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .hysteresis = 1});
     zp::Engine<Threads, zp::fp16, Stage> engine(comm, model, cfg);
-    for (int t = 0; t < 3; ++t) CHECK(zp::test::micro_step(engine, model, (t * n + r) * 2, 2).applied);
+    for (int t = 0; t < 3; ++t)
+      CHECK(zp::test::micro_step(engine, model, (t * n + r) * 2, 2).applied);
     const auto& P = engine.partition();
-    auto copy = [](auto span) { return std::vector<std::remove_cv_t<typename decltype(span)::element_type>>(span.begin(), span.end()); };
-    const auto params = copy(P.template buffer<zp::Field::param>()), master = copy(P.template buffer<zp::Field::master>()), m = copy(P.template buffer<zp::Field::state>(0)), v = copy(P.template buffer<zp::Field::state>(1));
+    auto copy = [](auto span) {
+      return std::vector<std::remove_cv_t<typename decltype(span)::element_type>>(span.begin(),
+                                                                                  span.end());
+    };
+    const auto params = copy(P.template buffer<zp::Field::param>()),
+               master = copy(P.template buffer<zp::Field::master>()),
+               m = copy(P.template buffer<zp::Field::state>(0)),
+               v = copy(P.template buffer<zp::Field::state>(1));
     model.poison = r == n - 1;  // only the last rank sees an inf
     const auto res = zp::test::micro_step(engine, model, (3 * n + r) * 2, 2);
     model.poison = false;
@@ -411,7 +428,8 @@ TEST_CASE("fp16 with dynamic loss scaling backs off from overflow and learns") {
     }
   });
   const double before = held_out_loss<zp::fp16>({}), after = held_out_loss(params);
-  INFO("held-out loss ", before, " -> ", after, ", skipped ", scaler.skipped, ", scale ", scaler.scale);
+  INFO("held-out loss ", before, " -> ", after, ", skipped ", scaler.skipped, ", scale ",
+       scaler.scale);
   CHECK(scaler.skipped > 0);
   CHECK(after < before);
 }
@@ -429,20 +447,24 @@ TEST_CASE("the batch triad follows DeepSpeed's rules with clear errors") {
   CHECK((r.micro_batch_per_rank == 2 && r.gradient_accumulation_steps == 1));
   r = resolve_batch({.micro_batch_per_rank = 5}, 3);
   CHECK((r.train_batch_size == 15 && r.gradient_accumulation_steps == 1));
-  CHECK_THROWS_WITH_AS(resolve_batch({.train_batch_size = 30, .micro_batch_per_rank = 2, .gradient_accumulation_steps = 4}, 4),
-                       doctest::Contains("2 * 4 * 4 = 32"), zp::Error);
-  CHECK_THROWS_WITH_AS(resolve_batch({.gradient_accumulation_steps = 4}, 4), doctest::Contains("give train_batch_size"),
-                       zp::Error);
+  CHECK_THROWS_WITH_AS(
+      resolve_batch(
+          {.train_batch_size = 30, .micro_batch_per_rank = 2, .gradient_accumulation_steps = 4}, 4),
+      doctest::Contains("2 * 4 * 4 = 32"), zp::Error);
+  CHECK_THROWS_WITH_AS(resolve_batch({.gradient_accumulation_steps = 4}, 4),
+                       doctest::Contains("give train_batch_size"), zp::Error);
   CHECK_THROWS_WITH_AS(resolve_batch({.train_batch_size = 30, .micro_batch_per_rank = 4}, 4),
                        doctest::Contains("not a multiple"), zp::Error);
   CHECK_THROWS_AS(resolve_batch({.train_batch_size = -1}, 4), zp::Error);
 }
 
-TEST_CASE("a layout that differs between ranks is a clear error on every rank naming the parameter") {
+TEST_CASE(
+    "a layout that differs between ranks is a clear error on every rank naming the parameter") {
   std::mutex m;
   std::vector<std::string> errors;
   run_threads(3, [&](Collective<Threads>& comm) {
-    Mlp<float> model(comm.rank() == 1 ? std::vector<int>{13, 61, 68, 53, 7} : std::vector<int>{13, 61, 67, 53, 7});
+    Mlp<float> model(comm.rank() == 1 ? std::vector<int>{13, 61, 68, 53, 7}
+                                      : std::vector<int>{13, 61, 67, 53, 7});
     try {
       zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
     } catch (const zp::Error& e) {
@@ -534,19 +556,25 @@ void exception_in_backward(int reps) {
         forward_backward(engine, model, comm.rank() * 2, 2);
       } catch (const std::runtime_error&) {
       }
-      zp::test::expect_invalid([&] { engine.step(); },
-                               {"engine: unusable since an exception ended the backward guard of module 2"});
+      zp::test::expect_invalid(
+          [&] { engine.step(); },
+          {"engine: unusable since an exception ended the backward guard of module 2"});
       zp::test::expect_invalid([&] { (void)engine.forward(0); }, {"unusable"});
       CHECK(engine.steps() == 0);
       if constexpr (Stage < 3) CHECK(engine.gather_params() == before);
     });
     // Only rank 0 fails: the others get an error in bounded time, and nothing leaks or races.
-    CHECK_THROWS_WITH_AS(run_threads(3, [&](Collective<Threads>& comm) {
-      Mlp<float> model;
-      zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
-      forward_backward(engine, model, comm.rank() * 2, comm.rank() == 0 ? 1 : -1);
-      engine.step();
-    }, World::Options{std::chrono::seconds(60)}), doctest::Contains("model failed in backward"), std::runtime_error);
+    CHECK_THROWS_WITH_AS(
+        run_threads(
+            3,
+            [&](Collective<Threads>& comm) {
+              Mlp<float> model;
+              zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
+              forward_backward(engine, model, comm.rank() * 2, comm.rank() == 0 ? 1 : -1);
+              engine.step();
+            },
+            World::Options{std::chrono::seconds(60)}),
+        doctest::Contains("model failed in backward"), std::runtime_error);
   }
 }
 
@@ -567,25 +595,28 @@ TEST_CASE("an exception inside a backward guard leaves nothing in flight and poi
 }
 
 TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard or the step", E,
-                   zp::Engine<Threads, float, 0>, zp::Engine<Threads, float, 1>, zp::Engine<Threads, float, 2>,
-                   zp::Engine<Threads, float, 3>) {
+                   zp::Engine<Threads, float, 0>, zp::Engine<Threads, float, 1>,
+                   zp::Engine<Threads, float, 2>, zp::Engine<Threads, float, 3>) {
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> model;
     E engine(comm, model, test_config(2, 1));
     forward_all(engine, model, comm.rank() * 2);
     {
       auto open = engine.forward(1);
-      zp::test::expect_invalid([&] { engine.step(); }, {"step() called in optimizer step 1", "forward guard of module 1 is still open"});
+      zp::test::expect_invalid([&] { engine.step(); }, {"step() called in optimizer step 1",
+                                                        "forward guard of module 1 is still open"});
     }
     for (int l = model.modules() - 1; l >= 2; --l) {
       auto g = engine.backward(l);
       model.backward(l);
     }
-    zp::test::expect_invalid([&] { (void)engine.backward(3); }, {"backward(3) entered a second time in optimizer step 1"});
+    zp::test::expect_invalid([&] { (void)engine.backward(3); },
+                             {"backward(3) entered a second time in optimizer step 1"});
     {
       auto g = engine.backward(1);
       model.backward(1);
-      zp::test::expect_invalid([&] { engine.step(); }, {"backward guard of module 1 is still open"});
+      zp::test::expect_invalid([&] { engine.step(); },
+                               {"backward guard of module 1 is still open"});
     }
     {
       auto g = engine.backward(0);
@@ -596,14 +627,19 @@ TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard
 }
 
 TEST_CASE("a rank that skips step() is an error naming step() on every rank") {
-  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
-    Mlp<float> model;
-    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
-    forward_backward(engine, model, comm.rank() * 2);
-    if (comm.rank() == 0) engine.step();
-    forward_backward(engine, model, 4 + comm.rank() * 2);  // rank 1 went on without step()
-    engine.step();
-  }, World::Options{std::chrono::seconds(60)}), doctest::Contains("call step() after every micro-step"), zp::Error);
+  CHECK_THROWS_WITH_AS(
+      run_threads(
+          2,
+          [&](Collective<Threads>& comm) {
+            Mlp<float> model;
+            zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+            forward_backward(engine, model, comm.rank() * 2);
+            if (comm.rank() == 0) engine.step();
+            forward_backward(engine, model, 4 + comm.rank() * 2);  // rank 1 went on without step()
+            engine.step();
+          },
+          World::Options{std::chrono::seconds(60)}),
+      doctest::Contains("call step() after every micro-step"), zp::Error);
 }
 
 TEST_CASE("settings that must agree across ranks are checked, naming what differs") {
@@ -613,7 +649,8 @@ TEST_CASE("settings that must agree across ranks are checked, naming what differ
     run_threads(3, [&](Collective<Threads>& comm) {
       Mlp<float> model;
       try {
-        zp::Engine<Threads, float, 1> engine(comm, model, make_config(comm.rank()), make_optimizer(comm.rank()));
+        zp::Engine<Threads, float, 1> engine(comm, model, make_config(comm.rank()),
+                                             make_optimizer(comm.rank()));
       } catch (const zp::Error& e) {
         std::lock_guard lk(m);
         errors.push_back(e.what());
@@ -625,18 +662,23 @@ TEST_CASE("settings that must agree across ranks are checked, naming what differ
   const auto same_cfg = [](int) { return test_config(2, 1); };
   const auto same_opt = [](int) { return zp::optim::AdamW{}; };
   differs([](int r) { return test_config(2, r == 2 ? 2 : 1); }, same_opt, "differ in their batch");
-  differs(same_cfg, [](int r) { return zp::optim::AdamW{.weight_decay = r == 1 ? 0.1f : 0.01f}; },
-          "differ in their optimizer (this rank: AdamW(");
-  differs([](int r) {
-    auto c = test_config(2, 1);
-    c.max_grad_norm = r == 0 ? 1.0f : 0.0f;
-    return c;
-  }, same_opt, "clipping or loss scaling");
-  differs([](int r) {
-    auto c = test_config(2, 1);
-    c.align = r == 0 ? 8 : 4;
-    return c;
-  }, same_opt, "the parameters agree but their bucket layout does not");
+  differs(
+      same_cfg, [](int r) { return zp::optim::AdamW{.weight_decay = r == 1 ? 0.1f : 0.01f}; },
+      "differ in their optimizer (this rank: AdamW(");
+  differs(
+      [](int r) {
+        auto c = test_config(2, 1);
+        c.max_grad_norm = r == 0 ? 1.0f : 0.0f;
+        return c;
+      },
+      same_opt, "clipping or loss scaling");
+  differs(
+      [](int r) {
+        auto c = test_config(2, 1);
+        c.align = r == 0 ? 8 : 4;
+        return c;
+      },
+      same_opt, "the parameters agree but their bucket layout does not");
 }
 
 TEST_CASE("a learning rate that differs between ranks at a step is an error on every rank") {
@@ -650,7 +692,9 @@ TEST_CASE("a learning rate that differs between ranks at a step is an error on e
     try {
       zp::test::micro_step(engine, model, 6 + comm.rank() * 2, 2);
     } catch (const zp::Error& e) {
-      named += std::string(e.what()).find("hyper-parameters differ between ranks at optimizer step 2") != std::string::npos;
+      named +=
+          std::string(e.what()).find("hyper-parameters differ between ranks at optimizer step 2") !=
+          std::string::npos;
     }
     engine.optimizer().lr = 1e-3f;
     CHECK(engine.gather_master() == before);  // nothing was applied
@@ -663,19 +707,27 @@ TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at constr
     Mlp<float> model;
     auto c = test_config(2, 1);
     c.max_grad_norm = std::nanf("");
-    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); }, {"max_grad_norm is NaN"});
-    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, test_config(2, 1), zp::optim::AdamW{.lr = -1}); },
-                             {"lr"});
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
+                             {"max_grad_norm is NaN"});
+    zp::test::expect_invalid(
+        [&] {
+          zp::Engine<Threads, float, 1> e(comm, model, test_config(2, 1),
+                                          zp::optim::AdamW{.lr = -1});
+        },
+        {"lr"});
   });
 }
 
 TEST_CASE("batch products that overflow are errors, not wrapped sizes") {
   CHECK_THROWS_WITH_AS(zp::resolve_batch({.micro_batch_per_rank = std::int64_t(1) << 40,
-                                          .gradient_accumulation_steps = std::int64_t(1) << 30}, 64),
+                                          .gradient_accumulation_steps = std::int64_t(1) << 30},
+                                         64),
                        doctest::Contains("overflows a 64-bit integer"), zp::Error);
 }
 
-TEST_CASE("step timers: each phase holds at least the time spent in it, and the hidden share is a fraction") {
+TEST_CASE(
+    "step timers: each phase holds at least the time spent in it, and the hidden share is a "
+    "fraction") {
   using namespace std::chrono_literals;
   constexpr int gas = 2;
   run_threads(2, [&](Collective<Threads>& comm) {
@@ -706,7 +758,8 @@ TEST_CASE("step timers: each phase holds at least the time spent in it, and the 
       CHECK(s.forward >= gas * mods * 2e-3);
       CHECK(s.backward >= gas * mods * 3e-3);
       CHECK(s.untracked() >= gas * 5e-3);
-      for (double x : {s.gather_wait, s.reduce_wait, s.statistics, s.optimizer, s.gather, s.reduce_span, s.reduce_exposed})
+      for (double x : {s.gather_wait, s.reduce_wait, s.statistics, s.optimizer, s.gather,
+                       s.reduce_span, s.reduce_exposed})
         CHECK(x >= 0);
       CHECK(s.reduce_exposed <= s.reduce_span);
       CHECK(s.total >= s.forward + s.backward + gas * 5e-3);
@@ -742,7 +795,8 @@ struct Probe {
     return u * std::ldexp(1.0f, int(i % 7) - 3);
   }
   void backward(int m, std::int64_t sample) {
-    for (std::size_t i = 0; i < size; ++i) p[m].grad[i] = T(float(p[m].grad[i]) + float(T(x(seed, sample, m, i))));
+    for (std::size_t i = 0; i < size; ++i)
+      p[m].grad[i] = T(float(p[m].grad[i]) + float(T(x(seed, sample, m, i))));
   }
 };
 
@@ -758,7 +812,8 @@ double probe_error(std::optional<zp::DType> accum, std::optional<zp::DType> comm
     auto cfg = test_config(1, gas);
     cfg.grad_accum_dtype = accum;
     cfg.communication_dtype = comm;
-    zp::Engine<Threads, zp::bf16, Stage, zp::optim::Sgd> e(c, model, cfg, zp::optim::Sgd{.lr = 1.0f});
+    zp::Engine<Threads, zp::bf16, Stage, zp::optim::Sgd> e(c, model, cfg,
+                                                           zp::optim::Sgd{.lr = 1.0f});
     for (int i = 0; i < gas; ++i) {
       for (int m = Probe<zp::bf16>::modules - 1; m >= 0; --m) {
         auto g = e.backward(m);
@@ -792,10 +847,13 @@ void check_fp32_accumulation() {
   const double bf16 = probe_error<Stage>(zp::DType::bf16, std::nullopt);
   const double f32 = probe_error<Stage>(zp::DType::f32, zp::DType::f32);
   const double f32_bf16_comm = probe_error<Stage>(zp::DType::f32, std::nullopt);
-  MESSAGE("stage ", Stage, ": max error of the averaged gradient (relative to its terms), 8 micro-steps x 2 ranks: bf16 accumulation ",
-          bf16, ", fp32 accumulation with bf16 reduction ", f32_bf16_comm, ", fp32 accumulation and reduction ", f32);
-  CHECK(bf16 > 1e-3);   // bf16 rounds every partial sum: several bits lost
-  CHECK(f32 <= 2e-7);   // fp32 sums of bf16 values, one fp32 rounding of the mean: fp32 rounding
+  MESSAGE("stage ", Stage,
+          ": max error of the averaged gradient (relative to its terms), 8 micro-steps x 2 ranks: "
+          "bf16 accumulation ",
+          bf16, ", fp32 accumulation with bf16 reduction ", f32_bf16_comm,
+          ", fp32 accumulation and reduction ", f32);
+  CHECK(bf16 > 1e-3);  // bf16 rounds every partial sum: several bits lost
+  CHECK(f32 <= 2e-7);  // fp32 sums of bf16 values, one fp32 rounding of the mean: fp32 rounding
   // Two roundings to bf16 (unit roundoff 2^-8): each rank's fp32 sum before the reduction, the
   // mean after it; each costs at most 2^-8 of the terms' magnitude.
   CHECK(f32_bf16_comm <= 2.0 / 256);
@@ -803,21 +861,26 @@ void check_fp32_accumulation() {
 
 }  // namespace
 
-TEST_CASE("fp32 gradient accumulation: a bf16 model's averaged gradient matches float64 to fp32 rounding") {
+TEST_CASE(
+    "fp32 gradient accumulation: a bf16 model's averaged gradient matches float64 to fp32 "
+    "rounding") {
   check_fp32_accumulation<0>();
   check_fp32_accumulation<1>();
   check_fp32_accumulation<2>();
   check_fp32_accumulation<3>();
 }
 
-TEST_CASE("gradient precision settings other than fp32 or the model's type are errors naming both") {
+TEST_CASE(
+    "gradient precision settings other than fp32 or the model's type are errors naming both") {
   run_threads(1, [&](Collective<Threads>& c) {
     Mlp<zp::bf16> m;
     auto cfg = test_config(1, 2);
     cfg.grad_accum_dtype = zp::DType::f16;
-    zp::test::expect_invalid([&] { zp::Engine<Threads, zp::bf16, 2> e(c, m, cfg); }, {"grad_accum_dtype", "bf16", "f16"});
+    zp::test::expect_invalid([&] { zp::Engine<Threads, zp::bf16, 2> e(c, m, cfg); },
+                             {"grad_accum_dtype", "bf16", "f16"});
     cfg.grad_accum_dtype.reset();
     cfg.communication_dtype = zp::DType::f64;
-    zp::test::expect_invalid([&] { zp::Engine<Threads, zp::bf16, 2> e(c, m, cfg); }, {"communication_dtype", "f64"});
+    zp::test::expect_invalid([&] { zp::Engine<Threads, zp::bf16, 2> e(c, m, cfg); },
+                             {"communication_dtype", "f64"});
   });
 }

@@ -67,7 +67,9 @@ struct AddGrad {  // the backward of one parameter, element i
   T* grad;
   const T* value;
   std::uint64_t key;
-  ZP_HOST_DEVICE void operator()(std::size_t i) const { grad[i] = T(float(grad[i]) + grad_of(key, i, float(value[i]))); }
+  ZP_HOST_DEVICE void operator()(std::size_t i) const {
+    grad[i] = T(float(grad[i]) + grad_of(key, i, float(value[i])));
+  }
 };
 
 // Three modules of a few parameters each (sizes that do not divide the alignment).
@@ -82,14 +84,16 @@ struct Fed {
     for (std::size_t p = 0; p < 6; ++p) {
       params.emplace_back(sizes[p]);
       init.emplace_back(sizes[p]);
-      for (std::size_t i = 0; i < sizes[p]; ++i) init[p][i] = T(zp::test::hash_uniform(seed + p, i));
+      for (std::size_t i = 0; i < sizes[p]; ++i)
+        init[p][i] = T(zp::test::hash_uniform(seed + p, i));
       module_of.push_back(int(p / 2));
     }
     for (std::size_t p = 0; p < 6; ++p) params[p].value.rebind(init[p].data());
   }
   template <class V>
   friend void for_each_parameter(Fed& m, V&& visit) {
-    for (std::size_t p = 0; p < m.params.size(); ++p) visit("p" + std::to_string(p), m.module_of[p], m.params[p]);
+    for (std::size_t p = 0; p < m.params.size(); ++p)
+      visit("p" + std::to_string(p), m.module_of[p], m.params[p]);
   }
   static std::uint64_t key(std::uint64_t seed, int step, int micro, std::size_t p) {
     return mix(seed ^ mix((std::uint64_t(step) * 16 + std::uint64_t(micro)) * 16 + p));
@@ -137,12 +141,15 @@ struct Ckpt {
 };
 
 template <class T, int Stage, class B>
-Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false, const Ckpt* ckpt = nullptr) {
+Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false,
+          const Ckpt* ckpt = nullptr) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
-  const std::uint64_t grads = seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
+  const std::uint64_t grads =
+      seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   const zp::test::MeasuredMemory<S> measured;
-  zp::Engine<B, T, Stage> engine(comm, model, config(offload), zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
+  zp::Engine<B, T, Stage> engine(comm, model, config(offload),
+                                 zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   measured.start();
   Out out;
   int first = 0;
@@ -151,7 +158,8 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false, con
     first = 10;
   }
   for (int step = first; step < 20; ++step) {
-    if (ckpt && !ckpt->load && step == 10) measured.outside([&] { zp::save_checkpoint(engine, ckpt->dir, "at10"); });
+    if (ckpt && !ckpt->load && step == 10)
+      measured.outside([&] { zp::save_checkpoint(engine, ckpt->dir, "at10"); });
     for (int micro = 0; micro < 2; ++micro) {
       std::uint64_t before = 0;
       if constexpr (S == zp::MemorySpace::device) before = zp::device::sync_count();
@@ -160,17 +168,20 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false, con
         auto g = engine.backward(m);
         model.template backward<S>(m, grads, step, micro);
       }
-      if constexpr (S == zp::MemorySpace::device) out.syncs_in_micro_steps += zp::device::sync_count() - before;
+      if constexpr (S == zp::MemorySpace::device)
+        out.syncs_in_micro_steps += zp::device::sync_count() - before;
       engine.step();
       if constexpr (S == zp::MemorySpace::device)
-        out.syncs_per_step_max = std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
+        out.syncs_per_step_max =
+            std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
     }
   }
   // bf16 at stage 0 accumulates its 2 micro-steps in fp32 (an extra gradient copy)
   measured.check(engine, comm.size(), std::is_same_v<T, zp::bf16> && Stage == 0);
   if constexpr (S == zp::MemorySpace::device)  // the device's pool serves every rank
     CHECK(zp::device::memory_in_use() >= zp::memory_use<S>().current - measured.base);
-  if (ckpt && !ckpt->export_to.empty()) zp::export_safetensors(engine, ckpt->export_to, {.master = ckpt->master});
+  if (ckpt && !ckpt->export_to.empty())
+    zp::export_safetensors(engine, ckpt->export_to, {.master = ckpt->master});
   out.master = engine.gather_master();
   const std::vector<T> p = engine.gather_params();
   out.params.resize(p.size() * sizeof(T));
@@ -227,7 +238,8 @@ void check_ranks(std::uint64_t seed) {
     }
     // ZeRO-Offload: master and state on the host, the CPU step; the same bits again.
     const Out off = on_gpu<T, Stage>(n, seed, true);
-    CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
+          0);
     CHECK(off.params == cpu.params);
     CHECK(off.syncs_in_micro_steps == 0);
   }
@@ -248,8 +260,10 @@ template <class T, int Stage>
 void check_stage(std::uint64_t seed) {
   CAPTURE(Stage);
   Out cpu;
-  zp::backend::run_threads(1, [&](zp::Collective<zp::backend::Threads>& comm) { cpu = train<T, Stage>(comm, seed); });
-  zp::Collective<zp::backend::Nccl> comm(zp::backend::Nccl::create(zp::backend::Nccl::unique_id(), 0, 1, 0));
+  zp::backend::run_threads(
+      1, [&](zp::Collective<zp::backend::Threads>& comm) { cpu = train<T, Stage>(comm, seed); });
+  zp::Collective<zp::backend::Nccl> comm(
+      zp::backend::Nccl::create(zp::backend::Nccl::unique_id(), 0, 1, 0));
   expect_equal(on_nccl<T, Stage>(comm, seed), cpu);
   for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
     CAPTURE(int(role));
@@ -303,19 +317,24 @@ void check_checkpoints(std::uint64_t seed) {
   const Out b = cpu({dir.path / "from_gpu", true, dir.path / "cpu_params"});
   CHECK(a.params == b.params);
   CHECK(std::memcmp(a.master.data(), b.master.data(), a.master.size() * sizeof(float)) == 0);
-  CHECK(file_bytes(dir.path / "gpu_params" / "model.safetensors") == file_bytes(dir.path / "cpu_params" / "model.safetensors"));
+  CHECK(file_bytes(dir.path / "gpu_params" / "model.safetensors") ==
+        file_bytes(dir.path / "cpu_params" / "model.safetensors"));
   const Out c = cpu({dir.path / "from_cpu", false, dir.path / "cpu_master", true});
   const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, true);
   CHECK(c.params == d.params);
   CHECK(std::memcmp(c.master.data(), d.master.data(), c.master.size() * sizeof(float)) == 0);
-  CHECK(file_bytes(dir.path / "gpu_master" / "model.safetensors") == file_bytes(dir.path / "cpu_master" / "model.safetensors"));
+  CHECK(file_bytes(dir.path / "gpu_master" / "model.safetensors") ==
+        file_bytes(dir.path / "cpu_master" / "model.safetensors"));
 }
 
 }  // namespace engine_gpu
 
 using namespace engine_gpu;
 
-TEST_CASE_TEMPLATE("the engine on one device (1, 2, 4 cuda_threads ranks; on a GPU nccl at world size 1) equals the CPU engine bit for bit", T, float, zp::bf16) {
+TEST_CASE_TEMPLATE(
+    "the engine on one device (1, 2, 4 cuda_threads ranks; on a GPU nccl at world size 1) equals "
+    "the CPU engine bit for bit",
+    T, float, zp::bf16) {
   const std::uint64_t seed = zp::test::run_seed("engine_device.test");
   check_stage<T, 0>(seed);
   check_stage<T, 1>(seed);
@@ -323,7 +342,8 @@ TEST_CASE_TEMPLATE("the engine on one device (1, 2, 4 cuda_threads ranks; on a G
   check_stage<T, 3>(seed);
 }
 
-TEST_CASE_TEMPLATE("a device engine's checkpoints and exports match the CPU engine's", T, float, zp::bf16) {
+TEST_CASE_TEMPLATE("a device engine's checkpoints and exports match the CPU engine's", T, float,
+                   zp::bf16) {
   const std::uint64_t seed = zp::test::run_seed("engine_device.test");
   check_checkpoints<T, 0>(seed);
   check_checkpoints<T, 1>(seed);

@@ -43,10 +43,13 @@ template <class T, int Stage, class B>
 std::vector<float> train(Collective<B>& comm, int steps, int gas, int micro_batch) {
   const int n = comm.size(), r = comm.rank();
   Mlp<T> model;
-  zp::Engine<B, T, Stage> engine(comm, model, config(micro_batch, gas), zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});  // eps: see engine.test.cpp
+  zp::Engine<B, T, Stage> engine(
+      comm, model, config(micro_batch, gas),
+      zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});  // eps: see engine.test.cpp
   for (int t = 0; t < steps; ++t)
     for (int i = 0; i < gas; ++i)
-      zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch, micro_batch);
+      zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch,
+                           micro_batch);
   return engine.gather_master();
 }
 
@@ -82,8 +85,8 @@ void check_close(const std::vector<float>& a, const std::vector<float>& b) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same global batch", T, float,
-                   zp::bf16) {
+TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same global batch", T,
+                   float, zp::bf16) {
   Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   for (int gas : {1, 2}) {
     CAPTURE(gas);
@@ -134,7 +137,9 @@ void teardown(Collective<Mpi>& comm) {
   }
 }
 
-TEST_CASE("on mpi an engine destroyed with reductions in flight, or by an exception in backward, completes them first") {
+TEST_CASE(
+    "on mpi an engine destroyed with reductions in flight, or by an exception in backward, "
+    "completes them first") {
   Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   teardown<0>(comm);
   teardown<1>(comm);
@@ -147,8 +152,9 @@ TEST_CASE("on mpi an engine destroyed with reductions in flight, or by an except
 TEST_CASE("on mpi a process grid splits the world into its DP, TP and PP groups") {
   Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   const int n = world.size(), r = world.rank();
-  for (zp::GridShape s : {zp::GridShape{.dp = n}, zp::GridShape{.tp = n}, zp::GridShape{.pp = n},
-                          zp::GridShape{.dp = n / 2, .tp = 2}, zp::GridShape{.dp = n / 2, .pp = 2}}) {
+  for (zp::GridShape s :
+       {zp::GridShape{.dp = n}, zp::GridShape{.tp = n}, zp::GridShape{.pp = n},
+        zp::GridShape{.dp = n / 2, .tp = 2}, zp::GridShape{.dp = n / 2, .pp = 2}}) {
     zp::ProcessGrid<Mpi> g(world, s);
     CHECK(g.coords() == zp::coords_of(s, r));
     std::int64_t sums[3] = {r, r, r};
@@ -179,9 +185,11 @@ void check_mpi_resume(Collective<Mpi>& comm, const std::filesystem::path& dir) {
     zp::Engine<Mpi, zp::bf16, S> e(comm, model, config(2, gas), zp::optim::AdamW{.lr = 1e-2f});
     if (load) zp::load_checkpoint(e, dir);
     for (int t = t0; t < t1; ++t)
-      for (int i = 0; i < gas; ++i) zp::test::micro_step(e, model, (std::int64_t(t * gas + i) * n + r) * 2, 2);
+      for (int i = 0; i < gas; ++i)
+        zp::test::micro_step(e, model, (std::int64_t(t * gas + i) * n + r) * 2, 2);
     if (save) zp::save_checkpoint(e, dir, "s" + std::to_string(Stage));
-    return std::make_tuple(e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1));
+    return std::make_tuple(e.gather_params(), e.gather_master(), e.gather_state(0),
+                           e.gather_state(1));
   };
   const auto straight = run(std::integral_constant<int, Stage>{}, 0, 2 * k, false, false);
   const auto saved = run(std::integral_constant<int, Stage>{}, 0, k, true, false);

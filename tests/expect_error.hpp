@@ -20,10 +20,12 @@ void expect_error(Errc c, F&& f, std::initializer_list<std::string> needles) {
   } catch (const Error& e) {
     CHECK(e.category() == c);
     INFO("message: ", std::string(e.what()));
-    for (const std::string& n : needles) CHECK_MESSAGE(std::string(e.what()).find(n) != std::string::npos, "missing \"", n, "\"");
+    for (const std::string& n : needles)
+      CHECK_MESSAGE(std::string(e.what()).find(n) != std::string::npos, "missing \"", n, "\"");
     return;
   }
-  FAIL_CHECK("no zp::Error thrown; expected one containing \"", needles.size() ? *needles.begin() : "", "\"");
+  FAIL_CHECK("no zp::Error thrown; expected one containing \"",
+             needles.size() ? *needles.begin() : "", "\"");
 }
 
 // The commonest case: a user mistake (Errc::invalid_argument).

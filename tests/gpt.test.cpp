@@ -88,19 +88,23 @@ std::vector<std::size_t> pick(std::size_t n, std::uint64_t seed) {
 constexpr double fd_h = 1e-5, fd_rel = 1e-6, fd_abs = 1e-9;
 
 bool close(double analytic, double numeric) {
-  return std::abs(analytic - numeric) <= fd_rel * std::max(std::abs(analytic), std::abs(numeric)) + fd_abs;
+  return std::abs(analytic - numeric) <=
+         fd_rel * std::max(std::abs(analytic), std::abs(numeric)) + fd_abs;
 }
 
 }  // namespace
 
-TEST_CASE("the transformer's backward matches float64 central differences for every parameter and the input") {
+TEST_CASE(
+    "the transformer's backward matches float64 central differences for every parameter and the "
+    "input") {
   const std::uint64_t seed = seed_for(1);
   gpt::Model<double, double> m(tiny, seed);
   Storage<double> s = bind(m);
   // Weights far from GPT-2's small initialisation, so attention is not uniform and every
   // nonlinearity works away from its linear regime.
   for (std::size_t k = 0; k < s.values.size(); ++k) {
-    const bool gain = s.names[k].find("ln_") != std::string::npos && s.names[k].ends_with(".weight");
+    const bool gain =
+        s.names[k].find("ln_") != std::string::npos && s.names[k].ends_with(".weight");
     for (std::size_t i = 0; i < s.values[k]->size(); ++i)
       (*s.values[k])[i] = (gain ? 1.0 : 0.0) + 0.5 * zp::test::hash_uniform(seed + 1000 + k, i);
   }
@@ -126,9 +130,11 @@ TEST_CASE("the transformer's backward matches float64 central differences for ev
         v[i] = keep;
         const double numeric = (up - down) / (2 * fd_h), analytic = (*s.grads[k])[i];
         ++checked;
-        worst = std::max(worst, std::abs(analytic - numeric) / (std::abs(numeric) + fd_abs / fd_rel));
+        worst =
+            std::max(worst, std::abs(analytic - numeric) / (std::abs(numeric) + fd_abs / fd_rel));
         if (!close(analytic, numeric) && ++bad <= 10)
-          FAIL_CHECK(s.names[k], "[", i, "]: backward ", analytic, ", finite differences ", numeric);
+          FAIL_CHECK(s.names[k], "[", i, "]: backward ", analytic, ", finite differences ",
+                     numeric);
       }
     }
     MESSAGE(checked, " parameter elements checked, ", bad, " wrong; worst relative error ", worst);
@@ -146,7 +152,8 @@ TEST_CASE("the transformer's backward matches float64 central differences for ev
       const double down = forward_loss(m, a, 1);
       a.x[0][i] = keep;
       const double numeric = (up - down) / (2 * fd_h);
-      if (!close(dx0[i], numeric)) FAIL_CHECK("dx[0][", i, "]: backward ", dx0[i], ", finite differences ", numeric);
+      if (!close(dx0[i], numeric))
+        FAIL_CHECK("dx[0][", i, "]: backward ", dx0[i], ", finite differences ", numeric);
     }
   }
 
@@ -156,7 +163,8 @@ TEST_CASE("the transformer's backward matches float64 central differences for ev
     for (std::size_t k = 0; k < once.size(); ++k)
       for (std::size_t i = 0; i < once[k].size(); ++i)
         if (s.grad_mem[k][i] != 2 * once[k][i]) {
-          FAIL_CHECK(s.names[k], "[", i, "]: ", s.grad_mem[k][i], " after two backwards, ", once[k][i], " after one");
+          FAIL_CHECK(s.names[k], "[", i, "]: ", s.grad_mem[k][i], " after two backwards, ",
+                     once[k][i], " after one");
           break;
         }
   }
@@ -178,14 +186,18 @@ TEST_CASE("the attention is causal: a later token does not change earlier positi
     for (int q = 0; q < tiny_batch * tiny.context; ++q) {
       const bool may_change = q / tiny.context == b && q % tiny.context >= p;
       bool same = true;
-      for (std::size_t v = 0; v < V; ++v) same = same && a.logits[std::size_t(q) * V + v] == before[std::size_t(q) * V + v];
-      if (may_change) CHECK_MESSAGE(!same, "position ", q, " ignored token ", r);
-      else CHECK_MESSAGE(same, "position ", q, " saw token ", r);
+      for (std::size_t v = 0; v < V; ++v)
+        same = same && a.logits[std::size_t(q) * V + v] == before[std::size_t(q) * V + v];
+      if (may_change)
+        CHECK_MESSAGE(!same, "position ", q, " ignored token ", r);
+      else
+        CHECK_MESSAGE(same, "position ", q, " saw token ", r);
     }
   }
 }
 
-TEST_CASE_TEMPLATE("an untrained model's loss is close to ln(vocab)", T, float, zp::bf16, zp::fp16) {
+TEST_CASE_TEMPLATE("an untrained model's loss is close to ln(vocab)", T, float, zp::bf16,
+                   zp::fp16) {
   const std::uint64_t seed = seed_for(3);
   gpt::Model<T> m(tiny, seed);
   gpt::Activations<float> a(tiny, 40);
@@ -201,11 +213,13 @@ TEST_CASE("initialisation is deterministic and follows GPT-2") {
   gpt::Model<float> a(c, 42), b(c, 42), other(c, 43);
   std::vector<std::vector<float>> va, vb, vo;
   std::vector<std::string> names;
-  auto collect = [](gpt::Model<float>& m, std::vector<std::vector<float>>& out, std::vector<std::string>* n) {
-    zp::visit_parameters<float>(m, [&](std::string_view name, int, zp::View<float>& v, zp::View<float>&) {
-      out.emplace_back(v.begin(), v.end());
-      if (n) n->emplace_back(name);
-    });
+  auto collect = [](gpt::Model<float>& m, std::vector<std::vector<float>>& out,
+                    std::vector<std::string>* n) {
+    zp::visit_parameters<float>(
+        m, [&](std::string_view name, int, zp::View<float>& v, zp::View<float>&) {
+          out.emplace_back(v.begin(), v.end());
+          if (n) n->emplace_back(name);
+        });
   };
   collect(a, va, &names);
   collect(b, vb, nullptr);
@@ -222,10 +236,13 @@ TEST_CASE("initialisation is deterministic and follows GPT-2") {
     }
     const double mean = s / double(v.size()), sd = std::sqrt(s2 / double(v.size()) - mean * mean);
     const bool gain = names[k].find("ln_") != std::string::npos && names[k].ends_with(".weight");
-    if (gain) CHECK((mean == 1.0 && sd == 0.0));
-    else if (names[k].ends_with(".bias")) CHECK((mean == 0.0 && sd == 0.0));
+    if (gain)
+      CHECK((mean == 1.0 && sd == 0.0));
+    else if (names[k].ends_with(".bias"))
+      CHECK((mean == 0.0 && sd == 0.0));
     else {
-      const double want = names[k].ends_with("c_proj.weight") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+      const double want =
+          names[k].ends_with("c_proj.weight") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
       CHECK(sd == doctest::Approx(want).epsilon(0.15));
       CHECK(std::abs(mean) < 4 * want / std::sqrt(double(v.size())) + 1e-4);
     }
@@ -237,7 +254,9 @@ TEST_CASE("initialisation is deterministic and follows GPT-2") {
   CHECK(zp::describe_parameters<float>(a).back().module == c.layers + 1);
 }
 
-TEST_CASE("targets equal to zp::tp::ignore_index are left out of the loss; other indices outside the vocabulary are errors") {
+TEST_CASE(
+    "targets equal to zp::tp::ignore_index are left out of the loss; other indices outside the "
+    "vocabulary are errors") {
   const std::uint64_t seed = seed_for(5);
   gpt::Model<double, double> m(tiny, seed);
   Storage<double> s = bind(m);

@@ -43,7 +43,8 @@ struct Run {
 
 // Micro-batch `micro` of replica `dp` at `step`: random tokens, the same on every rank of it.
 inline void fill(std::uint64_t seed, int dp, int step, int micro, gpt::Activations<float>& a) {
-  const std::uint64_t base = mix(seed ^ mix((std::uint64_t(step) * 64 + std::uint64_t(micro)) * 64 + std::uint64_t(dp)));
+  const std::uint64_t base =
+      mix(seed ^ mix((std::uint64_t(step) * 64 + std::uint64_t(micro)) * 64 + std::uint64_t(dp)));
   for (std::size_t i = 0; i < a.tokens.size(); ++i) {
     a.tokens[i] = int(mix(base + 2 * i) % std::uint64_t(cfg.vocab));
     a.targets[i] = int(mix(base + 2 * i + 1) % std::uint64_t(cfg.vocab));
@@ -66,25 +67,31 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   const auto [first, end] = gpt::pipeline_stage(cfg, run.shape.pp, grid.coords().pp);
   gpt::Model<float> model(cfg, run.seed, zp::tp::Group<float>(grid.tp()), {first, end});
   zp::EngineConfig ec;
-  ec.batch = {.micro_batch_per_rank = micro_batch, .gradient_accumulation_steps = run.micro_batches};
+  ec.batch = {.micro_batch_per_rank = micro_batch,
+              .gradient_accumulation_steps = run.micro_batches};
   ec.bucket_bytes = 8192;  // several buckets per rank
   ec.first_bucket_bytes = 1024;
   ec.align = 4;
   ec.max_grad_norm = max_grad_norm;
   // eps 1e-4: gradients that are zero up to rounding (the key bias: softmax ignores a constant
   // added to every score) must not turn rounding into +-lr steps (see engine.test.cpp).
-  zp::Engine<B, float, Stage> engine(grid, model, ec, zp::optim::AdamW{.lr = lr, .eps = 1e-4f, .weight_decay = 0.01f});
+  zp::Engine<B, float, Stage> engine(
+      grid, model, ec, zp::optim::AdamW{.lr = lr, .eps = 1e-4f, .weight_decay = 0.01f});
   const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);
-  zp::pipeline::Runner<B, float> runner(grid.pp(), run.schedule, run.micro_batches, rows * std::size_t(cfg.d_model));
+  zp::pipeline::Runner<B, float> runner(grid.pp(), run.schedule, run.micro_batches,
+                                        rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
   for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch);
   zp::CommStats dp = grid.dp().stats();  // after the engine's set-up collectives
   RankResult out;
   for (int step = 0; step < steps; ++step) {
-    const auto r = gpt::train_step(engine, model, runner, slots, [&](int micro, gpt::Activations<float>& a) {
-      if (run.reference) fill(run.seed, micro / grid::micro_batches, step, micro % grid::micro_batches, a);
-      else fill(run.seed, grid.coords().dp, step, micro, a);
-    });
+    const auto r =
+        gpt::train_step(engine, model, runner, slots, [&](int micro, gpt::Activations<float>& a) {
+          if (run.reference)
+            fill(run.seed, micro / grid::micro_batches, step, micro % grid::micro_batches, a);
+          else
+            fill(run.seed, grid.coords().dp, step, micro, a);
+        });
     REQUIRE(r.result.boundary);
     out.norms.push_back(r.result.grad_norm);
     out.losses.push_back(r.loss);
@@ -94,7 +101,8 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   for (const auto& t : model.tensors()) {
     out.names.push_back(t.name);
     out.slices.push_back(t.slice);
-    out.values.emplace_back(params.begin() + std::ptrdiff_t(at), params.begin() + std::ptrdiff_t(at + t.slice.size()));
+    out.values.emplace_back(params.begin() + std::ptrdiff_t(at),
+                            params.begin() + std::ptrdiff_t(at + t.slice.size()));
     at += t.slice.size();
   }
   REQUIRE(at == params.size());
@@ -106,16 +114,19 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   if (run.shape.tp > 1) {
     // Per micro-batch: 4 all_reduces of b x s x h per block (2 forward, 2 backward), 1 for the
     // embedding's output, 1 for the head's input gradient, and the loss's 1 + 2 of b x s.
-    const std::uint64_t blocks = std::uint64_t(std::clamp(end, 1, cfg.layers + 1) - std::clamp(first, 1, cfg.layers + 1));
+    const std::uint64_t blocks =
+        std::uint64_t(std::clamp(end, 1, cfg.layers + 1) - std::clamp(first, 1, cfg.layers + 1));
     const bool embed = first == 0, head = end == cfg.layers + 2;
     CHECK(tp.calls == mb * (4 * blocks + (embed ? 1 : 0) + (head ? 3 : 0)));
-    CHECK(tp.bytes == mb * ((4 * blocks + (embed ? 1 : 0) + (head ? 1 : 0)) * act + (head ? 3 * rows * sizeof(float) : 0)));
+    CHECK(tp.bytes == mb * ((4 * blocks + (embed ? 1 : 0) + (head ? 1 : 0)) * act +
+                            (head ? 3 * rows * sizeof(float) : 0)));
   } else {
     CHECK(tp.calls == 0);
   }
   for (auto op : {zp::CollOp::send, zp::CollOp::recv}) {
     // Two transfers per micro-batch per stage boundary: the activation forward, its gradient back.
-    const std::uint64_t links = std::uint64_t(!grid.last_stage()) + std::uint64_t(!grid.first_stage());
+    const std::uint64_t links =
+        std::uint64_t(!grid.last_stage()) + std::uint64_t(!grid.first_stage());
     CHECK(grid.pp().stats()[op].calls == mb * links);
     CHECK(grid.pp().stats()[op].bytes == mb * links * act);
   }
@@ -131,7 +142,8 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
     if (Stage == 0) CHECK(dp[zp::CollOp::all_reduce].bytes == std::uint64_t(steps) * (P + stats));
     if (Stage == 1) CHECK(dp[zp::CollOp::reduce_scatter].bytes == std::uint64_t(steps) * P);
     if (Stage >= 2) CHECK(dp[zp::CollOp::reduce_scatter].bytes == mb * P);
-    if (Stage == 1 || Stage == 2) CHECK(dp[zp::CollOp::all_gather].bytes == std::uint64_t(steps) * P);
+    if (Stage == 1 || Stage == 2)
+      CHECK(dp[zp::CollOp::all_gather].bytes == std::uint64_t(steps) * P);
   }
   const auto& mp = grid.model_parallel().stats()[zp::CollOp::all_reduce];
   CHECK(mp.calls == (run.shape.tp * run.shape.pp > 1 ? std::uint64_t(steps) : 0));
@@ -149,7 +161,8 @@ inline Reference reference(std::uint64_t seed, int dp) {
   zp::backend::run_threads(1, [&](zp::Collective<zp::backend::Threads>& world) {
     Run run{.seed = seed, .shape = {}, .micro_batches = dp * micro_batches, .reference = true};
     RankResult r = train<0>(world, run);
-    for (std::size_t k = 0; k < r.names.size(); ++k) ref.tensors[r.names[k]] = std::move(r.values[k]);
+    for (std::size_t k = 0; k < r.names.size(); ++k)
+      ref.tensors[r.names[k]] = std::move(r.values[k]);
     ref.norms = r.norms;
     ref.losses = r.losses;
   });
@@ -169,7 +182,8 @@ inline Agreement compare(const RankResult& r, const Reference& ref) {
     const auto& full = it->second;
     REQUIRE(full.size() == r.slices[k].full_size());
     for (std::size_t i = 0; i < r.values[k].size(); ++i) {
-      a.max_diff = std::max(a.max_diff, double(std::fabs(r.values[k][i] - full[r.slices[k].full_index(i)])));
+      a.max_diff =
+          std::max(a.max_diff, double(std::fabs(r.values[k][i] - full[r.slices[k].full_index(i)])));
       ++a.compared;
     }
   }

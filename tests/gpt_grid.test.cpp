@@ -46,7 +46,8 @@ void check_grid(zp::GridShape shape, zp::pipeline::Schedule schedule) {
   double worst = 0;
   std::map<std::string, std::vector<int>> covered;  // every element of every tensor, by some rank
   zp::backend::run_threads(shape.size(), [&](Collective<Threads>& world) {
-    const g::RankResult r = g::train<Stage>(world, {.seed = run_seed(), .shape = shape, .schedule = schedule});
+    const g::RankResult r =
+        g::train<Stage>(world, {.seed = run_seed(), .shape = shape, .schedule = schedule});
     const g::Agreement a = g::compare(r, ref);
     std::lock_guard lk(m);
     worst = std::max(worst, a.max_diff);
@@ -57,9 +58,11 @@ void check_grid(zp::GridShape shape, zp::pipeline::Schedule schedule) {
       for (std::size_t i = 0; i < r.values[k].size(); ++i) ++c[r.slices[k].full_index(i)];
     }
     REQUIRE(r.norms.size() == ref.norms.size());
-    for (std::size_t s = 0; s < r.norms.size(); ++s) CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
+    for (std::size_t s = 0; s < r.norms.size(); ++s)
+      CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
     if (r.losses[0] != 0 && shape.dp == 1)  // with dp > 1 a rank sees its replica's loss only
-      for (std::size_t s = 0; s < r.losses.size(); ++s) CHECK(r.losses[s] == doctest::Approx(ref.losses[s]).epsilon(1e-5));
+      for (std::size_t s = 0; s < r.losses.size(); ++s)
+        CHECK(r.losses[s] == doctest::Approx(ref.losses[s]).epsilon(1e-5));
   });
   // Each element is held by exactly the ranks that should hold it: every TP rank for replicated
   // tensors, one per TP group for split ones, times the DP replicas.
@@ -71,25 +74,34 @@ void check_grid(zp::GridShape shape, zp::pipeline::Schedule schedule) {
     for (std::size_t i = 0; i < c.size(); ++i)
       if (c[i] != want) FAIL_CHECK(name, "[", i, "] is held by ", c[i], " ranks, expected ", want);
   }
-  std::printf("gpt_grid: dp %d x tp %d x pp %d, stage %d, %s: max |grid - single rank| = %.2e\n", shape.dp, shape.tp,
-              shape.pp, Stage, zp::pipeline::name(schedule), worst);
+  std::printf("gpt_grid: dp %d x tp %d x pp %d, stage %d, %s: max |grid - single rank| = %.2e\n",
+              shape.dp, shape.tp, shape.pp, Stage, zp::pipeline::name(schedule), worst);
 }
 
 template <int Stage>
 void every_grid() {
   for (int pp : {1, 2})
     for (int tp : {1, 2})
-      for (int dp : {1, 2}) check_grid<Stage>({.dp = dp, .tp = tp, .pp = pp}, zp::pipeline::Schedule::one_f_one_b);
+      for (int dp : {1, 2})
+        check_grid<Stage>({.dp = dp, .tp = tp, .pp = pp}, zp::pipeline::Schedule::one_f_one_b);
   check_grid<Stage>({.dp = 2, .tp = 1, .pp = 2}, zp::pipeline::Schedule::gpipe);
   check_grid<Stage>({.dp = 1, .tp = 2, .pp = 2}, zp::pipeline::Schedule::gpipe);
 }
 
 }  // namespace
 
-TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 0") { every_grid<0>(); }
-TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 1") { every_grid<1>(); }
-TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 2") { every_grid<2>(); }
-TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 3") { every_grid<3>(); }
+TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 0") {
+  every_grid<0>();
+}
+TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 1") {
+  every_grid<1>();
+}
+TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 2") {
+  every_grid<2>();
+}
+TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank: ZeRO stage 3") {
+  every_grid<3>();
+}
 
 TEST_CASE("4 pipeline stages and 4 tensor-parallel ranks (one module, one head each)") {
   check_grid<1>({.dp = 1, .tp = 1, .pp = 4}, zp::pipeline::Schedule::one_f_one_b);

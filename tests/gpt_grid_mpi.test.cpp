@@ -40,12 +40,13 @@ void check(Collective<Mpi>& world, zp::GridShape shape) {
   const g::Agreement a = g::compare(r, ref);
   CHECK(a.max_diff <= tolerance);
   CHECK(a.compared > 0);
-  for (std::size_t s = 0; s < r.norms.size(); ++s) CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
+  for (std::size_t s = 0; s < r.norms.size(); ++s)
+    CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
   double worst = a.max_diff;
   world.all_reduce(std::span<double>(&worst, 1), zp::ReduceOp::max);
   if (world.rank() == 0)
-    std::printf("gpt_grid_mpi: dp %d x tp %d x pp %d, stage %d: max |grid - single rank| = %.2e\n", shape.dp, shape.tp,
-                shape.pp, Stage, worst);
+    std::printf("gpt_grid_mpi: dp %d x tp %d x pp %d, stage %d: max |grid - single rank| = %.2e\n",
+                shape.dp, shape.tp, shape.pp, Stage, worst);
 }
 
 template <int Stage>
@@ -58,12 +59,15 @@ void every_grid(Collective<Mpi>& world) {
 
 }  // namespace
 
-TEST_CASE("processes that pass different grid shapes are an error on every process, and the world goes on") {
+TEST_CASE(
+    "processes that pass different grid shapes are an error on every process, and the world goes "
+    "on") {
   Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
   REQUIRE(world.size() == 4);
   const zp::GridShape s = world.rank() == 3 ? zp::GridShape{4, 1, 1} : zp::GridShape{2, 2, 1};
-  zp::test::expect_invalid([&] { zp::ProcessGrid<Mpi> g(world, s); },
-                           {"the ranks disagree on the shape", "dp ranges over [2, 4], tp over [1, 2]"});
+  zp::test::expect_invalid(
+      [&] { zp::ProcessGrid<Mpi> g(world, s); },
+      {"the ranks disagree on the shape", "dp ranges over [2, 4], tp over [1, 2]"});
   zp::ProcessGrid<Mpi> g(world, {2, 2, 1});
   CHECK(g.tp().size() == 2);
 }
@@ -80,8 +84,8 @@ int main(int argc, char** argv) {
   zp::backend::MpiEnvironment env(&argc, &argv);
   MPI_Bcast(&seed(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // every process trains on rank 0's data
   if (env.world_rank() == 0)
-    std::printf("gpt_grid_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", (unsigned long long)seed(),
-                (unsigned long long)seed());
+    std::printf("gpt_grid_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n",
+                (unsigned long long)seed(), (unsigned long long)seed());
   doctest::Context ctx(argc, argv);
   if (env.world_rank() != 0) ctx.setOption("minimal", true);
   return ctx.run();

@@ -44,9 +44,10 @@ void check_grid(GridShape s) {
     for (int p = 0; p < s.pp; ++p) pp.push_back(want.tp + s.tp * (want.dp + s.dp * p));
     for (int p = 0; p < s.pp; ++p)
       for (int t = 0; t < s.tp; ++t) mp.push_back(t + s.tp * (want.dp + s.dp * p));
-    for (const Group& grp : {Group{&g.tp(), s.tp, want.tp, tp}, Group{&g.dp(), s.dp, want.dp, dp},
-                             Group{&g.pp(), s.pp, want.pp, pp},
-                             Group{&g.model_parallel(), s.tp * s.pp, want.tp + s.tp * want.pp, mp}}) {
+    for (const Group& grp :
+         {Group{&g.tp(), s.tp, want.tp, tp}, Group{&g.dp(), s.dp, want.dp, dp},
+          Group{&g.pp(), s.pp, want.pp, pp},
+          Group{&g.model_parallel(), s.tp * s.pp, want.tp + s.tp * want.pp, mp}}) {
       CHECK(grp.comm->size() == grp.size);
       CHECK(grp.comm->rank() == grp.coord);
       CHECK(grp.members[std::size_t(grp.coord)] == r);
@@ -62,7 +63,9 @@ void check_grid(GridShape s) {
 
 }  // namespace
 
-TEST_CASE("a DP x TP x PP grid: Megatron's rank order, four groups per rank (tp, dp, pp, model parallel), each with its members") {
+TEST_CASE(
+    "a DP x TP x PP grid: Megatron's rank order, four groups per rank (tp, dp, pp, model "
+    "parallel), each with its members") {
   for (int dp : {1, 2})
     for (int tp : {1, 2})
       for (int pp : {1, 2}) check_grid({.dp = dp, .tp = tp, .pp = pp});
@@ -72,28 +75,35 @@ TEST_CASE("a DP x TP x PP grid: Megatron's rank order, four groups per rank (tp,
 
 TEST_CASE("a grid that does not factor the world is an error on every rank naming the sizes") {
   run_threads(4, [&](Collective<Threads>& world) {
-    zp::test::expect_invalid([&] { zp::ProcessGrid<Threads> g(world, {.dp = 3, .tp = 1, .pp = 1}); },
-                             {"3 x 1 x 1", "4 ranks"});
-    zp::test::expect_invalid([&] { zp::ProcessGrid<Threads> g(world, {.dp = 0, .tp = 2, .pp = 2}); }, {"dp=0"});
+    zp::test::expect_invalid(
+        [&] { zp::ProcessGrid<Threads> g(world, {.dp = 3, .tp = 1, .pp = 1}); },
+        {"3 x 1 x 1", "4 ranks"});
+    zp::test::expect_invalid(
+        [&] { zp::ProcessGrid<Threads> g(world, {.dp = 0, .tp = 2, .pp = 2}); }, {"dp=0"});
     zp::ProcessGrid<Threads> g(world, {.dp = 1, .tp = 2, .pp = 2});
-    zp::test::expect_invalid([&] { (void)g.rank_of({.dp = 1, .tp = 0, .pp = 0}); }, {"dp 1", "1 x 2 x 2"});
+    zp::test::expect_invalid([&] { (void)g.rank_of({.dp = 1, .tp = 0, .pp = 0}); },
+                             {"dp 1", "1 x 2 x 2"});
   });
 }
 
-TEST_CASE("ranks that pass different shapes are an error on every rank naming its shape and the disagreement") {
+TEST_CASE(
+    "ranks that pass different shapes are an error on every rank naming its shape and the "
+    "disagreement") {
   // Rank 2 asks for another grid (one that factors the world, or one that is wrong on its own):
   // every rank throws, before any split, and the world stays usable.
-  for (const GridShape odd : {GridShape{.dp = 4, .tp = 1, .pp = 1}, GridShape{.dp = 0, .tp = 2, .pp = 2}}) {
+  for (const GridShape odd :
+       {GridShape{.dp = 4, .tp = 1, .pp = 1}, GridShape{.dp = 0, .tp = 2, .pp = 2}}) {
     CAPTURE(odd.dp);
     run_threads(4, [&](Collective<Threads>& world) {
       const bool me = world.rank() == 2;
       const GridShape s = me ? odd : GridShape{.dp = 1, .tp = 2, .pp = 2};
-      zp::test::expect_invalid([&] { zp::ProcessGrid<Threads> g(world, s); },
-                               {"the ranks disagree on the shape",
-                                zp::detail::cat("world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp,
-                                                " x ", s.pp),
-                                zp::detail::cat("dp ranges over [", std::min(odd.dp, 1), ", ", std::max(odd.dp, 1),
-                                                "], tp over [", odd.tp, ", 2]")});
+      zp::test::expect_invalid(
+          [&] { zp::ProcessGrid<Threads> g(world, s); },
+          {"the ranks disagree on the shape",
+           zp::detail::cat("world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp,
+                           " x ", s.pp),
+           zp::detail::cat("dp ranges over [", std::min(odd.dp, 1), ", ", std::max(odd.dp, 1),
+                           "], tp over [", odd.tp, ", 2]")});
       zp::ProcessGrid<Threads> g(world, {.dp = 2, .tp = 2, .pp = 1});
       CHECK(g.tp().size() == 2);
     });

@@ -37,17 +37,19 @@ struct MeasuredMemory {
     using T = typename E::value_type;
     const MemoryReport mem = engine.memory();
     const MemoryUse use = memory_use<S>();
-    const std::int64_t stats = std::int64_t(E::stats_slots * sizeof(double));  // statistics and step gate
+    const std::int64_t stats =
+        std::int64_t(E::stats_slots * sizeof(double));  // statistics and step gate
     // offloaded master and optimizer state live in host memory, whatever S is
     const std::int64_t offloaded = S == MemorySpace::host ? 0 : std::int64_t(mem.offloaded);
     const std::int64_t held = use.current - base, peak = use.peak - base;
     INFO("stage ", E::stage, ": allocator holds ", held, " bytes (peak in training ", peak,
-            "), report total ", mem.total(), ", model states ", mem.model_states());
+         "), report total ", mem.total(), ", model states ", mem.model_states());
     CHECK(held == std::int64_t(mem.total()) - offloaded + stats);
     const auto& L = engine.layout();
     if (!fp32_grads)
-      CHECK(mem.model_states() == zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T),
-                                                         optim::state_slots<typename E::optimizer_type>));
+      CHECK(mem.model_states() ==
+            zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T),
+                                   optim::state_slots<typename E::optimizer_type>));
     std::int64_t bound = std::int64_t(mem.model_states() + mem.buckets) - offloaded + stats;
     if constexpr (E::stage == 3) {
       std::size_t largest = 0;

@@ -67,17 +67,19 @@ TEST_CASE("describe_parameters lists parameters in forward order with their modu
 TEST_CASE("describe_parameters rejects broken module numbering and mismatched views") {
   Tiny gap;
   gap.modules = {0, 2};
-  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(gap), doctest::Contains("without gaps"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(gap), doctest::Contains("without gaps"),
+                       zp::Error);
   Tiny late;
   late.modules = {1, 1};
-  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(late), doctest::Contains("numbered from 0"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(late), doctest::Contains("numbered from 0"),
+                       zp::Error);
   Tiny back;
   back.modules = {1, 0};
   CHECK_THROWS_AS(zp::describe_parameters<float>(back), zp::Error);
   Tiny sizes;
   sizes.grad_size = 2;
-  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(sizes), doctest::Contains("'w' has a value view of 3"),
-                       zp::Error);
+  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(sizes),
+                       doctest::Contains("'w' has a value view of 3"), zp::Error);
 }
 
 namespace {
@@ -86,7 +88,14 @@ struct Faulty {
   std::vector<float> w0 = {1, 2, 3};
   Param<float> p{3}, q{3};
   View<float> empty_value{0}, empty_grad{0};
-  enum class Fault { none, same_param_twice, value_as_grad, grows, renames, empty } fault = Fault::none;
+  enum class Fault {
+    none,
+    same_param_twice,
+    value_as_grad,
+    grows,
+    renames,
+    empty
+  } fault = Fault::none;
   int visits = 0;
 
   template <class V>
@@ -108,7 +117,9 @@ struct Faulty {
 };
 }  // namespace
 
-TEST_CASE("bind_parameters names a model that registers views twice, changes between visits or has empty parameters") {
+TEST_CASE(
+    "bind_parameters names a model that registers views twice, changes between visits or has empty "
+    "parameters") {
   using F = Faulty::Fault;
   auto fails = [](F f, std::initializer_list<const char*> parts) {
     Faulty m;
@@ -118,13 +129,15 @@ TEST_CASE("bind_parameters names a model that registers views twice, changes bet
       FAIL_CHECK("no error for fault ", int(f));
     } catch (const zp::Error& e) {
       CHECK(e.category() == zp::Errc::invalid_argument);
-      for (const char* p : parts) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, std::string(e.what()));
+      for (const char* p : parts)
+        CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, std::string(e.what()));
     }
   };
   fails(F::same_param_twice, {"parameters 'p' and 'q' share one View object"});
   fails(F::value_as_grad, {"parameters 'q' and 'q' share one View object", "its own gradient"});
   fails(F::grows, {"visited 'r'", "it must visit the same parameters"});
-  fails(F::renames, {"visited 'r' (module 0) as parameter #1 the second time, but 'q' the first time"});
+  fails(F::renames,
+        {"visited 'r' (module 0) as parameter #1 the second time, but 'q' the first time"});
   fails(F::empty, {"parameter 'e' has 0 elements"});
   Faulty ok;
   const auto bound = zp::bind_parameters<float>(ok);

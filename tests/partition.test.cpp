@@ -28,9 +28,9 @@ void check_invariants(const Layout& L, const zp::LayoutOptions& o) {
   std::size_t offset = 0, shard = 0, used = 0;
   for (int s = 0; s < L.segment_count(); ++s) {
     const auto& g = L.segment(s);
-    CHECK(g.offset == offset);            // segments tile the buffer
-    CHECK(g.shard_offset == shard);       // pieces tile every shard
-    CHECK(g.size == n * g.piece);         // equal pieces
+    CHECK(g.offset == offset);       // segments tile the buffer
+    CHECK(g.shard_offset == shard);  // pieces tile every shard
+    CHECK(g.size == n * g.piece);    // equal pieces
     CHECK(g.piece % o.align == 0);
     CHECK(g.used <= g.size);
     CHECK(g.size - g.used < n * o.align + (g.used == 0 ? n * o.align : 0));
@@ -73,11 +73,15 @@ void check_invariants(const Layout& L, const zp::LayoutOptions& o) {
 
 }  // namespace
 
-TEST_CASE("shards are equal, disjoint and cover the buffer for sizes 0, 1, primes and rank counts 1-5") {
-  const std::vector<std::vector<std::size_t>> model = {{0, 1, 7}, {4099, 13}, {1, 1, 1, 1}, {65537}, {2, 3, 5, 11}};
+TEST_CASE(
+    "shards are equal, disjoint and cover the buffer for sizes 0, 1, primes and rank counts 1-5") {
+  const std::vector<std::vector<std::size_t>> model = {
+      {0, 1, 7}, {4099, 13}, {1, 1, 1, 1}, {65537}, {2, 3, 5, 11}};
   for (int ranks : {1, 2, 3, 4, 5})
-    for (zp::LayoutOptions o : {zp::LayoutOptions{}, zp::LayoutOptions{.bucket_elems = 100, .first_bucket_elems = 10, .align = 1},
-                                zp::LayoutOptions{.bucket_elems = 5000, .first_bucket_elems = 3, .align = 16}}) {
+    for (zp::LayoutOptions o :
+         {zp::LayoutOptions{},
+          zp::LayoutOptions{.bucket_elems = 100, .first_bucket_elems = 10, .align = 1},
+          zp::LayoutOptions{.bucket_elems = 5000, .first_bucket_elems = 3, .align = 16}}) {
       CAPTURE(ranks);
       CAPTURE(o.bucket_elems);
       const Layout L(params_of(model), ranks, o);
@@ -105,7 +109,8 @@ TEST_CASE("the layout fingerprint changes with any name, size, module or rank co
 
 TEST_CASE("each stage keeps the buffers of the ZeRO table") {
   zp::test::Mlp<zp::bf16> mlp;
-  const Layout L(zp::describe_parameters<zp::bf16>(mlp), 4, {.bucket_elems = 1000, .first_bucket_elems = 100, .align = 8});
+  const Layout L(zp::describe_parameters<zp::bf16>(mlp), 4,
+                 {.bucket_elems = 1000, .first_bucket_elems = 100, .align = 8});
   const std::size_t P = L.total(), S = L.shard();
   auto check = [&](auto part, std::size_t params, std::size_t grads, std::size_t master) {
     const auto mem = part.memory();
@@ -122,14 +127,19 @@ TEST_CASE("each stage keeps the buffers of the ZeRO table") {
   // pieces: full-space buffers at segment.offset + rank * piece, shard-space at shard_offset
   zp::Partitioned<zp::bf16, 1> p1(L, 3, 2);
   const int s = 2;
-  CHECK(p1.owned<Field::grad>(s, Extent::piece).span.data() == p1.buffer<Field::grad>().data() + L.piece_offset(s, 3));
-  CHECK(p1.owned<Field::master>(s, Extent::piece).span.data() == p1.buffer<Field::master>().data() + L.segment(s).shard_offset);
+  CHECK(p1.owned<Field::grad>(s, Extent::piece).span.data() ==
+        p1.buffer<Field::grad>().data() + L.piece_offset(s, 3));
+  CHECK(p1.owned<Field::master>(s, Extent::piece).span.data() ==
+        p1.buffer<Field::master>().data() + L.segment(s).shard_offset);
   // REFERENCE.md's 7.5B on 64 ranks, K = 12: 120, 31.4, 16.6, 1.9 GB
   const std::size_t psi = 7'500'000'000ull;
   CHECK(zp::zero_model_state_bytes(0, psi, 64, 2, 2) == 120'000'000'000ull);
-  CHECK(double(zp::zero_model_state_bytes(1, psi, 64, 2, 2)) == doctest::Approx(31.4e9).epsilon(0.01));
-  CHECK(double(zp::zero_model_state_bytes(2, psi, 64, 2, 2)) == doctest::Approx(16.6e9).epsilon(0.01));
-  CHECK(double(zp::zero_model_state_bytes(3, psi, 64, 2, 2)) == doctest::Approx(1.875e9).epsilon(0.01));
+  CHECK(double(zp::zero_model_state_bytes(1, psi, 64, 2, 2)) ==
+        doctest::Approx(31.4e9).epsilon(0.01));
+  CHECK(double(zp::zero_model_state_bytes(2, psi, 64, 2, 2)) ==
+        doctest::Approx(16.6e9).epsilon(0.01));
+  CHECK(double(zp::zero_model_state_bytes(3, psi, 64, 2, 2)) ==
+        doctest::Approx(1.875e9).epsilon(0.01));
 }
 
 namespace {
@@ -151,7 +161,9 @@ std::size_t check_owned(const P& part, Extent e, int k = 0) {
     written += o.span.size();
   }
   const int r = part.rank(), stage = P::stage;
-  const bool whole = F == Field::param ? stage < 3 : F == Field::grad || F == Field::grad_f32 ? stage < 2 : stage < 1;
+  const bool whole = F == Field::param                          ? stage < 3
+                     : F == Field::grad || F == Field::grad_f32 ? stage < 2
+                                                                : stage < 1;
   const bool segments = e == Extent::kept ? whole : e == Extent::updated && stage == 0;
   std::size_t at = 0;  // the serial reference: walk the segments as the table says
   for (int s = 0; s < L.segment_count(); ++s) {
@@ -161,8 +173,8 @@ std::size_t check_owned(const P& part, Extent e, int k = 0) {
       if (!whole && !mine) continue;  // a shard-space buffer holds only this rank's pieces
       const float want = segments || mine ? float(g.offset + i) : -1.0f;
       if (buf[at] != want) {
-        FAIL_CHECK("field ", int(F), " extent ", int(e), " stage ", stage, " rank ", r, ": element ", at, " holds ",
-                   buf[at], ", expected ", want);
+        FAIL_CHECK("field ", int(F), " extent ", int(e), " stage ", stage, " rank ", r,
+                   ": element ", at, " holds ", buf[at], ", expected ", want);
         return written;
       }
       ++at;
@@ -184,10 +196,13 @@ TEST_CASE("the ownership query names exactly the elements each stage keeps, upda
         constexpr int stage = decltype(part)::stage;
         for (Extent e : {Extent::kept, Extent::updated, Extent::piece}) {
           const std::size_t piece = L.shard(), full = L.total();
-          const std::size_t n = e == Extent::piece ? piece : e == Extent::updated ? (stage == 0 ? full : piece) : 0;
+          const std::size_t n = e == Extent::piece     ? piece
+                                : e == Extent::updated ? (stage == 0 ? full : piece)
+                                                       : 0;
           check_owned<Field::param>(part, e);
           check_owned<Field::grad>(part, e);
-          const std::size_t got = check_owned<Field::master>(part, e) + check_owned<Field::state>(part, e, 1);
+          const std::size_t got =
+              check_owned<Field::master>(part, e) + check_owned<Field::state>(part, e, 1);
           if (e != Extent::kept) CHECK(got == 2 * n);
           check_owned<Field::grad_f32>(part, e);
         }
@@ -199,7 +214,8 @@ TEST_CASE("the ownership query names exactly the elements each stage keeps, upda
       // T fields: checked through float partitions above, here their placement in a bf16 one
       const zp::Partitioned<zp::bf16, 3> p3(L, r, 2);
       for (int s = 0; s < L.segment_count(); ++s) {
-        CHECK(p3.owned<Field::param>(s, Extent::kept).span.data() == p3.buffer<Field::param>().data() + L.segment(s).shard_offset);
+        CHECK(p3.owned<Field::param>(s, Extent::kept).span.data() ==
+              p3.buffer<Field::param>().data() + L.segment(s).shard_offset);
         CHECK(p3.owned<Field::param>(s, Extent::kept).offset == L.piece_offset(s, r));
       }
       // a field the partition does not keep is zp's own error, never a span into nothing
@@ -212,36 +228,47 @@ TEST_CASE("the ownership query names exactly the elements each stage keeps, upda
 TEST_CASE("sizes that would wrap around are errors naming the values, never a small buffer") {
   const std::vector<zp::ParamInfo> one = {{"w", 0, 100}};
   // ranks * align wraps: the old layout padded to a multiple of 0 and wrote through a null buffer.
-  CHECK_THROWS_WITH_AS(Layout(one, 4, {.align = std::size_t(1) << 62}), doctest::Contains("layout: ranks * align"),
-                       zp::Error);
+  CHECK_THROWS_WITH_AS(Layout(one, 4, {.align = std::size_t(1) << 62}),
+                       doctest::Contains("layout: ranks * align"), zp::Error);
   // the padded total of two huge parameters wraps
-  const std::vector<zp::ParamInfo> huge = {{"a", 0, std::size_t(1) << 63}, {"b", 1, std::size_t(1) << 63}};
+  const std::vector<zp::ParamInfo> huge = {{"a", 0, std::size_t(1) << 63},
+                                           {"b", 1, std::size_t(1) << 63}};
   CHECK_THROWS_WITH_AS(Layout(huge, 1), doctest::Contains("overflows a 64-bit size"), zp::Error);
   // ... and within one module, naming the parameter that does it
-  const std::vector<zp::ParamInfo> one_module = {{"a", 0, std::size_t(1) << 63}, {"b", 0, std::size_t(1) << 63}};
-  CHECK_THROWS_WITH_AS(Layout(one_module, 1), doctest::Contains("module 0 with parameter 'a'"), zp::Error);
+  const std::vector<zp::ParamInfo> one_module = {{"a", 0, std::size_t(1) << 63},
+                                                 {"b", 0, std::size_t(1) << 63}};
+  CHECK_THROWS_WITH_AS(Layout(one_module, 1), doctest::Contains("module 0 with parameter 'a'"),
+                       zp::Error);
   // Modules out of order (a manifest's, or a model's visit) are named, not laid out in part:
   // parameters of a module seen before the last one used to be left at offset 0.
   const std::vector<zp::ParamInfo> back = {{"x", 0, 4}, {"y", 1, 4}, {"z", 0, 4}};
-  CHECK_THROWS_WITH_AS(Layout(back, 2), doctest::Contains("parameter 'z' (#2) is in module 0 after a parameter of module 1"),
-                       zp::Error);
+  CHECK_THROWS_WITH_AS(
+      Layout(back, 2),
+      doctest::Contains("parameter 'z' (#2) is in module 0 after a parameter of module 1"),
+      zp::Error);
   const std::vector<zp::ParamInfo> far = {{"x", 0, 4}, {"y", 2147483646, 4}};
-  CHECK_THROWS_WITH_AS(Layout(far, 2), doctest::Contains("parameter 'y' (#1) is in module 2147483646"), zp::Error);
+  CHECK_THROWS_WITH_AS(Layout(far, 2),
+                       doctest::Contains("parameter 'y' (#1) is in module 2147483646"), zp::Error);
   // n * sizeof(T) wraps
   CHECK_THROWS_WITH_AS((zp::Buffer<double>(std::size_t(1) << 62, "test buffer")),
-                       doctest::Contains("test buffer: 4611686018427387904 elements of 8 bytes"), zp::Error);
+                       doctest::Contains("test buffer: 4611686018427387904 elements of 8 bytes"),
+                       zp::Error);
   // An allocation that cannot succeed names what and how much, and the largest parameter. The
   // sanitizers' operator new aborts on such a request instead of throwing bad_alloc, so this
   // part runs in the plain builds only.
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-  const std::vector<zp::ParamInfo> big = {{"small", 0, 10}, {"enormous.weight", 1, std::size_t(1) << 60}};
+  const std::vector<zp::ParamInfo> big = {{"small", 0, 10},
+                                          {"enormous.weight", 1, std::size_t(1) << 60}};
   try {
     zp::Partitioned<float, 0> p(Layout(big, 1), 0, 2);
     FAIL_CHECK("expected out_of_memory");
   } catch (const zp::Error& e) {
     CHECK(e.category() == zp::Errc::out_of_memory);
-    CHECK_MESSAGE(std::string(e.what()).find("partition: parameters: cannot allocate") != std::string::npos, std::string(e.what()));
-    CHECK(std::string(e.what()).find("the largest is 'enormous.weight' with 1152921504606846976 elements") !=
+    CHECK_MESSAGE(
+        std::string(e.what()).find("partition: parameters: cannot allocate") != std::string::npos,
+        std::string(e.what()));
+    CHECK(std::string(e.what()).find(
+              "the largest is 'enormous.weight' with 1152921504606846976 elements") !=
           std::string::npos);
   }
 #endif

@@ -51,7 +51,9 @@ double elapsed(std::chrono::steady_clock::time_point t0) {
 
 // --- 1. the op lists ---------------------------------------------------------------------------
 
-TEST_CASE("schedule(): each stage runs every forward and backward once, F(k) before B(k), holding at most max_in_flight") {
+TEST_CASE(
+    "schedule(): each stage runs every forward and backward once, F(k) before B(k), holding at "
+    "most max_in_flight") {
   for (Schedule s : both)
     for (int p = 1; p <= 8; ++p)
       for (int stage = 0; stage < p; ++stage)
@@ -98,7 +100,8 @@ TEST_CASE("schedule(): the exact sequences of a 4-stage pipeline, written out by
   CHECK(text(zp::pipeline::schedule(one, 4, 2, 2)) == "F0 F1 B0 B1");
   CHECK(text(zp::pipeline::schedule(one, 4, 3, 2)) == "F0 B0 F1 B1");
   for (int stage = 0; stage < 4; ++stage)
-    CHECK(text(zp::pipeline::schedule(Schedule::gpipe, 4, stage, 6)) == "F0 F1 F2 F3 F4 F5 B0 B1 B2 B3 B4 B5");
+    CHECK(text(zp::pipeline::schedule(Schedule::gpipe, 4, stage, 6)) ==
+          "F0 F1 F2 F3 F4 F5 B0 B1 B2 B3 B4 B5");
   CHECK(text(zp::pipeline::schedule(one, 1, 0, 3)) == "F0 B0 F1 B1 F2 B2");
   CHECK(zp::pipeline::max_in_flight(one, 4, 0, 6) == 4);
   CHECK(zp::pipeline::max_in_flight(one, 4, 3, 6) == 1);
@@ -113,14 +116,18 @@ TEST_CASE("schedule(): the exact sequences of a 4-stage pipeline, written out by
 }
 
 TEST_CASE("schedule() and max_in_flight() reject a bad position naming the value") {
-  for (auto f : {+[](int p, int s, int m) { (void)zp::pipeline::schedule(Schedule::gpipe, p, s, m); },
-                 +[](int p, int s, int m) { (void)zp::pipeline::max_in_flight(Schedule::one_f_one_b, p, s, m); }}) {
+  for (auto f :
+       {+[](int p, int s, int m) { (void)zp::pipeline::schedule(Schedule::gpipe, p, s, m); },
+        +[](int p, int s, int m) {
+          (void)zp::pipeline::max_in_flight(Schedule::one_f_one_b, p, s, m);
+        }}) {
     zp::test::expect_invalid([&] { f(0, 0, 4); }, {"stages must be >= 1, got 0"});
     zp::test::expect_invalid([&] { f(4, 4, 4); }, {"stage 4 is not in [0, 4)"});
     zp::test::expect_invalid([&] { f(4, -1, 4); }, {"stage -1 is not in [0, 4)"});
     zp::test::expect_invalid([&] { f(4, 0, 0); }, {"micro_batches must be >= 1, got 0"});
   }
-  zp::test::expect_invalid([&] { (void)zp::pipeline::schedule(Schedule(7), 2, 0, 1); }, {"Schedule(7)"});
+  zp::test::expect_invalid([&] { (void)zp::pipeline::schedule(Schedule(7), 2, 0, 1); },
+                           {"Schedule(7)"});
 }
 
 // --- 2. logical time ---------------------------------------------------------------------------
@@ -139,7 +146,8 @@ struct Timeline {
 Timeline simulate(Schedule sched, int p, int m, std::int64_t tf, std::int64_t tb) {
   std::vector<std::vector<Op>> ops;
   for (int s = 0; s < p; ++s) ops.push_back(zp::pipeline::schedule(sched, p, s, m));
-  std::vector<std::vector<std::int64_t>> f_end(std::size_t(p), std::vector<std::int64_t>(std::size_t(m), -1)),
+  std::vector<std::vector<std::int64_t>> f_end(std::size_t(p),
+                                               std::vector<std::int64_t>(std::size_t(m), -1)),
       b_end = f_end;
   std::vector<std::size_t> next(std::size_t(p), 0);
   std::vector<std::int64_t> free_at(std::size_t(p), 0);
@@ -153,7 +161,8 @@ Timeline simulate(Schedule sched, int p, int m, std::int64_t tf, std::int64_t tb
         const Op op = ops[us][next[us]];
         const auto k = std::size_t(op.micro);
         const bool fwd = op.kind == Op::Kind::forward;
-        const std::int64_t dep = fwd ? (s == 0 ? 0 : f_end[us - 1][k]) : (s == p - 1 ? f_end[us][k] : b_end[us + 1][k]);
+        const std::int64_t dep =
+            fwd ? (s == 0 ? 0 : f_end[us - 1][k]) : (s == p - 1 ? f_end[us][k] : b_end[us + 1][k]);
         if (dep < 0) break;  // waits for another stage
         const std::int64_t end = std::max(free_at[us], dep) + (fwd ? tf : tb);
         (fwd ? f_end : b_end)[us][k] = end;
@@ -173,7 +182,9 @@ Timeline simulate(Schedule sched, int p, int m, std::int64_t tf, std::int64_t tb
 
 }  // namespace
 
-TEST_CASE("in logical time every stage idles bubble_fraction of the flush, and both schedules take (m + p - 1)(tf + tb)") {
+TEST_CASE(
+    "in logical time every stage idles bubble_fraction of the flush, and both schedules take (m + "
+    "p - 1)(tf + tb)") {
   for (int p = 1; p <= 6; ++p)
     for (int m = 1; m <= 12; ++m)
       for (std::int64_t tb_over_tf : {1, 2}) {
@@ -214,7 +225,8 @@ namespace {
 // the serial reference, so both compute the same bits (no contraction into FMA in one place and
 // not the other).
 template <class A>
-[[gnu::noinline]] void affine(std::span<const A> in, const std::vector<A>& w, const std::vector<A>& b, std::span<A> out) {
+[[gnu::noinline]] void affine(std::span<const A> in, const std::vector<A>& w,
+                              const std::vector<A>& b, std::span<A> out) {
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = in[i] * w[i] + b[i];
 }
 template <class A>
@@ -225,8 +237,9 @@ template <class A>
 }
 // g = d loss / d out: dw += g * in, db += g, in_grad = g * w.
 template <class A>
-[[gnu::noinline]] void affine_backward(std::span<const A> g, std::span<const A> in, const std::vector<A>& w,
-                                       std::vector<A>& dw, std::vector<A>& db, std::span<A> in_grad) {
+[[gnu::noinline]] void affine_backward(std::span<const A> g, std::span<const A> in,
+                                       const std::vector<A>& w, std::vector<A>& dw,
+                                       std::vector<A>& db, std::span<A> in_grad) {
   for (std::size_t i = 0; i < g.size(); ++i) {
     dw[i] += g[i] * in[i];
     db[i] += g[i];
@@ -239,11 +252,14 @@ struct Toy {
   int p, m;
   std::size_t n;
   std::uint64_t seed;
-  A x(int k, std::size_t i) const { return A(zp::test::hash_uniform(seed, std::uint64_t(k) * n + i)); }
+  A x(int k, std::size_t i) const {
+    return A(zp::test::hash_uniform(seed, std::uint64_t(k) * n + i));
+  }
   std::vector<A> param(int stage, int which) const {  // which: 0 = w, 1 = b
     std::vector<A> v(n);
     for (std::size_t i = 0; i < n; ++i)
-      v[i] = A(zp::test::hash_uniform(seed + 1 + std::uint64_t(2 * stage + which), i)) * A(which ? 0.5 : 1.0);
+      v[i] = A(zp::test::hash_uniform(seed + 1 + std::uint64_t(2 * stage + which), i)) *
+             A(which ? 0.5 : 1.0);
     return v;
   }
 };
@@ -269,8 +285,8 @@ Grads<A> serial(const Toy<A>& toy) {
     g.loss.push_back(half_square_sum<A>(act[std::size_t(toy.p)]));
     std::vector<A> grad = act[std::size_t(toy.p)], in_grad(n);
     for (int s = toy.p - 1; s >= 0; --s) {
-      affine_backward<A>(grad, act[std::size_t(s)], toy.param(s, 0), g.dw[std::size_t(s)], g.db[std::size_t(s)],
-                         s > 0 ? std::span<A>(in_grad) : std::span<A>{});
+      affine_backward<A>(grad, act[std::size_t(s)], toy.param(s, 0), g.dw[std::size_t(s)],
+                         g.db[std::size_t(s)], s > 0 ? std::span<A>(in_grad) : std::span<A>{});
       grad = in_grad;
     }
   }
@@ -281,7 +297,8 @@ Grads<A> serial(const Toy<A>& toy) {
 // the runner hands out, and leaves this stage's gradients (of the last run) and the losses in
 // `out`. Returns the stage's Stats of the last run.
 template <class A>
-zp::pipeline::Stats run_stage(Collective<Threads>& pp, Schedule sched, const Toy<A>& toy, Grads<A>& out, int runs) {
+zp::pipeline::Stats run_stage(Collective<Threads>& pp, Schedule sched, const Toy<A>& toy,
+                              Grads<A>& out, int runs) {
   const int s = pp.rank(), p = pp.size(), m = toy.m;
   const std::size_t n = toy.n;
   const bool first = s == 0, last = s == p - 1;
@@ -298,7 +315,9 @@ zp::pipeline::Stats run_stage(Collective<Threads>& pp, Schedule sched, const Toy
   std::vector<A> x(std::size_t(slots) * n), y(std::size_t(slots) * n);
   std::vector<std::span<const A>> saved_in(static_cast<std::size_t>(slots));
   std::vector<int> owner(std::size_t(slots), -1);  // the micro-batch holding each slot
-  const auto slice = [&](std::vector<A>& v, int slot) { return std::span<A>(v).subspan(std::size_t(slot) * n, n); };
+  const auto slice = [&](std::vector<A>& v, int slot) {
+    return std::span<A>(v).subspan(std::size_t(slot) * n, n);
+  };
   std::vector<A> dw, db;
   zp::pipeline::Stats st;
   for (int run = 0; run < runs; ++run) {
@@ -377,8 +396,10 @@ void check_against_serial(const Toy<A>& toy, const Grads<A>& got) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("the runner's gradients and losses equal a serial run of the whole chain, for every schedule and size", A,
-                   float, double) {
+TEST_CASE_TEMPLATE(
+    "the runner's gradients and losses equal a serial run of the whole chain, for every schedule "
+    "and size",
+    A, float, double) {
   for (Schedule sched : both)
     for (int p : {1, 2, 3, 4})
       for (int m : {1, 3, 5}) {
@@ -397,7 +418,8 @@ TEST_CASE_TEMPLATE("the runner's gradients and losses equal a serial run of the 
       }
 }
 
-TEST_CASE("the runner works over the pipeline groups of a DP x PP grid, each replica on its own data") {
+TEST_CASE(
+    "the runner works over the pipeline groups of a DP x PP grid, each replica on its own data") {
   const std::uint64_t seed = zp::test::fresh_seed();
   CAPTURE(seed);
   const zp::GridShape shape{.dp = 2, .tp = 1, .pp = 3};
@@ -436,37 +458,44 @@ struct Ending {
 // `ends` and rethrows as run_threads does.
 void run_failing(Schedule sched, std::vector<Ending>& ends, const std::vector<int>& micro_batches,
                  const std::vector<std::size_t>& elems, ThreadsOptions opt,
-                 const std::function<void(int, int, bool)>& hook, const std::function<void(int)>& after_run = {}) {
-  run_threads(int(ends.size()), [&](Collective<Threads>& pp) {
-    const int s = pp.rank();
-    auto& mine = ends[std::size_t(s)];
-    try {
-      Runner<Threads, float> pipe(pp, sched, micro_batches[std::size_t(s)], elems[std::size_t(s)]);
-      pipe.run(
-          [&](int k, int, std::span<const float>, std::span<float> out) {
-            hook(s, k, false);
-            std::fill(out.begin(), out.end(), 1.0f);
-          },
-          [&](int k, int, std::span<const float>, std::span<float> in_grad) {
-            hook(s, k, true);
-            std::fill(in_grad.begin(), in_grad.end(), 1.0f);
-          });
-      if (after_run) after_run(s);
-      pp.barrier();
-      mine.kind = "ok";
-    } catch (const zp::Error& e) {
-      mine = {zp::to_string(e.category()), e.what()};
-      throw;
-    } catch (const std::exception& e) {
-      mine = {"callback", e.what()};
-      throw;
-    }
-  }, opt);
+                 const std::function<void(int, int, bool)>& hook,
+                 const std::function<void(int)>& after_run = {}) {
+  run_threads(
+      int(ends.size()),
+      [&](Collective<Threads>& pp) {
+        const int s = pp.rank();
+        auto& mine = ends[std::size_t(s)];
+        try {
+          Runner<Threads, float> pipe(pp, sched, micro_batches[std::size_t(s)],
+                                      elems[std::size_t(s)]);
+          pipe.run(
+              [&](int k, int, std::span<const float>, std::span<float> out) {
+                hook(s, k, false);
+                std::fill(out.begin(), out.end(), 1.0f);
+              },
+              [&](int k, int, std::span<const float>, std::span<float> in_grad) {
+                hook(s, k, true);
+                std::fill(in_grad.begin(), in_grad.end(), 1.0f);
+              });
+          if (after_run) after_run(s);
+          pp.barrier();
+          mine.kind = "ok";
+        } catch (const zp::Error& e) {
+          mine = {zp::to_string(e.category()), e.what()};
+          throw;
+        } catch (const std::exception& e) {
+          mine = {"callback", e.what()};
+          throw;
+        }
+      },
+      opt);
 }
 
 }  // namespace
 
-TEST_CASE("a forward or backward that throws leaves run() with its exception, and every other stage fails promptly") {
+TEST_CASE(
+    "a forward or backward that throws leaves run() with its exception, and every other stage "
+    "fails promptly") {
   for (Schedule sched : both)
     for (int p : {2, 4})
       for (int bad = 0; bad < p; ++bad)
@@ -477,14 +506,17 @@ TEST_CASE("a forward or backward that throws leaves run() with its exception, an
             CAPTURE(bad);
             CAPTURE(in_backward);
             CAPTURE(bad_micro);
-            const std::string msg = std::string(in_backward ? "backward" : "forward") + " failed on stage " +
-                                    std::to_string(bad) + " at micro-batch " + std::to_string(bad_micro);
+            const std::string msg = std::string(in_backward ? "backward" : "forward") +
+                                    " failed on stage " + std::to_string(bad) + " at micro-batch " +
+                                    std::to_string(bad_micro);
             std::vector<Ending> ends(static_cast<std::size_t>(p));
             const auto t0 = std::chrono::steady_clock::now();
             try {
-              run_failing(sched, ends, std::vector<int>(std::size_t(p), 5), std::vector<std::size_t>(std::size_t(p), 64),
+              run_failing(sched, ends, std::vector<int>(std::size_t(p), 5),
+                          std::vector<std::size_t>(std::size_t(p), 64),
                           ThreadsOptions{.timeout = 5s}, [&](int s, int k, bool backward) {
-                            if (s == bad && k == bad_micro && backward == in_backward) throw std::runtime_error(msg);
+                            if (s == bad && k == bad_micro && backward == in_backward)
+                              throw std::runtime_error(msg);
                           });
               FAIL("run_threads should have rethrown");
             } catch (const zp::Error& e) {
@@ -504,7 +536,9 @@ TEST_CASE("a forward or backward that throws leaves run() with its exception, an
           }
 }
 
-TEST_CASE("a stage configured with more micro-batches than its neighbour times out in the recv that has no send") {
+TEST_CASE(
+    "a stage configured with more micro-batches than its neighbour times out in the recv that has "
+    "no send") {
   const auto timeout = 250ms;
   for (Schedule sched : both) {
     CAPTURE(zp::pipeline::name(sched));
@@ -513,19 +547,25 @@ TEST_CASE("a stage configured with more micro-batches than its neighbour times o
     try {
       // Under 1F1B stage 0 (3 micro-batches) finishes its flush; it then stays away from the
       // barrier past the timeout, so that what times out is stage 1's recv, not the barrier.
-      run_failing(sched, ends, {3, 4}, {16, 16}, ThreadsOptions{.timeout = timeout}, [](int, int, bool) {},
-                  [&](int s) { if (s == 0) std::this_thread::sleep_for(3 * timeout); });
+      run_failing(
+          sched, ends, {3, 4}, {16, 16}, ThreadsOptions{.timeout = timeout}, [](int, int, bool) {},
+          [&](int s) {
+            if (s == 0) std::this_thread::sleep_for(3 * timeout);
+          });
       FAIL("run_threads should have thrown");
     } catch (const zp::Error& e) {
       INFO(e.what());
       CHECK(e.category() == Errc::timeout);
       if (sched == Schedule::one_f_one_b) {
-        CHECK(std::string(e.what()).find("rank 1 timed out after 250 ms in recv from rank 0 (call #") != std::string::npos);
+        CHECK(std::string(e.what()).find(
+                  "rank 1 timed out after 250 ms in recv from rank 0 (call #") !=
+              std::string::npos);
         CHECK(ends[0].kind == "aborted");
       } else {
         // gpipe: stage 1 waits for activation 3 while stage 0 waits for gradient 0, two recvs no
         // send will match; either may expire first, and the other rank sees the abort.
-        CHECK(std::string(e.what()).find("timed out after 250 ms in recv from rank") != std::string::npos);
+        CHECK(std::string(e.what()).find("timed out after 250 ms in recv from rank") !=
+              std::string::npos);
       }
     }
     CHECK(ends[0].kind != "ok");
@@ -534,7 +574,9 @@ TEST_CASE("a stage configured with more micro-batches than its neighbour times o
   }
 }
 
-TEST_CASE("neighbours with different activation_elems fail on both sides of the boundary with invalid_argument") {
+TEST_CASE(
+    "neighbours with different activation_elems fail on both sides of the boundary with "
+    "invalid_argument") {
   for (Schedule sched : both)
     for (int p : {2, 3}) {
       CAPTURE(zp::pipeline::name(sched));
@@ -545,7 +587,10 @@ TEST_CASE("neighbours with different activation_elems fail on both sides of the 
       std::vector<Ending> ends(static_cast<std::size_t>(p));
       const auto t0 = std::chrono::steady_clock::now();
       zp::test::expect_invalid(
-          [&] { run_failing(sched, ends, std::vector<int>(std::size_t(p), 3), elems, ThreadsOptions{.timeout = 5s}, [](int, int, bool) {}); },
+          [&] {
+            run_failing(sched, ends, std::vector<int>(std::size_t(p), 3), elems,
+                        ThreadsOptions{.timeout = 5s}, [](int, int, bool) {});
+          },
           {"mismatched send/recv", "count=64", "count=65"});
       CHECK(elapsed(t0) < 2.0);
       for (int s = 0; s < p; ++s) {
@@ -559,6 +604,7 @@ TEST_CASE("neighbours with different activation_elems fail on both sides of the 
 
 TEST_CASE("a Runner with a bad micro-batch count is an error naming it") {
   run_threads(2, [&](Collective<Threads>& pp) {
-    zp::test::expect_invalid([&] { Runner<Threads, float> r(pp, Schedule::gpipe, 0, 8); }, {"micro_batches must be >= 1, got 0"});
+    zp::test::expect_invalid([&] { Runner<Threads, float> r(pp, Schedule::gpipe, 0, 8); },
+                             {"micro_batches must be >= 1, got 0"});
   });
 }

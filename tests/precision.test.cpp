@@ -40,19 +40,24 @@ void run_script(zp::LossScaler& s, const std::vector<Expected>& script) {
 }
 }  // namespace
 
-TEST_CASE("a dynamic scale follows the DeepSpeed hysteresis algorithm on a scripted overflow pattern") {
+TEST_CASE(
+    "a dynamic scale follows the DeepSpeed hysteresis algorithm on a scripted overflow pattern") {
   // window 4, hysteresis 2, start 16 (worked out by hand from the algorithm in REFERENCE.md).
   auto s = zp::LossScaler::dynamic({.initial_scale = 16.0f, .window = 4, .hysteresis = 2});
   run_script(s, {
-                    {false, true, 16}, {false, true, 16}, {false, true, 16},
-                    {false, true, 32},   // 4 clean steps: grow, refill hysteresis
-                    {true, false, 32},   // first overflow uses up hysteresis
-                    {true, false, 16},   // second halves
                     {false, true, 16},
-                    {true, false, 8},    // hysteresis was not refilled by one clean step
-                    {false, true, 8}, {false, true, 8}, {false, true, 8},
-                    {false, true, 16},   // window clean steps after the last overflow
-                    {true, false, 16},   // hysteresis refilled at growth
+                    {false, true, 16},
+                    {false, true, 16},
+                    {false, true, 32},  // 4 clean steps: grow, refill hysteresis
+                    {true, false, 32},  // first overflow uses up hysteresis
+                    {true, false, 16},  // second halves
+                    {false, true, 16},
+                    {true, false, 8},  // hysteresis was not refilled by one clean step
+                    {false, true, 8},
+                    {false, true, 8},
+                    {false, true, 8},
+                    {false, true, 16},  // window clean steps after the last overflow
+                    {true, false, 16},  // hysteresis refilled at growth
                     {false, true, 16},
                     {true, false, 8},
                 });
@@ -64,7 +69,11 @@ TEST_CASE("a dynamic scale follows the DeepSpeed hysteresis algorithm on a scrip
 TEST_CASE("consecutive hysteresis refills on every clean step") {
   auto s = zp::LossScaler::dynamic(
       {.initial_scale = 16.0f, .window = 4, .hysteresis = 2, .consecutive_hysteresis = true});
-  run_script(s, {{true, false, 16}, {false, true, 16}, {true, false, 16}, {true, false, 8}, {false, true, 8}});
+  run_script(s, {{true, false, 16},
+                 {false, true, 16},
+                 {true, false, 16},
+                 {true, false, 8},
+                 {false, true, 8}});
 }
 
 TEST_CASE("DeepSpeed's defaults: 2^16, doubling after 1000 clean steps, hysteresis 2, minimum 1") {
@@ -105,7 +114,8 @@ TEST_CASE("the scaler's state survives a checkpoint round trip") {
   auto b = zp::LossScaler::dynamic({.initial_scale = 1024.0f, .window = 3});
   b.load(saved);
   CHECK(b.state() == a.state());
-  for (bool o : {false, false, false, true, false, false, false, false}) CHECK(a.update(o) == b.update(o));
+  for (bool o : {false, false, false, true, false, false, false, false})
+    CHECK(a.update(o) == b.update(o));
   CHECK(b.state() == a.state());
 }
 
@@ -124,7 +134,8 @@ TEST_CASE("bf16 and fixed scales never change, but overflowing steps are still s
 
 TEST_CASE("invalid scaler settings are errors that name the value") {
   CHECK_THROWS_WITH_AS(zp::LossScaler::fixed(0.0f), doctest::Contains("got 0"), zp::Error);
-  CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.window = 0}), doctest::Contains("window"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.window = 0}), doctest::Contains("window"),
+                       zp::Error);
   CHECK_THROWS_WITH_AS(zp::LossScaler::dynamic({.initial_scale = 1.0f, .min_scale = 2.0f}),
                        doctest::Contains("min_scale"), zp::Error);
 }
@@ -134,18 +145,28 @@ TEST_CASE("every non-finite or out-of-range scaler setting is an error naming it
     const float bad = b.value;
     const std::string got = b.text;
     CAPTURE(bad);
-    zp::test::expect_invalid([&] { zp::LossScaler::fixed(bad); }, {"loss scaler: a fixed scale", got});
-    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.initial_scale = bad}); }, {"loss scaler: initial_scale", got});
-    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.min_scale = bad}); }, {"loss scaler: min_scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::fixed(bad); },
+                             {"loss scaler: a fixed scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.initial_scale = bad}); },
+                             {"loss scaler: initial_scale", got});
+    zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.min_scale = bad}); },
+                             {"loss scaler: min_scale", got});
     zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.factor = bad}); },
-                   {"loss scaler: factor must be finite and > 1", got});
+                             {"loss scaler: factor must be finite and > 1", got});
   }
-  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 1.0f}); }, {"loss scaler: factor", "got 1"});
-  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 0.5f}); }, {"loss scaler: factor", "got 0.5"});
-  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.window = -5}); }, {"loss scaler: window", "got -5"});
-  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.hysteresis = 0}); }, {"loss scaler: hysteresis", "got 0"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 1.0f}); },
+                           {"loss scaler: factor", "got 1"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.factor = 0.5f}); },
+                           {"loss scaler: factor", "got 0.5"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.window = -5}); },
+                           {"loss scaler: window", "got -5"});
+  zp::test::expect_invalid([] { zp::LossScaler::dynamic({.hysteresis = 0}); },
+                           {"loss scaler: hysteresis", "got 0"});
   // The boundaries stay valid.
-  CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = 8.0f, .window = 1, .hysteresis = 1, .min_scale = 8.0f,
+  CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = 8.0f,
+                                         .window = 1,
+                                         .hysteresis = 1,
+                                         .min_scale = 8.0f,
                                          .factor = std::nextafter(1.0f, 2.0f)}));
   CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = std::numeric_limits<float>::max()}));
   CHECK_NOTHROW(zp::LossScaler::fixed(std::numeric_limits<float>::denorm_min()));
@@ -166,22 +187,28 @@ TEST_CASE("loading a saved scaler state rejects every impossible value and keeps
     const std::string got = b.text;
     CAPTURE(bad);
     zp::test::expect_invalid([&] { load_with([&](State& st) { st.scale = bad; }); },
-                   {"loss scaler: saved scale must be positive and finite", got});
+                             {"loss scaler: saved scale must be positive and finite", got});
   }
-  zp::test::expect_invalid([&] { load_with([](State& st) { st.iter = -1; }); }, {"loss scaler: saved iter", "got -1"});
-  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped = -1; }); }, {"loss scaler: saved skipped", "got -1"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.iter = -1; }); },
+                           {"loss scaler: saved iter", "got -1"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped = -1; }); },
+                           {"loss scaler: saved skipped", "got -1"});
   zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped = 4; }); },
-                 {"saved skipped must be in [0, iter = 3]", "got 4"});
+                           {"saved skipped must be in [0, iter = 3]", "got 4"});
   zp::test::expect_invalid([&] { load_with([](State& st) { st.last_overflow = -2; }); },
-                 {"loss scaler: saved last_overflow", "got -2"});
+                           {"loss scaler: saved last_overflow", "got -2"});
   zp::test::expect_invalid([&] { load_with([](State& st) { st.last_overflow = 3; }); },
-                 {"saved last_overflow must be in [-1, iter = 3)", "got 3"});
-  zp::test::expect_invalid([&] { load_with([](State& st) { st.hysteresis = 0; }); }, {"loss scaler: saved hysteresis", "got 0"});
-  zp::test::expect_invalid([&] { load_with([](State& st) { st.iter = std::numeric_limits<std::int64_t>::min(); }); },
-                 {"saved iter", "got -9223372036854775808"});
+                           {"saved last_overflow must be in [-1, iter = 3)", "got 3"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.hysteresis = 0; }); },
+                           {"loss scaler: saved hysteresis", "got 0"});
+  zp::test::expect_invalid(
+      [&] { load_with([](State& st) { st.iter = std::numeric_limits<std::int64_t>::min(); }); },
+      {"saved iter", "got -9223372036854775808"});
   CHECK(s.state() == good);  // a rejected load changes nothing
   // The boundaries stay valid: a fresh state, and every step skipped with the last one overflowing.
-  CHECK_NOTHROW(s.load(State{.scale = 1.0f, .iter = 0, .last_overflow = -1, .hysteresis = 1, .skipped = 0}));
-  CHECK_NOTHROW(s.load(State{.scale = 2.0f, .iter = 5, .last_overflow = 4, .hysteresis = 1, .skipped = 5}));
+  CHECK_NOTHROW(
+      s.load(State{.scale = 1.0f, .iter = 0, .last_overflow = -1, .hysteresis = 1, .skipped = 0}));
+  CHECK_NOTHROW(
+      s.load(State{.scale = 2.0f, .iter = 5, .last_overflow = 4, .hysteresis = 1, .skipped = 5}));
   CHECK(s.state().skipped == 5);
 }

@@ -19,7 +19,8 @@ inline std::uint64_t mix(std::uint64_t x) {
 // Uniform in [-1, 1) from (seed, index).
 inline float hash_uniform(std::uint64_t seed, std::uint64_t i) {
   const std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull;
-  return float(double(mix(x + 0x94d049bb133111ebull - 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  return float(
+      double(mix(x + 0x94d049bb133111ebull - 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
 }
 
 // A new seed every run, or ZP_TEST_SEED's value to repeat a failing one (tests print the
@@ -34,8 +35,8 @@ inline std::uint64_t fresh_seed() {
 inline std::uint64_t run_seed(const char* program) {
   static const std::uint64_t s = [program] {
     const std::uint64_t v = fresh_seed();
-    std::printf("%s: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", program, (unsigned long long)v,
-                (unsigned long long)v);
+    std::printf("%s: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n", program,
+                (unsigned long long)v, (unsigned long long)v);
     return v;
   }();
   return s;

@@ -50,12 +50,15 @@ void put(const fs::path& p, const std::string& bytes) {
 }
 
 // Writes one file of `decl` with random bytes, adds each tensor to `manifest` with its .bin.
-std::uint64_t write_file(const fs::path& dir, const std::string& file, const std::vector<st::TensorInfo>& decl,
-                         const std::map<std::string, std::string>& meta, std::uint64_t seed, json& manifest) {
+std::uint64_t write_file(const fs::path& dir, const std::string& file,
+                         const std::vector<st::TensorInfo>& decl,
+                         const std::map<std::string, std::string>& meta, std::uint64_t seed,
+                         json& manifest) {
   st::Writer w(dir / file, decl, meta);
   for (const st::TensorInfo& t : w.tensors()) {
     std::string bytes(t.bytes(), '\0');
-    for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = char(zp::test::mix(seed ^ (t.begin + i) * 0x9e37));
+    for (std::size_t i = 0; i < bytes.size(); ++i)
+      bytes[i] = char(zp::test::mix(seed ^ (t.begin + i) * 0x9e37));
     // Every bit pattern, NaN payloads and subnormals included, must survive; except BOOL, whose
     // only valid bytes are 0 and 1 (numpy's bool would normalise anything else).
     if (t.dtype == "BOOL")
@@ -63,7 +66,8 @@ std::uint64_t write_file(const fs::path& dir, const std::string& file, const std
     w.write(std::as_bytes(std::span(bytes)));
     const std::string bin = "expected/" + t.name + ".bin";
     put(dir / bin, bytes);
-    manifest["tensors"][t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"bin", bin}, {"file", file}};
+    manifest["tensors"][t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"bin", bin}, {"file", file}};
   }
   manifest["metadata"] = meta;
   return w.commit().bytes;
@@ -73,9 +77,16 @@ int write(const fs::path& dir, std::uint64_t seed) {
   fs::create_directories(dir / "expected");
   json single = {{"tensors", json::object()}};
   write_file(dir, "single.safetensors",
-             {{"f64", "F64", {2, 3}}, {"f32", "F32", {3, 5}}, {"i64", "I64", {4}}, {"i32", "I32", {11}},
-              {"bf16", "BF16", {7}}, {"f16", "F16", {2, 2, 3}}, {"u8", "U8", {5}}, {"scalar", "F32", {}},
-              {"empty", "F32", {0, 3}}, {"flags", "BOOL", {4}}},
+             {{"f64", "F64", {2, 3}},
+              {"f32", "F32", {3, 5}},
+              {"i64", "I64", {4}},
+              {"i32", "I32", {11}},
+              {"bf16", "BF16", {7}},
+              {"f16", "F16", {2, 2, 3}},
+              {"u8", "U8", {5}},
+              {"scalar", "F32", {}},
+              {"empty", "F32", {0, 3}},
+              {"flags", "BOOL", {4}}},
              {{"format", "pt"}, {"written_by", "zp"}}, seed, single);
   put(dir / "single.json", single.dump(2));
 
@@ -101,8 +112,10 @@ int write(const fs::path& dir, std::uint64_t seed) {
   put(dir / "split.json", split.dump(2));
   // The index must read back as written.
   const st::Index index = st::read_index(dir / "model.safetensors.index.json");
-  if (index.total_size != total || index.weight_map != weight_map) throw std::runtime_error("index round trip differs");
-  std::cout << "wrote single.safetensors and a split in " << n << " files to " << dir.string() << "\n";
+  if (index.total_size != total || index.weight_map != weight_map)
+    throw std::runtime_error("index round trip differs");
+  std::cout << "wrote single.safetensors and a split in " << n << " files to " << dir.string()
+            << "\n";
   return 0;
 }
 
@@ -122,7 +135,8 @@ int engine(const fs::path& dir) {
     std::map<std::string, std::vector<std::uint64_t>> shape_of;
     for (std::size_t l = 0; l < model.layers.size(); ++l) {
       const auto& L = model.layers[l];
-      shape_of["layer" + std::to_string(l) + ".weight"] = {std::uint64_t(L.in), std::uint64_t(L.out)};
+      shape_of["layer" + std::to_string(l) + ".weight"] = {std::uint64_t(L.in),
+                                                           std::uint64_t(L.out)};
       shape_of["layer" + std::to_string(l) + ".bias"] = {std::uint64_t(L.out)};
     }
     zp::ExportOptions o;
@@ -140,7 +154,8 @@ int engine(const fs::path& dir) {
     }
   });
   // The expected bytes come from gather_params/gather_master, not from the export's own path.
-  auto describe = [&](const std::string& name, const char* dtype, const std::string& tag, const auto& values) {
+  auto describe = [&](const std::string& name, const char* dtype, const std::string& tag,
+                      const auto& values) {
     json m = {{"metadata", {{"format", "pt"}}}, {"tensors", json::object()}};
     std::size_t at = 0;
     for (const auto& [param, shape] : shapes) {
@@ -152,12 +167,14 @@ int engine(const fs::path& dir) {
       m["tensors"][param] = {{"dtype", dtype}, {"shape", shape}, {"bin", bin}};
       at += n;
     }
-    if (at != values.size()) throw std::runtime_error("engine export: the shapes do not cover the model");
+    if (at != values.size())
+      throw std::runtime_error("engine export: the shapes do not cover the model");
     put(dir / name, m.dump(2));
   };
   describe("engine.json", "BF16", "engine", params);
   describe("engine-master.json", "F32", "engine-master", master);
-  std::cout << "exported a 3-rank stage 3 engine (" << shapes.size() << " tensors) to " << dir.string() << "\n";
+  std::cout << "exported a 3-rank stage 3 engine (" << shapes.size() << " tensors) to "
+            << dir.string() << "\n";
   return 0;
 }
 
@@ -169,25 +186,32 @@ int verify(const fs::path& file, const fs::path& manifest_path) {
     std::cerr << file.string() << ": " << what << "\n";
     ++bad;
   };
-  if (r.metadata() != manifest["metadata"].get<std::map<std::string, std::string>>()) fail("metadata differs");
+  if (r.metadata() != manifest["metadata"].get<std::map<std::string, std::string>>())
+    fail("metadata differs");
   if (r.tensors().size() != manifest["tensors"].size())
-    fail("holds " + std::to_string(r.tensors().size()) + " tensors, expected " + std::to_string(manifest["tensors"].size()));
+    fail("holds " + std::to_string(r.tensors().size()) + " tensors, expected " +
+         std::to_string(manifest["tensors"].size()));
   for (const auto& [name, want] : manifest["tensors"].items()) {
     if (!r.contains(name)) {
       fail("tensor '" + name + "' is missing");
       continue;
     }
     const st::TensorInfo& t = r.at(name);
-    if (t.dtype != want["dtype"].get<std::string>()) fail("tensor '" + name + "' has dtype " + t.dtype);
+    if (t.dtype != want["dtype"].get<std::string>())
+      fail("tensor '" + name + "' has dtype " + t.dtype);
     if (t.shape != want["shape"].get<std::vector<std::uint64_t>>())
-      fail("tensor '" + name + "' has shape " + json(t.shape).dump() + ", expected " + want["shape"].dump());
-    const std::string expected = slurp(manifest_path.parent_path() / want["bin"].get<std::string>());
+      fail("tensor '" + name + "' has shape " + json(t.shape).dump() + ", expected " +
+           want["shape"].dump());
+    const std::string expected =
+        slurp(manifest_path.parent_path() / want["bin"].get<std::string>());
     std::string got(t.bytes(), '\0');
     r.read(name, 0, std::as_writable_bytes(std::span(got)));
-    if (got != expected) fail("tensor '" + name + "' differs from " + want["bin"].get<std::string>());
+    if (got != expected)
+      fail("tensor '" + name + "' differs from " + want["bin"].get<std::string>());
   }
   if (bad) return 1;
-  std::cout << "zp read " << r.tensors().size() << " tensors of " << file.string() << " bitwise as expected\n";
+  std::cout << "zp read " << r.tensors().size() << " tensors of " << file.string()
+            << " bitwise as expected\n";
   return 0;
 }
 
@@ -198,7 +222,8 @@ int main(int argc, char** argv) try {
   if (mode == "write" && argc == 4) return write(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "verify" && argc == 4) return verify(argv[2], argv[3]);
   if (mode == "engine" && argc == 3) return engine(argv[2]);
-  std::cerr << "usage: " << argv[0] << " write <dir> <seed> | engine <dir> | verify <file> <manifest.json>\n";
+  std::cerr << "usage: " << argv[0]
+            << " write <dir> <seed> | engine <dir> | verify <file> <manifest.json>\n";
   return 2;
 } catch (const std::exception& e) {
   std::cerr << "safetensors_export: " << e.what() << "\n";

@@ -28,7 +28,8 @@ struct TempDir {
   // The names in the directory (unordered).
   std::vector<std::string> entries() const {
     std::vector<std::string> r;
-    for (const auto& e : std::filesystem::directory_iterator(path)) r.push_back(e.path().filename().string());
+    for (const auto& e : std::filesystem::directory_iterator(path))
+      r.push_back(e.path().filename().string());
     return r;
   }
 };

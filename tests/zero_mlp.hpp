@@ -42,7 +42,8 @@ struct Mlp {
   int batch = 0;
   bool poison = false;  // backward writes an inf into layer 0's weight gradient
 
-  explicit Mlp(std::vector<int> widths = {inputs, 61, 67, 53, classes}, std::uint64_t seed = mlp_seed()) {
+  explicit Mlp(std::vector<int> widths = {inputs, 61, 67, 53, classes},
+               std::uint64_t seed = mlp_seed()) {
     layers.resize(widths.size() - 1);
     for (std::size_t l = 0; l + 1 < widths.size(); ++l) {
       Layer& L = layers[l];
@@ -52,7 +53,8 @@ struct Mlp {
       L.b = Param<T>(std::size_t(L.out));
       const float s = 1.0f / std::sqrt(float(L.in));
       for (std::size_t i = 0; i < L.w.size(); ++i) L.w0.push_back(T(s * hash_uniform(seed + l, i)));
-      for (std::size_t i = 0; i < L.b.size(); ++i) L.b0.push_back(T(0.1f * hash_uniform(seed + 100 + l, i)));
+      for (std::size_t i = 0; i < L.b.size(); ++i)
+        L.b0.push_back(T(0.1f * hash_uniform(seed + 100 + l, i)));
       L.w.value.rebind(L.w0.data());
       L.b.value.rebind(L.b0.data());
     }
@@ -78,7 +80,8 @@ struct Mlp {
     for (int k = 0; k < n; ++k) {
       float sum = 0;
       for (int i = 0; i < inputs; ++i) {
-        const float x = hash_uniform(mlp_seed() ^ 0x5eed, std::uint64_t(g0 + k) * inputs + std::uint64_t(i));
+        const float x =
+            hash_uniform(mlp_seed() ^ 0x5eed, std::uint64_t(g0 + k) * inputs + std::uint64_t(i));
         act[0][std::size_t(k * inputs + i)] = x;
         sum += x * float(i % 3 - 1);
       }
@@ -116,7 +119,8 @@ struct Mlp {
       total += double(std::log(se) + mx - zk[labels[std::size_t(k)]]);
       for (int c = 0; c < classes; ++c) {
         const float p = std::exp(zk[c] - mx) / se;
-        d[std::size_t(k * classes + c)] = (p - (c == labels[std::size_t(k)] ? 1.0f : 0.0f)) * scale / float(batch);
+        d[std::size_t(k * classes + c)] =
+            (p - (c == labels[std::size_t(k)] ? 1.0f : 0.0f)) * scale / float(batch);
       }
     }
     return float(total / batch);
@@ -132,7 +136,8 @@ struct Mlp {
       for (int o = 0; o < L.out; ++o) {
         const float g = dout[std::size_t(k * L.out + o)];
         gb[std::size_t(o)] += g;
-        for (int i = 0; i < L.in; ++i) gw[std::size_t(o * L.in + i)] += g * in[std::size_t(k * L.in + i)];
+        for (int i = 0; i < L.in; ++i)
+          gw[std::size_t(o * L.in + i)] += g * in[std::size_t(k * L.in + i)];
       }
     for (std::size_t i = 0; i < gw.size(); ++i) L.w.grad[i] = T(float(L.w.grad[i]) + gw[i]);
     for (std::size_t i = 0; i < gb.size(); ++i) L.b.grad[i] = T(float(L.b.grad[i]) + gb[i]);

@@ -42,7 +42,8 @@ long long to_number(const std::string& flag, const std::string& v, long long lo,
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno == ERANGE || x < lo || x > hi)
-    bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+    bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+        "], got '" + v + "'");
   return x;
 }
 
@@ -51,16 +52,19 @@ int info(zp::ckpt::Reader& rd) {
   std::size_t elements = 0;
   for (const auto& p : m.params) elements += p.size;
   std::printf("checkpoint %s\n", rd.path().c_str());
-  std::printf("  saved by %d ranks at ZeRO stage %d, %s parameters, optimizer %s %s\n", m.world_size, m.stage,
-              zp::name(m.dtype), m.optimizer.c_str(), m.hyper.dump().c_str());
+  std::printf("  saved by %d ranks at ZeRO stage %d, %s parameters, optimizer %s %s\n",
+              m.world_size, m.stage, zp::name(m.dtype), m.optimizer.c_str(),
+              m.hyper.dump().c_str());
   std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
               m.params.back().module + 1);
   for (const auto& f : m.fields) std::printf(" %s", f.c_str());
-  std::printf("\n  step %lld, loss scale %g (%lld skipped), user data %llu bytes\n", static_cast<long long>(m.step),
-              double(m.scaler.scale), static_cast<long long>(m.scaler.skipped),
+  std::printf("\n  step %lld, loss scale %g (%lld skipped), user data %llu bytes\n",
+              static_cast<long long>(m.step), double(m.scaler.scale),
+              static_cast<long long>(m.scaler.skipped),
               static_cast<unsigned long long>(m.user_bytes));
   for (const auto& f : m.files)
-    std::printf("  %s  %llu bytes  crc32c %08x\n", f.name.c_str(), static_cast<unsigned long long>(f.bytes), f.crc32c);
+    std::printf("  %s  %llu bytes  crc32c %08x\n", f.name.c_str(),
+                static_cast<unsigned long long>(f.bytes), f.crc32c);
   return 0;
 }
 
@@ -68,10 +72,14 @@ int verify(zp::ckpt::Reader& rd) {
   int bad_files = 0;
   for (int r = 0; r < int(rd.manifest().files.size()); ++r) {
     const std::string why = rd.verify_file(r);
-    if (why.empty()) std::printf("ok      %s\n", rd.file_path(r).c_str());
-    else std::printf("FAILED  %s\n", why.c_str()), ++bad_files;
+    if (why.empty())
+      std::printf("ok      %s\n", rd.file_path(r).c_str());
+    else
+      std::printf("FAILED  %s\n", why.c_str()), ++bad_files;
   }
-  if (bad_files) std::fprintf(stderr, "zp_ckpt: %d of %zu files failed verification\n", bad_files, rd.manifest().files.size());
+  if (bad_files)
+    std::fprintf(stderr, "zp_ckpt: %d of %zu files failed verification\n", bad_files,
+                 rd.manifest().files.size());
   return bad_files ? 1 : 0;
 }
 
@@ -90,13 +98,21 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) bad(a + " needs a value");
       return std::string(argv[++i]);
     };
-    if (a == "--tag") tag = value();
-    else if (a == "--out-tag") out_tag = value();
-    else if (a == "--ranks") ranks = int(to_number(a, value(), 1, zp::ckpt::max_ranks));
-    else if (a == "--master") eo.master = true;
-    else if (a == "--max-file-bytes") eo.max_file_bytes = std::uint64_t(to_number(a, value(), 1, std::numeric_limits<long long>::max()));
-    else if (a.rfind("--", 0) == 0) bad("unknown flag '" + a + "'");
-    else pos.push_back(a);
+    if (a == "--tag")
+      tag = value();
+    else if (a == "--out-tag")
+      out_tag = value();
+    else if (a == "--ranks")
+      ranks = int(to_number(a, value(), 1, zp::ckpt::max_ranks));
+    else if (a == "--master")
+      eo.master = true;
+    else if (a == "--max-file-bytes")
+      eo.max_file_bytes =
+          std::uint64_t(to_number(a, value(), 1, std::numeric_limits<long long>::max()));
+    else if (a.rfind("--", 0) == 0)
+      bad("unknown flag '" + a + "'");
+    else
+      pos.push_back(a);
   }
   try {
     if (cmd == "info" || cmd == "verify") {
@@ -118,8 +134,8 @@ int main(int argc, char** argv) {
       if (verify(rd)) return 1;
       if (out_tag.empty()) out_tag = rd.manifest().tag + "-" + std::to_string(ranks) + "ranks";
       zp::ckpt::reshard(rd, pos[0], out_tag, ranks);
-      std::printf("resharded %s for %d ranks as %s/%s (now latest)\n", rd.path().c_str(), ranks, pos[0].c_str(),
-                  out_tag.c_str());
+      std::printf("resharded %s for %d ranks as %s/%s (now latest)\n", rd.path().c_str(), ranks,
+                  pos[0].c_str(), out_tag.c_str());
       return 0;
     }
     bad("unknown command '" + cmd + "'");

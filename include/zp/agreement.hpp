@@ -62,7 +62,8 @@ std::vector<Spread> spread(Collective<B>& comm, std::span<const std::int64_t> v)
   const std::size_t n = v.size();
   std::vector<std::int64_t> w(2 * n);
   for (std::size_t i = 0; i < n; ++i) {
-    ZP_ASSERT(v[i] != INT64_MIN, "spread: value ", i, " is INT64_MIN, whose negation does not exist");
+    ZP_ASSERT(v[i] != INT64_MIN, "spread: value ", i,
+              " is INT64_MIN, whose negation does not exist");
     w[i] = v[i];
     w[n + i] = -v[i];
   }
@@ -114,7 +115,8 @@ void on_every_rank(Collective<B>& comm, F&& f) {
   if (first == comm.size()) return;
   std::int64_t head[2] = {0, 0};
   if (comm.rank() == first)
-    head[0] = std::int64_t(category), head[1] = std::int64_t(std::min<std::size_t>(msg.size(), 4096));
+    head[0] = std::int64_t(category),
+    head[1] = std::int64_t(std::min<std::size_t>(msg.size(), 4096));
   broadcast_host(comm, std::span<std::int64_t>(head), int(first));
   std::vector<std::int64_t> words((std::size_t(head[1]) + 7) / 8, 0);
   if (comm.rank() == first) std::memcpy(words.data(), msg.data(), std::size_t(head[1]));

@@ -52,18 +52,21 @@ struct GradPrecision {
   // DeepSpeed's data_types.grad_accum_dtype and communication_data_type for a model of type t
   // at a stage with `gas` micro-steps per optimizer step; unset: DeepSpeed's defaults (bf16 at
   // stage 0 accumulates in fp32, everything else in t).
-  static GradPrecision resolve(DType t, int stage, std::optional<DType> accumulate, std::optional<DType> reduce,
-                               std::int64_t gas) {
+  static GradPrecision resolve(DType t, int stage, std::optional<DType> accumulate,
+                               std::optional<DType> reduce, std::int64_t gas) {
     const DType acc = accumulate.value_or(t == DType::bf16 && stage == 0 ? DType::f32 : t);
     const DType red = reduce.value_or(t);
-    ZP_EXPECT(acc == t || acc == DType::f32, "engine: grad_accum_dtype must be f32 or the model's ", name(t),
-              ", got ", name(acc));
-    ZP_EXPECT(red == t || red == DType::f32, "engine: communication_dtype must be f32 or the model's ", name(t),
-              ", got ", name(red));
+    ZP_EXPECT(acc == t || acc == DType::f32, "engine: grad_accum_dtype must be f32 or the model's ",
+              name(t), ", got ", name(acc));
+    ZP_EXPECT(red == t || red == DType::f32,
+              "engine: communication_dtype must be f32 or the model's ", name(t), ", got ",
+              name(red));
     return {t != DType::f32 && acc == DType::f32 && gas > 1, t != DType::f32 && red == DType::f32};
   }
   // Whether a stage keeps an fp32 gradient buffer beside the T one (Partitioned's grad_f32).
-  bool f32_buffer(int stage) const noexcept { return stage < 2 ? accumulate_f32 || reduce_f32 : accumulate_f32; }
+  bool f32_buffer(int stage) const noexcept {
+    return stage < 2 ? accumulate_f32 || reduce_f32 : accumulate_f32;
+  }
   // Whether the optimizer reads the averaged gradient in fp32: reduced (stage 0/1) or
   // accumulated (stage 2/3) in fp32.
   bool f32_result(int stage) const noexcept { return stage < 2 ? reduce_f32 : accumulate_f32; }
@@ -71,7 +74,9 @@ struct GradPrecision {
 
 // The reduction of each ZeRO stage (the table at the top of this file).
 constexpr Reduction reduction_of(int stage) noexcept {
-  return stage == 0 ? Reduction::all_reduce : stage == 1 ? Reduction::scatter_in_place : Reduction::scatter_accumulate;
+  return stage == 0   ? Reduction::all_reduce
+         : stage == 1 ? Reduction::scatter_in_place
+                      : Reduction::scatter_accumulate;
 }
 
 // The state of one bucket within a micro-step.
@@ -80,8 +85,8 @@ struct GradBucket {
   enum class State : std::uint8_t { idle, filling, ready, launched };
   int segment = 0;
   State state = State::idle;
-  int slot = -1;             // scratch slot (scatter_accumulate), -1 otherwise
-  bool folded = false;       // stage 0/1 fp32 accumulation: this micro-step's T gradients added
+  int slot = -1;        // scratch slot (scatter_accumulate), -1 otherwise
+  bool folded = false;  // stage 0/1 fp32 accumulation: this micro-step's T gradients added
   Work work{};
 };
 
@@ -98,9 +103,10 @@ class GradBuckets {
   // 0/1: a full buffer when accumulating or reducing in fp32; stage 2/3: the shard accumulator
   // when accumulating in fp32). slots: scratch buckets for scatter_accumulate (at least the
   // largest number of segments in one module, plus one for overlap).
-  GradBuckets(Collective<B>& comm, const Layout& layout, Reduction reduction, std::span<T> full_grads,
-              std::span<T> shard_accumulator, std::size_t slots, GradPrecision precision = {},
-              std::span<float> full_grads_f32 = {}, std::span<float> shard_accumulator_f32 = {})
+  GradBuckets(Collective<B>& comm, const Layout& layout, Reduction reduction,
+              std::span<T> full_grads, std::span<T> shard_accumulator, std::size_t slots,
+              GradPrecision precision = {}, std::span<float> full_grads_f32 = {},
+              std::span<float> shard_accumulator_f32 = {})
       : comm_(&comm),
         layout_(&layout),
         reduction_(reduction),
@@ -123,19 +129,22 @@ class GradBuckets {
       ZP_EXPECT((precision_.accumulate_f32 ? acc32_.size() : acc_.size()) == layout.shard(),
                 "buckets: the shard accumulator does not hold ", layout.shard(), " elements");
     } else {
-      ZP_EXPECT(full_.size() == layout.total(), "buckets: the full gradient buffer has ", full_.size(),
-                " elements, the layout ", layout.total());
-      ZP_EXPECT(!(precision_.accumulate_f32 || precision_.reduce_f32) || full32_.size() == layout.total(),
-                "buckets: fp32 accumulation or reduction needs a full fp32 gradient buffer of ", layout.total(),
-                " elements");
+      ZP_EXPECT(full_.size() == layout.total(), "buckets: the full gradient buffer has ",
+                full_.size(), " elements, the layout ", layout.total());
+      ZP_EXPECT(
+          !(precision_.accumulate_f32 || precision_.reduce_f32) || full32_.size() == layout.total(),
+          "buckets: fp32 accumulation or reduction needs a full fp32 gradient buffer of ",
+          layout.total(), " elements");
     }
   }
   // The buckets of a stage's partition: its reduction, and its gradient buffers where it keeps them.
   template <int Stage>
-  GradBuckets(Collective<B>& comm, const Partitioned<T, Stage, S>& part, std::size_t slots, GradPrecision precision)
-      : GradBuckets(comm, part.layout(), reduction_of(Stage), whole_or_none<Field::grad>(part, true),
-                    whole_or_none<Field::grad>(part, false), slots, precision,
-                    whole_or_none<Field::grad_f32>(part, true), whole_or_none<Field::grad_f32>(part, false)) {}
+  GradBuckets(Collective<B>& comm, const Partitioned<T, Stage, S>& part, std::size_t slots,
+              GradPrecision precision)
+      : GradBuckets(comm, part.layout(), reduction_of(Stage),
+                    whole_or_none<Field::grad>(part, true), whole_or_none<Field::grad>(part, false),
+                    slots, precision, whole_or_none<Field::grad_f32>(part, true),
+                    whole_or_none<Field::grad_f32>(part, false)) {}
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
   // Completes every reduction still in flight before the scratch slots (and the gradient memory
@@ -160,7 +169,8 @@ class GradBuckets {
   // Whether this micro-step reduces (stage 0/1: only at the accumulation boundary), and whether
   // it is the first of its accumulation window (scatter_accumulate copies instead of adding).
   void begin_micro_step(bool sync, bool first_in_window) {
-    ZP_ASSERT(inflight_.empty() && next_ == 0, "buckets: a micro-step began before the last one finished");
+    ZP_ASSERT(inflight_.empty() && next_ == 0,
+              "buckets: a micro-step began before the last one finished");
     sync_ = sync || reduction_ == Reduction::scatter_accumulate;
     first_ = first_in_window;
   }
@@ -182,8 +192,9 @@ class GradBuckets {
       b.state = Bucket::State::filling;
       Memory<S>::zero(slot_span(b));
     }
-    ZP_EXPECT(b.state == Bucket::State::filling, "buckets: segment ", s,
-              " was already reduced in this micro-step; each module's backward runs once per micro-step");
+    ZP_EXPECT(
+        b.state == Bucket::State::filling, "buckets: segment ", s,
+        " was already reduced in this micro-step; each module's backward runs once per micro-step");
     return slot_span(b);
   }
 
@@ -195,7 +206,8 @@ class GradBuckets {
               " was written after its reduction started in this micro-step; each module's backward "
               "runs once per micro-step");
     if (reduction_ == Reduction::scatter_accumulate)
-      ZP_ASSERT(b.state == Bucket::State::filling, "buckets: segment ", s, " marked ready without memory");
+      ZP_ASSERT(b.state == Bucket::State::filling, "buckets: segment ", s,
+                " marked ready without memory");
     b.state = Bucket::State::ready;
     fold(b);
     if (sync_) launch_ready();
@@ -211,7 +223,8 @@ class GradBuckets {
     for (std::size_t s = next_; s < buckets_.size(); ++s) {
       Bucket& b = buckets_[s];
       if (b.state == Bucket::State::launched) continue;
-      if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate) acquire(int(s));
+      if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate)
+        acquire(int(s));
       b.state = Bucket::State::ready;
       fold(b);
       launch_ready();  // one at a time, so scratch slots recycle
@@ -265,7 +278,8 @@ class GradBuckets {
   // Stage 0/1 with fp32 accumulation: adds this micro-step's T gradients of bucket b into the
   // fp32 buffer and zeroes them (the model adds into them again next micro-step).
   void fold(Bucket& b) {
-    if (!precision_.accumulate_f32 || reduction_ == Reduction::scatter_accumulate || b.folded) return;
+    if (!precision_.accumulate_f32 || reduction_ == Reduction::scatter_accumulate || b.folded)
+      return;
     const auto w = segment_span(b.segment);
     Memory<S>::accumulate(segment32_span(b.segment), std::span<const T>(w));
     Memory<S>::zero(w);
@@ -276,10 +290,12 @@ class GradBuckets {
   template <class F>
   Work launch_full(int s, F&& reduce) {
     if (precision_.reduce_f32) {
-      if (!precision_.accumulate_f32) Memory<S>::convert(segment32_span(s), std::span<const T>(segment_span(s)));
+      if (!precision_.accumulate_f32)
+        Memory<S>::convert(segment32_span(s), std::span<const T>(segment_span(s)));
       return reduce(segment32_span(s));
     }
-    if (precision_.accumulate_f32) Memory<S>::convert(segment_span(s), std::span<const float>(segment32_span(s)));
+    if (precision_.accumulate_f32)
+      Memory<S>::convert(segment_span(s), std::span<const float>(segment32_span(s)));
     return reduce(segment_span(s));
   }
 
@@ -291,10 +307,12 @@ class GradBuckets {
       const int s = int(next_);
       switch (reduction_) {
         case Reduction::all_reduce:
-          b.work = launch_full(s, [&](auto seg) { return comm_->all_reduce_async(seg, ReduceOp::avg); });
+          b.work =
+              launch_full(s, [&](auto seg) { return comm_->all_reduce_async(seg, ReduceOp::avg); });
           break;
         case Reduction::scatter_in_place:
-          b.work = launch_full(s, [&](auto seg) { return comm_->reduce_scatter_async(seg, ReduceOp::avg); });
+          b.work = launch_full(
+              s, [&](auto seg) { return comm_->reduce_scatter_async(seg, ReduceOp::avg); });
           break;
         case Reduction::scatter_accumulate:
           if (precision_.reduce_f32) {
@@ -323,12 +341,16 @@ class GradBuckets {
     const auto dst32 = acc32_.subspan(g.shard_offset, g.piece);
     if (precision_.reduce_f32) {
       const auto mine = slot32_span(b).subspan(at, g.piece);
-      if (precision_.accumulate_f32) fold_piece(dst32, mine);
-      else fold_piece(dst, mine);
+      if (precision_.accumulate_f32)
+        fold_piece(dst32, mine);
+      else
+        fold_piece(dst, mine);
     } else {
       const auto mine = slot_span(b).subspan(at, g.piece);
-      if (precision_.accumulate_f32) fold_piece(dst32, mine);
-      else fold_piece(dst, mine);
+      if (precision_.accumulate_f32)
+        fold_piece(dst32, mine);
+      else
+        fold_piece(dst, mine);
     }
     free_.push_back(b.slot);
     b.slot = -1;
@@ -338,9 +360,12 @@ class GradBuckets {
   // Copies (first micro-step of a window) or adds this rank's reduced piece into the accumulator.
   template <class To, class From>
   void fold_piece(std::span<To> dst, std::span<From> mine) {
-    if (!first_) Memory<S>::accumulate(dst, std::span<const From>(mine));
-    else if constexpr (std::is_same_v<To, From>) Memory<S>::copy(dst, std::span<const From>(mine));
-    else Memory<S>::convert(dst, std::span<const From>(mine));
+    if (!first_)
+      Memory<S>::accumulate(dst, std::span<const From>(mine));
+    else if constexpr (std::is_same_v<To, From>)
+      Memory<S>::copy(dst, std::span<const From>(mine));
+    else
+      Memory<S>::convert(dst, std::span<const From>(mine));
   }
 
   Collective<B>* comm_;
@@ -356,7 +381,8 @@ class GradBuckets {
   std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
   std::size_t next_ = 0;      // the next bucket to launch
   bool sync_ = true, first_ = true;
-  std::chrono::steady_clock::time_point first_launch_ = std::chrono::steady_clock::time_point::max();
+  std::chrono::steady_clock::time_point first_launch_ =
+      std::chrono::steady_clock::time_point::max();
 };
 
 }  // namespace zp

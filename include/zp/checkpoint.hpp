@@ -45,7 +45,8 @@ namespace ckpt {
 // apart yet.
 template <class E>
 void expect_data_parallel(E& engine, const char* what) {
-  ZP_EXPECT(engine.model_parallel() == nullptr, what, ": the engine spans a tensor/pipeline-parallel grid (",
+  ZP_EXPECT(engine.model_parallel() == nullptr, what,
+            ": the engine spans a tensor/pipeline-parallel grid (",
             engine.model_parallel() ? engine.model_parallel()->size() : 1,
             " model-parallel ranks); checkpoints support data parallelism only for now");
 }
@@ -54,9 +55,12 @@ void expect_data_parallel(E& engine, const char* what) {
 // 1: the master weights, 2 + k: optimizer state k) of segment s.
 template <class P, class Fn>
 void with_field(const P& part, std::size_t f, int s, Extent e, Fn&& fn) {
-  if (f == 0) fn(part.template owned<Field::param>(s, e), part.on_host(Field::param));
-  else if (f == 1) fn(part.template owned<Field::master>(s, e), part.on_host(Field::master));
-  else fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
+  if (f == 0)
+    fn(part.template owned<Field::param>(s, e), part.on_host(Field::param));
+  else if (f == 1)
+    fn(part.template owned<Field::master>(s, e), part.on_host(Field::master));
+  else
+    fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
 }
 
 // Verifies every file of the checkpoint (size and CRC-32C), each rank a share; a failure is an
@@ -72,9 +76,10 @@ void verify_everywhere(Collective<B>& comm, const Reader& rd) {
     for (std::size_t i = 0; i < F; ++i)
       if (bad[i]) {
         const std::string why = rd.verify_file(int(i));  // the checking rank's result, re-derived
-        throw Error(Errc::io, why.empty() ? detail::cat("checkpoint file ", rd.file_path(int(i)).string(),
-                                                        " failed verification on another rank")
-                                          : why);
+        throw Error(Errc::io, why.empty()
+                                  ? detail::cat("checkpoint file ", rd.file_path(int(i)).string(),
+                                                " failed verification on another rank")
+                                  : why);
       }
   });
 }
@@ -91,7 +96,8 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
   m.layout = engine.layout().options();
   for (const auto& p : engine.layout().params()) m.params.push_back({p.name, p.module, p.size});
   m.fields = {"param", "master"};
-  for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k) m.fields.push_back(optim::state_name(opt, k));
+  for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k)
+    m.fields.push_back(optim::state_name(opt, k));
   m.optimizer = optim::detail::type_name(opt);
   optim::detail::for_each_field(opt, [&](const char* key, auto x) { m.hyper[key] = x; });
   const auto prog = engine.progress();
@@ -125,8 +131,8 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
 
   // Every rank must save under the same tag (DeepSpeed's tag_validation "Fail", always on).
   ZP_EXPECT(same_on_every_rank(comm, detail::Fnv1a().all(std::string_view(tag)).value()),
-            "checkpoint: the ranks passed different tags to save_checkpoint() (rank ", comm.rank(), ": '",
-            detail::text_excerpt(tag), "'); every rank must save under the same tag");
+            "checkpoint: the ranks passed different tags to save_checkpoint() (rank ", comm.rank(),
+            ": '", detail::text_excerpt(tag), "'); every rank must save under the same tag");
   ckpt::check_tag(tag);
 
   // Rank 0 locks the directory and prepares an empty staging directory.
@@ -139,8 +145,8 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   // a host copy of the piece being written, field by field and segment by segment).
   safetensors::Summary mine{};
   std::vector<std::byte> copy;
-  std::span<const std::byte> viewed;                        // the current piece in host memory
-  std::size_t first = 0;                                     // its first element's full-layout index
+  std::span<const std::byte> viewed;  // the current piece in host memory
+  std::size_t first = 0;              // its first element's full-layout index
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
   on_every_rank(comm, [&] {
     mine = ckpt::write_rank_file(
@@ -165,7 +171,8 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   sums[2 * std::size_t(r) + 1] = std::int64_t(mine.crc32c);
   all_reduce_host(comm, std::span<std::int64_t>(sums), ReduceOp::sum);
   for (int i = 0; i < m.world_size; ++i)
-    m.files.push_back({ckpt::rank_file_name(i, m.world_size), std::uint64_t(sums[2 * std::size_t(i)]),
+    m.files.push_back({ckpt::rank_file_name(i, m.world_size),
+                       std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
   on_every_rank(comm, [&] {
     if (r == 0) pub->publish(m);
@@ -199,10 +206,12 @@ inline std::vector<std::size_t> match_params(const Layout& L, const Reader& rd) 
   std::vector<std::size_t> idx;
   for (const auto& p : L.params()) {
     const int i = rd.find(p.name);
-    ZP_EXPECT(i >= 0, "checkpoint ", where, " has no parameter '", p.name, "' (the model has it, with ", p.size,
-              " elements; the checkpoint has ", m.params.size(), " parameters)");
-    ZP_EXPECT(m.params[std::size_t(i)].size == p.size, "checkpoint ", where, ": parameter '", p.name, "' has ",
-              m.params[std::size_t(i)].size, " elements in the checkpoint but ", p.size, " in the model");
+    ZP_EXPECT(i >= 0, "checkpoint ", where, " has no parameter '", p.name,
+              "' (the model has it, with ", p.size, " elements; the checkpoint has ",
+              m.params.size(), " parameters)");
+    ZP_EXPECT(m.params[std::size_t(i)].size == p.size, "checkpoint ", where, ": parameter '",
+              p.name, "' has ", m.params[std::size_t(i)].size, " elements in the checkpoint but ",
+              p.size, " in the model");
     idx.push_back(std::size_t(i));
   }
   if (m.params.size() != L.params().size())
@@ -218,19 +227,23 @@ inline std::vector<std::size_t> match_params(const Layout& L, const Reader& rd) 
 // Sets an optimizer's fields from a checkpoint's, by name.
 template <class O>
 void load_hyper(O& o, const Manifest& m, const std::string& where) {
-  ZP_EXPECT(m.optimizer == optim::detail::type_name(o), "checkpoint ", where, " was saved with optimizer ",
-            m.optimizer, ", the engine uses ", optim::detail::type_name(o));
+  ZP_EXPECT(m.optimizer == optim::detail::type_name(o), "checkpoint ", where,
+            " was saved with optimizer ", m.optimizer, ", the engine uses ",
+            optim::detail::type_name(o));
   optim::detail::for_each_field(o, [&](const char* key, auto& x) {
     const auto it = m.hyper.find(key);
     ZP_EXPECT(it != m.hyper.end(), "checkpoint ", where, ": optimizer.params has no '", key, "'");
     using V = std::remove_reference_t<decltype(x)>;
     if constexpr (std::is_same_v<V, bool>)
-      ZP_EXPECT(it->is_boolean(), "checkpoint ", where, ": optimizer.params.", key, " must be a boolean");
+      ZP_EXPECT(it->is_boolean(), "checkpoint ", where, ": optimizer.params.", key,
+                " must be a boolean");
     else  // the saved value is a float widened to double: it must narrow back without overflow
-      ZP_EXPECT(it->is_number() && std::fabs(it->template get<double>()) <= double(std::numeric_limits<V>::max()) &&
-                    (it->template get<double>() == 0 || V(it->template get<double>()) != 0),
-                "checkpoint ", where, ": optimizer.params.", key, " must be a number that a ", sizeof(V) * 8,
-                "-bit float holds, got ", detail::json_excerpt(*it));
+      ZP_EXPECT(
+          it->is_number() &&
+              std::fabs(it->template get<double>()) <= double(std::numeric_limits<V>::max()) &&
+              (it->template get<double>() == 0 || V(it->template get<double>()) != 0),
+          "checkpoint ", where, ": optimizer.params.", key, " must be a number that a ",
+          sizeof(V) * 8, "-bit float holds, got ", detail::json_excerpt(*it));
     x = it->template get<V>();
   });
   optim::validate(o);
@@ -245,7 +258,8 @@ void load_hyper(O& o, const Manifest& m, const std::string& where) {
 // checkpoint and the model (parameter names or sizes, element type, optimizer) is an error
 // naming both values, and leaves the engine's state as it was.
 template <class E>
-std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& dir, std::string tag = "latest") {
+std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& dir,
+                                       std::string tag = "latest") {
   using T = typename E::value_type;
   using Opt = typename E::optimizer_type;
   auto& comm = engine.comm();
@@ -263,20 +277,22 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
               " parameters, the engine's are ", name(dtype_of<T>));
     ZP_EXPECT(m.micro_step == 0, "checkpoint ", where, " was saved inside an accumulation window");
     ZP_EXPECT(m.scaler_kind == int(engine.loss_scaler().kind()), "checkpoint ", where,
-              " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ", int(engine.loss_scaler().kind()),
-              " (0 none, 1 fixed, 2 dynamic)");
+              " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ",
+              int(engine.loss_scaler().kind()), " (0 none, 1 fixed, 2 dynamic)");
     ckpt::load_hyper(opt, m, where);
-    ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where, " has ",
-              m.fields.size() - 2, " optimizer state arrays, ", optim::detail::type_name(opt), " needs ",
-              optim::state_slots<Opt>);
+    ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where,
+              " has ", m.fields.size() - 2, " optimizer state arrays, ",
+              optim::detail::type_name(opt), " needs ", optim::state_slots<Opt>);
     idx = ckpt::match_params(L, *rd);
   });
   // Every rank must read the same checkpoint: a `latest` local to each node, or tags passed
   // differently per rank, would leave the replicas different without any error.
   const std::string tag_read = rd->path().filename().string();
-  ZP_EXPECT(same_on_every_rank(comm, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
-            "checkpoint: the ranks are loading different checkpoints (rank ", comm.rank(), ": ", rd->path().string(),
-            ", step ", rd->manifest().step, "); every rank must load the same tag of the same directory (is `latest` "
+  ZP_EXPECT(same_on_every_rank(
+                comm, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
+            "checkpoint: the ranks are loading different checkpoints (rank ", comm.rank(), ": ",
+            rd->path().string(), ", step ", rd->manifest().step,
+            "); every rank must load the same tag of the same directory (is `latest` "
             "local to each node?)");
 
   ckpt::verify_everywhere(comm, *rd);
@@ -290,9 +306,10 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
       for (std::size_t f = 0; f < m.fields.size(); ++f)
         ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
           fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
-            ckpt::fill_range<U>(L, dst.offset, h, [&](std::size_t p, std::size_t at, std::span<U> out) {
-              rd->template read<U>(f, idx[p], at, out);
-            });
+            ckpt::fill_range<U>(L, dst.offset, h,
+                                [&](std::size_t p, std::size_t at, std::span<U> out) {
+                                  rd->template read<U>(f, idx[p], at, out);
+                                });
           });
         });
     user = rd->user_blob();
@@ -342,8 +359,10 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       err = std::current_exception();
     }
   };
-  if (master) for_each_whole_segment<Field::master>(comm, part, 0, emit);
-  else for_each_whole_segment<Field::param>(comm, part, 0, emit);
+  if (master)
+    for_each_whole_segment<Field::master>(comm, part, 0, emit);
+  else
+    for_each_whole_segment<Field::param>(comm, part, 0, emit);
   on_every_rank(comm, [&] {
     if (err) std::rethrow_exception(err);
     if (out) out->finish();
@@ -368,21 +387,24 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
     std::vector<std::pair<safetensors::Reader*, const safetensors::TensorInfo*>> src;
     for (const auto& p : L.params()) {
       const auto it = files.find(p.name);
-      ZP_EXPECT(it != files.end(), "load_safetensors: ", path.string(), " has no tensor '", p.name, "'");
+      ZP_EXPECT(it != files.end(), "load_safetensors: ", path.string(), " has no tensor '", p.name,
+                "'");
       auto r = open.find(it->second);
       if (r == open.end()) r = open.emplace(it->second, safetensors::Reader(it->second)).first;
       const auto& t = r->second.at(p.name);
-      ZP_EXPECT(t.elements() == p.size, "load_safetensors: tensor '", p.name, "' in ", it->second.string(), " has ",
-                t.elements(), " elements, the model's parameter ", p.size);
-      ZP_EXPECT(t.dtype == "F32" || t.dtype == safetensors::dtype_name(dtype_of<T>), "load_safetensors: tensor '",
-                p.name, "' in ", it->second.string(), " is ", t.dtype, "; expected F32 or ",
-                safetensors::dtype_name(dtype_of<T>));
+      ZP_EXPECT(t.elements() == p.size, "load_safetensors: tensor '", p.name, "' in ",
+                it->second.string(), " has ", t.elements(), " elements, the model's parameter ",
+                p.size);
+      ZP_EXPECT(t.dtype == "F32" || t.dtype == safetensors::dtype_name(dtype_of<T>),
+                "load_safetensors: tensor '", p.name, "' in ", it->second.string(), " is ", t.dtype,
+                "; expected F32 or ", safetensors::dtype_name(dtype_of<T>));
       src.emplace_back(&r->second, &t);
     }
     // Reads elements of parameter p as U, converting from the stored type.
     auto read = [&]<class U>(std::size_t p, std::size_t first, std::span<U> out) {
       auto& [file, t] = src[p];
-      if (t->dtype == safetensors::dtype_name(dtype_of<U>)) return file->read_elements(t->name, first, out);
+      if (t->dtype == safetensors::dtype_name(dtype_of<U>))
+        return file->read_elements(t->name, first, out);
       if constexpr (std::is_same_v<U, float>) {
         std::vector<T> tmp(out.size());
         file->read_elements(t->name, first, std::span<T>(tmp));
@@ -396,7 +418,8 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
     for (int s = 0; s < L.segment_count(); ++s)
       for (std::size_t f : {0, 1})  // the parameters and the master weights
         ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
-          fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) { ckpt::fill_range<U>(L, dst.offset, h, read); });
+          fill_via_host<E::memory_space>(
+              dst.span, host, [&](std::span<U> h) { ckpt::fill_range<U>(L, dst.offset, h, read); });
         });
   });
   engine.restore(engine.progress());  // stage 3: drop gathered copies of the old values

@@ -83,9 +83,9 @@ struct Manifest {
   int stage = 0;
   DType dtype = DType::f32;
   LayoutOptions layout;
-  std::vector<ParamInfo> params;       // forward order, as the model visits them
-  std::vector<std::string> fields;     // "param", "master", then the optimizer state names
-  std::string optimizer;               // type name, e.g. "AdamW"
+  std::vector<ParamInfo> params;    // forward order, as the model visits them
+  std::vector<std::string> fields;  // "param", "master", then the optimizer state names
+  std::string optimizer;            // type name, e.g. "AdamW"
   nlohmann::json hyper = nlohmann::json::object();  // its fields by name
   std::int64_t step = 0, micro_step = 0;
   int scaler_kind = 0;
@@ -96,7 +96,7 @@ struct Manifest {
     std::uint64_t bytes = 0;
     std::uint32_t crc32c = 0;
   };
-  std::vector<File> files;             // one per rank, rank order
+  std::vector<File> files;  // one per rank, rank order
   std::uint64_t user_bytes = 0;
 
   Layout make_layout() const { return Layout(params, world_size, layout); }
@@ -113,10 +113,12 @@ inline nlohmann::json to_json(const Manifest& m) {
   j["world_size"] = m.world_size;
   j["stage"] = m.stage;
   j["dtype"] = name(m.dtype);
-  j["layout"] = {{"bucket_elems", m.layout.bucket_elems}, {"first_bucket_elems", m.layout.first_bucket_elems},
+  j["layout"] = {{"bucket_elems", m.layout.bucket_elems},
+                 {"first_bucket_elems", m.layout.first_bucket_elems},
                  {"align", m.layout.align}};
   json ps = json::array();
-  for (const auto& p : m.params) ps.push_back({{"name", p.name}, {"module", p.module}, {"size", p.size}});
+  for (const auto& p : m.params)
+    ps.push_back({{"name", p.name}, {"module", p.module}, {"size", p.size}});
   j["params"] = std::move(ps);
   j["fields"] = m.fields;
   j["optimizer"] = {{"type", m.optimizer}, {"params", m.hyper}};
@@ -133,7 +135,8 @@ inline nlohmann::json to_json(const Manifest& m) {
                 {"micro_batch_per_rank", m.batch.micro_batch_per_rank},
                 {"gradient_accumulation_steps", m.batch.gradient_accumulation_steps}};
   json fs = json::array();
-  for (const auto& f : m.files) fs.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+  for (const auto& f : m.files)
+    fs.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
   j["files"] = std::move(fs);
   j["user_bytes"] = m.user_bytes;
   return j;
@@ -144,19 +147,22 @@ inline nlohmann::json to_json(const Manifest& m) {
 // names), not "latest". Applies to saved tags, loaded tags and what `latest` holds.
 inline void check_tag(std::string_view tag, std::string_view where = "tag") {
   auto ok_char = [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
-           c == '-' || c == '+';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-' || c == '+';
   };
   std::string bad;
   for (char c : tag)
     if (!ok_char(c) && bad.empty())
-      bad = c >= 0x20 && c < 0x7f ? detail::cat(" (it contains '", c, "')")
-                                  : detail::cat(" (it contains the byte 0x", "0123456789abcdef"[(c >> 4) & 15],
-                                                "0123456789abcdef"[c & 15], ")");
-  ZP_EXPECT(!tag.empty() && tag.size() <= 200 && tag.front() != '.' && tag != "latest" && bad.empty(), "checkpoint: ",
-            where, " '", detail::text_excerpt(tag), "'", bad,
-            " is not a checkpoint tag: expected 1 to 200 of the characters A-Z a-z 0-9 . _ - +, not starting with "
-            "'.', and not 'latest'");
+      bad = c >= 0x20 && c < 0x7f
+                ? detail::cat(" (it contains '", c, "')")
+                : detail::cat(" (it contains the byte 0x", "0123456789abcdef"[(c >> 4) & 15],
+                              "0123456789abcdef"[c & 15], ")");
+  ZP_EXPECT(
+      !tag.empty() && tag.size() <= 200 && tag.front() != '.' && tag != "latest" && bad.empty(),
+      "checkpoint: ", where, " '", detail::text_excerpt(tag), "'", bad,
+      " is not a checkpoint tag: expected 1 to 200 of the characters A-Z a-z 0-9 . _ - +, not "
+      "starting with "
+      "'.', and not 'latest'");
 }
 
 // The largest values a manifest may hold: beyond any real run, small enough that no arithmetic
@@ -179,7 +185,9 @@ inline constexpr std::int64_t int_max = std::numeric_limits<int>::max();
 inline constexpr std::int64_t i64_max = std::numeric_limits<std::int64_t>::max();
 
 // A required integer in [lo, hi] ("expected an integer in [lo, hi]"), a required string.
-constexpr Spec whole(std::int64_t lo, std::int64_t hi = i64_max) { return integer(0, lo, hi, {}).require("missing"); }
+constexpr Spec whole(std::int64_t lo, std::int64_t hi = i64_max) {
+  return integer(0, lo, hi, {}).require("missing");
+}
 constexpr Spec str() { return text("a string").require("missing"); }
 
 // format and version, read before anything else: another format or version is named as such.
@@ -190,35 +198,50 @@ struct Header {
 inline constexpr Choice formats[] = {{format_name, 1}};
 using HeaderKey = Key<Header>;
 inline constexpr HeaderKey header_keys[] = {
-    HeaderKey::read("format", choice(formats, "\"zp-checkpoint\" (a zp checkpoint manifest)", 0).require("missing"),
-                    [](auto& h) -> auto& { return h.format; }),
-    HeaderKey::read("version", whole(1), [](auto& h) -> auto& { return h.version; })};
+    HeaderKey::read(
+        "format",
+        choice(formats, "\"zp-checkpoint\" (a zp checkpoint manifest)", 0).require("missing"),
+        [](auto& h) -> auto& { return h.format; }),
+    HeaderKey::read(
+        "version", whole(1), [](auto& h) -> auto& { return h.version; })};
 
 using ParamKey = Key<ParamInfo>;
 inline constexpr ParamKey param_keys[] = {
-    ParamKey::read("name", str(), [](auto& p) -> auto& { return p.name; }),
-    ParamKey::read("module", whole(0, int_max), [](auto& p) -> auto& { return p.module; }),
-    ParamKey::read("size", whole(1, max_elements), [](auto& p) -> auto& { return p.size; })};
+    ParamKey::read(
+        "name", str(), [](auto& p) -> auto& { return p.name; }),
+    ParamKey::read(
+        "module", whole(0, int_max), [](auto& p) -> auto& { return p.module; }),
+    ParamKey::read(
+        "size", whole(1, max_elements), [](auto& p) -> auto& { return p.size; })};
 
 using FileKey = Key<Manifest::File>;
 inline constexpr FileKey file_keys[] = {
-    FileKey::read("name", str(), [](auto& f) -> auto& { return f.name; }),
-    FileKey::read("bytes", whole(8, std::int64_t(1) << 56), [](auto& f) -> auto& { return f.bytes; }),
-    FileKey::read("crc32c", whole(0, 0xffffffffLL), [](auto& f) -> auto& { return f.crc32c; })};
+    FileKey::read(
+        "name", str(), [](auto& f) -> auto& { return f.name; }),
+    FileKey::read(
+        "bytes", whole(8, std::int64_t(1) << 56), [](auto& f) -> auto& { return f.bytes; }),
+    FileKey::read(
+        "crc32c", whole(0, 0xffffffffLL), [](auto& f) -> auto& { return f.crc32c; })};
 
 using LayoutKey = Key<LayoutOptions>;
 inline constexpr LayoutKey layout_keys[] = {
-    LayoutKey::read("bucket_elems", whole(1, max_elements), [](auto& o) -> auto& { return o.bucket_elems; }),
-    LayoutKey::read("first_bucket_elems", whole(1, max_elements),
-                    [](auto& o) -> auto& { return o.first_bucket_elems; }),
-    LayoutKey::read("align", whole(1, std::int64_t(1) << 20), [](auto& o) -> auto& { return o.align; })};
+    LayoutKey::read(
+        "bucket_elems", whole(1, max_elements), [](auto& o) -> auto& { return o.bucket_elems; }),
+    LayoutKey::read(
+        "first_bucket_elems", whole(1, max_elements),
+        [](auto& o) -> auto& { return o.first_bucket_elems; }),
+    LayoutKey::read(
+        "align", whole(1, std::int64_t(1) << 20), [](auto& o) -> auto& { return o.align; })};
 
 using BatchKey = Key<BatchConfig>;
 inline constexpr BatchKey batch_keys[] = {
-    BatchKey::read("train_batch_size", whole(0), [](auto& b) -> auto& { return b.train_batch_size; }),
-    BatchKey::read("micro_batch_per_rank", whole(0), [](auto& b) -> auto& { return b.micro_batch_per_rank; }),
-    BatchKey::read("gradient_accumulation_steps", whole(0),
-                   [](auto& b) -> auto& { return b.gradient_accumulation_steps; })};
+    BatchKey::read(
+        "train_batch_size", whole(0), [](auto& b) -> auto& { return b.train_batch_size; }),
+    BatchKey::read(
+        "micro_batch_per_rank", whole(0), [](auto& b) -> auto& { return b.micro_batch_per_rank; }),
+    BatchKey::read(
+        "gradient_accumulation_steps", whole(0),
+        [](auto& b) -> auto& { return b.gradient_accumulation_steps; })};
 
 // The tag: a string that check_tag accepts.
 inline void read_tag(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
@@ -236,7 +259,8 @@ inline void read_params(const Ctx& c, const json& v, const std::string& path, Ma
     const std::string at = detail::cat(path, "[", i, "]");
     ParamInfo p;
     read_object(c, v[i], at, param_keys, p);
-    if (std::size_t(p.module) > i) c.fail(join(at, "module"), "expected an integer in [0, ", i, "], got ", p.module);
+    if (std::size_t(p.module) > i)
+      c.fail(join(at, "module"), "expected an integer in [0, ", i, "], got ", p.module);
     if (!names.insert(p.name).second)
       c.fail(join(at, "name"), "the parameter ", detail::text_excerpt(p.name), " appears twice");
     elements += std::int64_t(p.size);
@@ -256,11 +280,13 @@ inline void read_fields(const Ctx& c, const json& v, const std::string& path, Ma
     if (!f.is_string() || f.get_ref<const std::string&>().empty() ||
         f.get_ref<const std::string&>().find('/') != std::string::npos)
       c.fail(path, "expected non-empty names without '/', got ", show(f));
-    if (std::find(m.fields.begin(), m.fields.end(), f.get_ref<const std::string&>()) != m.fields.end())
+    if (std::find(m.fields.begin(), m.fields.end(), f.get_ref<const std::string&>()) !=
+        m.fields.end())
       c.fail(path, "the name ", show(f), " appears twice");
     m.fields.push_back(f.get<std::string>());
   }
-  if (m.fields[0] != "param" || m.fields[1] != "master") c.fail(path, "expected [\"param\", \"master\", ...]");
+  if (m.fields[0] != "param" || m.fields[1] != "master")
+    c.fail(path, "expected [\"param\", \"master\", ...]");
 }
 
 // The optimizer's hyper-parameters by name: an object (the engine's load reads its keys).
@@ -280,7 +306,8 @@ inline void read_files(const Ctx& c, const json& v, const std::string& path, Man
     Manifest::File f;
     read_object(c, v[i], at, file_keys, f);
     const std::string expected = rank_file_name(int(i), m.world_size);
-    if (f.name != expected) c.fail(join(at, "name"), "expected ", expected, ", got ", detail::text_excerpt(f.name));
+    if (f.name != expected)
+      c.fail(join(at, "name"), "expected ", expected, ", got ", detail::text_excerpt(f.name));
     m.files.push_back(std::move(f));
   }
 }
@@ -304,38 +331,55 @@ inline Ctx context(const std::string& source) {
 using ManifestKey = Key<Manifest>;
 constexpr auto whole_manifest = [](Manifest& m) -> Manifest& { return m; };
 inline constexpr ManifestKey optimizer_keys[] = {
-    ManifestKey::read("type", str(), [](auto& m) -> auto& { return m.optimizer; }),
+    ManifestKey::read(
+        "type", str(), [](auto& m) -> auto& { return m.optimizer; }),
     ManifestKey::custom("params", read_hyper).require("missing")};
 inline constexpr ManifestKey loss_scaler_keys[] = {
-    ManifestKey::read("kind", whole(0, 2), [](auto& m) -> auto& { return m.scaler_kind; }),
-    ManifestKey::read("scale", real_f32(1, Real::positive).require("missing"),
-                      [](auto& m) -> auto& { return m.scaler.scale; }),
-    ManifestKey::read("iter", whole(0), [](auto& m) -> auto& { return m.scaler.iter; }),
-    ManifestKey::read("last_overflow", whole(-1), [](auto& m) -> auto& { return m.scaler.last_overflow; }),
-    ManifestKey::read("hysteresis", whole(1, int_max), [](auto& m) -> auto& { return m.scaler.hysteresis; }),
-    ManifestKey::read("skipped", whole(0), [](auto& m) -> auto& { return m.scaler.skipped; })};
+    ManifestKey::read(
+        "kind", whole(0, 2), [](auto& m) -> auto& { return m.scaler_kind; }),
+    ManifestKey::read(
+        "scale", real_f32(1, Real::positive).require("missing"),
+        [](auto& m) -> auto& { return m.scaler.scale; }),
+    ManifestKey::read(
+        "iter", whole(0), [](auto& m) -> auto& { return m.scaler.iter; }),
+    ManifestKey::read(
+        "last_overflow", whole(-1), [](auto& m) -> auto& { return m.scaler.last_overflow; }),
+    ManifestKey::read(
+        "hysteresis", whole(1, int_max), [](auto& m) -> auto& { return m.scaler.hysteresis; }),
+    ManifestKey::read(
+        "skipped", whole(0), [](auto& m) -> auto& { return m.scaler.skipped; })};
 inline constexpr ManifestKey progress_keys[] = {
-    ManifestKey::read("step", whole(0), [](auto& m) -> auto& { return m.step; }),
-    ManifestKey::read("micro_step", whole(0), [](auto& m) -> auto& { return m.micro_step; }),
+    ManifestKey::read(
+        "step", whole(0), [](auto& m) -> auto& { return m.step; }),
+    ManifestKey::read(
+        "micro_step", whole(0), [](auto& m) -> auto& { return m.micro_step; }),
     ManifestKey::object<loss_scaler_keys>("loss_scaler", whole_manifest).require("missing")};
 
-inline constexpr Choice dtypes[] = {
-    {"f32", std::int64_t(DType::f32)}, {"bf16", std::int64_t(DType::bf16)}, {"f16", std::int64_t(DType::f16)}};
+inline constexpr Choice dtypes[] = {{"f32", std::int64_t(DType::f32)},
+                                    {"bf16", std::int64_t(DType::bf16)},
+                                    {"f16", std::int64_t(DType::f16)}};
 
 // After format and version, in the order a manifest is checked (a key's reader may use the keys
 // above it).
 inline constexpr ManifestKey manifest_keys[] = {
     ManifestKey::custom("tag", read_tag).require("missing"),
-    ManifestKey::read("world_size", whole(1, max_ranks), [](auto& m) -> auto& { return m.world_size; }),
-    ManifestKey::read("stage", whole(0, 3), [](auto& m) -> auto& { return m.stage; }),
-    ManifestKey::read("dtype", choice(dtypes, "f32, bf16 or f16", 0).require("missing"),
-                      [](auto& m) -> auto& { return m.dtype; }),
-    ManifestKey::object<layout_keys>("layout", [](auto& m) -> auto& { return m.layout; }).require("missing"),
+    ManifestKey::read(
+        "world_size", whole(1, max_ranks), [](auto& m) -> auto& { return m.world_size; }),
+    ManifestKey::read(
+        "stage", whole(0, 3), [](auto& m) -> auto& { return m.stage; }),
+    ManifestKey::read(
+        "dtype", choice(dtypes, "f32, bf16 or f16", 0).require("missing"),
+        [](auto& m) -> auto& { return m.dtype; }),
+    ManifestKey::object<layout_keys>(
+        "layout", [](auto& m) -> auto& { return m.layout; })
+        .require("missing"),
     ManifestKey::custom("params", read_params).require("missing"),
     ManifestKey::custom("fields", read_fields).require("missing"),
     ManifestKey::object<optimizer_keys>("optimizer", whole_manifest).require("missing"),
     ManifestKey::object<progress_keys>("progress", whole_manifest).require("missing"),
-    ManifestKey::object<batch_keys>("batch", [](auto& m) -> auto& { return m.batch; }).require("missing"),
+    ManifestKey::object<batch_keys>(
+        "batch", [](auto& m) -> auto& { return m.batch; })
+        .require("missing"),
     ManifestKey::custom("files", read_files).require("missing"),
     ManifestKey::custom("user_bytes", read_user_bytes).require("missing")};
 
@@ -346,7 +390,8 @@ inline void check_sizes(const Ctx& c, const Manifest& m) {
   std::uint64_t elements = 0, file_bytes = 0;
   for (const auto& p : m.params) elements += p.size;  // at most max_elements (read_params)
   for (const auto& f : m.files)
-    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1) << 62);  // saturates, no wrap
+    file_bytes = std::min<std::uint64_t>(file_bytes + f.bytes, std::uint64_t(1)
+                                                                   << 62);  // saturates, no wrap
   const std::uint64_t per_element = size_of(m.dtype) + sizeof(float) * (m.fields.size() - 1);
   if (elements * per_element + m.user_bytes > file_bytes)
     c.fail("files", "the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
@@ -389,8 +434,9 @@ class Reader {
               " is not a directory (no checkpoint with tag '", tag, "' in ", dir.string(), ")");
     const std::string text = detail::read_whole_file(manifest, std::uint64_t(1) << 28);
     manifest_hash_ = detail::Fnv1a().all(std::string_view(text)).value();
-    m_ = manifest_from_json(detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
-                            manifest.string());
+    m_ = manifest_from_json(
+        detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
+        manifest.string());
     layout_ = m_.make_layout();
     for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
     files_.resize(m_.files.size());
@@ -401,8 +447,8 @@ class Reader {
   static std::string read_latest(const std::filesystem::path& dir) {
     const auto p = dir / "latest";
     std::error_code ec;
-    ZP_EXPECT(std::filesystem::exists(std::filesystem::symlink_status(p, ec)), "checkpoint: no ", p.string(),
-              " (no complete checkpoint in ", dir.string(), " yet)");
+    ZP_EXPECT(std::filesystem::exists(std::filesystem::symlink_status(p, ec)), "checkpoint: no ",
+              p.string(), " (no complete checkpoint in ", dir.string(), " yet)");
     std::string tag = detail::read_whole_file(p, 256);
     if (tag.ends_with('\n')) tag.pop_back();
     check_tag(tag, p.string() + " holds");
@@ -415,7 +461,9 @@ class Reader {
   const Manifest& manifest() const noexcept { return m_; }
   const Layout& layout() const noexcept { return layout_; }
   const std::filesystem::path& path() const noexcept { return path_; }
-  std::filesystem::path file_path(int rank) const { return path_ / m_.files.at(std::size_t(rank)).name; }
+  std::filesystem::path file_path(int rank) const {
+    return path_ / m_.files.at(std::size_t(rank)).name;
+  }
 
   // Checks file `rank` against the manifest: size, then CRC-32C of every byte. Returns "" or
   // what is wrong, naming the file and both values.
@@ -423,16 +471,18 @@ class Reader {
     const auto& f = m_.files.at(std::size_t(rank));
     const auto p = file_path(rank);
     std::error_code ec;
-    if (!std::filesystem::exists(p, ec)) return detail::cat("checkpoint file ", p.string(), " is missing");
+    if (!std::filesystem::exists(p, ec))
+      return detail::cat("checkpoint file ", p.string(), " is missing");
     try {
       detail::InputFile in(p);
       if (in.size() != f.bytes)
-        return detail::cat("checkpoint file ", p.string(), " has ", in.size(), " bytes, the manifest says ", f.bytes,
+        return detail::cat("checkpoint file ", p.string(), " has ", in.size(),
+                           " bytes, the manifest says ", f.bytes,
                            in.size() < f.bytes ? " (truncated)" : "");
       const std::uint32_t crc = in.crc32c_of_all();
       if (crc != f.crc32c)
-        return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc, ", the manifest says ", f.crc32c,
-                           " (the file is corrupt)");
+        return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc,
+                           ", the manifest says ", f.crc32c, " (the file is corrupt)");
     } catch (const Error& e) {
       return e.message();
     }
@@ -450,8 +500,8 @@ class Reader {
   template <class U>
   void read(std::size_t f, std::size_t p, std::size_t first, std::span<U> out) {
     const Layout::Param& lp = layout_.params().at(p);
-    ZP_EXPECT(first + out.size() <= lp.size, "checkpoint: read of elements [", first, ", ", first + out.size(),
-              ") of parameter '", lp.name, "' with ", lp.size);
+    ZP_EXPECT(first + out.size() <= lp.size, "checkpoint: read of elements [", first, ", ",
+              first + out.size(), ") of parameter '", lp.name, "' with ", lp.size);
     const auto& seg = layout_.segment(lp.segment);
     const std::string tensor = m_.fields.at(f) + "/" + lp.name;
     std::size_t done = 0;
@@ -470,9 +520,12 @@ class Reader {
     const DType dt = m_.field_dtype(f);
     const std::size_t n = out.size() / size_of(dt);
     switch (dt) {
-      case DType::f32: return read(f, p, first, std::span<float>(reinterpret_cast<float*>(out.data()), n));
-      case DType::bf16: return read(f, p, first, std::span<bf16>(reinterpret_cast<bf16*>(out.data()), n));
-      case DType::f16: return read(f, p, first, std::span<fp16>(reinterpret_cast<fp16*>(out.data()), n));
+      case DType::f32:
+        return read(f, p, first, std::span<float>(reinterpret_cast<float*>(out.data()), n));
+      case DType::bf16:
+        return read(f, p, first, std::span<bf16>(reinterpret_cast<bf16*>(out.data()), n));
+      case DType::f16:
+        return read(f, p, first, std::span<fp16>(reinterpret_cast<fp16*>(out.data()), n));
       default: throw Error(Errc::io, detail::cat("checkpoint: unexpected field dtype ", name(dt)));
     }
   }
@@ -484,8 +537,9 @@ class Reader {
     auto& f = file(0);
     const std::uint64_t stored = f.contains("user/blob") ? f.at("user/blob").bytes() : 0;
     if (stored != m_.user_bytes || (stored && f.at("user/blob").dtype != "U8"))
-      throw Error(Errc::io, detail::cat("checkpoint ", path_.string(), ": the manifest says the user data has ",
-                                        m_.user_bytes, " bytes, ", file_path(0).string(), " holds ", stored,
+      throw Error(Errc::io, detail::cat("checkpoint ", path_.string(),
+                                        ": the manifest says the user data has ", m_.user_bytes,
+                                        " bytes, ", file_path(0).string(), " holds ", stored,
                                         stored ? " as " + f.at("user/blob").dtype : std::string()));
     std::vector<std::byte> b(m_.user_bytes);
     if (!b.empty()) f.read("user/blob", 0, std::span<std::byte>(b));
@@ -518,7 +572,8 @@ class Reader {
 // the file's size and CRC-32C.
 template <class Source>
 safetensors::Summary write_rank_file(const std::filesystem::path& path, const Layout& L, int r,
-                                             const Manifest& m, std::span<const std::byte> user, Source&& source) {
+                                     const Manifest& m, std::span<const std::byte> user,
+                                     Source&& source) {
   // fp32 fields first, the 16-bit parameters last: every tensor stays aligned to its element.
   std::vector<std::size_t> order;
   for (std::size_t f = 1; f < m.fields.size(); ++f) order.push_back(f);
@@ -528,11 +583,14 @@ safetensors::Summary write_rank_file(const std::filesystem::path& path, const La
   for (std::size_t f : order)
     for (const auto& p : ps)
       if (const Slice s = slice_of(L, p, r); s.count)
-        tensors.push_back({m.fields[f] + "/" + p.name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
+        tensors.push_back(
+            {m.fields[f] + "/" + p.name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
   if (r == 0 && !user.empty()) tensors.push_back({"user/blob", "U8", {user.size()}});
   safetensors::Writer w(path, std::move(tensors),
-                        {{"format", "zp-checkpoint-rank"}, {"rank", std::to_string(r)},
-                         {"ranks", std::to_string(L.ranks())}, {"tag", m.tag}});
+                        {{"format", "zp-checkpoint-rank"},
+                         {"rank", std::to_string(r)},
+                         {"ranks", std::to_string(L.ranks())},
+                         {"tag", m.tag}});
   for (std::size_t f : order)
     for (std::size_t p = 0; p < ps.size(); ++p)
       if (const Slice s = slice_of(L, ps[p], r); s.count) w.write(source(f, p, s));
@@ -561,15 +619,20 @@ class Publisher {
     namespace fs = std::filesystem;
     std::error_code ec;
     fs::create_directories(dir_, ec);
-    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
     lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
     roll_back_unnamed();
-    ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)), "checkpoint: ", (dir_ / tag).string(),
+    ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)),
+              "checkpoint: ", (dir_ / tag).string(),
               " already exists; save under a new tag (checkpoints are never overwritten)");
     staging_ = staging_dir(dir_, tag);
     remove(staging_);  // a crashed earlier save of this tag may have left it
     fs::create_directory(staging_, ec);
-    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot create ", staging_.string(), ": ", ec.message()));
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("checkpoint: cannot create ", staging_.string(), ": ", ec.message()));
   }
 
   const std::filesystem::path& staging() const noexcept { return staging_; }
@@ -578,7 +641,8 @@ class Publisher {
   // directory renamed to its tag, `latest` pointed at it, the intent removed.
   void publish(const Manifest& m) {
     const std::string text = to_json(m).dump(1);
-    detail::write_file_atomic(staging_ / "manifest.json", std::as_bytes(std::span<const char>(text)));
+    detail::write_file_atomic(staging_ / "manifest.json",
+                              std::as_bytes(std::span<const char>(text)));
     detail::write_file_atomic(intent(), std::as_bytes(std::span<const char>(tag_)));
     const auto final = dir_ / tag_;
     detail::io_step("rename", final);
@@ -597,7 +661,9 @@ class Publisher {
   static void remove(const std::filesystem::path& p) {
     std::error_code ec;
     std::filesystem::remove_all(p, ec);
-    if (ec) throw Error(Errc::io, detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
   }
 
   // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
@@ -607,9 +673,11 @@ class Publisher {
     if (!fs::exists(fs::symlink_status(intent(), ec))) return;
     const std::string tag = detail::read_whole_file(intent(), 256);
     check_tag(tag, intent().string() + " holds");
-    const bool named = fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
+    const bool named =
+        fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
     if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
-      const auto aside = staging_dir(dir_, tag);  // renamed first, so a crash here leaves only staging
+      const auto aside =
+          staging_dir(dir_, tag);  // renamed first, so a crash here leaves only staging
       remove(aside);
       detail::rename_no_replace(dir_ / tag, aside);
       detail::sync_directory(dir_);
@@ -627,9 +695,11 @@ class Publisher {
 // Writes a copy of a checkpoint laid out for `ranks` ranks as <dir>/<tag> (offline: no engine,
 // no communicator), reading one rank slice at a time. Loading it needs no resharding, so it
 // suits tools that expect one file per rank; zp itself loads the original at any rank count.
-inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks) {
+inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag,
+                    int ranks) {
   check_tag(tag);
-  ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks, "], got ", ranks);
+  ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks,
+            "], got ", ranks);
   rd.verify();  // sizes and checksums hold, so the buffers below are as large as real data
   Manifest m = rd.manifest();
   m.tag = tag;
@@ -660,8 +730,9 @@ inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::str
 // ---- the model's weights as safetensors ---------------------------------------------------------
 
 struct ExportOptions {
-  bool master = false;               // the fp32 master weights instead of the T parameters
-  std::uint64_t max_file_bytes = 0;  // above this, model-0000k-of-n files and an index (0: one file)
+  bool master = false;  // the fp32 master weights instead of the T parameters
+  std::uint64_t max_file_bytes =
+      0;  // above this, model-0000k-of-n files and an index (0: one file)
   // Each tensor's shape (default: 1-D, the parameter's size); its product must be the size.
   std::function<std::vector<std::uint64_t>(const std::string& name, std::size_t size)> shape = {};
 };
@@ -678,10 +749,13 @@ class ConsolidatedWriter {
       : dir_(std::move(dir)), tensors_(std::move(tensors)) {
     std::error_code ec;
     std::filesystem::create_directories(dir_, ec);
-    if (ec) throw Error(Errc::io, detail::cat("export: cannot create ", dir_.string(), ": ", ec.message()));
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("export: cannot create ", dir_.string(), ": ", ec.message()));
     std::uint64_t in_file = 0;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      const std::uint64_t b = tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+      const std::uint64_t b =
+          tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
       if (i == 0 || (max_file_bytes && in_file > 0 && in_file + b > max_file_bytes)) {
         first_.push_back(i);
         in_file = 0;
@@ -703,8 +777,8 @@ class ConsolidatedWriter {
   // Commits the last file and writes the index (split exports). Every tensor must be written.
   void finish() {
     while (tensor_ < tensors_.size() && tensors_[tensor_].elements() == 0) next_tensor();
-    ZP_EXPECT(tensor_ == tensors_.size(), "export: tensor '", tensors_[std::min(tensor_, tensors_.size() - 1)].name,
-              "' was not written");
+    ZP_EXPECT(tensor_ == tensors_.size(), "export: tensor '",
+              tensors_[std::min(tensor_, tensors_.size() - 1)].name, "' was not written");
     if (w_) w_->commit(), w_.reset();
     const int n = int(first_.size()) - 1;
     if (n > 1) {
@@ -722,7 +796,8 @@ class ConsolidatedWriter {
     file_ = f;
     std::vector<safetensors::TensorInfo> mine(tensors_.begin() + std::ptrdiff_t(first_[f - 1]),
                                               tensors_.begin() + std::ptrdiff_t(first_[f]));
-    w_.emplace(dir_ / (n == 1 ? std::string("model.safetensors") : safetensors::shard_file_name(int(f), n)),
+    w_.emplace(dir_ / (n == 1 ? std::string("model.safetensors")
+                              : safetensors::shard_file_name(int(f), n)),
                std::move(mine), std::map<std::string, std::string>{{"format", "pt"}});
     left_ = tensor_bytes(tensor_);
   }
@@ -747,24 +822,29 @@ class ConsolidatedWriter {
   std::optional<safetensors::Writer> w_;
 };
 
-inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::string& name, std::size_t size) {
+inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::string& name,
+                                           std::size_t size) {
   if (!o.shape) return {size};
   std::vector<std::uint64_t> s = o.shape(name, size);
   std::uint64_t n = 1;
   for (auto d : s) n *= d;
-  ZP_EXPECT(n == size, "export: the shape given for '", name, "' has ", n, " elements, the parameter ", size);
+  ZP_EXPECT(n == size, "export: the shape given for '", name, "' has ", n,
+            " elements, the parameter ", size);
   return s;
 }
 
 // Where a safetensors model lives: a file, an index, or a directory holding either. Maps each
 // tensor name to its file.
-inline std::map<std::string, std::filesystem::path> safetensors_files(const std::filesystem::path& path) {
+inline std::map<std::string, std::filesystem::path> safetensors_files(
+    const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path p = path;
   if (fs::is_directory(p, ec)) {
-    if (fs::exists(p / "model.safetensors.index.json", ec)) p = p / "model.safetensors.index.json";
-    else p = p / "model.safetensors";
+    if (fs::exists(p / "model.safetensors.index.json", ec))
+      p = p / "model.safetensors.index.json";
+    else
+      p = p / "model.safetensors";
   }
   std::map<std::string, fs::path> files;
   if (p.extension() == ".json") {
@@ -782,13 +862,15 @@ inline std::map<std::string, std::filesystem::path> safetensors_files(const std:
 // Writes a saved checkpoint's parameters (T, or fp32 master weights) by name as safetensors,
 // like export_safetensors(engine, ...) (checkpoint.hpp) but offline (no engine, no
 // communicator), reading one parameter chunk at a time.
-inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& dir, const ExportOptions& o = {}) {
+inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& dir,
+                               const ExportOptions& o = {}) {
   rd.verify();
   const auto& m = rd.manifest();
   const std::size_t f = o.master ? 1 : 0;
   const DType dt = m.field_dtype(f);
   std::vector<safetensors::TensorInfo> tensors;
-  for (const auto& p : m.params) tensors.push_back({p.name, safetensors::dtype_name(dt), ckpt::shape_of(o, p.name, p.size)});
+  for (const auto& p : m.params)
+    tensors.push_back({p.name, safetensors::dtype_name(dt), ckpt::shape_of(o, p.name, p.size)});
   ckpt::ConsolidatedWriter out(dir, std::move(tensors), o.max_file_bytes);
   constexpr std::size_t chunk = std::size_t(1) << 22;  // elements per read
   std::vector<std::byte> buf(chunk * size_of(dt));

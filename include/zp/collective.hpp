@@ -41,7 +41,15 @@ enum class ReduceOp : std::uint8_t { sum, avg, max, min };
 
 // Collective operations, for accounting and error messages.
 // send and recv are point to point (one peer), counted with the collectives.
-enum class CollOp : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv };
+enum class CollOp : std::uint8_t {
+  all_reduce,
+  reduce_scatter,
+  all_gather,
+  broadcast,
+  barrier,
+  send,
+  recv
+};
 inline constexpr std::size_t coll_op_count = 7;
 
 namespace detail {
@@ -99,7 +107,8 @@ namespace detail {
 
 // Part `index` of [0, n) cut into `parts` contiguous ranges, the first n % parts one larger:
 // {begin, end}. The one cut of a range among ranks (tensor-parallel splits, the backends' slices).
-constexpr std::pair<std::size_t, std::size_t> even_part(std::size_t n, int parts, int index) noexcept {
+constexpr std::pair<std::size_t, std::size_t> even_part(std::size_t n, int parts,
+                                                        int index) noexcept {
   const std::size_t p = std::size_t(parts), i = std::size_t(index), q = n / p, r = n % p;
   const std::size_t begin = i * q + (i < r ? i : r);
   return {begin, begin + q + (i < r ? 1 : 0)};
@@ -115,7 +124,8 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
                               ReduceOp rop, int root, int rank, int ranks) {
   const char* what = name(op);
   if (std::uint8_t(t) > std::uint8_t(DType::f16))
-    return cat(what, ": element type DType(", int(t), ") is not one of f32, f64, i32, i64, bf16, f16");
+    return cat(what, ": element type DType(", int(t),
+               ") is not one of f32, f64, i32, i64, bf16, f16");
   const bool reduces = op == CollOp::all_reduce || op == CollOp::reduce_scatter;
   if (reduces && std::uint8_t(rop) > std::uint8_t(ReduceOp::min))
     return cat(what, ": reduction ReduceOp(", int(rop), ") is not one of sum, avg, max, min");
@@ -126,7 +136,8 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
   std::size_t part = 0, full = 0;
   if (__builtin_mul_overflow(n, size_of(t), &part) ||
       __builtin_mul_overflow(part, std::size_t(scatter || gather ? ranks : 1), &full))
-    return cat(what, ": count ", n, " of ", name(t), " over ", ranks, " ranks overflows a 64-bit size");
+    return cat(what, ": count ", n, " of ", name(t), " over ", ranks,
+               " ranks overflows a 64-bit size");
   if (!src && (op != CollOp::broadcast || rank == root))
     return cat(what, ": the input buffer is null but count is ", n);
   if (!dst) return cat(what, ": the output buffer is null but count is ", n);
@@ -135,18 +146,23 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
   const std::size_t in = scatter ? full : part, out = gather ? full : part;
   const bool overlap = src && s < d + out && d < s + in;
   const std::uintptr_t own = std::uintptr_t(rank) * part;
-  if (!overlap || (scatter && d == s + own) || (gather && s == d + own) || (!scatter && !gather && s == d))
+  if (!overlap || (scatter && d == s + own) || (gather && s == d + own) ||
+      (!scatter && !gather && s == d))
     return {};
   if (scatter)
-    return cat("reduce_scatter: the output overlaps the input but is not this rank's shard (in place "
-               "means output == input + rank * count = input + ", own, " bytes; it is input + ",
-               std::intptr_t(d - s), ")");
+    return cat(
+        "reduce_scatter: the output overlaps the input but is not this rank's shard (in place "
+        "means output == input + rank * count = input + ",
+        own, " bytes; it is input + ", std::intptr_t(d - s), ")");
   if (gather)
-    return cat("all_gather: the input overlaps the output but is not this rank's shard (in place "
-               "means input == output + rank * count = output + ", own, " bytes; it is output + ",
-               std::intptr_t(s - d), ")");
-  return cat(what, ": the input and output buffers overlap but are not the same buffer (in place "
-                   "means input == output; they are ", std::intptr_t(d - s), " bytes apart)");
+    return cat(
+        "all_gather: the input overlaps the output but is not this rank's shard (in place "
+        "means input == output + rank * count = output + ",
+        own, " bytes; it is output + ", std::intptr_t(s - d), ")");
+  return cat(what,
+             ": the input and output buffers overlap but are not the same buffer (in place "
+             "means input == output; they are ",
+             std::intptr_t(d - s), " bytes apart)");
 }
 
 // check_call's counterpart for send and recv (op is CollOp::send or CollOp::recv): a known
@@ -156,7 +172,8 @@ inline std::string check_p2p(CollOp op, const void* buf, std::size_t n, DType t,
                              int ranks) {
   const char* what = name(op);
   if (std::uint8_t(t) > std::uint8_t(DType::f16))
-    return cat(what, ": element type DType(", int(t), ") is not one of f32, f64, i32, i64, bf16, f16");
+    return cat(what, ": element type DType(", int(t),
+               ") is not one of f32, f64, i32, i64, bf16, f16");
   if (peer < 0 || peer >= ranks)
     return cat(what, ": peer ", peer, " is not a rank in [0, ", ranks, ")");
   if (peer == rank)
@@ -174,11 +191,13 @@ inline std::string check_p2p(CollOp op, const void* buf, std::size_t n, DType t,
 // their peers), so the second one is an error instead.
 class OneCaller {
  public:
-  OneCaller(std::atomic<bool>& flag, const char* backend, const char* what, int rank) : flag_(flag) {
+  OneCaller(std::atomic<bool>& flag, const char* backend, const char* what, int rank)
+      : flag_(flag) {
     if (flag_.exchange(true, std::memory_order_acquire)) [[unlikely]]
-      throw Error(Errc::invalid_argument,
-                  cat(backend, " backend: two threads issued ", what, " and another call as rank ", rank,
-                      " at the same time; each rank's calls must come from one thread at a time"));
+      throw Error(
+          Errc::invalid_argument,
+          cat(backend, " backend: two threads issued ", what, " and another call as rank ", rank,
+              " at the same time; each rank's calls must come from one thread at a time"));
   }
   ~OneCaller() { flag_.store(false, std::memory_order_release); }
   OneCaller(const OneCaller&) = delete;
@@ -207,23 +226,22 @@ concept WorkHandle = std::movable<W> && std::default_initializable<W> && require
 // elements; for reduce_scatter and all_gather they are the per-rank shard. Optional extras
 // (streams, events) are the backend's own and found by the caller with `requires`.
 template <class B>
-concept Backend =
-    std::movable<B> && WorkHandle<typename B::Work> &&
+concept Backend = std::movable<B> && WorkHandle<typename B::Work> &&
     requires(B& b, const B& cb, const void* src, void* dst, std::size_t n, DType t, ReduceOp op,
              int root, int color, int key, Launch launch) {
-      typename std::integral_constant<MemorySpace, B::memory>;  // a constant: front ends branch on it
-      { B::name } -> std::convertible_to<const char*>;
-      { cb.rank() } -> std::same_as<int>;
-      { cb.size() } -> std::same_as<int>;
-      { b.all_reduce(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
-      { b.reduce_scatter(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
-      { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
-      { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
-      { b.barrier(launch) } -> std::same_as<typename B::Work>;
-      { b.send(src, n, t, root, launch) } -> std::same_as<typename B::Work>;
-      { b.recv(dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
-      { b.split(color, key) } -> std::same_as<B>;
-    };
+  typename std::integral_constant<MemorySpace, B::memory>;  // a constant: front ends branch on it
+  { B::name } -> std::convertible_to<const char*>;
+  { cb.rank() } -> std::same_as<int>;
+  { cb.size() } -> std::same_as<int>;
+  { b.all_reduce(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
+  { b.reduce_scatter(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
+  { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
+  { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
+  { b.barrier(launch) } -> std::same_as<typename B::Work>;
+  { b.send(src, n, t, root, launch) } -> std::same_as<typename B::Work>;
+  { b.recv(dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
+  { b.split(color, key) } -> std::same_as<B>;
+};
 
 // Per-operation counters. bytes follows nccl-tests' S (the full buffer: for reduce_scatter and
 // all_gather size() * shard; for send and recv the message); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
@@ -262,8 +280,10 @@ struct CommStats {
   }
   // A value outside the enum is an error naming it, not a read past the end of ops.
   static std::size_t index(CollOp op) {
-    ZP_EXPECT(std::size_t(op) < coll_op_count, "CommStats: expected a CollOp (all_reduce, reduce_scatter, "
-              "all_gather, broadcast, barrier, send, recv), got ", name(op));
+    ZP_EXPECT(std::size_t(op) < coll_op_count,
+              "CommStats: expected a CollOp (all_reduce, reduce_scatter, "
+              "all_gather, broadcast, barrier, send, recv), got ",
+              name(op));
     return std::size_t(op);
   }
 };
@@ -335,7 +355,8 @@ class Collective {
     ZP_EXPECT(in.size() == out.size(), "all_reduce: input has ", in.size(),
               " elements but output has ", out.size(), "; they must be equal");
     blocking(CollOp::all_reduce, out.size_bytes(), [&] {
-      return backend_.all_reduce(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::blocking);
+      return backend_.all_reduce(in.data(), out.data(), out.size(), dtype_of<T>, op,
+                                 Launch::blocking);
     });
   }
   template <Element T>
@@ -348,14 +369,16 @@ class Collective {
   Work reduce_scatter_async(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
     check_scatter("reduce_scatter", in.size(), out.size());
     return issue(CollOp::reduce_scatter, in.size_bytes(), [&] {
-      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::async);
+      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op,
+                                     Launch::async);
     });
   }
   template <Element T>
   void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
     check_scatter("reduce_scatter", in.size(), out.size());
     blocking(CollOp::reduce_scatter, in.size_bytes(), [&] {
-      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op, Launch::blocking);
+      return backend_.reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>, op,
+                                     Launch::blocking);
     });
   }
   // In place (ZeRO layout): buf.size() must divide by size(); this rank's result is left in
@@ -400,13 +423,15 @@ class Collective {
   template <Element T>
   Work broadcast_async(std::span<T> buf, int root) {
     return issue(CollOp::broadcast, buf.size_bytes(), [&] {
-      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::async);
+      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root,
+                                Launch::async);
     });
   }
   template <Element T>
   void broadcast(std::span<T> buf, int root) {
     blocking(CollOp::broadcast, buf.size_bytes(), [&] {
-      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root, Launch::blocking);
+      return backend_.broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>, root,
+                                Launch::blocking);
     });
   }
 

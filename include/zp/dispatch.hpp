@@ -61,8 +61,10 @@ inline constexpr bool is_variant<std::variant<As...>> = true;
 // The optimizer an optimizer value or a std::variant of optimizers holds, by name ("AdamW").
 template <class V>
 std::string optimizer_name(const V& o) {
-  if constexpr (is_variant<V>) return std::visit([](const auto& x) { return std::string(optim::detail::type_name(x)); }, o);
-  else return optim::detail::type_name(o);
+  if constexpr (is_variant<V>)
+    return std::visit([](const auto& x) { return std::string(optim::detail::type_name(x)); }, o);
+  else
+    return optim::detail::type_name(o);
 }
 
 template <class V>
@@ -99,8 +101,10 @@ template <class... As, class O>
 inline constexpr bool alternative_of<std::variant<As...>, O> = one_of<O, As...>;
 template <class O, class V>
 bool holds(const V& v) noexcept {
-  if constexpr (alternative_of<V, O>) return std::holds_alternative<O>(v);
-  else return false;
+  if constexpr (alternative_of<V, O>)
+    return std::holds_alternative<O>(v);
+  else
+    return false;
 }
 
 // The optimizers of a list that variant V can hold, in the list's order.
@@ -110,7 +114,9 @@ struct held_by {
 };
 template <class V, class... Acc, class O0, class... Os>
 struct held_by<V, Optimizers<Acc...>, O0, Os...>
-    : held_by<V, std::conditional_t<alternative_of<V, O0>, Optimizers<Acc..., O0>, Optimizers<Acc...>>, Os...> {};
+    : held_by<V,
+              std::conditional_t<alternative_of<V, O0>, Optimizers<Acc..., O0>, Optimizers<Acc...>>,
+              Os...> {};
 
 template <class V, class L>
 struct held_list;
@@ -158,8 +164,10 @@ constexpr bool contains(Stages<Ss...>, int stage) noexcept {
 }
 template <class... Os, class V>
 bool contains(Optimizers<Os...>, const V& opt) noexcept {
-  if constexpr (detail::is_variant<V>) return (detail::holds<Os>(opt) || ...);
-  else return detail::one_of<V, Os...>;
+  if constexpr (detail::is_variant<V>)
+    return (detail::holds<Os>(opt) || ...);
+  else
+    return detail::one_of<V, Os...>;
 }
 
 namespace detail {
@@ -177,14 +185,16 @@ void check_type(DType t) {
   std::vector<std::string> names;
   for (DType x : values(TypeList{})) names.emplace_back(name(x));
   throw Error(Errc::invalid_argument,
-              cat("zp::dispatch: element type ", name(t), " is not one this program was built with ", list_text(names)));
+              cat("zp::dispatch: element type ", name(t),
+                  " is not one this program was built with ", list_text(names)));
 }
 template <class StageList>
 void check_stage(int stage) {
   static_assert(non_empty_list<StageList>, "zp::Stages lists at least one stage");
   if (!contains(StageList{}, stage))
-    throw Error(Errc::invalid_argument, cat("zp::dispatch: stage ", stage, " is not one this program was built with ",
-                                            list_text(values(StageList{}))));
+    throw Error(Errc::invalid_argument,
+                cat("zp::dispatch: stage ", stage, " is not one this program was built with ",
+                    list_text(values(StageList{}))));
 }
 template <class OptimizerList, class V>
 void check_optimizer(const V& opt) {
@@ -204,14 +214,19 @@ void check_optimizer(const V& opt) {
 template <class TypeList = AllTypes, class F>
 decltype(auto) dispatch_type(DType t, F&& f) {
   detail::check_type<TypeList>(t);
-  return [&]<class... Ts>(Types<Ts...>) -> decltype(auto) { return detail::pick_type<F, Ts...>(t, f); }(TypeList{});
+  return [&]<class... Ts>(Types<Ts...>) -> decltype(auto) {
+    return detail::pick_type<F, Ts...>(t, f);
+  }(TypeList{});
 }
 
 // f(std::integral_constant<int, S>{}) for the S of StageList equal to stage.
 template <class StageList = AllStages, class F>
 decltype(auto) dispatch_stage(int stage, F&& f) {
   detail::check_stage<StageList>(stage);
-  return [&]<int... Ss>(Stages<Ss...>) -> decltype(auto) { return detail::pick_stage<F, Ss...>(stage, f); }(StageList{});
+  return [&]<int... Ss>(Stages<Ss...>)->decltype(auto) {
+    return detail::pick_stage<F, Ss...>(stage, f);
+  }
+  (StageList{});
 }
 
 // f(o) with o the optimizer as its own type: `opt` is an optimizer (passed on as it is; its type
@@ -224,7 +239,8 @@ decltype(auto) dispatch_optimizer(const V& opt, F&& f) {
     return f(opt);
   } else {
     using Held = typename detail::held_list<V, OptimizerList>::type;
-    static_assert(detail::non_empty_list<Held>, "zp::dispatch_optimizer: the variant holds none of the listed optimizers");
+    static_assert(detail::non_empty_list<Held>,
+                  "zp::dispatch_optimizer: the variant holds none of the listed optimizers");
     return [&]<class... Os>(Optimizers<Os...>) -> decltype(auto) {
       return detail::pick_alternative<V, F, Os...>(opt, f);
     }(Held{});
@@ -245,15 +261,16 @@ decltype(auto) dispatch(DType t, int stage, F&& f) {
 // f(std::type_identity<T>{}, std::integral_constant<int, S>{}, o) for element type t, stage s and
 // the optimizer o as its own type (see dispatch_optimizer). All three are checked (t, stage,
 // opt: the first wrong one is named) before f is called.
-template <class TypeList = AllTypes, class StageList = AllStages, class OptimizerList = AllOptimizers, class V,
-          class F>
+template <class TypeList = AllTypes, class StageList = AllStages,
+          class OptimizerList = AllOptimizers, class V, class F>
 decltype(auto) dispatch(DType t, int stage, const V& opt, F&& f) {
   detail::check_type<TypeList>(t);
   detail::check_stage<StageList>(stage);
   detail::check_optimizer<OptimizerList>(opt);
   return dispatch_type<TypeList>(t, [&](auto type) -> decltype(auto) {
     return dispatch_stage<StageList>(stage, [&](auto s) -> decltype(auto) {
-      return dispatch_optimizer<OptimizerList>(opt, [&](const auto& o) -> decltype(auto) { return f(type, s, o); });
+      return dispatch_optimizer<OptimizerList>(
+          opt, [&](const auto& o) -> decltype(auto) { return f(type, s, o); });
     });
   });
 }

@@ -123,7 +123,8 @@ struct Config {
 
   // The "optimizer" section; without one, DeepSpeed's Adam defaults (AdamW, lr 1e-3, betas
   // 0.9/0.999, eps 1e-8, weight_decay 0) and optimizer_given false.
-  AnyOptimizer optimizer = optim::AdamW{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+  AnyOptimizer optimizer =
+      optim::AdamW{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
   bool optimizer_given = false;
   // The "scheduler" section (WarmupCosineLR's base_lr is the optimizer's lr as read: fill both
   // when optimizer.params.lr is "auto"). Schedules step once per applied optimizer step.
@@ -141,7 +142,9 @@ struct Config {
 
   // The element type the precision selects: f32, bf16 or f16.
   DType dtype() const noexcept {
-    return precision == Precision::bf16 ? DType::bf16 : precision == Precision::fp16 ? DType::f16 : DType::f32;
+    return precision == Precision::bf16   ? DType::bf16
+           : precision == Precision::fp16 ? DType::f16
+                                          : DType::f32;
   }
   bool is_auto(std::string_view key_path) const {
     return std::find(auto_keys.begin(), auto_keys.end(), key_path) != auto_keys.end();
@@ -167,7 +170,10 @@ using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object,
 
 // "fp32", "fp16", "bf16": the spelling of ds_config.json.
 inline const char* ds_name(DType t) noexcept {
-  return t == DType::f32 ? "fp32" : t == DType::f16 ? "fp16" : t == DType::bf16 ? "bf16" : zp::name(t);
+  return t == DType::f32    ? "fp32"
+         : t == DType::f16  ? "fp16"
+         : t == DType::bf16 ? "bf16"
+                            : zp::name(t);
 }
 inline const char* ds_name(Precision p) noexcept {
   return p == Precision::fp16 ? "fp16" : p == Precision::bf16 ? "bf16" : "fp32";
@@ -185,7 +191,9 @@ inline Ctx context(const std::string& source, std::vector<std::string>* auto_key
              .errc = Errc::invalid_argument,
              .placeholder = "auto",
              .placeholders = auto_keys,
-             .placeholder_hint = " (\"auto\" is accepted only for the batch sizes and the optimizer's and scheduler's params)",
+             .placeholder_hint =
+                 " (\"auto\" is accepted only for the batch sizes and the optimizer's and "
+                 "scheduler's params)",
              .foreign = "DeepSpeed"};
 }
 
@@ -208,16 +216,26 @@ struct Fp16Section {
 };
 using Fp16Key = Key<Fp16Section>;
 inline constexpr Fp16Key fp16_keys[] = {
-    Fp16Key::read("enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; }),
-    Fp16Key::read("loss_scale", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.loss_scale; }),
-    Fp16Key::read("initial_scale_power", integer(16, 0, 127, "an integer in [0, 127] (the scale is 2^power)"),
-                  [](auto& s) -> auto& { return s.initial_scale_power; }),
-    Fp16Key::read("loss_scale_window", integer(1000, 1, max_i64, "a positive integer"),
-                  [](auto& s) -> auto& { return s.loss_scale_window; }),
-    Fp16Key::read("hysteresis", integer(2, 1, std::numeric_limits<int>::max(), "a positive integer"),
-                  [](auto& s) -> auto& { return s.hysteresis; }),
-    Fp16Key::read("consecutive_hysteresis", boolean(false), [](auto& s) -> auto& { return s.consecutive_hysteresis; }),
-    Fp16Key::read("min_loss_scale", real_f32(1, Real::positive), [](auto& s) -> auto& { return s.min_loss_scale; }),
+    Fp16Key::read(
+        "enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; }),
+    Fp16Key::read(
+        "loss_scale", real_f32(0, Real::non_negative),
+        [](auto& s) -> auto& { return s.loss_scale; }),
+    Fp16Key::read(
+        "initial_scale_power", integer(16, 0, 127, "an integer in [0, 127] (the scale is 2^power)"),
+        [](auto& s) -> auto& { return s.initial_scale_power; }),
+    Fp16Key::read(
+        "loss_scale_window", integer(1000, 1, max_i64, "a positive integer"),
+        [](auto& s) -> auto& { return s.loss_scale_window; }),
+    Fp16Key::read(
+        "hysteresis", integer(2, 1, std::numeric_limits<int>::max(), "a positive integer"),
+        [](auto& s) -> auto& { return s.hysteresis; }),
+    Fp16Key::read(
+        "consecutive_hysteresis", boolean(false),
+        [](auto& s) -> auto& { return s.consecutive_hysteresis; }),
+    Fp16Key::read(
+        "min_loss_scale", real_f32(1, Real::positive),
+        [](auto& s) -> auto& { return s.min_loss_scale; }),
     Fp16Key::unsupported("auto_cast", Off::is_false),
     Fp16Key::unsupported("fp16_master_weights_and_grads", Off::is_false)};
 
@@ -225,18 +243,21 @@ struct Bf16Section {
   bool enabled = false;
 };
 using Bf16Key = Key<Bf16Section>;
-inline constexpr Bf16Key bf16_keys[] = {
-    Bf16Key::read("enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; })};
+inline constexpr Bf16Key bf16_keys[] = {Bf16Key::read(
+    "enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; })};
 
-inline constexpr Choice offload_devices[] = {
-    {"none", std::int64_t(OffloadDevice::none)}, {"cpu", std::int64_t(OffloadDevice::cpu)},
-    {"nvme", std::int64_t(OffloadDevice::nvme)}};
+inline constexpr Choice offload_devices[] = {{"none", std::int64_t(OffloadDevice::none)},
+                                             {"cpu", std::int64_t(OffloadDevice::cpu)},
+                                             {"nvme", std::int64_t(OffloadDevice::nvme)}};
 using OffloadKey = Key<OffloadOptimizer>;
 inline constexpr OffloadKey offload_keys[] = {
-    OffloadKey::read("device", choice(offload_devices, "\"none\", \"cpu\" or \"nvme\"", 0).or_null(),
-                     [](auto& o) -> auto& { return o.device; }),
-    OffloadKey::read("nvme_path", text("a path string").or_null(), [](auto& o) -> auto& { return o.nvme_path; }),
-    OffloadKey::read("pin_memory", boolean(false), [](auto& o) -> auto& { return o.pin_memory; }),
+    OffloadKey::read(
+        "device", choice(offload_devices, "\"none\", \"cpu\" or \"nvme\"", 0).or_null(),
+        [](auto& o) -> auto& { return o.device; }),
+    OffloadKey::read(
+        "nvme_path", text("a path string").or_null(), [](auto& o) -> auto& { return o.nvme_path; }),
+    OffloadKey::read(
+        "pin_memory", boolean(false), [](auto& o) -> auto& { return o.pin_memory; }),
     // Partial offload: zp offloads all of the optimizer or none.
     OffloadKey::unsupported("ratio", Off::number, 1), OffloadKey::ignored("buffer_count", count()),
     OffloadKey::ignored("fast_init", boolean()), OffloadKey::ignored("pipeline_read", boolean()),
@@ -244,44 +265,61 @@ inline constexpr OffloadKey offload_keys[] = {
 
 using ConfigKey = Key<Config>;
 inline constexpr ConfigKey zero_keys[] = {
-    ConfigKey::read("stage", integer(0, 0, 3, "a ZeRO stage 0, 1, 2 or 3"), [](auto& c) -> auto& { return c.stage; }),
-    ConfigKey::read("reduce_bucket_size", integer(500'000'000, 1, max_i64, "a positive integer (elements)"),
-                    [](auto& c) -> auto& { return c.reduce_bucket_size; }),
-    ConfigKey::read("stage3_prefetch_bucket_size", count(50'000'000),
-                    [](auto& c) -> auto& { return c.prefetch_bucket_size; })
+    ConfigKey::read(
+        "stage", integer(0, 0, 3, "a ZeRO stage 0, 1, 2 or 3"),
+        [](auto& c) -> auto& { return c.stage; }),
+    ConfigKey::read(
+        "reduce_bucket_size", integer(500'000'000, 1, max_i64, "a positive integer (elements)"),
+        [](auto& c) -> auto& { return c.reduce_bucket_size; }),
+    ConfigKey::read(
+        "stage3_prefetch_bucket_size", count(50'000'000),
+        [](auto& c) -> auto& { return c.prefetch_bucket_size; })
         .or_alias("prefetch_bucket_size"),
-    ConfigKey::read("stage3_param_persistence_threshold", count(100'000),
-                    [](auto& c) -> auto& { return c.engine.persist_threshold; })
+    ConfigKey::read(
+        "stage3_param_persistence_threshold", count(100'000),
+        [](auto& c) -> auto& { return c.engine.persist_threshold; })
         .or_alias("param_persistence_threshold"),
-    ConfigKey::read("stage3_max_live_parameters", count(1'000'000'000),
-                    [](auto& c) -> auto& { return c.engine.max_live_params; })
+    ConfigKey::read(
+        "stage3_max_live_parameters", count(1'000'000'000),
+        [](auto& c) -> auto& { return c.engine.max_live_params; })
         .or_alias("max_live_parameters"),
-    ConfigKey::object<offload_keys>("offload_optimizer", [](auto& c) -> auto& { return c.offload_optimizer; }).or_null(),
+    ConfigKey::object<offload_keys>(
+        "offload_optimizer", [](auto& c) -> auto& { return c.offload_optimizer; })
+        .or_null(),
     // How, not what, to communicate: no effect on zp.
-    ConfigKey::ignored("contiguous_gradients", boolean()), ConfigKey::ignored("reduce_scatter", boolean()),
-    ConfigKey::ignored("allgather_partitions", boolean()), ConfigKey::ignored("overlap_comm", boolean()),
-    ConfigKey::ignored("round_robin_gradients", boolean()), ConfigKey::ignored("allgather_bucket_size", count()),
-    ConfigKey::ignored("stage3_max_reuse_distance", count()), ConfigKey::ignored("max_reuse_distance", count()),
-    ConfigKey::ignored("sub_group_size", count()), ConfigKey::ignored("ignore_unused_parameters", boolean()),
+    ConfigKey::ignored("contiguous_gradients", boolean()),
+    ConfigKey::ignored("reduce_scatter", boolean()),
+    ConfigKey::ignored("allgather_partitions", boolean()),
+    ConfigKey::ignored("overlap_comm", boolean()),
+    ConfigKey::ignored("round_robin_gradients", boolean()),
+    ConfigKey::ignored("allgather_bucket_size", count()),
+    ConfigKey::ignored("stage3_max_reuse_distance", count()),
+    ConfigKey::ignored("max_reuse_distance", count()),
+    ConfigKey::ignored("sub_group_size", count()),
+    ConfigKey::ignored("ignore_unused_parameters", boolean()),
     ConfigKey::ignored("load_from_fp32_weights", boolean()),
     ConfigKey::ignored("stage3_gather_16bit_weights_on_model_save", boolean()),
     ConfigKey::ignored("gather_16bit_weights_on_model_save", boolean()),
     ConfigKey::ignored("stage3_gather_fp16_weights_on_model_save", boolean()),
-    ConfigKey::ignored("memory_efficient_linear", boolean()), ConfigKey::ignored("override_module_apply", boolean()),
+    ConfigKey::ignored("memory_efficient_linear", boolean()),
+    ConfigKey::ignored("override_module_apply", boolean()),
     ConfigKey::ignored("use_multi_rank_bucket_allreduce", boolean()),
     ConfigKey::ignored("log_trace_cache_warnings", boolean()),
     // Known to DeepSpeed, not done by zp.
-    ConfigKey::unsupported("offload_param", Off::device_none), ConfigKey::unsupported("cpu_offload", Off::is_false),
+    ConfigKey::unsupported("offload_param", Off::device_none),
+    ConfigKey::unsupported("cpu_offload", Off::is_false),
     ConfigKey::unsupported("cpu_offload_params", Off::is_false),
     ConfigKey::unsupported("cpu_offload_use_pin_memory", Off::is_false),
-    ConfigKey::unsupported("elastic_checkpoint", Off::is_false), ConfigKey::unsupported("legacy_stage1", Off::is_false),
+    ConfigKey::unsupported("elastic_checkpoint", Off::is_false),
+    ConfigKey::unsupported("legacy_stage1", Off::is_false),
     ConfigKey::unsupported("zero_hpz_partition_size", Off::number, 1),
     ConfigKey::unsupported("zero_quantized_weights", Off::is_false),
     ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
     ConfigKey::unsupported("zero_quantized_gradients", Off::is_false),
     ConfigKey::unsupported("mics_shard_size", Off::number, -1),
     ConfigKey::unsupported("mics_hierarchical_params_gather", Off::is_false),
-    ConfigKey::unsupported("stage3_model_persistence_threshold"), ConfigKey::unsupported("model_persistence_threshold"),
+    ConfigKey::unsupported("stage3_model_persistence_threshold"),
+    ConfigKey::unsupported("model_persistence_threshold"),
     ConfigKey::unsupported("stage3_use_all_reduce_for_fetch_params", Off::is_false),
     ConfigKey::unsupported("use_all_reduce_for_fetch_params", Off::is_false),
     ConfigKey::unsupported("pipeline_loading_checkpoint", Off::is_false),
@@ -294,100 +332,159 @@ struct TypedSection {
 };
 using TypedKey = Key<TypedSection>;
 inline constexpr TypedKey optimizer_keys[] = {
-    TypedKey::read("type",
-                   text("an optimizer name (Adam, AdamW, SGD, Lion)").require("required (one of Adam, AdamW, SGD, Lion)"),
-                   [](auto& s) -> auto& { return s.type; }),
-    TypedKey::read("params", any().or_null(), [](auto& s) -> auto& { return s.params; }),
+    TypedKey::read(
+        "type",
+        text("an optimizer name (Adam, AdamW, SGD, Lion)")
+            .require("required (one of Adam, AdamW, SGD, Lion)"),
+        [](auto& s) -> auto& { return s.type; }),
+    TypedKey::read(
+        "params", any().or_null(), [](auto& s) -> auto& { return s.params; }),
     TypedKey::ignored("legacy_fusion", boolean())};
 inline constexpr TypedKey scheduler_keys[] = {
-    TypedKey::read("type",
-                   text("a scheduler name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)")
-                       .require("required (one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)"),
-                   [](auto& s) -> auto& { return s.type; }),
-    TypedKey::read("params", any().or_null(), [](auto& s) -> auto& { return s.params; })};
+    TypedKey::read(
+        "type",
+        text("a scheduler name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)")
+            .require("required (one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)"),
+        [](auto& s) -> auto& { return s.type; }),
+    TypedKey::read(
+        "params", any().or_null(), [](auto& s) -> auto& { return s.params; })};
 
 // DeepSpeed's optimizer defaults (deepspeed/ops/adam, deepspeed/ops/lion): lr 1e-3 for all; Adam(W)
 // betas 0.9/0.999, eps 1e-8, weight_decay 0; Lion betas 0.9/0.999; SGD as torch.optim.SGD.
 inline constexpr std::string_view max_grad_norm_hint =
-    "max_grad_norm is not an optimizer parameter in DeepSpeed; clip with the top-level \"gradient_clipping\"";
+    "max_grad_norm is not an optimizer parameter in DeepSpeed; clip with the top-level "
+    "\"gradient_clipping\"";
 struct AdamSection {
   optim::AdamW w;
   bool adam_w_mode = true;  // false: Adam with L2 regularisation
 };
 using AdamKey = Key<AdamSection>;
 inline constexpr AdamKey adam_keys[] = {
-    AdamKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.w.lr; }),
-    AdamKey::read("betas", pair(0.9, 0.999, Real::unit_open, "an array of two numbers [beta1, beta2]"),
+    AdamKey::read(
+        "lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.w.lr; }),
+    AdamKey::read("betas",
+                  pair(0.9, 0.999, Real::unit_open, "an array of two numbers [beta1, beta2]"),
                   [](auto& s) { return std::tie(s.w.beta1, s.w.beta2); }),
-    AdamKey::read("eps", real_f32(1e-8, Real::non_negative), [](auto& s) -> auto& { return s.w.eps; }),
-    AdamKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.w.weight_decay; }),
-    AdamKey::read("adam_w_mode", boolean(true), [](auto& s) -> auto& { return s.adam_w_mode; }),
-    AdamKey::ignored("torch_adam", boolean()), AdamKey::unsupported("bias_correction", Off::is_true),
-    AdamKey::unsupported("amsgrad", Off::is_false), AdamKey::misplaced("max_grad_norm", max_grad_norm_hint)};
+    AdamKey::read(
+        "eps", real_f32(1e-8, Real::non_negative), [](auto& s) -> auto& { return s.w.eps; }),
+    AdamKey::read(
+        "weight_decay", real_f32(0, Real::non_negative),
+        [](auto& s) -> auto& { return s.w.weight_decay; }),
+    AdamKey::read(
+        "adam_w_mode", boolean(true), [](auto& s) -> auto& { return s.adam_w_mode; }),
+    AdamKey::ignored("torch_adam", boolean()),
+    AdamKey::unsupported("bias_correction", Off::is_true),
+    AdamKey::unsupported("amsgrad", Off::is_false),
+    AdamKey::misplaced("max_grad_norm", max_grad_norm_hint)};
 using LionKey = Key<optim::Lion>;
 inline constexpr LionKey lion_keys[] = {
-    LionKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
-    LionKey::read("betas", pair(0.9, 0.999, Real::unit_closed, "an array of two numbers [beta1, beta2]"),
+    LionKey::read(
+        "lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
+    LionKey::read("betas",
+                  pair(0.9, 0.999, Real::unit_closed, "an array of two numbers [beta1, beta2]"),
                   [](auto& o) { return std::tie(o.beta1, o.beta2); }),
-    LionKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.weight_decay; }),
+    LionKey::read(
+        "weight_decay", real_f32(0, Real::non_negative),
+        [](auto& o) -> auto& { return o.weight_decay; }),
     LionKey::misplaced("max_grad_norm", max_grad_norm_hint)};
 using SgdKey = Key<optim::Sgd>;
 inline constexpr SgdKey sgd_keys[] = {
-    SgdKey::read("lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
-    SgdKey::read("momentum", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.momentum; }),
-    SgdKey::read("dampening", real_f32(0, Real::unit_closed), [](auto& o) -> auto& { return o.dampening; }),
-    SgdKey::read("weight_decay", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.weight_decay; }),
-    SgdKey::read("nesterov", boolean(false), [](auto& o) -> auto& { return o.nesterov; }),
-    SgdKey::unsupported("maximize", Off::is_false), SgdKey::misplaced("max_grad_norm", max_grad_norm_hint)};
+    SgdKey::read(
+        "lr", real_f32(1e-3, Real::non_negative), [](auto& o) -> auto& { return o.lr; }),
+    SgdKey::read(
+        "momentum", real_f32(0, Real::non_negative), [](auto& o) -> auto& { return o.momentum; }),
+    SgdKey::read(
+        "dampening", real_f32(0, Real::unit_closed), [](auto& o) -> auto& { return o.dampening; }),
+    SgdKey::read(
+        "weight_decay", real_f32(0, Real::non_negative),
+        [](auto& o) -> auto& { return o.weight_decay; }),
+    SgdKey::read(
+        "nesterov", boolean(false), [](auto& o) -> auto& { return o.nesterov; }),
+    SgdKey::unsupported("maximize", Off::is_false),
+    SgdKey::misplaced("max_grad_norm", max_grad_norm_hint)};
 
 // The schedules (deepspeed/runtime/lr_schedules.py, its defaults). Schedules step once per
 // applied optimizer step; last_batch_iteration (resuming mid-schedule) is zp's step count.
 inline constexpr Choice warmup_types[] = {{"log", std::int64_t(schedule::Warmup::log)},
                                           {"linear", std::int64_t(schedule::Warmup::linear)}};
-constexpr Spec warmup_type = choice(warmup_types, "\"log\" or \"linear\"", std::int64_t(schedule::Warmup::log));
+constexpr Spec warmup_type =
+    choice(warmup_types, "\"log\" or \"linear\"", std::int64_t(schedule::Warmup::log));
 using WarmupKey = Key<schedule::WarmupLR>;
 inline constexpr WarmupKey warmup_keys[] = {
-    WarmupKey::read("warmup_min_lr", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.warmup_min_lr; }),
-    WarmupKey::read("warmup_max_lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.warmup_max_lr; }),
-    WarmupKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
-    WarmupKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    WarmupKey::read(
+        "warmup_min_lr", real_f32(0, Real::non_negative),
+        [](auto& s) -> auto& { return s.warmup_min_lr; }),
+    WarmupKey::read(
+        "warmup_max_lr", real_f32(1e-3, Real::non_negative),
+        [](auto& s) -> auto& { return s.warmup_max_lr; }),
+    WarmupKey::read(
+        "warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    WarmupKey::read(
+        "warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
     WarmupKey::unsupported("last_batch_iteration", Off::number, -1)};
 using DecayKey = Key<schedule::WarmupDecayLR>;
 inline constexpr DecayKey decay_keys[] = {
-    DecayKey::read("warmup_min_lr", real_f32(0, Real::non_negative), [](auto& s) -> auto& { return s.warmup_min_lr; }),
-    DecayKey::read("warmup_max_lr", real_f32(1e-3, Real::non_negative), [](auto& s) -> auto& { return s.warmup_max_lr; }),
-    DecayKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
-    DecayKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
-    DecayKey::read("total_num_steps", count(10000).require("required by WarmupDecayLR"),
-                   [](auto& s) -> auto& { return s.total_num_steps; }),
+    DecayKey::read(
+        "warmup_min_lr", real_f32(0, Real::non_negative),
+        [](auto& s) -> auto& { return s.warmup_min_lr; }),
+    DecayKey::read(
+        "warmup_max_lr", real_f32(1e-3, Real::non_negative),
+        [](auto& s) -> auto& { return s.warmup_max_lr; }),
+    DecayKey::read(
+        "warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    DecayKey::read(
+        "warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    DecayKey::read(
+        "total_num_steps", count(10000).require("required by WarmupDecayLR"),
+        [](auto& s) -> auto& { return s.total_num_steps; }),
     DecayKey::unsupported("last_batch_iteration", Off::number, -1)};
 using CosineKey = Key<schedule::WarmupCosineLR>;
 inline constexpr CosineKey cosine_keys[] = {
-    CosineKey::read("total_num_steps", count(10000).require("required by WarmupCosineLR"),
-                    [](auto& s) -> auto& { return s.total_num_steps; }),
-    CosineKey::read("warmup_min_ratio", real(0, Real::unit_closed), [](auto& s) -> auto& { return s.warmup_min_ratio; }),
-    CosineKey::read("warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
-    CosineKey::read("cos_min_ratio", real(1e-4, Real::unit_closed), [](auto& s) -> auto& { return s.cos_min_ratio; }),
-    CosineKey::read("warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
+    CosineKey::read(
+        "total_num_steps", count(10000).require("required by WarmupCosineLR"),
+        [](auto& s) -> auto& { return s.total_num_steps; }),
+    CosineKey::read(
+        "warmup_min_ratio", real(0, Real::unit_closed),
+        [](auto& s) -> auto& { return s.warmup_min_ratio; }),
+    CosineKey::read(
+        "warmup_num_steps", count(1000), [](auto& s) -> auto& { return s.warmup_num_steps; }),
+    CosineKey::read(
+        "cos_min_ratio", real(1e-4, Real::unit_closed),
+        [](auto& s) -> auto& { return s.cos_min_ratio; }),
+    CosineKey::read(
+        "warmup_type", warmup_type, [](auto& s) -> auto& { return s.warmup_type; }),
     CosineKey::unsupported("last_batch_iteration", Off::number, -1)};
 using CycleKey = Key<schedule::OneCycle>;
 inline constexpr CycleKey cycle_keys[] = {
-    CycleKey::read("cycle_min_lr", real_f32(1e-4, Real::non_negative).require("required by OneCycle"),
-                   [](auto& s) -> auto& { return s.cycle_min_lr; }),
-    CycleKey::read("cycle_max_lr", real_f32(1e-3, Real::non_negative).require("required by OneCycle"),
-                   [](auto& s) -> auto& { return s.cycle_max_lr; }),
-    CycleKey::read("decay_lr_rate", real(0, Real::non_negative), [](auto& s) -> auto& { return s.decay_lr_rate; }),
-    CycleKey::read("cycle_first_step_size", integer(2000, 1, max_i64, "a positive integer"),
-                   [](auto& s) -> auto& { return s.cycle_first_step_size; }),
+    CycleKey::read(
+        "cycle_min_lr", real_f32(1e-4, Real::non_negative).require("required by OneCycle"),
+        [](auto& s) -> auto& { return s.cycle_min_lr; }),
+    CycleKey::read(
+        "cycle_max_lr", real_f32(1e-3, Real::non_negative).require("required by OneCycle"),
+        [](auto& s) -> auto& { return s.cycle_max_lr; }),
+    CycleKey::read(
+        "decay_lr_rate", real(0, Real::non_negative),
+        [](auto& s) -> auto& { return s.decay_lr_rate; }),
+    CycleKey::read(
+        "cycle_first_step_size", integer(2000, 1, max_i64, "a positive integer"),
+        [](auto& s) -> auto& { return s.cycle_first_step_size; }),
     // 0 (null or absent): equal to the first step size.
-    CycleKey::read("cycle_second_step_size",
-                   integer(0, 1, max_i64, "a positive integer, or null for the first step size").or_null(),
-                   [](auto& s) -> auto& { return s.cycle_second_step_size; }),
-    CycleKey::read("decay_step_size", count(0), [](auto& s) -> auto& { return s.decay_step_size; }),
-    CycleKey::read("cycle_momentum", boolean(true), [](auto& s) -> auto& { return s.cycle_momentum; }),
-    CycleKey::read("cycle_min_mom", real_f32(0.8, Real::non_negative), [](auto& s) -> auto& { return s.cycle_min_mom; }),
-    CycleKey::read("cycle_max_mom", real_f32(0.9, Real::non_negative), [](auto& s) -> auto& { return s.cycle_max_mom; }),
-    CycleKey::read("decay_mom_rate", real(0, Real::finite), [](auto& s) -> auto& { return s.decay_mom_rate; }),
+    CycleKey::read(
+        "cycle_second_step_size",
+        integer(0, 1, max_i64, "a positive integer, or null for the first step size").or_null(),
+        [](auto& s) -> auto& { return s.cycle_second_step_size; }),
+    CycleKey::read(
+        "decay_step_size", count(0), [](auto& s) -> auto& { return s.decay_step_size; }),
+    CycleKey::read(
+        "cycle_momentum", boolean(true), [](auto& s) -> auto& { return s.cycle_momentum; }),
+    CycleKey::read(
+        "cycle_min_mom", real_f32(0.8, Real::non_negative),
+        [](auto& s) -> auto& { return s.cycle_min_mom; }),
+    CycleKey::read(
+        "cycle_max_mom", real_f32(0.9, Real::non_negative),
+        [](auto& s) -> auto& { return s.cycle_max_mom; }),
+    CycleKey::read(
+        "decay_mom_rate", real(0, Real::finite), [](auto& s) -> auto& { return s.decay_mom_rate; }),
     CycleKey::unsupported("cycle_first_stair_count", Off::number, 0),
     CycleKey::unsupported("cycle_second_stair_count", Off::null_or_number, 0),
     CycleKey::unsupported("last_batch_iteration", Off::number, -1)};
@@ -402,18 +499,22 @@ inline constexpr Choice comm_dtypes[] = {{"fp32", std::int64_t(DType::f32)},
                                          {"bfp16", std::int64_t(DType::bf16)}};
 inline constexpr const char* dtype_what = "null, \"fp32\", \"fp16\" or \"bf16\"";
 inline constexpr ConfigKey data_type_keys[] = {ConfigKey::read(
-    "grad_accum_dtype", choice_or_null(dtypes, dtype_what), [](auto& c) -> auto& { return c.grad_accum_dtype; })};
+    "grad_accum_dtype", choice_or_null(dtypes, dtype_what),
+    [](auto& c) -> auto& { return c.grad_accum_dtype; })};
 
 inline constexpr Choice tag_validations[] = {{"Warn", std::int64_t(TagValidation::warn)},
                                              {"Ignore", std::int64_t(TagValidation::ignore)},
                                              {"Fail", std::int64_t(TagValidation::fail)}};
 inline constexpr ConfigKey checkpoint_keys[] = {
-    ConfigKey::read("tag_validation",
-                    choice(tag_validations, "\"Warn\", \"Ignore\" or \"Fail\"", std::int64_t(TagValidation::warn),
-                           /*any_case=*/true),
-                    [](auto& c) -> auto& { return c.tag_validation; }),
+    ConfigKey::read(
+        "tag_validation",
+        choice(tag_validations, "\"Warn\", \"Ignore\" or \"Fail\"",
+               std::int64_t(TagValidation::warn),
+               /*any_case=*/true),
+        [](auto& c) -> auto& { return c.tag_validation; }),
     ConfigKey::unsupported("load_universal", Off::is_false),
-    ConfigKey::unsupported("use_node_local_storage", Off::is_false), ConfigKey::unsupported("parallel_write")};
+    ConfigKey::unsupported("use_node_local_storage", Off::is_false),
+    ConfigKey::unsupported("parallel_write")};
 
 void read_fp16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
 void read_bf16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
@@ -426,43 +527,69 @@ inline void list_optimizer(const Config& cfg, const std::string& path, Listing& 
 inline void list_scheduler(const Config& cfg, const std::string& path, Listing& out);
 
 // The three batch keys: "auto" or absent = 0 (not given).
-constexpr Spec batch_size = integer(0, 1, max_i64, "a positive integer or \"auto\"").or_placeholder();
+constexpr Spec batch_size =
+    integer(0, 1, max_i64, "a positive integer or \"auto\"").or_placeholder();
 inline constexpr ConfigKey root_keys[] = {
-    ConfigKey::read("train_batch_size", batch_size, [](auto& c) -> auto& { return c.batch.train_batch_size; }),
-    ConfigKey::read("train_micro_batch_size_per_gpu", batch_size,
-                    [](auto& c) -> auto& { return c.batch.micro_batch_per_rank; }),
-    ConfigKey::read("gradient_accumulation_steps", batch_size,
-                    [](auto& c) -> auto& { return c.batch.gradient_accumulation_steps; }),
+    ConfigKey::read(
+        "train_batch_size", batch_size, [](auto& c) -> auto& { return c.batch.train_batch_size; }),
+    ConfigKey::read(
+        "train_micro_batch_size_per_gpu", batch_size,
+        [](auto& c) -> auto& { return c.batch.micro_batch_per_rank; }),
+    ConfigKey::read(
+        "gradient_accumulation_steps", batch_size,
+        [](auto& c) -> auto& { return c.batch.gradient_accumulation_steps; }),
     ConfigKey::object("fp16", read_fp16).listed(list_fp16),
     ConfigKey::object("bf16", read_bf16)
         .or_alias("bfloat16", "older name")
-        .listed<bf16_keys>([](const Config& c) { return Bf16Section{.enabled = c.precision == Precision::bf16}; }),
-    ConfigKey::object("zero_optimization", read_zero).listed<zero_keys>([](auto& c) -> auto& { return c; }),
+        .listed<bf16_keys>(
+            [](const Config& c) { return Bf16Section{.enabled = c.precision == Precision::bf16}; }),
+    ConfigKey::object("zero_optimization", read_zero).listed<zero_keys>([](auto& c) -> auto& {
+      return c;
+    }),
     ConfigKey::object("optimizer", read_optimizer).if_given().listed(list_optimizer),
     ConfigKey::object("scheduler", read_scheduler).if_given().listed(list_scheduler),
-    ConfigKey::read("gradient_clipping", real_f32(0, Real::non_negative),
-                    [](auto& c) -> auto& { return c.engine.max_grad_norm; }),
-    ConfigKey::read("steps_per_print", count(10), [](auto& c) -> auto& { return c.steps_per_print; }),
-    ConfigKey::read("wall_clock_breakdown", boolean(false), [](auto& c) -> auto& { return c.wall_clock_breakdown; }),
-    ConfigKey::read("communication_data_type", choice_or_null(comm_dtypes, dtype_what),
-                    [](auto& c) -> auto& { return c.communication_data_type; }),
-    ConfigKey::object<data_type_keys>("data_types", [](auto& c) -> auto& { return c; }),
-    ConfigKey::object<checkpoint_keys>("checkpoint", [](auto& c) -> auto& { return c; }),
-    ConfigKey::ignored("memory_breakdown", boolean()), ConfigKey::ignored("zero_force_ds_cpu_optimizer", boolean()),
-    ConfigKey::unsupported("amp", Off::not_enabled), ConfigKey::unsupported("zero_allow_untested_optimizer", Off::is_false),
+    ConfigKey::read(
+        "gradient_clipping", real_f32(0, Real::non_negative),
+        [](auto& c) -> auto& { return c.engine.max_grad_norm; }),
+    ConfigKey::read(
+        "steps_per_print", count(10), [](auto& c) -> auto& { return c.steps_per_print; }),
+    ConfigKey::read(
+        "wall_clock_breakdown", boolean(false),
+        [](auto& c) -> auto& { return c.wall_clock_breakdown; }),
+    ConfigKey::read(
+        "communication_data_type", choice_or_null(comm_dtypes, dtype_what),
+        [](auto& c) -> auto& { return c.communication_data_type; }),
+    ConfigKey::object<data_type_keys>(
+        "data_types", [](auto& c) -> auto& { return c; }),
+    ConfigKey::object<checkpoint_keys>(
+        "checkpoint", [](auto& c) -> auto& { return c; }),
+    ConfigKey::ignored("memory_breakdown", boolean()),
+    ConfigKey::ignored("zero_force_ds_cpu_optimizer", boolean()),
+    ConfigKey::unsupported("amp", Off::not_enabled),
+    ConfigKey::unsupported("zero_allow_untested_optimizer", Off::is_false),
     ConfigKey::unsupported("prescale_gradients", Off::is_false),
     ConfigKey::unsupported("gradient_predivide_factor", Off::number, 1),
-    ConfigKey::unsupported("sparse_gradients", Off::is_false), ConfigKey::unsupported("fp32_allreduce", Off::is_false),
-    ConfigKey::unsupported("disable_allgather", Off::is_false), ConfigKey::unsupported("dump_state", Off::is_false),
+    ConfigKey::unsupported("sparse_gradients", Off::is_false),
+    ConfigKey::unsupported("fp32_allreduce", Off::is_false),
+    ConfigKey::unsupported("disable_allgather", Off::is_false),
+    ConfigKey::unsupported("dump_state", Off::is_false),
     ConfigKey::unsupported("dataloader_drop_last", Off::is_false),
-    ConfigKey::unsupported("graph_harvesting", Off::is_false), ConfigKey::unsupported("activation_checkpointing"),
-    ConfigKey::unsupported("pipeline"), ConfigKey::unsupported("aio"), ConfigKey::unsupported("sparse_attention"),
-    ConfigKey::unsupported("compression_training"), ConfigKey::unsupported("flops_profiler", Off::not_enabled),
-    ConfigKey::unsupported("tensorboard", Off::not_enabled), ConfigKey::unsupported("wandb", Off::not_enabled),
-    ConfigKey::unsupported("csv_monitor", Off::not_enabled), ConfigKey::unsupported("comms_logger", Off::not_enabled),
-    ConfigKey::unsupported("autotuning", Off::not_enabled), ConfigKey::unsupported("elasticity", Off::not_enabled),
+    ConfigKey::unsupported("graph_harvesting", Off::is_false),
+    ConfigKey::unsupported("activation_checkpointing"),
+    ConfigKey::unsupported("pipeline"),
+    ConfigKey::unsupported("aio"),
+    ConfigKey::unsupported("sparse_attention"),
+    ConfigKey::unsupported("compression_training"),
+    ConfigKey::unsupported("flops_profiler", Off::not_enabled),
+    ConfigKey::unsupported("tensorboard", Off::not_enabled),
+    ConfigKey::unsupported("wandb", Off::not_enabled),
+    ConfigKey::unsupported("csv_monitor", Off::not_enabled),
+    ConfigKey::unsupported("comms_logger", Off::not_enabled),
+    ConfigKey::unsupported("autotuning", Off::not_enabled),
+    ConfigKey::unsupported("elasticity", Off::not_enabled),
     ConfigKey::unsupported("curriculum_learning", Off::not_enabled),
-    ConfigKey::unsupported("data_efficiency", Off::not_enabled), ConfigKey::unsupported("nebula", Off::not_enabled),
+    ConfigKey::unsupported("data_efficiency", Off::not_enabled),
+    ConfigKey::unsupported("nebula", Off::not_enabled),
     ConfigKey::unsupported("eigenvalue", Off::not_enabled),
     ConfigKey::unsupported("progressive_layer_drop", Off::not_enabled),
     ConfigKey::unsupported("quantize_training", Off::not_enabled),
@@ -476,17 +603,19 @@ inline void read_fp16(const Ctx& c, const json& j, const std::string& path, Conf
   read_object(c, j, path, fp16_keys, s);
   const double initial = std::ldexp(1.0, int(s.initial_scale_power));
   if (s.min_loss_scale > initial)
-    c.fail(join(path, "min_loss_scale"), "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
+    c.fail(join(path, "min_loss_scale"),
+           "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
            s.min_loss_scale);
   if (!s.enabled) return;
   cfg.precision = Precision::fp16;
   cfg.engine.loss_scaler = c.checked(path, [&] {
     return s.loss_scale > 0 ? LossScaler::fixed(s.loss_scale)
-                            : LossScaler::dynamic(DynamicScale{.initial_scale = float(initial),
-                                                               .window = s.loss_scale_window,
-                                                               .hysteresis = s.hysteresis,
-                                                               .consecutive_hysteresis = s.consecutive_hysteresis,
-                                                               .min_scale = s.min_loss_scale});
+                            : LossScaler::dynamic(
+                                  DynamicScale{.initial_scale = float(initial),
+                                               .window = s.loss_scale_window,
+                                               .hysteresis = s.hysteresis,
+                                               .consecutive_hysteresis = s.consecutive_hysteresis,
+                                               .min_scale = s.min_loss_scale});
   });
 }
 
@@ -496,7 +625,8 @@ inline void read_bf16(const Ctx& c, const json& j, const std::string& path, Conf
   read_object(c, j, path, bf16_keys, s);
   if (!s.enabled) return;
   if (cfg.precision == Precision::fp16)
-    c.fail(join(path, "enabled"), "fp16 and ", path, " are both enabled; enable one (bf16 needs no loss scaling)");
+    c.fail(join(path, "enabled"), "fp16 and ", path,
+           " are both enabled; enable one (bf16 needs no loss scaling)");
   cfg.precision = Precision::bf16;
 }
 
@@ -512,8 +642,9 @@ inline float optimizer_lr(const AnyOptimizer& o) {
 // "type" is the name of one of `supported` (any case), else an error naming the closest one,
 // or saying that DeepSpeed has it and zp does not.
 template <std::size_t N>
-std::string type_of(const Ctx& c, const TypedSection& s, const std::string& path, std::string_view what,
-                    const std::string_view (&supported)[N], std::span<const std::string_view> deepspeed_only) {
+std::string type_of(const Ctx& c, const TypedSection& s, const std::string& path,
+                    std::string_view what, const std::string_view (&supported)[N],
+                    std::span<const std::string_view> deepspeed_only) {
   const std::string low = lower(s.type);
   for (std::string_view n : supported)
     if (lower(n) == low) return low;
@@ -521,17 +652,20 @@ std::string type_of(const Ctx& c, const TypedSection& s, const std::string& path
   for (std::string_view n : supported) list += zp::detail::cat(list.empty() ? "" : ", ", n);
   for (std::string_view n : deepspeed_only)
     if (lower(n) == low)
-      c.fail(join(path, "type"), "\"", s.type, "\" is known to DeepSpeed, not supported by zp (zp has ", list, ")");
+      c.fail(join(path, "type"), "\"", s.type,
+             "\" is known to DeepSpeed, not supported by zp (zp has ", list, ")");
   const std::string_view near = closest(s.type, supported);
-  c.fail(join(path, "type"), "unknown ", what, " ", show(json(s.type)), near.empty() ? "" : "; did you mean ", near,
-         near.empty() ? "" : "?", " (zp has ", list, ")");
+  c.fail(join(path, "type"), "unknown ", what, " ", show(json(s.type)),
+         near.empty() ? "" : "; did you mean ", near, near.empty() ? "" : "?", " (zp has ", list,
+         ")");
 }
 
 inline void read_optimizer(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
   static constexpr std::string_view supported[] = {"Adam", "AdamW", "SGD", "Lion"};
   static constexpr std::string_view deepspeed_only[] = {
-      "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD",
-      "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam"};
+      "Lamb",    "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad",   "MuAdam",
+      "MuAdamW", "MuSGD",      "Adadelta",    "Adamax",     "ASGD",      "LBFGS",
+      "NAdam",   "RAdam",      "RMSprop",     "Rprop",      "SparseAdam"};
   TypedSection s;
   read_object(c, j, path, optimizer_keys, s);
   const std::string type = type_of(c, s, path, "optimizer", supported, deepspeed_only);
@@ -544,11 +678,17 @@ inline void read_optimizer(const Ctx& c, const json& j, const std::string& path,
     AdamSection a;
     read_object(c, params, pp, adam_keys, a, /*placeholders=*/true);
     if (type == "adamw" && !a.adam_w_mode)
-      c.fail(join(pp, "adam_w_mode"), "AdamW always decouples weight decay; for L2 regularisation use \"type\": "
-                                      "\"Adam\" with \"adam_w_mode\": false");
-    if (a.adam_w_mode) cfg.optimizer = a.w;
-    else cfg.optimizer = optim::Adam{.lr = a.w.lr, .beta1 = a.w.beta1, .beta2 = a.w.beta2, .eps = a.w.eps,
-                                     .weight_decay = a.w.weight_decay};
+      c.fail(join(pp, "adam_w_mode"),
+             "AdamW always decouples weight decay; for L2 regularisation use \"type\": "
+             "\"Adam\" with \"adam_w_mode\": false");
+    if (a.adam_w_mode)
+      cfg.optimizer = a.w;
+    else
+      cfg.optimizer = optim::Adam{.lr = a.w.lr,
+                                  .beta1 = a.w.beta1,
+                                  .beta2 = a.w.beta2,
+                                  .eps = a.w.eps,
+                                  .weight_decay = a.w.weight_decay};
   } else if (type == "lion") {
     optim::Lion l;
     read_object(c, params, pp, lion_keys, l, true);
@@ -565,7 +705,8 @@ inline void read_optimizer(const Ctx& c, const json& j, const std::string& path,
 }
 
 inline void read_scheduler(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
-  static constexpr std::string_view supported[] = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"};
+  static constexpr std::string_view supported[] = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+                                                   "OneCycle"};
   static constexpr std::string_view deepspeed_only[] = {"LRRangeTest"};
   TypedSection s;
   read_object(c, j, path, scheduler_keys, s);
@@ -578,10 +719,14 @@ inline void read_scheduler(const Ctx& c, const json& j, const std::string& path,
     read_object(c, params, pp, keys, sched, /*placeholders=*/true);
     cfg.scheduler = sched;
   };
-  if (type == "warmuplr") read(schedule::WarmupLR{}, warmup_keys);
-  else if (type == "warmupdecaylr") read(schedule::WarmupDecayLR{}, decay_keys);
-  else if (type == "warmupcosinelr") read(schedule::WarmupCosineLR{.base_lr = double(optimizer_lr(cfg.optimizer))}, cosine_keys);
-  else read(schedule::OneCycle{}, cycle_keys);
+  if (type == "warmuplr")
+    read(schedule::WarmupLR{}, warmup_keys);
+  else if (type == "warmupdecaylr")
+    read(schedule::WarmupDecayLR{}, decay_keys);
+  else if (type == "warmupcosinelr")
+    read(schedule::WarmupCosineLR{.base_lr = double(optimizer_lr(cfg.optimizer))}, cosine_keys);
+  else
+    read(schedule::OneCycle{}, cycle_keys);
   // As for the optimizer: "auto" placeholders (e.g. total_num_steps) are not checked against the
   // other settings; the schedule's lr() checks the values the program filled in.
   if (!c.placeholders || c.placeholders->size() == autos_before)
@@ -620,12 +765,14 @@ inline void list_fp16(const Config& cfg, const std::string& path, Listing& out) 
 // "optimizer" and "scheduler": their table's keys, with "params" replaced by the lines of the
 // table the type selects.
 template <std::size_t N>
-void list_typed(const TypedKey (&keys)[N], std::string_view type, const std::string& path, const Listing& params,
-                Listing& out) {
+void list_typed(const TypedKey (&keys)[N], std::string_view type, const std::string& path,
+                const Listing& params, Listing& out) {
   const TypedSection s{.type = std::string(type)};
   for (Shown& line : list_object(keys, s, path)) {
-    if (line.path == join(path, "params")) out.insert(out.end(), params.begin(), params.end());
-    else out.push_back(std::move(line));
+    if (line.path == join(path, "params"))
+      out.insert(out.end(), params.begin(), params.end());
+    else
+      out.push_back(std::move(line));
   }
 }
 
@@ -636,14 +783,19 @@ inline void list_optimizer(const Config& cfg, const std::string& path, Listing& 
         using O = std::decay_t<decltype(o)>;
         if constexpr (std::is_same_v<O, optim::AdamW> || std::is_same_v<O, optim::Adam>) {
           constexpr bool w = std::is_same_v<O, optim::AdamW>;
-          const AdamSection a{.w = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps,
+          const AdamSection a{.w = {.lr = o.lr,
+                                    .beta1 = o.beta1,
+                                    .beta2 = o.beta2,
+                                    .eps = o.eps,
                                     .weight_decay = o.weight_decay},
                               .adam_w_mode = w};
-          list_typed(optimizer_keys, w ? "AdamW" : "Adam", path, list_object(adam_keys, a, pp), out);
+          list_typed(optimizer_keys, w ? "AdamW" : "Adam", path, list_object(adam_keys, a, pp),
+                     out);
         } else if constexpr (std::is_same_v<O, optim::Lion>) {
           list_typed(optimizer_keys, "Lion", path, list_object(lion_keys, o, pp), out);
         } else {
-          static_assert(std::is_same_v<O, optim::Sgd>, "list_optimizer: an optimizer without a table");
+          static_assert(std::is_same_v<O, optim::Sgd>,
+                        "list_optimizer: an optimizer without a table");
           list_typed(optimizer_keys, "SGD", path, list_object(sgd_keys, o, pp), out);
         }
       },
@@ -668,7 +820,8 @@ inline void list_scheduler(const Config& cfg, const std::string& path, Listing& 
         else if constexpr (std::is_same_v<S, schedule::OneCycle>)
           list_typed(scheduler_keys, "OneCycle", path, list_object(cycle_keys, x, pp), out);
         else  // Constant: set by a program, not read from a ds_config
-          list_typed(scheduler_keys, "Constant", path, {{join(pp, "value"), zp::detail::cat(x.value)}}, out);
+          list_typed(scheduler_keys, "Constant", path,
+                     {{join(pp, "value"), zp::detail::cat(x.value)}}, out);
       },
       *cfg.scheduler);
 }
@@ -676,26 +829,31 @@ inline void list_scheduler(const Config& cfg, const std::string& path, Listing& 
 // What can be checked before the world size is known: some world size must fit.
 inline void check_batch(const Ctx& c, const Config& cfg) {
   const BatchConfig& b = cfg.batch;
-  const std::int64_t t = b.train_batch_size, m = b.micro_batch_per_rank, g = b.gradient_accumulation_steps;
+  const std::int64_t t = b.train_batch_size, m = b.micro_batch_per_rank,
+                     g = b.gradient_accumulation_steps;
   if (!t && !m) {
-    const bool auto_seen = cfg.is_auto("train_batch_size") || cfg.is_auto("train_micro_batch_size_per_gpu") ||
+    const bool auto_seen = cfg.is_auto("train_batch_size") ||
+                           cfg.is_auto("train_micro_batch_size_per_gpu") ||
                            cfg.is_auto("gradient_accumulation_steps");
     if (!auto_seen)
-      c.fail("train_batch_size", "give train_batch_size or train_micro_batch_size_per_gpu (or both, or \"auto\" "
-                                 "for the program to fill)");
+      c.fail("train_batch_size",
+             "give train_batch_size or train_micro_batch_size_per_gpu (or both, or \"auto\" "
+             "for the program to fill)");
     return;
   }
   if (!t) return;
   std::int64_t per_rank = 0;
   if (m && g && __builtin_mul_overflow(m, g, &per_rank))
-    c.fail("train_batch_size", "train_micro_batch_size_per_gpu (", m, ") * gradient_accumulation_steps (", g,
-           ") overflows a 64-bit integer");
+    c.fail("train_batch_size", "train_micro_batch_size_per_gpu (", m,
+           ") * gradient_accumulation_steps (", g, ") overflows a 64-bit integer");
   const std::int64_t unit = m && g ? per_rank : m ? m : g ? g : 1;
   if (t % unit != 0)
-    c.fail("train_batch_size", "train_batch_size (", t, ") must equal train_micro_batch_size_per_gpu",
-           m ? zp::detail::cat(" (", m, ")") : std::string(" (not given)"), " * gradient_accumulation_steps",
-           g ? zp::detail::cat(" (", g, ")") : std::string(" (not given)"), " * the world size, but it is not a multiple of ",
-           unit, ", so no world size fits");
+    c.fail("train_batch_size", "train_batch_size (", t,
+           ") must equal train_micro_batch_size_per_gpu",
+           m ? zp::detail::cat(" (", m, ")") : std::string(" (not given)"),
+           " * gradient_accumulation_steps",
+           g ? zp::detail::cat(" (", g, ")") : std::string(" (not given)"),
+           " * the world size, but it is not a multiple of ", unit, ", so no world size fits");
 }
 
 inline Config parse_root(const json& j, std::string_view source) {
@@ -720,7 +878,8 @@ Config parse(const Json& j, std::string_view source_name = "ds_config") {
 // Parses ds_config.json text: invalid JSON (named with line and column), nesting deeper than 32
 // levels, duplicate keys and everything parse(json) rejects are errors.
 inline Config parse(std::string_view text, std::string_view source_name) {
-  return detail::parse_root(zp::detail::parse_json(text, source_name, Errc::invalid_argument), source_name);
+  return detail::parse_root(zp::detail::parse_json(text, source_name, Errc::invalid_argument),
+                            source_name);
 }
 
 // Reads and parses a file; the source name in messages is the path as given. A file that cannot
@@ -738,24 +897,31 @@ inline std::string describe_schedule(const schedule::Any& s) {
   return std::visit(
       [&](const auto& x) -> std::string {
         using S = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<S, schedule::Constant>) return cat("Constant(value=", x.value, ")");
+        if constexpr (std::is_same_v<S, schedule::Constant>)
+          return cat("Constant(value=", x.value, ")");
         else if constexpr (std::is_same_v<S, schedule::WarmupLR>)
-          return cat("WarmupLR(warmup_min_lr=", x.warmup_min_lr, ", warmup_max_lr=", x.warmup_max_lr,
-                     ", warmup_num_steps=", x.warmup_num_steps, ", warmup_type=", type(x.warmup_type), ")");
-        else if constexpr (std::is_same_v<S, schedule::WarmupDecayLR>)
-          return cat("WarmupDecayLR(warmup_min_lr=", x.warmup_min_lr, ", warmup_max_lr=", x.warmup_max_lr,
-                     ", warmup_num_steps=", x.warmup_num_steps, ", total_num_steps=", x.total_num_steps,
+          return cat("WarmupLR(warmup_min_lr=", x.warmup_min_lr,
+                     ", warmup_max_lr=", x.warmup_max_lr, ", warmup_num_steps=", x.warmup_num_steps,
                      ", warmup_type=", type(x.warmup_type), ")");
+        else if constexpr (std::is_same_v<S, schedule::WarmupDecayLR>)
+          return cat("WarmupDecayLR(warmup_min_lr=", x.warmup_min_lr,
+                     ", warmup_max_lr=", x.warmup_max_lr, ", warmup_num_steps=", x.warmup_num_steps,
+                     ", total_num_steps=", x.total_num_steps, ", warmup_type=", type(x.warmup_type),
+                     ")");
         else if constexpr (std::is_same_v<S, schedule::WarmupCosineLR>)
           return cat("WarmupCosineLR(base_lr=", x.base_lr, ", total_num_steps=", x.total_num_steps,
-                     ", warmup_min_ratio=", x.warmup_min_ratio, ", warmup_num_steps=", x.warmup_num_steps,
-                     ", cos_min_ratio=", x.cos_min_ratio, ", warmup_type=", type(x.warmup_type), ")");
+                     ", warmup_min_ratio=", x.warmup_min_ratio,
+                     ", warmup_num_steps=", x.warmup_num_steps, ", cos_min_ratio=", x.cos_min_ratio,
+                     ", warmup_type=", type(x.warmup_type), ")");
         else
           return cat("OneCycle(cycle_min_lr=", x.cycle_min_lr, ", cycle_max_lr=", x.cycle_max_lr,
-                     ", decay_lr_rate=", x.decay_lr_rate, ", cycle_first_step_size=", x.cycle_first_step_size,
-                     ", cycle_second_step_size=", x.second(), ", decay_step_size=", x.decay_step_size,
-                     ", cycle_momentum=", x.cycle_momentum ? "true" : "false", ", cycle_min_mom=", x.cycle_min_mom,
-                     ", cycle_max_mom=", x.cycle_max_mom, ", decay_mom_rate=", x.decay_mom_rate, ")");
+                     ", decay_lr_rate=", x.decay_lr_rate,
+                     ", cycle_first_step_size=", x.cycle_first_step_size,
+                     ", cycle_second_step_size=", x.second(),
+                     ", decay_step_size=", x.decay_step_size,
+                     ", cycle_momentum=", x.cycle_momentum ? "true" : "false",
+                     ", cycle_min_mom=", x.cycle_min_mom, ", cycle_max_mom=", x.cycle_max_mom,
+                     ", decay_mom_rate=", x.decay_mom_rate, ")");
       },
       s);
 }
@@ -766,38 +932,48 @@ inline std::string describe_schedule(const schedule::Any& s) {
 // program's startup print.
 inline std::string describe(const Config& c) {
   using zp::detail::cat;
-  auto batch = [&](std::int64_t v, const char* key) { return v ? cat(v) : c.is_auto(key) ? "auto" : "not given"; };
+  auto batch = [&](std::int64_t v, const char* key) {
+    return v ? cat(v) : c.is_auto(key) ? "auto" : "not given";
+  };
   const LossScaler& ls = c.engine.loss_scaler;
   std::string precision = detail::ds_name(c.precision);
   if (ls.kind() == LossScaler::Kind::fixed) precision += cat(", fixed loss scale ", ls.scale());
   if (ls.kind() == LossScaler::Kind::dynamic) {
     const DynamicScale& d = ls.config();
-    precision += cat(", dynamic loss scale (initial ", d.initial_scale, ", window ", d.window, ", hysteresis ",
-                     d.hysteresis, ", consecutive_hysteresis ", d.consecutive_hysteresis ? "true" : "false",
-                     ", min ", d.min_scale, ")");
+    precision += cat(", dynamic loss scale (initial ", d.initial_scale, ", window ", d.window,
+                     ", hysteresis ", d.hysteresis, ", consecutive_hysteresis ",
+                     d.consecutive_hysteresis ? "true" : "false", ", min ", d.min_scale, ")");
   }
-  auto dtype = [](const std::optional<DType>& t) { return t ? detail::ds_name(*t) : "null (the model's)"; };
+  auto dtype = [](const std::optional<DType>& t) {
+    return t ? detail::ds_name(*t) : "null (the model's)";
+  };
   std::string out = cat("ds_config ", c.source, ":\n");
   out += cat("  batch: train_batch_size ", batch(c.batch.train_batch_size, "train_batch_size"),
-             ", train_micro_batch_size_per_gpu ", batch(c.batch.micro_batch_per_rank, "train_micro_batch_size_per_gpu"),
+             ", train_micro_batch_size_per_gpu ",
+             batch(c.batch.micro_batch_per_rank, "train_micro_batch_size_per_gpu"),
              ", gradient_accumulation_steps ",
              batch(c.batch.gradient_accumulation_steps, "gradient_accumulation_steps"),
              " (completed for the world size)\n");
   out += cat("  precision: ", precision, "\n");
-  out += cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
-  out += cat("  stage 3: max_live_parameters ", c.engine.max_live_params, ", param_persistence_threshold ",
-             c.engine.persist_threshold, ", prefetch_bucket_size ", c.prefetch_bucket_size, " (prefetch ",
-             c.engine.prefetch ? "on" : "off", ")\n");
+  out +=
+      cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
+  out +=
+      cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
+          ", param_persistence_threshold ", c.engine.persist_threshold, ", prefetch_bucket_size ",
+          c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off", ")\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
-  out += cat("  optimizer: ", std::visit([](const auto& o) { return optim::describe(o); }, c.optimizer),
-             c.optimizer_given ? "" : " (no optimizer section: DeepSpeed's Adam defaults)", "\n");
-  out += cat("  scheduler: ", c.scheduler ? detail::describe_schedule(*c.scheduler) : std::string("none"), "\n");
-  out += cat("  gradient_clipping: ", c.engine.max_grad_norm, c.engine.max_grad_norm > 0 ? "" : " (off)", "\n");
-  out += cat("  grad_accum_dtype: ", dtype(c.grad_accum_dtype), ", communication_data_type: ",
-             dtype(c.communication_data_type), "\n");
+  out += cat(
+      "  optimizer: ", std::visit([](const auto& o) { return optim::describe(o); }, c.optimizer),
+      c.optimizer_given ? "" : " (no optimizer section: DeepSpeed's Adam defaults)", "\n");
+  out += cat("  scheduler: ",
+             c.scheduler ? detail::describe_schedule(*c.scheduler) : std::string("none"), "\n");
+  out += cat("  gradient_clipping: ", c.engine.max_grad_norm,
+             c.engine.max_grad_norm > 0 ? "" : " (off)", "\n");
+  out += cat("  grad_accum_dtype: ", dtype(c.grad_accum_dtype),
+             ", communication_data_type: ", dtype(c.communication_data_type), "\n");
   out += cat("  checkpoint: tag_validation ", detail::ds_name(c.tag_validation), "\n");
-  out += cat("  steps_per_print: ", c.steps_per_print, ", wall_clock_breakdown: ",
-             c.wall_clock_breakdown ? "true" : "false", "\n");
+  out += cat("  steps_per_print: ", c.steps_per_print,
+             ", wall_clock_breakdown: ", c.wall_clock_breakdown ? "true" : "false", "\n");
   if (!c.auto_keys.empty()) {
     out += "  \"auto\" (for the program to fill):";
     for (std::size_t i = 0; i < c.auto_keys.size(); ++i) out += (i ? ", " : " ") + c.auto_keys[i];
@@ -806,7 +982,8 @@ inline std::string describe(const Config& c) {
   // Then every key zp reads, from its declaration (detail::root_keys and the tables under it).
   out += "  as read (each key zp reads, as the Config keeps it):\n";
   for (const detail::Shown& line : detail::list_object(detail::root_keys, c))
-    out += cat("    ", line.path, ": ", line.value, c.is_auto(line.path) ? " (\"auto\")" : "", "\n");
+    out +=
+        cat("    ", line.path, ": ", line.value, c.is_auto(line.path) ? " (\"auto\")" : "", "\n");
   return out;
 }
 
@@ -826,18 +1003,22 @@ template <class T>
 EngineConfig engine_config(const Config& c, int world_size) {
   const detail::Ctx ctx = detail::context(c.source, nullptr);
   EngineConfig e = c.engine;
-  e.batch = ctx.checked(zp::detail::cat("train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps "
-                                        "at world size ", world_size),
-                        [&] { return resolve_batch(c.batch, world_size); });
+  e.batch = ctx.checked(
+      zp::detail::cat("train_batch_size/train_micro_batch_size_per_gpu/gradient_accumulation_steps "
+                      "at world size ",
+                      world_size),
+      [&] { return resolve_batch(c.batch, world_size); });
   e.bucket_bytes = ctx.checked("zero_optimization.reduce_bucket_size", [&] {
-    return zp::detail::checked_mul(std::size_t(c.reduce_bucket_size), sizeof(T), "bytes of the bucket");
+    return zp::detail::checked_mul(std::size_t(c.reduce_bucket_size), sizeof(T),
+                                   "bytes of the bucket");
   });
   e.first_bucket_bytes = std::min(e.first_bucket_bytes, e.bucket_bytes);
   e.wall_clock_breakdown = c.wall_clock_breakdown;
   e.offload_optimizer = c.offload_optimizer.device == OffloadDevice::cpu;
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
-  e.steps_per_print = int(std::min<std::int64_t>(c.steps_per_print, std::numeric_limits<int>::max()));
+  e.steps_per_print =
+      int(std::min<std::int64_t>(c.steps_per_print, std::numeric_limits<int>::max()));
   return e;
 }
 
@@ -862,42 +1043,51 @@ inline std::string braces(const std::vector<DType>& v) {
 // did not compile in (naming what it did), for what zp's engine does not do yet
 // (offload_optimizer to nvme, a grad_accum_dtype or communication_data_type other than fp32 or
 // the model's type), and when the batch triad does not fit world_size.
-template <Backend B, class TypeList = AllTypes, class StageList = AllStages, class OptList = AllOptimizers, class F>
+template <Backend B, class TypeList = AllTypes, class StageList = AllStages,
+          class OptList = AllOptimizers, class F>
 decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
   static_assert(zp::detail::non_empty_list<TypeList> && zp::detail::non_empty_list<StageList> &&
                     zp::detail::non_empty_list<OptList>,
-                "with_engine<B, Types<T...>, Stages<S...>, Optimizers<O...>>: each list names at least one entry");
+                "with_engine<B, Types<T...>, Stages<S...>, Optimizers<O...>>: each list names at "
+                "least one entry");
   const detail::Ctx ctx = detail::context(c.source, nullptr);
   if (c.offload_optimizer.device == OffloadDevice::nvme)
     ctx.fail("zero_optimization.offload_optimizer.device",
-             "offload_optimizer to \"nvme\" is not supported (zp offloads the optimizer to host memory); use "
+             "offload_optimizer to \"nvme\" is not supported (zp offloads the optimizer to host "
+             "memory); use "
              "\"cpu\" or \"none\"");
   const DType t = c.dtype();
   if (!contains(TypeList{}, t))
-    ctx.fail(c.precision == Precision::fp32 ? "" : c.precision == Precision::fp16 ? "fp16.enabled" : "bf16.enabled",
-             "config asks for precision ", detail::ds_name(c.precision), ", this program was built with element types ",
-             detail::braces(values(TypeList{})));
+    ctx.fail(c.precision == Precision::fp32   ? ""
+             : c.precision == Precision::fp16 ? "fp16.enabled"
+                                              : "bf16.enabled",
+             "config asks for precision ", detail::ds_name(c.precision),
+             ", this program was built with element types ", detail::braces(values(TypeList{})));
   if (!contains(StageList{}, c.stage))
-    ctx.fail("zero_optimization.stage", "config asks for stage ", c.stage, ", this program was built with stages ",
-             detail::braces(values(StageList{})));
+    ctx.fail("zero_optimization.stage", "config asks for stage ", c.stage,
+             ", this program was built with stages ", detail::braces(values(StageList{})));
   if (!contains(OptList{}, c.optimizer))
-    ctx.fail("optimizer.type", "config asks for optimizer ", zp::detail::optimizer_name(c.optimizer),
-             ", this program was built with optimizers ", detail::braces(values(OptList{})));
+    ctx.fail("optimizer.type", "config asks for optimizer ",
+             zp::detail::optimizer_name(c.optimizer), ", this program was built with optimizers ",
+             detail::braces(values(OptList{})));
   if (c.grad_accum_dtype && *c.grad_accum_dtype != t && *c.grad_accum_dtype != DType::f32)
     ctx.fail("data_types.grad_accum_dtype", detail::ds_name(*c.grad_accum_dtype),
              " is not supported: zp accumulates gradients in fp32 or the model's element type (",
              detail::ds_name(t), " here)");
-  if (c.communication_data_type && *c.communication_data_type != t && *c.communication_data_type != DType::f32)
+  if (c.communication_data_type && *c.communication_data_type != t &&
+      *c.communication_data_type != DType::f32)
     ctx.fail("communication_data_type", detail::ds_name(*c.communication_data_type),
-             " is not supported: zp reduces gradients in fp32 or the model's element type (", detail::ds_name(t),
-             " here)");
+             " is not supported: zp reduces gradients in fp32 or the model's element type (",
+             detail::ds_name(t), " here)");
   return dispatch_type<TypeList>(t, [&]<class T>(std::type_identity<T>) -> decltype(auto) {
     const EngineConfig ec = engine_config<T>(c, world_size);
-    return dispatch_stage<StageList>(c.stage, [&]<int S>(std::integral_constant<int, S>) -> decltype(auto) {
-      return dispatch_optimizer<OptList>(c.optimizer, [&]<class O>(const O& opt) -> decltype(auto) {
-        return f(std::type_identity<Engine<B, T, S, O>>{}, ec, opt);
-      });
-    });
+    return dispatch_stage<StageList>(
+        c.stage, [&]<int S>(std::integral_constant<int, S>) -> decltype(auto) {
+          return dispatch_optimizer<OptList>(
+              c.optimizer, [&]<class O>(const O& opt) -> decltype(auto) {
+                return f(std::type_identity<Engine<B, T, S, O>>{}, ec, opt);
+              });
+        });
   });
 }
 

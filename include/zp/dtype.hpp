@@ -52,7 +52,9 @@ struct bf16 {
 
   bf16() = default;
   ZP_HOST_DEVICE explicit bf16(float f) : bits(from_float(f)) {}
-  ZP_HOST_DEVICE explicit operator float() const { return detail::bits_float(std::uint32_t(bits) << 16); }
+  ZP_HOST_DEVICE explicit operator float() const {
+    return detail::bits_float(std::uint32_t(bits) << 16);
+  }
 
   ZP_HOST_DEVICE static constexpr bf16 from_bits(std::uint16_t b) {
     bf16 h{};
@@ -120,25 +122,48 @@ enum class DType : std::uint8_t { f32 = 0, f64 = 1, i32 = 2, i64 = 3, bf16 = 4, 
 
 template <class T>
 struct dtype_traits;  // undefined for unsupported types: a clear compile error
-template <> struct dtype_traits<float> { static constexpr DType value = DType::f32; };
-template <> struct dtype_traits<double> { static constexpr DType value = DType::f64; };
-template <> struct dtype_traits<std::int32_t> { static constexpr DType value = DType::i32; };
-template <> struct dtype_traits<std::int64_t> { static constexpr DType value = DType::i64; };
-template <> struct dtype_traits<bf16> { static constexpr DType value = DType::bf16; };
-template <> struct dtype_traits<fp16> { static constexpr DType value = DType::f16; };
+template <>
+struct dtype_traits<float> {
+  static constexpr DType value = DType::f32;
+};
+template <>
+struct dtype_traits<double> {
+  static constexpr DType value = DType::f64;
+};
+template <>
+struct dtype_traits<std::int32_t> {
+  static constexpr DType value = DType::i32;
+};
+template <>
+struct dtype_traits<std::int64_t> {
+  static constexpr DType value = DType::i64;
+};
+template <>
+struct dtype_traits<bf16> {
+  static constexpr DType value = DType::bf16;
+};
+template <>
+struct dtype_traits<fp16> {
+  static constexpr DType value = DType::f16;
+};
 
 template <class T>
 inline constexpr DType dtype_of = dtype_traits<T>::value;
 
 template <class T>
-concept Element = requires { dtype_traits<T>::value; };
+concept Element = requires {
+  dtype_traits<T>::value;
+};
 
 // Bytes per element; 0 for a value outside the enum (check_call refuses those).
 constexpr std::size_t size_of(DType t) noexcept {
   switch (t) {
-    case DType::f32: case DType::i32: return 4;
-    case DType::f64: case DType::i64: return 8;
-    case DType::bf16: case DType::f16: return 2;
+    case DType::f32:
+    case DType::i32: return 4;
+    case DType::f64:
+    case DType::i64: return 8;
+    case DType::bf16:
+    case DType::f16: return 2;
   }
   return 0;
 }
@@ -167,7 +192,8 @@ decltype(auto) visit_dtype(DType t, F&& f) {
     case DType::bf16: return f(bf16{});
     case DType::f16: return f(fp16{});
   }
-  throw Error(Errc::invalid_argument, detail::cat("expected a DType (f32, f64, i32, i64, bf16, f16), got ", name(t)));
+  throw Error(Errc::invalid_argument,
+              detail::cat("expected a DType (f32, f64, i32, i64, bf16, f16), got ", name(t)));
 }
 
 }  // namespace zp

@@ -99,7 +99,8 @@ class Engine {
         batch_(resolve_batch(config_.batch, comm.size())),
         opt_(optimizer),
         bound_(bind_parameters<T>(model)),
-        precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype, config_.communication_dtype,
+        precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype,
+                                          config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
         part_(Layout(bound_.params, comm.size(), layout_options(config_, sizeof(T))), comm.rank(),
               optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer),
@@ -109,11 +110,12 @@ class Engine {
     optim::validate(opt_);
     const Layout& L = part_.layout();
     expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_);
-    load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values), config_.broadcast_initial_params);
+    load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
+                        config_.broadcast_initial_params);
     bind_views(part_, bound_);
     if constexpr (Stage == 3)
-      params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values), config_.persist_threshold,
-                      config_.max_live_params);
+      params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values),
+                      config_.persist_threshold, config_.max_live_params);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now
@@ -227,8 +229,10 @@ class Engine {
   // gathered copies are dropped, they would be stale. Only at an accumulation boundary.
   void restore(const Progress& p) {
     expect_at_boundary("restore()");
-    ZP_EXPECT(p.step >= 0 && p.micro_step == 0, "engine: restore(): progress must be at an accumulation "
-              "boundary with step >= 0, got step ", p.step, ", micro-step ", p.micro_step);
+    ZP_EXPECT(p.step >= 0 && p.micro_step == 0,
+              "engine: restore(): progress must be at an "
+              "accumulation boundary with step >= 0, got step ",
+              p.step, ", micro-step ", p.micro_step);
     config_.loss_scaler.load(p.scaler);
     step_ = p.step;
     if constexpr (Stage == 3) params_->release_all();
@@ -237,16 +241,14 @@ class Engine {
   // the only moment its buffers hold a complete training state.
   void expect_at_boundary(const char* what) {
     rethrow_pending();
-    ZP_EXPECT(micro_ == 0, "engine: ", what, " in ", where(), "; only at an accumulation boundary (after the "
-              "step() that ends a window), where no gradient is half accumulated");
+    ZP_EXPECT(micro_ == 0, "engine: ", what, " in ", where(),
+              "; only at an accumulation boundary "
+              "(after the step() that ends a window), where no gradient is half accumulated");
     mods_.expect_idle(what);
   }
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
-  std::size_t max_live_params() const noexcept {
-    if constexpr (Stage == 3) return params_->max_live_params();
-    else return 0;
-  }
+  std::size_t max_live_params() const noexcept { return params_ ? params_->max_live_params() : 0; }
 
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {
@@ -287,8 +289,9 @@ class Engine {
   template <class F>
   void in_context(const char* call, F&& f) {
     detail::with_context(f, [&](const std::string& m) {
-      return detail::cat("engine: ", call, " at ", where(), " on rank ", comm_->rank(), ": ", m,
-                         " (every rank must run the same guards and call step() after every micro-step)");
+      return detail::cat(
+          "engine: ", call, " at ", where(), " on rank ", comm_->rank(), ": ", m,
+          " (every rank must run the same guards and call step() after every micro-step)");
     });
   }
   // A guard's start (m already checked): stage 3 gathers module m (waiting for its prefetch) and
@@ -323,8 +326,8 @@ class Engine {
           bind_segment<T>(L, s, bound_.grads, nullptr);
       if (by_exception) {
         if (broken_.empty())
-          broken_ = detail::cat("an exception ended the backward guard of module ", m, " in ", where(),
-                                ", so that micro-step's gradients are incomplete");
+          broken_ = detail::cat("an exception ended the backward guard of module ", m, " in ",
+                                where(), ", so that micro-step's gradients are incomplete");
         return;
       }
       for (int s = mod.first_segment; s < mod.end_segment; ++s) buckets_.ready(s);
@@ -357,7 +360,8 @@ class Engine {
     };
     for (int s = 0; s < part_.layout().segment_count(); ++s) {
       if (precision_.f32_result(Stage))
-        add(s, std::span<const float>(part_.template owned<Field::grad_f32>(s, Extent::piece).span));
+        add(s,
+            std::span<const float>(part_.template owned<Field::grad_f32>(s, Extent::piece).span));
       else
         add(s, std::span<const T>(part_.template owned<Field::grad>(s, Extent::piece).span));
     }
@@ -367,9 +371,11 @@ class Engine {
       comm_->all_reduce(stats_.sums(), ReduceOp::sum);
       if (mp_) mp_->all_reduce(stats_.sums(), ReduceOp::sum);
     });
-    const float unscale = float(double(config_.loss_scaler.scale()) *
-                                double(batch_.gradient_accumulation_steps));  // exact for powers of two
-    stats_.decide(double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0), unscale, config_.max_grad_norm);
+    const float unscale =
+        float(double(config_.loss_scaler.scale()) *
+              double(batch_.gradient_accumulation_steps));  // exact for powers of two
+    stats_.decide(double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0), unscale,
+                  config_.max_grad_norm);
     return unscale;
   }
 
@@ -386,15 +392,20 @@ class Engine {
     if (read) host = stats_.read();
     const double* gate = read ? host.data() + statistics_count : stats_.gate();
     const optim::StepScalars scalars{step_ + 1, 1.0f};
-    if (precision_.f32_result(Stage)) update<true>(scalars, gate);
-    else update<false>(scalars, gate);
+    const auto& o = config_.optimizer_options;
+    if (precision_.f32_result(Stage))
+      apply_update<true>(part_, opt_, scalars, o, gate, offload_);
+    else
+      apply_update<false>(part_, opt_, scalars, o, gate, offload_);
     timer_.phase(&StepTimes::optimizer);
-    if constexpr (Part::whole(Field::param) && !Part::whole(Field::master)) {  // pieces updated, all kept
+    if constexpr (Part::whole(Field::param) &&
+                  !Part::whole(Field::master)) {  // pieces updated, all kept
       in_context("step()", [&] {
         std::vector<Work> works;
         works.reserve(std::size_t(part_.layout().segment_count()));
         for (int s = 0; s < part_.layout().segment_count(); ++s)
-          works.push_back(comm_->all_gather_async(part_.template owned<Field::param>(s, Extent::kept).span));
+          works.push_back(
+              comm_->all_gather_async(part_.template owned<Field::param>(s, Extent::kept).span));
         for (auto& w : works) w.wait();
       });
       timer_.phase(&StepTimes::gather);
@@ -406,8 +417,10 @@ class Engine {
   // The outcome on the host: the loss scaler, the counters, the result, the next window.
   StepResult end_step(const std::array<double, stats_slots>& host, float unscale) {
     const double gate = host[statistics_count + 1];
-    ZP_EXPECT(gate != detail::StepGate::differ, "engine: the optimizer's hyper-parameters differ between ranks at ",
-              where(), " (rank ", comm_->rank(), " has ", optim::describe(opt_), "); every rank must set them "
+    ZP_EXPECT(gate != detail::StepGate::differ,
+              "engine: the optimizer's hyper-parameters differ between ranks at ", where(),
+              " (rank ", comm_->rank(), " has ", optim::describe(opt_),
+              "); every rank must set them "
               "identically, e.g. from the same schedule (the step was skipped everywhere)");
     StepResult r;
     r.boundary = true;
@@ -417,7 +430,9 @@ class Engine {
     r.loss_scale = config_.loss_scaler.scale();
     if (r.applied) ++step_;
     r.step = step_;
-    if constexpr (Part::whole(Field::grad)) {  // the full gradient buffers accumulate the next window from zero
+    if constexpr (
+        Part::whole(
+            Field::grad)) {  // the full gradient buffers accumulate the next window from zero
       Memory<S>::zero(part_.template buffer<Field::grad>());
       Memory<S>::zero(part_.template buffer<Field::grad_f32>());
     }
@@ -427,25 +442,10 @@ class Engine {
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     timer_.phase(&StepTimes::optimizer);
     r.times = timer_.end_window();
-    if (config_.wall_clock_breakdown && comm_->rank() == 0 && step_ % config_.steps_per_print == 0 && r.applied)
+    if (config_.wall_clock_breakdown && comm_->rank() == 0 &&
+        step_ % config_.steps_per_print == 0 && r.applied)
       std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
     return r;
-  }
-
-  // The optimizer update of every segment's shard: in the memory space, or, offloaded, by the
-  // CPU on host copies of the gradient and the new T values (master and state are on the host).
-  // gate: the step gate, in the memory space (host memory when offloaded).
-  template <bool F32>
-  void update(const optim::StepScalars& scalars, const double* gate) {
-    const int segments = part_.layout().segment_count();
-    if (!part_.offloaded()) {
-      for (int s = 0; s < segments; ++s) ShardStep<S>::update(opt_, scalars, part_.template update_view<F32>(s), config_.optimizer_options, gate);
-      return;
-    }
-    if (gate[1] != 0) return;
-    offload_.run(segments, [&](int s) { return part_.template update_view<F32>(s); }, [&](const auto& v) {
-      ShardStep<MemorySpace::host>::update(opt_, scalars, v, config_.optimizer_options, gate);
-    });
   }
 
   Collective<B>* comm_;
@@ -460,7 +460,7 @@ class Engine {
   GradBuckets<T, B, S> buckets_;
   ModuleTracker mods_;
   std::optional<ParamCoordinator<T, B>> params_;  // stage 3: gathers, prefetches, releases
-  StepStatistics<S> stats_;  // step()'s all_reduce and gate
+  StepStatistics<S> stats_;                       // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;  // why the engine refuses further calls ("" while usable)

@@ -27,7 +27,8 @@ namespace detail {
 // The slow path of a layout difference: names the first parameter that differs (name, module
 // or size), or says that only the bucket layout does. Every rank throws.
 template <Backend B>
-[[noreturn]] void throw_layout_difference(Collective<B>& comm, const Layout& L, const EngineConfig& c) {
+[[noreturn]] void throw_layout_difference(Collective<B>& comm, const Layout& L,
+                                          const EngineConfig& c) {
   const auto& ps = L.params();
   const std::int64_t count = std::int64_t(ps.size());
   const auto most = std::size_t(spread(comm, std::span<const std::int64_t>(&count, 1))[0].hi);
@@ -37,49 +38,54 @@ template <Backend B>
   for (std::size_t i = 0; i < ps.size(); ++i)
     h[i] = detail::Fnv1a().all(std::string_view(ps[i].name), ps[i].module, ps[i].size).value() | 4;
   const std::size_t i = first_difference(comm, std::span<const std::uint64_t>(h));
-  const std::string head = detail::cat("engine: the models differ between ranks (rank ", comm.rank(), " has ",
-                                       ps.size(), " parameters, ", L.used(), " elements): ");
+  const std::string head =
+      detail::cat("engine: the models differ between ranks (rank ", comm.rank(), " has ", ps.size(),
+                  " parameters, ", L.used(), " elements): ");
   const std::string tail = "; every rank must build the same model with the same zp configuration";
   if (i == most)
-    throw Error(Errc::invalid_argument,
-                detail::cat(head, "the parameters agree but their bucket layout does not (this rank: ",
-                            L.segment_count(), " buckets from bucket_bytes=", c.bucket_bytes,
-                            ", first_bucket_bytes=", c.first_bucket_bytes, ", align=", c.align, ")",
-                            tail));
+    throw Error(
+        Errc::invalid_argument,
+        detail::cat(head, "the parameters agree but their bucket layout does not (this rank: ",
+                    L.segment_count(), " buckets from bucket_bytes=", c.bucket_bytes,
+                    ", first_bucket_bytes=", c.first_bucket_bytes, ", align=", c.align, ")", tail));
   if (i >= ps.size())
-    throw Error(Errc::invalid_argument,
-                detail::cat(head, "the first difference is parameter #", i, ", which this rank does not have", tail));
-  throw Error(Errc::invalid_argument,
-              detail::cat(head, "the first parameter that differs is #", i, ", on this rank '", ps[i].name,
-                          "' (module ", ps[i].module, ", ", ps[i].size, " elements)", tail));
+    throw Error(Errc::invalid_argument, detail::cat(head, "the first difference is parameter #", i,
+                                                    ", which this rank does not have", tail));
+  throw Error(
+      Errc::invalid_argument,
+      detail::cat(head, "the first parameter that differs is #", i, ", on this rank '", ps[i].name,
+                  "' (module ", ps[i].module, ", ", ps[i].size, " elements)", tail));
 }
 }  // namespace detail
 
 // Everything that must agree across ranks, as fingerprints compared in one all_reduce
 // (first_difference), so a difference names what differs, on every rank.
 template <Backend B, class Opt>
-void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype, const EngineConfig& c,
-                                   const BatchConfig& batch, const GradPrecision& precision, const Opt& opt) {
+void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype,
+                                   const EngineConfig& c, const BatchConfig& batch,
+                                   const GradPrecision& precision, const Opt& opt) {
   const LossScaler& ls = c.loss_scaler;
   const DynamicScale& d = ls.config();
   const std::string parts[] = {
       "the model's parameters and their layout",
       detail::cat("ZeRO stage and element type (this rank: stage ", stage, ", ", name(dtype), ")"),
-      detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=", batch.micro_batch_per_rank,
-                  ", gradient_accumulation_steps=", batch.gradient_accumulation_steps, ", fp32 accumulation ",
+      detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=",
+                  batch.micro_batch_per_rank, ", gradient_accumulation_steps=",
+                  batch.gradient_accumulation_steps, ", fp32 accumulation ",
                   precision.accumulate_f32, ", fp32 reduction ", precision.reduce_f32, ")"),
       detail::cat("optimizer (this rank: ", optim::describe(opt), ")"),
-      detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm, ", loss scaler kind ",
-                  int(ls.kind()), ", scale ", ls.scale(), ")"),
+      detail::cat("clipping or loss scaling (this rank: max_grad_norm=", c.max_grad_norm,
+                  ", loss scaler kind ", int(ls.kind()), ", scale ", ls.scale(), ")"),
       detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
-                  ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch, ", bucket_slots=",
-                  c.bucket_slots, ", broadcast_initial_params=", c.broadcast_initial_params, ")")};
+                  ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch,
+                  ", bucket_slots=", c.bucket_slots,
+                  ", broadcast_initial_params=", c.broadcast_initial_params, ")")};
   const std::uint64_t h[] = {
       L.hash(),
       detail::Fnv1a().all(stage, dtype).value(),
       detail::Fnv1a()
-          .all(batch.micro_batch_per_rank, batch.gradient_accumulation_steps, precision.accumulate_f32,
-               precision.reduce_f32)
+          .all(batch.micro_batch_per_rank, batch.gradient_accumulation_steps,
+               precision.accumulate_f32, precision.reduce_f32)
           .value(),
       optim::fingerprint(opt),
       detail::Fnv1a()
@@ -87,14 +93,17 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
           .value(),
       detail::Fnv1a()
-          .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots, c.broadcast_initial_params)
+          .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
+               c.broadcast_initial_params)
           .value()};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
   if (k == 0) detail::throw_layout_difference(comm, L, c);
   if (k < std::size(h))
-    throw Error(Errc::invalid_argument,
-                detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
-                            comm.rank(), "; every rank must build the same model with the same zp configuration"));
+    throw Error(
+        Errc::invalid_argument,
+        detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
+                    comm.rank(),
+                    "; every rank must build the same model with the same zp configuration"));
 }
 
 }  // namespace zp

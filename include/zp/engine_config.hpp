@@ -31,29 +31,35 @@ struct BatchConfig {
 // Completes and checks a batch configuration for `ranks` data-parallel ranks.
 inline BatchConfig resolve_batch(BatchConfig b, int ranks) {
   auto describe = [&] {
-    return detail::cat("train_batch_size=", b.train_batch_size, ", micro_batch_per_rank=",
-                       b.micro_batch_per_rank, ", gradient_accumulation_steps=",
-                       b.gradient_accumulation_steps, ", ranks=", ranks);
+    return detail::cat(
+        "train_batch_size=", b.train_batch_size, ", micro_batch_per_rank=", b.micro_batch_per_rank,
+        ", gradient_accumulation_steps=", b.gradient_accumulation_steps, ", ranks=", ranks);
   };
   ZP_EXPECT(ranks >= 1, "batch: ranks must be >= 1, got ", ranks);
-  ZP_EXPECT(b.train_batch_size >= 0 && b.micro_batch_per_rank >= 0 && b.gradient_accumulation_steps >= 0,
-            "batch: sizes must be positive (0 = not given): ", describe());
+  ZP_EXPECT(
+      b.train_batch_size >= 0 && b.micro_batch_per_rank >= 0 && b.gradient_accumulation_steps >= 0,
+      "batch: sizes must be positive (0 = not given): ", describe());
   const std::int64_t n = ranks;
-  const bool t = b.train_batch_size > 0, m = b.micro_batch_per_rank > 0, g = b.gradient_accumulation_steps > 0;
+  const bool t = b.train_batch_size > 0, m = b.micro_batch_per_rank > 0,
+             g = b.gradient_accumulation_steps > 0;
   ZP_EXPECT(t || m, "batch: give train_batch_size or micro_batch_per_rank (or both): ", describe());
   // Every product below is of factors that are each at most this one, so none can wrap.
   std::int64_t product = 0;
-  ZP_EXPECT(!__builtin_mul_overflow(std::max<std::int64_t>(b.micro_batch_per_rank, 1),
-                                    std::max<std::int64_t>(b.gradient_accumulation_steps, 1), &product) &&
-                !__builtin_mul_overflow(product, n, &product),
-            "batch: micro_batch_per_rank * gradient_accumulation_steps * ranks overflows a 64-bit integer: ",
-            describe());
+  ZP_EXPECT(
+      !__builtin_mul_overflow(std::max<std::int64_t>(b.micro_batch_per_rank, 1),
+                              std::max<std::int64_t>(b.gradient_accumulation_steps, 1), &product) &&
+          !__builtin_mul_overflow(product, n, &product),
+      "batch: micro_batch_per_rank * gradient_accumulation_steps * ranks overflows a 64-bit "
+      "integer: ",
+      describe());
   BatchConfig r = b;
   if (t && m && g) {
-    ZP_EXPECT(b.train_batch_size == b.micro_batch_per_rank * b.gradient_accumulation_steps * n,
-              "batch: train_batch_size must equal micro_batch_per_rank * gradient_accumulation_steps * "
-              "ranks, but ", b.micro_batch_per_rank, " * ", b.gradient_accumulation_steps, " * ", n, " = ",
-              b.micro_batch_per_rank * b.gradient_accumulation_steps * n, ": ", describe());
+    ZP_EXPECT(
+        b.train_batch_size == b.micro_batch_per_rank * b.gradient_accumulation_steps * n,
+        "batch: train_batch_size must equal micro_batch_per_rank * gradient_accumulation_steps * "
+        "ranks, but ",
+        b.micro_batch_per_rank, " * ", b.gradient_accumulation_steps, " * ", n, " = ",
+        b.micro_batch_per_rank * b.gradient_accumulation_steps * n, ": ", describe());
   } else if (t && m) {
     ZP_EXPECT(b.train_batch_size % (b.micro_batch_per_rank * n) == 0,
               "batch: train_batch_size is not a multiple of micro_batch_per_rank * ranks = ",
@@ -65,7 +71,8 @@ inline BatchConfig resolve_batch(BatchConfig b, int ranks) {
               b.gradient_accumulation_steps * n, ": ", describe());
     r.micro_batch_per_rank = b.train_batch_size / (b.gradient_accumulation_steps * n);
   } else if (t) {
-    ZP_EXPECT(b.train_batch_size % n == 0, "batch: train_batch_size is not a multiple of ranks: ", describe());
+    ZP_EXPECT(b.train_batch_size % n == 0,
+              "batch: train_batch_size is not a multiple of ranks: ", describe());
     r.gradient_accumulation_steps = 1;
     r.micro_batch_per_rank = b.train_batch_size / n;
   } else {
@@ -81,8 +88,8 @@ struct EngineConfig {
   // complaint) and the smaller first bucket, so the first reduction starts early.
   std::size_t bucket_bytes = std::size_t(16) << 20;
   std::size_t first_bucket_bytes = std::size_t(1) << 20;
-  std::size_t align = 16;      // elements; shard pieces are multiples of it
-  float max_grad_norm = 0;     // clip by global L2 norm; <= 0: no clipping
+  std::size_t align = 16;   // elements; shard pieces are multiples of it
+  float max_grad_norm = 0;  // clip by global L2 norm; <= 0: no clipping
   LossScaler loss_scaler = LossScaler::none();
   // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
   // module, room for one module and its prefetch); modules with at most persist_threshold
@@ -117,7 +124,8 @@ struct EngineConfig {
   // The settings no other part checks (the batch, layout, scaler and optimizer check their own).
   void check() const {
     ZP_EXPECT(prefetch == 0 || prefetch == 1, "engine: prefetch must be 0 or 1, got ", prefetch);
-    ZP_EXPECT(!std::isnan(max_grad_norm), "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "
+    ZP_EXPECT(!std::isnan(max_grad_norm),
+              "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "
               "no clipping");
     ZP_EXPECT(steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", steps_per_print);
   }
@@ -141,20 +149,24 @@ struct EngineProgress {
 // The phases partition the time the engine sees; untracked() is the rest (the model's loss, data
 // loading: whatever runs outside guards and step()).
 struct StepTimes {
-  double total = 0;        // from the end of the previous optimizer step to the end of this one
-  double forward = 0;      // inside forward guards: the model's forward (gather waits excluded)
-  double backward = 0;     // inside backward guards: the model's backward, launching reductions
-  double gather_wait = 0;  // entering forward/backward guards: waiting for stage 3 gathers
-  double reduce_wait = 0;  // in step(): launching the last buckets and waiting for reductions
-  double statistics = 0;   // in step(): gradient norm and overflow check, their all_reduce
-  double optimizer = 0;    // in step(): the update of this rank's shard (and the rest of step())
-  double gather = 0;       // in step(): stage 1/2 all_gather of the updated parameters
-  double reduce_span = 0;  // first reduction launched to last completed, summed over micro-steps
+  double total = 0;           // from the end of the previous optimizer step to the end of this one
+  double forward = 0;         // inside forward guards: the model's forward (gather waits excluded)
+  double backward = 0;        // inside backward guards: the model's backward, launching reductions
+  double gather_wait = 0;     // entering forward/backward guards: waiting for stage 3 gathers
+  double reduce_wait = 0;     // in step(): launching the last buckets and waiting for reductions
+  double statistics = 0;      // in step(): gradient norm and overflow check, their all_reduce
+  double optimizer = 0;       // in step(): the update of this rank's shard (and the rest of step())
+  double gather = 0;          // in step(): stage 1/2 all_gather of the updated parameters
+  double reduce_span = 0;     // first reduction launched to last completed, summed over micro-steps
   double reduce_exposed = 0;  // the part of reduce_span that step() waited through
 
   // Sums and means over several steps.
-  StepTimes& operator+=(const StepTimes& o) noexcept { return each([&](double StepTimes::*f) { this->*f += o.*f; }); }
-  StepTimes& operator*=(double k) noexcept { return each([&](double StepTimes::*f) { this->*f *= k; }); }
+  StepTimes& operator+=(const StepTimes& o) noexcept {
+    return each([&](double StepTimes::*f) { this->*f += o.*f; });
+  }
+  StepTimes& operator*=(double k) noexcept {
+    return each([&](double StepTimes::*f) { this->*f *= k; });
+  }
 
   double untracked() const noexcept {
     return total - forward - backward - gather_wait - reduce_wait - statistics - optimizer - gather;
@@ -166,26 +178,30 @@ struct StepTimes {
   // One line for logs: milliseconds per phase.
   std::string describe() const {
     auto ms = [](double x) { return std::round(x * 1e5) / 100; };
-    return detail::cat("total ", ms(total), " ms | forward ", ms(forward), " | backward ", ms(backward),
-                       " | gather wait ", ms(gather_wait), " | reduce wait ", ms(reduce_wait), " (", std::round(hidden() * 100),
-                       "% of reductions hidden) | statistics ", ms(statistics), " | optimizer ", ms(optimizer),
-                       " | gather ", ms(gather), " | untracked ", ms(untracked()));
+    return detail::cat("total ", ms(total), " ms | forward ", ms(forward), " | backward ",
+                       ms(backward), " | gather wait ", ms(gather_wait), " | reduce wait ",
+                       ms(reduce_wait), " (", std::round(hidden() * 100),
+                       "% of reductions hidden) | statistics ", ms(statistics), " | optimizer ",
+                       ms(optimizer), " | gather ", ms(gather), " | untracked ", ms(untracked()));
   }
   // The same as JSON object members ("total_ms": ..., ...), for JSON-lines logs.
   std::string json_fields() const {
-    return detail::cat("\"total_ms\":", total * 1e3, ",\"forward_ms\":", forward * 1e3, ",\"gather_wait_ms\":",
-                       gather_wait * 1e3, ",\"backward_ms\":", backward * 1e3, ",\"reduce_wait_ms\":", reduce_wait * 1e3,
-                       ",\"statistics_ms\":", statistics * 1e3, ",\"optimizer_ms\":", optimizer * 1e3,
-                       ",\"gather_ms\":", gather * 1e3, ",\"untracked_ms\":", untracked() * 1e3,
-                       ",\"reduce_span_ms\":", reduce_span * 1e3, ",\"hidden\":", hidden());
+    return detail::cat(
+        "\"total_ms\":", total * 1e3, ",\"forward_ms\":", forward * 1e3,
+        ",\"gather_wait_ms\":", gather_wait * 1e3, ",\"backward_ms\":", backward * 1e3,
+        ",\"reduce_wait_ms\":", reduce_wait * 1e3, ",\"statistics_ms\":", statistics * 1e3,
+        ",\"optimizer_ms\":", optimizer * 1e3, ",\"gather_ms\":", gather * 1e3,
+        ",\"untracked_ms\":", untracked() * 1e3, ",\"reduce_span_ms\":", reduce_span * 1e3,
+        ",\"hidden\":", hidden());
   }
 
  private:
   template <class F>
   StepTimes& each(F&& f) noexcept {
-    for (double StepTimes::*p : {&StepTimes::total, &StepTimes::forward, &StepTimes::backward, &StepTimes::gather_wait,
-                                 &StepTimes::reduce_wait, &StepTimes::statistics, &StepTimes::optimizer,
-                                 &StepTimes::gather, &StepTimes::reduce_span, &StepTimes::reduce_exposed})
+    for (double StepTimes::*p :
+         {&StepTimes::total, &StepTimes::forward, &StepTimes::backward, &StepTimes::gather_wait,
+          &StepTimes::reduce_wait, &StepTimes::statistics, &StepTimes::optimizer,
+          &StepTimes::gather, &StepTimes::reduce_span, &StepTimes::reduce_exposed})
       f(p);
     return *this;
   }
@@ -193,13 +209,13 @@ struct StepTimes {
 
 // What step() did.
 struct StepResult {
-  bool boundary = false;   // this micro-step ended an accumulation window
-  bool applied = false;    // the optimizer update ran (boundary and no overflow)
-  bool overflow = false;   // an inf/nan gradient on some rank: skipped everywhere
-  float loss_scale = 1;    // the scale to use from now on
-  double grad_norm = 0;    // global L2 norm of the unscaled, averaged gradient (before clipping)
-  std::int64_t step = 0;   // optimizer updates applied so far
-  StepTimes times;         // at a boundary: the whole optimizer step's (its window's) phases
+  bool boundary = false;  // this micro-step ended an accumulation window
+  bool applied = false;   // the optimizer update ran (boundary and no overflow)
+  bool overflow = false;  // an inf/nan gradient on some rank: skipped everywhere
+  float loss_scale = 1;   // the scale to use from now on
+  double grad_norm = 0;   // global L2 norm of the unscaled, averaged gradient (before clipping)
+  std::int64_t step = 0;  // optimizer updates applied so far
+  StepTimes times;        // at a boundary: the whole optimizer step's (its window's) phases
 };
 
 }  // namespace zp

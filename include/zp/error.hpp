@@ -122,14 +122,16 @@ template <class... Ctx>
 std::size_t checked_mul(std::size_t a, std::size_t b, const Ctx&... what) {
   std::size_t r;
   if (__builtin_mul_overflow(a, b, &r)) [[unlikely]]
-    throw Error(Errc::invalid_argument, cat(what..., ": ", a, " * ", b, " overflows a 64-bit size"));
+    throw Error(Errc::invalid_argument,
+                cat(what..., ": ", a, " * ", b, " overflows a 64-bit size"));
   return r;
 }
 template <class... Ctx>
 std::size_t checked_add(std::size_t a, std::size_t b, const Ctx&... what) {
   std::size_t r;
   if (__builtin_add_overflow(a, b, &r)) [[unlikely]]
-    throw Error(Errc::invalid_argument, cat(what..., ": ", a, " + ", b, " overflows a 64-bit size"));
+    throw Error(Errc::invalid_argument,
+                cat(what..., ": ", a, " + ", b, " overflows a 64-bit size"));
   return r;
 }
 
@@ -144,7 +146,8 @@ inline void expect_finite_non_negative(double x, const char* who, const char* fi
 inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   using clock = std::chrono::steady_clock;
   const auto now = clock::now();
-  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(clock::time_point::max() - now);
+  const auto room =
+      std::chrono::duration_cast<std::chrono::milliseconds>(clock::time_point::max() - now);
   return timeout >= room ? clock::time_point::max() : now + timeout;
 }
 }  // namespace detail
@@ -153,16 +156,16 @@ inline std::chrono::steady_clock::time_point deadline_after(std::chrono::millise
 
 // Always-on check of a user-supplied value (never compiled out): throws
 // zp::Error(Errc::invalid_argument) whose message is the concatenation of the arguments.
-#define ZP_EXPECT(cond, ...)                                                         \
-  do {                                                                               \
-    if (!(cond)) [[unlikely]]                                                        \
+#define ZP_EXPECT(cond, ...)                                                           \
+  do {                                                                                 \
+    if (!(cond)) [[unlikely]]                                                          \
       throw ::zp::Error(::zp::Errc::invalid_argument, ::zp::detail::cat(__VA_ARGS__)); \
   } while (0)
 
 // Always-on check of zp's own invariants (never compiled out): throws
 // zp::Error(Errc::internal), so a broken invariant is not reported as the caller's mistake.
-#define ZP_ASSERT(cond, ...)                                                 \
-  do {                                                                       \
-    if (!(cond)) [[unlikely]]                                                \
+#define ZP_ASSERT(cond, ...)                                                   \
+  do {                                                                         \
+    if (!(cond)) [[unlikely]]                                                  \
       throw ::zp::Error(::zp::Errc::internal, ::zp::detail::cat(__VA_ARGS__)); \
   } while (0)

@@ -41,7 +41,9 @@ struct GridCoords {
 };
 
 // Megatron's order; inverse of coords_of.
-constexpr int grid_rank(const GridShape& s, const GridCoords& c) noexcept { return c.tp + s.tp * (c.dp + s.dp * c.pp); }
+constexpr int grid_rank(const GridShape& s, const GridCoords& c) noexcept {
+  return c.tp + s.tp * (c.dp + s.dp * c.pp);
+}
 constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
   return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
 }
@@ -55,12 +57,15 @@ class ProcessGrid {
  public:
   ProcessGrid(Collective<B>& world, GridShape shape) : shape_(shape), world_rank_(world.rank()) {
     agree(world, shape);
-    ZP_EXPECT(shape.dp >= 1 && shape.tp >= 1 && shape.pp >= 1, "grid: dp, tp and pp must be >= 1, got dp=",
-              shape.dp, ", tp=", shape.tp, ", pp=", shape.pp);
-    const std::int64_t dp_tp = std::int64_t(shape.dp) * shape.tp;  // 64-bit: no int overflow on the way
+    ZP_EXPECT(shape.dp >= 1 && shape.tp >= 1 && shape.pp >= 1,
+              "grid: dp, tp and pp must be >= 1, got dp=", shape.dp, ", tp=", shape.tp,
+              ", pp=", shape.pp);
+    const std::int64_t dp_tp =
+        std::int64_t(shape.dp) * shape.tp;  // 64-bit: no int overflow on the way
     ZP_EXPECT(dp_tp <= world.size() && dp_tp * shape.pp == world.size(),
-              "grid: dp x tp x pp = ", shape.dp, " x ", shape.tp, " x ", shape.pp, " does not factor the world of ",
-              world.size(), " ranks; the product must equal the world size");
+              "grid: dp x tp x pp = ", shape.dp, " x ", shape.tp, " x ", shape.pp,
+              " does not factor the world of ", world.size(),
+              " ranks; the product must equal the world size");
     me_ = coords_of(shape, world.rank());
     // Colour: the coordinates a group shares; key: the coordinate along the group.
     tp_.emplace(world.split(me_.dp + shape.dp * me_.pp, me_.tp));
@@ -74,9 +79,10 @@ class ProcessGrid {
   int world_rank() const noexcept { return world_rank_; }
   // The world rank of the rank at other coordinates.
   int rank_of(const GridCoords& c) const {
-    ZP_EXPECT(c.dp >= 0 && c.dp < shape_.dp && c.tp >= 0 && c.tp < shape_.tp && c.pp >= 0 && c.pp < shape_.pp,
-              "grid: coordinates (dp ", c.dp, ", tp ", c.tp, ", pp ", c.pp, ") are outside the grid ", shape_.dp, " x ",
-              shape_.tp, " x ", shape_.pp);
+    ZP_EXPECT(c.dp >= 0 && c.dp < shape_.dp && c.tp >= 0 && c.tp < shape_.tp && c.pp >= 0 &&
+                  c.pp < shape_.pp,
+              "grid: coordinates (dp ", c.dp, ", tp ", c.tp, ", pp ", c.pp,
+              ") are outside the grid ", shape_.dp, " x ", shape_.tp, " x ", shape_.pp);
     return grid_rank(shape_, c);
   }
 
@@ -96,10 +102,12 @@ class ProcessGrid {
   static void agree(Collective<B>& world, const GridShape& s) {
     const std::int64_t v[3] = {s.dp, s.tp, s.pp};
     const std::vector<Spread> d = spread(world, std::span<const std::int64_t>(v));
-    ZP_EXPECT(d[0].same() && d[1].same() && d[2].same(), "grid: the ranks disagree on the shape: this rank ",
-              "(world rank ", world.rank(), ") has dp x tp x pp = ", s.dp, " x ", s.tp, " x ", s.pp,
-              ", but across the world dp ranges over [", d[0].lo, ", ", d[0].hi, "], tp over [", d[1].lo, ", ",
-              d[1].hi, "], pp over [", d[2].lo, ", ", d[2].hi, "]; every rank must build the same grid");
+    ZP_EXPECT(d[0].same() && d[1].same() && d[2].same(),
+              "grid: the ranks disagree on the shape: this rank ", "(world rank ", world.rank(),
+              ") has dp x tp x pp = ", s.dp, " x ", s.tp, " x ", s.pp,
+              ", but across the world dp ranges over [", d[0].lo, ", ", d[0].hi, "], tp over [",
+              d[1].lo, ", ", d[1].hi, "], pp over [", d[2].lo, ", ", d[2].hi,
+              "]; every rank must build the same grid");
   }
 
   GridShape shape_;

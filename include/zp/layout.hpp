@@ -63,7 +63,8 @@ class Layout {
   Layout() = default;
 
   // Lays out `params` (forward order, as describe_parameters returns them) for `ranks` ranks.
-  Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {}) : ranks_(ranks), options_(opt) {
+  Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {})
+      : ranks_(ranks), options_(opt) {
     ZP_EXPECT(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
     ZP_EXPECT(opt.align >= 1, "layout: align must be >= 1");
     ZP_EXPECT(opt.bucket_elems >= 1 && opt.first_bucket_elems >= 1,
@@ -77,10 +78,13 @@ class Layout {
     modules_.resize(std::size_t(modules));
     // Sizes are checked as they add up: a wrapped total would allocate too little and then be
     // written past (an align so large that ranks * align wraps, parameters summing past 2^64).
-    const std::size_t quantum = detail::checked_mul(std::size_t(ranks), opt.align, "layout: ranks * align");
+    const std::size_t quantum =
+        detail::checked_mul(std::size_t(ranks), opt.align, "layout: ranks * align");
     auto close = [&](Segment& s) {
       const std::size_t quanta = s.used / quantum + (s.used % quantum != 0);
-      s.size = std::max<std::size_t>(quantum, detail::checked_mul(quanta, quantum, "layout: padded segment of module ", s.module));
+      s.size = std::max<std::size_t>(
+          quantum,
+          detail::checked_mul(quanta, quantum, "layout: padded segment of module ", s.module));
       s.piece = s.size / std::size_t(ranks);
       s.shard_offset = shard_;
       shard_ += s.piece;
@@ -110,7 +114,8 @@ class Layout {
         Param& p = params_[i];
         p.offset = seg.offset + seg.used;
         p.segment = int(segments_.size());
-        seg.used = detail::checked_add(seg.used, p.size, "layout: module ", m, " with parameter '", p.name, "'");
+        seg.used = detail::checked_add(seg.used, p.size, "layout: module ", m, " with parameter '",
+                                       p.name, "'");
         seg.params.push_back(int(i));
         any = true;
       }
@@ -118,7 +123,8 @@ class Layout {
       close(seg);
       mod.end_segment = int(segments_.size());
       mod.size = total_ - mod.offset;
-      for (int s = mod.first_segment; s < mod.end_segment; ++s) mod.used += segments_[std::size_t(s)].used;
+      for (int s = mod.first_segment; s < mod.end_segment; ++s)
+        mod.used += segments_[std::size_t(s)].used;
     }
     hash_ = compute_hash();
   }
@@ -154,16 +160,18 @@ class Layout {
     ZP_EXPECT(!params.empty(), "layout: no parameters");
     for (std::size_t i = 0; i < params.size(); ++i) {
       const int prev = i ? params[i - 1].module : 0;
-      ZP_EXPECT(params[i].module == prev || params[i].module == prev + 1, "layout: parameter '", params[i].name,
-                "' (#", i, ") is in module ", params[i].module, " after ",
+      ZP_EXPECT(params[i].module == prev || params[i].module == prev + 1, "layout: parameter '",
+                params[i].name, "' (#", i, ") is in module ", params[i].module, " after ",
                 i ? "a parameter of module " + std::to_string(prev) : std::string("none"),
-                "; modules must be numbered 0, 1, 2, ... in forward order, each a contiguous run of parameters");
+                "; modules must be numbered 0, 1, 2, ... in forward order, each a contiguous run "
+                "of parameters");
     }
   }
   std::uint64_t compute_hash() const {
     detail::Fnv1a h;
     h.add(std::uint64_t(ranks_));
-    for (const auto& p : params_) h.all(std::string_view(p.name), std::uint64_t(p.module), p.size, p.offset);
+    for (const auto& p : params_)
+      h.all(std::string_view(p.name), std::uint64_t(p.module), p.size, p.offset);
     for (const auto& s : segments_) h.add(s.size);
     return h.value();
   }

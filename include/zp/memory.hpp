@@ -79,18 +79,20 @@ class Buffer {
   // Throws Errc::invalid_argument when n * sizeof(T) overflows and Errc::out_of_memory, naming
   // the size and `what`, when the allocation fails.
   explicit Buffer(std::size_t n, const char* what = "buffer") : size_(n) {
-    const std::size_t bytes = detail::checked_mul(n, sizeof(T), what, ": ", n, " elements of ", sizeof(T), " bytes");
+    const std::size_t bytes =
+        detail::checked_mul(n, sizeof(T), what, ": ", n, " elements of ", sizeof(T), " bytes");
     try {
       data_ = static_cast<T*>(Allocator<S>::allocate(bytes));
       MemoryUse& u = detail::memory_use<S>();
       u.peak = std::max(u.peak, u.current += std::int64_t(bytes));
     } catch (const std::bad_alloc&) {
-      throw Error(Errc::out_of_memory, detail::cat(what, ": cannot allocate ", n, " elements (", bytes,
-                                                   " bytes) in ", S == MemorySpace::host ? "host" : "device",
-                                                   " memory"));
+      throw Error(Errc::out_of_memory,
+                  detail::cat(what, ": cannot allocate ", n, " elements (", bytes, " bytes) in ",
+                              S == MemorySpace::host ? "host" : "device", " memory"));
     }
   }
-  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  Buffer(Buffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
   Buffer& operator=(Buffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -105,7 +107,9 @@ class Buffer {
   std::size_t size() const noexcept { return size_; }
   std::size_t bytes() const noexcept { return size_ * sizeof(T); }
   std::span<T> span() const noexcept { return {data_, size_}; }
-  std::span<T> span(std::size_t offset, std::size_t n) const noexcept { return {data_ + offset, n}; }
+  std::span<T> span(std::size_t offset, std::size_t n) const noexcept {
+    return {data_ + offset, n};
+  }
 
  private:
   void release() noexcept {
@@ -124,7 +128,9 @@ template <class To, class From>
 struct Accumulate {  // dst += src in float, rounded once to To
   To* dst;
   const From* src;
-  ZP_HOST_DEVICE void operator()(std::size_t i) const { dst[i] = To(float(dst[i]) + float(src[i])); }
+  ZP_HOST_DEVICE void operator()(std::size_t i) const {
+    dst[i] = To(float(dst[i]) + float(src[i]));
+  }
 };
 template <class To, class From>
 struct Convert {  // to nearest even

@@ -50,10 +50,11 @@ namespace detail {
 // Debug builds: a clear message instead of a crash for the commonest stage 3 mistake.
 [[noreturn]] inline void bad_view_access(bool bound, std::size_t i, std::size_t size) noexcept {
   if (!bound)
-    std::fprintf(stderr, "zp: a parameter view was used while unbound: with ZeRO stage 3 a module's "
-                         "values and gradients are bound only inside engine.forward(m) / "
-                         "engine.backward(m) for that module (and stage 2 binds gradients only "
-                         "inside backward(m))\n");
+    std::fprintf(stderr,
+                 "zp: a parameter view was used while unbound: with ZeRO stage 3 a module's "
+                 "values and gradients are bound only inside engine.forward(m) / "
+                 "engine.backward(m) for that module (and stage 2 binds gradients only "
+                 "inside backward(m))\n");
   else
     std::fprintf(stderr, "zp: parameter view index %zu out of range [0, %zu)\n", i, size);
   std::abort();
@@ -126,12 +127,14 @@ struct ParamVisitor {
   F& f;
   void operator()(std::string_view name, int module, View<T>& value, View<T>& grad,
                   TensorParallel tp = TensorParallel::replicated) {
-    if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&, TensorParallel>)
+    if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&,
+                                      TensorParallel>)
       f(name, module, value, grad, tp);
     else
       f(name, module, value, grad);
   }
-  void operator()(std::string_view name, int module, Param<T>& p, TensorParallel tp = TensorParallel::replicated) {
+  void operator()(std::string_view name, int module, Param<T>& p,
+                  TensorParallel tp = TensorParallel::replicated) {
     (*this)(name, module, p.value, p.grad, tp);
   }
 };
@@ -176,7 +179,8 @@ template <class T, Model<T> M>
 BoundParameters<T> bind_parameters(M& model) {
   BoundParameters<T> out;
   std::vector<std::pair<const View<T>*, std::size_t>> seen;  // every view, with its parameter
-  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad, TensorParallel tp) {
+  visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad,
+                                 TensorParallel tp) {
     const std::string n(name);
     const auto& ps = out.params;
     ZP_EXPECT(!n.empty(), "model: parameter #", ps.size(), " has an empty name");
@@ -185,9 +189,10 @@ BoundParameters<T> bind_parameters(M& model) {
     ZP_EXPECT(value.size() > 0, "model: parameter '", n,
               "' has 0 elements; leave empty parameters out of for_each_parameter");
     const int prev = ps.empty() ? 0 : ps.back().module;
-    ZP_EXPECT(module == prev || module == prev + 1, "model: parameter '", n, "' is in module ",
-              module, " but the previous parameter was in module ", prev,
-              "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
+    ZP_EXPECT(
+        module == prev || module == prev + 1, "model: parameter '", n, "' is in module ", module,
+        " but the previous parameter was in module ", prev,
+        "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
     ZP_EXPECT(!ps.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
               module, "; modules are numbered from 0");
     out.params.push_back({n, module, value.size(), tp});
@@ -204,23 +209,26 @@ BoundParameters<T> bind_parameters(M& model) {
     if (seen[i].first != seen[i - 1].first) continue;
     const auto& a = out.params[seen[i - 1].second];
     const auto& b = out.params[seen[i].second];
-    throw Error(Errc::invalid_argument,
-                detail::cat("model: parameters '", a.name, "' and '", b.name,
-                            "' share one View object", a.name == b.name ? " (a value view passed as its own gradient?)" : "",
-                            "; every parameter needs its own value and gradient views"));
+    throw Error(
+        Errc::invalid_argument,
+        detail::cat("model: parameters '", a.name, "' and '", b.name, "' share one View object",
+                    a.name == b.name ? " (a value view passed as its own gradient?)" : "",
+                    "; every parameter needs its own value and gradient views"));
   }
   std::size_t k = 0;
   visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad) {
     const auto& ps = out.params;
-    ZP_EXPECT(k < ps.size() && ps[k].name == name && ps[k].module == module && out.values[k] == &value &&
-                  out.grads[k] == &grad,
-              "model: for_each_parameter visited '", name, "' (module ", module, ") as parameter #", k,
-              " the second time, but ", k < ps.size() ? "'" + ps[k].name + "'" : std::string("nothing"),
+    ZP_EXPECT(k < ps.size() && ps[k].name == name && ps[k].module == module &&
+                  out.values[k] == &value && out.grads[k] == &grad,
+              "model: for_each_parameter visited '", name, "' (module ", module, ") as parameter #",
+              k, " the second time, but ",
+              k < ps.size() ? "'" + ps[k].name + "'" : std::string("nothing"),
               " the first time; it must visit the same parameters (and views) every time");
     ++k;
   });
   ZP_EXPECT(k == out.params.size(), "model: for_each_parameter visited ", out.params.size(),
-            " parameters the first time but ", k, " the second; it must visit the same parameters every time");
+            " parameters the first time but ", k,
+            " the second; it must visit the same parameters every time");
   return out;
 }
 

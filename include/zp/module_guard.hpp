@@ -21,7 +21,10 @@ template <class E>
 class [[nodiscard]] ModuleGuard {
  public:
   ModuleGuard(ModuleGuard&& o) noexcept
-      : e_(std::exchange(o.e_, nullptr)), m_(o.m_), backward_(o.backward_), unwinding_(o.unwinding_) {}
+      : e_(std::exchange(o.e_, nullptr)),
+        m_(o.m_),
+        backward_(o.backward_),
+        unwinding_(o.unwinding_) {}
   ModuleGuard& operator=(ModuleGuard&&) = delete;
   ~ModuleGuard() { end(std::uncaught_exceptions() > unwinding_); }
   // Ends the module early (the destructor then does nothing).
@@ -29,7 +32,8 @@ class [[nodiscard]] ModuleGuard {
 
  private:
   friend E;
-  ModuleGuard(E* e, int m, bool backward) : e_(e), m_(m), backward_(backward), unwinding_(std::uncaught_exceptions()) {}
+  ModuleGuard(E* e, int m, bool backward)
+      : e_(e), m_(m), backward_(backward), unwinding_(std::uncaught_exceptions()) {}
   void end(bool by_exception) noexcept {
     if (E* e = std::exchange(e_, nullptr)) e->guard_ended(m_, backward_, by_exception);
   }
@@ -51,21 +55,28 @@ class ModuleTracker {
   }
   template <class Where>
   void expect_first_backward(int m, Where&& where) const {
-    ZP_EXPECT(!mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ", where(),
-              "; each module's backward runs once per micro-step (call step() after every micro-step)");
+    ZP_EXPECT(
+        !mods_[std::size_t(m)].backward_done, "engine: backward(", m, ") entered a second time in ",
+        where(),
+        "; each module's backward runs once per micro-step (call step() after every micro-step)");
   }
   void ran_backward(int m) noexcept { mods_[std::size_t(m)].backward_done = true; }
-  void opened(int m, bool backward) noexcept { ++(backward ? mods_[std::size_t(m)].backward_open : mods_[std::size_t(m)].forward_open); }
-  void closed(int m, bool backward) noexcept { --(backward ? mods_[std::size_t(m)].backward_open : mods_[std::size_t(m)].forward_open); }
+  void opened(int m, bool backward) noexcept {
+    ++(backward ? mods_[std::size_t(m)].backward_open : mods_[std::size_t(m)].forward_open);
+  }
+  void closed(int m, bool backward) noexcept {
+    --(backward ? mods_[std::size_t(m)].backward_open : mods_[std::size_t(m)].forward_open);
+  }
 
   // step(): every guard has ended; backward may run again in the next micro-step.
   template <class Where>
   void end_micro_step(Where&& where) {
     for (int m = 0; m < count(); ++m) {
       const State& st = mods_[std::size_t(m)];
-      ZP_EXPECT(st.forward_open == 0 && st.backward_open == 0, "engine: step() called in ", where(), " while the ",
-                st.backward_open ? "backward" : "forward", " guard of module ", m,
-                " is still open; end every guard (let it leave its scope, or call release()) before step()");
+      ZP_EXPECT(st.forward_open == 0 && st.backward_open == 0, "engine: step() called in ", where(),
+                " while the ", st.backward_open ? "backward" : "forward", " guard of module ", m,
+                " is still open; end every guard (let it leave its scope, or call release()) "
+                "before step()");
     }
     for (auto& st : mods_) st.backward_done = false;
   }
@@ -73,8 +84,8 @@ class ModuleTracker {
   void expect_idle(const char* what) const {
     for (int m = 0; m < count(); ++m) {
       const State& st = mods_[std::size_t(m)];
-      ZP_EXPECT(st.forward_open + st.backward_open == 0 && !st.backward_done, "engine: ", what, " while module ", m,
-                " is inside a guard or has run backward without step()");
+      ZP_EXPECT(st.forward_open + st.backward_open == 0 && !st.backward_done, "engine: ", what,
+                " while module ", m, " is inside a guard or has run backward without step()");
     }
   }
 

@@ -33,9 +33,13 @@ class ParamCoordinator {
 
  public:
   // values: the model's value views, by parameter index. Everything passed must outlive this.
-  ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part, std::span<View<T>* const> values,
-                   std::size_t persist_threshold, std::size_t max_live_params)
-      : comm_(&comm), part_(&part), values_(values), mods_(std::size_t(part.layout().module_count())) {
+  ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
+                   std::span<View<T>* const> values, std::size_t persist_threshold,
+                   std::size_t max_live_params)
+      : comm_(&comm),
+        part_(&part),
+        values_(values),
+        mods_(std::size_t(part.layout().module_count())) {
     const Layout& L = part.layout();
     std::size_t largest = 0;
     for (int m = 0; m < L.module_count(); ++m) {
@@ -44,8 +48,8 @@ class ParamCoordinator {
     }
     cap_ = max_live_params ? max_live_params : 2 * largest;
     for (int m = 0; m < L.module_count(); ++m)
-      ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m, " has ",
-                L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
+      ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
+                " has ", L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
                 "; raise the cap or split the module");
   }
 
@@ -55,9 +59,10 @@ class ParamCoordinator {
     Module& st = mods_[std::size_t(m)];
     if (st.state == State::released) {
       const std::size_t need = layout().module(m).size;
-      ZP_EXPECT(st.persistent || fits(need), "engine: gathering module ", m, " (", need,
-                " elements) would exceed max_live_params = ", cap_, " with ", live_,
-                " elements gathered by modules still in use; end the previous module's guard first");
+      ZP_EXPECT(
+          st.persistent || fits(need), "engine: gathering module ", m, " (", need,
+          " elements) would exceed max_live_params = ", cap_, " with ", live_,
+          " elements gathered by modules still in use; end the previous module's guard first");
       gather(m);
     }
     double waited = 0;
@@ -124,8 +129,9 @@ class ParamCoordinator {
     st.works.clear();
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
-      st.works.push_back(comm_->all_gather_async(std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span),
-                                                 st.buffer.span(g.offset - mod.offset, g.size)));
+      st.works.push_back(comm_->all_gather_async(
+          std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span),
+          st.buffer.span(g.offset - mod.offset, g.size)));
     }
     st.state = State::gathering;
   }
@@ -161,7 +167,8 @@ class ParamCoordinator {
         spare_.pop_back();
         return out;
       }
-    if (spare_.size() >= 2) spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
+    if (spare_.size() >= 2)
+      spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
     return Buffer<T, S>(n);
   }
 
@@ -170,7 +177,8 @@ class ParamCoordinator {
     const auto& mod = L.module(m);
     for (int s = mod.first_segment; s < mod.end_segment; ++s)
       for (int p : L.segment(s).params)
-        values_[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
+        values_[std::size_t(p)]->rebind(
+            base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
   }
 
   Collective<B>* comm_;

@@ -41,7 +41,8 @@ struct MemoryReport {
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather buffers kept for reuse (at most 2)
-  std::size_t offloaded = 0;        // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
+  std::size_t offloaded =
+      0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
   std::size_t total() const noexcept { return model_states() + buckets + gathered + gather_cache; }
@@ -49,8 +50,8 @@ struct MemoryReport {
 
 // The ZeRO paper's per-rank model-state bytes (Figure 1): params, gradients (both elem bytes each), fp32
 // master and `state_slots` fp32 state arrays, for `psi` elements on `ranks` ranks.
-constexpr std::size_t zero_model_state_bytes(int stage, std::size_t psi, int ranks, std::size_t elem,
-                                             int state_slots) {
+constexpr std::size_t zero_model_state_bytes(int stage, std::size_t psi, int ranks,
+                                             std::size_t elem, int state_slots) {
   const std::size_t n = std::size_t(ranks), k = 4 + 4 * std::size_t(state_slots);
   switch (stage) {
     case 0: return (2 * elem + k) * psi;
@@ -65,7 +66,7 @@ enum class Field : std::uint8_t { param, grad, grad_f32, master, state };
 
 // Which of a segment's elements an ownership query is about.
 enum class Extent : std::uint8_t {
-  kept,     // all the rank keeps: the whole segment where the stage keeps the field whole, else its piece
+  kept,  // all the rank keeps: the whole segment where the stage keeps the field whole, else its piece
   updated,  // what the rank's optimizer step updates: the whole segment at stage 0 (every rank
             // updates the replicated model), else the rank's piece
   piece,    // the rank's piece, 1/N of the segment, whatever the stage (e.g. the norm's share)
@@ -86,16 +87,19 @@ class Partitioned {
 
  public:
   static constexpr int stage = Stage;
+  static constexpr MemorySpace memory_space = S;
   using value_type = T;
 
   // grads_f32: also an fp32 gradient buffer of the gradients' extent (fp32 accumulation or
   // reduction of 16-bit gradients, bucket.hpp). offload: the fp32 master weights and optimizer
   // state in host memory whatever S is (ZeRO-Offload: the CPU updates them).
-  Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false, bool offload = false)
+  Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false,
+              bool offload = false)
       : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload) {
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
-    ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ", state_slots);
+    ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ",
+              state_slots);
     const std::size_t full = layout_.total(), shard = layout_.shard();
     try {
       params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
@@ -103,21 +107,26 @@ class Partitioned {
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
       const std::size_t m = whole(Field::master) ? full : shard;
       if (offload_) {
-        master_host_ = Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
+        master_host_ =
+            Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
         for (int k = 0; k < slots_; ++k)
-          state_host_[std::size_t(k)] = Buffer<float, MemorySpace::host>(m, "partition: optimizer state (host, offloaded)");
+          state_host_[std::size_t(k)] =
+              Buffer<float, MemorySpace::host>(m, "partition: optimizer state (host, offloaded)");
       } else {
         master_ = Buffer<float, S>(m, "partition: fp32 master weights");
-        for (int k = 0; k < slots_; ++k) state_[std::size_t(k)] = Buffer<float, S>(m, "partition: optimizer state");
+        for (int k = 0; k < slots_; ++k)
+          state_[std::size_t(k)] = Buffer<float, S>(m, "partition: optimizer state");
       }
     } catch (const Error& e) {
       if (e.category() != Errc::out_of_memory) throw;
       const auto& ps = layout_.params();
-      const auto big = std::max_element(ps.begin(), ps.end(), [](const auto& a, const auto& b) { return a.size < b.size; });
-      throw Error(Errc::out_of_memory,
-                  detail::cat(e.message(), " for ", ps.size(), " parameters of ", layout_.used(),
-                              " elements in all (ZeRO stage ", Stage, ", ", layout_.ranks(),
-                              " ranks); the largest is '", big->name, "' with ", big->size, " elements"));
+      const auto big = std::max_element(
+          ps.begin(), ps.end(), [](const auto& a, const auto& b) { return a.size < b.size; });
+      throw Error(
+          Errc::out_of_memory,
+          detail::cat(e.message(), " for ", ps.size(), " parameters of ", layout_.used(),
+                      " elements in all (ZeRO stage ", Stage, ", ", layout_.ranks(),
+                      " ranks); the largest is '", big->name, "' with ", big->size, " elements"));
     }
     Memory<S>::zero(params_.span());
     Memory<S>::zero(grads_.span());
@@ -133,7 +142,9 @@ class Partitioned {
   // Master weights and optimizer state are in host memory (whatever S is).
   bool offloaded() const noexcept { return offload_; }
   // Whether field f lives in host memory whatever S is (offloaded master weights and state).
-  bool on_host(Field f) const noexcept { return offload_ && (f == Field::master || f == Field::state); }
+  bool on_host(Field f) const noexcept {
+    return offload_ && (f == Field::master || f == Field::state);
+  }
 
   const Layout& layout() const noexcept { return layout_; }
   int rank() const noexcept { return rank_; }
@@ -147,19 +158,26 @@ class Partitioned {
   // Whether this stage keeps field f whole on every rank (the full, padded layout) rather than
   // only this rank's shard; see the table at the top of this file.
   static constexpr bool whole(Field f) noexcept {
-    return f == Field::param ? Stage < 3 : f == Field::grad || f == Field::grad_f32 ? Stage < 2 : Stage < 1;
+    return f == Field::param                          ? Stage < 3
+           : f == Field::grad || f == Field::grad_f32 ? Stage < 2
+                                                      : Stage < 1;
   }
 
   // Field F's whole buffer (full space where whole(F), else shard space); k: the state array.
   // grad_f32 is empty unless kept.
   template <Field F>
   std::span<elem<F>> buffer(int k = 0) const {
-    if constexpr (F == Field::param) return params_.span();
-    else if constexpr (F == Field::grad) return grads_.span();
-    else if constexpr (F == Field::grad_f32) return grads32_.span();
-    else if constexpr (F == Field::master) return offload_ ? master_host_.span() : master_.span();
+    if constexpr (F == Field::param)
+      return params_.span();
+    else if constexpr (F == Field::grad)
+      return grads_.span();
+    else if constexpr (F == Field::grad_f32)
+      return grads32_.span();
+    else if constexpr (F == Field::master)
+      return offload_ ? master_host_.span() : master_.span();
     else {
-      ZP_EXPECT(k >= 0 && k < slots_, "partition: optimizer state ", k, " not in [0, ", slots_, ")");
+      ZP_EXPECT(k >= 0 && k < slots_, "partition: optimizer state ", k, " not in [0, ", slots_,
+                ")");
       return offload_ ? state_host_[std::size_t(k)].span() : state_[std::size_t(k)].span();
     }
   }
@@ -173,9 +191,12 @@ class Partitioned {
     const std::span<elem<F>> b = buffer<F>(k);
     const std::size_t mine = g.offset + std::size_t(rank_) * g.piece;
     const bool segment = e == Extent::kept ? whole(F) : e == Extent::updated && Stage == 0;
-    const std::size_t at = segment ? g.offset : whole(F) ? mine : g.shard_offset, n = segment ? g.size : g.piece;
-    ZP_ASSERT(at + n <= b.size(), "partition: field ", int(F), " of segment ", s, " is not kept here (", b.size(),
-              " elements, ", at + n, " needed)");
+    const std::size_t at = segment    ? g.offset
+                           : whole(F) ? mine
+                                      : g.shard_offset,
+                      n = segment ? g.size : g.piece;
+    ZP_ASSERT(at + n <= b.size(), "partition: field ", int(F), " of segment ", s,
+              " is not kept here (", b.size(), " elements, ", at + n, " needed)");
     return {b.subspan(at, n), segment ? g.offset : mine};
   }
 
@@ -185,9 +206,10 @@ class Partitioned {
   optim::ShardView<T, std::conditional_t<F32, float, T>> update_view(int s) const {
     optim::ShardView<T, std::conditional_t<F32, float, T>> v;
     v.master = owned<Field::master>(s, Extent::updated).span;
-    v.grad = owned<F32 ? Field::grad_f32 : Field::grad>(s, Extent::updated).span;
+    v.grad = owned < F32 ? Field::grad_f32 : Field::grad > (s, Extent::updated).span;
     v.param = owned<Field::param>(s, Extent::updated).span;
-    for (int k = 0; k < slots_; ++k) v.state[std::size_t(k)] = owned<Field::state>(s, Extent::updated, k).span;
+    for (int k = 0; k < slots_; ++k)
+      v.state[std::size_t(k)] = owned<Field::state>(s, Extent::updated, k).span;
     return v;
   }
 

@@ -77,7 +77,8 @@ inline void check_position(Schedule s, int stages, int stage, int micro_batches)
   ZP_EXPECT(s == Schedule::gpipe || s == Schedule::one_f_one_b, "pipeline: schedule ", name(s),
             " is not one of gpipe, one_f_one_b");
   ZP_EXPECT(stages >= 1, "pipeline: stages must be >= 1, got ", stages);
-  ZP_EXPECT(stage >= 0 && stage < stages, "pipeline: stage ", stage, " is not in [0, ", stages, ")");
+  ZP_EXPECT(stage >= 0 && stage < stages, "pipeline: stage ", stage, " is not in [0, ", stages,
+            ")");
   ZP_EXPECT(micro_batches >= 1, "pipeline: micro_batches must be >= 1, got ", micro_batches);
 }
 }  // namespace detail
@@ -147,9 +148,10 @@ template <Backend B, Element A>
 class Runner {
   // On a GPU, NCCL's sends are stream-ordered (a send waiting for its recv holds back the recv
   // queued behind it, which 1F1B needs to pass) and the boundaries would live in device memory.
-  static_assert(B::memory == MemorySpace::host,
-                "zp::pipeline::Runner keeps boundary activations in host memory: device backends (nccl, "
-                "cuda_threads) are not supported yet");
+  static_assert(
+      B::memory == MemorySpace::host,
+      "zp::pipeline::Runner keeps boundary activations in host memory: device backends (nccl, "
+      "cuda_threads) are not supported yet");
 
  public:
   // activation_elems: elements of one micro-batch's boundary activation (the same on every
@@ -203,7 +205,9 @@ class Runner {
   template <class Fwd, class Bwd>
   Stats run(Fwd&& fwd, Bwd&& bwd) {
     using clock = std::chrono::steady_clock;
-    const auto seconds = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+    const auto seconds = [](clock::time_point t) {
+      return std::chrono::duration<double>(clock::now() - t).count();
+    };
     const auto t0 = clock::now();
     Stats st;
     int in_flight = 0;
@@ -247,7 +251,8 @@ class Runner {
           st.busy += seconds(c0);
           --in_flight;
           if (!first()) {
-            grad_sends_[std::size_t(slot)] = pp_.send_async(std::span<const A>(in_grad), stage_ - 1);
+            grad_sends_[std::size_t(slot)] =
+                pp_.send_async(std::span<const A>(in_grad), stage_ - 1);
             ++st.sent;
           }
         }

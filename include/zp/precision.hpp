@@ -21,12 +21,12 @@ namespace zp {
 // loss_scale_window 1000, hysteresis 2, min_loss_scale 1).
 struct DynamicScale {
   float initial_scale = 65536.0f;
-  std::int64_t window = 1000;          // clean steps since the last overflow before the scale grows
-  int hysteresis = 2;                  // overflows tolerated before the scale shrinks
-  bool consecutive_hysteresis = false; // refill hysteresis on every clean step, not only on growth
+  std::int64_t window = 1000;  // clean steps since the last overflow before the scale grows
+  int hysteresis = 2;          // overflows tolerated before the scale shrinks
+  bool consecutive_hysteresis = false;  // refill hysteresis on every clean step, not only on growth
   float min_scale = 1.0f;
-  float factor = 2.0f;                 // growth and backoff factor
-  bool error_at_min_scale = true;      // overflow at min_scale throws instead of looping forever
+  float factor = 2.0f;             // growth and backoff factor
+  bool error_at_min_scale = true;  // overflow at min_scale throws instead of looping forever
 };
 
 class LossScaler {
@@ -47,7 +47,8 @@ class LossScaler {
   static LossScaler none() { return LossScaler(Kind::none, DynamicScale{.initial_scale = 1.0f}); }
   // A constant scale (DeepSpeed's "loss_scale": value > 0).
   static LossScaler fixed(float scale) {
-    ZP_EXPECT(scale > 0 && scale < 3.0e38f, "loss scaler: a fixed scale must be positive and finite, got ", scale);
+    ZP_EXPECT(scale > 0 && scale < 3.0e38f,
+              "loss scaler: a fixed scale must be positive and finite, got ", scale);
     return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale});
   }
   static LossScaler dynamic(const DynamicScale& config = {}) {
@@ -56,12 +57,13 @@ class LossScaler {
     ZP_EXPECT(config.initial_scale > 0 && config.initial_scale <= most,
               "loss scaler: initial_scale must be positive and finite, got ", config.initial_scale);
     ZP_EXPECT(config.min_scale > 0 && config.min_scale <= config.initial_scale,
-              "loss scaler: min_scale must be in (0, initial_scale = ", config.initial_scale, "], got ",
-              config.min_scale);
+              "loss scaler: min_scale must be in (0, initial_scale = ", config.initial_scale,
+              "], got ", config.min_scale);
     ZP_EXPECT(config.window >= 1, "loss scaler: window must be at least 1, got ", config.window);
-    ZP_EXPECT(config.hysteresis >= 1, "loss scaler: hysteresis must be at least 1, got ", config.hysteresis);
-    ZP_EXPECT(config.factor > 1 && config.factor <= most, "loss scaler: factor must be finite and > 1, got ",
-              config.factor);
+    ZP_EXPECT(config.hysteresis >= 1, "loss scaler: hysteresis must be at least 1, got ",
+              config.hysteresis);
+    ZP_EXPECT(config.factor > 1 && config.factor <= most,
+              "loss scaler: factor must be finite and > 1, got ", config.factor);
     return LossScaler(Kind::dynamic, config);
   }
 
@@ -109,15 +111,17 @@ class LossScaler {
   void load(const State& s) {
     ZP_EXPECT(s.scale > 0 && s.scale <= std::numeric_limits<float>::max(),
               "loss scaler: saved scale must be positive and finite, got ", s.scale);
-    ZP_EXPECT(s.hysteresis >= 1, "loss scaler: saved hysteresis must be at least 1, got ", s.hysteresis);
+    ZP_EXPECT(s.hysteresis >= 1, "loss scaler: saved hysteresis must be at least 1, got ",
+              s.hysteresis);
     ZP_EXPECT(s.iter >= 0, "loss scaler: saved iter must be >= 0, got ", s.iter);
-    ZP_EXPECT(s.skipped >= 0 && s.skipped <= s.iter, "loss scaler: saved skipped must be in [0, iter = ", s.iter,
-              "], got ", s.skipped);
+    ZP_EXPECT(s.skipped >= 0 && s.skipped <= s.iter,
+              "loss scaler: saved skipped must be in [0, iter = ", s.iter, "], got ", s.skipped);
     // update() records an overflow at iter, then counts that iter: a saved one is always older.
     ZP_EXPECT(s.last_overflow >= -1 && s.last_overflow < s.iter,
-              "loss scaler: saved last_overflow must be in [-1, iter = ", s.iter, "), got ", s.last_overflow);
-    ZP_EXPECT(kind_ == Kind::dynamic || s.scale == state_.scale, "loss scaler: saved scale ", s.scale,
-              " differs from this non-dynamic scaler's ", state_.scale);
+              "loss scaler: saved last_overflow must be in [-1, iter = ", s.iter, "), got ",
+              s.last_overflow);
+    ZP_EXPECT(kind_ == Kind::dynamic || s.scale == state_.scale, "loss scaler: saved scale ",
+              s.scale, " differs from this non-dynamic scaler's ", state_.scale);
     state_ = s;
   }
 

@@ -34,7 +34,8 @@
 #include "zp/error.hpp"
 
 // The format is little-endian and zp moves elements as raw bytes.
-static_assert(std::endian::native == std::endian::little, "zp/safetensors.hpp assumes a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "zp/safetensors.hpp assumes a little-endian host");
 
 namespace zp::safetensors {
 
@@ -46,8 +47,21 @@ struct ElementType {
   std::size_t bytes;
 };
 inline constexpr std::array<ElementType, 15> element_types{{
-    {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"U16", 2}, {"I16", 2}, {"U32", 4}, {"I32", 4}, {"U64", 8},
-    {"I64", 8}, {"F16", 2}, {"BF16", 2}, {"F32", 4}, {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1},
+    {"BOOL", 1},
+    {"U8", 1},
+    {"I8", 1},
+    {"U16", 2},
+    {"I16", 2},
+    {"U32", 4},
+    {"I32", 4},
+    {"U64", 8},
+    {"I64", 8},
+    {"F16", 2},
+    {"BF16", 2},
+    {"F32", 4},
+    {"F64", 8},
+    {"F8_E4M3", 1},
+    {"F8_E5M2", 1},
 }};
 
 // The size of one element of `dtype`, or nothing when the format has no such dtype.
@@ -112,7 +126,8 @@ inline std::string shape_text(const std::vector<std::uint64_t>& shape) {
 }
 
 // product(shape) * element size, or nothing when it does not fit in 64 bits.
-inline std::optional<std::uint64_t> byte_size(const std::vector<std::uint64_t>& shape, std::size_t element) {
+inline std::optional<std::uint64_t> byte_size(const std::vector<std::uint64_t>& shape,
+                                              std::size_t element) {
   std::uint64_t n = element;
   for (std::uint64_t d : shape)
     if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
@@ -158,7 +173,8 @@ class Writer {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       TensorInfo& t = tensors_[i];
       ZP_EXPECT(!t.name.empty(), f, ": tensor #", i, " has an empty name");
-      ZP_EXPECT(t.name != "__metadata__", f, ": '__metadata__' is reserved and cannot name a tensor");
+      ZP_EXPECT(t.name != "__metadata__", f,
+                ": '__metadata__' is reserved and cannot name a tensor");
       const bool first = names.insert(t.name).second;
       ZP_EXPECT(first, f, ": tensor '", t.name, "' is declared twice");
       const auto size = element_size(t.dtype);
@@ -166,8 +182,8 @@ class Writer {
                 detail::known_dtypes(), ")");
       const auto bytes = detail::byte_size(t.shape, *size);
       const bool fits = bytes && !__builtin_add_overflow(at, *bytes, &t.end);
-      ZP_EXPECT(fits, f, ": tensor '", t.name, "': shape ", detail::shape_text(t.shape), " of ", t.dtype,
-                " does not fit in a 64-bit file");
+      ZP_EXPECT(fits, f, ": tensor '", t.name, "': shape ", detail::shape_text(t.shape), " of ",
+                t.dtype, " does not fit in a 64-bit file");
       t.begin = std::exchange(at, t.end);
     }
     total_ = at;
@@ -180,14 +196,16 @@ class Writer {
     try {
       header = h.dump();
     } catch (const nlohmann::json::exception& e) {
-      throw Error(Errc::invalid_argument,
-                  zp::detail::cat(f, ": tensor names and metadata must be valid UTF-8: ", e.what()));
+      throw Error(
+          Errc::invalid_argument,
+          zp::detail::cat(f, ": tensor names and metadata must be valid UTF-8: ", e.what()));
     }
     header.resize((header.size() + 7) / 8 * 8, ' ');  // the data starts 8-byte aligned
     ZP_EXPECT(header.size() <= max_header_bytes, f, ": the header takes ", header.size(),
               " bytes, more than readers accept (", max_header_bytes, ")");
     std::array<std::byte, 8> length;
-    for (std::size_t i = 0; i < 8; ++i) length[i] = std::byte(std::uint64_t(header.size()) >> (8 * i));
+    for (std::size_t i = 0; i < 8; ++i)
+      length[i] = std::byte(std::uint64_t(header.size()) >> (8 * i));
     file_.emplace(path_);
     file_->write(length);
     file_->write(std::as_bytes(std::span(header)));
@@ -197,8 +215,8 @@ class Writer {
   // tensor's end is an error that writes nothing.
   void write(std::span<const std::byte> data) {
     ZP_EXPECT(!committed_, path_.native(), ": write after commit");
-    ZP_EXPECT(data.size() <= total_ - written_, path_.native(), ": writing ", data.size(), " bytes at data offset ",
-              written_, " runs past the end of ",
+    ZP_EXPECT(data.size() <= total_ - written_, path_.native(), ": writing ", data.size(),
+              " bytes at data offset ", written_, " runs past the end of ",
               tensors_.empty() ? std::string("the data (no tensors are declared)")
                                : "the last tensor '" + tensors_.back().name + "'",
               " at ", total_);
@@ -209,10 +227,12 @@ class Writer {
   template <Plain T>
   void write(std::span<const T> data) {
     if constexpr (Element<T>) {
-      const std::uint64_t stop = written_ + std::min<std::uint64_t>(data.size_bytes(), total_ - written_);
+      const std::uint64_t stop =
+          written_ + std::min<std::uint64_t>(data.size_bytes(), total_ - written_);
       for (auto t = first_unfinished(); t != tensors_.end() && t->begin < stop; ++t)
-        ZP_EXPECT(t->bytes() == 0 || t->dtype == dtype_name(dtype_of<T>), path_.native(), ": tensor '", t->name,
-                  "' stores ", t->dtype, ", not ", dtype_name(dtype_of<T>), " (the elements written)");
+        ZP_EXPECT(t->bytes() == 0 || t->dtype == dtype_name(dtype_of<T>), path_.native(),
+                  ": tensor '", t->name, "' stores ", t->dtype, ", not ", dtype_name(dtype_of<T>),
+                  " (the elements written)");
     }
     write(std::as_bytes(data));
   }
@@ -223,8 +243,9 @@ class Writer {
     if (written_ != total_) {
       const TensorInfo& t = *first_unfinished();
       throw Error(Errc::invalid_argument,
-                  zp::detail::cat(path_.native(), ": tensor '", t.name, "' is incomplete: ", written_ - t.begin,
-                                  " of its ", t.bytes(), " bytes were written"));
+                  zp::detail::cat(path_.native(), ": tensor '", t.name,
+                                  "' is incomplete: ", written_ - t.begin, " of its ", t.bytes(),
+                                  " bytes were written"));
     }
     file_->commit();
     committed_ = true;
@@ -259,13 +280,16 @@ class Reader {
  public:
   explicit Reader(std::filesystem::path path) : file_(std::move(path)) {
     const std::uint64_t size = file_.size();
-    if (size < 8) throw corrupt("the file has ", size, " bytes, fewer than the 8 of the header length");
+    if (size < 8)
+      throw corrupt("the file has ", size, " bytes, fewer than the 8 of the header length");
     std::array<std::byte, 8> length;
     file_.read_at(0, length);
     std::uint64_t n = 0;
     for (std::size_t i = 0; i < 8; ++i) n |= std::uint64_t(length[i]) << (8 * i);
-    if (n > max_header_bytes) throw corrupt("header length ", n, " is more than the limit of ", max_header_bytes);
-    if (n > size - 8) throw corrupt("header length ", n, " runs past the end of the file (", size, " bytes)");
+    if (n > max_header_bytes)
+      throw corrupt("header length ", n, " is more than the limit of ", max_header_bytes);
+    if (n > size - 8)
+      throw corrupt("header length ", n, " runs past the end of the file (", size, " bytes)");
     std::string header(std::size_t(n), '\0');
     file_.read_at(8, std::as_writable_bytes(std::span(header)));
     data_start_ = 8 + n;
@@ -290,21 +314,24 @@ class Reader {
   // Reads out.size() bytes of tensor `name` from `byte_offset` on; the range must lie in it.
   void read(std::string_view name, std::uint64_t byte_offset, std::span<std::byte> out) const {
     const TensorInfo& t = at(name);
-    ZP_EXPECT(byte_offset <= t.bytes() && out.size() <= t.bytes() - byte_offset, path().native(), ": tensor '",
-              name, "' holds ", t.bytes(), " bytes; cannot read ", out.size(), " bytes at byte offset ", byte_offset);
+    ZP_EXPECT(byte_offset <= t.bytes() && out.size() <= t.bytes() - byte_offset, path().native(),
+              ": tensor '", name, "' holds ", t.bytes(), " bytes; cannot read ", out.size(),
+              " bytes at byte offset ", byte_offset);
     file_.read_at(data_start_ + t.begin + byte_offset, out);
   }
   // Reads out.size() elements of tensor `name` from element `first_element` on; the tensor must
   // store T (no conversions) and hold the range.
   template <Element T, std::size_t Extent>
-  void read_elements(std::string_view name, std::uint64_t first_element, std::span<T, Extent> out) const {
+  void read_elements(std::string_view name, std::uint64_t first_element,
+                     std::span<T, Extent> out) const {
     const TensorInfo& t = at(name);
     const char* want = dtype_name(dtype_of<T>);
-    ZP_EXPECT(t.dtype == want, path().native(), ": tensor '", name, "' stores ", t.dtype, ", not ", want,
-              " (the element type asked for)");
+    ZP_EXPECT(t.dtype == want, path().native(), ": tensor '", name, "' stores ", t.dtype, ", not ",
+              want, " (the element type asked for)");
     const std::uint64_t n = t.elements();
-    ZP_EXPECT(first_element <= n && out.size() <= n - first_element, path().native(), ": tensor '", name,
-              "' has ", n, " elements; cannot read ", out.size(), " from element ", first_element);
+    ZP_EXPECT(first_element <= n && out.size() <= n - first_element, path().native(), ": tensor '",
+              name, "' has ", n, " elements; cannot read ", out.size(), " from element ",
+              first_element);
     read(name, first_element * sizeof(T), std::as_writable_bytes(out));
   }
 
@@ -321,7 +348,8 @@ class Reader {
       if (name == "__metadata__") {
         if (!v.is_object()) throw corrupt("__metadata__ is not an object but ", json_excerpt(v));
         for (const auto& [k, s] : v.items()) {
-          if (!s.is_string()) throw corrupt("__metadata__ entry '", k, "' is not a string but ", json_excerpt(s));
+          if (!s.is_string())
+            throw corrupt("__metadata__ entry '", k, "' is not a string but ", json_excerpt(s));
           metadata_[k] = s.get<std::string>();
         }
         continue;
@@ -339,27 +367,31 @@ class Reader {
     for (const TensorInfo& t : tensors_) {
       const std::string range = zp::detail::cat("data_offsets [", t.begin, ", ", t.end, ")");
       if (t.begin < at)
-        throw corrupt("tensor '", t.name, "': ", range, " overlap tensor '", prev->name, "' at [", prev->begin,
-                      ", ", prev->end, ")");
+        throw corrupt("tensor '", t.name, "': ", range, " overlap tensor '", prev->name, "' at [",
+                      prev->begin, ", ", prev->end, ")");
       if (t.begin > at)
         throw corrupt("tensor '", t.name, "': ", range, " leave a gap after ",
-                      prev ? "tensor '" + prev->name + "'" : std::string("the start of the data"), " at ", at);
+                      prev ? "tensor '" + prev->name + "'" : std::string("the start of the data"),
+                      " at ", at);
       at = t.end;
       prev = &t;
     }
     if (at != data_bytes)
-      throw corrupt("the tensors end at data offset ", at, " but the data section holds ", data_bytes,
-                    " bytes (file size minus 8 minus header length ", data_start_ - 8, ")");
+      throw corrupt("the tensors end at data offset ", at, " but the data section holds ",
+                    data_bytes, " bytes (file size minus 8 minus header length ", data_start_ - 8,
+                    ")");
     for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
   }
 
   // One header entry, checked on its own.
   TensorInfo tensor(const std::string& name, const detail::json& v) const {
     using detail::json_excerpt;
-    if (!v.is_object()) throw corrupt("tensor '", name, "': entry is not an object but ", json_excerpt(v));
+    if (!v.is_object())
+      throw corrupt("tensor '", name, "': entry is not an object but ", json_excerpt(v));
     for (const auto& [k, x] : v.items())
       if (k != "dtype" && k != "shape" && k != "data_offsets")
-        throw corrupt("tensor '", name, "': unexpected field '", k, "' (an entry has dtype, shape and data_offsets)");
+        throw corrupt("tensor '", name, "': unexpected field '", k,
+                      "' (an entry has dtype, shape and data_offsets)");
     const auto field = [&](const char* k) -> const detail::json& {
       const auto it = v.find(k);
       if (it == v.end()) throw corrupt("tensor '", name, "': missing field '", k, "'");
@@ -373,31 +405,36 @@ class Reader {
           r.push_back(x.get<std::uint64_t>());
         }
       if (!a.is_array() || r.size() != a.size())
-        throw corrupt("tensor '", name, "': ", k, " is not an array of non-negative integers but ", json_excerpt(a));
+        throw corrupt("tensor '", name, "': ", k, " is not an array of non-negative integers but ",
+                      json_excerpt(a));
       return r;
     };
     TensorInfo t;
     t.name = name;
     const detail::json& dtype = field("dtype");
-    if (!dtype.is_string()) throw corrupt("tensor '", name, "': dtype is not a string but ", json_excerpt(dtype));
+    if (!dtype.is_string())
+      throw corrupt("tensor '", name, "': dtype is not a string but ", json_excerpt(dtype));
     t.dtype = dtype.get<std::string>();
     const auto size = element_size(t.dtype);
     if (!size) throw corrupt("tensor '", name, "': unknown dtype '", t.dtype, "'");
     t.shape = unsigned_array("shape", field("shape"));
     const auto offsets = unsigned_array("data_offsets", field("data_offsets"));
     if (offsets.size() != 2)
-      throw corrupt("tensor '", name, "': data_offsets has ", offsets.size(), " entries, not [begin, end]");
+      throw corrupt("tensor '", name, "': data_offsets has ", offsets.size(),
+                    " entries, not [begin, end]");
     t.begin = offsets[0];
     t.end = offsets[1];
     if (t.begin > t.end)
-      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, ") end before they begin");
+      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end,
+                    ") end before they begin");
     const auto bytes = detail::byte_size(t.shape, *size);
     if (!bytes)
       throw corrupt("tensor '", name, "': shape ", detail::shape_text(t.shape), " of ", t.dtype,
                     " holds more than 2^64 bytes");
     if (*bytes != t.bytes())
-      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, ") hold ", t.bytes(),
-                    " bytes but shape ", detail::shape_text(t.shape), " of ", t.dtype, " needs ", *bytes);
+      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, ") hold ",
+                    t.bytes(), " bytes but shape ", detail::shape_text(t.shape), " of ", t.dtype,
+                    " needs ", *bytes);
     return t;
   }
 
@@ -446,8 +483,11 @@ inline void write_index(const std::filesystem::path& index_path, std::uint64_t t
 inline Index read_index(const std::filesystem::path& path) {
   using detail::json_excerpt;
   const std::string& f = path.native();
-  const detail::json j = detail::parse_json(path, zp::detail::read_whole_file(path, max_header_bytes), "index");
-  const auto bad = [&](const auto&... a) { return Error(Errc::io, zp::detail::cat(f, ": ", a...)); };
+  const detail::json j =
+      detail::parse_json(path, zp::detail::read_whole_file(path, max_header_bytes), "index");
+  const auto bad = [&](const auto&... a) {
+    return Error(Errc::io, zp::detail::cat(f, ": ", a...));
+  };
   if (!j.is_object()) throw bad("the index is not a JSON object but ", json_excerpt(j));
   const auto meta = j.find("metadata");
   if (meta == j.end() || !meta->is_object()) throw bad("the index has no \"metadata\" object");
@@ -459,7 +499,8 @@ inline Index read_index(const std::filesystem::path& path) {
   if (map == j.end() || !map->is_object()) throw bad("the index has no \"weight_map\" object");
   Index index{total->get<std::uint64_t>(), {}};
   for (const auto& [name, file] : map->items()) {
-    if (!file.is_string()) throw bad("weight_map entry '", name, "' is not a file name but ", json_excerpt(file));
+    if (!file.is_string())
+      throw bad("weight_map entry '", name, "' is not a file name but ", json_excerpt(file));
     const std::string s = file.get<std::string>();
     if (s.empty() || s == "." || s == ".." || s.find('/') != std::string::npos)
       throw bad("weight_map entry '", name, "' names '", s, "', not a file next to the index");

@@ -32,7 +32,9 @@ inline double warmup_fraction(Warmup type, std::int64_t it, std::int64_t steps) 
 }
 inline std::int64_t warmup_steps(std::int64_t n) { return std::max<std::int64_t>(n, 2); }
 
-inline void check_iteration(std::int64_t it) { ZP_EXPECT(it >= 0, "schedule: iteration must be >= 0, got ", it); }
+inline void check_iteration(std::int64_t it) {
+  ZP_EXPECT(it >= 0, "schedule: iteration must be >= 0, got ", it);
+}
 }  // namespace detail
 
 // A constant learning rate.
@@ -56,12 +58,14 @@ struct WarmupLR {
   void check() const {
     zp::detail::expect_finite_non_negative(warmup_min_lr, "schedule: WarmupLR", "warmup_min_lr");
     zp::detail::expect_finite_non_negative(warmup_max_lr, "schedule: WarmupLR", "warmup_max_lr");
-    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupLR: warmup_num_steps must be >= 0, got ", warmup_num_steps);
+    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupLR: warmup_num_steps must be >= 0, got ",
+              warmup_num_steps);
   }
   double lr(std::int64_t it) const {
     check();
     detail::check_iteration(it);
-    const double f = detail::warmup_fraction(warmup_type, it, detail::warmup_steps(warmup_num_steps));
+    const double f =
+        detail::warmup_fraction(warmup_type, it, detail::warmup_steps(warmup_num_steps));
     return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * f;
   }
 };
@@ -73,12 +77,14 @@ struct WarmupDecayLR {
   std::int64_t total_num_steps = 10000;
   Warmup warmup_type = Warmup::log;
   void check() const {
-    zp::detail::expect_finite_non_negative(warmup_min_lr, "schedule: WarmupDecayLR", "warmup_min_lr");
-    zp::detail::expect_finite_non_negative(warmup_max_lr, "schedule: WarmupDecayLR", "warmup_max_lr");
+    zp::detail::expect_finite_non_negative(warmup_min_lr, "schedule: WarmupDecayLR",
+                                           "warmup_min_lr");
+    zp::detail::expect_finite_non_negative(warmup_max_lr, "schedule: WarmupDecayLR",
+                                           "warmup_max_lr");
     ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupDecayLR: warmup_num_steps must be >= 0, got ",
               warmup_num_steps);
-    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupDecayLR: total_num_steps (", total_num_steps,
-              ") must be >= warmup_num_steps (", warmup_num_steps, ")");
+    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupDecayLR: total_num_steps (",
+              total_num_steps, ") must be >= warmup_num_steps (", warmup_num_steps, ")");
   }
   double lr(std::int64_t it) const {
     check();
@@ -106,12 +112,13 @@ struct WarmupCosineLR {
   Warmup warmup_type = Warmup::log;
   void check() const {
     zp::detail::expect_finite_non_negative(base_lr, "schedule: WarmupCosineLR", "base_lr");
-    ZP_EXPECT(warmup_num_steps >= 0, "schedule: WarmupCosineLR: warmup_num_steps must be >= 0, got ",
-              warmup_num_steps);
-    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupCosineLR: total_num_steps (", total_num_steps,
-              ") must be >= warmup_num_steps (", warmup_num_steps, ")");
+    ZP_EXPECT(warmup_num_steps >= 0,
+              "schedule: WarmupCosineLR: warmup_num_steps must be >= 0, got ", warmup_num_steps);
+    ZP_EXPECT(total_num_steps >= warmup_num_steps, "schedule: WarmupCosineLR: total_num_steps (",
+              total_num_steps, ") must be >= warmup_num_steps (", warmup_num_steps, ")");
     ZP_EXPECT(warmup_min_ratio >= 0.0 && warmup_min_ratio <= 1.0,
-              "schedule: WarmupCosineLR: warmup_min_ratio must be in [0, 1], got ", warmup_min_ratio);
+              "schedule: WarmupCosineLR: warmup_min_ratio must be in [0, 1], got ",
+              warmup_min_ratio);
     ZP_EXPECT(cos_min_ratio >= 0.0 && cos_min_ratio <= 1.0,
               "schedule: WarmupCosineLR: cos_min_ratio must be in [0, 1], got ", cos_min_ratio);
   }
@@ -122,7 +129,8 @@ struct WarmupCosineLR {
       const double f = detail::warmup_fraction(warmup_type, it, w);
       return warmup_min_ratio + f * (1.0 - warmup_min_ratio);
     }
-    const double done = double(it - w + 1), span = double(std::max<std::int64_t>(1, total_num_steps - w));
+    const double done = double(it - w + 1),
+                 span = double(std::max<std::int64_t>(1, total_num_steps - w));
     const double c = (1.0 + std::cos(std::numbers::pi * done / span)) / 2.0;
     return std::max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * c);
   }
@@ -150,24 +158,30 @@ struct OneCycle {
     zp::detail::expect_finite_non_negative(cycle_min_lr, "schedule: OneCycle", "cycle_min_lr");
     zp::detail::expect_finite_non_negative(cycle_max_lr, "schedule: OneCycle", "cycle_max_lr");
     zp::detail::expect_finite_non_negative(decay_lr_rate, "schedule: OneCycle", "decay_lr_rate");
-    ZP_EXPECT(cycle_first_step_size >= 1, "schedule: OneCycle: cycle_first_step_size must be >= 1, got ",
+    ZP_EXPECT(cycle_first_step_size >= 1,
+              "schedule: OneCycle: cycle_first_step_size must be >= 1, got ",
               cycle_first_step_size);
-    ZP_EXPECT(cycle_second_step_size >= 0,
-              "schedule: OneCycle: cycle_second_step_size must be >= 0 (0 = same as the first), got ",
-              cycle_second_step_size);
+    ZP_EXPECT(
+        cycle_second_step_size >= 0,
+        "schedule: OneCycle: cycle_second_step_size must be >= 0 (0 = same as the first), got ",
+        cycle_second_step_size);
     // cycle_size() adds the two.
     ZP_EXPECT(cycle_first_step_size <= std::numeric_limits<std::int64_t>::max() - second(),
-              "schedule: OneCycle: cycle_first_step_size (", cycle_first_step_size, ") + cycle_second_step_size (",
-              cycle_second_step_size, ") overflows");
-    ZP_EXPECT(decay_step_size >= 0, "schedule: OneCycle: decay_step_size must be >= 0, got ", decay_step_size);
+              "schedule: OneCycle: cycle_first_step_size (", cycle_first_step_size,
+              ") + cycle_second_step_size (", cycle_second_step_size, ") overflows");
+    ZP_EXPECT(decay_step_size >= 0, "schedule: OneCycle: decay_step_size must be >= 0, got ",
+              decay_step_size);
     zp::detail::expect_finite_non_negative(cycle_min_mom, "schedule: OneCycle", "cycle_min_mom");
     zp::detail::expect_finite_non_negative(cycle_max_mom, "schedule: OneCycle", "cycle_max_mom");
     ZP_EXPECT(cycle_min_mom <= cycle_max_mom, "schedule: OneCycle: cycle_min_mom (", cycle_min_mom,
               ") must be <= cycle_max_mom (", cycle_max_mom, ")");
-    ZP_EXPECT(std::isfinite(decay_mom_rate), "schedule: OneCycle: decay_mom_rate must be finite, got ", decay_mom_rate);
+    ZP_EXPECT(std::isfinite(decay_mom_rate),
+              "schedule: OneCycle: decay_mom_rate must be finite, got ", decay_mom_rate);
   }
 
-  std::int64_t second() const { return cycle_second_step_size > 0 ? cycle_second_step_size : cycle_first_step_size; }
+  std::int64_t second() const {
+    return cycle_second_step_size > 0 ? cycle_second_step_size : cycle_first_step_size;
+  }
   std::int64_t cycle_size() const { return cycle_first_step_size + second(); }
   // 0 at the cycle's ends, 1 at its peak.
   double height(std::int64_t it) const {

@@ -1,4 +1,5 @@
-// zp/step_gate.hpp: an optimizer step's statistics and the decision taken from them.
+// zp/step_gate.hpp: an optimizer step's statistics, the decision taken from them, and the
+// update it gates (apply_update).
 //
 // Each rank sums its own gradient pieces' squared norm and non-finite count, so after one
 // all_reduce every rank holds the model's. The same all_reduce checks that every rank runs the
@@ -35,7 +36,8 @@ struct StepGate {
   double ranks, h0, h1;
   float unscale, max_norm;
   ZP_HOST_DEVICE void operator()(double* s) const {
-    const bool same = s[2] == ranks * h0 && s[3] == ranks * h0 * h0 && s[4] == ranks * h1 && s[5] == ranks * h1 * h1;
+    const bool same = s[2] == ranks * h0 && s[3] == ranks * h0 * h0 && s[4] == ranks * h1 &&
+                      s[5] == ranks * h1 * h1;
     const bool finite = s[1] == 0 && s[0] <= 1.7976931348623157e308;  // not inf, not nan
     const float clip = finite ? optim::clip_coef(s[0], unscale, max_norm) : 1.0f;
     s[statistics] = double(optim::grad_mul(unscale, clip));
@@ -50,8 +52,9 @@ struct StepGate {
 template <MemorySpace S>
 class StepStatistics {
  public:
-  static constexpr std::size_t count = detail::StepGate::statistics;  // doubles all-reduced per step
-  static constexpr std::size_t slots = count + 2;                     // with the gate: grad_mul, verdict
+  static constexpr std::size_t count =
+      detail::StepGate::statistics;                // doubles all-reduced per step
+  static constexpr std::size_t slots = count + 2;  // with the gate: grad_mul, verdict
 
   void begin(std::uint64_t fingerprint) {
     h0_ = double(fingerprint & 0xffffu);
@@ -67,7 +70,8 @@ class StepStatistics {
   // Adds those of the parameters of `piece` (rank r's piece of segment s of L) for which
   // counted(p) holds, p a parameter index.
   template <class G, class Counted>
-  void add(const Layout& L, int s, int r, std::span<const G> piece, const optim::cpu::Options& o, Counted&& counted) {
+  void add(const Layout& L, int s, int r, std::span<const G> piece, const optim::cpu::Options& o,
+           Counted&& counted) {
     const std::size_t begin = L.piece_offset(s, r), end = begin + piece.size();
     for (int p : L.segment(s).params) {
       const auto& lp = L.params()[std::size_t(p)];
@@ -92,5 +96,25 @@ class StepStatistics {
   Buffer<double, S> buf_{slots, "engine: step statistics"};
   double h0_ = 0, h1_ = 0;
 };
+
+// The optimizer update of every segment this rank updates, as the gate says: in the memory space
+// where the shard lives, or, offloaded (master weights and state in host memory), by the CPU on
+// host copies of the gradient and the new T values. gate: in the memory space, or in host memory
+// when offloaded. F32: the gradient from the fp32 gradient buffer.
+template <bool F32, class P, class Opt>
+void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scalars,
+                  const optim::cpu::Options& o, const double* gate,
+                  OffloadStaging<P::memory_space>& offload) {
+  const int segments = part.layout().segment_count();
+  if (!part.offloaded()) {
+    for (int s = 0; s < segments; ++s)
+      ShardStep<P::memory_space>::update(opt, scalars, part.template update_view<F32>(s), o, gate);
+    return;
+  }
+  if (gate[1] != 0) return;
+  offload.run(
+      segments, [&](int s) { return part.template update_view<F32>(s); },
+      [&](const auto& v) { ShardStep<MemorySpace::host>::update(opt, scalars, v, o, gate); });
+}
 
 }  // namespace zp

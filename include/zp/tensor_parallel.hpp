@@ -63,12 +63,14 @@ namespace detail {
 // part, inside [0, vocab_size). Runs before any collective (see the file comment).
 inline void check_indices(const char* who, const char* what, std::span<const int> idx, Range vocab,
                           std::size_t vocab_size, bool ignorable) {
-  ZP_EXPECT(vocab.begin <= vocab.end && vocab.end <= vocab_size, who, ": this rank's vocabulary part [", vocab.begin,
-            ", ", vocab.end, ") is not a range inside the vocabulary [0, ", vocab_size, ")");
+  ZP_EXPECT(vocab.begin <= vocab.end && vocab.end <= vocab_size, who,
+            ": this rank's vocabulary part [", vocab.begin, ", ", vocab.end,
+            ") is not a range inside the vocabulary [0, ", vocab_size, ")");
   for (std::size_t i = 0; i < idx.size(); ++i)
-    ZP_EXPECT((idx[i] >= 0 && std::size_t(idx[i]) < vocab_size) || (ignorable && idx[i] == ignore_index), who, ": ",
-              what, " ", idx[i], " at position ", i, " is outside the vocabulary [0, ", vocab_size, ")",
-              ignorable ? " and is not ignore_index (-100)" : "");
+    ZP_EXPECT(
+        (idx[i] >= 0 && std::size_t(idx[i]) < vocab_size) || (ignorable && idx[i] == ignore_index),
+        who, ": ", what, " ", idx[i], " at position ", i, " is outside the vocabulary [0, ",
+        vocab_size, ")", ignorable ? " and is not ignore_index (-100)" : "");
 }
 }  // namespace detail
 
@@ -80,7 +82,9 @@ class Group {
   Group() = default;
   template <Backend B>
   explicit Group(Collective<B>& c)
-      : rank_(c.rank()), size_(c.size()), reduce_([&c](std::span<F> x, ReduceOp op) { c.all_reduce(x, op); }) {}
+      : rank_(c.rank()),
+        size_(c.size()),
+        reduce_([&c](std::span<F> x, ReduceOp op) { c.all_reduce(x, op); }) {}
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -96,19 +100,23 @@ class Group {
 // out[i] = row tokens[i] of the full [vocab_size, d] table, from this rank's rows `vocab` (weight
 // is [vocab.size(), d]); every token in [0, vocab_size). Collective over the group.
 template <class F>
-void embedding_forward(const Group<F>& g, Range vocab, std::size_t vocab_size, std::span<const F> weight,
-                       std::span<const int> tokens, std::size_t d, std::span<F> out) {
+void embedding_forward(const Group<F>& g, Range vocab, std::size_t vocab_size,
+                       std::span<const F> weight, std::span<const int> tokens, std::size_t d,
+                       std::span<F> out) {
   detail::check_indices("tp::embedding_forward", "token", tokens, vocab, vocab_size, false);
   using zp::detail::checked_mul;  // a wrapped product could match a short buffer
   ZP_EXPECT(weight.size() == checked_mul(vocab.size(), d, "tp::embedding_forward: rows x d") &&
                 out.size() == checked_mul(tokens.size(), d, "tp::embedding_forward: tokens x d"),
-            "tp::embedding_forward: weight has ", weight.size(), " elements (expected ", vocab.size(), " rows x ", d,
-            ") and out ", out.size(), " (expected ", tokens.size(), " tokens x ", d, ")");
+            "tp::embedding_forward: weight has ", weight.size(), " elements (expected ",
+            vocab.size(), " rows x ", d, ") and out ", out.size(), " (expected ", tokens.size(),
+            " tokens x ", d, ")");
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     F* o = out.data() + i * d;
     const std::size_t t = std::size_t(tokens[i]);
-    if (vocab.contains(t)) std::copy_n(weight.data() + (t - vocab.begin) * d, d, o);
-    else std::fill_n(o, d, F(0));
+    if (vocab.contains(t))
+      std::copy_n(weight.data() + (t - vocab.begin) * d, d, o);
+    else
+      std::fill_n(o, d, F(0));
   }
   g.all_reduce(out);
 }
@@ -116,14 +124,15 @@ void embedding_forward(const Group<F>& g, Range vocab, std::size_t vocab_size, s
 // Adds d loss/d out into this rank's rows of the table gradient; every token in [0, vocab_size).
 // No communication.
 template <class F>
-void embedding_backward(Range vocab, std::size_t vocab_size, std::span<F> weight_grad, std::span<const int> tokens,
-                        std::size_t d, std::span<const F> out_grad) {
+void embedding_backward(Range vocab, std::size_t vocab_size, std::span<F> weight_grad,
+                        std::span<const int> tokens, std::size_t d, std::span<const F> out_grad) {
   detail::check_indices("tp::embedding_backward", "token", tokens, vocab, vocab_size, false);
   using zp::detail::checked_mul;
-  ZP_EXPECT(weight_grad.size() == checked_mul(vocab.size(), d, "tp::embedding_backward: rows x d") &&
-                out_grad.size() == checked_mul(tokens.size(), d, "tp::embedding_backward: tokens x d"),
-            "tp::embedding_backward: sizes do not match ", vocab.size(), " rows x ", d, " and ", tokens.size(),
-            " tokens");
+  ZP_EXPECT(
+      weight_grad.size() == checked_mul(vocab.size(), d, "tp::embedding_backward: rows x d") &&
+          out_grad.size() == checked_mul(tokens.size(), d, "tp::embedding_backward: tokens x d"),
+      "tp::embedding_backward: sizes do not match ", vocab.size(), " rows x ", d, " and ",
+      tokens.size(), " tokens");
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const std::size_t t = std::size_t(tokens[i]);
     if (!vocab.contains(t)) continue;
@@ -144,12 +153,13 @@ F cross_entropy(const Group<F>& g, Range vocab, std::size_t vocab_size, std::spa
                 std::span<const int> targets, std::span<F> dlogits, F scale) {
   detail::check_indices("tp::cross_entropy", "target", targets, vocab, vocab_size, true);
   const std::size_t rows = targets.size(), V = vocab.size();
-  ZP_EXPECT(logits.size() == zp::detail::checked_mul(rows, V, "tp::cross_entropy: rows x columns") &&
-                dlogits.size() == logits.size(),
-            "tp::cross_entropy: logits have ", logits.size(), " elements and dlogits ", dlogits.size(), "; expected ",
-            rows, " rows x ", V, " columns");
+  ZP_EXPECT(
+      logits.size() == zp::detail::checked_mul(rows, V, "tp::cross_entropy: rows x columns") &&
+          dlogits.size() == logits.size(),
+      "tp::cross_entropy: logits have ", logits.size(), " elements and dlogits ", dlogits.size(),
+      "; expected ", rows, " rows x ", V, " columns");
   const auto ignored = std::size_t(std::count(targets.begin(), targets.end(), ignore_index));
-  const std::size_t kept = rows - ignored;  // the rows the mean is over
+  const std::size_t kept = rows - ignored;        // the rows the mean is over
   std::vector<F> mx(rows), sums(2 * rows, F(0));  // sums: sum of exp, then the target's logit
   for (std::size_t r = 0; r < rows; ++r) {
     const F* z = logits.data() + r * V;
@@ -163,7 +173,8 @@ F cross_entropy(const Group<F>& g, Range vocab, std::size_t vocab_size, std::spa
     for (std::size_t v = 0; v < V; ++v) se += (e[v] = std::exp(z[v] - mx[r]));
     sums[r] = se;
     const int t = targets[r];
-    if (t != ignore_index && vocab.contains(std::size_t(t))) sums[rows + r] = z[std::size_t(t) - vocab.begin];
+    if (t != ignore_index && vocab.contains(std::size_t(t)))
+      sums[rows + r] = z[std::size_t(t) - vocab.begin];
   }
   g.all_reduce(std::span<F>(sums));
   F total = 0;

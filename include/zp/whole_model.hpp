@@ -22,8 +22,8 @@ namespace zp {
 // parameters and fp32 master weights. broadcast: rank 0's values go to every rank (the other
 // ranks' views may be unbound); else every rank's views must hold them. Collective.
 template <class T, int Stage, MemorySpace S, Backend B>
-void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& part, std::span<View<T>* const> values,
-                         bool broadcast) {
+void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& part,
+                         std::span<View<T>* const> values, bool broadcast) {
   const Layout& L = part.layout();
   Buffer<T, S> init(L.total(), "engine: initial parameter values");
   Memory<S>::zero(init.span());
@@ -31,10 +31,12 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
   for (std::size_t p = 0; p < ps.size(); ++p) {
     const View<T>& v = *values[p];
     if (v.bound())
-      Memory<S>::from_host(init.span(ps[p].offset, ps[p].size), std::span<const T>(v.span()));  // the model's own memory
+      Memory<S>::from_host(init.span(ps[p].offset, ps[p].size),
+                           std::span<const T>(v.span()));  // the model's own memory
     else
-      ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name, "' has no initial values on rank ",
-                comm.rank(), " (its value view is unbound); point it at the model's initial weights");
+      ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name,
+                "' has no initial values on rank ", comm.rank(),
+                " (its value view is unbound); point it at the model's initial weights");
   }
   if (broadcast && comm.size() > 1) comm.broadcast(init.span(), 0);
   std::vector<T> staged;
@@ -43,8 +45,10 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
     Memory<S>::copy(param.span, std::span<const T>(init.span(param.offset, param.span.size())));
     const auto master = part.template owned<Field::master>(s, Extent::kept);
     const std::span<const T> from = init.span(master.offset, master.span.size());
-    if (part.on_host(Field::master)) Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
-    else Memory<S>::convert(master.span, from);
+    if (part.on_host(Field::master))
+      Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
+    else
+      Memory<S>::convert(master.span, from);
   }
 }
 
@@ -54,19 +58,23 @@ template <class T>
 void bind_segment(const Layout& L, int s, std::span<View<T>* const> views, T* base) {
   const auto& seg = L.segment(s);
   for (int p : seg.params)
-    views[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - seg.offset) : nullptr);
+    views[std::size_t(p)]->rebind(base ? base + (L.params()[std::size_t(p)].offset - seg.offset)
+                                       : nullptr);
 }
 
 // Points the model's value and gradient views at the partition's parameters and gradients where
 // the stage keeps them whole, else (and when !bind) at nothing: stage 3's gathers and stage 2/3's
 // buckets point them while a module runs.
 template <class T, int Stage, MemorySpace S>
-void bind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& bound, bool bind = true) {
+void bind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& bound,
+                bool bind = true) {
   const Layout& L = part.layout();
   for (int s = 0; s < L.segment_count(); ++s) {
     const std::size_t at = L.segment(s).offset;
-    T* values = bind && part.whole(Field::param) ? part.template buffer<Field::param>().data() + at : nullptr;
-    T* grads = bind && part.whole(Field::grad) ? part.template buffer<Field::grad>().data() + at : nullptr;
+    T* values = bind && part.whole(Field::param) ? part.template buffer<Field::param>().data() + at
+                                                 : nullptr;
+    T* grads =
+        bind && part.whole(Field::grad) ? part.template buffer<Field::grad>().data() + at : nullptr;
     bind_segment<T>(L, s, bound.values, values);
     bind_segment<T>(L, s, bound.grads, grads);
   }
@@ -78,7 +86,8 @@ void bind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& 
 // time, so no rank holds more than one segment of it. Collective where F is sharded: every rank
 // visits every segment.
 template <Field F, class T, int Stage, MemorySpace S, Backend B, class Fn>
-void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int k, Fn&& fn) {
+void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int k,
+                            Fn&& fn) {
   using U = typename Partitioned<T, Stage, S>::template elem<F>;
   const Layout& L = part.layout();
   const bool host = part.on_host(F);
@@ -88,7 +97,8 @@ void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>&
     if constexpr (Partitioned<T, Stage, S>::whole(F)) {
       fn(s, std::span<const U>(part.template owned<F>(s, Extent::kept, k).span), host);
     } else {
-      if (segment.size() < size) segment = Buffer<U, S>(L.largest_segment(), "whole model: one segment");
+      if (segment.size() < size)
+        segment = Buffer<U, S>(L.largest_segment(), "whole model: one segment");
       const std::span<const U> piece(part.template owned<F>(s, Extent::piece, k).span);
       comm.all_gather(space_view<S>(piece, host, staged), segment.span(0, size));
       fn(s, std::span<const U>(segment.span(0, size)), false);
@@ -110,7 +120,8 @@ auto gather_whole(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int
     const std::span<const U> h = host_view<S>(values, host, staged);
     for (int p : seg.params) {
       const auto& lp = L.params()[std::size_t(p)];
-      std::copy_n(h.begin() + std::ptrdiff_t(lp.offset - seg.offset), lp.size, out.begin() + std::ptrdiff_t(at[std::size_t(p)]));
+      std::copy_n(h.begin() + std::ptrdiff_t(lp.offset - seg.offset), lp.size,
+                  out.begin() + std::ptrdiff_t(at[std::size_t(p)]));
     }
   });
   return out;

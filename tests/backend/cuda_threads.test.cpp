@@ -22,7 +22,8 @@ using zp::backend::Threads;
 
 namespace {
 
-const int devices = zp::test::devices_or_skip("the cuda_threads backend tests");  // before doctest's main
+const int devices =
+    zp::test::devices_or_skip("the cuda_threads backend tests");  // before doctest's main
 
 // Input of rank r: n values from the seed (integers for i32, small so sums stay exact).
 template <class T>
@@ -30,8 +31,10 @@ std::vector<T> input(std::uint64_t seed, int r, std::size_t n) {
   std::vector<T> v(n);
   for (std::size_t i = 0; i < n; ++i) {
     const float u = zp::test::hash_uniform(seed + std::uint64_t(r) * 1000003, i);
-    if constexpr (std::is_integral_v<T>) v[i] = T(u * 1000);
-    else v[i] = T(u * 8);
+    if constexpr (std::is_integral_v<T>)
+      v[i] = T(u * 1000);
+    else
+      v[i] = T(u * 8);
   }
   return v;
 }
@@ -39,15 +42,19 @@ std::vector<T> input(std::uint64_t seed, int r, std::size_t n) {
 // The operation on one backend: this rank's output as a host vector (poisoned before, unless
 // the operation is in place).
 template <class T, class B>
-std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, std::uint64_t seed, bool in_place) {
+std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, std::uint64_t seed,
+                   bool in_place) {
   const int N = comm.size(), r = comm.rank();
-  const std::vector<T> in = input<T>(seed, r, op == CollOp::reduce_scatter ? n * std::size_t(N) : n);
+  const std::vector<T> in =
+      input<T>(seed, r, op == CollOp::reduce_scatter ? n * std::size_t(N) : n);
   const std::size_t out_n = op == CollOp::all_gather ? n * std::size_t(N) : n;
   std::vector<T> out(out_n);
   std::memset(out.data(), 0x7f, out.size() * sizeof(T));  // poison: every element must be written
   auto exec = [&](std::span<T> i, std::span<T> o) {
     switch (op) {
-      case CollOp::all_reduce: in_place ? comm.all_reduce(o, rop) : comm.all_reduce(std::span<const T>(i), o, rop); break;
+      case CollOp::all_reduce:
+        in_place ? comm.all_reduce(o, rop) : comm.all_reduce(std::span<const T>(i), o, rop);
+        break;
       case CollOp::reduce_scatter: comm.reduce_scatter(std::span<const T>(i), o, rop); break;
       case CollOp::all_gather: comm.all_gather(std::span<const T>(i), o); break;
       case CollOp::broadcast: comm.broadcast(o, 1 % N); break;  // in place: o starts as the input
@@ -62,9 +69,11 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
   } else {
     zp::Buffer<T, zp::MemorySpace::device> di(in.size()), dout(out.size());
     zp::Memory<zp::MemorySpace::device>::from_host(di.span(), std::span<const T>(in));
-    zp::Memory<zp::MemorySpace::device>::from_host(dout.span(), std::span<const T>(in_place ? in : out));
+    zp::Memory<zp::MemorySpace::device>::from_host(dout.span(),
+                                                   std::span<const T>(in_place ? in : out));
     exec(di.span(), dout.span());
-    zp::Memory<zp::MemorySpace::device>::to_host(std::span<T>(out), std::span<const T>(dout.span()));
+    zp::Memory<zp::MemorySpace::device>::to_host(std::span<T>(out),
+                                                 std::span<const T>(dout.span()));
   }
   return out;
 }
@@ -78,8 +87,12 @@ void check(int N, CollOp op, ReduceOp rop, std::size_t n, bool in_place) {
   CAPTURE(in_place);
   const std::uint64_t seed = zp::test::run_seed("cuda_threads.test") + n;
   std::vector<std::vector<T>> host(static_cast<std::size_t>(N)), dev(static_cast<std::size_t>(N));
-  zp::backend::run_threads(N, [&](Collective<Threads>& c) { host.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place); });
-  zp::backend::run_cuda_threads(N, [&](Collective<CudaThreads>& c) { dev.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place); });
+  zp::backend::run_threads(N, [&](Collective<Threads>& c) {
+    host.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place);
+  });
+  zp::backend::run_cuda_threads(N, [&](Collective<CudaThreads>& c) {
+    dev.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place);
+  });
   for (std::size_t r = 0; r < std::size_t(N); ++r) {
     REQUIRE(host.at(r).size() == dev.at(r).size());
     CHECK(std::memcmp(host.at(r).data(), dev.at(r).data(), host.at(r).size() * sizeof(T)) == 0);
@@ -110,17 +123,19 @@ void every_case() {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("cuda_threads collectives equal the threads backend bit for bit", T, float, double, zp::bf16, zp::fp16,
-                   std::int32_t) {
+TEST_CASE_TEMPLATE("cuda_threads collectives equal the threads backend bit for bit", T, float,
+                   double, zp::bf16, zp::fp16, std::int32_t) {
   every_case<T>();
 }
 
 // Ordering between the ranks' compute and communication streams, proven by delaying each kind
 // in turn (an idle wait before every enqueue there): the results must not change.
-TEST_CASE("cuda_threads collectives are unchanged with the communication or compute streams delayed") {
+TEST_CASE(
+    "cuda_threads collectives are unchanged with the communication or compute streams delayed") {
   for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
     CAPTURE(int(role));
-    zp::device::delay_streams(role, std::chrono::microseconds(100));  // longer than these operations
+    zp::device::delay_streams(role,
+                              std::chrono::microseconds(100));  // longer than these operations
     for (int N : {2, 3}) {
       check<float>(N, CollOp::all_reduce, ReduceOp::sum, large, true);
       check<zp::bf16>(N, CollOp::reduce_scatter, ReduceOp::avg, large, false);

@@ -92,8 +92,8 @@ TEST_CASE("async operations overlap the caller and run their post-step on comple
   std::vector<float> ag(n * std::size_t(N), -1.0f);
   const auto mine = inputs<float>(seed + 4, r, n, N, ReduceOp::sum);
   std::copy(mine.begin(), mine.end(), ag.begin() + std::ptrdiff_t(std::size_t(r) * n));
-  std::vector<double> bc = r == 0 ? inputs<double>(seed + 5, 0, n, N, ReduceOp::sum)
-                                  : std::vector<double>(n, -1.0);
+  std::vector<double> bc =
+      r == 0 ? inputs<double>(seed + 5, 0, n, N, ReduceOp::sum) : std::vector<double>(n, -1.0);
 
   std::vector<Collective<Mpi>::Work> works;
   works.push_back(comm.all_reduce_async(std::span<float>(f), ReduceOp::avg));
@@ -183,16 +183,18 @@ TEST_CASE("bad arguments are errors that name the values, on every rank") {
   CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<const float>(a), std::span<float>(b)),
                        doctest::Contains("input has 10 elements but output has 11"), zp::Error);
   CHECK_THROWS_WITH_AS(comm.all_gather(std::span<const float>(c), std::span<float>(b)),
-                       doctest::Contains("full buffer has 11 elements but the shard has 5"), zp::Error);
-  CHECK_THROWS_WITH_AS(comm.broadcast(std::span<float>(a), N), doctest::Contains("root"), zp::Error);
+                       doctest::Contains("full buffer has 11 elements but the shard has 5"),
+                       zp::Error);
+  CHECK_THROWS_WITH_AS(comm.broadcast(std::span<float>(a), N), doctest::Contains("root"),
+                       zp::Error);
   CHECK_THROWS_WITH_AS(comm.split(-1, 0), doctest::Contains("got -1"), zp::Error);
 
   // What only the backend can see: MPI's int counts, and overlapping buffers that are not the
   // in-place layout. The signature exchange makes every rank fail, not only the guilty one.
   const std::size_t huge = std::size_t(INT_MAX) + 1;
-  CHECK_THROWS_WITH_AS(
-      comm.backend().all_reduce(a.data(), a.data(), huge, DType::f32, ReduceOp::sum, Launch::blocking),
-      doctest::Contains("exceeds MPI's limit"), zp::Error);
+  CHECK_THROWS_WITH_AS(comm.backend().all_reduce(a.data(), a.data(), huge, DType::f32,
+                                                 ReduceOp::sum, Launch::blocking),
+                       doctest::Contains("exceeds MPI's limit"), zp::Error);
   std::vector<float> big(4 * std::size_t(N) + 1);
   int rejected = 0;
   try {
@@ -206,10 +208,13 @@ TEST_CASE("bad arguments are errors that name the values, on every rank") {
                    std::string::npos;
   }
   CHECK(count_ranks(comm, rejected) == N);
-  zp::test::check_all_reduce<float>(comm, fresh_seed(comm), 99, ReduceOp::sum, true);  // still usable
+  zp::test::check_all_reduce<float>(comm, fresh_seed(comm), 99, ReduceOp::sum,
+                                    true);  // still usable
 }
 
-TEST_CASE("the shared argument checks: overlap, null buffers, unknown ops and types, a bad root on one rank") {
+TEST_CASE(
+    "the shared argument checks: overlap, null buffers, unknown ops and types, a bad root on one "
+    "rank") {
   auto comm = world();
   zp::test::check_bad_arguments(comm);
 }
@@ -218,7 +223,8 @@ TEST_CASE("integer sums wrap around, and dropped async Work completes before its
   auto comm = world();
   zp::test::check_integer_wraparound(comm);
   const auto seed = fresh_seed(comm);
-  for (int rep = 0; rep < 5; ++rep) zp::test::check_dropped_work(comm, seed + 100 * std::uint64_t(rep), 20);
+  for (int rep = 0; rep < 5; ++rep)
+    zp::test::check_dropped_work(comm, seed + 100 * std::uint64_t(rep), 20);
 }
 
 TEST_CASE("mismatched calls are an error on every rank, and the communicator stays usable") {
@@ -229,7 +235,8 @@ TEST_CASE("mismatched calls are an error on every rank, and the communicator sta
     try {
       call();
     } catch (const zp::Error& e) {
-      ok = e.category() == Errc::invalid_argument && std::string(e.what()).find(text) != std::string::npos;
+      ok = e.category() == Errc::invalid_argument &&
+           std::string(e.what()).find(text) != std::string::npos;
       INFO(e.what());
       CHECK(ok);
     }
@@ -244,22 +251,31 @@ TEST_CASE("mismatched calls are an error on every rank, and the communicator sta
   SUBCASE("element type") {
     std::vector<zp::bf16> h(4);
     std::vector<float> f(4);
-    expect_everywhere([&] {
-      if (r == 0) comm.all_reduce(std::span<zp::bf16>(h));
-      else comm.all_reduce(std::span<float>(f));
-    }, "dtype=f32");
+    expect_everywhere(
+        [&] {
+          if (r == 0)
+            comm.all_reduce(std::span<zp::bf16>(h));
+          else
+            comm.all_reduce(std::span<float>(f));
+        },
+        "dtype=f32");
   }
   SUBCASE("operation") {
     std::vector<float> f(4 * std::size_t(N));
-    expect_everywhere([&] {
-      if (r == N - 1) comm.broadcast(std::span<float>(f), 0);
-      else comm.all_gather(std::span<float>(f));
-    }, "called broadcast");
+    expect_everywhere(
+        [&] {
+          if (r == N - 1)
+            comm.broadcast(std::span<float>(f), 0);
+          else
+            comm.all_gather(std::span<float>(f));
+        },
+        "called broadcast");
   }
   SUBCASE("reduce op and root") {
     std::vector<float> f(4);
-    expect_everywhere([&] { comm.all_reduce(std::span<float>(f), r == 1 ? ReduceOp::max : ReduceOp::sum); },
-                      "op=max");
+    expect_everywhere(
+        [&] { comm.all_reduce(std::span<float>(f), r == 1 ? ReduceOp::max : ReduceOp::sum); },
+        "op=max");
     expect_everywhere([&] { comm.broadcast(std::span<float>(f), r == 0 ? 0 : 1); }, "root=1");
   }
   SUBCASE("async") {
@@ -282,9 +298,12 @@ TEST_CASE("send and recv mistakes are errors naming the values, on both sides of
   auto comm = world();
   zp::test::check_point_to_point_errors(comm);
   std::vector<char> big(16);
-  zp::test::expect_invalid([&] {
-    comm.backend().send(big.data(), std::size_t(INT_MAX) / 2 + 1, DType::f32, (comm.rank() + 1) % comm.size(), Launch::blocking);
-  }, {"exceeds MPI's limit of 2147483647 bytes per message"});
+  zp::test::expect_invalid(
+      [&] {
+        comm.backend().send(big.data(), std::size_t(INT_MAX) / 2 + 1, DType::f32,
+                            (comm.rank() + 1) % comm.size(), Launch::blocking);
+      },
+      {"exceeds MPI's limit of 2147483647 bytes per message"});
   zp::test::check_point_to_point(comm, fresh_seed(comm));  // still usable, in step
 }
 

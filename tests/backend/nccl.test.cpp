@@ -63,25 +63,32 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
     for (bool in_place : {false, true}) {
       DeviceBuf<T> in(n), out(n);
       in.put(inputs<T>(seed, r, n, N, op));
-      if (in_place) comm.all_reduce(in.span(), op);
-      else comm.all_reduce(std::span<const T>(in.span()), out.span(), op);
+      if (in_place)
+        comm.all_reduce(in.span(), op);
+      else
+        comm.all_reduce(std::span<const T>(in.span()), out.span(), op);
       const auto got = (in_place ? in : out).get();
       const auto w = wrong(got, [&](std::size_t i) {
         for (int q = 0; q < N; ++q) xs[std::size_t(q)] = input<T>(seed, q, i, N, op);
         return from<T>(to<T>(reduce_ref(op, xs)));
       });
-      INFO("all_reduce ", zp::name(zp::dtype_of<T>), " n=", n, " op=", zp::name(op), " in_place=", in_place);
+      INFO("all_reduce ", zp::name(zp::dtype_of<T>), " n=", n, " op=", zp::name(op),
+           " in_place=", in_place);
       CHECK(w == 0);
 
       DeviceBuf<T> full(n * std::size_t(N)), shard(n);
       full.put(inputs<T>(seed + 1, r, n * std::size_t(N), N, op));
-      if (in_place) comm.reduce_scatter(full.span(), op);
-      else comm.reduce_scatter(std::span<const T>(full.span()), shard.span(), op);
+      if (in_place)
+        comm.reduce_scatter(full.span(), op);
+      else
+        comm.reduce_scatter(std::span<const T>(full.span()), shard.span(), op);
       auto res = (in_place ? full : shard).get();
-      if (in_place) res = std::vector<T>(res.begin() + std::ptrdiff_t(std::size_t(r) * n),
-                                         res.begin() + std::ptrdiff_t(std::size_t(r + 1) * n));
+      if (in_place)
+        res = std::vector<T>(res.begin() + std::ptrdiff_t(std::size_t(r) * n),
+                             res.begin() + std::ptrdiff_t(std::size_t(r + 1) * n));
       const auto w2 = wrong(res, [&](std::size_t i) {
-        for (int q = 0; q < N; ++q) xs[std::size_t(q)] = input<T>(seed + 1, q, std::size_t(r) * n + i, N, op);
+        for (int q = 0; q < N; ++q)
+          xs[std::size_t(q)] = input<T>(seed + 1, q, std::size_t(r) * n + i, N, op);
         return from<T>(to<T>(reduce_ref(op, xs)));
       });
       INFO("reduce_scatter in_place=", in_place);
@@ -92,11 +99,14 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
     const auto mine = inputs<T>(seed + 2, r, n, N, ReduceOp::sum);
     DeviceBuf<T> in(n), out(n * std::size_t(N));
     std::vector<T> init(n * std::size_t(N), poison<T>());
-    if (in_place) std::copy(mine.begin(), mine.end(), init.begin() + std::ptrdiff_t(std::size_t(r) * n));
+    if (in_place)
+      std::copy(mine.begin(), mine.end(), init.begin() + std::ptrdiff_t(std::size_t(r) * n));
     out.put(init);
     in.put(mine);
-    if (in_place) comm.all_gather(out.span());
-    else comm.all_gather(std::span<const T>(in.span()), out.span());
+    if (in_place)
+      comm.all_gather(out.span());
+    else
+      comm.all_gather(std::span<const T>(in.span()), out.span());
     const auto w = wrong(out.get(), [&](std::size_t i) {
       return from<T>(to<T>(input<T>(seed + 2, int(i / n), i % n, N, ReduceOp::sum)));
     });
@@ -105,7 +115,8 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
   }
   const int root = N - 1;
   DeviceBuf<T> b(n);
-  b.put(r == root ? inputs<T>(seed + 3, root, n, N, ReduceOp::sum) : std::vector<T>(n, poison<T>()));
+  b.put(r == root ? inputs<T>(seed + 3, root, n, N, ReduceOp::sum)
+                  : std::vector<T>(n, poison<T>()));
   comm.broadcast(b.span(), root);
   CHECK(wrong(b.get(), [&](std::size_t i) {
           return from<T>(to<T>(input<T>(seed + 3, root, i, N, ReduceOp::sum)));
@@ -173,7 +184,9 @@ TEST_CASE("async operations complete through their events, and split works") {
   while (!w2.test()) {
   }
   const auto got = a.get();
-  CHECK(wrong(got, [&](std::size_t i) { return double(zp::test::input<float>(seed, 0, i, 1, ReduceOp::sum)); }) == 0);
+  CHECK(wrong(got, [&](std::size_t i) {
+          return double(zp::test::input<float>(seed, 0, i, 1, ReduceOp::sum));
+        }) == 0);
   auto sub = comm.split(0, 0);
   CHECK(sub.size() == 1);
   check_device<float>(sub, seed, 77);
@@ -186,8 +199,10 @@ TEST_CASE("bad arguments are errors") {
   CHECK_THROWS_WITH_AS(comm.broadcast(a.span(), 1), doctest::Contains("root 1"), zp::Error);
   CHECK_THROWS_AS(Nccl::create_local({}), zp::Error);
   // World size 1: the only rank is this one, so every send and recv has a bad peer.
-  zp::test::expect_invalid([&] { comm.send(std::span<const float>(a.span()), 0); }, {"send: peer 0 is this rank"});
-  zp::test::expect_invalid([&] { comm.recv(a.span(), 1); }, {"recv: peer 1 is not a rank in [0, 1)"});
+  zp::test::expect_invalid([&] { comm.send(std::span<const float>(a.span()), 0); },
+                           {"send: peer 0 is this rank"});
+  zp::test::expect_invalid([&] { comm.recv(a.span(), 1); },
+                           {"recv: peer 1 is not a rank in [0, 1)"});
 }
 
 TEST_CASE("several GPUs in one process, one thread per device") {

@@ -23,7 +23,8 @@ TEST_CASE("every operation and element type matches the serial reference at ever
   for (int ranks : {1, 2, 3, 4, 8}) {
     for (std::size_t n : {0, 1, 7, 64, 1000, 4099}) {
       const auto seed = fresh_seed();
-      run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_every_type(comm, seed, n); });
+      run_threads(ranks,
+                  [&](Collective<Threads>& comm) { zp::test::check_every_type(comm, seed, n); });
     }
   }
 }
@@ -47,7 +48,8 @@ TEST_CASE("async operations complete in issue order and overlap the caller") {
   run_threads(4, [&](Collective<Threads>& comm) {
     const int N = comm.size(), r = comm.rank();
     std::vector<std::vector<float>> bufs;
-    for (int k = 0; k < 6; ++k) bufs.push_back(zp::test::inputs<float>(seed + k, r, 5000 + k, N, ReduceOp::sum));
+    for (int k = 0; k < 6; ++k)
+      bufs.push_back(zp::test::inputs<float>(seed + k, r, 5000 + k, N, ReduceOp::sum));
     std::vector<Collective<Threads>::Work> works;
     for (auto& b : bufs) works.push_back(comm.all_reduce_async(std::span<float>(b)));
     comm.barrier();  // a blocking call after async ones runs after them
@@ -57,7 +59,8 @@ TEST_CASE("async operations complete in issue order and overlap the caller") {
       std::size_t wrong = 0;
       for (std::size_t i = 0; i < bufs[std::size_t(k)].size(); ++i) {
         double want = 0;
-        for (int q = 0; q < N; ++q) want += zp::test::input<float>(seed + k, q, i, N, ReduceOp::sum);
+        for (int q = 0; q < N; ++q)
+          want += zp::test::input<float>(seed + k, q, i, N, ReduceOp::sum);
         wrong += bufs[std::size_t(k)][i] != float(want);
       }
       CHECK(wrong == 0);
@@ -105,8 +108,10 @@ TEST_CASE("bad arguments are errors that name the values") {
     CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<const float>(a), std::span<float>(b)),
                          doctest::Contains("input has 10 elements but output has 11"), zp::Error);
     CHECK_THROWS_WITH_AS(comm.all_gather(std::span<const float>(c), std::span<float>(b)),
-                         doctest::Contains("full buffer has 11 elements but the shard has 5"), zp::Error);
-    CHECK_THROWS_WITH_AS(comm.broadcast(std::span<float>(a), 2), doctest::Contains("root 2"), zp::Error);
+                         doctest::Contains("full buffer has 11 elements but the shard has 5"),
+                         zp::Error);
+    CHECK_THROWS_WITH_AS(comm.broadcast(std::span<float>(a), 2), doctest::Contains("root 2"),
+                         zp::Error);
     CHECK_THROWS_WITH_AS(comm.split(-1, 0), doctest::Contains("got -1"), zp::Error);
   });
   CHECK_THROWS_WITH_AS(World::create(0), doctest::Contains("got 0"), zp::Error);
@@ -114,43 +119,54 @@ TEST_CASE("bad arguments are errors that name the values") {
 
 TEST_CASE("mismatched calls on different ranks are an error on every rank, not a hang") {
   std::atomic<int> invalid{0};
-  CHECK_THROWS_AS(run_threads(3, [&](Collective<Threads>& comm) {
-    std::vector<float> a(comm.rank() == 1 ? 9 : 8);
-    try {
-      comm.all_reduce(std::span<float>(a));
-    } catch (const zp::Error& e) {
-      if (e.category() == Errc::invalid_argument &&
-          std::string(e.what()).find("rank 1 called all_reduce(count=9") != std::string::npos)
-        ++invalid;
-      throw;
-    }
-  }), zp::Error);
+  CHECK_THROWS_AS(run_threads(3,
+                              [&](Collective<Threads>& comm) {
+                                std::vector<float> a(comm.rank() == 1 ? 9 : 8);
+                                try {
+                                  comm.all_reduce(std::span<float>(a));
+                                } catch (const zp::Error& e) {
+                                  if (e.category() == Errc::invalid_argument &&
+                                      std::string(e.what()).find(
+                                          "rank 1 called all_reduce(count=9") != std::string::npos)
+                                    ++invalid;
+                                  throw;
+                                }
+                              }),
+                  zp::Error);
   CHECK(invalid == 3);
 
-  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
-    std::vector<zp::bf16> h(4);
-    std::vector<float> f(4);
-    if (comm.rank() == 0) comm.all_reduce(std::span<zp::bf16>(h));
-    else comm.all_reduce(std::span<float>(f));
-  }), doctest::Contains("dtype=f32"), zp::Error);
+  CHECK_THROWS_WITH_AS(run_threads(2,
+                                   [&](Collective<Threads>& comm) {
+                                     std::vector<zp::bf16> h(4);
+                                     std::vector<float> f(4);
+                                     if (comm.rank() == 0)
+                                       comm.all_reduce(std::span<zp::bf16>(h));
+                                     else
+                                       comm.all_reduce(std::span<float>(f));
+                                   }),
+                       doctest::Contains("dtype=f32"), zp::Error);
 }
 
 TEST_CASE("a rank that throws makes the others fail promptly with the cause") {
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<int> aborted{0};
   try {
-    run_threads(4, [&](Collective<Threads>& comm) {
-      std::vector<float> a(100);
-      comm.all_reduce(std::span<float>(a));
-      if (comm.rank() == 2) throw std::runtime_error("loss exploded on rank 2");
-      try {
-        comm.all_reduce(std::span<float>(a));
-      } catch (const zp::Error& e) {
-        if (e.category() == Errc::aborted && std::string(e.what()).find("loss exploded") != std::string::npos)
-          ++aborted;
-        throw;
-      }
-    }, World::Options{std::chrono::seconds(60)});
+    run_threads(
+        4,
+        [&](Collective<Threads>& comm) {
+          std::vector<float> a(100);
+          comm.all_reduce(std::span<float>(a));
+          if (comm.rank() == 2) throw std::runtime_error("loss exploded on rank 2");
+          try {
+            comm.all_reduce(std::span<float>(a));
+          } catch (const zp::Error& e) {
+            if (e.category() == Errc::aborted &&
+                std::string(e.what()).find("loss exploded") != std::string::npos)
+              ++aborted;
+            throw;
+          }
+        },
+        World::Options{std::chrono::seconds(60)});
     FAIL("run_threads should have rethrown");
   } catch (const std::runtime_error& e) {
     CHECK(std::string(e.what()) == "loss exploded on rank 2");  // the cause, not an abort
@@ -180,14 +196,16 @@ TEST_CASE("a rank that leaves early fails the others, and a silent one times out
       FAIL("expected a timeout");
     } catch (const zp::Error& e) {
       CHECK(e.category() == Errc::timeout);
-      CHECK(std::string(e.what()).find("rank 0 timed out after 200 ms in all_reduce") != std::string::npos);
+      CHECK(std::string(e.what()).find("rank 0 timed out after 200 ms in all_reduce") !=
+            std::string::npos);
     }
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
   }
 }
 
 TEST_CASE("bad arguments are errors on every rank and the communicator stays usable") {
-  for (int ranks : {1, 2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_bad_arguments(comm); });
+  for (int ranks : {1, 2, 3})
+    run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_bad_arguments(comm); });
 }
 
 TEST_CASE("integer sums wrap around instead of overflowing") {
@@ -197,29 +215,35 @@ TEST_CASE("integer sums wrap around instead of overflowing") {
 TEST_CASE("a dropped async Work completes before its buffers can be freed") {
   const auto seed = fresh_seed();
   for (int rep = 0; rep < 5; ++rep)
-    run_threads(3, [&](Collective<Threads>& comm) { zp::test::check_dropped_work(comm, seed + 100 * rep, 20); });
+    run_threads(3, [&](Collective<Threads>& comm) {
+      zp::test::check_dropped_work(comm, seed + 100 * rep, 20);
+    });
 }
 
 TEST_CASE("a timeout of milliseconds::max() means never, not an immediate timeout") {
-  run_threads(2, [&](Collective<Threads>& comm) {
-    std::int64_t x = 1;
-    comm.all_reduce(std::span<std::int64_t>(&x, 1));
-    CHECK(x == 2);
-    // a message posted before its match waits with no deadline too
-    if (comm.rank() == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      comm.send(std::span<const std::int64_t>(&x, 1), 1);
-    } else {
-      comm.recv(std::span<std::int64_t>(&x, 1), 0);
-      CHECK(x == 2);
-    }
-  }, World::Options{std::chrono::milliseconds::max()});
+  run_threads(
+      2,
+      [&](Collective<Threads>& comm) {
+        std::int64_t x = 1;
+        comm.all_reduce(std::span<std::int64_t>(&x, 1));
+        CHECK(x == 2);
+        // a message posted before its match waits with no deadline too
+        if (comm.rank() == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          comm.send(std::span<const std::int64_t>(&x, 1), 1);
+        } else {
+          comm.recv(std::span<std::int64_t>(&x, 1), 0);
+          CHECK(x == 2);
+        }
+      },
+      World::Options{std::chrono::milliseconds::max()});
 }
 
 TEST_CASE("a second backend for one rank of a World is an error") {
   auto world = World::create(2);
   Threads first(world, 0);
-  zp::test::expect_invalid([&] { Threads second(world, 0); }, {"rank 0 of this world already has a backend"});
+  zp::test::expect_invalid([&] { Threads second(world, 0); },
+                           {"rank 0 of this world already has a backend"});
 }
 
 TEST_CASE("two threads calling as the same rank at once is an error, not a wrong sum") {
@@ -239,8 +263,9 @@ TEST_CASE("two threads calling as the same rank at once is an error, not a wrong
         comm.all_reduce(std::span<std::int64_t>(&y, 1));
         summed += y == 2;
       } catch (const zp::Error& e) {
-        refused += std::string(e.what()).find("two threads issued all_reduce and another call as rank 0") !=
-                   std::string::npos;
+        refused +=
+            std::string(e.what()).find(
+                "two threads issued all_reduce and another call as rank 0") != std::string::npos;
       }
     };
     std::thread a(call);
@@ -254,27 +279,33 @@ TEST_CASE("two threads calling as the same rank at once is an error, not a wrong
 }
 
 TEST_CASE("a rank that returns early is named as returned, not as a barrier it never called") {
-  CHECK_THROWS_WITH_AS(run_threads(2, [&](Collective<Threads>& comm) {
-    if (comm.rank() == 0) return;
-    std::vector<float> a(4);
-    comm.all_reduce(std::span<float>(a));
-  }), doctest::Contains("returned from its function (run_threads)"), zp::Error);
+  CHECK_THROWS_WITH_AS(run_threads(2,
+                                   [&](Collective<Threads>& comm) {
+                                     if (comm.rank() == 0) return;
+                                     std::vector<float> a(4);
+                                     comm.all_reduce(std::span<float>(a));
+                                   }),
+                       doctest::Contains("returned from its function (run_threads)"), zp::Error);
 }
 
-TEST_CASE("a reduction outside ReduceOp is named with its number, also when only one rank passes it") {
+TEST_CASE(
+    "a reduction outside ReduceOp is named with its number, also when only one rank passes it") {
   run_threads(2, [](Collective<Threads>& comm) {
     std::vector<float> x(4);
     const ReduceOp op = comm.rank() == 1 ? ReduceOp(9) : ReduceOp::sum;
-    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(x), op), doctest::Contains("op=ReduceOp(9)"), zp::Error);
-    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(x), ReduceOp(9)),
-                         doctest::Contains("reduction ReduceOp(9) is not one of sum, avg, max, min"), zp::Error);
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(x), op),
+                         doctest::Contains("op=ReduceOp(9)"), zp::Error);
+    CHECK_THROWS_WITH_AS(
+        comm.all_reduce(std::span<float>(x), ReduceOp(9)),
+        doctest::Contains("reduction ReduceOp(9) is not one of sum, avg, max, min"), zp::Error);
   });
 }
 
 TEST_CASE("mismatched calls leave the communicator usable") {
   run_threads(3, [&](Collective<Threads>& comm) {
     std::vector<float> a(comm.rank() == 2 ? 5 : 4, 1.0f);
-    zp::test::expect_invalid([&] { comm.all_reduce(std::span<float>(a)); }, {"rank 2 called all_reduce(count=5"});
+    zp::test::expect_invalid([&] { comm.all_reduce(std::span<float>(a)); },
+                             {"rank 2 called all_reduce(count=5"});
     std::vector<float> b(4, 1.0f);
     comm.all_reduce(std::span<float>(b));
     CHECK(b[3] == 3.0f);
@@ -284,17 +315,23 @@ TEST_CASE("mismatched calls leave the communicator usable") {
 TEST_CASE("send and recv deliver every element type in order between the pairs that meet") {
   for (int ranks : {2, 3, 4}) {
     const auto seed = fresh_seed();
-    run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_point_to_point(comm, seed); });
+    run_threads(ranks,
+                [&](Collective<Threads>& comm) { zp::test::check_point_to_point(comm, seed); });
   }
 }
 
 TEST_CASE("send and recv mistakes are errors naming the values, on both sides of a mismatch") {
-  for (int ranks : {2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_point_to_point_errors(comm); });
+  for (int ranks : {2, 3})
+    run_threads(ranks,
+                [&](Collective<Threads>& comm) { zp::test::check_point_to_point_errors(comm); });
 }
 
 TEST_CASE("a dropped async send or recv completes before its buffers can be freed") {
   const auto seed = fresh_seed();
-  for (int ranks : {2, 3}) run_threads(ranks, [&](Collective<Threads>& comm) { zp::test::check_dropped_p2p_work(comm, seed, 20); });
+  for (int ranks : {2, 3})
+    run_threads(ranks, [&](Collective<Threads>& comm) {
+      zp::test::check_dropped_p2p_work(comm, seed, 20);
+    });
 }
 
 TEST_CASE("a pair exchanging messages does not wait for the ranks outside it") {
@@ -309,8 +346,10 @@ TEST_CASE("a pair exchanging messages does not wait for the ranks outside it") {
     const auto t0 = std::chrono::steady_clock::now();
     for (int k = 0; k < 20; ++k) {
       std::int64_t x = r == 0 ? k : -1;
-      if (r == 0) comm.send(std::span<const std::int64_t>(&x, 1), 1);
-      else comm.recv(std::span<std::int64_t>(&x, 1), 0);
+      if (r == 0)
+        comm.send(std::span<const std::int64_t>(&x, 1), 1);
+      else
+        comm.recv(std::span<std::int64_t>(&x, 1), 0);
       CHECK(x == k);
     }
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));
@@ -330,20 +369,24 @@ TEST_CASE("a blocking send completes when its recv is posted later") {
   });
 }
 
-TEST_CASE("a send or recv whose peer never comes times out naming the ranks, the operation and the call") {
+TEST_CASE(
+    "a send or recv whose peer never comes times out naming the ranks, the operation and the "
+    "call") {
   SUBCASE("recv") {
     auto world = World::create(2, {std::chrono::milliseconds(200)});
     Threads idle(world, 0);  // a member that never sends
     Collective<Threads> comm{Threads(world, 1)};
     std::vector<float> a(3);
     const auto t0 = std::chrono::steady_clock::now();
-    zp::test::expect_error(Errc::timeout, [&] { comm.recv(std::span<float>(a), 0); },
-                           {"rank 1 timed out after 200 ms in recv from rank 0 (call #1, message #1",
-                            "waiting for rank 0 to send it"});
+    zp::test::expect_error(
+        Errc::timeout, [&] { comm.recv(std::span<float>(a), 0); },
+        {"rank 1 timed out after 200 ms in recv from rank 0 (call #1, message #1",
+         "waiting for rank 0 to send it"});
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
     CHECK(world->poisoned());
     // The communicator is poisoned now: the next call fails at once.
-    zp::test::expect_error(Errc::aborted, [&] { comm.recv(std::span<float>(a), 0); }, {"timed out"});
+    zp::test::expect_error(Errc::aborted, [&] { comm.recv(std::span<float>(a), 0); },
+                           {"timed out"});
   }
   SUBCASE("async send") {
     auto world = World::create(3, {std::chrono::milliseconds(200)});
@@ -351,9 +394,11 @@ TEST_CASE("a send or recv whose peer never comes times out naming the ranks, the
     Collective<Threads> comm{Threads(world, 0)};
     std::vector<float> a(3);
     auto w = comm.send_async(std::span<const float>(a), 2);
-    zp::test::expect_error(Errc::timeout, [&] { w.wait(); },
-                           {"rank 0 timed out after 200 ms in send to rank 2 (call #1, message #1 from rank 0 "
-                            "to rank 2)", "waiting for rank 2 to recv it"});
+    zp::test::expect_error(
+        Errc::timeout, [&] { w.wait(); },
+        {"rank 0 timed out after 200 ms in send to rank 2 (call #1, message #1 from rank 0 "
+         "to rank 2)",
+         "waiting for rank 2 to recv it"});
   }
 }
 
@@ -366,26 +411,35 @@ TEST_CASE("a rank that leaves or throws fails the send and recv waiting for it")
       Threads t(world, 1);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     });  // its backend goes while rank 0 waits
-    zp::test::expect_error(Errc::aborted, [&] { comm.recv(std::span<float>(a), 1); },
-                           {"rank 0 in recv from rank 1 (call #1)", "rank 1 left the communicator"});
+    zp::test::expect_error(
+        Errc::aborted, [&] { comm.recv(std::span<float>(a), 1); },
+        {"rank 0 in recv from rank 1 (call #1)", "rank 1 left the communicator"});
     gone.join();
   }
   SUBCASE("threw") {
     std::atomic<int> aborted{0};
-    CHECK_THROWS_WITH_AS(run_threads(3, [&](Collective<Threads>& comm) {
-      std::vector<float> a(3);
-      if (comm.rank() == 2) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        throw std::runtime_error("rank 2 gave up");
-      }
-      try {
-        if (comm.rank() == 0) comm.send(std::span<const float>(a), 2);
-        else comm.recv_async(std::span<float>(a), 2).wait();
-      } catch (const zp::Error& e) {
-        aborted += e.category() == Errc::aborted && std::string(e.what()).find("rank 2 gave up") != std::string::npos;
-        throw;
-      }
-    }, World::Options{std::chrono::seconds(60)}), doctest::Contains("rank 2 gave up"), std::runtime_error);
+    CHECK_THROWS_WITH_AS(run_threads(
+                             3,
+                             [&](Collective<Threads>& comm) {
+                               std::vector<float> a(3);
+                               if (comm.rank() == 2) {
+                                 std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                                 throw std::runtime_error("rank 2 gave up");
+                               }
+                               try {
+                                 if (comm.rank() == 0)
+                                   comm.send(std::span<const float>(a), 2);
+                                 else
+                                   comm.recv_async(std::span<float>(a), 2).wait();
+                               } catch (const zp::Error& e) {
+                                 aborted += e.category() == Errc::aborted &&
+                                            std::string(e.what()).find("rank 2 gave up") !=
+                                                std::string::npos;
+                                 throw;
+                               }
+                             },
+                             World::Options{std::chrono::seconds(60)}),
+                         doctest::Contains("rank 2 gave up"), std::runtime_error);
     CHECK(aborted == 2);
   }
 }
@@ -393,7 +447,9 @@ TEST_CASE("a rank that leaves or throws fails the send and recv waiting for it")
 // Threads::meet, the rendezvous cuda_threads runs its device collectives through: the body runs
 // once on every rank with every rank's call (and its ext pointer) in view, between two meetings;
 // calls that disagree are an invalid_argument on every rank, naming both.
-TEST_CASE("meet runs the body on every rank with every rank's call; mismatched calls are an error everywhere") {
+TEST_CASE(
+    "meet runs the body on every rank with every rank's call; mismatched calls are an error "
+    "everywhere") {
   for (int n : {1, 2, 3, 4}) {
     std::vector<int> own(static_cast<std::size_t>(n));
     std::atomic<int> bodies{0};
@@ -410,8 +466,12 @@ TEST_CASE("meet runs the body on every rank with every rank's call; mismatched c
       zp::backend::threads_detail::Call d{zp::CollOp::all_reduce};
       d.count = r == 0 ? 4 : 5;
       if (n > 1)
-        zp::test::expect_invalid([&] { comm.backend().meet(d, [](const auto&) { FAIL("the body of a mismatched call ran"); }); },
-                                 {"mismatched collective calls", "count=4", "count=5"});
+        zp::test::expect_invalid(
+            [&] {
+              comm.backend().meet(d,
+                                  [](const auto&) { FAIL("the body of a mismatched call ran"); });
+            },
+            {"mismatched collective calls", "count=4", "count=5"});
     });
   }
 }
@@ -419,12 +479,15 @@ TEST_CASE("meet runs the body on every rank with every rank's call; mismatched c
 // Ranks are threads of one address space: a buffer one rank writes that overlaps another rank's
 // buffer would make the ranks' copies race (memcpy between overlapping ranges). Every rank gets
 // the same invalid_argument naming both ranges, and the communicator stays usable.
-TEST_CASE("a buffer one rank writes that overlaps another rank's is an error on every rank naming both ranges") {
+TEST_CASE(
+    "a buffer one rank writes that overlaps another rank's is an error on every rank naming both "
+    "ranges") {
   std::vector<float> shared(64);
   float* const a = shared.data();
   std::fill_n(a + 32, 4, 2.0f);
   const auto at = [](const float* p, std::size_t floats) {
-    return zp::detail::cat("[", static_cast<const void*>(p), ", +", floats * sizeof(float), " bytes)");
+    return zp::detail::cat("[", static_cast<const void*>(p), ", +", floats * sizeof(float),
+                           " bytes)");
   };
   const auto check_usable = [](Collective<Threads>& comm) {
     std::int64_t x = 1;
@@ -437,26 +500,33 @@ TEST_CASE("a buffer one rank writes that overlaps another rank's is an error on 
     // all_gather: rank 0 gathers into a[0, 8) while rank 1 contributes a[2, 6).
     zp::test::expect_invalid(
         [&] {
-          if (r == 0) comm.all_gather(std::span<const float>(own.data(), 4), std::span<float>(a, 8));
-          else comm.all_gather(std::span<const float>(a + 2, 4), std::span<float>(own));
+          if (r == 0)
+            comm.all_gather(std::span<const float>(own.data(), 4), std::span<float>(a, 8));
+          else
+            comm.all_gather(std::span<const float>(a + 2, 4), std::span<float>(own));
         },
         {"all_gather: rank 0's output " + at(a, 8), "overlaps rank 1's input " + at(a + 2, 4)});
     check_usable(comm);
     // all_reduce in place on one buffer shared by both ranks: the outputs overlap.
-    zp::test::expect_invalid([&] { comm.all_reduce(std::span<float>(a, 4)); },
-                             {"all_reduce: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a, 4)});
+    zp::test::expect_invalid(
+        [&] { comm.all_reduce(std::span<float>(a, 4)); },
+        {"all_reduce: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a, 4)});
     // reduce_scatter: rank 1's shard lands inside rank 0's input.
     zp::test::expect_invalid(
         [&] {
-          if (r == 0) comm.reduce_scatter(std::span<const float>(a, 8), std::span<float>(own.data(), 4));
-          else comm.reduce_scatter(std::span<const float>(own), std::span<float>(a + 6, 4));
+          if (r == 0)
+            comm.reduce_scatter(std::span<const float>(a, 8), std::span<float>(own.data(), 4));
+          else
+            comm.reduce_scatter(std::span<const float>(own), std::span<float>(a + 6, 4));
         },
         {"reduce_scatter: rank 1's output " + at(a + 6, 4), "overlaps rank 0's input " + at(a, 8)});
     // broadcast: rank 1 receives into the root's buffer, shifted by one element.
-    zp::test::expect_invalid([&] { comm.broadcast(std::span<float>(a + r, 4), 0); },
-                             {"broadcast: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a + 1, 4)});
+    zp::test::expect_invalid(
+        [&] { comm.broadcast(std::span<float>(a + r, 4), 0); },
+        {"broadcast: rank 0's output " + at(a, 4), "overlaps rank 1's output " + at(a + 1, 4)});
     // Async: the same error from wait().
-    zp::test::expect_invalid([&] { comm.all_reduce_async(std::span<float>(a + r, 4)).wait(); }, {"overlaps"});
+    zp::test::expect_invalid([&] { comm.all_reduce_async(std::span<float>(a + r, 4)).wait(); },
+                             {"overlaps"});
     check_usable(comm);
     // Reading one shared input (a[32, 36) = 2) is fine: only writes must be disjoint.
     comm.all_reduce(std::span<const float>(a + 32, 4), std::span<float>(own.data(), 4));
@@ -464,25 +534,31 @@ TEST_CASE("a buffer one rank writes that overlaps another rank's is an error on 
   });
 }
 
-TEST_CASE("a send and its recv whose buffers overlap are an error on both ranks naming both ranges") {
+TEST_CASE(
+    "a send and its recv whose buffers overlap are an error on both ranks naming both ranges") {
   std::vector<float> shared(16);
   float* const a = shared.data();
   run_threads(3, [&](Collective<Threads>& comm) {
     const int r = comm.rank();
     if (r == 2) return;  // only the pair takes part
-    const std::string want = zp::detail::cat("rank 1's recv buffer [", static_cast<const void*>(a + 2),
-                                             ", +16 bytes) overlaps rank 0's send buffer [",
-                                             static_cast<const void*>(a), ", +16 bytes)");
+    const std::string want =
+        zp::detail::cat("rank 1's recv buffer [", static_cast<const void*>(a + 2),
+                        ", +16 bytes) overlaps rank 0's send buffer [", static_cast<const void*>(a),
+                        ", +16 bytes)");
     zp::test::expect_invalid(
         [&] {
-          if (r == 0) comm.send(std::span<const float>(a, 4), 1);
-          else comm.recv(std::span<float>(a + 2, 4), 0);
+          if (r == 0)
+            comm.send(std::span<const float>(a, 4), 1);
+          else
+            comm.recv(std::span<float>(a + 2, 4), 0);
         },
         {"message #1 from rank 0 to rank 1", want});
     // The pair stays usable.
     std::int64_t x = r == 0 ? 7 : 0;
-    if (r == 0) comm.send(std::span<std::int64_t>(&x, 1), 1);
-    else comm.recv(std::span<std::int64_t>(&x, 1), 0);
+    if (r == 0)
+      comm.send(std::span<std::int64_t>(&x, 1), 1);
+    else
+      comm.recv(std::span<std::int64_t>(&x, 1), 0);
     CHECK(x == 7);
   });
 }

@@ -25,8 +25,9 @@ using zp::test::TempDir;
 
 namespace {
 
-
-std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+std::span<const std::byte> bytes_of(std::string_view s) {
+  return std::as_bytes(std::span(s.data(), s.size()));
+}
 
 std::string slurp(const fs::path& p) {
   const zp::detail::InputFile f(p);
@@ -50,7 +51,6 @@ std::vector<std::byte> random_bytes(std::uint64_t seed, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) v[i] = std::byte(zp::test::mix(seed + i));
   return v;
 }
-
 
 }  // namespace
 
@@ -121,7 +121,8 @@ TEST_CASE("a committed AtomicFile holds exactly the bytes written") {
   SUBCASE("writing after commit and committing twice are errors") {
     zp::detail::AtomicFile f(dir.path / "x");
     f.commit();
-    expect_error(zp::Errc::invalid_argument, [&] { f.write(bytes_of("a")); }, {"write after commit"});
+    expect_error(zp::Errc::invalid_argument, [&] { f.write(bytes_of("a")); },
+                 {"write after commit"});
     expect_error(zp::Errc::invalid_argument, [&] { f.commit(); }, {"commit called twice"});
   }
 }
@@ -144,7 +145,9 @@ TEST_CASE("an AtomicFile destroyed without commit leaves no file and no temporar
   CHECK(slurp(p) == "old");
 }
 
-TEST_CASE("a fault before any durable step leaves the old or the new version, complete, and no temporary") {
+TEST_CASE(
+    "a fault before any durable step leaves the old or the new version, complete, and no "
+    "temporary") {
   bool had_old = false;
   SUBCASE("over a previous version") { had_old = true; }
   SUBCASE("where no file was") { had_old = false; }
@@ -172,7 +175,8 @@ TEST_CASE("a fault before any durable step leaves the old or the new version, co
       CHECK(k == 7);
     } catch (const zp::Error& e) {
       CHECK(e.category() == zp::Errc::io);
-      CHECK(e.message() == std::string("injected fault before ") + steps[k - 1] + " of " + p.native());
+      CHECK(e.message() ==
+            std::string("injected fault before ") + steps[k - 1] + " of " + p.native());
     }
     zp::detail::io_fault_countdown() = -1;
     // The rename is the moment of publication: before it the old version (or none), from it on
@@ -190,10 +194,12 @@ TEST_CASE("file errors name the path, the operation and the reason") {
   TempDir dir;
   const fs::path missing_dir = dir.path / "no" / "such" / "dir" / "f.bin";
   expect_error(zp::Errc::io, [&] { zp::detail::AtomicFile f(missing_dir); },
-               {"cannot create", (dir.path / "no/such/dir/f.bin.tmp.").native(), "No such file or directory"});
+               {"cannot create", (dir.path / "no/such/dir/f.bin.tmp.").native(),
+                "No such file or directory"});
   expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path / "absent"); },
                {"cannot open", (dir.path / "absent").native(), "No such file or directory"});
-  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); }, {dir.path.native(), "not a regular file"});
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); },
+               {dir.path.native(), "not a regular file"});
 
   const fs::path p = dir.path / "ten";
   zp::detail::write_file_atomic(p, bytes_of("0123456789"));
@@ -203,36 +209,47 @@ TEST_CASE("file errors name the path, the operation and the reason") {
   CHECK(std::string(reinterpret_cast<const char*>(buf.data()), 8) == "23456789");
   expect_error(zp::Errc::io, [&] { f.read_at(4, buf); },
                {"file " + p.native() + " is truncated: wanted bytes [4, 12) but it has 10 bytes"});
-  expect_error(zp::Errc::io, [&] { f.read_at(100, buf); }, {"wanted bytes [100, 108) but it has 10 bytes"});
+  expect_error(zp::Errc::io, [&] { f.read_at(100, buf); },
+               {"wanted bytes [100, 108) but it has 10 bytes"});
   f.read_at(10, std::span<std::byte>());  // an empty read at the end is fine
 }
 
-TEST_CASE("only regular files are read: a FIFO, a directory or an oversized file is an error, never a wait") {
+TEST_CASE(
+    "only regular files are read: a FIFO, a directory or an oversized file is an error, never a "
+    "wait") {
   TempDir dir;
   const auto fifo = dir.path / "fifo";
-  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);  // no writer ever opens it: a blocking open would wait forever
-  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(fifo); }, {fifo.native(), "not a regular file (a FIFO)"});
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) ==
+          0);  // no writer ever opens it: a blocking open would wait forever
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(fifo); },
+               {fifo.native(), "not a regular file (a FIFO)"});
   expect_error(zp::Errc::io, [&] { (void)zp::detail::read_whole_file(fifo, 100); }, {"a FIFO"});
-  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); }, {"not a regular file (a directory)"});
+  expect_error(zp::Errc::io, [&] { zp::detail::InputFile f(dir.path); },
+               {"not a regular file (a directory)"});
   const auto big = dir.path / "big";
   const std::string text(101, 'x');
   zp::detail::write_file_atomic(big, std::as_bytes(std::span(text)));
-  expect_error(zp::Errc::io, [&] { (void)zp::detail::read_whole_file(big, 100); }, {"101 bytes", "100-byte limit"});
+  expect_error(zp::Errc::io, [&] { (void)zp::detail::read_whole_file(big, 100); },
+               {"101 bytes", "100-byte limit"});
   CHECK(zp::detail::read_whole_file(big, 101) == std::string(101, 'x'));
 }
 
-TEST_CASE("a DirectoryLock excludes every other holder, in this process too, and a no-replace rename never replaces") {
+TEST_CASE(
+    "a DirectoryLock excludes every other holder, in this process too, and a no-replace rename "
+    "never replaces") {
   TempDir dir;
   {
     zp::detail::DirectoryLock first(dir.path, ".lock", "writer");
-    expect_error(zp::Errc::io, [&] { zp::detail::DirectoryLock second(dir.path, ".lock", "writer"); },
+    expect_error(zp::Errc::io,
+                 [&] { zp::detail::DirectoryLock second(dir.path, ".lock", "writer"); },
                  {"is locked by another writer", ".lock"});
   }
   zp::detail::DirectoryLock again(dir.path, ".lock", "writer");  // released with its holder
   const auto a = dir.path / "a", b = dir.path / "b";
   std::filesystem::create_directory(a);
   std::filesystem::create_directory(b);  // empty: plain rename(2) would replace it
-  expect_error(zp::Errc::io, [&] { zp::detail::rename_no_replace(a, b); }, {"rename", "File exists"});
+  expect_error(zp::Errc::io, [&] { zp::detail::rename_no_replace(a, b); },
+               {"rename", "File exists"});
   CHECK(std::filesystem::exists(a));
   zp::detail::rename_no_replace(a, dir.path / "c");
   CHECK(std::filesystem::exists(dir.path / "c"));

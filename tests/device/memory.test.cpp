@@ -33,14 +33,22 @@ struct Offloaded {
   int segments;
   std::size_t n;
   Offloaded(int segments, std::size_t n, std::uint64_t seed)
-      : grad(std::size_t(segments) * n), param(std::size_t(segments) * n), host_grad(grad.size()), segments(segments), n(n) {
-    for (std::size_t i = 0; i < host_grad.size(); ++i) host_grad[i] = zp::test::hash_uniform(seed, i);
+      : grad(std::size_t(segments) * n),
+        param(std::size_t(segments) * n),
+        host_grad(grad.size()),
+        segments(segments),
+        n(n) {
+    for (std::size_t i = 0; i < host_grad.size(); ++i)
+      host_grad[i] = zp::test::hash_uniform(seed, i);
     Dev::from_host(grad.span(), std::span<const float>(host_grad));
   }
   void run(zp::OffloadStaging<zp::MemorySpace::device>& staging) {
     staging.run(
         segments,
-        [&](int s) { return View{std::span<const float>(grad.span(std::size_t(s) * n, n)), param.span(std::size_t(s) * n, n)}; },
+        [&](int s) {
+          return View{std::span<const float>(grad.span(std::size_t(s) * n, n)),
+                      param.span(std::size_t(s) * n, n)};
+        },
         [&](const View& v) {
           for (std::size_t i = 0; i < v.param.size(); ++i) v.param[i] = 2 * v.grad[i] + 1;
           dev::delay(dev::current_stream(), 50ms);
@@ -62,7 +70,8 @@ TEST_CASE("to_host into page-locked memory returns with the values there") {
   dev::StreamScope on(s.get());
   const std::size_t n = 1 << 16;
   std::vector<float> want(n);
-  for (std::size_t i = 0; i < n; ++i) want[i] = zp::test::hash_uniform(zp::test::run_seed("device/memory.test"), i);
+  for (std::size_t i = 0; i < n; ++i)
+    want[i] = zp::test::hash_uniform(zp::test::run_seed("device/memory.test"), i);
   zp::Buffer<float, zp::MemorySpace::device> d(n);
   Dev::from_host(d.span(), std::span<const float>(want));
   float* pinned = static_cast<float*>(dev::allocate_pinned(n * sizeof(float)));
@@ -74,7 +83,9 @@ TEST_CASE("to_host into page-locked memory returns with the values there") {
   dev::deallocate_pinned(pinned);
 }
 
-TEST_CASE("offload staging uploads every segment, and waits for its uploads before it grows or is freed") {
+TEST_CASE(
+    "offload staging uploads every segment, and waits for its uploads before it grows or is "
+    "freed") {
   dev::Stream s;
   dev::StreamScope on(s.get());
   const std::uint64_t seed = zp::test::run_seed("device/memory.test");

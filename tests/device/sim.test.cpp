@@ -50,7 +50,8 @@ struct Ints {
   dev::stream_t s;
   int* p;
   std::size_t n;
-  Ints(std::size_t n, dev::stream_t s) : s(s), p(static_cast<int*>(dev::allocate(n * sizeof(int), s))), n(n) {}
+  Ints(std::size_t n, dev::stream_t s)
+      : s(s), p(static_cast<int*>(dev::allocate(n * sizeof(int), s))), n(n) {}
   ~Ints() { dev::deallocate(p, s, "test"); }
   std::vector<int> read() const {
     std::vector<int> h(n);
@@ -70,7 +71,8 @@ struct Seeded {  // every test here under the adversarial scheduler
 
 }  // namespace
 
-TEST_CASE_FIXTURE(Seeded, "a stream runs its work in the order it was enqueued, never on the caller") {
+TEST_CASE_FIXTURE(Seeded,
+                  "a stream runs its work in the order it was enqueued, never on the caller") {
   dev::Stream s;
   Ints out(200, s.get()), counter(1, s.get());
   dev::zero(counter.p, sizeof(int), s.get());
@@ -89,7 +91,8 @@ TEST_CASE_FIXTURE(Seeded, "a stream runs its work in the order it was enqueued, 
   CHECK(out.read() == std::vector<int>(200, -1));
 }
 
-TEST_CASE_FIXTURE(Seeded, "an event wait holds back exactly the work after it, for the record it saw") {
+TEST_CASE_FIXTURE(Seeded,
+                  "an event wait holds back exactly the work after it, for the record it saw") {
   dev::Stream a, b;
   Ints x(1, a.get()), y(1, b.get());
   dev::launch(a.get(), 1, Set{x.p, 0});
@@ -129,7 +132,8 @@ TEST_CASE_FIXTURE(Seeded, "an event wait holds back exactly the work after it, f
   }
 }
 
-TEST_CASE_FIXTURE(Seeded, "a stream-ordered free returns its block only when the stream reaches it") {
+TEST_CASE_FIXTURE(Seeded,
+                  "a stream-ordered free returns its block only when the stream reaches it") {
   dev::Stream s;
   const std::size_t n = 1000;
   int* a = static_cast<int*>(dev::allocate(n * sizeof(int), s.get()));
@@ -151,7 +155,9 @@ TEST_CASE_FIXTURE(Seeded, "a stream-ordered free returns its block only when the
   dev::deallocate(c, s.get(), "test");
 }
 
-TEST_CASE_FIXTURE(Seeded, "copies from pageable memory read it before returning, into pageable memory finish first") {
+TEST_CASE_FIXTURE(
+    Seeded,
+    "copies from pageable memory read it before returning, into pageable memory finish first") {
   dev::Stream s;
   const std::size_t n = 4096;
   Ints d(n, s.get());
@@ -173,9 +179,12 @@ TEST_CASE("a faulting task is a sticky error naming it, at the next call") {
   {
     dev::Stream s;
     dev::launch(s.get(), 100, Fault{});
-    zp::test::expect_error(zp::Errc::cuda, [&] { dev::synchronize(s.get(), "test"); }, {"simulated device: kernel on stream"});
-    zp::test::expect_error(zp::Errc::cuda, [&] { dev::stream_done(s.get()); }, {"element 7 is out of range"});
-    zp::test::expect_error(zp::Errc::cuda, [&] { dev::Stream other; }, {"failed"});  // every later call
+    zp::test::expect_error(zp::Errc::cuda, [&] { dev::synchronize(s.get(), "test"); },
+                           {"simulated device: kernel on stream"});
+    zp::test::expect_error(zp::Errc::cuda, [&] { dev::stream_done(s.get()); },
+                           {"element 7 is out of range"});
+    zp::test::expect_error(zp::Errc::cuda, [&] { dev::Stream other; },
+                           {"failed"});  // every later call
   }
   dev::sim::reset();
   dev::Stream s;
@@ -186,8 +195,13 @@ TEST_CASE("copies past their block and allocations past the memory limit are err
   dev::Stream s;
   Ints d(10, s.get());
   std::vector<int> h(11);
-  zp::test::expect_error(zp::Errc::cuda, [&] { dev::copy(d.p, h.data(), 11 * sizeof(int), s.get()); }, {"copy destination of 44 bytes at offset 0 runs past the end of its device block of 40 bytes"});
-  zp::test::expect_error(zp::Errc::cuda, [&] { dev::copy(h.data(), d.p + 9, 2 * sizeof(int), s.get()); }, {"copy source of 8 bytes at offset 36 runs past the end"});
+  zp::test::expect_error(zp::Errc::cuda,
+                         [&] { dev::copy(d.p, h.data(), 11 * sizeof(int), s.get()); },
+                         {"copy destination of 44 bytes at offset 0 runs past the end of its "
+                          "device block of 40 bytes"});
+  zp::test::expect_error(zp::Errc::cuda,
+                         [&] { dev::copy(h.data(), d.p + 9, 2 * sizeof(int), s.get()); },
+                         {"copy source of 8 bytes at offset 36 runs past the end"});
   dev::synchronize(s.get(), "test");
 
   auto o = dev::sim::options_from_env();
@@ -196,7 +210,10 @@ TEST_CASE("copies past their block and allocations past the memory limit are err
   {
     dev::StreamScope on(s.get());
     zp::Buffer<float, zp::MemorySpace::device> fits(1000, "fits");
-    zp::test::expect_error(zp::Errc::out_of_memory, [&] { zp::Buffer<float, zp::MemorySpace::device> b(300000, "too big"); }, {"too big: cannot allocate 300000 elements (1200000 bytes) in device memory"});
+    zp::test::expect_error(
+        zp::Errc::out_of_memory,
+        [&] { zp::Buffer<float, zp::MemorySpace::device> b(300000, "too big"); },
+        {"too big: cannot allocate 300000 elements (1200000 bytes) in device memory"});
   }
   dev::sim::configure(dev::sim::options_from_env());
 }

@@ -34,16 +34,23 @@ std::uint64_t run_seed() {
 
 template <class X>
 const char* type_name() {
-  if constexpr (std::is_same_v<X, float>) return "f32";
-  else if constexpr (std::is_same_v<X, bf16>) return "bf16";
-  else return "f16";
+  if constexpr (std::is_same_v<X, float>)
+    return "f32";
+  else if constexpr (std::is_same_v<X, bf16>)
+    return "bf16";
+  else
+    return "f16";
 }
 template <class O>
 const char* opt_name(const O&) {
-  if constexpr (std::is_same_v<O, AdamW>) return "AdamW";
-  else if constexpr (std::is_same_v<O, Adam>) return "Adam";
-  else if constexpr (std::is_same_v<O, Sgd>) return "Sgd";
-  else return "Lion";
+  if constexpr (std::is_same_v<O, AdamW>)
+    return "AdamW";
+  else if constexpr (std::is_same_v<O, Adam>)
+    return "Adam";
+  else if constexpr (std::is_same_v<O, Sgd>)
+    return "Sgd";
+  else
+    return "Lion";
 }
 
 template <class X>
@@ -55,7 +62,8 @@ std::uint32_t bits(X x) {
 
 template <class X>
 bool same_bytes(const std::vector<X>& a, const std::vector<X>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(X)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(X)) == 0);
 }
 
 // Owns one shard's buffers.
@@ -103,15 +111,21 @@ Expect adam_reference(const O& o, std::int64_t t, double g, double sg, double p,
   const double denom = std::sqrt(v1) / std::sqrt(bc2) + double(o.eps);
   const double step = double(o.lr) / bc1;
   const double upd = step * m1 / denom;
-  return {p_decayed - upd, m1, v1,
+  return {p_decayed - upd,
+          m1,
+          v1,
           4 * u32 * (std::abs(p) + std::abs(upd) + step * (std::abs(m) + sg) / denom),
-          4 * u32 * (std::abs(m) + sg), 4 * u32 * (v1 + v_tol)};
+          4 * u32 * (std::abs(m) + sg),
+          4 * u32 * (v1 + v_tol)};
 }
-Expect reference(const AdamW& o, std::int64_t t, double gm, double gs, double p, double m, double v) {
+Expect reference(const AdamW& o, std::int64_t t, double gm, double gs, double p, double m,
+                 double v) {
   const double g = gs * gm;
-  return adam_reference(o, t, g, std::abs(g), p, p * (1.0 - double(o.lr) * double(o.weight_decay)), m, v, 0);
+  return adam_reference(o, t, g, std::abs(g), p, p * (1.0 - double(o.lr) * double(o.weight_decay)),
+                        m, v, 0);
 }
-Expect reference(const Adam& o, std::int64_t t, double gm, double gs, double p, double m, double v) {
+Expect reference(const Adam& o, std::int64_t t, double gm, double gs, double p, double m,
+                 double v) {
   const double g = gs * gm + double(o.weight_decay) * p;
   const double sg = std::abs(gs * gm) + std::abs(double(o.weight_decay) * p);  // scale of g's error
   return adam_reference(o, t, g, sg, p, p, m, v, (1.0 - double(o.beta2)) * sg * sg);
@@ -131,7 +145,8 @@ Expect reference(const Sgd& o, std::int64_t t, double gm, double gs, double p, d
       sd = sbuf;
     }
   }
-  return {p - double(o.lr) * g, buf1, 0, 4 * u32 * (std::abs(p) + double(o.lr) * sd), 4 * u32 * sbuf, 0};
+  return {p - double(o.lr) * g, buf1, 0, 4 * u32 * (std::abs(p) + double(o.lr) * sd),
+          4 * u32 * sbuf,       0};
 }
 Expect reference(const Lion& o, std::int64_t, double gm, double gs, double p, double m, double) {
   const double g = gs * gm;
@@ -180,7 +195,8 @@ Lion vary(Lion o, std::int64_t t) {
 template <class O, class T, class G>
 void check_against_reference(O base, std::size_t n, int steps, const Options& options) {
   const int slots = detail::uses_slot(base, 1) ? 2 : detail::uses_slot(base, 0) ? 1 : 0;
-  INFO("optimizer ", opt_name(base), " T ", type_name<T>(), " G ", type_name<G>(), " n ", n, " seed ", run_seed());
+  INFO("optimizer ", opt_name(base), " T ", type_name<T>(), " G ", type_name<G>(), " n ", n,
+       " seed ", run_seed());
   std::string key = opt_name(base);
   key += type_name<T>();
   key += type_name<G>();
@@ -207,15 +223,18 @@ void check_against_reference(O base, std::size_t n, int steps, const Options& op
           std::abs(double(sh.master[i]) - e.alt_master) <= e.tol_master + double(o.lr)) {
         ++ambiguous;
       } else if (std::abs(double(sh.master[i]) - e.master) > e.tol_master) {
-        FAIL_CHECK("master[", i, "] step ", t, ": got ", sh.master[i], " want ", e.master, " tol ", e.tol_master);
+        FAIL_CHECK("master[", i, "] step ", t, ": got ", sh.master[i], " want ", e.master, " tol ",
+                   e.tol_master);
         return;
       }
       if (slots > 0 && std::abs(double(sh.s0[i]) - e.s0) > e.tol_s0) {
-        FAIL_CHECK("state0[", i, "] step ", t, ": got ", sh.s0[i], " want ", e.s0, " tol ", e.tol_s0);
+        FAIL_CHECK("state0[", i, "] step ", t, ": got ", sh.s0[i], " want ", e.s0, " tol ",
+                   e.tol_s0);
         return;
       }
       if (slots > 1 && std::abs(double(sh.s1[i]) - e.s1) > e.tol_s1) {
-        FAIL_CHECK("state1[", i, "] step ", t, ": got ", sh.s1[i], " want ", e.s1, " tol ", e.tol_s1);
+        FAIL_CHECK("state1[", i, "] step ", t, ": got ", sh.s1[i], " want ", e.s1, " tol ",
+                   e.tol_s1);
         return;
       }
       if (bits(sh.param[i]) != bits(T(sh.master[i]))) {
@@ -246,7 +265,8 @@ template <class O, class T, class G>
 void check_same_bits(const O& o, std::size_t n, int steps, const Options& a, const Options& b) {
   const int slots = detail::uses_slot(o, 1) ? 2 : detail::uses_slot(o, 0) ? 1 : 0;
   INFO("optimizer ", opt_name(o), " T ", type_name<T>(), " G ", type_name<G>(), " n ", n, " isa ",
-       cpu::name(a.isa), "/", cpu::name(b.isa), " threads ", a.threads, "/", b.threads, " seed ", run_seed());
+       cpu::name(a.isa), "/", cpu::name(b.isa), " threads ", a.threads, "/", b.threads, " seed ",
+       run_seed());
   std::mt19937_64 rng(run_seed() + n);
   Shard<T, G> x(n, slots), y(n, slots);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -272,7 +292,6 @@ void check_same_bits(const O& o, std::size_t n, int steps, const Options& a, con
     }
 }
 
-
 constexpr float inf = std::numeric_limits<float>::infinity();
 constexpr float qnan = std::numeric_limits<float>::quiet_NaN();  // not `nan`: ::nan() is a function
 
@@ -281,7 +300,10 @@ struct Bad {
   float value;
   const char* text;
 };
-constexpr Bad non_finite_or_negative[] = {{qnan, "got nan"}, {inf, "got inf"}, {-inf, "got -inf"}, {-1.0f, "got -1"},
+constexpr Bad non_finite_or_negative[] = {{qnan, "got nan"},
+                                          {inf, "got inf"},
+                                          {-inf, "got -inf"},
+                                          {-1.0f, "got -1"},
                                           {-1e-30f, "got -1e-30"}};
 
 template <class O>
@@ -295,7 +317,8 @@ void same_bits_all_types(const O& o, std::size_t n, int steps, const Options& a,
 
 }  // namespace
 
-TEST_CASE("every optimizer, model type and gradient type matches a float64 reference over 100 steps") {
+TEST_CASE(
+    "every optimizer, model type and gradient type matches a float64 reference over 100 steps") {
   // n is not a multiple of any vector width, so the tail path is exercised too.
   const std::size_t n = 523;
   const auto each_level = [&](const auto& opt) {
@@ -310,7 +333,9 @@ TEST_CASE("every optimizer, model type and gradient type matches a float64 refer
   SUBCASE("SGD with momentum and dampening") {
     each_level(Sgd{.momentum = 0.9f, .dampening = 0.1f, .weight_decay = 1e-2f});
   }
-  SUBCASE("SGD with Nesterov momentum") { each_level(Sgd{.momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = true}); }
+  SUBCASE("SGD with Nesterov momentum") {
+    each_level(Sgd{.momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = true});
+  }
   SUBCASE("Lion") { each_level(Lion{}); }
 }
 
@@ -322,14 +347,16 @@ TEST_CASE("every SIMD level gives bitwise the same step as the portable code") {
     names += ' ';
   }
   MESSAGE("instruction set levels tested on this CPU: ", names);
-  if (!cpu::supported(cpu::Isa::avx512)) MESSAGE("avx512 is not supported here: that level was compiled, not run");
+  if (!cpu::supported(cpu::Isa::avx512))
+    MESSAGE("avx512 is not supported here: that level was compiled, not run");
   for (cpu::Isa isa : levels) {
     if (isa == cpu::Isa::portable) continue;
     const Options portable{.isa = cpu::Isa::portable}, simd{.isa = isa};
     for (std::size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33, 1031}) {
       same_bits_all_types(AdamW{}, n, 3, portable, simd);
       same_bits_all_types(Adam{.weight_decay = 0.1f}, n, 3, portable, simd);
-      same_bits_all_types(Sgd{.momentum = 0.9f, .weight_decay = 0.1f, .nesterov = true}, n, 3, portable, simd);
+      same_bits_all_types(Sgd{.momentum = 0.9f, .weight_decay = 0.1f, .nesterov = true}, n, 3,
+                          portable, simd);
       same_bits_all_types(Lion{.weight_decay = 0.1f}, n, 3, portable, simd);
     }
   }
@@ -348,7 +375,8 @@ TEST_CASE("threads split the shard without changing a bit") {
 TEST_CASE("grad_stats gives the squared norm and finiteness at every level and thread count") {
   std::mt19937_64 rng(run_seed());
   INFO("seed ", run_seed());
-  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(9), std::size_t(31), std::size_t(1000), 2 * cpu::detail::min_tile + 3}) {
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(9), std::size_t(31),
+                        std::size_t(1000), 2 * cpu::detail::min_tile + 3}) {
     std::vector<float> g(n);
     fill_grad(g, rng, 100.0f);
     std::vector<bf16> gb(n);
@@ -384,9 +412,11 @@ TEST_CASE("a single inf or nan anywhere is reported and leaves every output bitw
   const std::size_t n = 2 * cpu::detail::min_tile + 45;  // two tiles and a vector tail
   std::mt19937_64 rng(run_seed());
   INFO("seed ", run_seed());
-  const float bad_values[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+  const float bad_values[] = {std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
                               std::numeric_limits<float>::quiet_NaN()};
-  for (std::size_t where : {std::size_t(0), std::size_t(5), cpu::detail::min_tile + 1, n - 1, n - 20})
+  for (std::size_t where :
+       {std::size_t(0), std::size_t(5), cpu::detail::min_tile + 1, n - 1, n - 20})
     for (float bad : bad_values)
       for (cpu::Isa isa : cpu::supported_isas()) {
         CAPTURE(where);
@@ -403,7 +433,8 @@ TEST_CASE("a single inf or nan anywhere is reported and leaves every output bitw
         }
         sh.grad[where] = fp16(bad);
         const auto before = sh;
-        const GradStats st = cpu::step_if_finite(AdamW{}, {3, 0.5f}, sh.view(), {.threads = 2, .isa = isa});
+        const GradStats st =
+            cpu::step_if_finite(AdamW{}, {3, 0.5f}, sh.view(), {.threads = 2, .isa = isa});
         CHECK_FALSE(st.finite);
         CHECK(std::memcmp(sh.master.data(), before.master.data(), n * 4) == 0);
         CHECK(std::memcmp(sh.s0.data(), before.s0.data(), n * 4) == 0);
@@ -418,8 +449,8 @@ TEST_CASE("a single inf or nan anywhere is reported and leaves every output bitw
 }
 
 TEST_CASE("clipping by the global norm scales the update to max_norm") {
-  CHECK(clip_coef(100.0, 1.0f, 0.0f) == 1.0f);   // disabled
-  CHECK(clip_coef(0.25, 1.0f, 1.0f) == 1.0f);    // norm 0.5 under the limit
+  CHECK(clip_coef(100.0, 1.0f, 0.0f) == 1.0f);  // disabled
+  CHECK(clip_coef(0.25, 1.0f, 1.0f) == 1.0f);   // norm 0.5 under the limit
   CHECK(clip_coef(100.0 * 64 * 64, 64.0f, 2.0f) == doctest::Approx((10.0 + 1e-6) / 2.0));
   // Plain SGD with lr 1 moves the weights by -g/(scale*clip): the move has norm max_norm.
   const std::size_t n = 1000;
@@ -438,19 +469,34 @@ TEST_CASE("clipping by the global norm scales the update to max_norm") {
 
 TEST_CASE("mismatched sizes and unsupported levels are errors that name the sizes") {
   std::vector<float> master(10), grad(10), m(10), v(9), param(11);
-  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, m}, param}); },
-                 {"param 11"});
-  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, v}, master}); },
-                 {"state[1] has 9"});
-  zp::test::expect_invalid([&] { cpu::step(Lion{}, {1}, ShardView<float, float>{master, grad, {}, master}); },
-                 {"state[0] has 0"});
-  zp::test::expect_invalid([&] { cpu::step(AdamW{}, {0}, ShardView<float, float>{master, grad, {m, m}, master}); },
-                 {"step must count from 1"});
+  zp::test::expect_invalid(
+      [&] {
+        cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, m}, param});
+      },
+      {"param 11"});
+  zp::test::expect_invalid(
+      [&] {
+        cpu::step(AdamW{}, {1}, ShardView<float, float>{master, grad, {m, v}, master});
+      },
+      {"state[1] has 9"});
+  zp::test::expect_invalid(
+      [&] {
+        cpu::step(Lion{}, {1}, ShardView<float, float>{master, grad, {}, master});
+      },
+      {"state[0] has 0"});
+  zp::test::expect_invalid(
+      [&] {
+        cpu::step(AdamW{}, {0}, ShardView<float, float>{master, grad, {m, m}, master});
+      },
+      {"step must count from 1"});
   // SGD without momentum needs no state.
   cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master});
   if (!cpu::supported(cpu::Isa::avx512))
     zp::test::expect_invalid(
-        [&] { cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, {.isa = cpu::Isa::avx512}); },
+        [&] {
+          cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master},
+                    {.isa = cpu::Isa::avx512});
+        },
         {"not supported"});
 }
 
@@ -458,9 +504,11 @@ TEST_CASE("every invalid AdamW and Adam hyper-parameter is an error naming it an
   const auto each = [](auto base, const char* who) {
     using O = decltype(base);
     CAPTURE(who);
-    const std::pair<const char*, float O::*> fields[] = {
-        {"lr", &O::lr}, {"beta1", &O::beta1}, {"beta2", &O::beta2}, {"eps", &O::eps},
-        {"weight_decay", &O::weight_decay}};
+    const std::pair<const char*, float O::*> fields[] = {{"lr", &O::lr},
+                                                         {"beta1", &O::beta1},
+                                                         {"beta2", &O::beta2},
+                                                         {"eps", &O::eps},
+                                                         {"weight_decay", &O::weight_decay}};
     for (const auto& named : fields) {
       const char* field = named.first;  // not a structured binding: lambdas capture it
       const auto member = named.second;
@@ -469,13 +517,16 @@ TEST_CASE("every invalid AdamW and Adam hyper-parameter is an error naming it an
       if (std::string(field).starts_with("beta")) {
         bad.push_back({1.0f, "got 1"});
         bad.push_back({1.5f, "got 1.5"});
-        bad.push_back({std::nextafter(1.0f, 2.0f), "got 1.0000001"});  // printed exactly, not as "1"
+        bad.push_back(
+            {std::nextafter(1.0f, 2.0f), "got 1.0000001"});  // printed exactly, not as "1"
       }
       for (const Bad& b : bad) {
         O o = base;
         o.*member = b.value;
-        const std::string range = std::string(field).starts_with("beta") ? "in [0, 1)" : "finite and >= 0";
-        zp::test::expect_invalid([&] { validate(o); }, {std::string(who) + ": " + field + " must be " + range, b.text});
+        const std::string range =
+            std::string(field).starts_with("beta") ? "in [0, 1)" : "finite and >= 0";
+        zp::test::expect_invalid([&] { validate(o); },
+                                 {std::string(who) + ": " + field + " must be " + range, b.text});
       }
     }
     // The boundaries stay valid.
@@ -490,10 +541,13 @@ TEST_CASE("every invalid AdamW and Adam hyper-parameter is an error naming it an
   each(Adam{}, "Adam");
 }
 
-TEST_CASE("every invalid Sgd hyper-parameter, and Nesterov without plain momentum, is an error naming it") {
-  const std::pair<const char*, float Sgd::*> fields[] = {
-      {"lr", &Sgd::lr}, {"momentum", &Sgd::momentum}, {"dampening", &Sgd::dampening},
-      {"weight_decay", &Sgd::weight_decay}};
+TEST_CASE(
+    "every invalid Sgd hyper-parameter, and Nesterov without plain momentum, is an error naming "
+    "it") {
+  const std::pair<const char*, float Sgd::*> fields[] = {{"lr", &Sgd::lr},
+                                                         {"momentum", &Sgd::momentum},
+                                                         {"dampening", &Sgd::dampening},
+                                                         {"weight_decay", &Sgd::weight_decay}};
   for (const auto& named : fields) {
     const char* field = named.first;
     const auto member = named.second;
@@ -504,19 +558,25 @@ TEST_CASE("every invalid Sgd hyper-parameter, and Nesterov without plain momentu
       Sgd o;
       o.*member = b.value;
       const std::string range = std::string(field) == "dampening" ? "in [0, 1]" : "finite and >= 0";
-      zp::test::expect_invalid([&] { validate(o); }, {std::string("Sgd: ") + field + " must be " + range, b.text});
+      zp::test::expect_invalid([&] { validate(o); },
+                               {std::string("Sgd: ") + field + " must be " + range, b.text});
     }
   }
-  zp::test::expect_invalid([] { validate(Sgd{.nesterov = true}); }, {"Sgd: Nesterov momentum requires", "momentum 0"});
-  zp::test::expect_invalid([] { validate(Sgd{.momentum = 0.9f, .dampening = 0.1f, .nesterov = true}); },
-                 {"Sgd: Nesterov momentum requires", "dampening 0.1"});
-  CHECK_NOTHROW(validate(Sgd{.lr = 0.0f, .momentum = 0.0f, .dampening = 1.0f, .weight_decay = 0.0f}));
+  zp::test::expect_invalid([] { validate(Sgd{.nesterov = true}); },
+                           {"Sgd: Nesterov momentum requires", "momentum 0"});
+  zp::test::expect_invalid(
+      [] { validate(Sgd{.momentum = 0.9f, .dampening = 0.1f, .nesterov = true}); },
+      {"Sgd: Nesterov momentum requires", "dampening 0.1"});
+  CHECK_NOTHROW(
+      validate(Sgd{.lr = 0.0f, .momentum = 0.0f, .dampening = 1.0f, .weight_decay = 0.0f}));
   CHECK_NOTHROW(validate(Sgd{.momentum = 0.9f, .nesterov = true}));
 }
 
 TEST_CASE("every invalid Lion hyper-parameter is an error naming it and its value") {
-  const std::pair<const char*, float Lion::*> fields[] = {
-      {"lr", &Lion::lr}, {"beta1", &Lion::beta1}, {"beta2", &Lion::beta2}, {"weight_decay", &Lion::weight_decay}};
+  const std::pair<const char*, float Lion::*> fields[] = {{"lr", &Lion::lr},
+                                                          {"beta1", &Lion::beta1},
+                                                          {"beta2", &Lion::beta2},
+                                                          {"weight_decay", &Lion::weight_decay}};
   for (const auto& named : fields) {
     const char* field = named.first;
     const auto member = named.second;
@@ -527,8 +587,9 @@ TEST_CASE("every invalid Lion hyper-parameter is an error naming it and its valu
     for (const Bad& b : bad) {
       Lion o;
       o.*member = b.value;
-      zp::test::expect_invalid([&] { validate(o); },
-                     {std::string("Lion: ") + field + " must be " + (beta ? "in [0, 1]" : "finite and >= 0"), b.text});
+      zp::test::expect_invalid([&] { validate(o); }, {std::string("Lion: ") + field + " must be " +
+                                                          (beta ? "in [0, 1]" : "finite and >= 0"),
+                                                      b.text});
     }
   }
   CHECK_NOTHROW(validate(Lion{.lr = 0.0f, .beta1 = 0.0f, .beta2 = 0.0f, .weight_decay = 0.0f}));
@@ -554,7 +615,11 @@ TEST_CASE("a step with a bad hyper-parameter throws before writing anything, at 
       CAPTURE(cpu::name(isa));
       const Options options{.threads = 2, .isa = isa};
       zp::test::expect_invalid([&] { cpu::step(opt, {3, 0.5f}, sh.view(), options); }, {needle});
-      zp::test::expect_invalid([&] { cpu::step_if_finite(opt, {3, 0.5f}, sh.view(), options); }, {needle});
+      zp::test::expect_invalid(
+          [&] {
+            cpu::step_if_finite(opt, {3, 0.5f}, sh.view(), options);
+          },
+          {needle});
       CHECK(same_bytes(sh.master, before.master));
       CHECK(same_bytes(sh.s0, before.s0));
       CHECK(same_bytes(sh.s1, before.s1));
@@ -591,8 +656,10 @@ TEST_CASE("a zero learning rate is valid and leaves the master weights bitwise u
   each(Lion{.lr = 0.0f, .weight_decay = 0.1f});
 }
 
-TEST_CASE("describe names every hyper-parameter exactly and fingerprint changes with any field's bits") {
-  CHECK(describe(AdamW{}) == "AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)");
+TEST_CASE(
+    "describe names every hyper-parameter exactly and fingerprint changes with any field's bits") {
+  CHECK(describe(AdamW{}) ==
+        "AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)");
   CHECK(describe(Adam{}) == "Adam(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0)");
   CHECK(describe(Sgd{.momentum = 0.9f, .nesterov = true}) ==
         "Sgd(lr=0.01, momentum=0.9, dampening=0, weight_decay=0, nesterov=true)");
@@ -613,7 +680,8 @@ TEST_CASE("describe names every hyper-parameter exactly and fingerprint changes 
       CHECK(fingerprint(o) != fingerprint(base));
     }
   };
-  each_field(AdamW{}, {&AdamW::lr, &AdamW::beta1, &AdamW::beta2, &AdamW::eps, &AdamW::weight_decay});
+  each_field(AdamW{},
+             {&AdamW::lr, &AdamW::beta1, &AdamW::beta2, &AdamW::eps, &AdamW::weight_decay});
   each_field(Adam{}, {&Adam::lr, &Adam::beta1, &Adam::beta2, &Adam::eps, &Adam::weight_decay});
   each_field(Sgd{}, {&Sgd::lr, &Sgd::momentum, &Sgd::dampening, &Sgd::weight_decay});
   each_field(Lion{}, {&Lion::lr, &Lion::beta1, &Lion::beta2, &Lion::weight_decay});
@@ -626,8 +694,12 @@ TEST_CASE("an out-of-range instruction set is an error naming its number and the
     CAPTURE(bad);
     const Options options{.isa = cpu::Isa(bad)};
     const std::string number = "Isa(" + std::to_string(bad) + ")";
-    zp::test::expect_invalid([&] { cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, options); },
-                   {"optimizer: instruction set " + number, "best, portable, avx2, avx512"});
-    zp::test::expect_invalid([&] { cpu::grad_stats(std::span<const float>(grad), options); }, {number});
+    zp::test::expect_invalid(
+        [&] {
+          cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, options);
+        },
+        {"optimizer: instruction set " + number, "best, portable, avx2, avx512"});
+    zp::test::expect_invalid([&] { cpu::grad_stats(std::span<const float>(grad), options); },
+                             {number});
   }
 }

@@ -44,7 +44,8 @@ struct DeviceArray {
 
 template <class X>
 bool same_bytes(const std::vector<X>& a, const std::vector<X>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(X)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(X)) == 0);
 }
 
 template <class O>
@@ -74,7 +75,8 @@ void compare(const O& opt, std::size_t n, int steps, int overflow_at) {
     if (overflow) grad[n / 2] = G(std::numeric_limits<float>::infinity());
     d_grad.set(grad);
     d_stats.set({0.0});
-    zp::optim::gpu::grad_stats(std::span<const G>(d_grad.ptr(), n), d_stats.ptr(), zp::device::current_stream());
+    zp::optim::gpu::grad_stats(std::span<const G>(d_grad.ptr(), n), d_stats.ptr(),
+                               zp::device::current_stream());
     const GradStats host = cpu::grad_stats(std::span<const G>(grad));
     const double sumsq = d_stats.get()[0];
     CHECK(std::isfinite(sumsq) == host.finite);
@@ -84,7 +86,9 @@ void compare(const O& opt, std::size_t n, int steps, int overflow_at) {
     const StepScalars s{t < 1 ? 1 : t, 1.0f / 16.0f};
     const auto before = d_master.get();
     zp::optim::gpu::step(opt, s,
-                         ShardView<T, G>{d_master.span(), std::span<const G>(d_grad.ptr(), n), {d_s0.span(), d_s1.span()},
+                         ShardView<T, G>{d_master.span(),
+                                         std::span<const G>(d_grad.ptr(), n),
+                                         {d_s0.span(), d_s1.span()},
                                          d_param.span()},
                          d_gate.ptr(), zp::device::current_stream());
     if (host.finite) cpu::step(opt, s, ShardView<T, G>{master, grad, {s0, s1}, param});
@@ -119,7 +123,9 @@ void compare_types(const O& opt) {
 TEST_CASE("the device step matches the CPU step bit for bit and skips on the device gate") {
   SUBCASE("AdamW") { compare_types(AdamW{}); }
   SUBCASE("Adam") { compare_types(Adam{.weight_decay = 0.1f}); }
-  SUBCASE("SGD with Nesterov momentum") { compare_types(Sgd{.momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true}); }
+  SUBCASE("SGD with Nesterov momentum") {
+    compare_types(Sgd{.momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true});
+  }
   SUBCASE("SGD without momentum") { compare_types(Sgd{}); }
   SUBCASE("Lion") { compare_types(Lion{.weight_decay = 0.1f}); }
 }
@@ -129,12 +135,18 @@ TEST_CASE("unaligned shards take the element-wise path and still match") {
   std::vector<float> master(n + 1, 0.5f), s0(n + 1), s1(n + 1), grad(n + 1, 0.25f), param(n + 1);
   DeviceArray<float> dm(master), d0(s0), d1(s1), dg(grad), dp(param);
   DeviceArray<double> gate(std::vector<double>{1.0, 0.0});
-  const auto sub = [](DeviceArray<float>& a, std::size_t n) { return std::span<float>(a.ptr() + 1, n); };
-  zp::optim::gpu::step(AdamW{}, {1}, ShardView<float, float>{sub(dm, n), sub(dg, n), {sub(d0, n), sub(d1, n)}, sub(dp, n)},
-                       gate.ptr(), zp::device::current_stream());
+  const auto sub = [](DeviceArray<float>& a, std::size_t n) {
+    return std::span<float>(a.ptr() + 1, n);
+  };
+  zp::optim::gpu::step(
+      AdamW{}, {1},
+      ShardView<float, float>{sub(dm, n), sub(dg, n), {sub(d0, n), sub(d1, n)}, sub(dp, n)},
+      gate.ptr(), zp::device::current_stream());
   cpu::step(AdamW{}, {1},
-            ShardView<float, float>{std::span(master).subspan(1), std::span<const float>(grad).subspan(1),
-                                    {std::span(s0).subspan(1), std::span(s1).subspan(1)}, std::span(param).subspan(1)});
+            ShardView<float, float>{std::span(master).subspan(1),
+                                    std::span<const float>(grad).subspan(1),
+                                    {std::span(s0).subspan(1), std::span(s1).subspan(1)},
+                                    std::span(param).subspan(1)});
   CHECK(same_bytes(master, dm.get()));
   CHECK(same_bytes(param, dp.get()));
 }

@@ -110,8 +110,9 @@ class CudaThreads {
       : base_(std::move(base)),
         shared_(std::make_shared<cuda_threads_detail::Shared>()),
         stream_(std::make_unique<zp::device::Stream>()) {
-    ZP_EXPECT(base_.size() <= cuda_threads_detail::max_ranks, "cuda_threads backend: ", base_.size(),
-              " ranks, at most ", cuda_threads_detail::max_ranks);
+    ZP_EXPECT(base_.size() <= cuda_threads_detail::max_ranks,
+              "cuda_threads backend: ", base_.size(), " ranks, at most ",
+              cuda_threads_detail::max_ranks);
   }
   CudaThreads(CudaThreads&&) noexcept = default;
   CudaThreads& operator=(CudaThreads&&) noexcept = default;
@@ -121,39 +122,43 @@ class CudaThreads {
   zp::device::stream_t stream() const { return stream_->get(); }  // the communication stream
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    return collective({CollOp::all_reduce, src, dst, n, t, op}, [&](const auto& calls, zp::device::stream_t s) {
-      visit_dtype(t, [&](auto tag) {
-        using T = decltype(tag);
-        cuda_threads_detail::Pointers<T> p{};
-        for (int r = 0; r < size(); ++r) {
-          p.in[r] = static_cast<const T*>(calls[std::size_t(r)].src);
-          p.out[r] = static_cast<T*>(calls[std::size_t(r)].dst);
-        }
-        const auto [lo, hi] = detail::rank_slice(n, rank(), size());
-        reduce(p, size(), size(), lo, hi, op, s);
-      });
-    });
+    return collective({CollOp::all_reduce, src, dst, n, t, op},
+                      [&](const auto& calls, zp::device::stream_t s) {
+                        visit_dtype(t, [&](auto tag) {
+                          using T = decltype(tag);
+                          cuda_threads_detail::Pointers<T> p{};
+                          for (int r = 0; r < size(); ++r) {
+                            p.in[r] = static_cast<const T*>(calls[std::size_t(r)].src);
+                            p.out[r] = static_cast<T*>(calls[std::size_t(r)].dst);
+                          }
+                          const auto [lo, hi] = detail::rank_slice(n, rank(), size());
+                          reduce(p, size(), size(), lo, hi, op, s);
+                        });
+                      });
   }
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch) {
-    return collective({CollOp::reduce_scatter, src, dst, n, t, op}, [&](const auto& calls, zp::device::stream_t s) {
-      visit_dtype(t, [&](auto tag) {
-        using T = decltype(tag);
-        cuda_threads_detail::Pointers<T> p{};
-        for (int r = 0; r < size(); ++r) p.in[r] = static_cast<const T*>(calls[std::size_t(r)].src);
-        p.out[0] = static_cast<T*>(dst);  // the kernel writes out[0][i - lo]
-        const std::size_t lo = std::size_t(rank()) * n;
-        reduce(p, size(), 1, lo, lo + n, op, s);
-      });
-    });
+    return collective({CollOp::reduce_scatter, src, dst, n, t, op},
+                      [&](const auto& calls, zp::device::stream_t s) {
+                        visit_dtype(t, [&](auto tag) {
+                          using T = decltype(tag);
+                          cuda_threads_detail::Pointers<T> p{};
+                          for (int r = 0; r < size(); ++r)
+                            p.in[r] = static_cast<const T*>(calls[std::size_t(r)].src);
+                          p.out[0] = static_cast<T*>(dst);  // the kernel writes out[0][i - lo]
+                          const std::size_t lo = std::size_t(rank()) * n;
+                          reduce(p, size(), 1, lo, lo + n, op, s);
+                        });
+                      });
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch) {
-    return collective({CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, zp::device::stream_t s) {
-      const std::size_t bytes = n * size_of(t);
-      for (int r = 0; r < size(); ++r) {
-        char* out = static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes;
-        if (out != src) zp::device::copy(out, src, bytes, s);
-      }
-    });
+    return collective(
+        {CollOp::all_gather, src, dst, n, t}, [&](const auto& calls, zp::device::stream_t s) {
+          const std::size_t bytes = n * size_of(t);
+          for (int r = 0; r < size(); ++r) {
+            char* out = static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes;
+            if (out != src) zp::device::copy(out, src, bytes, s);
+          }
+        });
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch) {
     threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
@@ -173,17 +178,19 @@ class CudaThreads {
 
  private:
   static Error unsupported(const char* what) {
-    return Error(Errc::invalid_argument, detail::cat("cuda_threads backend: ", what,
-                                                     " is not supported (point to point needs a GPU backend "
-                                                     "with peers: nccl)"));
+    return Error(Errc::invalid_argument,
+                 detail::cat("cuda_threads backend: ", what,
+                             " is not supported (point to point needs a GPU backend "
+                             "with peers: nccl)"));
   }
 
   template <class T>
-  static void reduce(const cuda_threads_detail::Pointers<T>& p, int n, int n_out, std::size_t lo, std::size_t hi,
-                     ReduceOp op, zp::device::stream_t s) {
+  static void reduce(const cuda_threads_detail::Pointers<T>& p, int n, int n_out, std::size_t lo,
+                     std::size_t hi, ReduceOp op, zp::device::stream_t s) {
     if (lo >= hi) return;
     auto run = [&](auto kind) {
-      zp::device::launch(s, hi - lo, cuda_threads_detail::Reduce<T, decltype(kind)::value>{p, n, n_out, lo, op});
+      zp::device::launch(
+          s, hi - lo, cuda_threads_detail::Reduce<T, decltype(kind)::value>{p, n, n_out, lo, op});
     };
     switch (op) {
       case ReduceOp::sum:
@@ -204,7 +211,8 @@ class CudaThreads {
     std::shared_ptr<const cuda_threads_detail::Shared> peers[cuda_threads_detail::max_ranks];
     base_.meet(c, [&](const std::vector<threads_detail::Call>& calls) {
       for (int r = 0; r < size(); ++r) peers[r] = peer(calls[std::size_t(r)]);
-      for (int r = 0; r < size(); ++r) zp::device::wait(cs, peers[r]->ready.get(), "cuda_threads.ready.wait");
+      for (int r = 0; r < size(); ++r)
+        zp::device::wait(cs, peers[r]->ready.get(), "cuda_threads.ready.wait");
       zp::device::before_enqueue(cs, zp::device::Role::comm);
       enqueue(calls, cs);
       zp::device::record(shared_->done.get(), cs, "cuda_threads.done.record");
@@ -220,8 +228,9 @@ class CudaThreads {
   }
 
   Threads base_;
-  std::shared_ptr<cuda_threads_detail::Shared> shared_;  // peers keep it alive until their waits are enqueued
-  std::unique_ptr<zp::device::Stream> stream_;            // on the heap: the backend moves
+  std::shared_ptr<cuda_threads_detail::Shared>
+      shared_;  // peers keep it alive until their waits are enqueued
+  std::unique_ptr<zp::device::Stream> stream_;  // on the heap: the backend moves
 };
 
 static_assert(Backend<CudaThreads>);

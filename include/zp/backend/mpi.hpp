@@ -109,9 +109,9 @@ inline int world_rank() {
 
 inline void check(int rc, const char* call, int rank) {
   if (rc != MPI_SUCCESS) [[unlikely]]
-    throw Error(Errc::mpi, detail::cat("mpi backend: ", call, " failed on rank ", rank, ": ",
-                                       error_string(rc)),
-                rc);
+    throw Error(
+        Errc::mpi,
+        detail::cat("mpi backend: ", call, " failed on rank ", rank, ": ", error_string(rc)), rc);
 }
 
 inline MPI_Datatype mpi_type(DType t) {
@@ -167,7 +167,7 @@ struct Context {
   int rank = 0, size = 1, world_rank = 0;
   MpiOptions opt;
   std::uint64_t calls = 0;
-  std::vector<float> scratch;  // 16-bit staging of blocking calls, reused
+  std::vector<float> scratch;     // 16-bit staging of blocking calls, reused
   std::atomic<bool> busy{false};  // a thread is issuing a call (detail::OneCaller)
   std::shared_ptr<Watchdog> watchdog;
   std::vector<std::uint64_t> sent, received;  // messages posted to / from each peer
@@ -255,15 +255,17 @@ inline void p2p_verdict(const Context& c, const P2p& p, int data_rc, int signatu
       const std::int64_t* r = sending ? p.theirs : p.mine;
       const int src = sending ? c.rank : p.peer, dst = sending ? p.peer : c.rank;
       throw Error(Errc::invalid_argument,
-                  detail::cat("mpi backend: mismatched send/recv (message #", s[4], " from rank ", src,
-                              " to rank ", dst, "): rank ", src, " called send(count=", s[1], ", dtype=",
-                              name(DType(s[2])), ", peer=", dst, ") (call #", s[3], ") but rank ", dst,
-                              " called recv(count=", r[1], ", dtype=", name(DType(r[2])), ", peer=", src,
-                              ") (call #", r[3], "); the count and element type of a send and its recv "
+                  detail::cat("mpi backend: mismatched send/recv (message #", s[4], " from rank ",
+                              src, " to rank ", dst, "): rank ", src, " called send(count=", s[1],
+                              ", dtype=", name(DType(s[2])), ", peer=", dst, ") (call #", s[3],
+                              ") but rank ", dst, " called recv(count=", r[1],
+                              ", dtype=", name(DType(r[2])), ", peer=", src, ") (call #", r[3],
+                              "); the count and element type of a send and its recv "
                               "must agree"));
     }
   }
-  check(data_rc, p.mine[0] == std::int64_t(CollOp::send) ? "MPI_Send/MPI_Isend" : "MPI_Recv/MPI_Irecv",
+  check(data_rc,
+        p.mine[0] == std::int64_t(CollOp::send) ? "MPI_Send/MPI_Isend" : "MPI_Recv/MPI_Irecv",
         c.rank);
 }
 
@@ -357,14 +359,17 @@ class Mpi {
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
     if (!init || fin)
-      throw Error(Errc::mpi, "mpi backend: MPI is not initialised (or already finalised); create "
-                             "a zp::backend::MpiEnvironment first");
+      throw Error(Errc::mpi,
+                  "mpi backend: MPI is not initialised (or already finalised); create "
+                  "a zp::backend::MpiEnvironment first");
     MPI_Comm dup = MPI_COMM_NULL;
     mpi_detail::check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", mpi_detail::world_rank());
     adopt(dup, opt);
   }
   Mpi(Mpi&& o) noexcept
-      : ctx_(std::move(o.ctx_)), unwinding_(o.unwinding_), rejected_together_(o.rejected_together_) {}
+      : ctx_(std::move(o.ctx_)),
+        unwinding_(o.unwinding_),
+        rejected_together_(o.rejected_together_) {}
   Mpi& operator=(Mpi&& o) noexcept {
     if (this != &o) {
       leave();
@@ -451,7 +456,8 @@ class Mpi {
       mpi_detail::abort_job(detail::cat(
           "rank ", ctx_->rank, " of ", ctx_->size, " (world rank ", ctx_->world_rank,
           ") is leaving its communicator because an exception is propagating (after call #",
-          ctx_->calls, "); the other ranks may be waiting for it in a collective, so the job is "
+          ctx_->calls,
+          "); the other ranks may be waiting for it in a collective, so the job is "
           "aborted"));
     ctx_.reset();
   }
@@ -531,8 +537,8 @@ class Mpi {
 
   // The MPI call that runs a collective and its post-step. One case per operation, each the
   // whole plan of its operation (so the function is long, and read case by case).
-  mpi_detail::Plan plan(CollOp op, const void* src, void* dst, std::size_t n, DType t,
-                        ReduceOp rop, int root, std::vector<float>& stage) const {
+  mpi_detail::Plan plan(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
+                        int root, std::vector<float>& stage) const {
     const auto& c = *ctx_;
     mpi_detail::Plan p;
     p.op = op;
@@ -612,9 +618,10 @@ class Mpi {
         break;
       case CollOp::all_gather:
         fn = "MPI_Allgather";
-        rc = p.send == MPI_IN_PLACE
-                 ? MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type, c.comm)
-                 : MPI_Allgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm);
+        rc =
+            p.send == MPI_IN_PLACE
+                ? MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type, c.comm)
+                : MPI_Allgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm);
         break;
       case CollOp::broadcast:
         fn = "MPI_Bcast";
@@ -664,8 +671,8 @@ class Mpi {
     mpi_detail::check(rc, fn, c.rank);
   }
 
-  Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
-             int root, Launch l) {
+  Work issue(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop, int root,
+             Launch l) {
     auto& c = *ctx_;
     const detail::OneCaller busy(c.busy, "mpi", zp::name(op), c.rank);
     ++c.calls;
@@ -717,8 +724,9 @@ class Mpi {
     ++c.calls;
     std::string bad = detail::check_p2p(op, buf, n, t, peer, c.rank, c.size);
     if (bad.empty() && n * size_of(t) > std::size_t(INT_MAX))
-      bad = detail::cat(zp::name(op), ": message of ", n * size_of(t), " bytes exceeds MPI's limit of ",
-                        INT_MAX, " bytes per message; split the buffer");
+      bad = detail::cat(zp::name(op), ": message of ", n * size_of(t),
+                        " bytes exceeds MPI's limit of ", INT_MAX,
+                        " bytes per message; split the buffer");
     if (!bad.empty()) throw Error(Errc::invalid_argument, "mpi backend: " + bad);
     const bool sending = op == CollOp::send;
     const int bytes = int(n * size_of(t));
@@ -733,7 +741,8 @@ class Mpi {
     x.mine[1] = std::int64_t(n);
     x.mine[2] = std::int64_t(t);
     x.mine[3] = std::int64_t(c.calls);
-    x.mine[4] = std::int64_t(sending ? ++c.sent[std::size_t(peer)] : ++c.received[std::size_t(peer)]);
+    x.mine[4] =
+        std::int64_t(sending ? ++c.sent[std::size_t(peer)] : ++c.received[std::size_t(peer)]);
     if (c.opt.check_calls) {
       x.checked = true;
       // Our signature travels with our direction's tag, the peer's comes on the other one.
@@ -741,14 +750,18 @@ class Mpi {
       const int in_tag = sending ? mpi_detail::tag_recv_signature : mpi_detail::tag_send_signature;
       mpi_detail::check(MPI_Isend(x.mine, x.fields, MPI_INT64_T, peer, out_tag, c.comm, &x.reqs[0]),
                         "MPI_Isend (send/recv signature)", c.rank);
-      mpi_detail::check(MPI_Irecv(x.theirs, x.fields, MPI_INT64_T, peer, in_tag, c.comm, &x.reqs[1]),
-                        "MPI_Irecv (send/recv signature)", c.rank);
+      mpi_detail::check(
+          MPI_Irecv(x.theirs, x.fields, MPI_INT64_T, peer, in_tag, c.comm, &x.reqs[1]),
+          "MPI_Irecv (send/recv signature)", c.rank);
     }
     if (l == Launch::async) {
-      const int rc = sending ? MPI_Isend(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req)
-                             : MPI_Irecv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req);
+      const int rc =
+          sending
+              ? MPI_Isend(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req)
+              : MPI_Irecv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, &pending->req);
       if (rc != MPI_SUCCESS) {
-        Work w(mpi_detail::Op{std::move(pending)});  // completes the posted signatures before throwing
+        Work w(
+            mpi_detail::Op{std::move(pending)});  // completes the posted signatures before throwing
         mpi_detail::check(rc, sending ? "MPI_Isend" : "MPI_Irecv", c.rank);
       }
       return Work(mpi_detail::Op{std::move(pending)});
@@ -758,11 +771,13 @@ class Mpi {
     {
       mpi_detail::Guard g(c.watchdog.get(), pending->info, c.opt.timeout);
       data_rc = sending ? MPI_Send(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm)
-                        : MPI_Recv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm, MPI_STATUS_IGNORE);
+                        : MPI_Recv(buf, bytes, MPI_BYTE, peer, mpi_detail::tag_data, c.comm,
+                                   MPI_STATUS_IGNORE);
       rc = MPI_Waitall(2, x.reqs, st);
     }
     int sig_rc = rc;
-    if (rc == MPI_ERR_IN_STATUS) sig_rc = st[0].MPI_ERROR != MPI_SUCCESS ? st[0].MPI_ERROR : st[1].MPI_ERROR;
+    if (rc == MPI_ERR_IN_STATUS)
+      sig_rc = st[0].MPI_ERROR != MPI_SUCCESS ? st[0].MPI_ERROR : st[1].MPI_ERROR;
     mpi_detail::p2p_verdict(c, x, data_rc, sig_rc);
     return Work{};
   }

@@ -108,17 +108,19 @@ class Watchdog {
       const auto now = std::chrono::steady_clock::now();
       for (const Blocked* b : active_) {
         if (now < b->deadline) continue;
-        std::string why = detail::cat(
-            "rank ", b->rank, " of ", b->size, " (world rank ", b->world_rank, ") timed out after ",
-            b->timeout_ms, " ms in ", b->what, " (call #", b->call, ", count=", b->count,
-            ", dtype=", name(b->dtype));
+        std::string why =
+            detail::cat("rank ", b->rank, " of ", b->size, " (world rank ", b->world_rank,
+                        ") timed out after ", b->timeout_ms, " ms in ", b->what, " (call #",
+                        b->call, ", count=", b->count, ", dtype=", name(b->dtype));
         if (b->has_reduce) why += detail::cat(", op=", name(b->reduce));
         if (b->peer >= 0)
-          why += detail::cat(", peer=", b->peer, ") waiting for rank ", b->peer,
-                             " (it failed, left or never issued the matching call); aborting the job");
+          why +=
+              detail::cat(", peer=", b->peer, ") waiting for rank ", b->peer,
+                          " (it failed, left or never issued the matching call); aborting the job");
         else
-          why += ") waiting for the other ranks (one failed, left or skipped the call); aborting "
-                 "the job";
+          why +=
+              ") waiting for the other ranks (one failed, left or skipped the call); aborting "
+              "the job";
         abort_job(why);
       }
     }
@@ -133,7 +135,8 @@ class Watchdog {
 // RAII registration of a blocking region with the watchdog.
 class Guard {
  public:
-  Guard(Watchdog* w, Blocked& b, std::chrono::milliseconds timeout) : w_(timeout.count() > 0 ? w : nullptr), b_(b) {
+  Guard(Watchdog* w, Blocked& b, std::chrono::milliseconds timeout)
+      : w_(timeout.count() > 0 ? w : nullptr), b_(b) {
     if (!w_) return;
     b_.timeout_ms = timeout.count();
     b_.deadline = detail::deadline_after(timeout);

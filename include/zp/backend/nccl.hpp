@@ -43,9 +43,11 @@
 #if !defined(__has_include)
 #error "zp/backend/nccl.hpp needs __has_include to find the CUDA and NCCL headers"
 #elif !__has_include(<cuda_runtime_api.h>)
-#error "zp/backend/nccl.hpp needs the CUDA runtime headers (<cuda_runtime_api.h>): install the CUDA toolkit and link zp::nccl (or zp::cuda)"
+#error \
+    "zp/backend/nccl.hpp needs the CUDA runtime headers (<cuda_runtime_api.h>): install the CUDA toolkit and link zp::nccl (or zp::cuda)"
 #elif !__has_include(<nccl.h>)
-#error "zp/backend/nccl.hpp needs NCCL (<nccl.h>): install NCCL (or set NCCL_ROOT) and link zp::nccl"
+#error \
+    "zp/backend/nccl.hpp needs NCCL (<nccl.h>): install NCCL (or set NCCL_ROOT) and link zp::nccl"
 #endif
 
 #include <cuda_runtime_api.h>
@@ -127,8 +129,10 @@ class DeviceScope {
  public:
   explicit DeviceScope(int device) {
     cuda_check(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (prev_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    else prev_ = -1;
+    if (prev_ != device)
+      cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    else
+      prev_ = -1;
   }
   ~DeviceScope() {
     if (prev_ >= 0) cudaSetDevice(prev_);
@@ -174,8 +178,9 @@ struct Context final : device::Watched {
       throw Error(Errc::nccl, "nccl backend: " + why, int(async));
     }
     if (waited > opt.timeout) {
-      const std::string why = detail::cat("rank ", rank, " of ", size, " timed out after ", opt.timeout.count(),
-                                          " ms waiting for ", in, " (the other ranks did not take part); "
+      const std::string why = detail::cat("rank ", rank, " of ", size, " timed out after ",
+                                          opt.timeout.count(), " ms waiting for ", in,
+                                          " (the other ranks did not take part); "
                                           "communicator aborted");
       abort(why);
       throw Error(Errc::timeout, "nccl backend: " + why);
@@ -183,7 +188,8 @@ struct Context final : device::Watched {
   }
   void poll(std::chrono::steady_clock::duration waited) override { poll(waited, nullptr); }
   static void dropped(cudaError_t e, const char* call) noexcept {
-    if (e != cudaSuccess) zp::detail::log_dropped(detail::cat("nccl backend: ", call).c_str(), cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      zp::detail::log_dropped(detail::cat("nccl backend: ", call).c_str(), cudaGetErrorString(e));
   }
   ~Context() override {
     int prev = -1;
@@ -210,7 +216,10 @@ class Op {
   Op(std::shared_ptr<Context> c, device::event_t e, const char* what)
       : ctx_(std::move(c)), event_(e), what_(what), issued_(std::chrono::steady_clock::now()) {}
   Op(Op&& o) noexcept
-      : ctx_(std::move(o.ctx_)), event_(std::exchange(o.event_, nullptr)), what_(o.what_), issued_(o.issued_) {}
+      : ctx_(std::move(o.ctx_)),
+        event_(std::exchange(o.event_, nullptr)),
+        what_(o.what_),
+        issued_(o.issued_) {}
   Op& operator=(Op&& o) noexcept {
     if (this != &o) {
       release();
@@ -266,8 +275,10 @@ class Op {
         release();
         throw;
       }
-      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else std::this_thread::yield();
+      if (spins > 1000)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else
+        std::this_thread::yield();
     }
     release();
   }
@@ -299,8 +310,8 @@ class Nccl {
   // Joins communicator `id` as `rank` of `size` on `device` (ncclCommInitRank; collective over
   // the ranks). The backend creates and owns a non-blocking stream on that device.
   static Nccl create(const ncclUniqueId& id, int rank, int size, int device, Options opt = {}) {
-    ZP_EXPECT(size >= 1 && rank >= 0 && rank < size, "nccl backend: rank ", rank,
-              " is not in [0, ", size, ")");
+    ZP_EXPECT(size >= 1 && rank >= 0 && rank < size, "nccl backend: rank ", rank, " is not in [0, ",
+              size, ")");
     nccl_detail::DeviceScope dev(device);
     ncclComm_t comm = nullptr;
     nccl_detail::nccl_check(ncclCommInitRank(&comm, size, id, rank), "ncclCommInitRank");
@@ -340,7 +351,8 @@ class Nccl {
 
   // detail::check_call's rules, raised on this rank (NCCL has no cheap way to agree first; the
   // peers then time out on the missing call).
-  void check(CollOp op, const void* src, const void* dst, std::size_t n, DType t, ReduceOp rop, int root) const {
+  void check(CollOp op, const void* src, const void* dst, std::size_t n, DType t, ReduceOp rop,
+             int root) const {
     const std::string bad = detail::check_call(op, src, dst, n, t, rop, root, rank(), size());
     if (!bad.empty()) throw Error(Errc::invalid_argument, "nccl backend: " + bad);
   }
@@ -365,7 +377,8 @@ class Nccl {
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
     check(CollOp::reduce_scatter, src, dst, n, t, op, 0);
     return enqueue("reduce_scatter", l, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
+      return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c,
+                               s);
     });
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
@@ -417,8 +430,10 @@ class Nccl {
     nccl_detail::DeviceScope dev(c.device);
     nccl_detail::cuda_check(cudaStreamSynchronize(c.stream), "cudaStreamSynchronize");
     ncclComm_t sub = nullptr;
-    nccl_detail::nccl_check(ncclCommSplit(c.comm, color, key, &sub, nullptr), "ncclCommSplit", c.comm);
-    ZP_EXPECT(sub != nullptr, "nccl backend: split with colour ", color, " produced no communicator");
+    nccl_detail::nccl_check(ncclCommSplit(c.comm, color, key, &sub, nullptr), "ncclCommSplit",
+                            c.comm);
+    ZP_EXPECT(sub != nullptr, "nccl backend: split with colour ", color,
+              " produced no communicator");
     return Nccl(sub, c.device, c.opt);
   }
 
@@ -466,7 +481,8 @@ class Nccl {
     ++c.calls;
     nccl_detail::DeviceScope dev(c.device);
     // The inputs are complete in the caller's stream order.
-    nccl_detail::cuda_call([&] { device::order(c.stream, device::current_stream(), c.ready, "nccl.ready"); });
+    nccl_detail::cuda_call(
+        [&] { device::order(c.stream, device::current_stream(), c.ready, "nccl.ready"); });
     device::before_enqueue(c.stream, device::Role::comm);
     nccl_detail::nccl_check(call(c.comm, c.stream), what, c.comm);
     nccl_detail::Op op(ctx_, nccl_detail::cuda_call([] { return device::create_event(); }), what);

@@ -108,7 +108,8 @@ inline std::pair<Extent, Extent> extents(const Call& c, int rank, int n) {
   switch (c.op) {
     case CollOp::reduce_scatter: return {{c.src, full}, {c.dst, part}};
     case CollOp::all_gather: return {{c.src, part}, {c.dst, full}};
-    case CollOp::broadcast: return {{rank == c.root ? c.src : nullptr, rank == c.root ? part : 0}, {c.dst, part}};
+    case CollOp::broadcast:
+      return {{rank == c.root ? c.src : nullptr, rank == c.root ? part : 0}, {c.dst, part}};
     default: return {{c.src, part}, {c.dst, part}};
   }
 }
@@ -134,9 +135,11 @@ inline std::string check_disjoint(const std::vector<Call>& calls) {
       const auto [in_q, out_q] = extents(calls[std::size_t(q)], q, n);
       for (const auto& [side, e] : {std::pair{"output", out_q}, std::pair{"input", in_q}})
         if (overlap(out, e))
-          return detail::cat(name(calls[std::size_t(r)].op), ": ", describe_buffer("output", r, out), " overlaps ",
-                             describe_buffer(side, q, e), "; a buffer one rank writes must not overlap another rank's "
-                             "buffers (in place is only one rank's own input and output, collective.hpp)");
+          return detail::cat(
+              name(calls[std::size_t(r)].op), ": ", describe_buffer("output", r, out), " overlaps ",
+              describe_buffer(side, q, e),
+              "; a buffer one rank writes must not overlap another rank's "
+              "buffers (in place is only one rank's own input and output, collective.hpp)");
     }
   }
   return {};
@@ -289,15 +292,18 @@ class World {
     return detail::OneCaller(busy_[std::size_t(rank)], "threads", what, rank);
   }
 
-  threads_detail::Channel& channel(int src, int dst) { return channels_[std::size_t(src) * std::size_t(n_) + std::size_t(dst)]; }
+  threads_detail::Channel& channel(int src, int dst) {
+    return channels_[std::size_t(src) * std::size_t(n_) + std::size_t(dst)];
+  }
 
   std::exception_ptr p2p_aborted(bool is_send, int src, int dst, std::uint64_t call,
                                  const std::string& why) const {
-    return std::make_exception_ptr(Error(
-        Errc::aborted, is_send ? detail::cat("threads backend: rank ", src, " in send to rank ", dst,
-                                             " (call #", call, "): the communicator was poisoned: ", why)
-                               : detail::cat("threads backend: rank ", dst, " in recv from rank ", src,
-                                             " (call #", call, "): the communicator was poisoned: ", why)));
+    return std::make_exception_ptr(
+        Error(Errc::aborted,
+              is_send ? detail::cat("threads backend: rank ", src, " in send to rank ", dst,
+                                    " (call #", call, "): the communicator was poisoned: ", why)
+                      : detail::cat("threads backend: rank ", dst, " in recv from rank ", src,
+                                    " (call #", call, "): the communicator was poisoned: ", why)));
   }
 
   // Posts rank `rank`'s send (to `peer`) or recv (from `peer`) on their channel: it meets the
@@ -343,17 +349,20 @@ class World {
       s.state->complete(std::move(to_sender));
       r.state->complete(std::move(to_receiver));
     };
-    const std::string message = detail::cat("(message #", s.seq, " from rank ", src, " to rank ", dst, "): ");
+    const std::string message =
+        detail::cat("(message #", s.seq, " from rank ", src, " to rank ", dst, "): ");
     if (s.count != r.count || s.dtype != r.dtype)
-      return refuse(detail::cat(
-          "threads backend: mismatched send/recv ", message, "rank ", src, " called send(count=", s.count,
-          ", dtype=", name(s.dtype), ", peer=", dst, ") (call #", s.call, ") but rank ", dst,
-          " called recv(count=", r.count, ", dtype=", name(r.dtype), ", peer=", src, ") (call #", r.call,
-          "); the count and element type of a send and its recv must agree"));
+      return refuse(detail::cat("threads backend: mismatched send/recv ", message, "rank ", src,
+                                " called send(count=", s.count, ", dtype=", name(s.dtype),
+                                ", peer=", dst, ") (call #", s.call, ") but rank ", dst,
+                                " called recv(count=", r.count, ", dtype=", name(r.dtype),
+                                ", peer=", src, ") (call #", r.call,
+                                "); the count and element type of a send and its recv must agree"));
     const threads_detail::Extent from{s.src, s.count * size_of(s.dtype)}, into{r.dst, from.bytes};
     if (threads_detail::overlap(from, into))
       return refuse(detail::cat("threads backend: send/recv ", message,
-                                threads_detail::describe_buffer("recv buffer", dst, into), " overlaps ",
+                                threads_detail::describe_buffer("recv buffer", dst, into),
+                                " overlaps ",
                                 threads_detail::describe_buffer("send buffer", src, from),
                                 "; the buffers of a send and its recv must be disjoint"));
     if (s.count) std::memcpy(r.dst, s.src, from.bytes);
@@ -369,18 +378,21 @@ class World {
     {
       std::lock_guard lk(ch.m);
       auto& q = st->is_send ? ch.sends : ch.recvs;
-      auto it = std::find_if(q.begin(), q.end(), [&](const auto& m) { return m.state.get() == st; });
+      auto it =
+          std::find_if(q.begin(), q.end(), [&](const auto& m) { return m.state.get() == st; });
       if (it == q.end()) return;  // matched (or swept) under this lock: the state is complete
-      why = st->is_send
-                ? detail::cat("rank ", st->src, " timed out after ", opt_.timeout.count(), " ms in send to rank ",
-                              st->dst, " (call #", it->call, ", message #", it->seq, " from rank ", st->src,
-                              " to rank ", st->dst, ") waiting for rank ", st->dst, " to recv it")
-                : detail::cat("rank ", st->dst, " timed out after ", opt_.timeout.count(), " ms in recv from rank ",
-                              st->src, " (call #", it->call, ", message #", it->seq, " from rank ", st->src,
-                              " to rank ", st->dst, ") waiting for rank ", st->src, " to send it");
+      why = st->is_send ? detail::cat("rank ", st->src, " timed out after ", opt_.timeout.count(),
+                                      " ms in send to rank ", st->dst, " (call #", it->call,
+                                      ", message #", it->seq, " from rank ", st->src, " to rank ",
+                                      st->dst, ") waiting for rank ", st->dst, " to recv it")
+                        : detail::cat("rank ", st->dst, " timed out after ", opt_.timeout.count(),
+                                      " ms in recv from rank ", st->src, " (call #", it->call,
+                                      ", message #", it->seq, " from rank ", st->src, " to rank ",
+                                      st->dst, ") waiting for rank ", st->src, " to send it");
       const auto state = it->state;
       q.erase(it);
-      auto e = std::make_exception_ptr(Error(Errc::timeout, "threads backend: " + why));  // see post()
+      auto e =
+          std::make_exception_ptr(Error(Errc::timeout, "threads backend: " + why));  // see post()
       state->complete(std::move(e));
     }
     poison(why);
@@ -388,8 +400,10 @@ class World {
 
   [[noreturn]] void throw_poisoned(int rank, const threads_detail::Call& c) const {
     throw Error(Errc::aborted, detail::cat("threads backend: rank ", rank, " in ", name(c.op),
-                                           " (call #", seq_of(rank), "): the communicator was "
-                                           "poisoned: ", reason()));
+                                           " (call #", seq_of(rank),
+                                           "): the communicator was "
+                                           "poisoned: ",
+                                           reason()));
   }
   std::uint64_t seq_of(int rank) const { return seqs_[std::size_t(rank)]; }
 
@@ -423,14 +437,17 @@ class World {
              poisoned_.load(std::memory_order_relaxed);
     };
     bool done = true;
-    if (deadline == std::chrono::steady_clock::time_point::max()) cv_.wait(lk, met);
-    else done = cv_.wait_until(lk, deadline, met);
-    if (generation_.load(std::memory_order_relaxed) != gen) return;  // completed, even if poisoned later
+    if (deadline == std::chrono::steady_clock::time_point::max())
+      cv_.wait(lk, met);
+    else
+      done = cv_.wait_until(lk, deadline, met);
+    if (generation_.load(std::memory_order_relaxed) != gen)
+      return;  // completed, even if poisoned later
     lk.unlock();
     if (!done) {
-      const std::string why = detail::cat(
-          "rank ", rank, " timed out after ", opt_.timeout.count(), " ms in ", name(c.op),
-          " (call #", seq_of(rank), ") waiting for the other ranks");
+      const std::string why =
+          detail::cat("rank ", rank, " timed out after ", opt_.timeout.count(), " ms in ",
+                      name(c.op), " (call #", seq_of(rank), ") waiting for the other ranks");
       poison(why);
       throw Error(Errc::timeout, "threads backend: " + why);
     }
@@ -454,8 +471,9 @@ class World {
   // operation's two rendezvous then cost microseconds instead of a sleep and wake-up.
   void spin_while(std::uint64_t gen, bool until_poisoned) const {
     if (!threads_detail::spin_pays(n_)) return;
-    threads_detail::spin_until(
-        [&] { return generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned()); });
+    threads_detail::spin_until([&] {
+      return generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned());
+    });
   }
 
   int n_;
@@ -466,7 +484,7 @@ class World {
   std::atomic<std::uint64_t> generation_{0};
   std::atomic<bool> poisoned_{false};
   std::string reason_;
-  std::vector<threads_detail::Call> calls_;   // slot r: rank r's current call
+  std::vector<threads_detail::Call> calls_;    // slot r: rank r's current call
   std::vector<std::uint64_t> seqs_;            // operations issued, per rank (for messages)
   std::vector<std::shared_ptr<World>> split_;  // split results, by the group's first rank
   std::vector<bool> owned_;                    // ranks that have a backend (guarded by m_)
@@ -540,8 +558,8 @@ class Threads {
 
   Threads(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {
     ZP_EXPECT(world_ != nullptr, "threads backend: null world");
-    ZP_EXPECT(rank >= 0 && rank < world_->size(), "threads backend: rank ", rank,
-              " is not in [0, ", world_->size(), ")");
+    ZP_EXPECT(rank >= 0 && rank < world_->size(), "threads backend: rank ", rank, " is not in [0, ",
+              world_->size(), ")");
     world_->claim(rank);
   }
   Threads(Threads&& o) noexcept
@@ -600,7 +618,8 @@ class Threads {
   template <class Body>
   void meet(threads_detail::Call c, Body&& body) {
     const auto busy = world_->busy(rank_, zp::name(c.op));
-    c.rejected = detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
+    c.rejected =
+        detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
     drain();
     run(*world_, rank_, c, body);
   }
@@ -701,15 +720,16 @@ class Threads {
     if (!world_) return;
     progress_.reset();  // finishes queued operations first
     if (!world_->poisoned())
-      world_->poison(detail::cat("rank ", rank_, " left the communicator (its backend was "
+      world_->poison(detail::cat("rank ", rank_,
+                                 " left the communicator (its backend was "
                                  "destroyed) while other ranks may still call collectives"));
     world_.reset();
   }
 
   Work submit(threads_detail::Call c, Launch l) {
     const auto busy = world_->busy(rank_, zp::name(c.op));
-    std::string bad = detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root,
-                                               rank_, size());
+    std::string bad =
+        detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
     c.rejected = std::move(bad);
     if (l == Launch::blocking) {
       drain();
@@ -748,7 +768,8 @@ class Threads {
   Work submit_p2p(CollOp op, threads_detail::Message m, int peer, Launch l) {
     const auto busy = world_->busy(rank_, zp::name(op));
     const bool is_send = op == CollOp::send;
-    const std::string bad = detail::check_p2p(op, is_send ? m.src : m.dst, m.count, m.dtype, peer, rank_, size());
+    const std::string bad =
+        detail::check_p2p(op, is_send ? m.src : m.dst, m.count, m.dtype, peer, rank_, size());
     if (!bad.empty()) throw Error(Errc::invalid_argument, "threads backend: " + bad);
     auto state = std::make_shared<threads_detail::WorkState>();
     state->spin = threads_detail::spin_pays(2);  // the two ranks of the pair
@@ -766,9 +787,10 @@ class Threads {
     {
       std::lock_guard lk(progress_->m);
       ++progress_->pending;
-      progress_->queue.push_back([w = world_, r = rank_, is_send, peer, m = std::move(m)]() mutable {
-        World::post(w, r, is_send, peer, std::move(m));
-      });
+      progress_->queue.push_back(
+          [w = world_, r = rank_, is_send, peer, m = std::move(m)]() mutable {
+            World::post(w, r, is_send, peer, std::move(m));
+          });
     }
     progress_->cv.notify_all();
     return Work(threads_detail::Op{std::move(state)});
@@ -791,8 +813,8 @@ class Threads {
       if (cr.op != c0.op || cr.kind != c0.kind || cr.count != c0.count || cr.dtype != c0.dtype ||
           cr.reduce != c0.reduce || cr.root != c0.root) {
         const std::string why = detail::cat(
-            "mismatched collective calls: rank 0 ", c0.describe(), " but rank ", r, " ", cr.describe(),
-            "; every rank must issue the same operations in the same order");
+            "mismatched collective calls: rank 0 ", c0.describe(), " but rank ", r, " ",
+            cr.describe(), "; every rank must issue the same operations in the same order");
         w.depart();
         throw Error(Errc::invalid_argument, "threads backend: " + why);
       }
@@ -800,10 +822,12 @@ class Threads {
     int first = -1;
     for (int r = 0; r < w.size() && first < 0; ++r)
       if (!calls[std::size_t(r)].rejected.empty()) first = r;
-    std::string why = first < 0             ? threads_detail::check_disjoint(calls)
-                      : !c.rejected.empty() ? c.rejected
-                                            : detail::cat("rank ", first, " rejected its arguments: ",
-                                                          calls[std::size_t(first)].rejected);
+    std::string why =
+        first < 0 ? threads_detail::check_disjoint(calls)
+        : !c.rejected.empty()
+            ? c.rejected
+            : detail::cat("rank ", first,
+                          " rejected its arguments: ", calls[std::size_t(first)].rejected);
     if (!why.empty()) {
       w.depart();
       throw Error(Errc::invalid_argument, "threads backend: " + why);

@@ -114,8 +114,12 @@ class AtomicFile {
     if (fd_ < 0) throw_io("create", tmp_, errno);
   }
   AtomicFile(AtomicFile&& o) noexcept
-      : final_(std::move(o.final_)), tmp_(std::move(o.tmp_)), fd_(std::exchange(o.fd_, -1)),
-        renamed_(std::exchange(o.renamed_, true)), crc_(o.crc_), bytes_(o.bytes_) {}
+      : final_(std::move(o.final_)),
+        tmp_(std::move(o.tmp_)),
+        fd_(std::exchange(o.fd_, -1)),
+        renamed_(std::exchange(o.renamed_, true)),
+        crc_(o.crc_),
+        bytes_(o.bytes_) {}
   AtomicFile& operator=(AtomicFile&&) = delete;
   ~AtomicFile() {
     if (fd_ >= 0) ::close(fd_);
@@ -198,10 +202,14 @@ class InputFile {
     if (!S_ISREG(st.st_mode)) {
       ::close(fd_);
       throw Error(Errc::io, cat("cannot read ", path_.native(), ": not a regular file (",
-                                S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO"
-                                : S_ISSOCK(st.st_mode) ? "a socket" : "a device", ")"));
+                                S_ISDIR(st.st_mode)    ? "a directory"
+                                : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                : S_ISSOCK(st.st_mode) ? "a socket"
+                                                       : "a device",
+                                ")"));
     }
-    if (const int fl = ::fcntl(fd_, F_GETFL); fl == -1 || ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) == -1) {
+    if (const int fl = ::fcntl(fd_, F_GETFL);
+        fl == -1 || ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) == -1) {
       const int err = errno;
       ::close(fd_);
       throw_io("set blocking mode on", path_, err);
@@ -225,19 +233,21 @@ class InputFile {
     std::uint64_t end;
     if (__builtin_add_overflow(offset, std::uint64_t(out.size()), &end)) [[unlikely]]
       throw Error(Errc::invalid_argument, cat("file ", path_.native(), ": reading ", out.size(),
-                                               " bytes at offset ", offset, " overflows"));
+                                              " bytes at offset ", offset, " overflows"));
     for (std::size_t done = 0; done < out.size();) {
-      const ::ssize_t n = ::pread(fd_, out.data() + done, std::min<std::size_t>(out.size() - done, 1u << 30),
-                                  ::off_t(offset + done));
+      const ::ssize_t n =
+          ::pread(fd_, out.data() + done, std::min<std::size_t>(out.size() - done, 1u << 30),
+                  ::off_t(offset + done));
       if (n < 0) {
         if (errno == EINTR) continue;
         throw_io("read", path_, errno);
       }
       if (n == 0) {  // end of file: report its size now, which may differ from size()
         struct stat st {};
-        const std::uint64_t now = ::fstat(fd_, &st) == 0 ? std::uint64_t(st.st_size) : offset + done;
-        throw Error(Errc::io, cat("file ", path_.native(), " is truncated: wanted bytes [", offset, ", ", end,
-                                  ") but it has ", now, " bytes"));
+        const std::uint64_t now =
+            ::fstat(fd_, &st) == 0 ? std::uint64_t(st.st_size) : offset + done;
+        throw Error(Errc::io, cat("file ", path_.native(), " is truncated: wanted bytes [", offset,
+                                  ", ", end, ") but it has ", now, " bytes"));
       }
       done += std::size_t(n);
     }
@@ -283,9 +293,12 @@ inline void rename_no_replace(const std::filesystem::path& from, const std::file
   int err = errno;
   if (err == EINVAL || err == ENOSYS) {  // not supported here
     struct stat st {};
-    if (::lstat(to.c_str(), &st) == 0) err = EEXIST;
-    else if (::rename(from.c_str(), to.c_str()) == 0) return;
-    else err = errno;
+    if (::lstat(to.c_str(), &st) == 0)
+      err = EEXIST;
+    else if (::rename(from.c_str(), to.c_str()) == 0)
+      return;
+    else
+      err = errno;
   }
   throw_io(cat("rename ", from.native(), " to").c_str(), to, err);
 }
@@ -296,14 +309,16 @@ inline void rename_no_replace(const std::filesystem::path& from, const std::file
 // another DirectoryLock of this one, is an Errc::io naming the lock file.
 class DirectoryLock {
  public:
-  DirectoryLock(const std::filesystem::path& dir, const char* name, const char* what) : path_(dir / name) {
+  DirectoryLock(const std::filesystem::path& dir, const char* name, const char* what)
+      : path_(dir / name) {
     fd_ = ::open(path_.c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd_ < 0) throw_io("create lock file", path_, errno);
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       ::close(fd_);
       if (err == EWOULDBLOCK)
-        throw Error(Errc::io, cat(what, ": ", dir.native(), " is locked by another ", what, " (", path_.native(),
+        throw Error(Errc::io, cat(what, ": ", dir.native(), " is locked by another ", what, " (",
+                                  path_.native(),
                                   " is held); only one may write into a directory at a time"));
       throw_io("lock", path_, err);
     }

@@ -49,7 +49,8 @@ class JsonTracker {
       case E::object_start:
       case E::array_start:
         element();
-        if (frames_.size() >= json_max_depth) fail(cat("nesting deeper than ", json_max_depth, " levels"));
+        if (frames_.size() >= json_max_depth)
+          fail(cat("nesting deeper than ", json_max_depth, " levels"));
         frames_.push_back(Frame{event == E::object_start, {}, -1, {}});
         break;
       case E::object_end:
@@ -60,7 +61,9 @@ class JsonTracker {
         Frame& f = frames_.back();
         f.key = parsed.get<std::string>();
         if (!f.keys.insert(f.key).second)
-          fail("duplicate key (a JSON parser keeps only one of the two values; which one is meant would be a guess)");
+          fail(
+              "duplicate key (a JSON parser keeps only one of the two values; which one is meant "
+              "would be a guess)");
         break;
       }
       case E::value: element(); break;
@@ -81,8 +84,10 @@ class JsonTracker {
   [[noreturn]] void fail(const std::string& what) const {
     std::string p;
     for (const Frame& f : frames_) {
-      if (f.object) p += (p.empty() ? "" : ".") + text_excerpt(f.key);
-      else p += cat('[', f.index, ']');
+      if (f.object)
+        p += (p.empty() ? "" : ".") + text_excerpt(f.key);
+      else
+        p += cat('[', f.index, ']');
     }
     throw Error(errc_, p.empty() ? cat(source_, ": ", what) : cat(source_, ": ", p, ": ", what));
   }
@@ -99,7 +104,8 @@ inline nlohmann::json parse_json(std::string_view text, std::string_view source,
   using json = nlohmann::json;
   // nlohmann's text after "[json.exception.parse_error.101] parse error at line 1, column 2: ".
   auto reason = [](std::string what) {
-    if (const auto p = what.find("] "); what.starts_with("[json.exception.") && p != std::string::npos)
+    if (const auto p = what.find("] ");
+        what.starts_with("[json.exception.") && p != std::string::npos)
       what = what.substr(p + 2);
     if (what.starts_with("parse error"))
       if (const auto p = what.find(": "); p != std::string::npos) what = what.substr(p + 2);
@@ -114,8 +120,10 @@ inline nlohmann::json parse_json(std::string_view text, std::string_view source,
     const std::size_t end = std::min(text.size(), e.byte > 0 ? e.byte - 1 : 0);
     std::size_t line = 1, column = 1;
     for (std::size_t i = 0; i < end; ++i) {
-      if (text[i] == '\n') ++line, column = 1;
-      else ++column;
+      if (text[i] == '\n')
+        ++line, column = 1;
+      else
+        ++column;
     }
     throw Error(errc, cat(source, ":", line, ":", column, ": invalid JSON: ", reason(e.what())));
   } catch (const json::exception& e) {  // e.g. a number too large for a double

@@ -49,14 +49,16 @@ inline std::string lower(std::string_view s) {
 // the distance, so a pair whose lengths differ by more than `limit` is not compared: its
 // distance is reported as limit + 1 (a hostile multi-MiB key costs nothing).
 inline std::size_t edit_distance(std::string_view a0, std::string_view b0, std::size_t limit = 3) {
-  if ((a0.size() > b0.size() ? a0.size() - b0.size() : b0.size() - a0.size()) > limit) return limit + 1;
+  if ((a0.size() > b0.size() ? a0.size() - b0.size() : b0.size() - a0.size()) > limit)
+    return limit + 1;
   const std::string a = lower(a0), b = lower(b0);
   std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (std::size_t i = 1; i <= a.size(); ++i) {
     cur[0] = i;
     for (std::size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      cur[j] =
+          std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
     std::swap(prev, cur);
   }
   return prev[b.size()];
@@ -110,14 +112,16 @@ struct Ctx {
 
   template <class... Args>
   [[noreturn]] void fail(std::string_view path, const Args&... msg) const {
-    throw Error(errc, path.empty() ? cat(source, ": ", msg...) : cat(source, ": ", path, ": ", msg...));
+    throw Error(errc,
+                path.empty() ? cat(source, ": ", msg...) : cat(source, ": ", path, ": ", msg...));
   }
   bool is_placeholder(const json& v) const {
     return !placeholder.empty() && v.is_string() && v.get_ref<const std::string&>() == placeholder;
   }
   // "expected <what>, got <value>", with the hint when the value is a placeholder out of place.
   [[noreturn]] void expected(std::string_view path, std::string_view what, const json& v) const {
-    fail(path, "expected ", what, ", got ", show(v), is_placeholder(v) ? placeholder_hint : std::string_view());
+    fail(path, "expected ", what, ", got ", show(v),
+         is_placeholder(v) ? placeholder_hint : std::string_view());
   }
   void note_placeholder(std::string path) const {
     if (placeholders) placeholders->push_back(std::move(path));
@@ -140,17 +144,19 @@ inline bool as_bool(const Ctx& c, const json& v, std::string_view path) {
   return v.get<bool>();
 }
 
-inline std::string_view as_string(const Ctx& c, const json& v, std::string_view path, std::string_view what) {
+inline std::string_view as_string(const Ctx& c, const json& v, std::string_view path,
+                                  std::string_view what) {
   if (!v.is_string()) c.expected(path, what, v);
   return v.get_ref<const std::string&>();
 }
 
 // An integer in [lo, hi]; `what` says so in messages ("" for "an integer in [lo, hi]"). JSON
 // floats with an integral value (5e8) count where the Ctx allows: configs write sizes that way.
-inline std::int64_t as_int(const Ctx& c, const json& v, std::string_view path, std::int64_t lo, std::int64_t hi,
-                           std::string_view what) {
+inline std::int64_t as_int(const Ctx& c, const json& v, std::string_view path, std::int64_t lo,
+                           std::int64_t hi, std::string_view what) {
   const auto bad = [&](std::string_view why = {}) {
-    const std::string range = what.empty() ? cat("an integer in [", lo, ", ", hi, "]") : std::string(what);
+    const std::string range =
+        what.empty() ? cat("an integer in [", lo, ", ", hi, "]") : std::string(what);
     c.fail(path, "expected ", range, ", got ", show(v), why,
            c.is_placeholder(v) ? c.placeholder_hint : std::string_view());
   };
@@ -207,8 +213,8 @@ inline double as_real(const Ctx& c, const json& v, std::string_view path, Real r
 inline float as_float(const Ctx& c, const json& v, std::string_view path, Real r) {
   const double d = as_real(c, v, path, r);
   if (std::fabs(d) > double(std::numeric_limits<float>::max()) || (d != 0 && float(d) == 0))
-    c.fail(path, "expected ", real_what(r), " that a 32-bit float holds (magnitude 1.4e-45 to 3.4e38, or 0), got ",
-           show(v));
+    c.fail(path, "expected ", real_what(r),
+           " that a 32-bit float holds (magnitude 1.4e-45 to 3.4e38, or 0), got ", show(v));
   return float(d);
 }
 
@@ -254,9 +260,21 @@ struct Spec {
   bool if_given = false;        // object: absent leaves the target alone (else it reads as {})
   std::string_view required;    // non-empty: absent is an error with this text
 
-  constexpr Spec or_null() const { Spec s = *this; s.null_ok = true; return s; }
-  constexpr Spec or_placeholder() const { Spec s = *this; s.placeholder_ok = true; return s; }
-  constexpr Spec require(std::string_view message) const { Spec s = *this; s.required = message; return s; }
+  constexpr Spec or_null() const {
+    Spec s = *this;
+    s.null_ok = true;
+    return s;
+  }
+  constexpr Spec or_placeholder() const {
+    Spec s = *this;
+    s.placeholder_ok = true;
+    return s;
+  }
+  constexpr Spec require(std::string_view message) const {
+    Spec s = *this;
+    s.required = message;
+    return s;
+  }
 };
 
 constexpr Spec boolean(bool def = false) {
@@ -298,7 +316,8 @@ constexpr Spec text(std::string_view what, std::string_view def = {}) {
 }
 // def: the value stored when absent. choice_or_null: null or absent stores null (an empty
 // optional).
-constexpr Spec choice(std::span<const Choice> choices, std::string_view what, std::int64_t def, bool any_case = false) {
+constexpr Spec choice(std::span<const Choice> choices, std::string_view what, std::int64_t def,
+                      bool any_case = false) {
   Spec s;
   s.kind = Kind::choice;
   s.what = what;
@@ -418,7 +437,8 @@ inline std::string show(const Spec& s, const Value& v) {
     case Kind::integer: return cat(v.i);
     case Kind::real: return cat(v.x);
     case Kind::real_f32: return cat(float(v.x));
-    case Kind::text: return json(std::string(v.s)).dump(-1, ' ', false, json::error_handler_t::replace);
+    case Kind::text:
+      return json(std::string(v.s)).dump(-1, ' ', false, json::error_handler_t::replace);
     case Kind::choice:
       for (const Choice& ch : s.choices)
         if (ch.value == v.i) return cat('"', ch.name, '"');
@@ -445,13 +465,22 @@ enum class Use : std::uint8_t {
   misplaced,    // known elsewhere: an error whose message is the hint
 };
 // The value of an unsupported key that means "off" (accepted, nothing to do).
-enum class Off : std::uint8_t { never, is_false, is_true, is_null, number, null_or_number, not_enabled, device_none };
+enum class Off : std::uint8_t {
+  never,
+  is_false,
+  is_true,
+  is_null,
+  number,
+  null_or_number,
+  not_enabled,
+  device_none
+};
 
 template <class S>
 struct Key;
 template <class S, std::size_t N>
-void read_object(const Ctx& c, const json& j, const std::string& path, const Key<S> (&keys)[N], S& target,
-                 bool placeholders = false);
+void read_object(const Ctx& c, const json& j, const std::string& path, const Key<S> (&keys)[N],
+                 S& target, bool placeholders = false);
 template <class S, std::size_t N>
 void list_object(const Key<S> (&keys)[N], const S& target, const std::string& path, Listing& out);
 
@@ -462,7 +491,7 @@ struct Key {
   Use use = Use::read;
   Spec spec{};
   std::string_view alias{}, alias_word{};  // another name for the key ("alias", "older name")
-  Off off = Off::never;                     // unsupported
+  Off off = Off::never;                    // unsupported
   double off_number = 0;
   std::string_view hint{};                  // misplaced
   void (*put)(S&, const Value&) = nullptr;  // read: stores a value in the target
@@ -484,7 +513,8 @@ struct Key {
   }
   // A nested object, read by `fn(ctx, value, path, target)` (absent: read as {}, unless
   // .if_given()).
-  static constexpr Key object(std::string_view name, void (*fn)(const Ctx&, const json&, const std::string&, S&)) {
+  static constexpr Key object(std::string_view name,
+                              void (*fn)(const Ctx&, const json&, const std::string&, S&)) {
     Key k = make(name, Use::read);
     k.spec.kind = Kind::object;
     k.section = fn;
@@ -492,13 +522,16 @@ struct Key {
   }
   // Any value (an array, a value whose range depends on keys read before it, in the table's
   // order), read and checked by `fn` as object(name, fn) reads an object.
-  static constexpr Key custom(std::string_view name, void (*fn)(const Ctx&, const json&, const std::string&, S&)) {
+  static constexpr Key custom(std::string_view name,
+                              void (*fn)(const Ctx&, const json&, const std::string&, S&)) {
     return object(name, fn);
   }
   // A nested object read against table `Table` into at(target).
   template <const auto& Table, class At>
   static constexpr Key object(std::string_view name, At) {
-    return object(name, +[](const Ctx& c, const json& v, const std::string& p, S& t) { read_object(c, v, p, Table, At{}(t)); })
+    return object(
+               name, +[](const Ctx& c, const json& v, const std::string& p,
+                         S& t) { read_object(c, v, p, Table, At{}(t)); })
         .template listed<Table>(At{});
   }
   // How list_object describes an object or custom key: by `fn(target, path, out)`, ...
@@ -514,7 +547,9 @@ struct Key {
   template <const auto& Table, class View>
   constexpr Key listed(View) const {
     if constexpr (std::is_invocable_v<View, const S&>)
-      return listed(+[](const S& t, const std::string& p, Listing& out) { list_object(Table, View{}(t), p, out); });
+      return listed(+[](const S& t, const std::string& p, Listing& out) {
+        list_object(Table, View{}(t), p, out);
+      });
     else
       return *this;
   }
@@ -582,7 +617,8 @@ inline bool is_off(Off off, double number, const json& v) {
       if (v.is_null()) return true;
       if (!v.is_object()) return false;
       const auto it = v.find("device");
-      return it == v.end() || it->is_null() || (it->is_string() && it->get_ref<const std::string&>() == "none");
+      return it == v.end() || it->is_null() ||
+             (it->is_string() && it->get_ref<const std::string&>() == "none");
     }
   }
   return false;
@@ -637,7 +673,8 @@ inline Value check(const Ctx& c, const Spec& s, const json& v, const std::string
 // The error for a key the table does not declare: the closest declared name, or with none close,
 // the keys that are read.
 template <class S, std::size_t N>
-[[noreturn]] void unknown_key(const Ctx& c, const Key<S> (&keys)[N], const std::string& path, const std::string& name) {
+[[noreturn]] void unknown_key(const Ctx& c, const Key<S> (&keys)[N], const std::string& path,
+                              const std::string& name) {
   std::vector<std::string_view> names;
   for (const Key<S>& x : keys) {
     names.push_back(x.name);
@@ -654,7 +691,8 @@ template <class S, std::size_t N>
         sep = ", ";
       }
   }
-  c.fail(join(path, name), "unknown key", msg, " (zp rejects keys it does not know, at every level)");
+  c.fail(join(path, name), "unknown key", msg,
+         " (zp rejects keys it does not know, at every level)");
 }
 
 // Reads object j (at `path`) into target: checks every key it holds against the table (in the
@@ -662,8 +700,8 @@ template <class S, std::size_t N>
 // order placeholders are recorded in), storing the value or its default. `placeholders`: every
 // read key of the table accepts the Ctx's placeholder.
 template <class S, std::size_t N>
-void read_object(const Ctx& c, const json& j, const std::string& path, const Key<S> (&keys)[N], S& target,
-                 bool placeholders) {
+void read_object(const Ctx& c, const json& j, const std::string& path, const Key<S> (&keys)[N],
+                 S& target, bool placeholders) {
   if (!j.is_object()) c.expected(path, "an object {...}", j);
   auto declared = [&](std::string_view name) -> const Key<S>* {
     for (const Key<S>& k : keys)
@@ -681,8 +719,8 @@ void read_object(const Ctx& c, const json& j, const std::string& path, const Key
       case Use::ignored: (void)check(c, k->spec, v, join(path, name)); break;
       case Use::unsupported:
         if (!is_off(k->off, k->off_number, v))
-          c.fail(join(path, name), "known ", c.foreign, " key that zp does not support", off_text(k->off, k->off_number),
-                 ", got ", show(v));
+          c.fail(join(path, name), "known ", c.foreign, " key that zp does not support",
+                 off_text(k->off, k->off_number), ", got ", show(v));
         break;
       case Use::misplaced: c.fail(join(path, name), k->hint);
     }
@@ -697,7 +735,8 @@ void read_object(const Ctx& c, const json& j, const std::string& path, const Key
     const json* by_name = find(k.name);
     const json* by_alias = find(k.alias);
     if (by_name && by_alias)
-      c.fail(join(path, k.alias), "both ", k.name, " and its ", k.alias_word, " ", k.alias, " are given; keep one");
+      c.fail(join(path, k.alias), "both ", k.name, " and its ", k.alias_word, " ", k.alias,
+             " are given; keep one");
     const json* v = by_name ? by_name : by_alias;
     const std::string p = join(path, by_alias ? k.alias : k.name);
     if (!v && !k.spec.required.empty()) c.fail(p, k.spec.required);
@@ -725,9 +764,12 @@ void list_object(const Key<S> (&keys)[N], const S& target, const std::string& pa
   for (const Key<S>& k : keys) {
     if (k.use != Use::read) continue;
     const std::string p = join(path, k.name);
-    if (k.list) k.list(target, p, out);
-    else if (k.get) out.push_back({p, show(k.spec, k.get(target))});
-    else out.push_back({p, "(not shown)"});
+    if (k.list)
+      k.list(target, p, out);
+    else if (k.get)
+      out.push_back({p, show(k.spec, k.get(target))});
+    else
+      out.push_back({p, "(not shown)"});
   }
 }
 template <class S, std::size_t N>

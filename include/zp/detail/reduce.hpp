@@ -18,14 +18,24 @@ namespace zp::detail {
 // Rank `rank`'s slice of [0, count) when each of `ranks` ranks reduces its own slice across
 // every rank's buffers (threads, cuda_threads): equal parts cut at 64-element boundaries, so no
 // two ranks write one cache line.
-inline std::pair<std::size_t, std::size_t> rank_slice(std::size_t count, int rank, int ranks) noexcept {
+inline std::pair<std::size_t, std::size_t> rank_slice(std::size_t count, int rank,
+                                                      int ranks) noexcept {
   const auto [b0, b1] = even_part((count + 63) / 64, ranks, rank);
   return {std::min(count, b0 * 64), std::min(count, b1 * 64)};
 }
 
-template <class T> struct accum { using type = T; };
-template <> struct accum<bf16> { using type = float; };
-template <> struct accum<fp16> { using type = float; };
+template <class T>
+struct accum {
+  using type = T;
+};
+template <>
+struct accum<bf16> {
+  using type = float;
+};
+template <>
+struct accum<fp16> {
+  using type = float;
+};
 
 // One element of a (op) b in the accumulation type: the reduction math of every backend that
 // reduces itself (threads on the host; cuda_threads on the device, which must agree bit for bit).
@@ -127,14 +137,18 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
 // Backends that reduce 16-bit floats through a float staging buffer (mpi): widen the input, and
 // narrow the reduced values once, rounding to nearest even, after the avg division if any.
 inline void widen_16bit(const void* src, DType t, float* out, std::size_t n) {
-  if (t == DType::bf16) load(out, static_cast<const bf16*>(src), n);
-  else load(out, static_cast<const fp16*>(src), n);
+  if (t == DType::bf16)
+    load(out, static_cast<const bf16*>(src), n);
+  else
+    load(out, static_cast<const fp16*>(src), n);
 }
 inline void narrow_16bit(float* stage, DType t, void* dst, std::size_t n, int divisor) {
   if (divisor)
     for (std::size_t i = 0; i < n; ++i) stage[i] = stage[i] / float(divisor);
-  if (t == DType::bf16) store(static_cast<bf16*>(dst), stage, n);
-  else store(static_cast<fp16*>(dst), stage, n);
+  if (t == DType::bf16)
+    store(static_cast<bf16*>(dst), stage, n);
+  else
+    store(static_cast<fp16*>(dst), stage, n);
 }
 
 }  // namespace zp::detail

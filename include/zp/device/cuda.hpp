@@ -27,7 +27,10 @@ using event_t = cudaEvent_t;
 // Throws Errc::cuda naming the call and the runtime's error.
 inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) [[unlikely]]
-    throw Error(Errc::cuda, zp::detail::cat(what, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)), int(e));
+    throw Error(
+        Errc::cuda,
+        zp::detail::cat(what, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)),
+        int(e));
 }
 
 namespace cuda_detail {
@@ -48,9 +51,12 @@ inline stream_t create_stream() {
   return s;
 }
 inline void destroy_stream(stream_t s) noexcept {
-  if (const cudaError_t e = cudaStreamDestroy(s); e != cudaSuccess) zp::detail::log_dropped("cudaStreamDestroy", cudaGetErrorString(e));
+  if (const cudaError_t e = cudaStreamDestroy(s); e != cudaSuccess)
+    zp::detail::log_dropped("cudaStreamDestroy", cudaGetErrorString(e));
 }
-inline bool stream_done(stream_t s) { return cuda_detail::done(cudaStreamQuery(s), "cudaStreamQuery"); }
+inline bool stream_done(stream_t s) {
+  return cuda_detail::done(cudaStreamQuery(s), "cudaStreamQuery");
+}
 
 inline event_t create_event() {
   cudaEvent_t e = nullptr;
@@ -58,10 +64,15 @@ inline event_t create_event() {
   return e;
 }
 inline void destroy_event(event_t e) noexcept {  // after the waits on it
-  if (const cudaError_t r = cudaEventDestroy(e); r != cudaSuccess) zp::detail::log_dropped("cudaEventDestroy", cudaGetErrorString(r));
+  if (const cudaError_t r = cudaEventDestroy(e); r != cudaSuccess)
+    zp::detail::log_dropped("cudaEventDestroy", cudaGetErrorString(r));
 }
-inline void record(event_t e, stream_t s, const char* /*site*/) { check(cudaEventRecord(e, s), "cudaEventRecord"); }
-inline void wait(stream_t s, event_t e, const char* /*site*/) { check(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent"); }
+inline void record(event_t e, stream_t s, const char* /*site*/) {
+  check(cudaEventRecord(e, s), "cudaEventRecord");
+}
+inline void wait(stream_t s, event_t e, const char* /*site*/) {
+  check(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
+}
 inline bool event_done(event_t e) { return cuda_detail::done(cudaEventQuery(e), "cudaEventQuery"); }
 
 // From the device's memory pool: after the first steps the pool holds the working set, so a
@@ -98,8 +109,11 @@ inline void zero(void* p, std::size_t bytes, stream_t s) {
 
 // Test mode: a host function that sleeps holds the stream back.
 inline void delay(stream_t s, std::chrono::microseconds us) {
-  auto sleep = [](void* n) { std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<std::uintptr_t>(n))); };
-  check(cudaLaunchHostFunc(s, sleep, reinterpret_cast<void*>(std::uintptr_t(us.count()))), "cudaLaunchHostFunc");
+  auto sleep = [](void* n) {
+    std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<std::uintptr_t>(n)));
+  };
+  check(cudaLaunchHostFunc(s, sleep, reinterpret_cast<void*>(std::uintptr_t(us.count()))),
+        "cudaLaunchHostFunc");
 }
 
 inline void set_device(int d) { check(cudaSetDevice(d), "cudaSetDevice"); }
@@ -114,7 +128,8 @@ inline std::int64_t memory_in_use() {
   cudaMemPool_t pool = nullptr;
   check(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
   std::uint64_t used = 0;
-  check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used), "cudaMemPoolGetAttribute");
+  check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used),
+        "cudaMemPoolGetAttribute");
   return std::int64_t(used);
 }
 
@@ -143,7 +158,8 @@ __global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* 
   __shared__ typename Reduce::TempStorage tmp;
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
   double part = 0;
-  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) part += double(f(i));
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    part += double(f(i));
   const double total = Reduce(tmp).Sum(part);
   if (threadIdx.x == 0) atomicAdd(acc, total);
 }

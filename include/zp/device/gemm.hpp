@@ -60,23 +60,30 @@ inline cublasHandle_t handle() {
 #endif
 }  // namespace gemm_detail
 
-inline void gemm(stream_t s, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-                 const float* b, int ldb, float beta, float* c, int ldc) {
-  ZP_EXPECT(m >= 0 && n >= 0 && k >= 0, "gemm: sizes m=", m, ", n=", n, ", k=", k, " must not be negative");
-  ZP_EXPECT(lda >= std::max(1, trans_a ? k : m) && ldb >= std::max(1, trans_b ? n : k) && ldc >= std::max(1, m),
-            "gemm: leading dimensions lda=", lda, ", ldb=", ldb, ", ldc=", ldc, " are below the rows of op(A) (",
-            trans_a ? k : m, "), op(B) (", trans_b ? n : k, ") and C (", m, ")");
+inline void gemm(stream_t s, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                 const float* a, int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  ZP_EXPECT(m >= 0 && n >= 0 && k >= 0, "gemm: sizes m=", m, ", n=", n, ", k=", k,
+            " must not be negative");
+  ZP_EXPECT(lda >= std::max(1, trans_a ? k : m) && ldb >= std::max(1, trans_b ? n : k) &&
+                ldc >= std::max(1, m),
+            "gemm: leading dimensions lda=", lda, ", ldb=", ldb, ", ldc=", ldc,
+            " are below the rows of op(A) (", trans_a ? k : m, "), op(B) (", trans_b ? n : k,
+            ") and C (", m, ")");
   if (m == 0 || n == 0) return;
 #if defined(ZP_DEVICE_SIM)
-  launch(s, std::size_t(m) * std::size_t(n), gemm_detail::Element{trans_a, trans_b, m, k, alpha, beta, a, lda, b, ldb, c, ldc});
+  launch(s, std::size_t(m) * std::size_t(n),
+         gemm_detail::Element{trans_a, trans_b, m, k, alpha, beta, a, lda, b, ldb, c, ldc});
 #else
   const cublasHandle_t h = gemm_detail::handle();
   cublasStatus_t st = cublasSetStream(h, s);
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasSgemm(h, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, a, lda,
-                     b, ldb, &beta, c, ldc);
+    st = cublasSgemm(h, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m,
+                     n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
   if (st != CUBLAS_STATUS_SUCCESS)
-    throw Error(Errc::cuda, zp::detail::cat("cublasSgemm (m=", m, ", n=", n, ", k=", k, ") failed: status ", int(st)), int(st));
+    throw Error(
+        Errc::cuda,
+        zp::detail::cat("cublasSgemm (m=", m, ", n=", n, ", k=", k, ") failed: status ", int(st)),
+        int(st));
 #endif
 }
 

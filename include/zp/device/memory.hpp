@@ -17,7 +17,8 @@
 #pragma once
 
 #if !defined(__CUDACC__) && !defined(ZP_DEVICE_SIM)
-#error "zp/device/memory.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
+#error \
+    "zp/device/memory.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
 #endif
 
 #include <algorithm>
@@ -53,10 +54,14 @@ struct InvokeAt {  // f(p) once, as a one-element launch
 // Stream-ordered allocation on the current stream.
 template <>
 struct Allocator<MemorySpace::device> {
-  static void* allocate(std::size_t bytes) { return device::allocate(bytes, device::current_stream()); }
+  static void* allocate(std::size_t bytes) {
+    return device::allocate(bytes, device::current_stream());
+  }
   // Ordered after everything enqueued on the current stream: the rank's compute stream, which
   // the backends make wait for every operation on the memory (Work::wait, or a dropped Work).
-  static void deallocate(void* p) noexcept { device::deallocate(p, device::current_stream(), "buffer.free"); }
+  static void deallocate(void* p) noexcept {
+    device::deallocate(p, device::current_stream(), "buffer.free");
+  }
 };
 
 template <>
@@ -72,12 +77,14 @@ struct Memory<MemorySpace::device> {
   template <class To, class From>
   static void accumulate(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "accumulate: ", src.size(), " elements into ", dst.size());
-    device::launch(device::detail::compute_stream(), dst.size(), detail::Accumulate<To, From>{dst.data(), src.data()});
+    device::launch(device::detail::compute_stream(), dst.size(),
+                   detail::Accumulate<To, From>{dst.data(), src.data()});
   }
   template <class To, class From>
   static void convert(std::span<To> dst, std::span<const From> src) {
     ZP_EXPECT(dst.size() == src.size(), "convert: ", src.size(), " elements into ", dst.size());
-    device::launch(device::detail::compute_stream(), dst.size(), detail::Convert<To, From>{dst.data(), src.data()});
+    device::launch(device::detail::compute_stream(), dst.size(),
+                   detail::Convert<To, From>{dst.data(), src.data()});
   }
   // From pageable host memory: the call returns once the source was read.
   template <class T>
@@ -113,8 +120,9 @@ struct ShardStep<MemorySpace::device> {
     optim::gpu::grad_stats(g, stats, device::detail::compute_stream());
   }
   template <class Opt, class T, class G>
-  static void update(const Opt& opt, const optim::StepScalars& s, const optim::ShardView<T, G>& shard,
-                     const optim::cpu::Options&, const double* gate) {
+  static void update(const Opt& opt, const optim::StepScalars& s,
+                     const optim::ShardView<T, G>& shard, const optim::cpu::Options&,
+                     const double* gate) {
     optim::gpu::step(opt, s, shard, gate, device::detail::compute_stream());
   }
 };
@@ -133,8 +141,10 @@ class OffloadStaging<MemorySpace::device> {
   OffloadStaging& operator=(const OffloadStaging&) = delete;
   ~OffloadStaging() {
     try {
-      if (uploaded_) device::synchronize(uploaded_->get(), "offload.free.sync");  // the last copies read the pinned memory
-    } catch (const Error& e) {  // a failed device: nothing runs any more
+      if (uploaded_)
+        device::synchronize(uploaded_->get(),
+                            "offload.free.sync");  // the last copies read the pinned memory
+    } catch (const Error& e) {                     // a failed device: nothing runs any more
       zp::detail::log_dropped("offload staging's destructor", e.what());
     }
     for (int k = 0; k < 2; ++k) {
@@ -161,7 +171,8 @@ class OffloadStaging<MemorySpace::device> {
     for (int s = 0; s < segments; ++s) {
       const int k = s % 2;
       if (s + 1 < segments) fetch(s + 1);  // the host is done with that buffer (segment s - 1)
-      device::synchronize(down_[k].get(), "offload.down.sync");  // and segment s - 2's upload left param_[k]
+      device::synchronize(down_[k].get(),
+                          "offload.down.sync");  // and segment s - 2's upload left param_[k]
       V v = view_of(s);
       const std::span<T> device_param = v.param;
       v.grad = std::span<const G>(static_cast<const G*>(grad_[k]), v.grad.size());
@@ -175,7 +186,7 @@ class OffloadStaging<MemorySpace::device> {
 
  private:
   void reserve(std::size_t grad_bytes, std::size_t param_bytes) {
-    auto grow = [](void* (&b)[2], std::size_t& have, std::size_t want) {
+    auto grow = [](void*(&b)[2], std::size_t& have, std::size_t want) {
       if (want <= have) return;
       for (auto& p : b) {
         device::deallocate_pinned(std::exchange(p, nullptr));
@@ -184,7 +195,9 @@ class OffloadStaging<MemorySpace::device> {
       have = want;
     };
     if (grad_bytes <= grad_bytes_ && param_bytes <= param_bytes_) return;
-    if (uploaded_) device::synchronize(uploaded_->get(), "offload.grow.sync");  // the last run's copies read them
+    if (uploaded_)
+      device::synchronize(uploaded_->get(),
+                          "offload.grow.sync");  // the last run's copies read them
     grow(grad_, grad_bytes_, grad_bytes);
     grow(param_, param_bytes_, param_bytes);
   }
@@ -192,7 +205,7 @@ class OffloadStaging<MemorySpace::device> {
   void* grad_[2] = {nullptr, nullptr};
   void* param_[2] = {nullptr, nullptr};
   std::size_t grad_bytes_ = 0, param_bytes_ = 0;
-  device::Event down_[2];                // a gradient shard arrived in grad_[k]
+  device::Event down_[2];                  // a gradient shard arrived in grad_[k]
   std::optional<device::Event> uploaded_;  // the last run's uploads are done
 };
 

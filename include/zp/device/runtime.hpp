@@ -41,5 +41,6 @@
 #elif ZP_HAS_CUDA_HEADERS
 #include "zp/device/cuda.hpp"
 #else
-#error "zp/device/runtime.hpp: no device: install the CUDA toolkit (link zp::cuda) or use the simulated device (link zp::sim)"
+#error \
+    "zp/device/runtime.hpp: no device: install the CUDA toolkit (link zp::cuda) or use the simulated device (link zp::sim)"
 #endif

@@ -284,7 +284,8 @@ class Device {
       std::lock_guard lock(m_);
       pinned_.erase(p);
     }
-    ::operator delete(p, std::align_val_t(alignment));  // at once, as cudaFreeHost: readers must be done
+    ::operator delete(
+        p, std::align_val_t(alignment));  // at once, as cudaFreeHost: readers must be done
   }
 
   enum class Kind { device, pinned, pageable };
@@ -302,18 +303,23 @@ class Device {
     if (auto it = in(blocks_); it != blocks_.end()) {
       const std::size_t off = at - reinterpret_cast<std::uintptr_t>(it->first);
       if (!it->second.live)
-        throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
-                                            " of a device block of ", it->second.bytes, " bytes that was freed"));
+        throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", n,
+                                            " bytes at offset ", off, " of a device block of ",
+                                            it->second.bytes, " bytes that was freed"));
       if (n > it->second.bytes - off)
-        throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
-                                            " runs past the end of its device block of ", it->second.bytes, " bytes"));
+        throw Error(
+            Errc::cuda,
+            detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
+                        " runs past the end of its device block of ", it->second.bytes, " bytes"));
       return Kind::device;
     }
     if (auto it = in(pinned_); it != pinned_.end()) {
       const std::size_t off = at - reinterpret_cast<std::uintptr_t>(it->first);
       if (n > it->second.bytes - off)
-        throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
-                                            " runs past the end of its pinned block of ", it->second.bytes, " bytes"));
+        throw Error(
+            Errc::cuda,
+            detail::cat("simulated device: ", what, " of ", n, " bytes at offset ", off,
+                        " runs past the end of its pinned block of ", it->second.bytes, " bytes"));
       return Kind::pinned;
     }
     return Kind::pageable;
@@ -338,7 +344,8 @@ class Device {
     std::lock_guard lock(m_);
     auto it = blocks_.find(p);
     if (it == blocks_.end() || !it->second.live)
-      throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", p, ", which is not a live device allocation"));
+      throw Error(Errc::cuda, detail::cat("simulated device: ", what, " of ", p,
+                                          ", which is not a live device allocation"));
     return it->second.bytes;
   }
   // Gives the pooled blocks back (under m_), as CUDA's pool does before it fails an allocation.
@@ -358,16 +365,18 @@ class Device {
   std::atomic<std::uint64_t> stream_ids_{0};
   std::atomic<bool> failed_{false};
   std::string error_;
-  std::map<void*, Block> blocks_;          // every device block, live or pooled
+  std::map<void*, Block> blocks_;           // every device block, live or pooled
   std::multimap<std::size_t, void*> pool_;  // freed blocks by size, reused for that size only
-  std::map<void*, Block> pinned_;  // page-locked host blocks (always live)
+  std::map<void*, Block> pinned_;           // page-locked host blocks (always live)
   std::size_t reserved_ = 0, in_use_ = 0;
 };
 
 // A stream: a worker thread running its queue in order.
 class Stream {
  public:
-  Stream() : id_(Device::get().next_stream_id()), rng_(Device::get().options().seed * 0x9e3779b97f4a7c15ull + id_) {
+  Stream()
+      : id_(Device::get().next_stream_id()),
+        rng_(Device::get().options().seed * 0x9e3779b97f4a7c15ull + id_) {
     worker_ = std::thread([this] { run(); });
   }
   ~Stream() {
@@ -428,15 +437,19 @@ class Stream {
       }
       if (max_delay.count() > 0) {
         const std::uint64_t r = rng_();
-        if (r % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((r >> 8) % std::uint64_t(max_delay.count() + 1)));
-        else if (r % 4 == 1) std::this_thread::yield();
+        if (r % 4 == 0)
+          std::this_thread::sleep_for(
+              std::chrono::microseconds((r >> 8) % std::uint64_t(max_delay.count() + 1)));
+        else if (r % 4 == 1)
+          std::this_thread::yield();
       }
       acquire(t.get());
       if (!t->work || !Device::get().failed()) {
         try {
           t->body();
         } catch (const std::exception& e) {
-          Device::get().fail(detail::cat("simulated device: ", t->what, " on stream ", id_, " failed: ", e.what()));
+          Device::get().fail(detail::cat("simulated device: ", t->what, " on stream ", id_,
+                                         " failed: ", e.what()));
         }
       }
       {
@@ -469,7 +482,7 @@ inline Stream& default_stream() {
 
 struct Event {
   std::mutex m;
-  std::shared_ptr<Fence> last;  // the latest record's point; null: never recorded
+  std::shared_ptr<Fence> last;        // the latest record's point; null: never recorded
   std::shared_ptr<Fence> current() {  // inside a Quiet block
     std::lock_guard lock(m);
     return last;
@@ -545,7 +558,9 @@ inline bool event_done(event_t e) {
   return done;
 }
 
-inline void* allocate(std::size_t bytes, stream_t) { return sim_detail::Device::get().allocate(bytes); }
+inline void* allocate(std::size_t bytes, stream_t) {
+  return sim_detail::Device::get().allocate(bytes);
+}
 inline void deallocate(void* p, stream_t s, const char* site) noexcept {
   if (!p) return;
   auto& d = sim_detail::Device::get();
@@ -556,7 +571,9 @@ inline void deallocate(void* p, stream_t s, const char* site) noexcept {
     zp::detail::log_dropped("stream-ordered free", e.what());
   }
 }
-inline void* allocate_pinned(std::size_t bytes) { return sim_detail::Device::get().allocate_pinned(bytes); }
+inline void* allocate_pinned(std::size_t bytes) {
+  return sim_detail::Device::get().allocate_pinned(bytes);
+}
 inline void deallocate_pinned(void* p) noexcept { sim_detail::Device::get().deallocate_pinned(p); }
 
 inline void copy(void* dst, const void* src, std::size_t bytes, stream_t s) {
@@ -564,11 +581,15 @@ inline void copy(void* dst, const void* src, std::size_t bytes, stream_t s) {
   using K = sim_detail::Device::Kind;
   auto& d = sim_detail::Device::get();
   d.throw_if_failed();
-  const K from = d.classify(src, bytes, "copy source"), to = d.classify(dst, bytes, "copy destination");
+  const K from = d.classify(src, bytes, "copy source"),
+          to = d.classify(dst, bytes, "copy destination");
   sim_detail::Stream& st = sim_detail::at(s);
   if (from == K::pageable && to != K::pageable) {  // staged: the caller may reuse src on return
-    std::vector<unsigned char> staged(static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
-    return st.enqueue([dst, staged = std::move(staged)] { std::memcpy(dst, staged.data(), staged.size()); }, "copy", true);
+    std::vector<unsigned char> staged(static_cast<const unsigned char*>(src),
+                                      static_cast<const unsigned char*>(src) + bytes);
+    return st.enqueue(
+        [dst, staged = std::move(staged)] { std::memcpy(dst, staged.data(), staged.size()); },
+        "copy", true);
   }
   st.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); }, "copy", true);
   if (to == K::pageable) st.synchronize();  // into pageable memory: returns after the copy
@@ -586,22 +607,27 @@ inline void delay(stream_t s, std::chrono::microseconds us) {
 template <class F>
 void launch(stream_t s, std::size_t n, const F& f) {
   if (n == 0) return;
-  sim_detail::at(s).enqueue([f, n] {
-    for (std::size_t i = 0; i < n; ++i) f(i);
-  }, "kernel", true);
+  sim_detail::at(s).enqueue(
+      [f, n] {
+        for (std::size_t i = 0; i < n; ++i) f(i);
+      },
+      "kernel", true);
 }
 template <class F>
 void sum(stream_t s, std::size_t n, const F& f, double* acc) {
   if (n == 0) return;
-  sim_detail::at(s).enqueue([f, n, acc] {
-    double total = 0;
-    for (std::size_t i = 0; i < n; ++i) total += double(f(i));
-    *acc += total;
-  }, "reduction", true);
+  sim_detail::at(s).enqueue(
+      [f, n, acc] {
+        double total = 0;
+        for (std::size_t i = 0; i < n; ++i) total += double(f(i));
+        *acc += total;
+      },
+      "reduction", true);
 }
 
 inline void set_device(int d) {
-  ZP_EXPECT(d == 0, "simulated device: device ", d, " does not exist (the simulator has one, device 0)");
+  ZP_EXPECT(d == 0, "simulated device: device ", d,
+            " does not exist (the simulator has one, device 0)");
 }
 inline int device_count() { return 1; }
 inline std::int64_t memory_in_use() { return sim_detail::Device::get().in_use(); }

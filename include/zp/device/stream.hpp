@@ -99,8 +99,10 @@ void host_wait(Done&& done) {
     const auto waited = std::chrono::steady_clock::now() - start;
     for (const auto& x : watched())  // poll() registers nothing, so the list stays put
       if (auto w = x.lock()) w->poll(waited);
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    else std::this_thread::yield();
+    if (spins > 1000)
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    else
+      std::this_thread::yield();
   }
 }
 }  // namespace detail
@@ -166,9 +168,12 @@ inline void order(stream_t waiter, stream_t s, event_t e, const char* site) {
 }
 
 // Test mode: every stream of role `r` idles `us` before each operation zp enqueues there (0: off).
-inline void delay_streams(Role r, std::chrono::microseconds us) { detail::delay_us(r).store(us.count()); }
+inline void delay_streams(Role r, std::chrono::microseconds us) {
+  detail::delay_us(r).store(us.count());
+}
 inline void before_enqueue(stream_t s, Role r) {
-  if (const std::int64_t us = detail::delay_us(r).load(std::memory_order_relaxed)) delay(s, std::chrono::microseconds(us));
+  if (const std::int64_t us = detail::delay_us(r).load(std::memory_order_relaxed))
+    delay(s, std::chrono::microseconds(us));
 }
 
 }  // namespace zp::device

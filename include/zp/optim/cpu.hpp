@@ -75,8 +75,8 @@ inline std::vector<Isa> supported_isas() {
 }
 
 struct Options {
-  int threads = 1;        // threads for this call (the calling thread is one of them)
-  Isa isa = Isa::best;    // a forced level must be supported, or the call throws
+  int threads = 1;      // threads for this call (the calling thread is one of them)
+  Isa isa = Isa::best;  // a forced level must be supported, or the call throws
 };
 
 namespace detail {
@@ -91,9 +91,10 @@ inline constexpr std::size_t min_tile = std::size_t(1) << 16;
 
 inline Isa resolve(Isa isa) {
   if (isa == Isa::best) return best_isa();
-  ZP_EXPECT(isa >= Isa::best && isa <= Isa::avx512, "optimizer: instruction set Isa(", static_cast<int>(isa),
-            ") is not one of best, portable, avx2, avx512 (0 to 3)");
-  ZP_EXPECT(supported(isa), "optimizer: instruction set ", name(isa), " is not supported by this CPU");
+  ZP_EXPECT(isa >= Isa::best && isa <= Isa::avx512, "optimizer: instruction set Isa(",
+            static_cast<int>(isa), ") is not one of best, portable, avx2, avx512 (0 to 3)");
+  ZP_EXPECT(supported(isa), "optimizer: instruction set ", name(isa),
+            " is not supported by this CPU");
   return isa;
 }
 
@@ -127,7 +128,8 @@ struct Buffers {
 
 // ---- portable ----
 template <class O, class T, class G>
-void step_portable(const Step<O>& coeffs, const Buffers<T, G>& b, std::size_t begin, std::size_t end) {
+void step_portable(const Step<O>& coeffs, const Buffers<T, G>& b, std::size_t begin,
+                   std::size_t end) {
   const Step<O> c = coeffs;  // a local copy: stores through the buffers cannot alias it
   for (std::size_t i = begin; i < end; ++i) {
     float p = b.master[i];
@@ -163,8 +165,8 @@ double sumsq_portable(const G* g, std::size_t begin, std::size_t end) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // ---- SIMD: the same element math on vectors V (simd::V8, simd::V16) ----
 template <class V, class O, class T, class G>
-inline void step_block(const Step<O>& c, float* master, const G* grad, float* s0, float* s1, T* param,
-                       int slots) {
+inline void step_block(const Step<O>& c, float* master, const G* grad, float* s0, float* s1,
+                       T* param, int slots) {
   using simd::load;
   using simd::store;
   constexpr std::type_identity<V> as{};
@@ -180,14 +182,16 @@ inline void step_block(const Step<O>& c, float* master, const G* grad, float* s0
 }
 
 template <class V, class O, class T, class G>
-inline void step_simd(const Step<O>& coeffs, const Buffers<T, G>& b, std::size_t begin, std::size_t end) {
+inline void step_simd(const Step<O>& coeffs, const Buffers<T, G>& b, std::size_t begin,
+                      std::size_t end) {
   constexpr std::size_t w = V::width;
   const Step<O> c = coeffs;
   float* s0 = b.slots > 0 ? b.state[0] : nullptr;
   float* s1 = b.slots > 1 ? b.state[1] : nullptr;
   std::size_t i = begin;
   for (; i + w <= end; i += w)
-    step_block<V>(c, b.master + i, b.grad + i, s0 ? s0 + i : s0, s1 ? s1 + i : s1, b.param + i, b.slots);
+    step_block<V>(c, b.master + i, b.grad + i, s0 ? s0 + i : s0, s1 ? s1 + i : s1, b.param + i,
+                  b.slots);
   if (i < end) {  // the tail through the same vector code, on zero-padded copies
     const std::size_t r = end - i;
     float m[w] = {}, t0[w] = {}, t1[w] = {};
@@ -206,8 +210,8 @@ inline void step_simd(const Step<O>& coeffs, const Buffers<T, G>& b, std::size_t
 }
 
 template <class O, class T, class G>
-[[ZP_TARGET_AVX2, gnu::flatten]] void step_avx2(const Step<O>& c, const Buffers<T, G>& b, std::size_t begin,
-                                                std::size_t end) {
+[[ZP_TARGET_AVX2, gnu::flatten]] void step_avx2(const Step<O>& c, const Buffers<T, G>& b,
+                                                std::size_t begin, std::size_t end) {
   step_simd<simd::V8>(c, b, begin, end);
 }
 template <class O, class T, class G>
@@ -234,7 +238,8 @@ template <class G>
   return simd::hsum(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
 }
 template <class G>
-[[ZP_TARGET_AVX512, gnu::flatten]] double sumsq_avx512(const G* g, std::size_t begin, std::size_t end) {
+[[ZP_TARGET_AVX512, gnu::flatten]] double sumsq_avx512(const G* g, std::size_t begin,
+                                                       std::size_t end) {
   constexpr std::type_identity<simd::V16> as{};
   __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
   std::size_t i = begin;
@@ -254,7 +259,8 @@ template <class G>
 #endif  // ZP_OPTIM_X86
 
 template <class O, class T, class G>
-void step_tile(Isa isa, const Step<O>& c, const Buffers<T, G>& b, std::size_t begin, std::size_t end) {
+void step_tile(Isa isa, const Step<O>& c, const Buffers<T, G>& b, std::size_t begin,
+               std::size_t end) {
   switch (isa) {
 #if ZP_OPTIM_X86
     case Isa::avx512: step_avx512<O, T, G>(c, b, begin, end); return;
@@ -301,11 +307,14 @@ GradStats grad_stats(std::span<G> grad, const Options& options = {}) {
 // new master. The caller has checked for overflow (grad_stats): this function does not skip.
 // Throws zp::Error(invalid_argument) when the spans' sizes differ.
 template <Optimizer Opt, class T, class G>
-void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, const Options& options = {}) {
+void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard,
+          const Options& options = {}) {
   const std::size_t n = shard.master.size();
-  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n, "optimizer step: sizes differ: master ",
-            n, ", grad ", shard.grad.size(), ", param ", shard.param.size());
-  detail::Buffers<T, G> b{shard.master.data(), shard.grad.data(), {nullptr, nullptr}, shard.param.data(), 0};
+  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n,
+            "optimizer step: sizes differ: master ", n, ", grad ", shard.grad.size(), ", param ",
+            shard.param.size());
+  detail::Buffers<T, G> b{
+      shard.master.data(), shard.grad.data(), {nullptr, nullptr}, shard.param.data(), 0};
   for (int k = 0; k < 2; ++k) {
     if (!optim::detail::uses_slot(opt, k)) break;
     ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",

@@ -11,7 +11,8 @@
 #pragma once
 
 #if !defined(__CUDACC__) && !defined(ZP_DEVICE_SIM)
-#error "zp/optim/gpu.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
+#error \
+    "zp/optim/gpu.hpp runs kernels: build with nvcc, or for the simulated device (ZP_DEVICE_SIM, zp::sim)"
 #endif
 
 #include <cstddef>
@@ -29,9 +30,18 @@ using optim::detail::Step;
 
 template <class X>
 struct Pack4;  // 4 consecutive elements, loaded and stored as one access
-template <> struct alignas(16) Pack4<float> { float x[4]; };
-template <> struct alignas(8) Pack4<bf16> { bf16 x[4]; };
-template <> struct alignas(8) Pack4<fp16> { fp16 x[4]; };
+template <>
+struct alignas(16) Pack4<float> {
+  float x[4];
+};
+template <>
+struct alignas(8) Pack4<bf16> {
+  bf16 x[4];
+};
+template <>
+struct alignas(8) Pack4<fp16> {
+  fp16 x[4];
+};
 
 // Work item k of a step over n elements: elements [4k, min(4k + 4, n)).
 template <class O, class T, class G>
@@ -45,7 +55,8 @@ struct StepItem {
   int slots;
   std::size_t n;
   bool vectorized;
-  const double* gate;  // [0] multiplies grad_mul, [1] nonzero: skip (shard_step.hpp, ShardStep::update)
+  const double*
+      gate;  // [0] multiplies grad_mul, [1] nonzero: skip (shard_step.hpp, ShardStep::update)
 
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     if (gate[1] != 0) return;  // the whole step is skipped
@@ -111,10 +122,19 @@ template <Optimizer Opt, class T, class G>
 void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, const double* gate,
           device::stream_t stream) {
   const std::size_t n = shard.master.size();
-  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n, "optimizer step: sizes differ: master ",
-            n, ", grad ", shard.grad.size(), ", param ", shard.param.size());
-  detail::StepItem<Opt, T, G> f{optim::detail::prepare(opt, s), shard.master.data(), shard.grad.data(), nullptr,
-                                nullptr, shard.param.data(), 0, n, false, gate};
+  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n,
+            "optimizer step: sizes differ: master ", n, ", grad ", shard.grad.size(), ", param ",
+            shard.param.size());
+  detail::StepItem<Opt, T, G> f{optim::detail::prepare(opt, s),
+                                shard.master.data(),
+                                shard.grad.data(),
+                                nullptr,
+                                nullptr,
+                                shard.param.data(),
+                                0,
+                                n,
+                                false,
+                                gate};
   for (int k = 0; k < 2; ++k) {
     if (!optim::detail::uses_slot(opt, k)) break;
     ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",
@@ -123,8 +143,9 @@ void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard, co
     f.slots = k + 1;
   }
   ZP_EXPECT(s.step >= 1, "optimizer step: step must count from 1, got ", s.step);
-  f.vectorized = detail::aligned16(f.master) && detail::aligned16(f.grad) && detail::aligned16(f.param) &&
-                 (f.slots < 1 || detail::aligned16(f.state0)) && (f.slots < 2 || detail::aligned16(f.state1));
+  f.vectorized = detail::aligned16(f.master) && detail::aligned16(f.grad) &&
+                 detail::aligned16(f.param) && (f.slots < 1 || detail::aligned16(f.state0)) &&
+                 (f.slots < 2 || detail::aligned16(f.state1));
   device::launch(stream, (n + 3) / 4, f);
 }
 

@@ -60,13 +60,18 @@ struct Lion {
 // fp32 state arrays per parameter: Adam(W) m and v, Sgd the momentum buffer, Lion m.
 template <class O>
 inline constexpr int state_slots = 0;
-template <> inline constexpr int state_slots<AdamW> = 2;
-template <> inline constexpr int state_slots<Adam> = 2;
-template <> inline constexpr int state_slots<Sgd> = 1;
-template <> inline constexpr int state_slots<Lion> = 1;
+template <>
+inline constexpr int state_slots<AdamW> = 2;
+template <>
+inline constexpr int state_slots<Adam> = 2;
+template <>
+inline constexpr int state_slots<Sgd> = 1;
+template <>
+inline constexpr int state_slots<Lion> = 1;
 
 template <class O>
-concept Optimizer = state_slots<O> > 0;
+concept Optimizer = state_slots<O> >
+0;
 
 // The state arrays' names, as torch.optim calls them (checkpoints store them by name).
 inline const char* state_name(const AdamW&, int k) { return k == 0 ? "exp_avg" : "exp_avg_sq"; }
@@ -118,7 +123,9 @@ inline void expect_in(const char* opt, const char* field, float x, Range r) {
                   : r == Range::unit_open  ? x >= 0.0f && x < 1.0f
                                            : x >= 0.0f && x <= 1.0f;
   ZP_EXPECT(ok, opt, ": ", field, " must be ",
-            r == Range::non_negative ? "finite and >= 0" : r == Range::unit_open ? "in [0, 1)" : "in [0, 1]",
+            r == Range::non_negative ? "finite and >= 0"
+            : r == Range::unit_open  ? "in [0, 1)"
+                                     : "in [0, 1]",
             ", got ", x);
 }
 
@@ -169,8 +176,10 @@ std::string describe(const O& o) {
     first = false;
     out += name;
     out += '=';
-    if constexpr (std::is_same_v<decltype(x), bool>) out += x ? "true" : "false";
-    else out += zp::detail::cat(x);
+    if constexpr (std::is_same_v<decltype(x), bool>)
+      out += x ? "true" : "false";
+    else
+      out += zp::detail::cat(x);
   });
   return out + ')';
 }
@@ -199,8 +208,8 @@ struct ShardView {
 
 // Values of one step, may change on every step.
 struct StepScalars {
-  std::int64_t step;    // 1-based count of this update, for bias correction (skipped steps excluded)
-  float grad_mul = 1;   // 1/(loss_scale*clip_coef): unscale and clip folded into one multiply
+  std::int64_t step;   // 1-based count of this update, for bias correction (skipped steps excluded)
+  float grad_mul = 1;  // 1/(loss_scale*clip_coef): unscale and clip folded into one multiply
 };
 
 // Squared L2 norm and finiteness of gradient values as stored (still scaled by the loss scale).
@@ -227,7 +236,9 @@ ZP_HOST_DEVICE inline float clip_coef(double global_sumsq, float loss_scale, flo
 }
 
 // grad_mul for a step: unscale and clip in one factor.
-ZP_HOST_DEVICE inline float grad_mul(float loss_scale, float clip) { return float(1.0 / (double(loss_scale) * double(clip))); }
+ZP_HOST_DEVICE inline float grad_mul(float loss_scale, float clip) {
+  return float(1.0 / (double(loss_scale) * double(clip)));
+}
 
 namespace detail {
 
@@ -305,12 +316,9 @@ inline Step<Sgd> prepare(const Sgd& o, const StepScalars& s) {
 }
 inline Step<Lion> prepare(const Lion& o, const StepScalars& s) {
   validate(o);
-  return {s.grad_mul,
-          float(1.0 - double(o.lr) * double(o.weight_decay)),
-          o.beta1,
-          float(1.0 - double(o.beta1)),
-          o.beta2,
-          float(1.0 - double(o.beta2)),
+  return {s.grad_mul, float(1.0 - double(o.lr) * double(o.weight_decay)),
+          o.beta1,    float(1.0 - double(o.beta1)),
+          o.beta2,    float(1.0 - double(o.beta2)),
           -o.lr};
 }
 

@@ -50,10 +50,18 @@ struct V8 {
   [[ZP_TARGET_AVX2]] explicit V8(__m256 x) : v(x) {}
   [[ZP_TARGET_AVX2]] explicit V8(float x) : v(_mm256_set1_ps(x)) {}
 };
-[[ZP_TARGET_AVX2]] inline V8 operator+(const V8& a, const V8& b) { return V8(_mm256_add_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX2]] inline V8 operator-(const V8& a, const V8& b) { return V8(_mm256_sub_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX2]] inline V8 operator*(const V8& a, const V8& b) { return V8(_mm256_mul_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX2]] inline V8 operator/(const V8& a, const V8& b) { return V8(_mm256_div_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX2]] inline V8 operator+(const V8& a, const V8& b) {
+  return V8(_mm256_add_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX2]] inline V8 operator-(const V8& a, const V8& b) {
+  return V8(_mm256_sub_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX2]] inline V8 operator*(const V8& a, const V8& b) {
+  return V8(_mm256_mul_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX2]] inline V8 operator/(const V8& a, const V8& b) {
+  return V8(_mm256_div_ps(a.v, b.v));
+}
 [[ZP_TARGET_AVX2]] inline V8 fma(const V8& a, const V8& b, const V8& c) {
   return V8(_mm256_fmadd_ps(a.v, b.v, c.v));
 }
@@ -65,7 +73,9 @@ struct V8 {
   return V8(_mm256_sub_ps(pos, neg));  // same operation as the scalar float(a>0) - float(a<0)
 }
 
-[[ZP_TARGET_AVX2]] inline V8 load(const float* p, std::type_identity<V8>) { return V8(_mm256_loadu_ps(p)); }
+[[ZP_TARGET_AVX2]] inline V8 load(const float* p, std::type_identity<V8>) {
+  return V8(_mm256_loadu_ps(p));
+}
 [[ZP_TARGET_AVX2]] inline V8 load(const bf16* p, std::type_identity<V8>) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return V8(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
@@ -120,10 +130,18 @@ struct V16 {
   [[ZP_TARGET_AVX512]] explicit V16(__m512 x) : v(x) {}
   [[ZP_TARGET_AVX512]] explicit V16(float x) : v(_mm512_set1_ps(x)) {}
 };
-[[ZP_TARGET_AVX512]] inline V16 operator+(const V16& a, const V16& b) { return V16(_mm512_add_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX512]] inline V16 operator-(const V16& a, const V16& b) { return V16(_mm512_sub_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX512]] inline V16 operator*(const V16& a, const V16& b) { return V16(_mm512_mul_ps(a.v, b.v)); }
-[[ZP_TARGET_AVX512]] inline V16 operator/(const V16& a, const V16& b) { return V16(_mm512_div_ps(a.v, b.v)); }
+[[ZP_TARGET_AVX512]] inline V16 operator+(const V16& a, const V16& b) {
+  return V16(_mm512_add_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX512]] inline V16 operator-(const V16& a, const V16& b) {
+  return V16(_mm512_sub_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX512]] inline V16 operator*(const V16& a, const V16& b) {
+  return V16(_mm512_mul_ps(a.v, b.v));
+}
+[[ZP_TARGET_AVX512]] inline V16 operator/(const V16& a, const V16& b) {
+  return V16(_mm512_div_ps(a.v, b.v));
+}
 [[ZP_TARGET_AVX512]] inline V16 fma(const V16& a, const V16& b, const V16& c) {
   return V16(_mm512_fmadd_ps(a.v, b.v, c.v));
 }
@@ -136,7 +154,9 @@ struct V16 {
   return V16(_mm512_sub_ps(pos, neg));
 }
 
-[[ZP_TARGET_AVX512]] inline V16 load(const float* p, std::type_identity<V16>) { return V16(_mm512_loadu_ps(p)); }
+[[ZP_TARGET_AVX512]] inline V16 load(const float* p, std::type_identity<V16>) {
+  return V16(_mm512_loadu_ps(p));
+}
 [[ZP_TARGET_AVX512]] inline V16 load(const bf16* p, std::type_identity<V16>) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return V16(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
@@ -151,16 +171,19 @@ struct V16 {
   const __m512i rounded =
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), rounded, quiet);
+  const __m512i r =
+      _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), rounded, quiet);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 [[ZP_TARGET_AVX512]] inline void store(fp16* p, const V16& x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
 }
 
 [[ZP_TARGET_AVX512]] inline void add_squares(const V16& x, __m512d& lo, __m512d& hi) {
   const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(x.v));
-  const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
+  const __m512d b =
+      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
   lo = _mm512_fmadd_pd(a, a, lo);
   hi = _mm512_fmadd_pd(b, b, hi);
 }
