@@ -353,17 +353,17 @@ class Engine {
     optim::validate(opt_);
     stats_.begin(optim::fingerprint(opt_));
     const auto& o = config_.optimizer_options;
-    auto add = [&](int s, auto piece) {
-      if (!mp_ || tp_rank_ == 0) return stats_.add(piece, o);
-      stats_.add(part_.layout(), s, comm_->rank(), piece, o,
+    auto add = [&]<class G>(int s, Owned<G> piece) {
+      const std::span<const G> g(piece.span);
+      if (!mp_ || tp_rank_ == 0) return stats_.add(g, o);
+      stats_.add(part_.layout(), s, piece.offset, g, o,
                  [&](int p) { return bound_.params[std::size_t(p)].tp == TensorParallel::split; });
     };
     for (int s = 0; s < part_.layout().segment_count(); ++s) {
       if (precision_.f32_result(Stage))
-        add(s,
-            std::span<const float>(part_.template owned<Field::grad_f32>(s, Extent::piece).span));
+        add(s, part_.template owned<Field::grad_f32>(s, Extent::piece));
       else
-        add(s, std::span<const T>(part_.template owned<Field::grad>(s, Extent::piece).span));
+        add(s, part_.template owned<Field::grad>(s, Extent::piece));
     }
     // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
     // with the same sums (each DP group's are equal, and the second sum runs in one order).

@@ -67,16 +67,16 @@ class StepStatistics {
   void add(std::span<const G> g, const optim::cpu::Options& o) {
     ShardStep<S>::statistics(g, buf_.data(), o);
   }
-  // Adds those of the parameters of `piece` (rank r's piece of segment s of L) for which
-  // counted(p) holds, p a parameter index.
+  // Adds those of the parameters of segment s of L in `piece` (its elements, from full-layout
+  // index `first`) for which counted(p) holds, p a parameter index.
   template <class G, class Counted>
-  void add(const Layout& L, int s, int r, std::span<const G> piece, const optim::cpu::Options& o,
-           Counted&& counted) {
-    const std::size_t begin = L.piece_offset(s, r), end = begin + piece.size();
+  void add(const Layout& L, int s, std::size_t first, std::span<const G> piece,
+           const optim::cpu::Options& o, Counted&& counted) {
+    const std::size_t end = first + piece.size();
     for (int p : L.segment(s).params) {
       const auto& lp = L.params()[std::size_t(p)];
-      const std::size_t b = std::max(begin, lp.offset), e = std::min(end, lp.offset + lp.size);
-      if (b < e && counted(p)) add(piece.subspan(b - begin, e - b), o);
+      const std::size_t b = std::max(first, lp.offset), e = std::min(end, lp.offset + lp.size);
+      if (b < e && counted(p)) add(piece.subspan(b - first, e - b), o);
     }
   }
   std::span<double> sums() { return buf_.span(0, count); }
