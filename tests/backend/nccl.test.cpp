@@ -45,10 +45,12 @@ struct DeviceBuf {
   std::span<T> span() { return {p, n}; }
 };
 
+// Elements of `got` unequal to want(i); the first is described in the test's log.
 template <class T>
 std::size_t wrong(const std::vector<T>& got, auto&& want) {
-  std::size_t w = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) w += !(zp::test::from<T>(got[i]) == want(i));
+  std::string first;
+  const auto w = zp::test::count_wrong(std::span<const T>(got), want, first);
+  if (w) MESSAGE(w, " wrong of ", got.size(), ", first: ", first);
   return w;
 }
 
@@ -63,6 +65,7 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
     for (bool in_place : {false, true}) {
       DeviceBuf<T> in(n), out(n);
       in.put(inputs<T>(seed, r, n, N, op));
+      out.put(std::vector<T>(n, poison<T>()));  // an element never written is caught
       if (in_place)
         comm.all_reduce(in.span(), op);
       else
@@ -72,12 +75,13 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
         for (int q = 0; q < N; ++q) xs[std::size_t(q)] = input<T>(seed, q, i, N, op);
         return from<T>(to<T>(reduce_ref(op, xs)));
       });
-      INFO("all_reduce ", zp::name(zp::dtype_of<T>), " n=", n, " op=", zp::name(op),
-           " in_place=", in_place);
+      INFO("all_reduce ", std::string(zp::name(zp::dtype_of<T>)), " n=", n,
+           " op=", std::string(zp::name(op)), " in_place=", in_place);
       CHECK(w == 0);
 
       DeviceBuf<T> full(n * std::size_t(N)), shard(n);
       full.put(inputs<T>(seed + 1, r, n * std::size_t(N), N, op));
+      shard.put(std::vector<T>(n, poison<T>()));
       if (in_place)
         comm.reduce_scatter(full.span(), op);
       else
@@ -234,6 +238,8 @@ int main(int argc, char** argv) {
                 e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     return 77;
   }
+  int version = 0;
+  if (ncclGetVersion(&version) == ncclSuccess) std::printf("NCCL %d\n", version);
   doctest::Context ctx(argc, argv);
   return ctx.run();
 }

@@ -114,10 +114,14 @@ inline ncclDataType_t nccl_type(DType t) {
   return ncclFloat32;
 }
 
-inline ncclRedOp_t nccl_op(ReduceOp op) {
+// The reduction over `ranks` ranks. The mean of one rank's values is those values: at world
+// size 1 avg goes to NCCL as a sum, because NCCL's one-rank path for ncclAvg (the libnccl of
+// the H100 machine, 2026-11) left the last 3 of 1000003 f64 elements of an out-of-place
+// all_reduce and reduce_scatter unwritten (tests/backend/nccl.test.cpp, the one-GPU case).
+inline ncclRedOp_t nccl_op(ReduceOp op, int ranks) {
   switch (op) {
     case ReduceOp::sum: return ncclSum;
-    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::avg: return ranks == 1 ? ncclSum : ncclAvg;
     case ReduceOp::max: return ncclMax;
     case ReduceOp::min: return ncclMin;
   }
@@ -371,14 +375,15 @@ class Nccl {
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
     check(CollOp::all_reduce, src, dst, n, t, op, 0);
     return enqueue("all_reduce", l, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c, s);
+      return ncclAllReduce(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op, size()),
+                           c, s);
     });
   }
   Work reduce_scatter(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
     check(CollOp::reduce_scatter, src, dst, n, t, op, 0);
     return enqueue("reduce_scatter", l, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t), nccl_detail::nccl_op(op), c,
-                               s);
+      return ncclReduceScatter(src, dst, n, nccl_detail::nccl_type(t),
+                               nccl_detail::nccl_op(op, size()), c, s);
     });
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
