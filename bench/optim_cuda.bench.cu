@@ -4,7 +4,8 @@
 // cuda/adamw/<layout>/params:N  one fused step over N parameters, fp32 layout (fp32 master = the
 //   model copy, fp32 gradient) or bf16 layout (fp32 master, m, v; bf16 gradient and model copy):
 //   28 bytes per parameter either way (REFERENCE.md); GBps counts exactly those.
-// cuda/grad_stats/<layout>/params:N  the statistics pass (squared norm, overflow), gradient bytes.
+// cuda/grad_stats/<grad type>/params:N  the statistics pass (squared norm, overflow); GBps counts
+//   the gradient's bytes (bf16: the bf16 layout; fp32: the fp32 layout, PyTorch's clip_grad_norm_).
 // cuda/copy/bytes:B  cudaMemcpyAsync device to device, GBps = 2B (read + write) per second: the
 //   baseline; copy_fraction on the AdamW rows is their GBps over the copy of the same bytes.
 // Times are CUDA events around 10 launches (manual time), after a warm-up; every AdamW row first
@@ -15,25 +16,20 @@
 
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <vector>
 
+#include "cuda_copy.hpp"
 #include "zp/optim/cpu.hpp"
 #include "zp/optim/gpu.hpp"
 
 using namespace zp::optim;
+using zp::bench::copy_gbps;
+using zp::bench::ok;
+using zp::bench::timed;
 
 namespace {
 
 constexpr double bytes_per_param = 28.0;
-constexpr int launches = 10;
-
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 template <class X>
 X* device_array(std::size_t n, float first) {
@@ -57,39 +53,6 @@ const double* apply_gate() {
     return p;
   }();
   return gate;
-}
-
-// Seconds of `launches` calls of f() on the default stream, by events.
-template <class F>
-double timed(F&& f) {
-  cudaEvent_t a, b;
-  ok(cudaEventCreate(&a), "cudaEventCreate");
-  ok(cudaEventCreate(&b), "cudaEventCreate");
-  f();  // warm-up
-  ok(cudaEventRecord(a), "cudaEventRecord");
-  for (int i = 0; i < launches; ++i) f();
-  ok(cudaEventRecord(b), "cudaEventRecord");
-  ok(cudaEventSynchronize(b), "cudaEventSynchronize");
-  float ms = 0;
-  ok(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return double(ms) * 1e-3 / launches;
-}
-
-// The copy's GB/s for `bytes` (read + write), measured once per size in this run.
-double copy_gbps(std::size_t bytes) {
-  static std::map<std::size_t, double> seen;
-  if (auto it = seen.find(bytes); it != seen.end()) return it->second;
-  void *src = nullptr, *dst = nullptr;
-  ok(cudaMalloc(&src, bytes), "cudaMalloc");
-  ok(cudaMalloc(&dst, bytes), "cudaMalloc");
-  ok(cudaMemset(src, 1, bytes), "cudaMemset");
-  const double t = timed(
-      [&] { ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); });
-  cudaFree(src);
-  cudaFree(dst);
-  return seen[bytes] = 2.0 * double(bytes) / t / 1e9;
 }
 
 void copy_bench(benchmark::State& state) {
@@ -206,6 +169,11 @@ const bool registered = [] {
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("cuda/grad_stats/bf16", grad_stats<zp::bf16>)
+        ->Arg(n)
+        ->ArgName("params")
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("cuda/grad_stats/fp32", grad_stats<float>)
         ->Arg(n)
         ->ArgName("params")
         ->UseManualTime()

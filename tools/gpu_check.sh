@@ -2,7 +2,9 @@
 # Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): configure a Release
 # build for Hopper with CUDA and NCCL, build the gpu tests and the benchmarks, run `ctest -L gpu`,
 # the gpu tests of the engine, cuda_threads and the optimizer again under compute-sanitizer
-# memcheck (racecheck and synccheck too: cuda_threads and the optimizer), zp_bench_optim_cuda (AdamW against a device-to-device copy), zp_bench_zero_cuda (the
+# memcheck (racecheck and synccheck too: cuda_threads and the optimizer), zp_bench_optim_cuda
+# (AdamW against a device-to-device copy), zp_bench_collectives_cuda (the cuda_threads
+# collectives' busbw against the same copy), zp_bench_zero_cuda (the
 # device engine's step per stage and rank count against its bare kernels, offload against the
 # device step), the GPU demo's tokens/s and loss, and bench/torch_adamw.py (PyTorch's
 # clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
@@ -10,8 +12,9 @@
 #
 #   bash tools/gpu_check.sh [all|test|memcheck|bench]   # on the GPU machine, from the repository root
 #
-# test: ctest -L gpu; memcheck: the gpu tests under compute-sanitizer's memcheck, racecheck, synccheck; bench: the measurements
-# (zp_bench_optim_cuda, zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): the three.
+# test: ctest -L gpu; memcheck: the gpu tests under compute-sanitizer's memcheck, racecheck,
+# synccheck; bench: the measurements (zp_bench_optim_cuda, zp_bench_collectives_cuda,
+# zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): the three.
 # Each phase configures and builds only the targets it runs, so the phases fit separate calls
 # on a machine that keeps nothing between them.
 #
@@ -25,7 +28,7 @@ PHASE=${1:-all}
 case "$PHASE" in all|test|memcheck|bench) ;; *) echo "usage: $0 [all|test|memcheck|bench]" >&2; exit 2 ;; esac
 run_phase() { [[ $PHASE == all || $PHASE == "$1" ]]; }
 TESTS="zp.test.optim.gpu.cuda zp.test.backend.cuda_threads.cuda zp.test.backend.nccl zp.test.engine_device.cuda zp_demo_gpu"
-BENCHES="zp_bench_optim_cuda zp_bench_zero_cuda zp_demo_gpu"
+BENCHES="zp_bench_optim_cuda zp_bench_collectives_cuda zp_bench_zero_cuda zp_demo_gpu"
 mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
@@ -95,6 +98,12 @@ if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
     --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
   log "zp_bench_optim_cuda (median of 3):"
   grep -E "median" "$OUT/optim_cuda.txt" | tee -a "$OUT/summary.txt"
+fi
+if [[ -x "$BUILD/bench/zp_bench_collectives_cuda" ]]; then
+  "$BUILD/bench/zp_bench_collectives_cuda" --benchmark_out="$OUT/collectives_cuda.json" \
+    --benchmark_out_format=json > "$OUT/collectives_cuda.txt" 2>&1 || status=1
+  log "zp_bench_collectives_cuda (cuda_threads busbw; copy_fraction against a device copy):"
+  grep -E "^cuda_threads" "$OUT/collectives_cuda.txt" | tee -a "$OUT/summary.txt"
 fi
 if [[ -x "$BUILD/bench/zp_bench_zero_cuda" ]]; then
   "$BUILD/bench/zp_bench_zero_cuda" --benchmark_out="$OUT/zero_cuda.json" --benchmark_out_format=json \

@@ -132,7 +132,10 @@ TEST_CASE("the device step matches the CPU step bit for bit and skips on the dev
 
 TEST_CASE("unaligned shards take the element-wise path and still match") {
   const std::size_t n = 1001;
-  std::vector<float> master(n + 1, 0.5f), s0(n + 1), s1(n + 1), grad(n + 1, 0.25f), param(n + 1);
+  std::vector<float> master(n + 1, 0.5f), s0(n + 1), s1(n + 1), grad(n + 1), param(n + 1);
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& g : grad) g = normal(rng);
   DeviceArray<float> dm(master), d0(s0), d1(s1), dg(grad), dp(param);
   DeviceArray<double> gate(std::vector<double>{1.0, 0.0});
   const auto sub = [](DeviceArray<float>& a, std::size_t n) {
@@ -149,4 +152,11 @@ TEST_CASE("unaligned shards take the element-wise path and still match") {
                                     std::span(param).subspan(1)});
   CHECK(same_bytes(master, dm.get()));
   CHECK(same_bytes(param, dp.get()));
+  // The squared norm of the unaligned gradient (element-wise items) against a serial double sum.
+  DeviceArray<double> stats(std::vector<double>{0.0});
+  zp::optim::gpu::grad_stats(std::span<const float>(dg.ptr() + 1, n), stats.ptr(),
+                             zp::device::current_stream());
+  double want = 0;
+  for (std::size_t i = 1; i <= n; ++i) want += double(grad[i]) * double(grad[i]);
+  CHECK(stats.get()[0] == doctest::Approx(want).epsilon(1e-12));
 }

@@ -28,20 +28,12 @@ namespace zp::optim::gpu {
 namespace detail {
 using optim::detail::Step;
 
+template <class X, int N>
+struct alignas(sizeof(X) * N) Pack {  // N consecutive elements, loaded and stored as one access
+  X x[N];
+};
 template <class X>
-struct Pack4;  // 4 consecutive elements, loaded and stored as one access
-template <>
-struct alignas(16) Pack4<float> {
-  float x[4];
-};
-template <>
-struct alignas(8) Pack4<bf16> {
-  bf16 x[4];
-};
-template <>
-struct alignas(8) Pack4<fp16> {
-  fp16 x[4];
-};
+using Pack4 = Pack<X, 4>;
 
 // Work item k of a step over n elements: elements [4k, min(4k + 4, n)).
 template <class O, class T, class G>
@@ -96,12 +88,29 @@ struct StepItem {
   }
 };
 
+// Work item k of the squared norm: the squares, in double, of the gradient values (as stored)
+// [wk, min(wk + w, n)), w = 16 bytes of G, read in one 16-byte load when the gradient is aligned.
 template <class G>
-struct Square {  // a gradient value as stored, squared in double
+struct SquareItem {
+  static constexpr int w = int(16 / sizeof(G));
   const G* g;
-  ZP_HOST_DEVICE double operator()(std::size_t i) const {
-    const double x = optim::detail::to_float(g[i]);
-    return x * x;
+  std::size_t n;
+  bool vectorized;
+  ZP_HOST_DEVICE double operator()(std::size_t k) const {
+    double acc = 0;
+    if (vectorized && w * k + w <= n) {
+      const Pack<G, w> p = reinterpret_cast<const Pack<G, w>*>(g)[k];
+      for (int j = 0; j < w; ++j) {
+        const double x = optim::detail::to_float(p.x[j]);
+        acc += x * x;
+      }
+      return acc;
+    }
+    for (std::size_t i = w * k; i < n && i < w * k + w; ++i) {
+      const double x = optim::detail::to_float(g[i]);
+      acc += x * x;
+    }
+    return acc;
   }
 };
 
@@ -109,10 +118,14 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 }  // namespace detail
 
 // Adds the squared norm of `grad` (as stored) to stats[0], in device memory; an inf or nan makes
-// it inf or nan, which the engine's gate reads as an overflow. Enqueued on `stream`.
+// it inf or nan, which the engine's gate reads as an overflow. Enqueued on `stream`. 16 bytes a
+// work item: scalar 2-byte loads reached 1.3 TB/s on an H100, 43% of a device copy.
 template <class G>
 void grad_stats(std::span<const G> grad, double* stats, device::stream_t stream) {
-  device::sum(stream, grad.size(), detail::Square<G>{grad.data()}, stats);
+  constexpr std::size_t w = detail::SquareItem<G>::w;
+  device::sum(stream, (grad.size() + w - 1) / w,
+              detail::SquareItem<G>{grad.data(), grad.size(), detail::aligned16(grad.data())},
+              stats);
 }
 
 // One optimizer step over a shard in device memory, enqueued on `stream`, gated by the two
