@@ -34,6 +34,7 @@
 
 #include "charlm_params.hpp"
 #include "common.hpp"
+#include "run_control.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/schedule.hpp"
@@ -171,10 +172,8 @@ using examples::load_corpus;
 
 // ---- command line ---------------------------------------------------------------------------
 
-struct Options : examples::TrainFlags {  // TrainFlags' defaults are this demo's
-  std::string checkpoint_dir, export_dir, log_json, config;
-  int save_every = 0;
-  bool resume = false, breakdown = false;
+struct Options : examples::TrainFlags, examples::RunFlags {  // TrainFlags' defaults are ours
+  std::string config;
 };
 
 const char* usage =
@@ -192,59 +191,35 @@ const char* usage =
     "(default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
-    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
-    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
-    "never)\n"
-    "  --resume           continue from D/latest (any --ranks, --stage, --backend); none yet: step "
-    "0\n"
-    "  --export DIR       write the trained model as DIR/model.safetensors at the end\n"
-    "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
-    "  --log-json PATH    append one JSON line per step: loss and phase times "
-    "(tools/plot_timers.py)\n"
     "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
     "optimizer\n"
     "                     (AdamW only in this demo), scheduler, clipping, loss scaling and "
     "buckets,\n"
     "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
     "batch\n"
-    "                     keys are filled from --micro-batch and --accum\n"
-    "  --help             this text\n";
+    "                     keys are filled from --micro-batch and --accum\n";
 
-const examples::Program program{"zp_demo", usage};
-
-[[noreturn]] void bad(const std::string& msg) { examples::bad(program, msg); }
+const examples::Program program{"zp_demo", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
   examples::parse_args(program, argc, argv,
                        [&](const std::string& a, const std::string& v) {
-                         if (a == "--resume")
-                           o.resume = true;
-                         else if (a == "--wall-clock-breakdown")
-                           o.breakdown = true;
-                         else if (examples::parse_train_flag(program, o, a, v))
+                         if (examples::parse_train_flag(program, o, a, v) ||
+                             examples::parse_run_flag(program, o, a, v))
                            return true;
-                         else if (a == "--save-every")
-                           o.save_every = examples::to_int(program, a, v, 1, 10000000);
-                         else if (a == "--checkpoint-dir")
-                           o.checkpoint_dir = v;
-                         else if (a == "--export")
-                           o.export_dir = v;
-                         else if (a == "--log-json")
-                           o.log_json = v;
-                         else if (a == "--config")
-                           o.config = v;
-                         else
-                           return false;
+                         if (a != "--config") return false;
+                         o.config = v;
                          return true;
                        },
                        {"--resume", "--wall-clock-breakdown"});
-  if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
-    bad("--save-every and --resume need --checkpoint-dir");
+  examples::check_run_flags(program, o);
 #if !ZP_DEMO_IO
-  if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
-    bad("this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no "
-        "checkpoints or configs");
+  if (!o.config.empty())
+    examples::bad(
+        program,
+        "this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no "
+        "configs");
 #endif
   examples::default_text(program, o.text);
   return o;
@@ -323,31 +298,8 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
     }
   };
 
-  int first_step = 0;
-#if ZP_DEMO_IO
-  // --resume with no checkpoint yet starts at step 0, so one command line serves every restart.
-  std::int64_t saved =
-      o.resume && std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
-  if (o.resume)
-    comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
-  if (o.resume && !saved && lead)
-    std::printf("no checkpoint in %s yet: starting at step 0\n", o.checkpoint_dir.c_str());
-  if (saved) {
-    const std::vector<std::byte> blob = zp::load_checkpoint(engine, o.checkpoint_dir);
-    std::int64_t done = 0;
-    if (blob.size() != sizeof done)
-      throw std::runtime_error("the checkpoint's user data is not a zp_demo step count");
-    std::memcpy(&done, blob.data(), sizeof done);
-    first_step = int(done);
-    if (lead)
-      std::printf("resumed from %s/%s at step %d (%lld updates applied)\n",
-                  o.checkpoint_dir.c_str(), zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(),
-                  first_step, static_cast<long long>(engine.steps()));
-  }
-#endif
-  std::FILE* json = nullptr;
-  if (lead && !o.log_json.empty() && !(json = std::fopen(o.log_json.c_str(), "a")))
-    throw std::runtime_error("cannot open --log-json " + o.log_json + ": " + std::strerror(errno));
+  const int first_step = examples::resume(engine, comm, program, o, corpus);
+  examples::JsonLog json(o, lead);
   zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
   examples::Progress progress(o.log_every, first_step, o.steps);
@@ -369,27 +321,12 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
       res = engine.step();
     }
     if (step > first_step) sum += res.times;
-    if (json)
-      std::fprintf(json, "{\"step\":%d,\"loss\":%.6f,%s}\n", step + 1, loss,
-                   res.times.json_fields().c_str());
+    // The log's loss is the global batch's, as the progress line's (same flags on every rank).
+    if (!o.log_json.empty()) json.line(step + 1, examples::mean_over_ranks(comm, loss), res.times);
     progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
-#if ZP_DEMO_IO
-    if (o.save_every && (step + 1) % o.save_every == 0) {
-      const std::int64_t done = step + 1;
-      const std::string tag = "step" + std::to_string(done);
-      zp::save_checkpoint(engine, o.checkpoint_dir, tag,
-                          std::as_bytes(std::span<const std::int64_t>(&done, 1)));
-      if (lead) std::printf("saved %s/%s\n", o.checkpoint_dir.c_str(), tag.c_str());
-    }
-#endif
+    examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
-#if ZP_DEMO_IO
-  if (!o.export_dir.empty()) {
-    zp::export_safetensors(engine, o.export_dir);
-    if (lead) std::printf("exported %s/model.safetensors\n", o.export_dir.c_str());
-  }
-#endif
-  if (json) std::fclose(json);
+  examples::export_model(engine, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto& c = engine.last_step_comm();
   const double f = n > 1 ? double(n - 1) / n : 0.0;

@@ -60,14 +60,16 @@ inline Corpus load_corpus(const std::vector<std::string>& paths) {
 
 // ---- command line ---------------------------------------------------------------------------
 
-// The program's name and usage text, which every command-line error prints.
+// The program's name and usage text (usage, then more: flags shared with another program),
+// which every command-line error prints.
 struct Program {
   const char* name;
   const char* usage;
+  const char* more = "";
 };
 
 [[noreturn]] inline void bad(const Program& p, const std::string& msg) {
-  std::fprintf(stderr, "%s: %s\n\n%s", p.name, msg.c_str(), p.usage);
+  std::fprintf(stderr, "%s: %s\n\n%s%s", p.name, msg.c_str(), p.usage, p.more);
   std::exit(2);
 }
 
@@ -81,6 +83,7 @@ void parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::fputs(p.usage, stdout);
+      std::fputs(p.more, stdout);
       std::exit(0);
     }
     const bool is_switch = std::find_if(switches.begin(), switches.end(),

@@ -6,6 +6,11 @@
 //   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--tp N] [--pp N] [--schedule 1f1b|gpipe]
 //          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
+//          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
+//          [--wall-clock-breakdown] [--log-json PATH]
+//
+// Checkpoints and exports are of data-parallel grids (--tp 1 --pp 1) for now; a run saved with
+// --checkpoint-dir/--save-every resumes with --resume at any --ranks, --stage or --backend.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
@@ -21,6 +26,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "run_control.hpp"
 #include "gpt.hpp"
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
@@ -30,7 +36,7 @@
 
 namespace {
 
-struct Options : examples::TrainFlags {
+struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
@@ -63,38 +69,48 @@ const char* usage =
     "  --layers N         transformer blocks (default 2)\n"
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
-    "  --context N        tokens per sequence, the learned positions (default 32)\n"
-    "  --help             this text\n";
+    "  --context N        tokens per sequence, the learned positions (default 32)\n";
 
-const examples::Program program{"zp_gpt", usage};
+const examples::Program program{"zp_gpt", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(program, argc, argv, [&](const std::string& a, const std::string& v) {
-    if (examples::parse_train_flag(program, o, a, v)) return true;
-    if (a == "--layers")
-      o.layers = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--d-model")
-      o.d_model = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--heads")
-      o.heads = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--context")
-      o.context = examples::to_int(program, a, v, 1, 65536);
-    else if (a == "--tp")
-      o.tp = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--pp")
-      o.pp = examples::to_int(program, a, v, 1, 1024);
-    else if (a == "--schedule") {
-      if (v == "1f1b")
-        o.schedule = zp::pipeline::Schedule::one_f_one_b;
-      else if (v == "gpipe")
-        o.schedule = zp::pipeline::Schedule::gpipe;
-      else
-        examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
-    } else
-      return false;
-    return true;
-  });
+  examples::parse_args(program, argc, argv,
+                       [&](const std::string& a, const std::string& v) {
+                         if (examples::parse_train_flag(program, o, a, v) ||
+                             examples::parse_run_flag(program, o, a, v))
+                           return true;
+                         if (a == "--layers")
+                           o.layers = examples::to_int(program, a, v, 1, 1024);
+                         else if (a == "--d-model")
+                           o.d_model = examples::to_int(program, a, v, 1, 65536);
+                         else if (a == "--heads")
+                           o.heads = examples::to_int(program, a, v, 1, 1024);
+                         else if (a == "--context")
+                           o.context = examples::to_int(program, a, v, 1, 65536);
+                         else if (a == "--tp")
+                           o.tp = examples::to_int(program, a, v, 1, 1024);
+                         else if (a == "--pp")
+                           o.pp = examples::to_int(program, a, v, 1, 1024);
+                         else if (a == "--schedule") {
+                           if (v == "1f1b")
+                             o.schedule = zp::pipeline::Schedule::one_f_one_b;
+                           else if (v == "gpipe")
+                             o.schedule = zp::pipeline::Schedule::gpipe;
+                           else
+                             examples::bad(program,
+                                           "--schedule expects 1f1b or gpipe, got '" + v + "'");
+                         } else
+                           return false;
+                         return true;
+                       },
+                       {"--resume", "--wall-clock-breakdown"});
+  examples::check_run_flags(program, o);
+  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty()))
+    examples::bad(program, "--checkpoint-dir and --export need --tp 1 --pp 1 for now (got --tp " +
+                               std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
+                               "): checkpoints of tensor- and pipeline-parallel grids are not "
+                               "written yet");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -137,6 +153,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   ec.first_bucket_bytes = std::size_t(64) << 10;
   ec.persist_threshold = 10000;
   ec.steps_per_print = o.log_every;
+  ec.wall_clock_breakdown = o.breakdown;
   ec.offload_optimizer = o.offload;
   if (o.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
@@ -202,25 +219,30 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
       bytes += c->stats().total().bytes;
     return bytes;
   };
+  const int first_step = examples::resume(engine, world, program, o, corpus);
+  examples::JsonLog json(o, lead);
   const auto t0 = std::chrono::steady_clock::now();
-  examples::Progress progress(o.log_every, 0, o.steps);
-  for (step = 0; step < o.steps; ++step) {
+  examples::Progress progress(o.log_every, first_step, o.steps);
+  for (step = first_step; step < o.steps; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     const gpt::StepOut r = gpt::train_step(engine, model, runner, slots, fill);
     // The loss lives on the last stage (once per TP group): its mean over the replicas.
     double loss = grid.last_stage() && grid.coords().tp == 0 ? r.loss / dp : 0.0;
     world.all_reduce(std::span<double>(&loss, 1));
+    json.line(step + 1, loss, r.result.times);
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * o.accum * dp,
                   traffic());
+    examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
+  examples::export_model(engine, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead) {
     std::printf(
         "\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f "
         "tokens/s\n",
-        progress.first_loss(), progress.last_loss(), o.steps,
+        progress.first_loss(), progress.last_loss(), o.steps - first_step,
         static_cast<long long>(engine.steps()), static_cast<unsigned long long>(progress.skipped()),
-        secs, double(o.steps) * double(rows) * o.accum * dp / secs);
+        secs, double(o.steps - first_step) * double(rows) * o.accum * dp / secs);
     examples::print_memory(engine.memory());
   }
 }

@@ -1,0 +1,211 @@
+// examples/run_control.hpp: what the CPU trainers (zp_demo, zp_gpt) share beyond the training
+// loop's flags: checkpoints every N steps, --resume, the export at the end and the JSON log.
+// Checkpoints and exports need zp::io (ZP_DEMO_IO); without it the flags are refused.
+//
+// A checkpoint's user data is the number of steps done followed by the vocabulary (the character
+// of each id), so a resumed run continues the same data stream and refuses a text whose
+// vocabulary differs. The export writes DIR/model.safetensors and DIR/vocab.json
+// ({"byte_of_id": [...]}: the byte each token id stands for).
+#pragma once
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#if ZP_DEMO_IO
+#include "zp/checkpoint.hpp"
+#include "zp/detail/file.hpp"
+#endif
+
+namespace examples {
+
+struct RunFlags {
+  std::string checkpoint_dir, export_dir, log_json;
+  int save_every = 0;
+  bool resume = false, breakdown = false;
+};
+
+// The usage lines of RunFlags' flags (Program::more).
+inline constexpr const char* run_usage =
+    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
+    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
+    "never)\n"
+    "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "
+    "one\n"
+    "                     yet starts at step 0 and says so\n"
+    "  --export DIR       write the trained model as DIR/model.safetensors and its vocabulary as\n"
+    "                     DIR/vocab.json at the end\n"
+    "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
+    "  --log-json PATH    append one JSON line per step: the global batch's mean loss and phase "
+    "times\n"
+    "                     (tools/plot_timers.py)\n"
+    "  --help             this text\n";
+
+// Takes flag a with value v if it is one of RunFlags'; false if not.
+inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
+                           const std::string& v) {
+  if (a == "--resume")
+    o.resume = true;
+  else if (a == "--wall-clock-breakdown")
+    o.breakdown = true;
+  else if (a == "--save-every")
+    o.save_every = to_int(p, a, v, 1, 10000000);
+  else if (a == "--checkpoint-dir")
+    o.checkpoint_dir = v;
+  else if (a == "--export")
+    o.export_dir = v;
+  else if (a == "--log-json")
+    o.log_json = v;
+  else
+    return false;
+  return true;
+}
+
+inline void check_run_flags(const Program& p, const RunFlags& o) {
+  if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
+    bad(p, "--save-every and --resume need --checkpoint-dir");
+#if !ZP_DEMO_IO
+  if (!o.checkpoint_dir.empty() || !o.export_dir.empty())
+    bad(p, std::string("this ") + p.name +
+               " was built without zp::io (nlohmann_json was not found at configure time): no "
+               "checkpoints or exports");
+#endif
+}
+
+// One JSON line per step on rank 0 (--log-json): the step, the loss and the step's phase times.
+class JsonLog {
+ public:
+  JsonLog(const RunFlags& o, bool lead) {
+    if (lead && !o.log_json.empty() && !(f_ = std::fopen(o.log_json.c_str(), "a")))
+      throw zp::Error(zp::Errc::io,
+                      "cannot open --log-json " + o.log_json + ": " + std::strerror(errno));
+  }
+  ~JsonLog() {
+    if (f_) std::fclose(f_);
+  }
+  JsonLog(const JsonLog&) = delete;
+  JsonLog& operator=(const JsonLog&) = delete;
+  void line(int step, double loss, const zp::StepTimes& t) {
+    if (f_)
+      std::fprintf(f_, "{\"step\":%d,\"loss\":%.6f,%s}\n", step, loss, t.json_fields().c_str());
+  }
+
+ private:
+  std::FILE* f_ = nullptr;
+};
+
+#if ZP_DEMO_IO
+// The checkpoint's user data: the steps done, then the vocabulary.
+inline std::vector<std::byte> run_state(std::int64_t steps, const Corpus& c) {
+  std::vector<std::byte> b(sizeof steps + c.chars.size());
+  std::memcpy(b.data(), &steps, sizeof steps);
+  std::memcpy(b.data() + sizeof steps, c.chars.data(), c.chars.size());
+  return b;
+}
+
+// The vocabulary in run_state's bytes; empty in checkpoints of older zp_demo versions, which hold
+// the step count alone.
+inline std::string vocabulary_of(std::span<const std::byte> state) {
+  if (state.size() <= sizeof(std::int64_t)) return {};
+  return std::string(reinterpret_cast<const char*>(state.data()) + sizeof(std::int64_t),
+                     state.size() - sizeof(std::int64_t));
+}
+
+#endif
+
+// Without zp::io the helpers below do nothing: check_run_flags refused their flags.
+
+// --resume: loads D/latest and returns the step to go on from; 0 (said on rank 0) when D has no
+// checkpoint yet, so one command line serves a job's first start and every restart. A
+// checkpoint of another vocabulary is an error naming both. Collective.
+template <class E, class Comm>
+int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Corpus& corpus) {
+  if (!o.resume) return 0;
+#if ZP_DEMO_IO
+  std::int64_t saved = std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
+  comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
+  if (!saved) {
+    if (comm.rank() == 0)
+      std::printf("%s: no checkpoint in %s yet: starting at step 0\n", p.name,
+                  o.checkpoint_dir.c_str());
+    return 0;
+  }
+  const std::string text_vocab(corpus.chars.begin(), corpus.chars.end());
+  const auto vocab_error = [&](const std::string& saved_vocab) {
+    return zp::Error(zp::Errc::invalid_argument,
+                     zp::detail::cat("the checkpoint's vocabulary (", saved_vocab.size(),
+                                     " characters) is not the training text's (", text_vocab.size(),
+                                     " characters): resume with the --text files it was "
+                                     "trained on"));
+  };
+  std::vector<std::byte> blob;
+  try {
+    blob = zp::load_checkpoint(engine, o.checkpoint_dir);
+  } catch (const zp::Error&) {
+    // Another vocabulary changes the embedding's shape, which the load reports first: name the
+    // cause when the checkpoint's own user data says so.
+    std::string saved_vocab;
+    try {
+      saved_vocab = vocabulary_of(zp::ckpt::Reader(o.checkpoint_dir).user_blob());
+    } catch (const std::exception&) {
+    }
+    if (!saved_vocab.empty() && saved_vocab != text_vocab) throw vocab_error(saved_vocab);
+    throw;
+  }
+  std::int64_t done = 0;
+  ZP_EXPECT(blob.size() >= sizeof done, "the checkpoint's user data (", blob.size(),
+            " bytes) is not a step count and a vocabulary");
+  std::memcpy(&done, blob.data(), sizeof done);
+  const std::string saved_vocab = vocabulary_of(blob);
+  if (!saved_vocab.empty() && saved_vocab != text_vocab) throw vocab_error(saved_vocab);
+  if (comm.rank() == 0)
+    std::printf("resumed from %s/%s at step %lld (%lld updates applied)\n",
+                o.checkpoint_dir.c_str(), zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(),
+                static_cast<long long>(done), static_cast<long long>(engine.steps()));
+  return int(done);
+#else
+  (void)engine, (void)comm, (void)p, (void)corpus;
+  return 0;
+#endif
+}
+
+// Saves the checkpoint "step<N>" when --save-every divides the steps done. Collective.
+template <class E>
+void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, bool lead) {
+  if (!o.save_every || steps_done % o.save_every != 0) return;
+#if ZP_DEMO_IO
+  const std::string tag = "step" + std::to_string(steps_done);
+  zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c));
+  if (lead) std::printf("saved %s/%s\n", o.checkpoint_dir.c_str(), tag.c_str());
+#else
+  (void)engine, (void)c, (void)lead;
+#endif
+}
+
+// --export: DIR/model.safetensors and DIR/vocab.json. Collective.
+template <class E>
+void export_model(E& engine, const RunFlags& o, const Corpus& c, bool lead) {
+  if (o.export_dir.empty()) return;
+#if ZP_DEMO_IO
+  zp::export_safetensors(engine, o.export_dir);
+  if (lead) {
+    std::string json = "{\"byte_of_id\": [";
+    for (std::size_t i = 0; i < c.chars.size(); ++i)
+      json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c.chars[i])));
+    json += "]}\n";
+    zp::detail::write_file_atomic(std::filesystem::path(o.export_dir) / "vocab.json",
+                                  std::as_bytes(std::span<const char>(json)));
+    std::printf("exported %s/model.safetensors and vocab.json\n", o.export_dir.c_str());
+  }
+#else
+  (void)engine, (void)c, (void)lead;
+#endif
+}
+
+}  // namespace examples
