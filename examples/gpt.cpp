@@ -8,21 +8,27 @@
 //          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
 //          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--wall-clock-breakdown] [--log-json PATH]
+//          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N]
 //
 // Checkpoints and exports are of data-parallel grids (--tp 1 --pp 1) for now; a run saved with
 // --checkpoint-dir/--save-every resumes with --resume at any --ranks, --stage or --backend.
+// --sample N prints N characters the trained model generates after --prompt; with --resume and
+// no steps left (--steps equal to the checkpoint's), it samples from the checkpoint.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
 // zp_demo's.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common.hpp"
@@ -38,6 +44,8 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
+  std::string prompt = "\n";
+  gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
     steps = 300;
@@ -69,48 +77,68 @@ const char* usage =
     "  --layers N         transformer blocks (default 2)\n"
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
-    "  --context N        tokens per sequence, the learned positions (default 32)\n";
+    "  --context N        tokens per sequence, the learned positions (default 32)\n"
+    "  --sample N         after training, print N characters the model generates (default 0)\n"
+    "  --prompt TEXT      the text sampling continues (default a newline)\n"
+    "  --temperature X    sampling temperature; 0: always the most likely character (default 1)\n"
+    "  --top-k N          sample among the N most likely characters; 0: all (default 0)\n"
+    "  --seed N           the sampling's random seed (default 1)\n";
 
 const examples::Program program{"zp_gpt", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(program, argc, argv,
-                       [&](const std::string& a, const std::string& v) {
-                         if (examples::parse_train_flag(program, o, a, v) ||
-                             examples::parse_run_flag(program, o, a, v))
-                           return true;
-                         if (a == "--layers")
-                           o.layers = examples::to_int(program, a, v, 1, 1024);
-                         else if (a == "--d-model")
-                           o.d_model = examples::to_int(program, a, v, 1, 65536);
-                         else if (a == "--heads")
-                           o.heads = examples::to_int(program, a, v, 1, 1024);
-                         else if (a == "--context")
-                           o.context = examples::to_int(program, a, v, 1, 65536);
-                         else if (a == "--tp")
-                           o.tp = examples::to_int(program, a, v, 1, 1024);
-                         else if (a == "--pp")
-                           o.pp = examples::to_int(program, a, v, 1, 1024);
-                         else if (a == "--schedule") {
-                           if (v == "1f1b")
-                             o.schedule = zp::pipeline::Schedule::one_f_one_b;
-                           else if (v == "gpipe")
-                             o.schedule = zp::pipeline::Schedule::gpipe;
-                           else
-                             examples::bad(program,
-                                           "--schedule expects 1f1b or gpipe, got '" + v + "'");
-                         } else
-                           return false;
-                         return true;
-                       },
-                       {"--resume", "--wall-clock-breakdown"});
+  examples::parse_args(
+      program, argc, argv,
+      [&](const std::string& a, const std::string& v) {
+        if (examples::parse_train_flag(program, o, a, v) ||
+            examples::parse_run_flag(program, o, a, v))
+          return true;
+        if (a == "--layers")
+          o.layers = examples::to_int(program, a, v, 1, 1024);
+        else if (a == "--d-model")
+          o.d_model = examples::to_int(program, a, v, 1, 65536);
+        else if (a == "--heads")
+          o.heads = examples::to_int(program, a, v, 1, 1024);
+        else if (a == "--context")
+          o.context = examples::to_int(program, a, v, 1, 65536);
+        else if (a == "--sample")
+          o.sampling.count = examples::to_int(program, a, v, 0, 1000000);
+        else if (a == "--prompt")
+          o.prompt = v;
+        else if (a == "--temperature") {
+          char* end = nullptr;
+          o.sampling.temperature = std::strtod(v.c_str(), &end);
+          if (v.empty() || *end != '\0' || !(o.sampling.temperature >= 0) ||
+              !std::isfinite(o.sampling.temperature))
+            examples::bad(program, "--temperature expects a number >= 0, got '" + v + "'");
+        } else if (a == "--top-k")
+          o.sampling.top_k = examples::to_int(program, a, v, 0, 1 << 20);
+        else if (a == "--seed")
+          o.sampling.seed = std::uint64_t(examples::to_int(program, a, v, 0, 2147483647));
+        else if (a == "--tp")
+          o.tp = examples::to_int(program, a, v, 1, 1024);
+        else if (a == "--pp")
+          o.pp = examples::to_int(program, a, v, 1, 1024);
+        else if (a == "--schedule") {
+          if (v == "1f1b")
+            o.schedule = zp::pipeline::Schedule::one_f_one_b;
+          else if (v == "gpipe")
+            o.schedule = zp::pipeline::Schedule::gpipe;
+          else
+            examples::bad(program, "--schedule expects 1f1b or gpipe, got '" + v + "'");
+        } else
+          return false;
+        return true;
+      },
+      {"--resume", "--wall-clock-breakdown"});
   examples::check_run_flags(program, o);
-  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty()))
-    examples::bad(program, "--checkpoint-dir and --export need --tp 1 --pp 1 for now (got --tp " +
-                               std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
-                               "): checkpoints of tensor- and pipeline-parallel grids are not "
-                               "written yet");
+  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty() || o.sampling.count))
+    examples::bad(program,
+                  "--checkpoint-dir, --export and --sample need --tp 1 --pp 1 for now (got --tp " +
+                      std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
+                      "): checkpoints of tensor- and pipeline-parallel grids are not "
+                      "written yet");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -123,6 +151,33 @@ Options parse(int argc, char** argv) {
                                " modules of the model (--layers + 2)");
   examples::default_text(program, o.text);
   return o;
+}
+
+// --sample: the whole model (gathered from the engine, a data-parallel grid) on rank 0
+// continues --prompt. Collective.
+template <class E>
+void print_sample(E& engine, const gpt::Config& cfg, const Options& o,
+                  const examples::Corpus& corpus, bool lead) {
+  using T = typename E::value_type;
+  const std::vector<T> whole = engine.gather_params();
+  if (!lead) return;
+  std::vector<int> prompt;
+  for (char ch : o.prompt) {
+    const auto at = std::find(corpus.chars.begin(), corpus.chars.end(), ch);
+    ZP_EXPECT(at != corpus.chars.end(), "--prompt: the character '", ch, "' (byte ",
+              int(static_cast<unsigned char>(ch)), ") is not in the training text's vocabulary");
+    prompt.push_back(int(at - corpus.chars.begin()));
+  }
+  gpt::Model<T> model(cfg, 1234);
+  std::size_t at = 0;  // gather_params holds the parameters whole, in forward order
+  zp::visit_parameters<T>(model, [&](std::string_view, int, zp::View<T>& value, zp::View<T>&) {
+    std::copy_n(whole.begin() + std::ptrdiff_t(at), value.size(), value.data());
+    at += value.size();
+  });
+  std::string text = o.prompt;
+  for (int id : gpt::sample(model, prompt, o.sampling)) text += corpus.chars[std::size_t(id)];
+  std::printf("sample (temperature %g, top-k %d, seed %llu):\n%s\n", o.sampling.temperature,
+              o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed), text.c_str());
 }
 
 template <class E, class B>
@@ -235,8 +290,9 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
   examples::export_model(engine, o, corpus, lead);
+  if (o.sampling.count) print_sample(engine, cfg, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (lead) {
+  if (lead && first_step < o.steps) {
     std::printf(
         "\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f "
         "tokens/s\n",

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <numbers>
+#include <random>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -651,6 +652,70 @@ class Model {
       module_begin_;  // tensors_ index of each of this rank's modules, and the end
   std::vector<std::vector<F>> wf_, gf_;  // the current module's weights and gradients in F
 };
+
+// ---- sampling -------------------------------------------------------------------------------
+
+struct SampleOptions {
+  int count = 0;             // tokens to generate
+  double temperature = 1.0;  // the logits are divided by it; 0: always the most likely token
+  int top_k = 0;             // draw among the k most likely tokens only; 0: among all
+  std::uint64_t seed = 1;
+};
+
+// The index drawn from logits (one row of the head's output) as `o` says, with u uniform in
+// [0, 1): the softmax of logits / temperature over the top_k largest, inverted at u; the first
+// largest logit when temperature is 0.
+template <class F>
+int draw(std::span<const F> logits, const SampleOptions& o, double u) {
+  const auto best = std::max_element(logits.begin(), logits.end());
+  if (o.temperature == 0) return int(best - logits.begin());
+  std::vector<int> order(logits.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  const std::size_t k = o.top_k > 0 ? std::min(std::size_t(o.top_k), order.size()) : order.size();
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return logits[std::size_t(a)] > logits[std::size_t(b)]; });
+  std::vector<double> p(k);
+  double total = 0;
+  for (std::size_t j = 0; j < k; ++j)
+    total += p[j] =
+        std::exp((double(logits[std::size_t(order[j])]) - double(*best)) / o.temperature);
+  double acc = 0;
+  for (std::size_t j = 0; j < k; ++j)
+    if ((acc += p[j] / total) > u) return order[j];
+  return order[k - 1];
+}
+
+// `o.count` tokens generated after `prompt` by a whole model (one rank: no tensor or pipeline
+// split): each from the logits at the last position of the last `context` tokens. The positions
+// after the last token are filled with it; causal attention keeps them out of the logits read.
+template <class T, class F>
+std::vector<int> sample(Model<T, F>& model, std::vector<int> prompt, const SampleOptions& o) {
+  const Config& c = model.config();
+  ZP_EXPECT(
+      model.first_module() == 0 && model.has_loss() && model.vocab().size() == std::size_t(c.vocab),
+      "gpt: sampling needs the whole model on one rank (no tensor or pipeline split)");
+  ZP_EXPECT(!prompt.empty(), "gpt: sampling needs a prompt of at least one token");
+  ZP_EXPECT(o.temperature >= 0 && std::isfinite(o.temperature), "gpt: temperature ", o.temperature,
+            " is not a finite number >= 0");
+  for (int t : prompt)
+    ZP_EXPECT(t >= 0 && t < c.vocab, "gpt: prompt token ", t, " is not in the vocabulary [0, ",
+              c.vocab, ")");
+  Activations<F> a(c, 1);
+  std::mt19937_64 rng(o.seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  std::vector<int> out;
+  for (int n = 0; n < o.count; ++n) {
+    const std::size_t len = std::min(prompt.size(), std::size_t(c.context));
+    std::copy(prompt.end() - std::ptrdiff_t(len), prompt.end(), a.tokens.begin());
+    std::fill(a.tokens.begin() + std::ptrdiff_t(len), a.tokens.end(), prompt.back());
+    for (int m = 0; m < model.modules(); ++m) model.forward(m, a);
+    const std::size_t V = std::size_t(c.vocab);
+    const int next = draw(std::span<const F>(a.logits).subspan((len - 1) * V, V), o, uniform(rng));
+    out.push_back(next);
+    prompt.push_back(next);
+  }
+  return out;
+}
 
 // The modules of pipeline stage `stage` of `stages`: the model's layers + 2 modules cut into
 // contiguous ranges of nearly equal count.

@@ -3,10 +3,13 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -295,4 +298,72 @@ TEST_CASE(
   zp::test::expect_invalid([&] { (void)m.loss(a, 1.0f); }, {"target -1 at position 3"});
   a.tokens[7] = zp::tp::ignore_index;  // tokens have no ignore index
   zp::test::expect_invalid([&] { m.forward(0, a); }, {"token -100 at position 7", "[0, 11)"});
+}
+
+TEST_CASE("draw: the softmax of logits / temperature over the top k, inverted at u") {
+  std::mt19937_64 rng(seed_for(7));
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> logits(7);
+    for (auto& x : logits) x = normal(rng);
+    gpt::SampleOptions o;
+    o.temperature = std::array{0.25, 1.0, 3.0}[trial % 3];
+    o.top_k = std::array{0, 1, 3, 7}[(trial / 3) % 4];
+    // Reference in long double: indices by descending logit, the first k, cumulative softmax.
+    std::vector<int> order{0, 1, 2, 3, 4, 5, 6};
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return logits[std::size_t(a)] > logits[std::size_t(b)]; });
+    const std::size_t k = o.top_k ? std::size_t(o.top_k) : order.size();
+    std::vector<long double> p(k);
+    long double total = 0;
+    for (std::size_t j = 0; j < k; ++j)
+      total += p[j] = std::exp((long double)logits[std::size_t(order[j])] / o.temperature);
+    const double u = uniform(rng);
+    long double acc = 0;
+    int want = order[k - 1];
+    for (std::size_t j = 0; j < k; ++j)
+      if ((acc += p[j] / total) > u) {
+        want = order[j];
+        break;
+      }
+    CAPTURE(o.temperature);
+    CAPTURE(o.top_k);
+    CAPTURE(u);
+    CHECK(gpt::draw(std::span<const float>(logits), o, u) == want);
+    o.temperature = 0;  // the most likely token, whatever u
+    CHECK(gpt::draw(std::span<const float>(logits), o, u) == order[0]);
+  }
+}
+
+TEST_CASE("greedy sampling continues with the argmax of a forward over the prefix alone") {
+  const std::uint64_t seed = seed_for(8);
+  gpt::Model<float> m(tiny, seed);
+  std::vector<int> prompt{1, 4, 2};
+  gpt::SampleOptions o;
+  o.count = tiny.context + 3;  // past the context: the window slides
+  o.temperature = 0;
+  const std::vector<int> got = gpt::sample(m, prompt, o);
+  REQUIRE(got.size() == std::size_t(o.count));
+  // Reference: the prefix in a batch of one, padded with another token than sample()'s.
+  gpt::Activations<float> a(tiny, 1);
+  std::vector<int> seq = prompt;
+  const std::size_t V = std::size_t(tiny.vocab);
+  for (int n = 0; n < o.count; ++n) {
+    const std::size_t len = std::min(seq.size(), std::size_t(tiny.context));
+    std::fill(a.tokens.begin(), a.tokens.end(), (seq.back() + 1) % tiny.vocab);
+    std::copy(seq.end() - std::ptrdiff_t(len), seq.end(), a.tokens.begin());
+    for (int mod = 0; mod < m.modules(); ++mod) m.forward(mod, a);
+    const auto row = a.logits.begin() + std::ptrdiff_t((len - 1) * V);
+    const int want = int(std::max_element(row, row + std::ptrdiff_t(V)) - row);
+    CAPTURE(n);
+    CHECK(got[std::size_t(n)] == want);
+    seq.push_back(want);
+  }
+  // The same seed draws the same tokens; a token outside the vocabulary is an error.
+  o.temperature = 1;
+  o.seed = seed;
+  CHECK(gpt::sample(m, prompt, o) == gpt::sample(m, prompt, o));
+  zp::test::expect_invalid([&] { gpt::sample(m, {tiny.vocab}, o); },
+                           {"prompt token", "not in the vocabulary"});
 }

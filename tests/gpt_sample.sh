@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# zp_gpt --sample (issue #20): trained on a repeating text, greedy sampling continues the
+# pattern; the same sample comes from the checkpoint (--resume with no steps left); a prompt
+# character outside the vocabulary and sampling on a TP grid are refused with their reasons.
+#   gpt_sample.sh <zp_gpt> <work dir>
+set -euo pipefail
+gpt=$1 dir=$2/gpt-sample
+rm -rf "$dir" && mkdir -p "$dir"
+printf 'abcdefgh%.0s' $(seq 400) > "$dir/pattern.txt"
+args=(--text "$dir/pattern.txt" --layers 1 --d-model 32 --heads 4 --context 16 --micro-batch 8
+      --lr 1e-2 --steps 150 --log-every 50 --ranks 2 --sample 24 --prompt cde --temperature 0)
+"$gpt" "${args[@]}" --checkpoint-dir "$dir/ckpt" --save-every 150 > "$dir/train.log"
+want=cdefghabcdefghabcdefghabcde
+grep -qx "$want" "$dir/train.log"
+"$gpt" "${args[@]}" --checkpoint-dir "$dir/ckpt" --resume > "$dir/resumed.log"
+grep -q "resumed from $dir/ckpt/step150 at step 150" "$dir/resumed.log"
+grep -qx "$want" "$dir/resumed.log"
+if grep -q "summary:" "$dir/resumed.log"; then echo "a run with no steps left printed a summary"; exit 1; fi
+echo "greedy sample after training and from the checkpoint: $want"
+if "$gpt" "${args[@]}" --prompt cdx > "$dir/bad.log" 2>&1; then echo "an unknown prompt character was accepted"; exit 1; fi
+grep -q "the character 'x' (byte 120) is not in the training text's vocabulary" "$dir/bad.log"
+if "$gpt" "${args[@]}" --tp 2 > "$dir/tp.log" 2>&1; then echo "sampling on a TP grid was accepted"; exit 1; fi
+grep -q -- "--sample need --tp 1 --pp 1 for now" "$dir/tp.log"
+rm -rf "$dir"
+echo "zp_gpt sampling: ok"
