@@ -3,7 +3,7 @@
 # missing. The CUDA toolkit (optional) is expected in /usr/local/cuda.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ make clang-format doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin
-      nlohmann-json3-dev python3-numpy python3-venv)
+      nlohmann-json3-dev liburing-dev python3-numpy python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -15,7 +15,7 @@ set(_zp_cmake_dir ${CMAKE_INSTALL_DATADIR}/zp/cmake)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/zp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
         ${_zp_install_args})
 set(_zp_targets zp)
-foreach(_c sim mpi io cuda nccl)
+foreach(_c sim mpi io aio cuda nccl)
   if(TARGET zp_${_c})
     list(APPEND _zp_targets zp_${_c})
   endif()
@@ -28,8 +28,9 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/zpConfig.cmake.in
                               INSTALL_DESTINATION ${_zp_cmake_dir})
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/zpConfigVersion.cmake
                                  COMPATIBILITY SameMinorVersion ARCH_INDEPENDENT)
-configure_file(${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake ${PROJECT_BINARY_DIR}/FindNCCL.cmake
-               COPYONLY)  # zpConfig.cmake looks for it beside itself, in the build tree too
+foreach(_f FindNCCL FindLiburing)  # zpConfig.cmake looks for them beside itself, in the build tree too
+  configure_file(${PROJECT_SOURCE_DIR}/cmake/${_f}.cmake ${PROJECT_BINARY_DIR}/${_f}.cmake COPYONLY)
+endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/zpConfig.cmake ${PROJECT_BINARY_DIR}/zpConfigVersion.cmake
-              ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake ${PROJECT_SOURCE_DIR}/cmake/FindLiburing.cmake
         DESTINATION ${_zp_cmake_dir} ${_zp_install_args})

@@ -1,0 +1,250 @@
+// zp/async_file.hpp: large transfers between memory and a file, asynchronous, through io_uring
+// (liburing; component zp::aio). The I/O layer of ZeRO-Infinity's NVMe offload (issue #21): a
+// transfer is cut into requests of Options::block_bytes, at most Options::queue_depth of them in
+// flight, and several transfers may be in flight at once (read the next piece while the last
+// one is written back).
+//
+//   zp::aio::File f("swap/master.bin", zp::aio::Mode::read_write, {.queue_depth = 32});
+//   zp::aio::AlignedBuffer buf(bytes);                          // 4096-byte aligned
+//   f.write(buf.span(), 0);                                     // returns once written
+//   zp::aio::Transfer t = f.read_async(buf.span(), 0);          // ... other work ...
+//   f.wait(t);
+//
+// O_DIRECT (no page cache) where the file system allows it; where it refuses (tmpfs, some network
+// file systems) the file is opened without it and direct() says so. In direct mode a buffer's
+// address, an offset and a length must be multiples of `alignment` (4096 bytes): anything else is
+// an Errc::invalid_argument naming the value. Every failure of the system (ENOSPC, EIO, EFBIG, a
+// read that meets the end of the file) is an Errc::io naming the file, the call, the offset and
+// the length; a transfer's error is thrown by the wait() that finishes it.
+//
+// A File is used by one thread at a time (io_uring's submission queue is not shared).
+#pragma once
+
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "zp/error.hpp"
+
+namespace zp::aio {
+
+// What O_DIRECT needs of addresses, offsets and lengths on the file systems zp meets (4 KiB
+// logical blocks; a multiple of 512-byte sectors).
+inline constexpr std::size_t alignment = 4096;
+
+enum class Mode { read, read_write };  // read_write creates the file if it is missing
+
+struct Options {
+  unsigned queue_depth = 32;                       // requests in flight at most
+  std::size_t block_bytes = std::size_t(1) << 20;  // bytes of one request
+  bool direct = true;  // try O_DIRECT (kept only where the file system allows)
+};
+
+// Heap memory aligned for O_DIRECT, its size rounded up to a multiple of `alignment`.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(std::size_t bytes)
+      : size_(bytes),
+        p_(static_cast<std::byte*>(
+            std::aligned_alloc(alignment, (bytes + alignment - 1) / alignment * alignment))) {
+    if (!p_ && bytes)
+      throw Error(Errc::out_of_memory,
+                  detail::cat("aio: cannot allocate an aligned buffer of ", bytes, " bytes"));
+  }
+  std::span<std::byte> span() const noexcept { return {p_.get(), size_}; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  std::size_t size_;
+  std::unique_ptr<std::byte, Free> p_;
+};
+
+// An asynchronous transfer in flight; File::wait() finishes it.
+struct Transfer {
+  std::uint64_t id = 0;
+};
+
+class File {
+ public:
+  File(std::filesystem::path path, Mode mode, Options opt = {})
+      : path_(std::move(path)), opt_(opt) {
+    ZP_EXPECT(opt.queue_depth >= 1 && opt.queue_depth <= 4096, "aio: queue_depth ", opt.queue_depth,
+              " is not in [1, 4096]");
+    ZP_EXPECT(opt.block_bytes >= alignment && opt.block_bytes % alignment == 0 &&
+                  opt.block_bytes <= std::size_t(1) << 30,
+              "aio: block_bytes ", opt.block_bytes, " is not a multiple of ", alignment, " in [",
+              alignment, ", 1 GiB]");
+    const int flags = (mode == Mode::read ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC;
+    direct_ = opt.direct;
+    fd_ = direct_ ? ::open(path_.c_str(), flags | O_DIRECT, 0644) : -1;
+    if (fd_ < 0 && direct_ && errno == EINVAL) direct_ = false;  // the file system refuses it
+    if (fd_ < 0 && !direct_) fd_ = ::open(path_.c_str(), flags, 0644);
+    if (fd_ < 0) throw io_error("open", 0, 0, errno);
+    if (const int e = io_uring_queue_init(opt.queue_depth, &ring_, 0); e < 0) {
+      ::close(fd_);
+      throw io_error("io_uring_queue_init", 0, 0, -e);
+    }
+  }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
+    try {
+      while (in_flight_ > 0) reap_one();  // the kernel must not write into freed buffers
+    } catch (...) {
+    }
+    io_uring_queue_exit(&ring_);
+    ::close(fd_);
+  }
+
+  const std::filesystem::path& path() const noexcept { return path_; }
+  bool direct() const noexcept { return direct_; }
+  std::uint64_t size() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw io_error("fstat", 0, 0, errno);
+    return std::uint64_t(st.st_size);
+  }
+
+  Transfer read_async(std::span<std::byte> dst, std::uint64_t offset) {
+    return submit(false, dst.data(), dst.size(), offset);
+  }
+  Transfer write_async(std::span<const std::byte> src, std::uint64_t offset) {
+    return submit(true, const_cast<std::byte*>(src.data()), src.size(), offset);
+  }
+  // Runs the queue until t is finished; throws its first error. A finished or unknown t returns.
+  void wait(Transfer t) {
+    auto it = transfers_.find(t.id);
+    while (it != transfers_.end() && it->second.requests_left > 0) {
+      pump();
+      it = transfers_.find(t.id);
+    }
+    if (it == transfers_.end()) return;
+    const std::string error = std::move(it->second.error);
+    const int code = it->second.code;
+    transfers_.erase(it);
+    if (!error.empty()) throw Error(Errc::io, error, code);
+  }
+  void read(std::span<std::byte> dst, std::uint64_t offset) { wait(read_async(dst, offset)); }
+  void write(std::span<const std::byte> src, std::uint64_t offset) {
+    wait(write_async(src, offset));
+  }
+
+ private:
+  struct Request {
+    std::uint64_t transfer;
+    bool write;
+    std::byte* buf;
+    std::uint64_t offset;
+    std::size_t len, done = 0;
+  };
+  struct State {
+    std::size_t requests_left = 0;
+    std::string error;  // the first failure
+    int code = 0;
+  };
+
+  std::string io_message(const char* call, std::uint64_t offset, std::size_t len,
+                         const std::string& why) const {
+    return detail::cat("aio: ", call, " of '", path_.string(), "'",
+                       len ? detail::cat(" at offset ", offset, " (", len, " bytes)") : "", ": ",
+                       why);
+  }
+  Error io_error(const char* call, std::uint64_t offset, std::size_t len, int err) const {
+    return Error(Errc::io, io_message(call, offset, len, std::strerror(err)), err);
+  }
+
+  Transfer submit(bool write, std::byte* buf, std::size_t len, std::uint64_t offset) {
+    const char* what = write ? "write" : "read";
+    if (direct_) {
+      ZP_EXPECT(reinterpret_cast<std::uintptr_t>(buf) % alignment == 0, "aio: ", what, " of '",
+                path_.string(), "': buffer address ", static_cast<const void*>(buf),
+                " is not a multiple of ", alignment, " (O_DIRECT; use AlignedBuffer)");
+      ZP_EXPECT(offset % alignment == 0 && len % alignment == 0, "aio: ", what, " of '",
+                path_.string(), "': offset ", offset, " and length ", len, " must be multiples of ",
+                alignment, " (O_DIRECT)");
+    }
+    const std::uint64_t id = ++last_id_;
+    State& st = transfers_[id];
+    for (std::size_t at = 0; at < len; at += opt_.block_bytes) {
+      pending_.push_back({id, write, buf + at, offset + at, std::min(opt_.block_bytes, len - at)});
+      ++st.requests_left;
+    }
+    if (st.requests_left == 0) transfers_.erase(id);  // nothing to move
+    return {id};
+  }
+
+  // Fills the submission queue from pending_, then reaps one completion.
+  void pump() {
+    while (in_flight_ < opt_.queue_depth && !pending_.empty()) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (!sqe) break;
+      auto slot = std::make_unique<Request>(pending_.front());
+      pending_.pop_front();
+      Request& r = *slot;
+      if (r.write)
+        io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
+      else
+        io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
+      io_uring_sqe_set_data(sqe, slot.release());
+      ++in_flight_;
+    }
+    if (const int e = io_uring_submit(&ring_); e < 0) throw io_error("io_uring_submit", 0, 0, -e);
+    reap_one();
+  }
+
+  void reap_one() {
+    io_uring_cqe* cqe = nullptr;
+    int e;
+    while ((e = io_uring_wait_cqe(&ring_, &cqe)) == -EINTR) {
+    }
+    if (e < 0) throw io_error("io_uring_wait_cqe", 0, 0, -e);
+    std::unique_ptr<Request> r(static_cast<Request*>(io_uring_cqe_get_data(cqe)));
+    const int res = cqe->res;
+    io_uring_cqe_seen(&ring_, cqe);
+    --in_flight_;
+    State& st = transfers_[r->transfer];
+    const auto fail = [&](std::string why, int code) {
+      if (st.error.empty()) st.error = std::move(why), st.code = code;
+      --st.requests_left;
+    };
+    const char* call = r->write ? "write" : "read";
+    if (res < 0) return fail(io_message(call, r->offset, r->len, std::strerror(-res)), -res);
+    if (res == 0)
+      return fail(io_message(call, r->offset + r->done, r->len - r->done,
+                             r->write ? "no bytes written" : "the file ends there"),
+                  0);
+    r->done += std::size_t(res);
+    if (r->done < r->len)
+      pending_.push_front(*r);  // a short transfer: the rest goes again
+    else
+      --st.requests_left;
+  }
+
+  std::filesystem::path path_;
+  Options opt_;
+  int fd_ = -1;
+  bool direct_ = true;
+  io_uring ring_{};
+  unsigned in_flight_ = 0;
+  std::deque<Request> pending_;
+  std::map<std::uint64_t, State> transfers_;
+  std::uint64_t last_id_ = 0;
+};
+
+}  // namespace zp::aio

@@ -1,0 +1,140 @@
+// zp/async_file.hpp: round trips of random bytes through files at several block sizes and queue
+// depths, against the bytes written (every byte of a poisoned buffer read back); several
+// transfers in flight finished in any order; reads past the end of the file, writes past the
+// process's file-size limit, files that cannot be opened and misaligned O_DIRECT requests are
+// errors naming the file, the call, the offset and the value.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "expect_error.hpp"
+#include "random.hpp"
+#include "temp_dir.hpp"
+#include "zp/async_file.hpp"
+
+namespace {
+
+using zp::aio::AlignedBuffer;
+using zp::aio::File;
+using zp::aio::Mode;
+
+void fill_random(std::span<std::byte> b, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (auto& x : b) x = std::byte(rng() & 0xff);
+}
+
+}  // namespace
+
+TEST_CASE("random bytes go out and come back at every block size and queue depth") {
+  zp::test::TempDir dir("aio");
+  const std::uint64_t seed = zp::test::fresh_seed();
+  const std::size_t bytes =
+      (std::size_t(3) << 20) + 5 * zp::aio::alignment;  // not a block multiple
+  AlignedBuffer out(bytes), in(bytes);
+  fill_random(out.span(), seed);
+  for (std::size_t block : {std::size_t(4096), std::size_t(64) << 10, std::size_t(1) << 20})
+    for (unsigned depth : {1u, 4u, 32u}) {
+      CAPTURE(block);
+      CAPTURE(depth);
+      File f(dir.path / "round.bin", Mode::read_write,
+             {.queue_depth = depth, .block_bytes = block});
+      const std::uint64_t at = 8 * zp::aio::alignment;  // leaves a hole before it
+      f.write(out.span(), at);
+      CHECK(f.size() == at + bytes);
+      std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
+      f.read(in.span(), at);
+      CHECK(std::memcmp(in.span().data(), out.span().data(), bytes) == 0);
+    }
+}
+
+TEST_CASE("several transfers in flight finish in any order") {
+  zp::test::TempDir dir("aio");
+  const std::uint64_t seed = zp::test::fresh_seed();
+  const std::size_t piece = std::size_t(256) << 10;
+  std::vector<AlignedBuffer> out, in;
+  for (int k = 0; k < 4; ++k) {
+    out.emplace_back(piece);
+    in.emplace_back(piece);
+    fill_random(out.back().span(), seed + std::uint64_t(k));
+  }
+  File f(dir.path / "many.bin", Mode::read_write, {.queue_depth = 3, .block_bytes = 64 << 10});
+  std::vector<zp::aio::Transfer> w, r;
+  for (int k = 0; k < 4; ++k) w.push_back(f.write_async(out[std::size_t(k)].span(), k * piece));
+  for (int k = 3; k >= 0; --k) f.wait(w[std::size_t(k)]);
+  for (int k = 0; k < 4; ++k) r.push_back(f.read_async(in[std::size_t(k)].span(), k * piece));
+  f.wait(r[2]);
+  f.wait(r[0]);
+  f.wait(r[3]);
+  f.wait(r[1]);
+  f.wait(r[1]);  // finished already: returns
+  for (std::size_t k = 0; k < 4; ++k)
+    CHECK(std::memcmp(in[k].span().data(), out[k].span().data(), piece) == 0);
+}
+
+TEST_CASE("without O_DIRECT any address, offset and length work") {
+  zp::test::TempDir dir("aio");
+  std::vector<std::byte> out(10007), in(10007, std::byte{0});
+  fill_random(out, zp::test::fresh_seed());
+  File f(dir.path / "plain.bin", Mode::read_write, {.block_bytes = 4096, .direct = false});
+  CHECK_FALSE(f.direct());
+  f.write(std::span<const std::byte>(out).subspan(1), 13);
+  f.read(std::span<std::byte>(in).subspan(1), 13);
+  CHECK(std::equal(in.begin() + 1, in.end(), out.begin() + 1));
+}
+
+TEST_CASE("failures are errors naming the file, the call, the offset and the value") {
+  zp::test::TempDir dir("aio");
+  const auto path = dir.path / "short.bin";
+  AlignedBuffer buf(4 * zp::aio::alignment);
+  fill_random(buf.span(), zp::test::fresh_seed());
+  {
+    File f(path, Mode::read_write);
+    f.write(buf.span().first(2 * zp::aio::alignment), 0);
+  }
+  File f(path, Mode::read);
+  // Past the end: the second half of the read finds no bytes.
+  zp::test::expect_error(zp::Errc::io, [&] { f.read(buf.span(), 0); },
+                         {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
+  // The file is still usable after an error.
+  f.read(buf.span().first(zp::aio::alignment), zp::aio::alignment);
+  zp::test::expect_error(zp::Errc::io,
+                         [&] { File(dir.path / "missing" / "x.bin", Mode::read_write); },
+                         {"aio: open of '", "missing/x.bin'", "No such file or directory"});
+  zp::test::expect_invalid([&] { File(path, Mode::read, {.queue_depth = 0}); },
+                           {"queue_depth 0 is not in [1, 4096]"});
+  zp::test::expect_invalid([&] { File(path, Mode::read, {.block_bytes = 1000}); },
+                           {"block_bytes 1000 is not a multiple of 4096"});
+  if (f.direct()) {
+    zp::test::expect_invalid([&] { f.read(buf.span().subspan(1, 4096), 0); },
+                             {"buffer address", "is not a multiple of 4096", "AlignedBuffer"});
+    zp::test::expect_invalid([&] { f.read(buf.span().first(4096), 100); },
+                             {"offset 100 and length 4096 must be multiples of 4096"});
+  } else {
+    MESSAGE("the temporary directory's file system refuses O_DIRECT: alignment not checked");
+  }
+}
+
+TEST_CASE("a write past the process's file-size limit is an error naming it") {
+  zp::test::TempDir dir("aio");
+  AlignedBuffer buf(std::size_t(256) << 10);
+  fill_random(buf.span(), zp::test::fresh_seed());
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  const auto before = ::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+  rlimit lim = old;
+  lim.rlim_cur = 64 << 10;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &lim) == 0);
+  {
+    File f(dir.path / "big.bin", Mode::read_write, {.block_bytes = 64 << 10});
+    zp::test::expect_error(zp::Errc::io, [&] { f.write(buf.span(), 0); },
+                           {"aio: write of '", "big.bin' at offset 65536", "File too large"});
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, before);
+}
