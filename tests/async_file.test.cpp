@@ -46,6 +46,7 @@ TEST_CASE("random bytes go out and come back at every block size and queue depth
              {.queue_depth = depth, .block_bytes = block});
       const std::uint64_t at = 8 * zp::aio::alignment;  // leaves a hole before it
       f.write(out.span(), at);
+      f.sync();
       CHECK(f.size() == at + bytes);
       std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
       f.read(in.span(), at);

@@ -140,6 +140,10 @@ class File {
     transfers_.erase(it);
     if (!error.empty()) throw Error(Errc::io, error, code);
   }
+  // Makes the data of the transfers already waited for durable (fdatasync).
+  void sync() {
+    if (::fdatasync(fd_) != 0) throw io_error("fdatasync", 0, 0, errno);
+  }
   void read(std::span<std::byte> dst, std::uint64_t offset) { wait(read_async(dst, offset)); }
   void write(std::span<const std::byte> src, std::uint64_t offset) {
     wait(write_async(src, offset));

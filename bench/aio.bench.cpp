@@ -1,0 +1,162 @@
+// zp_bench_aio: zp::aio (io_uring) against a plain synchronous loop over the same file, both with
+// O_DIRECT where the file system allows it, measured in the same run.
+//
+// aio/<write|read>/depth:D/block:B  a 1 GiB transfer (ZP_BENCH_AIO_BYTES overrides) through one
+//   File with queue depth D and requests of B bytes; GBps = bytes / time (mean over the
+//   iterations); vs_sync = its GBps over the sync row's at the same block size; direct = 1 where
+//   O_DIRECT was in effect.
+// sync/<write|read>/block:B  the baseline: pwrite/pread of B bytes at a time, one in flight.
+// The file lives in ZP_BENCH_AIO_DIR (default: the temporary directory): put it on the NVMe
+// device to measure. Every read row first checks the bytes against what was written.
+#include <benchmark/benchmark.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+
+#include "zp/async_file.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using zp::aio::AlignedBuffer;
+
+std::size_t total_bytes() {
+  const char* v = std::getenv("ZP_BENCH_AIO_BYTES");
+  const std::size_t b = v ? std::size_t(std::strtoull(v, nullptr, 10)) : std::size_t(1) << 30;
+  return std::max<std::size_t>(b / (1 << 20), 1) << 20;  // whole MiB
+}
+
+fs::path bench_file() {
+  const char* d = std::getenv("ZP_BENCH_AIO_DIR");
+  return fs::path(d ? d : fs::temp_directory_path().string()) /
+         ("zp_bench_aio." + std::to_string(::getpid()));
+}
+
+// The data every row writes (random, so nothing compresses), and reads back.
+const AlignedBuffer& data() {
+  static const AlignedBuffer b = [] {
+    AlignedBuffer a(total_bytes());
+    std::mt19937_64 rng(12345);
+    auto* w = reinterpret_cast<std::uint64_t*>(a.span().data());
+    for (std::size_t i = 0; i < a.span().size() / 8; ++i) w[i] = rng();
+    return a;
+  }();
+  return b;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// GB/s of the sync rows, by (write, block), for vs_sync.
+std::map<std::pair<bool, std::size_t>, double>& sync_gbps() {
+  static std::map<std::pair<bool, std::size_t>, double> m;
+  return m;
+}
+
+void sync_loop(benchmark::State& state, bool write) {
+  const std::size_t block = std::size_t(state.range(0)), n = total_bytes();
+  const fs::path path = bench_file();
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd < 0) fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return state.SkipWithError(("cannot open " + path.string()).c_str());
+  AlignedBuffer in(n);
+  const auto& d = data();
+  for (std::size_t at = 0; !write && at < n; at += block)  // a file to read
+    if (::pwrite(fd, d.span().data() + at, block, off_t(at)) != ssize_t(block))
+      return state.SkipWithError("pwrite failed");
+  double secs = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t at = 0; at < n; at += block) {
+      const ssize_t r = write ? ::pwrite(fd, d.span().data() + at, block, off_t(at))
+                              : ::pread(fd, in.span().data() + at, block, off_t(at));
+      if (r != ssize_t(block)) return state.SkipWithError("short pread/pwrite");
+    }
+    if (write) ::fdatasync(fd);
+    const double t = seconds_since(t0);
+    state.SetIterationTime(t);
+    secs += t;
+  }
+  ::close(fd);
+  fs::remove(path);
+  if (!write && std::memcmp(in.span().data(), d.span().data(), n) != 0)
+    return state.SkipWithError("the bytes read back differ");
+  const double gbps = double(n) * double(state.iterations()) / secs / 1e9;
+  sync_gbps()[{write, block}] = gbps;
+  state.counters["GBps"] = gbps;
+}
+
+void aio_loop(benchmark::State& state, bool write) {
+  const unsigned depth = unsigned(state.range(0));
+  const std::size_t block = std::size_t(state.range(1)), n = total_bytes();
+  const fs::path path = bench_file();
+  double secs = 0;
+  bool direct = false;
+  try {
+    zp::aio::File f(path, zp::aio::Mode::read_write, {.queue_depth = depth, .block_bytes = block});
+    direct = f.direct();
+    AlignedBuffer in(n);
+    if (!write) f.write(data().span(), 0);
+    for (auto _ : state) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (write) {
+        f.write(data().span(), 0);
+        f.sync();  // as the sync row: the bytes on the device, not in its cache
+      } else {
+        f.read(in.span(), 0);
+      }
+      const double t = seconds_since(t0);
+      state.SetIterationTime(t);
+      secs += t;
+    }
+    if (!write && std::memcmp(in.span().data(), data().span().data(), n) != 0)
+      return state.SkipWithError("the bytes read back differ");
+  } catch (const std::exception& e) {
+    fs::remove(path);
+    return state.SkipWithError(e.what());
+  }
+  fs::remove(path);
+  const double gbps = double(n) * double(state.iterations()) / secs / 1e9;
+  state.counters["GBps"] = gbps;
+  state.counters["direct"] = direct;
+  if (auto it = sync_gbps().find({write, block}); it != sync_gbps().end())
+    state.counters["vs_sync"] = gbps / it->second;
+}
+
+const bool registered = [] {
+  for (bool write : {true, false}) {
+    const std::string op = write ? "write" : "read";
+    for (std::int64_t block : {std::int64_t(1) << 20})
+      benchmark::RegisterBenchmark(("sync/" + op).c_str(),
+                                   [=](benchmark::State& s) { sync_loop(s, write); })
+          ->Arg(block)
+          ->ArgName("block")
+          ->Iterations(3)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("aio/" + op).c_str(),
+                                 [=](benchmark::State& s) { aio_loop(s, write); })
+        ->ArgNames({"depth", "block"})
+        ->Args({1, 1 << 20})
+        ->Args({8, 1 << 20})
+        ->Args({32, 1 << 20})
+        ->Args({32, 128 << 10})
+        ->Iterations(3)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
