@@ -1,0 +1,161 @@
+// zp/quantize.hpp: blockwise symmetric quantization to int8 or int4, the element math of ZeRO++'s
+// quantized weight gathers and gradient reductions (issue #22), written once for host and device.
+//
+// A tensor of n values (float, bf16 or fp16) is cut into blocks of `block` values (the last one
+// short). Block k has one fp32 scale, its largest |x| over qmax (127 for int8, 7 for int4), and
+// each value becomes q = x / scale rounded to the nearest integer, ties to even, so that
+// |x - q * scale| <= absmax / (2 qmax) up to fp32 rounding. int8 codes take a byte each; int4
+// codes two per byte, the lower nibble first (two's complement), and `block` must then be even so
+// that every block starts on a byte. A block with an inf or NaN gets a NaN scale and dequantizes
+// to NaN throughout: the overflow the loss scaler sees, never finite garbage.
+//
+//   zp::quant::Format f{.bits = zp::quant::Bits::int8, .block = 256};
+//   std::vector<std::uint8_t> q(f.code_bytes(n));  std::vector<float> s(f.blocks(n));
+//   zp::quant::quantize(std::span<const bf16>(x), f, std::span(q), std::span(s));
+//   zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s), out);
+//   zp::quant::dequantize_add(f, q, s, acc);   // acc += dequant(q): fp32 accumulation
+//
+// QuantizeBlock and DequantizeBlock are the work items (one block each) that a device launches
+// with zp::device::launch; the host functions here run them in a loop.
+#pragma once
+
+#include <math.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+
+#include "zp/config.hpp"
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp::quant {
+
+enum class Bits : std::uint8_t { int8 = 8, int4 = 4 };
+
+struct Format {
+  Bits bits = Bits::int8;
+  std::size_t block = 256;  // values per scale
+
+  ZP_HOST_DEVICE int qmax() const { return bits == Bits::int8 ? 127 : 7; }
+  ZP_HOST_DEVICE std::size_t blocks(std::size_t n) const { return (n + block - 1) / block; }
+  ZP_HOST_DEVICE std::size_t code_bytes(std::size_t n) const {
+    return bits == Bits::int8 ? n : (n + 1) / 2;
+  }
+  void check() const {
+    ZP_EXPECT(block >= 1, "quantize: block size ", block, " must be at least 1");
+    ZP_EXPECT(bits == Bits::int8 || block % 2 == 0, "quantize: block size ", block,
+              " is odd; int4 packs two codes a byte, so its blocks must be even");
+  }
+};
+
+namespace detail {
+
+template <class T>
+ZP_HOST_DEVICE inline float value(T x) {
+  return float(x);
+}
+
+// Code i of the codes at q (int8: byte i; int4: nibble i, sign-extended).
+ZP_HOST_DEVICE inline int code(const std::uint8_t* q, Bits bits, std::size_t i) {
+  if (bits == Bits::int8) return int(static_cast<std::int8_t>(q[i]));
+  const int nib = (q[i / 2] >> (4 * (i % 2))) & 0xf;
+  return nib >= 8 ? nib - 16 : nib;
+}
+
+}  // namespace detail
+
+// Work item k: quantizes block k of x[0, n) into codes and scales[k].
+template <class T>
+struct QuantizeBlock {
+  const T* x;
+  std::size_t n;
+  Format f;
+  std::uint8_t* codes;
+  float* scales;
+
+  ZP_HOST_DEVICE void operator()(std::size_t k) const {
+    const std::size_t lo = k * f.block, hi = lo + f.block < n ? lo + f.block : n;
+    float absmax = 0;
+    bool finite = true;
+    for (std::size_t i = lo; i < hi; ++i) {
+      const float v = detail::value(x[i]);
+      finite = finite && v - v == 0;  // false for inf and NaN
+      absmax = ::fabsf(v) > absmax ? ::fabsf(v) : absmax;
+    }
+    const float scale = finite ? absmax / float(f.qmax()) : NAN;
+    scales[k] = scale;
+    // rintf rounds to nearest, ties to even (the default rounding mode); |x / scale| <= qmax.
+    const auto q = [&](std::size_t i) {
+      return i >= hi || !finite || scale == 0 ? 0 : int(::rintf(detail::value(x[i]) / scale));
+    };
+    if (f.bits == Bits::int8) {
+      for (std::size_t i = lo; i < hi; ++i)
+        codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
+    } else {  // lo is even: the block's bytes are its own
+      for (std::size_t i = lo; i < hi; i += 2)
+        codes[i / 2] = std::uint8_t((q(i) & 0xf) | ((q(i + 1) & 0xf) << 4));
+    }
+  }
+};
+
+// Work item k: dequantizes block k into out[lo, hi) (Accumulate: adds to it).
+template <class T, bool Accumulate>
+struct DequantizeBlock {
+  const std::uint8_t* codes;
+  const float* scales;
+  std::size_t n;
+  Format f;
+  T* out;
+
+  ZP_HOST_DEVICE void operator()(std::size_t k) const {
+    const std::size_t lo = k * f.block, hi = lo + f.block < n ? lo + f.block : n;
+    const float scale = scales[k];
+    for (std::size_t i = lo; i < hi; ++i) {
+      const float v = float(detail::code(codes, f.bits, i)) * scale;
+      if constexpr (Accumulate)
+        out[i] = T(detail::value(out[i]) + v);
+      else
+        out[i] = T(v);
+    }
+  }
+};
+
+namespace detail {
+inline void check_sizes(const Format& f, std::size_t n, std::size_t code_bytes, std::size_t scales,
+                        const char* what) {
+  f.check();
+  ZP_EXPECT(code_bytes == f.code_bytes(n) && scales == f.blocks(n), what, ": ", n,
+            " values in blocks of ", f.block, " need ", f.code_bytes(n), " code bytes and ",
+            f.blocks(n), " scales, got ", code_bytes, " and ", scales);
+}
+}  // namespace detail
+
+// x -> codes, scales (sizes f.code_bytes(n), f.blocks(n)), on the host.
+template <class T>
+void quantize(std::span<const T> x, const Format& f, std::span<std::uint8_t> codes,
+              std::span<float> scales) {
+  detail::check_sizes(f, x.size(), codes.size(), scales.size(), "quantize");
+  const QuantizeBlock<T> item{x.data(), x.size(), f, codes.data(), scales.data()};
+  for (std::size_t k = 0; k < scales.size(); ++k) item(k);
+}
+
+// codes, scales -> out (rounded to T, to nearest even), on the host.
+template <class T>
+void dequantize(const Format& f, std::span<const std::uint8_t> codes, std::span<const float> scales,
+                std::span<T> out) {
+  detail::check_sizes(f, out.size(), codes.size(), scales.size(), "dequantize");
+  const DequantizeBlock<T, false> item{codes.data(), scales.data(), out.size(), f, out.data()};
+  for (std::size_t k = 0; k < scales.size(); ++k) item(k);
+}
+
+// acc += dequantized codes, in fp32, on the host.
+inline void dequantize_add(const Format& f, std::span<const std::uint8_t> codes,
+                           std::span<const float> scales, std::span<float> acc) {
+  detail::check_sizes(f, acc.size(), codes.size(), scales.size(), "dequantize_add");
+  const DequantizeBlock<float, true> item{codes.data(), scales.data(), acc.size(), f, acc.data()};
+  for (std::size_t k = 0; k < scales.size(); ++k) item(k);
+}
+
+}  // namespace zp::quant

@@ -1,0 +1,139 @@
+// zp/quantize.hpp against a float64 reference: for int8 and int4, fp32/bf16/fp16 inputs, block
+// sizes 2-256 and lengths 0, 1, block - 1, block + 1 and primes, every scale is the block's
+// absmax / qmax, every code is in [-qmax, qmax] and within one step of x / scale (a tie of the
+// float64 quotient may go either way), |x - dequant| <= absmax / (2 qmax) up to fp32 rounding,
+// dequantizing into T is the fp32 value rounded to T, and dequantize_add adds exactly that fp32
+// value; every code byte and scale is written (poisoned first); a block with an inf or NaN
+// dequantizes to NaN and leaves the other blocks exact; bad formats and sizes are errors.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "expect_error.hpp"
+#include "random.hpp"
+#include "zp/quantize.hpp"
+
+namespace {
+
+using zp::quant::Bits;
+using zp::quant::Format;
+
+int code_of(const std::vector<std::uint8_t>& q, Bits bits, std::size_t i) {
+  if (bits == Bits::int8) return int(static_cast<std::int8_t>(q[i]));
+  const int nib = (q[i / 2] >> (4 * (i % 2))) & 0xf;
+  return nib >= 8 ? nib - 16 : nib;
+}
+
+template <class T>
+void check_roundtrip(const Format& f, std::size_t n, std::mt19937_64& rng) {
+  CAPTURE(n);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<T> x(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    // Blocks of very different magnitudes, and a block of zeros.
+    const double mag = std::pow(10.0, double(int((i / f.block) % 5) - 2));
+    x[i] = T(float((i / f.block) % 7 == 3 ? 0.0 : normal(rng) * mag));
+  }
+  std::vector<std::uint8_t> q(f.code_bytes(n), 0xAA);
+  std::vector<float> s(f.blocks(n), -1.0f);
+  zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
+  std::vector<float> back(n, std::numeric_limits<float>::quiet_NaN());
+  zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                        std::span(back));
+  const int qmax = f.qmax();
+  for (std::size_t k = 0; k < f.blocks(n); ++k) {
+    double absmax = 0;
+    for (std::size_t i = k * f.block; i < std::min(n, (k + 1) * f.block); ++i)
+      absmax = std::max(absmax, std::fabs(double(float(x[i]))));
+    CHECK(s[k] == float(absmax) / float(qmax));
+    for (std::size_t i = k * f.block; i < std::min(n, (k + 1) * f.block); ++i) {
+      const double xi = double(float(x[i]));
+      const int c = code_of(q, f.bits, i);
+      CHECK(std::abs(c) <= qmax);
+      if (s[k] > 0) CHECK(std::fabs(xi / double(s[k]) - c) <= 0.5 + 1e-5);
+      const double err = std::fabs(xi - double(back[i]));
+      CHECK(err <= absmax / (2.0 * qmax) * (1 + 1e-5) + 1e-30);
+      CHECK(back[i] == float(c) * s[k]);
+    }
+  }
+  if (f.bits == Bits::int4 && n % 2 == 1) CHECK((q.back() >> 4) == 0);  // the unused nibble
+  // Into T: the fp32 value rounded to T; added: acc + that value, in fp32.
+  std::vector<T> as_t(n);
+  zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                        std::span(as_t));
+  std::vector<float> acc(n), want(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    CHECK(std::memcmp(&as_t[i], &(const T&)T(back[i]), sizeof(T)) == 0);
+    acc[i] = float(normal(rng));
+    want[i] = acc[i] + back[i];
+  }
+  zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                            std::span(acc));
+  CHECK(std::memcmp(acc.data(), want.data(), n * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("quantize -> dequantize stays within absmax / (2 qmax)", T, float, zp::bf16,
+                   zp::fp16) {
+  std::mt19937_64 rng(zp::test::fresh_seed());
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (std::size_t block : {std::size_t(2), std::size_t(64), std::size_t(256)}) {
+      const Format f{.bits = bits, .block = block};
+      CAPTURE(int(bits));
+      CAPTURE(block);
+      for (std::size_t n : {std::size_t(0), std::size_t(1), block - 1, block + 1, std::size_t(997),
+                            std::size_t(1009), 7 * block + 3})
+        check_roundtrip<T>(f, n, rng);
+    }
+}
+
+TEST_CASE("an inf or NaN makes its block NaN and leaves the others exact") {
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (float bad :
+         {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN()}) {
+      const Format f{.bits = bits, .block = 8};
+      std::vector<float> x(24);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = float(int(i % 5) - 2);
+      x[11] = bad;  // block 1
+      std::vector<std::uint8_t> q(f.code_bytes(24));
+      std::vector<float> s(3), back(24);
+      zp::quant::quantize(std::span<const float>(x), f, std::span(q), std::span(s));
+      zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                            std::span(back));
+      CHECK(std::isnan(s[1]));
+      for (std::size_t i = 0; i < 24; ++i) {
+        CAPTURE(i);
+        if (i / 8 == 1)
+          CHECK(std::isnan(back[i]));
+        else
+          CHECK(std::fabs(back[i] - x[i]) <= 2.0f / (2.0f * float(f.qmax())) * 1.0001f);
+      }
+    }
+}
+
+TEST_CASE("bad formats and sizes are errors naming them") {
+  std::vector<float> x(10), s(5);
+  std::vector<std::uint8_t> q(10);
+  zp::test::expect_invalid(
+      [&] {
+        zp::quant::quantize(std::span<const float>(x), {.bits = Bits::int4, .block = 3},
+                            std::span(q), std::span(s));
+      },
+      {"block size 3 is odd"});
+  zp::test::expect_invalid(
+      [&] {
+        zp::quant::quantize(std::span<const float>(x), {.block = 0}, std::span(q), std::span(s));
+      },
+      {"block size 0"});
+  zp::test::expect_invalid(
+      [&] {
+        zp::quant::quantize(std::span<const float>(x), {.block = 4}, std::span(q), std::span(s));
+      },
+      {"10 values in blocks of 4 need 10 code bytes and 3 scales, got 10 and 5"});
+}
