@@ -10,7 +10,8 @@
 //          [--wall-clock-breakdown] [--log-json PATH]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N]
 //
-// Checkpoints and exports are of data-parallel grids (--tp 1 --pp 1) for now; a run saved with
+// --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with the
+// vocabulary (vocab.json). Checkpoints and exports are of data-parallel grids (--tp 1 --pp 1) for now; a run saved with
 // --checkpoint-dir/--save-every resumes with --resume at any --ranks, --stage or --backend.
 // --sample N prints N characters the trained model generates after --prompt; with --resume and
 // no steps left (--steps equal to the checkpoint's), it samples from the checkpoint.
@@ -34,6 +35,9 @@
 #include "common.hpp"
 #include "run_control.hpp"
 #include "gpt.hpp"
+#if ZP_DEMO_IO
+#include "gpt_hf.hpp"
+#endif
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/grid.hpp"
@@ -151,6 +155,25 @@ Options parse(int argc, char** argv) {
                                " modules of the model (--layers + 2)");
   examples::default_text(program, o.text);
   return o;
+}
+
+// --export: a Hugging Face GPT-2 directory (examples/gpt_hf.hpp: config.json, model.safetensors)
+// and vocab.json, from the whole model gathered on rank 0. Collective.
+template <class E>
+void export_hf(E& engine, const gpt::Config& cfg, const Options& o, const examples::Corpus& corpus,
+               bool lead) {
+  if (o.export_dir.empty()) return;
+#if ZP_DEMO_IO
+  using T = typename E::value_type;
+  const std::vector<T> whole = engine.gather_params();
+  if (!lead) return;
+  gpt::write_hf(cfg, std::span<const T>(whole), o.export_dir);
+  examples::write_vocab(o.export_dir, corpus);
+  std::printf("exported %s: config.json and model.safetensors (Hugging Face GPT-2), vocab.json\n",
+              o.export_dir.c_str());
+#else
+  (void)engine, (void)cfg, (void)corpus, (void)lead;
+#endif
 }
 
 // --sample: the whole model (gathered from the engine, a data-parallel grid) on rank 0
@@ -289,7 +312,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
                   traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
-  examples::export_model(engine, o, corpus, lead);
+  export_hf(engine, cfg, o, corpus, lead);
   if (o.sampling.count) print_sample(engine, cfg, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead && first_step < o.steps) {

@@ -39,8 +39,8 @@ inline constexpr const char* run_usage =
     "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "
     "one\n"
     "                     yet starts at step 0 and says so\n"
-    "  --export DIR       write the trained model as DIR/model.safetensors and its vocabulary as\n"
-    "                     DIR/vocab.json at the end\n"
+    "  --export DIR       at the end, write the trained model to DIR (model.safetensors; zp_gpt:\n"
+    "                     a Hugging Face GPT-2 directory) and its vocabulary as DIR/vocab.json\n"
     "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
     "  --log-json PATH    append one JSON line per step: the global batch's mean loss and phase "
     "times\n"
@@ -188,19 +188,28 @@ void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
 #endif
 }
 
-// --export: DIR/model.safetensors and DIR/vocab.json. Collective.
+// DIR/vocab.json: {"byte_of_id": [...]}, the byte each token id stands for.
+inline void write_vocab(const std::string& dir, const Corpus& c) {
+#if ZP_DEMO_IO
+  std::string json = "{\"byte_of_id\": [";
+  for (std::size_t i = 0; i < c.chars.size(); ++i)
+    json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c.chars[i])));
+  json += "]}\n";
+  zp::detail::write_file_atomic(std::filesystem::path(dir) / "vocab.json",
+                                std::as_bytes(std::span<const char>(json)));
+#else
+  (void)dir, (void)c;
+#endif
+}
+
+// --export: DIR/model.safetensors (zp's names) and DIR/vocab.json. Collective.
 template <class E>
 void export_model(E& engine, const RunFlags& o, const Corpus& c, bool lead) {
   if (o.export_dir.empty()) return;
 #if ZP_DEMO_IO
   zp::export_safetensors(engine, o.export_dir);
   if (lead) {
-    std::string json = "{\"byte_of_id\": [";
-    for (std::size_t i = 0; i < c.chars.size(); ++i)
-      json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c.chars[i])));
-    json += "]}\n";
-    zp::detail::write_file_atomic(std::filesystem::path(o.export_dir) / "vocab.json",
-                                  std::as_bytes(std::span<const char>(json)));
+    write_vocab(o.export_dir, c);
     std::printf("exported %s/model.safetensors and vocab.json\n", o.export_dir.c_str());
   }
 #else

@@ -20,6 +20,8 @@ printf step10 > "$dir/ckpt10/latest"
 grep -q "resumed from $dir/ckpt10/step10 at step 10 (10 updates applied)" "$dir/resumed.log"
 cmp "$dir/full/model.safetensors" "$dir/resumed/model.safetensors"
 cmp "$dir/full/vocab.json" "$dir/resumed/vocab.json"
+cmp "$dir/full/config.json" "$dir/resumed/config.json"
+grep -q '"architectures": \[' "$dir/full/config.json"
 # The losses of steps 11-20, as logged (the phase times differ).
 losses() { grep -Eo '"step":(1[1-9]|20),"loss":[0-9.]+' "$1"; }
 diff <(losses "$dir/full.jsonl") <(losses "$dir/resumed.jsonl")

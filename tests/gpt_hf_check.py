@@ -1,0 +1,138 @@
+"""zp.test.gpt.hf: gpt::write_hf's directory read as Hugging Face's GPT-2 reads it.
+
+Runs tests/gpt_hf_export.cpp (its path is argv[1]; argv[2] a work directory), then loads
+<work>/hf/config.json and model.safetensors with the `safetensors` package and computes GPT-2's
+forward in float64 with numpy the way transformers' GPT2LMHeadModel does (names and shapes as
+in its state dict: Conv1D weights [in, out] applied as x W + b, q | k | v side by side in
+c_attn, heads split in order, causal softmax at 1/sqrt(d/H), gelu_new, LayerNorm at
+layer_norm_epsilon, lm_head an nn.Linear [V, d] applied as x W^T). Its logits must equal the
+C++ model's to fp32 rounding. Where `transformers` and `torch` are importable, it also loads the
+directory with GPT2LMHeadModel.from_pretrained and compares; where they are not (the test's
+default environment), it says so.
+
+With argv[3], the path of zp_gpt: trains it on a repeating text and exports it (--export), and the
+numpy GPT-2 on that directory, reading vocab.json, must continue the pattern greedily as zp_gpt's
+own --sample does: the whole export path (gathered parameters, names, vocabulary) end to end.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def layer_norm(x, w, b, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def gelu_new(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def gpt2_logits(weights, cfg, tokens):
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    n_embd, heads, eps = cfg["n_embd"], cfg["n_head"], cfg["layer_norm_epsilon"]
+    hd = n_embd // heads
+    batch, t = tokens.shape
+    x = w["transformer.wte.weight"][tokens] + w["transformer.wpe.weight"][:t]
+    mask = np.triu(np.ones((t, t), dtype=bool), k=1)
+    for layer in range(cfg["n_layer"]):
+        p = f"transformer.h.{layer}."
+        h = layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+        qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (a.reshape(batch, t, heads, hd).transpose(0, 2, 1, 3)
+                   for a in np.split(qkv, 3, axis=-1))
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+        scores = np.where(mask, -np.inf, scores)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        att = scores / scores.sum(-1, keepdims=True)
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(batch, t, n_embd)
+        x = x + y @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+        m = gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
+        x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    x = layer_norm(x, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
+    return x @ w["lm_head.weight"].T
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_trained(gpt, work):
+    text = os.path.join(work, "pattern.txt")
+    with open(text, "w") as f:
+        f.write("abcdefgh" * 400)
+    out = os.path.join(work, "trained")
+    subprocess.run([gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4",
+                    "--context", "16", "--micro-batch", "8", "--lr", "1e-2", "--steps", "150",
+                    "--log-every", "150", "--ranks", "2", "--export", out], check=True,
+                   stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(out, "vocab.json")) as f:
+        byte_of_id = json.load(f)["byte_of_id"]
+    id_of_byte = {b: i for i, b in enumerate(byte_of_id)}
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    ids = [id_of_byte[b] for b in b"cde"]
+    for _ in range(24):
+        window = np.array([ids[-cfg["n_positions"]:]])
+        ids.append(int(gpt2_logits(weights, cfg, window)[0, -1].argmax()))
+    got = bytes(byte_of_id[i] for i in ids).decode()
+    print(f"numpy GPT-2 on zp_gpt's export continues 'cde' as '{got}'")
+    assert got == "cdefghabcdefghabcdefghabcde", got
+
+
+def main():
+    exporter, work = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3:
+        check_trained(sys.argv[3], work)
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    subprocess.run([exporter, work, str(seed)], check=True)
+    hf = os.path.join(work, "hf")
+    with open(os.path.join(hf, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "gpt2" and cfg["architectures"] == ["GPT2LMHeadModel"], cfg
+    assert cfg["tie_word_embeddings"] is False and cfg["activation_function"] == "gelu_new", cfg
+    weights = load_file(os.path.join(hf, "model.safetensors"))
+    d, v, c = cfg["n_embd"], cfg["vocab_size"], cfg["n_positions"]
+    expected_shapes = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (c, d),
+                       "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,),
+                       "lm_head.weight": (v, d)}
+    for layer in range(cfg["n_layer"]):
+        p = f"transformer.h.{layer}."
+        for name, shape in {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (d, 3 * d),
+                            "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d),
+                            "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                            "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,),
+                            "mlp.c_proj.weight": (4 * d, d), "mlp.c_proj.bias": (d,)}.items():
+            expected_shapes[p + name] = shape
+    got_shapes = {k: tuple(a.shape) for k, a in weights.items()}
+    assert got_shapes == expected_shapes, f"tensors differ:\n{got_shapes}\n{expected_shapes}"
+    expected = load_file(os.path.join(work, "expected.safetensors"))
+    tokens, logits = expected["tokens"].astype(np.int64), expected["logits"].astype(np.float64)
+    ref = gpt2_logits(weights, cfg, tokens)
+    err = rel_err(logits, ref)
+    print(f"zp's logits against a float64 GPT-2 of Hugging Face's layout: relative error {err:.2e}")
+    assert err < 1e-5, err
+    try:
+        import torch
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        print("transformers/torch not installed here: compared with the numpy GPT-2 only")
+        return
+    model = GPT2LMHeadModel.from_pretrained(hf).eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens)).logits.double().numpy()
+    err = rel_err(logits, out)
+    print(f"zp's logits against transformers' GPT2LMHeadModel: relative error {err:.2e}")
+    assert err < 1e-5, err
+
+
+if __name__ == "__main__":
+    main()
