@@ -48,7 +48,7 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
-  std::string prompt = "\n";
+  std::string prompt = "\n", init_from;
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
@@ -82,6 +82,8 @@ const char* usage =
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
     "  --context N        tokens per sequence, the learned positions (default 32)\n"
+    "  --init-from DIR    start from a Hugging Face GPT-2 directory of this shape (--export's, or\n"
+    "                     transformers' save_pretrained), instead of the random initial weights\n"
     "  --sample N         after training, print N characters the model generates (default 0)\n"
     "  --prompt TEXT      the text sampling continues (default a newline)\n"
     "  --temperature X    sampling temperature; 0: always the most likely character (default 1)\n"
@@ -95,6 +97,10 @@ Options parse(int argc, char** argv) {
   examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
+        if (a == "--steps") {  // 0: nothing to train (sample or export what was loaded)
+          o.steps = examples::to_int(program, a, v, 0, 10000000);
+          return true;
+        }
         if (examples::parse_train_flag(program, o, a, v) ||
             examples::parse_run_flag(program, o, a, v))
           return true;
@@ -108,6 +114,8 @@ Options parse(int argc, char** argv) {
           o.context = examples::to_int(program, a, v, 1, 65536);
         else if (a == "--sample")
           o.sampling.count = examples::to_int(program, a, v, 0, 1000000);
+        else if (a == "--init-from")
+          o.init_from = v;
         else if (a == "--prompt")
           o.prompt = v;
         else if (a == "--temperature") {
@@ -137,9 +145,11 @@ Options parse(int argc, char** argv) {
       },
       {"--resume", "--wall-clock-breakdown"});
   examples::check_run_flags(program, o);
-  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty() || o.sampling.count))
+  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty() ||
+                          !o.init_from.empty() || o.sampling.count))
     examples::bad(program,
-                  "--checkpoint-dir, --export and --sample need --tp 1 --pp 1 for now (got --tp " +
+                  "--checkpoint-dir, --export, --init-from and --sample need --tp 1 --pp 1 for now "
+                  "(got --tp " +
                       std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
                       "): checkpoints of tensor- and pipeline-parallel grids are not "
                       "written yet");
@@ -223,6 +233,15 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
   gpt::Model<T> model(cfg, 1234, zp::tp::Group<float>(grid.tp()),
                       {first, end});  // the same initial weights on every grid
+  if (!o.init_from.empty()) {
+#if ZP_DEMO_IO
+    gpt::read_hf(model, o.init_from);  // before the engine takes the initial values
+    if (lead) std::printf("zp_gpt: weights from %s\n", o.init_from.c_str());
+#else
+    throw zp::Error(zp::Errc::invalid_argument,
+                    "zp_gpt: built without zp::io (nlohmann_json): no --init-from");
+#endif
+  }
   // zp_demo's engine settings: several buckets even for a small model, small tensors persist.
   zp::EngineConfig ec;
   ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};

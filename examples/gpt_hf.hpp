@@ -1,13 +1,17 @@
-// examples/gpt_hf.hpp: gpt.hpp's model as a Hugging Face GPT-2 directory (needs zp::io):
+// examples/gpt_hf.hpp: gpt.hpp's model as a Hugging Face GPT-2 directory, out and in (needs zp::io):
 // config.json (GPT2LMHeadModel, GPT-2's keys: vocab_size, n_positions, n_embd, n_layer, n_head,
 // activation "gelu_new", layer_norm_epsilon, tie_word_embeddings false) and model.safetensors
 // (fp32, metadata format "pt") with Hugging Face's names and shapes: "transformer." before every
 // name but lm_head's, vectors 1-D, matrices [rows, cols] as gpt.hpp stores them (GPT-2's Conv1D
-// layout), and lm_head.weight transposed to nn.Linear's [V, d].
+// layout), and lm_head.weight transposed to nn.Linear's [V, d]. read_hf takes such a directory
+// back, or one transformers' save_pretrained wrote for a GPT-2 config of the model's shape (tied
+// head: lm_head is wte's transpose; more positions: the first `context` rows of wpe are used).
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <span>
 #include <string>
 #include <vector>
@@ -78,6 +82,72 @@ void write_hf(const Config& c, std::span<const T> whole, const std::filesystem::
                                          {"torch_dtype", "float32"}};
   const std::string text = config.dump(2) + "\n";
   zp::detail::write_file_atomic(dir / "config.json", std::as_bytes(std::span<const char>(text)));
+}
+
+// dir/config.json and dir/model.safetensors -> the parameters of `m`, a whole model (one rank).
+// Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
+// another shape or an element type other than F32 is an error naming it; tensors the model does
+// not have (transformers' attention-mask buffers) are ignored.
+template <class T>
+void read_hf(Model<T>& m, const std::filesystem::path& dir) {
+  const Config& c = m.config();
+  const auto cfg_path = dir / "config.json";
+  std::ifstream f(cfg_path);
+  ZP_EXPECT(f.good(), "gpt: cannot read ", cfg_path.string());
+  const std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  const nlohmann::json j = zp::detail::parse_json(text, cfg_path.string(), zp::Errc::io);
+  const auto num = [&](const char* key) {
+    ZP_EXPECT(j.contains(key) && j[key].is_number_integer(), cfg_path.string(), ": no integer '",
+              key, "'");
+    return j[key].get<long long>();
+  };
+  ZP_EXPECT(j.value("model_type", std::string()) == "gpt2", cfg_path.string(), ": model_type is '",
+            j.value("model_type", std::string()), "', not gpt2");
+  const auto same = [&](const char* key, long long want, const char* what) {
+    ZP_EXPECT(num(key) == want, cfg_path.string(), ": ", key, " ", num(key), " is not this ", what,
+              " (", want, ")");
+  };
+  same("vocab_size", c.vocab, "model's vocabulary, the training text's characters");
+  same("n_embd", c.d_model, "model's --d-model");
+  same("n_layer", c.layers, "model's --layers");
+  same("n_head", c.heads, "model's --heads");
+  ZP_EXPECT(num("n_positions") >= c.context, cfg_path.string(), ": n_positions ",
+            num("n_positions"), " is less than --context ", c.context);
+  ZP_EXPECT(!j.contains("n_inner") || j["n_inner"].is_null() || j["n_inner"] == 4 * c.d_model,
+            cfg_path.string(), ": n_inner ", j["n_inner"].dump(), " is not 4 x n_embd");
+  const std::string act = j.value("activation_function", std::string("gelu_new"));
+  ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '", act,
+            "' is not gelu_new, the tanh GELU of this model");
+  const bool tied = j.value("tie_word_embeddings", true);
+  const zp::safetensors::Reader r(dir / "model.safetensors");
+  std::vector<float> buf;
+  const auto read = [&](const std::string& name, std::vector<std::uint64_t> shape) {
+    const auto& t = r.at(name);
+    ZP_EXPECT(t.shape == shape, r.path().string(), ": tensor '", name, "' has shape ",
+              nlohmann::json(t.shape).dump(), ", not ", nlohmann::json(shape).dump());
+    buf.resize(std::size_t(t.elements()));
+    r.read_elements(name, 0, std::span<float>(buf));
+  };
+  std::vector<std::vector<std::uint64_t>> shapes;  // Hugging Face's, in forward order
+  for (const auto& t : m.tensors())
+    shapes.push_back(t.slice.rows == 1 ? std::vector<std::uint64_t>{t.slice.cols}
+                                       : std::vector<std::uint64_t>{t.slice.rows, t.slice.cols});
+  const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model);
+  std::size_t k = 0;
+  zp::visit_parameters<T>(m, [&](std::string_view name_, int, zp::View<T>& v, zp::View<T>&) {
+    const std::string name(name_);
+    const std::vector<std::uint64_t>& shape = shapes[k++];
+    if (name == "lm_head.weight") {  // [d, V] here, nn.Linear's [V, d] there (or wte, tied)
+      read(tied && !r.contains(name) ? hf_name("wte.weight") : name, {V, d});
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[(i % V) * d + i / V]);
+      return;
+    }
+    if (name == "wpe.weight")
+      read(hf_name(name), {std::uint64_t(num("n_positions")), d});  // the first rows are used
+    else
+      read(hf_name(name), shape);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[i]);
+  });
 }
 
 }  // namespace gpt

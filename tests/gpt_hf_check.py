@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 
 def layer_norm(x, w, b, eps):
@@ -85,6 +85,63 @@ def check_trained(gpt, work):
     got = bytes(byte_of_id[i] for i in ids).decode()
     print(f"numpy GPT-2 on zp_gpt's export continues 'cde' as '{got}'")
     assert got == "cdefghabcdefghabcdefghabcde", got
+
+    # --init-from: zp_gpt's own export comes back bit for bit (export -> init-from -> export).
+    args = [gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4", "--context",
+            "16", "--ranks", "2", "--steps", "0"]
+    again = os.path.join(work, "again")
+    subprocess.run(args + ["--init-from", out, "--export", again], check=True,
+                   stdout=subprocess.DEVNULL)
+    for name in ("model.safetensors", "config.json", "vocab.json"):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(again, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} changed through --init-from"
+    print("export -> --init-from -> export: the same bytes")
+
+    # A directory as transformers' save_pretrained writes a tied GPT-2 with more positions:
+    # no lm_head.weight (it is wte), n_positions 32, a non-persistent buffer saved anyway.
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    tied = os.path.join(work, "tied")
+    os.makedirs(tied)
+    w = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    w["transformer.wpe.weight"] = np.concatenate(
+        [w["transformer.wpe.weight"], rng.standard_normal((16, 32)).astype(np.float32)])
+    w["transformer.h.0.attn.bias"] = np.ones((1, 1, 32, 32), dtype=np.float32)
+    save_file(w, os.path.join(tied, "model.safetensors"), metadata={"format": "pt"})
+    cfg_tied = dict(cfg, n_positions=32, tie_word_embeddings=True)
+    with open(os.path.join(tied, "config.json"), "w") as f:
+        json.dump(cfg_tied, f)
+    back = os.path.join(work, "back")
+    subprocess.run(args + ["--init-from", tied, "--export", back], check=True,
+                   stdout=subprocess.DEVNULL)
+    b = load_file(os.path.join(back, "model.safetensors"))
+    assert np.array_equal(b["lm_head.weight"], w["transformer.wte.weight"]), "tied head"
+    assert np.array_equal(b["transformer.wpe.weight"], w["transformer.wpe.weight"][:16]), "wpe"
+    for k in b:
+        if k not in ("lm_head.weight", "transformer.wpe.weight"):
+            assert np.array_equal(b[k], w[k]), k
+    print("a tied directory with 32 positions: lm_head = wte, the first 16 rows of wpe")
+
+    # What cannot be loaded is an error naming it.
+    def refused(directory, needle):
+        r = subprocess.run(args + ["--init-from", directory], capture_output=True, text=True)
+        assert r.returncode != 0 and needle in r.stderr, (needle, r.stderr)
+    bad = os.path.join(work, "bad")
+    os.makedirs(bad)
+    save_file({k: v for k, v in w.items() if k != "transformer.h.0.mlp.c_fc.bias"},
+              os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(cfg_tied, f)
+    refused(bad, "no tensor named 'transformer.h.0.mlp.c_fc.bias'")
+    w2 = dict(w, **{"transformer.h.0.attn.c_attn.weight": w["transformer.h.0.attn.c_attn.weight"].T.copy()})
+    save_file(w2, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    refused(bad, "tensor 'transformer.h.0.attn.c_attn.weight' has shape [96,32], not [32,96]")
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(dict(cfg_tied, model_type="llama"), f)
+    refused(bad, "model_type is 'llama', not gpt2")
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(dict(cfg_tied, vocab_size=99), f)
+    refused(bad, "vocab_size 99 is not this model's vocabulary")
+    print("a missing tensor, a transposed one, another architecture, another vocabulary: refused")
 
 
 def main():

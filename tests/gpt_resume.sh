@@ -50,6 +50,6 @@ if "$gpt" "${args[@]}" --ranks 2 --tp 2 --export "$dir/tp" > "$dir/tp.log" 2>&1;
   echo "an export of a TP grid was accepted"
   exit 1
 fi
-grep -q -- "--checkpoint-dir, --export and --sample need --tp 1 --pp 1 for now" "$dir/tp.log"
+grep -q -- "--checkpoint-dir, --export, --init-from and --sample need --tp 1 --pp 1 for now" "$dir/tp.log"
 rm -rf "$dir"
 echo "zp_gpt checkpoints: ok"

@@ -20,6 +20,6 @@ echo "greedy sample after training and from the checkpoint: $want"
 if "$gpt" "${args[@]}" --prompt cdx > "$dir/bad.log" 2>&1; then echo "an unknown prompt character was accepted"; exit 1; fi
 grep -q "the character 'x' (byte 120) is not in the training text's vocabulary" "$dir/bad.log"
 if "$gpt" "${args[@]}" --tp 2 > "$dir/tp.log" 2>&1; then echo "sampling on a TP grid was accepted"; exit 1; fi
-grep -q -- "--sample need --tp 1 --pp 1 for now" "$dir/tp.log"
+grep -q -- "and --sample need --tp 1 --pp 1 for now" "$dir/tp.log"
 rm -rf "$dir"
 echo "zp_gpt sampling: ok"
