@@ -96,29 +96,37 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   ZP_EXPECT(f.good(), "gpt: cannot read ", cfg_path.string());
   const std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
   const nlohmann::json j = zp::detail::parse_json(text, cfg_path.string(), zp::Errc::io);
-  const auto num = [&](const char* key) {
-    ZP_EXPECT(j.contains(key) && j[key].is_number_integer(), cfg_path.string(), ": no integer '",
-              key, "'");
-    return j[key].get<long long>();
-  };
-  ZP_EXPECT(j.value("model_type", std::string()) == "gpt2", cfg_path.string(), ": model_type is '",
-            j.value("model_type", std::string()), "', not gpt2");
-  const auto same = [&](const char* key, long long want, const char* what) {
-    ZP_EXPECT(num(key) == want, cfg_path.string(), ": ", key, " ", num(key), " is not this ", what,
-              " (", want, ")");
-  };
-  same("vocab_size", c.vocab, "model's vocabulary, the training text's characters");
-  same("n_embd", c.d_model, "model's --d-model");
-  same("n_layer", c.layers, "model's --layers");
-  same("n_head", c.heads, "model's --heads");
-  ZP_EXPECT(num("n_positions") >= c.context, cfg_path.string(), ": n_positions ",
-            num("n_positions"), " is less than --context ", c.context);
-  ZP_EXPECT(!j.contains("n_inner") || j["n_inner"].is_null() || j["n_inner"] == 4 * c.d_model,
-            cfg_path.string(), ": n_inner ", j["n_inner"].dump(), " is not 4 x n_embd");
-  const std::string act = j.value("activation_function", std::string("gelu_new"));
-  ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '", act,
-            "' is not gelu_new, the tanh GELU of this model");
-  const bool tied = j.value("tie_word_embeddings", true);
+  ZP_EXPECT(j.is_object(), cfg_path.string(), ": not a JSON object");
+  bool tied = true;
+  long long positions = 0;
+  try {  // a key of the wrong JSON type is an error naming the file, as a missing one is
+    const auto num = [&](const char* key) {
+      ZP_EXPECT(j.contains(key) && j[key].is_number_integer(), cfg_path.string(), ": no integer '",
+                key, "'");
+      return j[key].get<long long>();
+    };
+    ZP_EXPECT(j.value("model_type", std::string()) == "gpt2", cfg_path.string(),
+              ": model_type is '", j.value("model_type", std::string()), "', not gpt2");
+    const auto same = [&](const char* key, long long want, const char* what) {
+      ZP_EXPECT(num(key) == want, cfg_path.string(), ": ", key, " ", num(key), " is not this ",
+                what, " (", want, ")");
+    };
+    same("vocab_size", c.vocab, "model's vocabulary, the training text's characters");
+    same("n_embd", c.d_model, "model's --d-model");
+    same("n_layer", c.layers, "model's --layers");
+    same("n_head", c.heads, "model's --heads");
+    ZP_EXPECT(num("n_positions") >= c.context, cfg_path.string(), ": n_positions ",
+              num("n_positions"), " is less than --context ", c.context);
+    ZP_EXPECT(!j.contains("n_inner") || j["n_inner"].is_null() || j["n_inner"] == 4 * c.d_model,
+              cfg_path.string(), ": n_inner ", j["n_inner"].dump(), " is not 4 x n_embd");
+    const std::string act = j.value("activation_function", std::string("gelu_new"));
+    ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '", act,
+              "' is not gelu_new, the tanh GELU of this model");
+    tied = j.value("tie_word_embeddings", true);
+    positions = num("n_positions");
+  } catch (const nlohmann::json::exception& e) {
+    throw zp::Error(zp::Errc::invalid_argument, cfg_path.string() + ": " + e.what());
+  }
   const zp::safetensors::Reader r(dir / "model.safetensors");
   std::vector<float> buf;
   const auto read = [&](const std::string& name, std::vector<std::uint64_t> shape) {
@@ -143,7 +151,7 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
       return;
     }
     if (name == "wpe.weight")
-      read(hf_name(name), {std::uint64_t(num("n_positions")), d});  // the first rows are used
+      read(hf_name(name), {std::uint64_t(positions), d});  // the first rows are used
     else
       read(hf_name(name), shape);
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[i]);
