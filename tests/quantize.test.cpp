@@ -73,7 +73,7 @@ void check_roundtrip(const Format& f, std::size_t n, std::mt19937_64& rng) {
   }
   zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
                             std::span(acc));
-  CHECK(std::memcmp(acc.data(), want.data(), n * sizeof(float)) == 0);
+  CHECK((n == 0 || std::memcmp(acc.data(), want.data(), n * sizeof(float)) == 0));
 }
 
 }  // namespace
