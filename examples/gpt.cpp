@@ -168,32 +168,25 @@ Options parse(int argc, char** argv) {
 }
 
 // --export: a Hugging Face GPT-2 directory (examples/gpt_hf.hpp: config.json, model.safetensors)
-// and vocab.json, from the whole model gathered on rank 0. Collective.
-template <class E>
-void export_hf(E& engine, const gpt::Config& cfg, const Options& o, const examples::Corpus& corpus,
-               bool lead) {
-  if (o.export_dir.empty()) return;
+// and vocab.json; `model` (the whole model: a data-parallel grid) gives the tensors' names and
+// shapes, `whole` their values (Engine::gather_params).
+template <class T>
+void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Options& o,
+               const examples::Corpus& corpus) {
 #if ZP_DEMO_IO
-  using T = typename E::value_type;
-  const std::vector<T> whole = engine.gather_params();
-  if (!lead) return;
-  gpt::write_hf(cfg, std::span<const T>(whole), o.export_dir);
+  gpt::write_hf(model, whole, o.export_dir);
   examples::write_vocab(o.export_dir, corpus);
   std::printf("exported %s: config.json and model.safetensors (Hugging Face GPT-2), vocab.json\n",
               o.export_dir.c_str());
 #else
-  (void)engine, (void)cfg, (void)corpus, (void)lead;
+  (void)model, (void)whole, (void)o, (void)corpus;
 #endif
 }
 
-// --sample: the whole model (gathered from the engine, a data-parallel grid) on rank 0
-// continues --prompt. Collective.
-template <class E>
-void print_sample(E& engine, const gpt::Config& cfg, const Options& o,
-                  const examples::Corpus& corpus, bool lead) {
-  using T = typename E::value_type;
-  const std::vector<T> whole = engine.gather_params();
-  if (!lead) return;
+// --sample: a whole model of the values `whole` (Engine::gather_params) continues --prompt.
+template <class T>
+void print_sample(const gpt::Config& cfg, std::span<const T> whole, const Options& o,
+                  const examples::Corpus& corpus) {
   std::vector<int> prompt;
   for (char ch : o.prompt) {
     const auto at = std::find(corpus.chars.begin(), corpus.chars.end(), ch);
@@ -331,8 +324,11 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
                   traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
-  export_hf(engine, cfg, o, corpus, lead);
-  if (o.sampling.count) print_sample(engine, cfg, o, corpus, lead);
+  if (!o.export_dir.empty() || o.sampling.count) {  // both read the whole model: one gather
+    const std::vector<T> whole = engine.gather_params();
+    if (lead && !o.export_dir.empty()) export_hf(model, std::span<const T>(whole), o, corpus);
+    if (lead && o.sampling.count) print_sample(cfg, std::span<const T>(whole), o, corpus);
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead && first_step < o.steps) {
     std::printf(

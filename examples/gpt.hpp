@@ -511,6 +511,10 @@ class Model {
   bool has_loss() const { return end_ == modules(); }
   const BlockShape& block_shape() const { return shape_; }
   zp::tp::Range vocab() const { return vocab_; }  // this rank's rows of wte and columns of lm_head
+  // Every module and the whole vocabulary on this rank (no tensor or pipeline split).
+  bool whole() const {
+    return first_ == 0 && has_loss() && vocab_.size() == std::size_t(cfg_.vocab);
+  }
 
   // This rank's tensors in forward order: name, module, where the part sits, and the views.
   struct Tensor {
@@ -691,9 +695,8 @@ int draw(std::span<const F> logits, const SampleOptions& o, double u) {
 template <class T, class F>
 std::vector<int> sample(Model<T, F>& model, std::vector<int> prompt, const SampleOptions& o) {
   const Config& c = model.config();
-  ZP_EXPECT(
-      model.first_module() == 0 && model.has_loss() && model.vocab().size() == std::size_t(c.vocab),
-      "gpt: sampling needs the whole model on one rank (no tensor or pipeline split)");
+  ZP_EXPECT(model.whole(),
+            "gpt: sampling needs the whole model on one rank (no tensor or pipeline split)");
   ZP_EXPECT(!prompt.empty(), "gpt: sampling needs a prompt of at least one token");
   ZP_EXPECT(o.temperature >= 0 && std::isfinite(o.temperature), "gpt: temperature ", o.temperature,
             " is not a finite number >= 0");

@@ -29,11 +29,14 @@ inline std::string hf_name(const std::string& name) {
   return name == "lm_head.weight" ? name : "transformer." + name;
 }
 
-// The whole model's parameters in forward order (Engine::gather_params, or the tensors of a
-// Model of one rank) -> dir/config.json and dir/model.safetensors.
+// The values `whole` (a whole model's parameters in forward order, as Engine::gather_params
+// returns them) of a model laid out as `layout` (one rank's Model holding every module and the
+// whole vocabulary: a data-parallel grid) -> dir/config.json and dir/model.safetensors.
 template <class T>
-void write_hf(const Config& c, std::span<const T> whole, const std::filesystem::path& dir) {
-  const Model<T> layout(c, 0);  // the tensors' names and shapes, in forward order
+void write_hf(const Model<T>& layout, std::span<const T> whole, const std::filesystem::path& dir) {
+  const Config& c = layout.config();
+  ZP_EXPECT(layout.whole(),
+            "gpt: write_hf needs the whole model on one rank (no tensor or pipeline split)");
   std::vector<zp::safetensors::TensorInfo> infos;
   std::size_t total = 0;
   for (const auto& t : layout.tensors()) {
@@ -91,6 +94,8 @@ void write_hf(const Config& c, std::span<const T> whole, const std::filesystem::
 template <class T>
 void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   const Config& c = m.config();
+  ZP_EXPECT(m.whole(),
+            "gpt: read_hf needs the whole model on one rank (no tensor or pipeline split)");
   const auto cfg_path = dir / "config.json";
   std::ifstream f(cfg_path);
   ZP_EXPECT(f.good(), "gpt: cannot read ", cfg_path.string());

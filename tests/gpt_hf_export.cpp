@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
     std::uniform_int_distribution<int> token(0, c.vocab - 1);
     for (auto& t : a.tokens) t = token(rng);
     for (int mod = 0; mod < m.modules(); ++mod) m.forward(mod, a);
-    gpt::write_hf(c, std::span<const float>(whole), dir / "hf");
+    gpt::write_hf(m, std::span<const float>(whole), dir / "hf");
     const std::uint64_t T = std::uint64_t(c.context), V = std::uint64_t(c.vocab);
     zp::safetensors::Writer w(
         dir / "expected.safetensors",

@@ -24,7 +24,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
-#include <type_traits>
 
 #include "zp/config.hpp"
 #include "zp/dtype.hpp"
@@ -52,11 +51,6 @@ struct Format {
 
 namespace detail {
 
-template <class T>
-ZP_HOST_DEVICE inline float value(T x) {
-  return float(x);
-}
-
 // Code i of the codes at q (int8: byte i; int4: nibble i, sign-extended).
 ZP_HOST_DEVICE inline int code(const std::uint8_t* q, Bits bits, std::size_t i) {
   if (bits == Bits::int8) return int(static_cast<std::int8_t>(q[i]));
@@ -80,7 +74,7 @@ struct QuantizeBlock {
     float absmax = 0;
     bool finite = true;
     for (std::size_t i = lo; i < hi; ++i) {
-      const float v = detail::value(x[i]);
+      const float v = float(x[i]);
       finite = finite && v - v == 0;  // false for inf and NaN
       absmax = ::fabsf(v) > absmax ? ::fabsf(v) : absmax;
     }
@@ -88,7 +82,7 @@ struct QuantizeBlock {
     scales[k] = scale;
     // rintf rounds to nearest, ties to even (the default rounding mode); |x / scale| <= qmax.
     const auto q = [&](std::size_t i) {
-      return i >= hi || !finite || scale == 0 ? 0 : int(::rintf(detail::value(x[i]) / scale));
+      return i >= hi || !finite || scale == 0 ? 0 : int(::rintf(float(x[i]) / scale));
     };
     if (f.bits == Bits::int8) {
       for (std::size_t i = lo; i < hi; ++i)
@@ -115,7 +109,7 @@ struct DequantizeBlock {
     for (std::size_t i = lo; i < hi; ++i) {
       const float v = float(detail::code(codes, f.bits, i)) * scale;
       if constexpr (Accumulate)
-        out[i] = T(detail::value(out[i]) + v);
+        out[i] = T(float(out[i]) + v);
       else
         out[i] = T(v);
     }
