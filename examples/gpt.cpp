@@ -10,11 +10,14 @@
 //          [--wall-clock-breakdown] [--log-json PATH]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N]
 //
+// A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
+// --tp, --pp), --stage or --backend: each rank saves its part of the model with where it sits
+// in the full tensors, and each rank of the new grid reads its own part.
 // --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with the
-// vocabulary (vocab.json). Checkpoints and exports are of data-parallel grids (--tp 1 --pp 1) for now; a run saved with
-// --checkpoint-dir/--save-every resumes with --resume at any --ranks, --stage or --backend.
-// --sample N prints N characters the trained model generates after --prompt; with --resume and
-// no steps left (--steps equal to the checkpoint's), it samples from the checkpoint.
+// vocabulary (vocab.json). --sample N prints N characters the trained model generates after
+// --prompt; with --resume and no steps left (--steps equal to the checkpoint's), it samples from
+// the checkpoint. --export, --sample and --init-from need the whole model on each rank (--tp 1
+// --pp 1): resume a grid's checkpoint at --tp 1 --pp 1 to export or sample it.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
@@ -145,14 +148,12 @@ Options parse(int argc, char** argv) {
       },
       {"--resume", "--wall-clock-breakdown"});
   examples::check_run_flags(program, o);
-  if (o.tp * o.pp > 1 && (!o.checkpoint_dir.empty() || !o.export_dir.empty() ||
-                          !o.init_from.empty() || o.sampling.count))
+  if (o.tp * o.pp > 1 && (!o.export_dir.empty() || !o.init_from.empty() || o.sampling.count))
     examples::bad(program,
-                  "--checkpoint-dir, --export, --init-from and --sample need --tp 1 --pp 1 for now "
-                  "(got --tp " +
+                  "--export, --init-from and --sample need --tp 1 --pp 1 for now (got --tp " +
                       std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
-                      "): checkpoints of tensor- and pipeline-parallel grids are not "
-                      "written yet");
+                      "); checkpoints load at any grid: resume this run's checkpoint "
+                      "with --tp 1 --pp 1 to export or sample it");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -266,8 +267,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     // Replicated tensors are counted once: only TP rank 0 adds them.
     params = 0;
     for (const auto& t : model.tensors())
-      if (t.tp == zp::TensorParallel::split || grid.coords().tp == 0)
-        params += std::int64_t(t.slice.size());
+      if (!t.place.is_whole() || grid.coords().tp == 0) params += std::int64_t(t.place.size());
     mp->all_reduce(std::span<std::int64_t>(&params, 1));
   }
   if (lead) {

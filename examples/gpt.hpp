@@ -387,24 +387,17 @@ T to_storage(F v) {
 }
 }  // namespace detail
 
-// Where one rank's part of a tensor sits in the full tensor, a [rows, cols] row-major matrix
-// (vectors are [1, n]): rows `row`, and in each of `parts` equal column blocks (c_attn's q, k and
-// v) the columns `col` of that block. local(i) -> full index maps every element of the part.
-struct Slice {
-  std::size_t rows = 0, cols = 0;
-  zp::tp::Range row, col;
-  std::size_t parts = 1;
-
-  static Slice all(std::size_t rows, std::size_t cols) {
-    return {rows, cols, {0, rows}, {0, cols}, 1};
-  }
-  std::size_t size() const { return row.size() * parts * col.size(); }
-  std::size_t full_size() const { return rows * cols; }
-  std::size_t full_index(std::size_t i) const {
-    const std::size_t w = parts * col.size(), r = i / w, j = i % w;
-    return (row.begin + r) * cols + (j / col.size()) * (cols / parts) + col.begin + j % col.size();
-  }
-};
+// One rank's part of a [rows, cols] row-major matrix (vectors are [1, n]): rows `row`, and in
+// each of `parts` equal column blocks (c_attn's q, k and v) the columns `col` of that block, as
+// zp sees it (a vector's shape is 1-D; the blocks are a dimension of their own).
+inline zp::Placement part_of(std::size_t rows, std::size_t cols, zp::tp::Range row,
+                             zp::tp::Range col, std::size_t parts = 1) {
+  zp::Placement p;
+  if (rows > 1) p.shape = {rows}, p.begin = {row.begin}, p.end = {row.end};
+  if (parts > 1) p.shape.push_back(parts), p.begin.push_back(0), p.end.push_back(parts);
+  p.shape.push_back(cols / parts), p.begin.push_back(col.begin), p.end.push_back(col.end);
+  return p;
+}
 
 // GPT-2's architecture with a separate (untied) LM head. Modules: 0 = wte and wpe, 1 .. layers =
 // the blocks h.0 .. h.{layers-1}, layers + 1 = ln_f and lm_head.
@@ -413,7 +406,8 @@ struct Slice {
 // each split over the tensor-parallel group `tp` as Megatron-LM does: wte by vocabulary rows,
 // c_attn by heads (columns), c_fc by columns, the two c_proj by the matching rows, lm_head by
 // vocabulary columns; layer norms, wpe and the c_proj biases are replicated. Tensors keep their
-// full model's names; Slice says where each rank's part sits. The default is the whole model.
+// full model's names; a zp::Placement says where each rank's part sits. The default is the whole
+// model.
 template <class T, class F = float>
 class Model {
  public:
@@ -445,54 +439,67 @@ class Model {
     // Tensors in the full model's order, k = 0, 1, ...: the initialisation draws element i of
     // tensor k from (seed, k, full index of i), so every rank draws its part alone.
     int k = 0;
-    const auto split = zp::TensorParallel::split, replicated = zp::TensorParallel::replicated;
-    auto add = [&](int module, std::string name, const Slice& sl, zp::TensorParallel kind,
-                   double std_dev, double constant = 0) {
+    // A tensor of [rows, cols], this rank's part of it (part_of), its initial values.
+    auto add = [&](int module, std::string name, std::size_t rows, std::size_t cols,
+                   const zp::Placement& place, double std_dev, double constant = 0) {
       const int tensor = k++;
       if (module < first_ || module >= end_) return;
       Tensor& t = tensors_.emplace_back();
       t.name = std::move(name);
       t.module = module;
-      t.slice = sl;
-      t.tp = kind;
-      t.param = zp::Param<T>(sl.size());
-      t.init.resize(sl.size());
-      for (std::size_t i = 0; i < sl.size(); ++i)
+      t.rows = rows;
+      t.cols = cols;
+      t.place = place;
+      t.param = zp::Param<T>(place.size());
+      t.init.resize(place.size());
+      for (std::size_t i = 0; i < place.size(); ++i)
         t.init[i] = detail::to_storage<T>(
             std_dev == 0 ? constant
-                         : std_dev * normal(seed, std::uint64_t(tensor), sl.full_index(i)));
+                         : std_dev * normal(seed, std::uint64_t(tensor), place.full_index(i)));
+    };
+    // A whole tensor (replicated over the TP group).
+    auto add_whole = [&](int module, std::string name, std::size_t rows, std::size_t cols,
+                         double std_dev, double constant = 0) {
+      add(module, std::move(name), rows, cols, part_of(rows, cols, {0, rows}, {0, cols}), std_dev,
+          constant);
     };
     const std::size_t C = std::size_t(c.context), D4 = 4 * d;
-    add(0, "wte.weight", {V, d, vocab_, {0, d}, 1}, split, 0.02);
-    add(0, "wpe.weight", Slice::all(C, d), replicated, 0.02);
+    add(0, "wte.weight", V, d, part_of(V, d, vocab_, {0, d}), 0.02);
+    add_whole(0, "wpe.weight", C, d, 0.02);
     const double proj =
         0.02 / std::sqrt(2.0 * c.layers);  // GPT-2: residual projections scaled by 1/sqrt(2L)
     for (int l = 0; l < c.layers; ++l) {
       const std::string h = "h." + std::to_string(l) + ".";
-      const Slice slices[block_tensors] = {Slice::all(1, d),
-                                           Slice::all(1, d),
-                                           {d, 3 * d, {0, d}, width, 3},
-                                           {1, 3 * d, {0, 1}, width, 3},
-                                           {d, d, width, {0, d}, 1},
-                                           Slice::all(1, d),
-                                           Slice::all(1, d),
-                                           Slice::all(1, d),
-                                           {d, D4, {0, d}, ff, 1},
-                                           {1, D4, {0, 1}, ff, 1},
-                                           {D4, d, ff, {0, d}, 1},
-                                           Slice::all(1, d)};
+      // Column-parallel c_attn (by heads, inside each of q, k, v) and c_fc; row-parallel c_proj.
+      auto split_t = [&](int t, std::size_t rows, std::size_t cols, double sd) {
+        const std::string n = h + block_tensor_names[t];
+        if (t == c_attn_weight || t == c_attn_bias)
+          add(1 + l, n, rows, cols, part_of(rows, cols, {0, rows}, width, 3), sd);
+        else if (t == c_fc_weight || t == c_fc_bias)
+          add(1 + l, n, rows, cols, part_of(rows, cols, {0, rows}, ff), sd);
+        else
+          add(1 + l, n, rows, cols,
+              part_of(rows, cols, t == attn_c_proj_weight ? width : ff, {0, d}), sd);
+      };
       for (int t = 0; t < block_tensors; ++t) {
-        const bool ln_gain = t == ln_1_weight || t == ln_2_weight, bias = t % 2 == 1;
-        const bool split_t = t == c_attn_weight || t == c_attn_bias || t == attn_c_proj_weight ||
-                             t == c_fc_weight || t == c_fc_bias || t == mlp_c_proj_weight;
+        const std::string n = h + block_tensor_names[t];
         const double sd = t == attn_c_proj_weight || t == mlp_c_proj_weight ? proj : 0.02;
-        add(1 + l, h + block_tensor_names[t], slices[t], split_t ? split : replicated,
-            ln_gain || bias ? 0.0 : sd, ln_gain ? 1.0 : 0.0);
+        switch (t) {
+          case ln_1_weight:
+          case ln_2_weight: add_whole(1 + l, n, 1, d, 0.0, 1.0); break;
+          case c_attn_weight: split_t(t, d, 3 * d, sd); break;
+          case c_attn_bias: split_t(t, 1, 3 * d, 0.0); break;
+          case attn_c_proj_weight: split_t(t, d, d, sd); break;
+          case c_fc_weight: split_t(t, d, D4, sd); break;
+          case c_fc_bias: split_t(t, 1, D4, 0.0); break;
+          case mlp_c_proj_weight: split_t(t, D4, d, sd); break;
+          default: add_whole(1 + l, n, 1, d, 0.0); break;  // the other biases, layer norm shifts
+        }
       }
     }
-    add(c.layers + 1, "ln_f.weight", Slice::all(1, d), replicated, 0.0, 1.0);
-    add(c.layers + 1, "ln_f.bias", Slice::all(1, d), replicated, 0.0, 0.0);
-    add(c.layers + 1, "lm_head.weight", {d, V, {0, d}, vocab_, 1}, split, 0.02);
+    add_whole(c.layers + 1, "ln_f.weight", 1, d, 0.0, 1.0);
+    add_whole(c.layers + 1, "ln_f.bias", 1, d, 0.0, 0.0);
+    add(c.layers + 1, "lm_head.weight", d, V, part_of(d, V, {0, d}, vocab_), 0.02);
     for (Tensor& t : tensors_) t.param.value.rebind(t.init.data());
     for (int m = first_; m < end_; ++m) {
       module_begin_.push_back(0);
@@ -520,8 +527,9 @@ class Model {
   struct Tensor {
     std::string name;
     int module = 0;
-    Slice slice;
-    zp::TensorParallel tp = zp::TensorParallel::replicated;
+    std::size_t rows = 1, cols = 0;  // the full tensor as a matrix (Hugging Face's, but lm_head's
+                                     // [d, V] is nn.Linear's transpose)
+    zp::Placement place;             // this rank's part of it (split unless it is the whole)
     zp::Param<T> param;
     std::vector<T> init;  // initial values until zp rebinds the views
   };
@@ -530,7 +538,7 @@ class Model {
   // The engine's modules are this rank's, numbered from 0 (module m of the model is m - first).
   template <class V>
   friend void for_each_parameter(Model& m, V&& visit) {
-    for (Tensor& t : m.tensors_) visit(t.name, t.module - m.first_, t.param, t.tp);
+    for (Tensor& t : m.tensors_) visit(t.name, t.module - m.first_, t.param, t.place);
   }
 
   // Module m's forward for the micro-batch in a (a.tokens set for module 0; a.x[m - 1] for others).

@@ -40,12 +40,12 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   std::vector<zp::safetensors::TensorInfo> infos;
   std::size_t total = 0;
   for (const auto& t : layout.tensors()) {
-    const std::uint64_t rows = t.slice.rows, cols = t.slice.cols;
+    const std::uint64_t rows = t.rows, cols = t.cols;
     std::vector<std::uint64_t> shape =
         rows == 1 ? std::vector<std::uint64_t>{cols} : std::vector<std::uint64_t>{rows, cols};
     if (t.name == "lm_head.weight") shape = {cols, rows};
     infos.push_back({hf_name(t.name), "F32", shape});
-    total += t.slice.full_size();
+    total += t.place.full_size();
   }
   ZP_EXPECT(whole.size() == total, "gpt: write_hf got ", whole.size(),
             " parameters; the model of this config has ", total);
@@ -54,7 +54,7 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   std::size_t at = 0;
   std::vector<float> buf;
   for (const auto& t : layout.tensors()) {
-    const std::size_t n = t.slice.full_size(), rows = t.slice.rows, cols = t.slice.cols;
+    const std::size_t n = t.place.full_size(), rows = t.rows, cols = t.cols;
     buf.resize(n);
     for (std::size_t i = 0; i < n; ++i) {
       const float v = float(whole[at + i]);
@@ -143,8 +143,8 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   };
   std::vector<std::vector<std::uint64_t>> shapes;  // Hugging Face's, in forward order
   for (const auto& t : m.tensors())
-    shapes.push_back(t.slice.rows == 1 ? std::vector<std::uint64_t>{t.slice.cols}
-                                       : std::vector<std::uint64_t>{t.slice.rows, t.slice.cols});
+    shapes.push_back(t.rows == 1 ? std::vector<std::uint64_t>{t.cols}
+                                 : std::vector<std::uint64_t>{t.rows, t.cols});
   const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model);
   std::size_t k = 0;
   zp::visit_parameters<T>(m, [&](std::string_view name_, int, zp::View<T>& v, zp::View<T>&) {

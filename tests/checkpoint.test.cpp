@@ -707,7 +707,12 @@ TEST_CASE(
   rejects(with("/params/0/module", 1), {"params[0].module"});
   rejects(with("/params/3/module", 0),
           {"params", "module 0 after a parameter of module 1"});  // decreasing
-  rejects(with("/params/0/size", 1LL << 47), {"fewer than the", "parameter elements need"});
+  {
+    auto m = j;
+    m["params"][0]["size"] = 1LL << 47;
+    m["params"][0]["shape"] = {1LL << 47};
+    rejects(m.dump(), {"fewer than the", "parameter elements need"});
+  }
   rejects(with("/files/0/crc32c", 4294967296LL), {"files[0].crc32c"});
   rejects(with("/user_bytes", 7), {"user data has 7 bytes", "holds 8"});
   rejects(with("/user_bytes", 0), {"user data has 0 bytes", "holds 8"});
@@ -748,7 +753,9 @@ zp::ckpt::Manifest small_manifest() {
   m.stage = 2;
   m.dtype = zp::DType::bf16;
   m.layout = {.bucket_elems = 64, .first_bucket_elems = 16, .align = 4};
+  m.grid = {2, 1, 1};
   m.params = {{"a", 0, 10}, {"b", 0, 7}, {"c", 1, 5}};
+  m.parts = zp::ckpt::data_parallel_parts(m.params);
   m.fields = {"param", "master", "exp_avg"};
   m.optimizer = "AdamW";
   m.hyper = {{"lr", 0.001}};
@@ -861,6 +868,19 @@ TEST_CASE(
       {"/params/0/size", (1LL << 48) + 1, "params[0].size"},
       {"/params/0/size", 0.5, "params[0].size"},
       {"/params/2/name", "a", "params[2].name"},
+      {"/params/0/shape", json::array({3, 3}), "params[0].shape"},
+      {"/params/0/shape", json::array(), "params[0].shape"},
+      {"/params/0/shape/0", 0, "params[0].shape[0]"},
+      {"/grid/dp", 3, "grid"},
+      {"/grid/tp", 0, "grid.tp"},
+      {"/parts", json::array(), "parts"},
+      {"/parts/0", json::array(), "parts[0]"},
+      {"/parts/0/0/name", "zz", "parts[0][0].name"},
+      {"/parts/0/1/name", "a", "parts[0][1].name"},
+      {"/parts/0/0/module", 1, "parts[0][0].module"},
+      {"/parts/0/0/end", json::array({11}), "parts[0][0]"},
+      {"/parts/0/0/begin", json::array({10}), "parts[0][0]"},
+      {"/parts/0/0/begin", json::array({0, 0}), "parts[0][0]"},
       {"/fields", json::array({"param"}), "fields"},
       {"/fields/2", "master", "fields"},
       {"/fields/2", "a/b", "fields"},
@@ -902,7 +922,17 @@ TEST_CASE(
     return m;
   };
   rejects(with("/world_size", 2.0), {"world_size: expected an integer in [1, 16777216], got 2.0"});
-  rejects(with("/version", 2), {"version: format version 2; this zp reads version 1"});
+  rejects(with("/version", 3), {"version: format version 3; this zp reads versions 1 to 2"});
+  rejects(with("/grid/dp", 1), {"grid: dp x tp x pp = 1 x 1 x 1 is not world_size 2"});
+  rejects(with("/parts/0/0/end", json::array({11})),
+          {"parts[0][0]: the part: dimension 0 of the Placement is [0, 11), not a non-empty range "
+           "inside [0, 10)"});
+  // Version 1 (before grids): no grid, parts or shapes; it reads as a data-parallel grid.
+  json v1 = with("/version", 1);
+  v1.erase("grid");
+  v1.erase("parts");
+  for (auto& p : v1["params"]) p.erase("shape");
+  CHECK(zp::ckpt::to_json(zp::ckpt::manifest_from_json(v1, src)) == with("/version", 2));
   rejects(with("/format", "pt"), {"format: expected \"zp-checkpoint\"", "got \"pt\""});
   rejects(with("/params/1/module", 2), {"params[1].module: expected an integer in [0, 1], got 2"});
   rejects(with("/files/0/crc32c", 4294967296LL),

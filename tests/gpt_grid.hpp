@@ -55,7 +55,7 @@ inline void fill(std::uint64_t seed, int dp, int step, int micro, gpt::Activatio
 // after training, the gradient norm of every step, and its groups' counters.
 struct RankResult {
   std::vector<std::string> names;
-  std::vector<gpt::Slice> slices;
+  std::vector<zp::Placement> slices;
   std::vector<std::vector<float>> values;
   std::vector<double> norms;
   std::vector<double> losses;  // mean loss per step (last stage, else 0)
@@ -100,10 +100,10 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   std::size_t at = 0;
   for (const auto& t : model.tensors()) {
     out.names.push_back(t.name);
-    out.slices.push_back(t.slice);
+    out.slices.push_back(t.place);
     out.values.emplace_back(params.begin() + std::ptrdiff_t(at),
-                            params.begin() + std::ptrdiff_t(at + t.slice.size()));
-    at += t.slice.size();
+                            params.begin() + std::ptrdiff_t(at + t.place.size()));
+    at += t.place.size();
   }
   REQUIRE(at == params.size());
 

@@ -8,7 +8,7 @@ dir=$3/tool-ckpt
 rm -rf "$dir"
 "$demo" --steps 6 --micro-batch 4 --save-every 3 --log-every 3 --ranks 2 --stage 1 --checkpoint-dir "$dir/ckpt" > /dev/null
 "$tool" info "$dir/ckpt" | tee "$dir.info"
-grep -q "saved by 2 ranks at ZeRO stage 1, bf16 parameters, optimizer AdamW" "$dir.info"
+grep -q "saved by 2 ranks (dp 2 x tp 1 x pp 1) at ZeRO stage 1, bf16 parameters, optimizer AdamW" "$dir.info"
 grep -q "step 6" "$dir.info"
 "$tool" verify "$dir/ckpt" --tag step3 > "$dir.verify"
 test "$(grep -c "^ok" "$dir.verify")" = 2

@@ -52,9 +52,11 @@ int info(zp::ckpt::Reader& rd) {
   std::size_t elements = 0;
   for (const auto& p : m.params) elements += p.size;
   std::printf("checkpoint %s\n", rd.path().c_str());
-  std::printf("  saved by %d ranks at ZeRO stage %d, %s parameters, optimizer %s %s\n",
-              m.world_size, m.stage, zp::name(m.dtype), m.optimizer.c_str(),
-              m.hyper.dump().c_str());
+  std::printf(
+      "  saved by %d ranks (dp %d x tp %d x pp %d) at ZeRO stage %d, %s parameters, optimizer %s "
+      "%s\n",
+      m.world_size, m.grid.dp, m.grid.tp, m.grid.pp, m.stage, zp::name(m.dtype),
+      m.optimizer.c_str(), m.hyper.dump().c_str());
   std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
               m.params.back().module + 1);
   for (const auto& f : m.fields) std::printf(" %s", f.c_str());

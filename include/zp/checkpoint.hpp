@@ -1,5 +1,5 @@
-// zp/checkpoint.hpp: sharded checkpoints of an engine that load at any world size and ZeRO
-// stage, and the model's weights to and from safetensors files (component zp::io: needs
+// zp/checkpoint.hpp: sharded checkpoints of an engine that load at any grid (DP x TP x PP) and
+// ZeRO stage, and the model's weights to and from safetensors files (component zp::io: needs
 // nlohmann_json). The format, and what works offline on saved checkpoints, is
 // checkpoint_format.hpp.
 //
@@ -7,12 +7,14 @@
 //   auto user_state = zp::load_checkpoint(engine, "ckpt");         // "latest"; any ranks/stage
 //   zp::export_safetensors(engine, "out");                          // out/model.safetensors
 //
-// Rank 0 publishes a checkpoint only after every rank wrote its file; loading verifies every
-// file's size and CRC-32C (each rank checks a share of the files) before reading anything. The
+// Rank 0 of the grid publishes a checkpoint only after every rank wrote its file; loading
+// verifies every file's size and CRC-32C (each rank checks a share of the files) before reading
+// anything. The
 // directory must be one file system that every rank sees (a shared one across nodes).
 //
-// Errors: every function here is collective; a failure on one rank (an unwritable directory, a
-// corrupt file) becomes an Error on every rank naming the rank, the file and the values.
+// Errors: every function here is collective (over the engine's whole grid); a failure on one rank
+// (an unwritable directory, a corrupt file) becomes an Error on every rank naming the rank, the
+// file and the values.
 #pragma once
 
 #include <algorithm>
@@ -40,15 +42,124 @@
 namespace zp {
 
 namespace ckpt {
-// Checkpoints name tensors as the model does; under tensor or pipeline parallelism several
-// ranks hold different tensors (or slices) under one name, which one directory cannot tell
-// apart yet.
+// The whole-model safetensors files name whole tensors; under tensor or pipeline parallelism a
+// rank holds parts of the model (checkpoints hold those; load one at a data-parallel grid to
+// export it).
 template <class E>
 void expect_data_parallel(E& engine, const char* what) {
   ZP_EXPECT(engine.model_parallel() == nullptr, what,
             ": the engine spans a tensor/pipeline-parallel grid (",
             engine.model_parallel() ? engine.model_parallel()->size() : 1,
-            " model-parallel ranks); checkpoints support data parallelism only for now");
+            " model-parallel ranks); save a checkpoint and load it at --tp 1 --pp 1 (any grid "
+            "loads any checkpoint) to export or import whole tensors");
+}
+
+// The engine's grid (its DP group, then its replica's TP x PP group) as one communicator for the
+// checkpoint's agreements: every rank shares a DP group with one rank of each replica, so a
+// reduction over both reaches every rank.
+template <class E>
+void reduce_over_grid(E& engine, std::span<std::int64_t> v, ReduceOp op) {
+  all_reduce_host(engine.comm(), v, op);
+  if (auto* mp = engine.model_parallel()) all_reduce_host(*mp, v, op);
+}
+template <class E>
+bool same_over_grid(E& engine, std::uint64_t h) {
+  std::int64_t v[2] = {std::int64_t(h), ~std::int64_t(h)};  // min(~x) = ~max(x)
+  reduce_over_grid(engine, std::span<std::int64_t>(v), ReduceOp::min);
+  return v[0] == ~v[1];
+}
+// on_every_rank over the grid: a failure on any rank is an error on every rank.
+template <class E, class F>
+void on_every_grid_rank(E& engine, F&& f) {
+  auto* mp = engine.model_parallel();
+  if (!mp) return on_every_rank(engine.comm(), f);
+  std::exception_ptr err;
+  try {
+    on_every_rank(engine.comm(), f);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  on_every_rank(*mp, [&] {
+    if (err) std::rethrow_exception(err);
+  });
+}
+// The engine's rank in its grid (Megatron's order) and the grid's size: the file it writes.
+template <class E>
+int grid_rank_of(E& engine) {
+  return grid_rank(engine.grid_shape(), engine.grid_coords());
+}
+
+// Every rank's parameter list (names, local modules, sizes, placements) at every rank, by the
+// replica's model-parallel rank tp + TP * pp. Collective over the grid.
+template <class E>
+std::vector<std::vector<ParamInfo>> gather_parts(E& engine) {
+  auto* mp = engine.model_parallel();
+  if (!mp) return {engine.params()};
+  nlohmann::json mine = nlohmann::json::array();
+  for (const auto& p : engine.params())
+    mine.push_back(
+        {p.name, p.module, p.size, int(p.tp), p.place.shape, p.place.begin, p.place.end});
+  const std::string text = mine.dump();
+  const std::size_t n = std::size_t(mp->size()), me = std::size_t(mp->rank());
+  std::vector<std::int64_t> sizes(n, 0);
+  sizes[me] = std::int64_t(text.size());
+  all_reduce_host(*mp, std::span<std::int64_t>(sizes), ReduceOp::sum);
+  std::vector<std::size_t> at(n + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) at[i + 1] = at[i] + std::size_t(sizes[i]);
+  std::vector<std::int64_t> chars(at[n], 0);
+  for (std::size_t i = 0; i < text.size(); ++i) chars[at[me] + i] = std::uint8_t(text[i]);
+  all_reduce_host(*mp, std::span<std::int64_t>(chars), ReduceOp::sum);
+  std::vector<std::vector<ParamInfo>> parts(n);
+  for (std::size_t g = 0; g < n; ++g) {
+    std::string t(at[g + 1] - at[g], '\0');
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = char(chars[at[g] + i]);
+    for (const auto& e : nlohmann::json::parse(t))
+      parts[g].push_back(
+          {e[0].get<std::string>(),
+           e[1].get<int>(),
+           e[2].get<std::size_t>(),
+           TensorParallel(e[3].get<int>()),
+           {e[4].get<std::vector<std::size_t>>(), e[5].get<std::vector<std::size_t>>(),
+            e[6].get<std::vector<std::size_t>>()}});
+  }
+  return parts;
+}
+
+// The full model from its parts (gather_parts; by tp + TP * pp): the manifest's params (each
+// tensor once, forward order, modules numbered over the whole model, full shapes) and parts
+// (boxes in those shapes). A split tensor needs its Placement; parts of one tensor must agree
+// on its shape.
+inline void describe_grid(Manifest& m, std::vector<std::vector<ParamInfo>> parts) {
+  const GridShape& grid = m.grid;
+  std::map<std::string, std::size_t> index;
+  int base = 0;  // the first module of the stage, in the whole model
+  for (int pp = 0; pp < grid.pp; ++pp) {
+    int modules = 0;
+    for (int tp = 0; tp < grid.tp; ++tp)
+      for (ParamInfo& p : parts[std::size_t(tp + grid.tp * pp)]) {
+        ZP_EXPECT(!(p.place.shape.empty() && p.tp == TensorParallel::split && grid.tp > 1),
+                  "checkpoint: parameter '", p.name, "' is split over the ", grid.tp,
+                  " tensor-parallel ranks but the model gave no zp::Placement for it; a "
+                  "checkpoint of this grid needs to know where each rank's slice sits "
+                  "(model.hpp)");
+        modules = std::max(modules, p.module + 1);
+        const std::size_t full = p.place.shape.empty() ? p.size : p.place.full_size();
+        auto [it, added] = index.emplace(p.name, m.params.size());
+        if (added) {
+          ParamInfo whole{p.name, base + p.module, full, TensorParallel::replicated, {}};
+          whole.place = whole_of(ParamInfo{p.name, 0, full, {}, p.place});
+          m.params.push_back(std::move(whole));
+        }
+        const ParamInfo& w = m.params[it->second];
+        if (p.place.shape.empty()) p.place = w.place;
+        ZP_EXPECT(p.place.shape == w.place.shape && w.size == full, "checkpoint: parameter '",
+                  p.name, "' is of the shape ", dims_text(p.place.shape), " (", full,
+                  " elements) on one rank and ", dims_text(w.place.shape), " (", w.size,
+                  " elements) on another");
+      }
+    base += modules;
+  }
+  m.parts = std::move(parts);
 }
 
 // Runs fn(part.owned(...), whether it is in host memory) on manifest field f (0: the parameters,
@@ -63,16 +174,17 @@ void with_field(const P& part, std::size_t f, int s, Extent e, Fn&& fn) {
     fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
 }
 
-// Verifies every file of the checkpoint (size and CRC-32C), each rank a share; a failure is an
-// error on every rank naming the file. Collective.
-template <Backend B>
-void verify_everywhere(Collective<B>& comm, const Reader& rd) {
+// Verifies every file of the checkpoint (size and CRC-32C), each rank of the grid a share; a
+// failure is an error on every rank naming the file. Collective over the grid.
+template <class E>
+void verify_everywhere(E& engine, const Reader& rd) {
   const std::size_t F = rd.manifest().files.size();
   std::vector<std::int64_t> bad(F, 0);
-  for (std::size_t i = std::size_t(comm.rank()); i < F; i += std::size_t(comm.size()))
+  for (std::size_t i = std::size_t(grid_rank_of(engine)); i < F;
+       i += std::size_t(engine.grid_shape().size()))
     bad[i] = rd.verify_file(int(i)).empty() ? 0 : 1;
-  all_reduce_host(comm, std::span<std::int64_t>(bad), ReduceOp::sum);
-  on_every_rank(comm, [&] {
+  reduce_over_grid(engine, std::span<std::int64_t>(bad), ReduceOp::sum);
+  on_every_grid_rank(engine, [&] {
     for (std::size_t i = 0; i < F; ++i)
       if (bad[i]) {
         const std::string why = rd.verify_file(int(i));  // the checking rank's result, re-derived
@@ -90,11 +202,11 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
   const auto& opt = engine.optimizer();
   Manifest m;
   m.tag = tag;
-  m.world_size = engine.comm().size();
+  m.grid = engine.grid_shape();
+  m.world_size = m.grid.size();
   m.stage = E::stage;
   m.dtype = dtype_of<typename E::value_type>;
   m.layout = engine.layout().options();
-  for (const auto& p : engine.layout().params()) m.params.push_back({p.name, p.module, p.size});
   m.fields = {"param", "master"};
   for (int k = 0; k < optim::state_slots<typename E::optimizer_type>; ++k)
     m.fields.push_back(optim::state_name(opt, k));
@@ -112,33 +224,36 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 }  // namespace ckpt
 
 // Saves the engine's complete training state under <dir>/<tag> (checkpoint_format.hpp), with
-// an opaque user blob (data position, RNG, schedule state). Collective; only at an accumulation
-// boundary. A tag that already exists is an error (checkpoints are never overwritten in place).
-// Extra memory: none for a host engine (files are written straight from its buffers); a device
-// engine's pieces pass through host memory one at a time.
+// an opaque user blob (data position, RNG, schedule state; rank 0's is kept). Collective over the
+// engine's grid (every DP, TP and PP rank); only at an accumulation boundary. A tag that already
+// exists is an error (checkpoints are never overwritten in place). Each rank writes its own part
+// of the model (a tensor-parallel slice with its Placement, a pipeline stage's modules), so the
+// checkpoint loads at any grid. Extra memory: none for a host engine (files are written straight
+// from its buffers); a device engine's pieces pass through host memory one at a time.
 template <class E>
 void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::string& tag,
                      std::span<const std::byte> user = {}) {
   using T = typename E::value_type;
-  auto& comm = engine.comm();
   engine.expect_at_boundary("save_checkpoint()");
-  ckpt::expect_data_parallel(engine, "save_checkpoint()");
   const auto& part = engine.partition();
   const Layout& L = engine.layout();
-  const int r = comm.rank();
+  const int w = ckpt::grid_rank_of(engine);
   const std::filesystem::path staging = ckpt::staging_dir(dir, tag);
   ckpt::Manifest m = ckpt::manifest_of(engine, tag, user.size());
 
   // Every rank must save under the same tag (DeepSpeed's tag_validation "Fail", always on).
-  ZP_EXPECT(same_on_every_rank(comm, detail::Fnv1a().all(std::string_view(tag)).value()),
-            "checkpoint: the ranks passed different tags to save_checkpoint() (rank ", comm.rank(),
-            ": '", detail::text_excerpt(tag), "'); every rank must save under the same tag");
+  ZP_EXPECT(ckpt::same_over_grid(engine, detail::Fnv1a().all(std::string_view(tag)).value()),
+            "checkpoint: the ranks passed different tags to save_checkpoint() (rank ", w, ": '",
+            detail::text_excerpt(tag), "'); every rank must save under the same tag");
   ckpt::check_tag(tag);
+  std::vector<std::vector<ParamInfo>> parts = ckpt::gather_parts(engine);
 
-  // Rank 0 locks the directory and prepares an empty staging directory.
+  // Rank 0 describes the grid's model, locks the directory and prepares an empty staging
+  // directory; every rank learns the description's verdict.
   std::optional<ckpt::Publisher> pub;
-  on_every_rank(comm, [&] {
-    if (r == 0) pub.emplace(dir, tag);
+  ckpt::on_every_grid_rank(engine, [&] {
+    ckpt::describe_grid(m, std::move(parts));
+    if (w == 0) pub.emplace(dir, tag);
   });
 
   // Every rank writes its pieces straight from the engine's buffers (a device engine's through
@@ -148,9 +263,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::span<const std::byte> viewed;  // the current piece in host memory
   std::size_t first = 0;              // its first element's full-layout index
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
-  on_every_rank(comm, [&] {
+  ckpt::on_every_grid_rank(engine, [&] {
     mine = ckpt::write_rank_file(
-        staging / ckpt::rank_file_name(r, m.world_size), L, r, m, user,
+        staging / ckpt::rank_file_name(w, m.world_size), m, L, w, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
           const auto& lp = L.params()[p];
           const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
@@ -167,15 +282,15 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
 
   // Rank 0 learns every file's size and checksum, then publishes.
   std::vector<std::int64_t> sums(2 * std::size_t(m.world_size), 0);
-  sums[2 * std::size_t(r)] = std::int64_t(mine.bytes);
-  sums[2 * std::size_t(r) + 1] = std::int64_t(mine.crc32c);
-  all_reduce_host(comm, std::span<std::int64_t>(sums), ReduceOp::sum);
+  sums[2 * std::size_t(w)] = std::int64_t(mine.bytes);
+  sums[2 * std::size_t(w) + 1] = std::int64_t(mine.crc32c);
+  ckpt::reduce_over_grid(engine, std::span<std::int64_t>(sums), ReduceOp::sum);
   for (int i = 0; i < m.world_size; ++i)
     m.files.push_back({ckpt::rank_file_name(i, m.world_size),
                        std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
-  on_every_rank(comm, [&] {
-    if (r == 0) pub->publish(m);
+  ckpt::on_every_grid_rank(engine, [&] {
+    if (w == 0) pub->publish(m);
   });
 }
 
@@ -198,30 +313,53 @@ void fill_range(const Layout& L, std::size_t first, std::span<U> out, Read&& rea
   }
 }
 
-// The model's parameters against a checkpoint's, by name: every mismatch names the parameter
-// and both values. Returns, per model parameter, its index in the checkpoint.
-inline std::vector<std::size_t> match_params(const Layout& L, const Reader& rd) {
+// This rank's parameters against a checkpoint's, by name: a parameter the checkpoint lacks, or
+// of another shape or size, is an error naming it and both values. Returns, per parameter, its
+// index in the checkpoint and the part to read (its Placement, or the whole tensor).
+struct Match {
+  std::size_t index = 0;
+  Placement part;
+};
+inline std::vector<Match> match_params(std::span<const ParamInfo> ps, const Reader& rd) {
   const auto& m = rd.manifest();
   const std::string where = rd.path().string();
-  std::vector<std::size_t> idx;
-  for (const auto& p : L.params()) {
+  std::vector<Match> out;
+  for (const auto& p : ps) {
     const int i = rd.find(p.name);
     ZP_EXPECT(i >= 0, "checkpoint ", where, " has no parameter '", p.name,
               "' (the model has it, with ", p.size, " elements; the checkpoint has ",
               m.params.size(), " parameters)");
-    ZP_EXPECT(m.params[std::size_t(i)].size == p.size, "checkpoint ", where, ": parameter '",
-              p.name, "' has ", m.params[std::size_t(i)].size, " elements in the checkpoint but ",
-              p.size, " in the model");
-    idx.push_back(std::size_t(i));
-  }
-  if (m.params.size() != L.params().size())
-    for (const auto& q : m.params) {
-      bool found = false;
-      for (const auto& p : L.params()) found = found || p.name == q.name;
-      ZP_EXPECT(found, "checkpoint ", where, " has parameter '", q.name, "' (", q.size,
-                " elements), which the model does not have");
+    const ParamInfo& q = m.params[std::size_t(i)];
+    if (p.place.shape.empty() || p.place.is_whole()) {
+      ZP_EXPECT(
+          q.size == p.size, "checkpoint ", where, ": parameter '", p.name, "' has ", q.size,
+          " elements (shape ", dims_text(q.place.shape), ") in the checkpoint but ", p.size,
+          " in the model",
+          p.tp == TensorParallel::split ? " (a split parameter without a zp::Placement)" : "");
+      out.push_back({std::size_t(i), q.place});
+    } else {
+      ZP_EXPECT(q.place.shape == p.place.shape, "checkpoint ", where, ": parameter '", p.name,
+                "' is of the shape ", dims_text(q.place.shape), " in the checkpoint but ",
+                dims_text(p.place.shape), " in the model");
+      out.push_back({std::size_t(i), p.place});
     }
-  return idx;
+  }
+  return out;
+}
+
+// Every parameter of the checkpoint is somewhere in the engine's replica. Collective over the
+// grid.
+template <class E>
+void expect_every_param_loaded(E& engine, const Reader& rd, std::span<const Match> mine) {
+  const auto& m = rd.manifest();
+  std::vector<std::int64_t> held(m.params.size(), 0);
+  for (const Match& x : mine) held[x.index] = 1;
+  reduce_over_grid(engine, std::span<std::int64_t>(held), ReduceOp::max);
+  on_every_grid_rank(engine, [&] {
+    for (std::size_t i = 0; i < held.size(); ++i)
+      ZP_EXPECT(held[i], "checkpoint ", rd.path().string(), " has parameter '", m.params[i].name,
+                "' (", m.params[i].size, " elements), which the model does not have");
+  });
 }
 
 // Sets an optimizer's fields from a checkpoint's, by name.
@@ -251,9 +389,11 @@ void load_hyper(O& o, const Manifest& m, const std::string& where) {
 
 }  // namespace ckpt
 
-// Loads <dir>/<tag> ("latest": the newest complete one) into the engine, whatever world size
-// and stage saved it: parameters, master weights, optimizer state and hyper-parameters, step
-// counters and loss scaler; returns the user blob. Collective; only at an accumulation boundary.
+// Loads <dir>/<tag> ("latest": the newest complete one) into the engine, whatever grid (DP x TP x
+// PP) and stage saved it and whatever grid and stage the engine has: parameters, master weights,
+// optimizer state and hyper-parameters, step counters and loss scaler; returns the user blob.
+// Each rank reads exactly its own part's elements, from whichever files hold them. Collective
+// over the engine's grid; only at an accumulation boundary.
 // Every file is verified (size and CRC-32C) before anything is read; a mismatch between the
 // checkpoint and the model (parameter names or sizes, element type, optimizer) is an error
 // naming both values, and leaves the engine's state as it was.
@@ -262,14 +402,12 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
                                        std::string tag = "latest") {
   using T = typename E::value_type;
   using Opt = typename E::optimizer_type;
-  auto& comm = engine.comm();
   engine.expect_at_boundary("load_checkpoint()");
-  ckpt::expect_data_parallel(engine, "load_checkpoint()");
   const Layout& L = engine.layout();
   std::optional<ckpt::Reader> rd;
-  std::vector<std::size_t> idx;
+  std::vector<ckpt::Match> idx;
   Opt opt = engine.optimizer();
-  on_every_rank(comm, [&] {
+  ckpt::on_every_grid_rank(engine, [&] {
     rd.emplace(dir, tag);
     const auto& m = rd->manifest();
     const std::string where = rd->path().string();
@@ -283,32 +421,34 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
     ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where,
               " has ", m.fields.size() - 2, " optimizer state arrays, ",
               optim::detail::type_name(opt), " needs ", optim::state_slots<Opt>);
-    idx = ckpt::match_params(L, *rd);
+    idx = ckpt::match_params(engine.params(), *rd);
   });
   // Every rank must read the same checkpoint: a `latest` local to each node, or tags passed
   // differently per rank, would leave the replicas different without any error.
   const std::string tag_read = rd->path().filename().string();
-  ZP_EXPECT(same_on_every_rank(
-                comm, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
-            "checkpoint: the ranks are loading different checkpoints (rank ", comm.rank(), ": ",
-            rd->path().string(), ", step ", rd->manifest().step,
-            "); every rank must load the same tag of the same directory (is `latest` "
-            "local to each node?)");
+  ZP_EXPECT(
+      ckpt::same_over_grid(
+          engine, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
+      "checkpoint: the ranks are loading different checkpoints (rank ", ckpt::grid_rank_of(engine),
+      ": ", rd->path().string(), ", step ", rd->manifest().step,
+      "); every rank must load the same tag of the same directory (is `latest` "
+      "local to each node?)");
 
-  ckpt::verify_everywhere(comm, *rd);
+  ckpt::expect_every_param_loaded(engine, *rd, idx);
+  ckpt::verify_everywhere(engine, *rd);
   const auto& m = rd->manifest();
 
   // Read this rank's ranges, field by field, in the engine's layout.
   const auto& part = engine.partition();
   std::vector<std::byte> user;
-  on_every_rank(comm, [&] {
+  ckpt::on_every_grid_rank(engine, [&] {
     for (int s = 0; s < L.segment_count(); ++s)
       for (std::size_t f = 0; f < m.fields.size(); ++f)
         ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
           fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
             ckpt::fill_range<U>(L, dst.offset, h,
                                 [&](std::size_t p, std::size_t at, std::span<U> out) {
-                                  rd->template read<U>(f, idx[p], at, out);
+                                  rd->read_part(f, idx[p].index, idx[p].part, at, out);
                                 });
           });
         });

@@ -4,15 +4,23 @@
 // communicator: the tool zp_ckpt builds on this alone; checkpoint.hpp saves and loads engines
 // with it.
 //
-// Layout on disk: <dir>/<tag>/rank-00000-of-00004.safetensors ... one file per saving rank, and
-// <dir>/<tag>/manifest.json; <dir>/latest holds the tag of the newest complete checkpoint.
-// Rank r's file holds, for every parameter, the elements of it that lie in r's ZeRO pieces, as
-// one tensor per field: "param/<name>" (T), "master/<name>" (F32) and one per optimizer state
-// ("exp_avg/<name>", ...); rank 0's also "user/blob" (U8). The format is the same for every
-// stage (each rank writes its own pieces even where a stage replicates them), so the manifest's
-// parameter list, sizes and layout options say where every element of every parameter is, and
-// a load at M ranks and stage S' reads its own pieces by parameter name from whichever files
-// hold them: resharding is a read pattern, not a conversion.
+// Layout on disk: <dir>/<tag>/rank-00000-of-00004.safetensors ... one file per saving rank (of
+// the whole DP x TP x PP grid, Megatron's rank order, layout.hpp), and <dir>/<tag>/manifest.json;
+// <dir>/latest holds the tag of the newest complete checkpoint. Rank r's file holds, for every
+// parameter of its part of the model, the elements of that part that lie in r's ZeRO pieces
+// (its data-parallel group's layout), as one tensor per field: "param/<name>" (T),
+// "master/<name>" (F32) and one per optimizer state ("exp_avg/<name>", ...); rank 0's also
+// "user/blob" (U8). A part that is the whole tensor (replicated over the tensor-parallel group)
+// is written by TP rank 0 only. The format is the same for every stage (each rank writes its own
+// pieces even where a stage replicates them).
+//
+// The manifest says where every element is: the grid, the full model's tensors (name, module in
+// the whole model, size, shape), and per model-parallel rank (tp + TP * pp) its part: each
+// tensor's local module and its box in the full shape (model.hpp's Placement), whose layout over
+// the DP ranks gives each file's ranges. A load at any grid and stage reads, for each element
+// of its own part, from whichever file holds it: resharding, across DP, TP and PP alike, is a
+// read pattern, not a conversion. (Version 1 manifests, data-parallel only, read as a grid of
+// world_size x 1 x 1.)
 //
 // Durability: every file is written under a temporary name, fsynced and renamed; the rank files
 // and the manifest go into <dir>/.<tag>.partial, which is renamed to <dir>/<tag> only after
@@ -56,7 +64,7 @@ namespace zp {
 
 namespace ckpt {
 
-inline constexpr int format_version = 1;
+inline constexpr int format_version = 2;  // and version 1 is read
 inline constexpr const char* format_name = "zp-checkpoint";
 
 inline std::string rank_file_name(int rank, int ranks) {
@@ -76,14 +84,41 @@ inline Slice slice_of(const Layout& L, const Layout::Param& p, int r) {
   return hi > lo ? Slice{lo - p.offset, hi - lo} : Slice{};
 }
 
+// [2, 3, 4]
+inline std::string dims_text(const std::vector<std::size_t>& d) {
+  std::string t = "[";
+  for (std::size_t k = 0; k < d.size(); ++k) t += (k ? ", " : "") + std::to_string(d[k]);
+  return t + "]";
+}
+
+// Whether the rank at tensor-parallel coordinate `tp` writes its part `p` of a parameter: a
+// replicated (whole) part only once per TP group.
+inline bool writes(const ParamInfo& p, int tp) { return tp == 0 || !p.place.is_whole(); }
+
+// The whole tensor of `p` (its place.shape, or 1-D) as a Placement.
+inline Placement whole_of(const ParamInfo& p) {
+  Placement w;
+  w.shape = p.place.shape.empty() ? std::vector<std::size_t>{p.size} : p.place.shape;
+  w.begin.assign(w.shape.size(), 0);
+  w.end = w.shape;
+  return w;
+}
+
 // Everything a checkpoint says besides the tensors.
 struct Manifest {
+  int version = format_version;  // as read (version 1 has no grid, parts or shapes)
   std::string tag;
-  int world_size = 1;
+  int world_size = 1;  // grid.size(): one file each
+  GridShape grid;
   int stage = 0;
   DType dtype = DType::f32;
   LayoutOptions layout;
-  std::vector<ParamInfo> params;    // forward order, as the model visits them
+  // The full model's tensors, forward order: name, module of the whole model, size, and the
+  // shape in place.shape (begin/end: the whole).
+  std::vector<ParamInfo> params;
+  // Per model-parallel rank tp + TP * pp, its parameters as its engine laid them out: name,
+  // local module, local size, place (the box in the full shape).
+  std::vector<std::vector<ParamInfo>> parts;
   std::vector<std::string> fields;  // "param", "master", then the optimizer state names
   std::string optimizer;            // type name, e.g. "AdamW"
   nlohmann::json hyper = nlohmann::json::object();  // its fields by name
@@ -99,9 +134,18 @@ struct Manifest {
   std::vector<File> files;  // one per rank, rank order
   std::uint64_t user_bytes = 0;
 
-  Layout make_layout() const { return Layout(params, world_size, layout); }
+  // Group g's data-parallel layout: file of world rank (tp, dp, pp) holds dp's slices of it.
+  Layout layout_of(int g) const { return Layout(parts.at(std::size_t(g)), grid.dp, layout); }
+  int group_of(const GridCoords& c) const { return c.tp + grid.tp * c.pp; }
   DType field_dtype(std::size_t f) const { return f == 0 ? dtype : DType::f32; }
 };
+
+// The parts of a data-parallel grid: every tensor whole, modules of the whole model.
+inline std::vector<std::vector<ParamInfo>> data_parallel_parts(const std::vector<ParamInfo>& ps) {
+  std::vector<ParamInfo> all = ps;
+  for (auto& p : all) p.place = whole_of(p);
+  return {std::move(all)};
+}
 
 inline nlohmann::json to_json(const Manifest& m) {
   using nlohmann::json;
@@ -111,6 +155,7 @@ inline nlohmann::json to_json(const Manifest& m) {
   j["zp_version"] = detail::cat(ZP_VERSION_MAJOR, '.', ZP_VERSION_MINOR, '.', ZP_VERSION_PATCH);
   j["tag"] = m.tag;
   j["world_size"] = m.world_size;
+  j["grid"] = {{"dp", m.grid.dp}, {"tp", m.grid.tp}, {"pp", m.grid.pp}};
   j["stage"] = m.stage;
   j["dtype"] = name(m.dtype);
   j["layout"] = {{"bucket_elems", m.layout.bucket_elems},
@@ -118,8 +163,18 @@ inline nlohmann::json to_json(const Manifest& m) {
                  {"align", m.layout.align}};
   json ps = json::array();
   for (const auto& p : m.params)
-    ps.push_back({{"name", p.name}, {"module", p.module}, {"size", p.size}});
+    ps.push_back(
+        {{"name", p.name}, {"module", p.module}, {"size", p.size}, {"shape", whole_of(p).shape}});
   j["params"] = std::move(ps);
+  json parts = json::array();
+  for (const auto& g : m.parts) {
+    json part = json::array();
+    for (const auto& p : g)
+      part.push_back(
+          {{"name", p.name}, {"module", p.module}, {"begin", p.place.begin}, {"end", p.place.end}});
+    parts.push_back(std::move(part));
+  }
+  j["parts"] = std::move(parts);
   j["fields"] = m.fields;
   j["optimizer"] = {{"type", m.optimizer}, {"params", m.hyper}};
   j["progress"] = {{"step", m.step},
@@ -205,6 +260,17 @@ inline constexpr HeaderKey header_keys[] = {
     HeaderKey::read(
         "version", whole(1), [](auto& h) -> auto& { return h.version; })};
 
+// A list of 1 to 8 integers in [lo, max_elements] (a shape, a box's corner).
+inline std::vector<std::size_t> read_dims(const Ctx& c, const json& v, const std::string& path,
+                                          std::int64_t lo) {
+  if (!v.is_array() || v.empty() || v.size() > 8)
+    c.fail(path, "expected an array of 1 to 8 integers, got ", show(v));
+  std::vector<std::size_t> d;
+  for (std::size_t k = 0; k < v.size(); ++k)
+    d.push_back(std::size_t(as_int(c, v[k], detail::cat(path, "[", k, "]"), lo, max_elements, {})));
+  return d;
+}
+
 using ParamKey = Key<ParamInfo>;
 inline constexpr ParamKey param_keys[] = {
     ParamKey::read(
@@ -212,7 +278,33 @@ inline constexpr ParamKey param_keys[] = {
     ParamKey::read(
         "module", whole(0, int_max), [](auto& p) -> auto& { return p.module; }),
     ParamKey::read(
-        "size", whole(1, max_elements), [](auto& p) -> auto& { return p.size; })};
+        "size", whole(1, max_elements), [](auto& p) -> auto& { return p.size; }),
+    ParamKey::custom("shape", [](const Ctx& c, const json& v, const std::string& path,
+                                 ParamInfo& p) {
+      p.place.shape = read_dims(c, v, path, 1);
+    }).if_given()};
+
+// A part of a grid: the tensor's name, its module in the part, its box.
+inline constexpr ParamKey part_keys[] = {
+    ParamKey::read(
+        "name", str(), [](auto& p) -> auto& { return p.name; }),
+    ParamKey::read(
+        "module", whole(0, int_max), [](auto& p) -> auto& { return p.module; }),
+    ParamKey::custom("begin", [](const Ctx& c, const json& v, const std::string& path,
+                                 ParamInfo& p) { p.place.begin = read_dims(c, v, path, 0); })
+        .require("missing"),
+    ParamKey::custom("end", [](const Ctx& c, const json& v, const std::string& path, ParamInfo& p) {
+      p.place.end = read_dims(c, v, path, 1);
+    }).require("missing")};
+
+using GridKey = Key<GridShape>;
+inline constexpr GridKey grid_keys[] = {
+    GridKey::read(
+        "dp", whole(1, max_ranks), [](auto& g) -> auto& { return g.dp; }),
+    GridKey::read(
+        "tp", whole(1, max_ranks), [](auto& g) -> auto& { return g.tp; }),
+    GridKey::read(
+        "pp", whole(1, max_ranks), [](auto& g) -> auto& { return g.pp; })};
 
 using FileKey = Key<Manifest::File>;
 inline constexpr FileKey file_keys[] = {
@@ -263,10 +355,59 @@ inline void read_params(const Ctx& c, const json& v, const std::string& path, Ma
       c.fail(join(at, "module"), "expected an integer in [0, ", i, "], got ", p.module);
     if (!names.insert(p.name).second)
       c.fail(join(at, "name"), "the parameter ", detail::text_excerpt(p.name), " appears twice");
+    if (m.version >= 2 && p.place.shape.empty()) c.fail(join(at, "shape"), "missing");
+    std::size_t n = 1;  // the shape's elements, stopping before any overflow
+    for (std::size_t d : p.place.shape) n = n > p.size ? n : n * d;
+    if (!p.place.shape.empty() && n != p.size)
+      c.fail(join(at, "shape"), "the shape does not hold ", p.size, " elements (size)");
+    p.place = whole_of(p);
     elements += std::int64_t(p.size);
     if (elements > max_elements)
       c.fail(join(at, "size"), "the parameters add up to more than ", max_elements, " elements");
     m.params.push_back(std::move(p));
+  }
+}
+
+// The grid (version 1: absent, world_size x 1 x 1): its ranks must be world_size.
+inline void read_grid(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  read_object(c, v, path, grid_keys, m.grid);
+  if (std::int64_t(m.grid.dp) * m.grid.tp * m.grid.pp != m.world_size)
+    c.fail(path, "dp x tp x pp = ", m.grid.dp, " x ", m.grid.tp, " x ", m.grid.pp,
+           " is not world_size ", m.world_size);
+}
+
+// Each model-parallel rank's part (params, read before): tp x pp lists of tensors the params name,
+// each at most once per part, with a box inside the tensor's shape; modules as read_params checks.
+inline void read_parts(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  const std::size_t groups = std::size_t(m.grid.tp) * std::size_t(m.grid.pp);
+  if (!v.is_array() || v.size() != groups)
+    c.fail(path, "expected ", groups, " parts (tp x pp), got ",
+           v.is_array() ? detail::cat(v.size()) : show(v));
+  std::map<std::string, std::size_t, std::less<>> index;
+  for (std::size_t i = 0; i < m.params.size(); ++i) index.emplace(m.params[i].name, i);
+  for (std::size_t g = 0; g < groups; ++g) {
+    const std::string gp = detail::cat(path, "[", g, "]");
+    if (!v[g].is_array() || v[g].empty())
+      c.fail(gp, "expected a non-empty array, got ", show(v[g]));
+    std::set<std::string, std::less<>> names;
+    std::vector<ParamInfo> part;
+    for (std::size_t i = 0; i < v[g].size(); ++i) {
+      const std::string at = detail::cat(gp, "[", i, "]");
+      ParamInfo p;
+      read_object(c, v[g][i], at, part_keys, p);
+      const auto it = index.find(p.name);
+      if (it == index.end())
+        c.fail(join(at, "name"), "no parameter ", detail::text_excerpt(p.name), " in params");
+      if (!names.insert(p.name).second)
+        c.fail(join(at, "name"), "the parameter ", detail::text_excerpt(p.name), " appears twice");
+      if (std::size_t(p.module) > i)
+        c.fail(join(at, "module"), "expected an integer in [0, ", i, "], got ", p.module);
+      p.place.shape = m.params[it->second].place.shape;
+      c.checked(at, [&] { p.place.check("the part"); });
+      p.size = p.place.size();
+      part.push_back(std::move(p));
+    }
+    m.parts.push_back(std::move(part));
   }
 }
 
@@ -365,6 +506,7 @@ inline constexpr ManifestKey manifest_keys[] = {
     ManifestKey::custom("tag", read_tag).require("missing"),
     ManifestKey::read(
         "world_size", whole(1, max_ranks), [](auto& m) -> auto& { return m.world_size; }),
+    ManifestKey::custom("grid", read_grid).if_given(),
     ManifestKey::read(
         "stage", whole(0, 3), [](auto& m) -> auto& { return m.stage; }),
     ManifestKey::read(
@@ -374,6 +516,7 @@ inline constexpr ManifestKey manifest_keys[] = {
         "layout", [](auto& m) -> auto& { return m.layout; })
         .require("missing"),
     ManifestKey::custom("params", read_params).require("missing"),
+    ManifestKey::custom("parts", read_parts).if_given(),
     ManifestKey::custom("fields", read_fields).require("missing"),
     ManifestKey::object<optimizer_keys>("optimizer", whole_manifest).require("missing"),
     ManifestKey::object<progress_keys>("progress", whole_manifest).require("missing"),
@@ -386,7 +529,11 @@ inline constexpr ManifestKey manifest_keys[] = {
 // What spans the tables: every element of every field is in some rank's file, so the files must
 // be at least that large (checked before anything is allocated for them), and the parameter list
 // must lay out.
-inline void check_sizes(const Ctx& c, const Manifest& m) {
+inline void check_sizes(const Ctx& c, Manifest& m) {
+  if (m.parts.empty()) {  // version 1
+    if (m.version >= 2) c.fail("parts", "missing");
+    m.parts = data_parallel_parts(m.params);
+  }
   std::uint64_t elements = 0, file_bytes = 0;
   for (const auto& p : m.params) elements += p.size;  // at most max_elements (read_params)
   for (const auto& f : m.files)
@@ -396,7 +543,9 @@ inline void check_sizes(const Ctx& c, const Manifest& m) {
   if (elements * per_element + m.user_bytes > file_bytes)
     c.fail("files", "the files hold ", file_bytes, " bytes in all, fewer than the ", elements,
            " parameter elements need (", per_element, " bytes each over the fields)");
-  c.checked("params", [&] { (void)m.make_layout(); });  // modules numbered, sizes sane
+  c.checked("params", [&] { (void)Layout(m.params, 1, m.layout); });  // modules numbered
+  for (int g = 0; g < int(m.parts.size()); ++g)                       // and in each part
+    c.checked(detail::cat("parts[", g, "]"), [&] { (void)m.layout_of(g); });
 }
 
 }  // namespace schema
@@ -409,10 +558,17 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
   const schema::Ctx c = schema::context(source);
   schema::Header h;
   schema::read_object(c, j, "", schema::header_keys, h);
-  if (h.version != format_version)
-    c.fail("version", "format version ", h.version, "; this zp reads version ", format_version);
+  if (h.version != 1 && h.version != format_version)
+    c.fail("version", "format version ", h.version, "; this zp reads versions 1 to ",
+           format_version);
   Manifest m;
+  m.version = int(h.version);
+  m.grid.dp = 0;  // "grid" absent (version 1): data-parallel
   schema::read_object(c, j, "", schema::manifest_keys, m);
+  if (m.grid.dp == 0) {
+    if (m.version >= 2) c.fail("grid", "missing");
+    m.grid = {m.world_size, 1, 1};
+  }
   schema::check_sizes(c, m);
   return m;
 }
@@ -437,9 +593,22 @@ class Reader {
     m_ = manifest_from_json(
         detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
         manifest.string());
-    layout_ = m_.make_layout();
     for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
     files_.resize(m_.files.size());
+    // Which file holds which elements: every rank's slices of its group's layout.
+    sources_.resize(m_.params.size());
+    for (int g = 0; g < int(m_.parts.size()); ++g) {
+      const Layout L = m_.layout_of(g);
+      const GridCoords at{0, g % m_.grid.tp, g / m_.grid.tp};
+      for (std::size_t j = 0; j < L.params().size(); ++j) {
+        const ParamInfo& part = m_.parts[std::size_t(g)][j];
+        if (!writes(part, at.tp)) continue;
+        for (int dp = 0; dp < m_.grid.dp; ++dp)
+          if (const Slice sl = slice_of(L, L.params()[j], dp); sl.count)
+            sources_[by_name_.at(part.name)].push_back(
+                {grid_rank(m_.grid, {dp, at.tp, at.pp}), g, j, sl});
+      }
+    }
   }
 
   // The tag <dir>/latest names: a regular file holding a tag (check_tag), optionally followed by
@@ -459,7 +628,6 @@ class Reader {
   std::uint64_t manifest_hash() const noexcept { return manifest_hash_; }
 
   const Manifest& manifest() const noexcept { return m_; }
-  const Layout& layout() const noexcept { return layout_; }
   const std::filesystem::path& path() const noexcept { return path_; }
   std::filesystem::path file_path(int rank) const {
     return path_ / m_.files.at(std::size_t(rank)).name;
@@ -499,20 +667,45 @@ class Reader {
   // the field's stored type.
   template <class U>
   void read(std::size_t f, std::size_t p, std::size_t first, std::span<U> out) {
-    const Layout::Param& lp = layout_.params().at(p);
-    ZP_EXPECT(first + out.size() <= lp.size, "checkpoint: read of elements [", first, ", ",
-              first + out.size(), ") of parameter '", lp.name, "' with ", lp.size);
-    const auto& seg = layout_.segment(lp.segment);
-    const std::string tensor = m_.fields.at(f) + "/" + lp.name;
-    std::size_t done = 0;
-    while (done < out.size()) {
-      const std::size_t x = lp.offset + first + done;  // full-buffer offset of the next element
-      const int r = int((x - seg.offset) / seg.piece);
-      const Slice s = slice_of(layout_, lp, r);
-      const std::size_t n = std::min(out.size() - done, s.first + s.count - (first + done));
-      file(r).read_elements(tensor, first + done - s.first, out.subspan(done, n));
-      done += n;
-    }
+    read_part(f, p, m_.params.at(p).place, first, out);
+  }
+
+  // The same of a part of parameter p (its box in p's shape; empty or whole: the whole tensor),
+  // elements [first, first + out.size()) of the part, row-major, from whichever files hold them:
+  // contiguous runs in both the part and a file become one read.
+  template <class U>
+  void read_part(std::size_t f, std::size_t p, const Placement& part, std::size_t first,
+                 std::span<U> out) {
+    const ParamInfo& param = m_.params.at(p);
+    const Placement& want =
+        part.shape.empty() || (part.is_whole() && part.full_size() == param.size) ? param.place
+                                                                                  : part;
+    ZP_EXPECT(want.shape == param.place.shape, "checkpoint ", path_.string(), ": parameter '",
+              param.name, "' has the shape ", dims_text(param.place.shape),
+              " in the checkpoint; the part asked for is of the shape ", dims_text(part.shape));
+    ZP_EXPECT(first + out.size() <= want.size(), "checkpoint: read of elements [", first, ", ",
+              first + out.size(), ") of a part of parameter '", param.name, "' with ", want.size());
+    const std::string tensor = m_.fields.at(f) + "/" + param.name;
+    struct Pending {  // the read being extended: file, element in its tensor, output, count
+      int file = -1;
+      std::size_t at = 0, out = 0, n = 0;
+    } run;
+    auto flush = [&] {
+      if (run.n) file(run.file).read_elements(tensor, run.at, out.subspan(run.out, run.n));
+      run.n = 0;
+    };
+    want.for_each_run(first, out.size(), [&](std::size_t full, std::size_t local, std::size_t n) {
+      for (std::size_t done = 0; done < n;) {
+        const auto [src, at, len] = find_source(p, full + done, n - done);
+        const std::size_t o = local - first + done;
+        if (run.n && run.file == src && run.at + run.n == at && run.out + run.n == o)
+          run.n += len;
+        else
+          flush(), run = {src, at, o, len};
+        done += len;
+      }
+    });
+    flush();
   }
 
   // The same into raw bytes of the field's stored type (out.size() / its size elements).
@@ -559,43 +752,85 @@ class Reader {
     return *f;
   }
 
+  // Where file `rank` holds elements of a parameter: those of its part (`place`) in `slice`.
+  struct Source {
+    int rank = 0, group = 0;
+    std::size_t part = 0;  // in m_.parts[group]
+    Slice slice;
+  };
+  struct Found {
+    int rank = 0;
+    std::size_t at = 0, count = 0;  // at: element of the file's tensor
+  };
+  // The file holding full element `full` of parameter p, and how many of the elements from there
+  // on (at most `most`, along one row of the shape) it holds in a row.
+  Found find_source(std::size_t p, std::size_t full, std::size_t most) const {
+    for (const Source& s : sources_[p]) {
+      const Placement& b = m_.parts[std::size_t(s.group)][s.part].place;
+      std::size_t local = 0, rest = full, row = 0;  // row: elements left in the box's row
+      bool inside = true;
+      for (std::size_t k = b.shape.size(); k-- > 0 && inside;) {
+        const std::size_t x = rest % b.shape[k];
+        rest /= b.shape[k];
+        inside = x >= b.begin[k] && x < b.end[k];
+        if (k + 1 == b.shape.size()) row = b.end[k] - x;
+        std::size_t stride = 1;
+        for (std::size_t q = k + 1; q < b.shape.size(); ++q) stride *= b.end[q] - b.begin[q];
+        local += (x - b.begin[k]) * stride;
+      }
+      if (!inside || local < s.slice.first || local >= s.slice.first + s.slice.count) continue;
+      return {s.rank, local - s.slice.first,
+              std::min({most, row, s.slice.first + s.slice.count - local})};
+    }
+    throw Error(Errc::io, detail::cat("checkpoint ", path_.string(), ": no file holds element ",
+                                      full, " of parameter '", m_.params[p].name, "'"));
+  }
+
   std::filesystem::path path_;
   std::uint64_t manifest_hash_ = 0;
   Manifest m_;
-  Layout layout_;
   std::map<std::string, std::size_t> by_name_;
+  std::vector<std::vector<Source>> sources_;  // per parameter
   std::vector<std::optional<safetensors::Reader>> files_;
 };
 
-// Writes rank r's file for `layout`: for every field and parameter, r's slice, in that order,
-// taking the bytes from `source(field, param, slice)` (a span of the slice's elements). Returns
-// the file's size and CRC-32C.
+// Writes the file of world rank w of m's grid (L: its group's layout, m.layout_of): for every
+// field and every parameter it writes (ckpt::writes), its slice, in that order, taking the bytes
+// from `source(field, param, slice)` (a span of the slice's elements). Returns the file's size
+// and CRC-32C.
 template <class Source>
-safetensors::Summary write_rank_file(const std::filesystem::path& path, const Layout& L, int r,
-                                     const Manifest& m, std::span<const std::byte> user,
+safetensors::Summary write_rank_file(const std::filesystem::path& path, const Manifest& m,
+                                     const Layout& L, int w, std::span<const std::byte> user,
                                      Source&& source) {
+  const GridCoords at = coords_of(m.grid, w);
+  const auto& part = m.parts.at(std::size_t(m.group_of(at)));
+  ZP_ASSERT(part.size() == L.params().size(), "checkpoint: rank ", w, "'s layout has ",
+            L.params().size(), " parameters, its part ", part.size());
   // fp32 fields first, the 16-bit parameters last: every tensor stays aligned to its element.
   std::vector<std::size_t> order;
   for (std::size_t f = 1; f < m.fields.size(); ++f) order.push_back(f);
   order.push_back(0);
-  std::vector<safetensors::TensorInfo> tensors;
   const auto& ps = L.params();
-  for (std::size_t f : order)
-    for (const auto& p : ps)
-      if (const Slice s = slice_of(L, p, r); s.count)
-        tensors.push_back(
-            {m.fields[f] + "/" + p.name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
-  if (r == 0 && !user.empty()) tensors.push_back({"user/blob", "U8", {user.size()}});
-  safetensors::Writer w(path, std::move(tensors),
-                        {{"format", "zp-checkpoint-rank"},
-                         {"rank", std::to_string(r)},
-                         {"ranks", std::to_string(L.ranks())},
-                         {"tag", m.tag}});
+  auto slice = [&](std::size_t p) {
+    return writes(part[p], at.tp) ? slice_of(L, ps[p], at.dp) : Slice{};
+  };
+  std::vector<safetensors::TensorInfo> tensors;
   for (std::size_t f : order)
     for (std::size_t p = 0; p < ps.size(); ++p)
-      if (const Slice s = slice_of(L, ps[p], r); s.count) w.write(source(f, p, s));
-  if (r == 0 && !user.empty()) w.write(user);
-  return w.commit();
+      if (const Slice s = slice(p); s.count)
+        tensors.push_back(
+            {m.fields[f] + "/" + ps[p].name, safetensors::dtype_name(m.field_dtype(f)), {s.count}});
+  if (w == 0 && !user.empty()) tensors.push_back({"user/blob", "U8", {user.size()}});
+  safetensors::Writer out(path, std::move(tensors),
+                          {{"format", "zp-checkpoint-rank"},
+                           {"rank", std::to_string(w)},
+                           {"ranks", std::to_string(m.world_size)},
+                           {"tag", m.tag}});
+  for (std::size_t f : order)
+    for (std::size_t p = 0; p < ps.size(); ++p)
+      if (const Slice s = slice(p); s.count) out.write(source(f, p, s));
+  if (w == 0 && !user.empty()) out.write(user);
+  return out.commit();
 }
 
 // Where the files of a save of <dir>/<tag> are written until it is published.
@@ -692,8 +927,9 @@ class Publisher {
   std::filesystem::path staging_;
 };
 
-// Writes a copy of a checkpoint laid out for `ranks` ranks as <dir>/<tag> (offline: no engine,
-// no communicator), reading one rank slice at a time. Loading it needs no resharding, so it
+// Writes a copy of a checkpoint laid out for `ranks` data-parallel ranks (of any grid: the
+// whole model on each) as <dir>/<tag> (offline: no engine, no communicator), reading one rank
+// slice at a time. Loading it needs no resharding, so it
 // suits tools that expect one file per rank; zp itself loads the original at any rank count.
 inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag,
                     int ranks) {
@@ -704,8 +940,10 @@ inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::str
   Manifest m = rd.manifest();
   m.tag = tag;
   m.world_size = ranks;
+  m.grid = {ranks, 1, 1};
+  m.parts = data_parallel_parts(m.params);
   m.files.clear();
-  const Layout L = m.make_layout();
+  const Layout L = m.layout_of(0);
   Publisher pub(dir, tag);
   const std::filesystem::path staging = pub.staging();
   const std::vector<std::byte> user = rd.user_blob();
@@ -714,7 +952,7 @@ inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::str
   std::vector<std::byte> buf(most * sizeof(float));
   for (int r = 0; r < ranks; ++r) {
     const auto sum = write_rank_file(
-        staging / rank_file_name(r, ranks), L, r, m, user,
+        staging / rank_file_name(r, ranks), m, L, r, user,
         [&](std::size_t f, std::size_t p, Slice s) -> std::span<const std::byte> {
           const auto bytes = std::span<std::byte>(buf).first(s.count * size_of(m.field_dtype(f)));
           rd.read_bytes(f, p, s.first, bytes);

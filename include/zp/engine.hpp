@@ -131,7 +131,8 @@ class Engine {
       : Engine(grid.dp(), model, std::move(config), optimizer) {
     if (grid.model_parallel().size() > 1) {
       mp_ = &grid.model_parallel();
-      tp_rank_ = grid.coords().tp;
+      grid_ = grid.shape();
+      coords_ = grid.coords();
     }
   }
 
@@ -223,6 +224,11 @@ class Engine {
   Collective<B>& comm() noexcept { return *comm_; }  // the data-parallel group
   // The replica's TP x PP group (engines built from a grid with tp * pp > 1), else null.
   Collective<B>* model_parallel() noexcept { return mp_; }
+  // The grid this engine is one rank of ({dp, 1, 1} without TP or PP) and its place in it.
+  const GridShape& grid_shape() const noexcept { return grid_; }
+  const GridCoords& grid_coords() const noexcept { return coords_; }
+  // The model's parameters as it described them (names, modules, sizes, placements).
+  const std::vector<ParamInfo>& params() const noexcept { return bound_.params; }
   using Progress = EngineProgress;  // where training stands (engine_config.hpp)
   Progress progress() const noexcept { return {step_, micro_, config_.loss_scaler.state()}; }
   // Continues from `p` (after a checkpoint's buffers were written into partition()); stage 3's
@@ -355,7 +361,7 @@ class Engine {
     const auto& o = config_.optimizer_options;
     auto add = [&]<class G>(int s, Owned<G> piece) {
       const std::span<const G> g(piece.span);
-      if (!mp_ || tp_rank_ == 0) return stats_.add(g, o);
+      if (!mp_ || coords_.tp == 0) return stats_.add(g, o);
       stats_.add(part_.layout(), s, piece.offset, g, o,
                  [&](int p) { return bound_.params[std::size_t(p)].tp == TensorParallel::split; });
     };
@@ -450,7 +456,8 @@ class Engine {
 
   Collective<B>* comm_;
   Collective<B>* mp_ = nullptr;  // the replica's TP x PP group when it has more than one rank
-  int tp_rank_ = 0;
+  GridShape grid_{comm_->size(), 1, 1};
+  GridCoords coords_{comm_->rank(), 0, 0};
   EngineConfig config_;
   BatchConfig batch_;
   Opt opt_;

@@ -26,27 +26,9 @@
 #include "zp/agreement.hpp"
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
+#include "zp/layout.hpp"
 
 namespace zp {
-
-struct GridShape {
-  int dp = 1, tp = 1, pp = 1;
-  int size() const noexcept { return dp * tp * pp; }
-};
-
-// One rank's coordinates in a grid.
-struct GridCoords {
-  int dp = 0, tp = 0, pp = 0;
-  friend bool operator==(const GridCoords&, const GridCoords&) = default;
-};
-
-// Megatron's order; inverse of coords_of.
-constexpr int grid_rank(const GridShape& s, const GridCoords& c) noexcept {
-  return c.tp + s.tp * (c.dp + s.dp * c.pp);
-}
-constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
-  return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
-}
 
 // Splits `world` into the groups. Collective over world (an all_reduce of 6 integers that checks
 // every rank passed the same shape, then four splits, in the same order on every rank). The

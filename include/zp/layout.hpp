@@ -30,6 +30,27 @@
 
 namespace zp {
 
+// The shape of a DP x TP x PP grid of ranks and Megatron-LM's rank order over it (tp fastest,
+// then dp, then pp): the index math of grid.hpp's groups and of checkpoints saved on a grid.
+struct GridShape {
+  int dp = 1, tp = 1, pp = 1;
+  int size() const noexcept { return dp * tp * pp; }
+};
+
+// One rank's coordinates in a grid.
+struct GridCoords {
+  int dp = 0, tp = 0, pp = 0;
+  friend bool operator==(const GridCoords&, const GridCoords&) = default;
+};
+
+// Megatron's order; inverse of coords_of.
+constexpr int grid_rank(const GridShape& s, const GridCoords& c) noexcept {
+  return c.tp + s.tp * (c.dp + s.dp * c.pp);
+}
+constexpr GridCoords coords_of(const GridShape& s, int rank) noexcept {
+  return {(rank / s.tp) % s.dp, rank % s.tp, rank / (s.tp * s.dp)};
+}
+
 struct LayoutOptions {
   std::size_t bucket_elems = std::size_t(1) << 23;        // per segment (bucket), at most
   std::size_t first_bucket_elems = std::size_t(1) << 19;  // the first bucket in backward order

@@ -8,6 +8,7 @@
 //     visit("fc1.weight", 0, m.w1, m.gw1);   // name, module, View<T>& value, View<T>& grad
 //     visit("fc1.bias",   0, m.fc1_bias);    // or a zp::Param<T> holding both views
 //     visit("fc2.weight", 1, m.w2, m.gw2, zp::TensorParallel::split);  // this rank's slice
+//     visit("fc3.weight", 2, m.fc3, zp::Placement{{in, out}, {0, c0}, {in, c1}});  // ... and where
 //   }
 //
 // Rules (checked by zp::bind_parameters, with messages naming the parameter):
@@ -27,6 +28,8 @@
 //  - Under tensor parallelism (grid.hpp, tensor_parallel.hpp) a parameter is either replicated
 //    (the same on every TP rank: layer norms, row-parallel biases; the default) or split (each TP
 //    rank holds a different slice); the engine counts replicated ones once in the gradient norm.
+//    Checkpoints of such a grid need each split parameter's Placement (where its slice sits in
+//    the full tensor); a Placement that is the whole tensor means replicated.
 #pragma once
 
 #include <algorithm>
@@ -110,32 +113,111 @@ struct Param {
 // How a parameter is held across a tensor-parallel group (model.hpp's rules).
 enum class TensorParallel : std::uint8_t { replicated, split };
 
+// Where a rank's part of a parameter sits in the full tensor, for checkpoints that load at any
+// grid: the full tensor, row-major, seen as an array of `shape`, and the part as the box
+// [begin, end) of it, row-major. A Megatron split is one dimension's range (a column-parallel
+// weight [in, out] split by columns: shape {in, out}, begin {0, c0}, end {in, c1}); fused q, k, v
+// columns split by heads inside each of the three: shape {in, 3, out / 3}. An empty shape is the
+// whole tensor.
+struct Placement {
+  std::vector<std::size_t> shape, begin, end;
+
+  bool is_whole() const noexcept {
+    for (std::size_t k = 0; k < shape.size(); ++k)
+      if (begin[k] != 0 || end[k] != shape[k]) return false;
+    return true;
+  }
+  std::size_t size() const noexcept {  // of the part
+    std::size_t n = 1;
+    for (std::size_t k = 0; k < shape.size(); ++k) n *= end[k] - begin[k];
+    return n;
+  }
+  std::size_t full_size() const noexcept {
+    std::size_t n = 1;
+    for (std::size_t s : shape) n *= s;
+    return n;
+  }
+  // The full tensor's index of element i of the part.
+  std::size_t full_index(std::size_t i) const noexcept {
+    if (shape.empty()) return i;
+    std::size_t full = 0, stride = 1;
+    for (std::size_t k = shape.size(); k-- > 0;) {
+      const std::size_t w = end[k] - begin[k];
+      full += (begin[k] + i % w) * stride;
+      i /= w;
+      stride *= shape[k];
+    }
+    return full;
+  }
+  // Elements [first, first + count) of the part as runs contiguous in both: fn(full index,
+  // part index, run length), in order.
+  template <class Fn>
+  void for_each_run(std::size_t first, std::size_t count, Fn&& fn) const {
+    if (shape.empty()) return count ? fn(first, first, count) : void();
+    const std::size_t w = end.back() - begin.back();
+    for (std::size_t i = first; i < first + count;) {
+      const std::size_t n = std::min(w - i % w, first + count - i);
+      fn(full_index(i), i, n);
+      i += n;
+    }
+  }
+  // Throws unless the box lies in the shape and is not empty; `what` names the parameter.
+  void check(std::string_view what) const {
+    ZP_EXPECT(begin.size() == shape.size() && end.size() == shape.size(), what,
+              ": a Placement needs begin and end of the shape's ", shape.size(),
+              " dimensions, got ", begin.size(), " and ", end.size());
+    for (std::size_t k = 0; k < shape.size(); ++k)
+      ZP_EXPECT(begin[k] < end[k] && end[k] <= shape[k], what, ": dimension ", k,
+                " of the Placement is [", begin[k], ", ", end[k],
+                "), not a non-empty range inside [0, ", shape[k], ")");
+  }
+};
+
 // What zp learns about one parameter from the model.
 struct ParamInfo {
   std::string name;
   int module = 0;
   std::size_t size = 0;
   TensorParallel tp = TensorParallel::replicated;
+  Placement place = {};  // empty shape: the whole tensor, or (TensorParallel::split) undescribed
 };
 
 namespace detail {
 
-// The visitor zp passes to for_each_parameter: accepts both spellings, with or without the
-// tensor-parallel kind, and forwards to f(name, module, value, grad[, tp]).
+// The visitor zp passes to for_each_parameter: accepts every spelling (value and grad views or a
+// Param; nothing, the tensor-parallel kind, or a Placement, whose kind is split unless it is the
+// whole tensor) and forwards to f(name, module, value, grad[, tp[, placement]]).
 template <class T, class F>
 struct ParamVisitor {
   F& f;
   void operator()(std::string_view name, int module, View<T>& value, View<T>& grad,
                   TensorParallel tp = TensorParallel::replicated) {
-    if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&,
-                                      TensorParallel>)
+    forward(name, module, value, grad, tp, Placement{});
+  }
+  void operator()(std::string_view name, int module, View<T>& value, View<T>& grad,
+                  const Placement& place) {
+    forward(name, module, value, grad,
+            place.is_whole() ? TensorParallel::replicated : TensorParallel::split, place);
+  }
+  template <class Kind>
+  void operator()(std::string_view name, int module, Param<T>& p, const Kind& kind) {
+    (*this)(name, module, p.value, p.grad, kind);
+  }
+  void operator()(std::string_view name, int module, Param<T>& p) {
+    (*this)(name, module, p.value, p.grad);
+  }
+
+ private:
+  void forward(std::string_view name, int module, View<T>& value, View<T>& grad, TensorParallel tp,
+               const Placement& place) {
+    if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&, TensorParallel,
+                                      const Placement&>)
+      f(name, module, value, grad, tp, place);
+    else if constexpr (std::is_invocable_v<F&, std::string_view, int, View<T>&, View<T>&,
+                                           TensorParallel>)
       f(name, module, value, grad, tp);
     else
       f(name, module, value, grad);
-  }
-  void operator()(std::string_view name, int module, Param<T>& p,
-                  TensorParallel tp = TensorParallel::replicated) {
-    (*this)(name, module, p.value, p.grad, tp);
   }
 };
 
@@ -154,8 +236,9 @@ concept Model = requires(M& m, detail::ParamVisitor<T, detail::IgnoreParam>& v) 
   for_each_parameter(m, v);
 };
 
-// Calls f(name, module, View<T>& value, View<T>& grad) -- or, if f takes it, f(..., TensorParallel)
-// -- for each parameter, in forward order.
+// Calls f(name, module, View<T>& value, View<T>& grad) -- or, if f takes them, f(...,
+// TensorParallel) or f(..., TensorParallel, const Placement&) -- for each parameter, in forward
+// order.
 template <class T, Model<T> M, class F>
 void visit_parameters(M& model, F&& f) {
   detail::ParamVisitor<T, std::remove_reference_t<F>> v{f};
@@ -180,7 +263,7 @@ BoundParameters<T> bind_parameters(M& model) {
   BoundParameters<T> out;
   std::vector<std::pair<const View<T>*, std::size_t>> seen;  // every view, with its parameter
   visit_parameters<T>(model, [&](std::string_view name, int module, View<T>& value, View<T>& grad,
-                                 TensorParallel tp) {
+                                 TensorParallel tp, const Placement& place) {
     const std::string n(name);
     const auto& ps = out.params;
     ZP_EXPECT(!n.empty(), "model: parameter #", ps.size(), " has an empty name");
@@ -195,7 +278,10 @@ BoundParameters<T> bind_parameters(M& model) {
         "; visit parameters in forward order with modules numbered 0, 1, 2, ... without gaps");
     ZP_EXPECT(!ps.empty() || module == 0, "model: the first parameter '", n, "' is in module ",
               module, "; modules are numbered from 0");
-    out.params.push_back({n, module, value.size(), tp});
+    place.check("model: parameter '" + n + "'");
+    ZP_EXPECT(place.shape.empty() || place.size() == value.size(), "model: parameter '", n,
+              "' has ", value.size(), " elements but its Placement's box holds ", place.size());
+    out.params.push_back({n, module, value.size(), tp, place});
     out.values.push_back(&value);
     out.grads.push_back(&grad);
     seen.push_back({&value, ps.size() - 1});
