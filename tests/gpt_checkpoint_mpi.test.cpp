@@ -1,0 +1,90 @@
+// Checkpoints of the transformer of examples/gpt.hpp on grids of 4 mpi processes: resume is
+// exact on 1 x 2 x 2 and 2 x 1 x 2, and a checkpoint saved on each of 4 x 1 x 1, 1 x 2 x 2,
+// 2 x 2 x 1 and 1 x 1 x 4 loads on each other one (at another stage) with every field of every
+// parameter bitwise as saved (tests/gpt_checkpoint.hpp; the threads test covers 8-rank grids).
+#include <unistd.h>
+
+#include "zp/backend/mpi.hpp"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "gpt_checkpoint.hpp"
+#include "random.hpp"
+
+using zp::Collective;
+using zp::backend::Mpi;
+namespace g = zp::test::grid;
+
+namespace {
+
+std::uint64_t& seed() {
+  static std::uint64_t s = zp::test::fresh_seed();
+  return s;
+}
+
+// A directory every process sees, made by rank 0 and removed by it at the end.
+std::filesystem::path& dir() {
+  static std::filesystem::path d;
+  return d;
+}
+
+Collective<Mpi> world() {
+  return Collective<Mpi>{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(120)})};
+}
+
+}  // namespace
+
+TEST_CASE("on a grid of mpi processes, k steps + save + load + k steps equal 2k steps bitwise") {
+  auto w = world();
+  for (const zp::GridShape shape : {zp::GridShape{1, 2, 2}, zp::GridShape{2, 1, 2}}) {
+    const auto d = dir() / ("exact" + std::to_string(shape.dp) + std::to_string(shape.pp));
+    const int stage = shape.dp == 1 ? 1 : 3;
+    g::session_at_stage(w, {shape, stage, d, "", "straight", 0, 4}, seed());
+    g::session_at_stage(w, {shape, stage, d, "", "half", 0, 2}, seed());
+    g::session_at_stage(w, {shape, stage, d, "half", "resumed", 2, 4}, seed());
+    w.barrier();
+    if (w.rank() == 0) g::expect_same_state(d, "straight", d, "resumed");
+  }
+}
+
+TEST_CASE("a checkpoint saved on any grid of mpi processes loads on any other, bitwise") {
+  auto w = world();
+  const zp::GridShape grids[] = {{4, 1, 1}, {1, 2, 2}, {2, 2, 1}, {1, 1, 4}};
+  const int n = int(std::size(grids));
+  const auto d = dir() / "any";
+  for (int i = 0; i < n; ++i)
+    g::session_at_stage(w, {grids[i], i, d, "", "saved-" + std::to_string(i), 0, 2}, seed());
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      const std::string from = "saved-" + std::to_string(i),
+                        again = "again-" + std::to_string(i) + "-" + std::to_string(j);
+      g::session_at_stage(w, {grids[j], (i + j) % 4, d, from, again, 2, 2}, seed());
+      w.barrier();
+      if (w.rank() == 0) g::expect_same_state(d, from, d, again);
+    }
+}
+
+int main(int argc, char** argv) {
+  zp::backend::MpiEnvironment env(&argc, &argv);
+  MPI_Bcast(&seed(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // every process trains on rank 0's data
+  std::uint64_t id = std::uint64_t(::getpid());
+  MPI_Bcast(&id, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  dir() = std::filesystem::temp_directory_path() / ("zp-gpt-ckpt-mpi-" + std::to_string(id));
+  if (env.world_rank() == 0) {
+    std::filesystem::remove_all(dir());
+    std::printf("gpt_checkpoint_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n",
+                (unsigned long long)seed(), (unsigned long long)seed());
+  }
+  doctest::Context ctx(argc, argv);
+  if (env.world_rank() != 0) ctx.setOption("minimal", true);
+  const int rc = ctx.run();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (env.world_rank() == 0) std::filesystem::remove_all(dir());
+  return rc;
+}
