@@ -14,10 +14,9 @@
 // --tp, --pp), --stage or --backend: each rank saves its part of the model with where it sits
 // in the full tensors, and each rank of the new grid reads its own part.
 // --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with the
-// vocabulary (vocab.json). --sample N prints N characters the trained model generates after
-// --prompt; with --resume and no steps left (--steps equal to the checkpoint's), it samples from
-// the checkpoint. --export, --sample and --init-from need the whole model on each rank (--tp 1
-// --pp 1): resume a grid's checkpoint at --tp 1 --pp 1 to export or sample it.
+// vocabulary (vocab.json), and --init-from DIR starts from one, on any grid. --sample N prints N
+// characters the trained model generates after --prompt; with --resume and no steps left
+// (--steps equal to the checkpoint's), it samples from the checkpoint.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
@@ -28,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -148,12 +148,6 @@ Options parse(int argc, char** argv) {
       },
       {"--resume", "--wall-clock-breakdown"});
   examples::check_run_flags(program, o);
-  if (o.tp * o.pp > 1 && (!o.export_dir.empty() || !o.init_from.empty() || o.sampling.count))
-    examples::bad(program,
-                  "--export, --init-from and --sample need --tp 1 --pp 1 for now (got --tp " +
-                      std::to_string(o.tp) + " --pp " + std::to_string(o.pp) +
-                      "); checkpoints load at any grid: resume this run's checkpoint "
-                      "with --tp 1 --pp 1 to export or sample it");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -169,8 +163,8 @@ Options parse(int argc, char** argv) {
 }
 
 // --export: a Hugging Face GPT-2 directory (examples/gpt_hf.hpp: config.json, model.safetensors)
-// and vocab.json; `model` (the whole model: a data-parallel grid) gives the tensors' names and
-// shapes, `whole` their values (Engine::gather_params).
+// and vocab.json; `model` (a whole model) gives the tensors' names and shapes, `whole` their
+// values (Engine::gather_params, assembled over the grid).
 template <class T>
 void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Options& o,
                const examples::Corpus& corpus) {
@@ -325,8 +319,13 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
   if (!o.export_dir.empty() || o.sampling.count) {  // both read the whole model: one gather
-    const std::vector<T> whole = engine.gather_params();
-    if (lead && !o.export_dir.empty()) export_hf(model, std::span<const T>(whole), o, corpus);
+    std::vector<T> whole = engine.gather_params();  // this rank's part
+    if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
+      whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
+    if (lead && !o.export_dir.empty()) {
+      std::optional<gpt::Model<T>> full;  // names and shapes of the whole model
+      export_hf(model.whole() ? model : full.emplace(cfg, 0), std::span<const T>(whole), o, corpus);
+    }
     if (lead && o.sampling.count) print_sample(cfg, std::span<const T>(whole), o, corpus);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

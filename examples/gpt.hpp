@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <numbers>
 #include <random>
 #include <span>
@@ -28,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "zp/collective.hpp"
 #include "zp/engine.hpp"
 #include "zp/error.hpp"
 #include "zp/model.hpp"
@@ -695,6 +697,40 @@ int draw(std::span<const F> logits, const SampleOptions& o, double u) {
   for (std::size_t j = 0; j < k; ++j)
     if ((acc += p[j] / total) > u) return order[j];
   return order[k - 1];
+}
+
+// The whole model's parameters in its forward order (as Engine::gather_params returns them on a
+// data-parallel grid), from `mine`, this rank's part of them (Engine::gather_params on a grid
+// rank: `part`'s tensors in order), assembled over `mp`, the replica's TP x PP group: each tensor
+// from the parts that hold it (a replicated one from TP rank 0), bit for bit. Collective over mp;
+// every rank of it gets the whole model (examples' sizes: it is one all_reduce).
+template <class T, class F, zp::Backend B>
+std::vector<T> gather_whole(const Model<T, F>& part, std::span<const T> mine, zp::Collective<B>& mp,
+                            int tp_rank) {
+  const Model<T, F> whole(part.config(), 0);
+  std::vector<std::size_t> offsets;  // of each whole tensor
+  std::size_t total = 0;
+  for (const auto& t : whole.tensors()) offsets.push_back(total), total += t.place.size();
+  // The values' bits, summed: every element has exactly one contributor, so the sum is exact.
+  std::vector<std::int64_t> bits(total, 0);
+  std::size_t at = 0;
+  for (const auto& t : part.tensors()) {
+    std::size_t k = 0;
+    while (whole.tensors()[k].name != t.name) ++k;
+    if (!t.place.is_whole() || tp_rank == 0)
+      for (std::size_t i = 0; i < t.place.size(); ++i) {
+        std::int64_t b = 0;
+        std::memcpy(&b, &mine[at + i], sizeof(T));
+        bits[offsets[k] + t.place.full_index(i)] = b;
+      }
+    at += t.place.size();
+  }
+  ZP_EXPECT(at == mine.size(), "gpt: gather_whole got ", mine.size(),
+            " values for a part of the model with ", at);
+  mp.all_reduce(std::span<std::int64_t>(bits), zp::ReduceOp::sum);
+  std::vector<T> out(total);
+  for (std::size_t i = 0; i < total; ++i) std::memcpy(&out[i], &bits[i], sizeof(T));
+  return out;
 }
 
 // `o.count` tokens generated after `prompt` by a whole model (one rank: no tensor or pipeline

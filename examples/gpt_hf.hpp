@@ -87,15 +87,14 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   zp::detail::write_file_atomic(dir / "config.json", std::as_bytes(std::span<const char>(text)));
 }
 
-// dir/config.json and dir/model.safetensors -> the parameters of `m`, a whole model (one rank).
-// Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
+// dir/config.json and dir/model.safetensors -> the parameters of `m`, this rank's part of the
+// model (any grid: each tensor is read whole, one at a time, and the part's elements taken from
+// it). Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
 // another shape or an element type other than F32 is an error naming it; tensors the model does
 // not have (transformers' attention-mask buffers) are ignored.
 template <class T>
 void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   const Config& c = m.config();
-  ZP_EXPECT(m.whole(),
-            "gpt: read_hf needs the whole model on one rank (no tensor or pipeline split)");
   const auto cfg_path = dir / "config.json";
   std::ifstream f(cfg_path);
   ZP_EXPECT(f.good(), "gpt: cannot read ", cfg_path.string());
@@ -149,17 +148,21 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   std::size_t k = 0;
   zp::visit_parameters<T>(m, [&](std::string_view name_, int, zp::View<T>& v, zp::View<T>&) {
     const std::string name(name_);
+    const zp::Placement& part = m.tensors()[k].place;
     const std::vector<std::uint64_t>& shape = shapes[k++];
     if (name == "lm_head.weight") {  // [d, V] here, nn.Linear's [V, d] there (or wte, tied)
       read(tied && !r.contains(name) ? hf_name("wte.weight") : name, {V, d});
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[(i % V) * d + i / V]);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const std::size_t f = part.full_index(i);
+        v[i] = T(buf[(f % V) * d + f / V]);
+      }
       return;
     }
     if (name == "wpe.weight")
       read(hf_name(name), {std::uint64_t(positions), d});  // the first rows are used
     else
       read(hf_name(name), shape);
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[part.full_index(i)]);
   });
 }
 
