@@ -31,3 +31,13 @@ if ! "$venv/bin/python" -c "import numpy, safetensors" 2>/dev/null; then
          "zp.test.safetensors.python will fail until this script succeeds" >&2
   fi
 fi
+
+# ZP_WITH_TRANSFORMERS=1 adds torch and transformers to that environment (about 5 GB: PyPI's
+# torch is the CUDA build), so zp.test.gpt.hf also compares zp_gpt's exports with
+# GPT2LMHeadModel itself and reads a GPT-2 that transformers saved. Without them it compares
+# with its float64 numpy GPT-2 only, and says so.
+if [ "${ZP_WITH_TRANSFORMERS:-0}" = 1 ] &&
+   ! "$venv/bin/python" -c "import torch, transformers" 2>/dev/null; then
+  echo "zp: installing torch and transformers into $venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check torch transformers
+fi

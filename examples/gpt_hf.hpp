@@ -78,6 +78,8 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
                                          {"activation_function", "gelu_new"},
                                          {"layer_norm_epsilon", 1e-5},
                                          {"tie_word_embeddings", false},
+                                         {"bos_token_id", nullptr},  // characters: no special
+                                         {"eos_token_id", nullptr},  // tokens
                                          {"scale_attn_weights", true},
                                          {"resid_pdrop", 0.0},
                                          {"embd_pdrop", 0.0},

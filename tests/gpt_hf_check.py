@@ -7,8 +7,10 @@ in its state dict: Conv1D weights [in, out] applied as x W + b, q | k | v side b
 c_attn, heads split in order, causal softmax at 1/sqrt(d/H), gelu_new, LayerNorm at
 layer_norm_epsilon, lm_head an nn.Linear [V, d] applied as x W^T). Its logits must equal the
 C++ model's to fp32 rounding. Where `transformers` and `torch` are importable, it also loads the
-directory with GPT2LMHeadModel.from_pretrained and compares; where they are not (the test's
-default environment), it says so.
+directory with GPT2LMHeadModel.from_pretrained and compares, and reads a GPT-2 that transformers
+saved into zp (gpt::read_hf, zp_gpt --init-from's reader): the same loss and logits on the same
+tokens. Where they are not (the test's default environment: torch from PyPI is the 5 GB CUDA
+build), it says so.
 
 With argv[3], the path of zp_gpt: trains it on a repeating text and exports it (--export), and the
 numpy GPT-2 on that directory, reading vocab.json, must continue the pattern greedily as zp_gpt's
@@ -189,6 +191,29 @@ def main():
     err = rel_err(logits, out)
     print(f"zp's logits against transformers' GPT2LMHeadModel: relative error {err:.2e}")
     assert err < 1e-5, err
+
+    # The other way: a GPT-2 that transformers initialises and saves (tied head, more positions
+    # than zp's context), read as zp_gpt --init-from reads it: zp's loss of predicting each next
+    # token equals transformers' (labels=tokens) on the same tokens, and so do the logits.
+    from transformers import GPT2Config
+    torch.manual_seed(seed)
+    saved = os.path.join(work, "from_transformers")
+    GPT2LMHeadModel(GPT2Config(vocab_size=cfg["vocab_size"], n_positions=4 * c, n_embd=d,
+                               n_layer=cfg["n_layer"], n_head=cfg["n_head"], bos_token_id=None,
+                               eos_token_id=None)).save_pretrained(saved)
+    again = os.path.join(work, "zp_from_transformers")
+    subprocess.run([exporter, again, str(seed), saved], check=True)
+    model = GPT2LMHeadModel.from_pretrained(saved).eval()
+    expected = load_file(os.path.join(again, "expected.safetensors"))
+    tokens = torch.from_numpy(expected["tokens"].astype(np.int64))
+    with torch.no_grad():
+        out = model(tokens, labels=tokens)
+    loss_zp, loss_hf = float(expected["loss"][0]), float(out.loss)
+    print(f"transformers' own GPT-2 loaded into zp: loss {loss_zp:.7f} (zp), {loss_hf:.7f} "
+          f"(transformers); logits relative error "
+          f"{rel_err(expected['logits'].astype(np.float64), out.logits.double().numpy()):.2e}")
+    assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
+    assert rel_err(expected["logits"].astype(np.float64), out.logits.double().numpy()) < 1e-5
 
 
 if __name__ == "__main__":
