@@ -29,7 +29,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <variant>
 #include <vector>
 
 #include "charlm_params.hpp"
@@ -38,10 +37,6 @@
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/schedule.hpp"
-#if ZP_DEMO_IO
-#include "zp/checkpoint.hpp"
-#include "zp/ds_config.hpp"
-#endif
 
 namespace {
 
@@ -172,9 +167,7 @@ using examples::load_corpus;
 
 // ---- command line ---------------------------------------------------------------------------
 
-struct Options : examples::TrainFlags, examples::RunFlags {  // TrainFlags' defaults are ours
-  std::string config;
-};
+struct Options : examples::TrainFlags, examples::RunFlags {};  // TrainFlags' defaults are ours
 
 const char* usage =
     "usage: zp_demo [options]\n"
@@ -190,14 +183,7 @@ const char* usage =
     "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
     "(default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
-    "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
-    "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
-    "optimizer\n"
-    "                     (AdamW only in this demo), scheduler, clipping, loss scaling and "
-    "buckets,\n"
-    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
-    "batch\n"
-    "                     keys are filled from --micro-batch and --accum\n";
+    "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n";
 
 const examples::Program program{"zp_demo", usage, examples::run_usage};
 
@@ -205,51 +191,16 @@ Options parse(int argc, char** argv) {
   Options o;
   examples::parse_args(program, argc, argv,
                        [&](const std::string& a, const std::string& v) {
-                         if (examples::parse_train_flag(program, o, a, v) ||
-                             examples::parse_run_flag(program, o, a, v))
-                           return true;
-                         if (a != "--config") return false;
-                         o.config = v;
-                         return true;
+                         return examples::parse_train_flag(program, o, a, v) ||
+                                examples::parse_run_flag(program, o, a, v);
                        },
                        {"--resume", "--wall-clock-breakdown"});
   examples::check_run_flags(program, o);
-#if !ZP_DEMO_IO
-  if (!o.config.empty())
-    examples::bad(
-        program,
-        "this zp_demo was built without zp::io (nlohmann_json was not found at configure time): no "
-        "configs");
-#endif
   examples::default_text(program, o.text);
   return o;
 }
 
 // ---- training -------------------------------------------------------------------------------
-
-// The engine settings of the command line (without --config).
-zp::EngineConfig flag_config(const Options& o) {
-  zp::EngineConfig cfg;
-  cfg.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
-  cfg.max_grad_norm = 1.0f;
-  cfg.bucket_bytes = std::size_t(256) << 10;  // several buckets even for this small model
-  cfg.first_bucket_bytes = std::size_t(64) << 10;
-  cfg.persist_threshold = 10000;  // the output bias and small layers stay gathered
-  cfg.wall_clock_breakdown = o.breakdown;
-  cfg.steps_per_print = o.log_every;
-  cfg.offload_optimizer = o.offload;
-  if (o.precision == "fp16")
-    cfg.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
-  return cfg;
-}
-
-zp::schedule::Any flag_schedule(const Options& o) {
-  return zp::schedule::WarmupCosineLR{.base_lr = o.lr,
-                                      .total_num_steps = o.steps,
-                                      .warmup_num_steps = std::max(1, o.steps / 20),
-                                      .cos_min_ratio = 0.1,
-                                      .warmup_type = zp::schedule::Warmup::linear};
-}
 
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config.
@@ -353,37 +304,10 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
 
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
-#if ZP_DEMO_IO
-  if (!o.config.empty()) {
-    zp::ds::Config dc = zp::ds::load(o.config);
-    // "auto" batch keys come from the flags (as Hugging Face's Trainer fills them).
-    if (dc.is_auto("train_micro_batch_size_per_gpu")) dc.batch.micro_batch_per_rank = o.micro_batch;
-    if (dc.is_auto("gradient_accumulation_steps")) dc.batch.gradient_accumulation_steps = o.accum;
-    if (dc.is_auto("optimizer.params.lr"))
-      std::visit([&](auto& opt) { opt.lr = o.lr; }, dc.optimizer);
-    if (comm.rank() == 0)
-      std::printf("zp_demo: %s\n%s", o.config.c_str(), zp::ds::describe(dc).c_str());
-    const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(o);
-    using Types = zp::ds::Types<float, zp::bf16, zp::fp16>;
-    using Stages = zp::ds::Stages<0, 1, 2, 3>;
-    using Optimizers =
-        zp::ds::Optimizers<zp::optim::AdamW>;  // the demo's; a library user lists theirs
-    zp::ds::with_engine<B, Types, Stages, Optimizers>(
-        dc, comm.size(),
-        [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, typename E::optimizer_type opt) {
-          ec.wall_clock_breakdown = ec.wall_clock_breakdown || o.breakdown;
-          train<E>(comm, o, c, ec, opt, sched);
-        });
-    return;
-  }
-#endif
-  const zp::EngineConfig cfg = flag_config(o);
-  const zp::optim::AdamW opt{.lr = o.lr, .weight_decay = 0.01f};
-  const zp::schedule::Any sched = flag_schedule(o);
-  zp::dispatch(o.dtype(), o.stage,
-               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-                 train<zp::Engine<B, T, Stage>>(comm, o, c, cfg, opt, sched);
-               });
+  examples::with_engine<B>(
+      program, o, o, comm.size(), comm.rank() == 0,
+      [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
+                   const zp::schedule::Any& sched) { train<E>(comm, o, c, ec, opt, sched); });
 }
 
 }  // namespace

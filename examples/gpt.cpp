@@ -7,7 +7,7 @@
 //          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
 //          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
-//          [--wall-clock-breakdown] [--log-json PATH]
+//          [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N]
 //
 // A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
@@ -201,16 +201,14 @@ void print_sample(const gpt::Config& cfg, std::span<const T> whole, const Option
               o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed), text.c_str());
 }
 
+// E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
+// zp::ds::with_engine from a config (examples::with_engine), as are ec, opt and the schedule.
 template <class E, class B>
-void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& corpus) {
+void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
+           const examples::Corpus& corpus, const zp::EngineConfig& ec,
+           typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
-  const int n = world.size();
-  if (n % (o.tp * o.pp) != 0)
-    throw zp::Error(zp::Errc::invalid_argument,
-                    "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
-                        std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
-  zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   const int dp = grid.shape().dp, dp_rank = grid.coords().dp;
   const bool lead = world.rank() == 0;
   const gpt::Config cfg{.vocab = int(corpus.chars.size()),
@@ -230,30 +228,14 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
                     "zp_gpt: built without zp::io (nlohmann_json): no --init-from");
 #endif
   }
-  // zp_demo's engine settings: several buckets even for a small model, small tensors persist.
-  zp::EngineConfig ec;
-  ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
-  ec.max_grad_norm = 1.0f;
-  ec.bucket_bytes = std::size_t(256) << 10;
-  ec.first_bucket_bytes = std::size_t(64) << 10;
-  ec.persist_threshold = 10000;
-  ec.steps_per_print = o.log_every;
-  ec.wall_clock_breakdown = o.breakdown;
-  ec.offload_optimizer = o.offload;
-  if (o.precision == "fp16")
-    ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
-  E engine(grid, model, ec, zp::optim::AdamW{.lr = o.lr, .weight_decay = 0.01f});
-  const std::size_t rows = std::size_t(o.micro_batch) * std::size_t(cfg.context);
-  zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, o.accum,
+  E engine(grid, model, ec, opt);
+  const int micro_batch = int(engine.batch().micro_batch_per_rank),
+            accum = int(engine.batch().gradient_accumulation_steps);
+  const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);
+  zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, accum,
                                         rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
-  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, o.micro_batch);
-  const zp::schedule::Any schedule =
-      zp::schedule::WarmupCosineLR{.base_lr = o.lr,
-                                   .total_num_steps = o.steps,
-                                   .warmup_num_steps = std::max(1, o.steps / 20),
-                                   .cos_min_ratio = 0.1,
-                                   .warmup_type = zp::schedule::Warmup::linear};
+  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch);
 
   // Every rank's parameter count, summed over the replica's TP x PP ranks.
   std::int64_t params = std::int64_t(engine.layout().used());
@@ -276,7 +258,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
         "over dp, backend %s, %s\n"
         "        micro-batch %d x micro-batches %d x dp %d = %lld sequences/step\n",
         dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(), Stage, B::name,
-        zp::name(zp::dtype_of<T>), o.micro_batch, o.accum, dp,
+        zp::name(zp::dtype_of<T>), micro_batch, accum, dp,
         static_cast<long long>(engine.batch().train_batch_size));
   }
   // Windows of context + 1 characters: the first context are the input, the last context the
@@ -288,7 +270,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
   auto fill = [&](int micro, gpt::Activations<float>& a) {
     std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull +
                         std::uint64_t(dp_rank) * 7919 + 17);
-    for (int b = 0; b < o.micro_batch; ++b) {
+    for (int b = 0; b < micro_batch; ++b) {
       const std::size_t s = pick(rng);
       for (int t = 0; t < cfg.context; ++t) {
         a.tokens[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t)];
@@ -314,8 +296,7 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
     double loss = grid.last_stage() && grid.coords().tp == 0 ? r.loss / dp : 0.0;
     world.all_reduce(std::span<double>(&loss, 1));
     json.line(step + 1, loss, r.result.times);
-    progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * o.accum * dp,
-                  traffic());
+    progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
   if (!o.export_dir.empty() || o.sampling.count) {  // both read the whole model: one gather
@@ -335,17 +316,25 @@ void train(zp::Collective<B>& world, const Options& o, const examples::Corpus& c
         "tokens/s\n",
         progress.first_loss(), progress.last_loss(), o.steps - first_step,
         static_cast<long long>(engine.steps()), static_cast<unsigned long long>(progress.skipped()),
-        secs, double(o.steps - first_step) * double(rows) * o.accum * dp / secs);
+        secs, double(o.steps - first_step) * double(rows) * accum * dp / secs);
     examples::print_memory(engine.memory());
   }
 }
 
 template <class B>
-void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& c) {
-  zp::dispatch(o.dtype(), o.stage,
-               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-                 train<zp::Engine<B, T, Stage>>(comm, o, c);
-               });
+void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus& c) {
+  const int n = world.size();
+  if (n % (o.tp * o.pp) != 0)
+    throw zp::Error(zp::Errc::invalid_argument,
+                    "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
+                        std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
+  zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
+  examples::with_engine<B>(
+      program, o, o, grid.shape().dp, world.rank() == 0,
+      [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
+                   const zp::schedule::Any& sched) {
+        train<E>(world, grid, o, c, ec, opt, sched);
+      });
 }
 
 }  // namespace

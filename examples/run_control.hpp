@@ -1,6 +1,7 @@
 // examples/run_control.hpp: what the CPU trainers (zp_demo, zp_gpt) share beyond the training
-// loop's flags: checkpoints every N steps, --resume, the export at the end and the JSON log.
-// Checkpoints and exports need zp::io (ZP_DEMO_IO); without it the flags are refused.
+// loop's flags: the engine the flags or a DeepSpeed --config describe, checkpoints every N steps,
+// --resume, the export at the end and the JSON log. Configs, checkpoints and exports need zp::io
+// (ZP_DEMO_IO); without it those flags are refused.
 //
 // A checkpoint's user data is the number of steps done followed by the vocabulary (the character
 // of each id), so a resumed run continues the same data stream and refuses a text whose
@@ -8,6 +9,7 @@
 // ({"byte_of_id": [...]}: the byte each token id stands for).
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -15,18 +17,22 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "common.hpp"
+#include "zp/schedule.hpp"
 #if ZP_DEMO_IO
 #include "zp/checkpoint.hpp"
 #include "zp/detail/file.hpp"
+#include "zp/ds_config.hpp"
 #endif
 
 namespace examples {
 
 struct RunFlags {
-  std::string checkpoint_dir, export_dir, log_json;
+  std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
   bool resume = false, breakdown = false;
 };
@@ -45,6 +51,12 @@ inline constexpr const char* run_usage =
     "  --log-json PATH    append one JSON line per step: the global batch's mean loss and phase "
     "times\n"
     "                     (tools/plot_timers.py)\n"
+    "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
+    "optimizer\n"
+    "                     (AdamW only here), scheduler, clipping, loss scaling and buckets,\n"
+    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
+    "batch\n"
+    "                     keys are filled from --micro-batch and --accum\n"
     "  --help             this text\n";
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
@@ -62,6 +74,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.export_dir = v;
   else if (a == "--log-json")
     o.log_json = v;
+  else if (a == "--config")
+    o.config = v;
   else
     return false;
   return true;
@@ -71,11 +85,73 @@ inline void check_run_flags(const Program& p, const RunFlags& o) {
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
     bad(p, "--save-every and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
-  if (!o.checkpoint_dir.empty() || !o.export_dir.empty())
+  if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad(p, std::string("this ") + p.name +
                " was built without zp::io (nlohmann_json was not found at configure time): no "
-               "checkpoints or exports");
+               "checkpoints, exports or configs");
 #endif
+}
+
+// The engine settings of the training flags (without --config): several buckets even for the
+// demos' small models, small tensors kept gathered, clipping at 1, fp16 with a dynamic scale.
+inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
+  zp::EngineConfig ec;
+  ec.batch = {.micro_batch_per_rank = t.micro_batch, .gradient_accumulation_steps = t.accum};
+  ec.max_grad_norm = 1.0f;
+  ec.bucket_bytes = std::size_t(256) << 10;
+  ec.first_bucket_bytes = std::size_t(64) << 10;
+  ec.persist_threshold = 10000;
+  ec.steps_per_print = t.log_every;
+  ec.wall_clock_breakdown = r.breakdown;
+  ec.offload_optimizer = t.offload;
+  if (t.precision == "fp16")
+    ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
+  return ec;
+}
+
+// The learning rate of the flags: warmup over the first 5% of --steps to --lr, then cosine to 10%.
+inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
+  return zp::schedule::WarmupCosineLR{.base_lr = t.lr,
+                                      .total_num_steps = t.steps,
+                                      .warmup_num_steps = std::max(1, t.steps / 20),
+                                      .cos_min_ratio = 0.1,
+                                      .warmup_type = zp::schedule::Warmup::linear};
+}
+
+// Calls f(std::type_identity<E>, EngineConfig, AdamW, schedule) for the engine --config describes
+// (its "auto" batch keys and learning rate filled from the flags; described on the lead rank),
+// or else the one the flags do. `dp`: the data-parallel ranks the config's batch triad spans.
+template <zp::Backend B, class F>
+void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int dp, bool lead,
+                 F&& f) {
+#if ZP_DEMO_IO
+  if (!r.config.empty()) {
+    zp::ds::Config dc = zp::ds::load(r.config);
+    // "auto" batch keys come from the flags (as Hugging Face's Trainer fills them).
+    if (dc.is_auto("train_micro_batch_size_per_gpu")) dc.batch.micro_batch_per_rank = t.micro_batch;
+    if (dc.is_auto("gradient_accumulation_steps")) dc.batch.gradient_accumulation_steps = t.accum;
+    if (dc.is_auto("optimizer.params.lr"))
+      std::visit([&](auto& opt) { opt.lr = t.lr; }, dc.optimizer);
+    if (lead) std::printf("%s: %s\n%s", p.name, r.config.c_str(), zp::ds::describe(dc).c_str());
+    const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(t);
+    using Types = zp::ds::Types<float, zp::bf16, zp::fp16>;
+    using Stages = zp::ds::Stages<0, 1, 2, 3>;
+    using Optimizers = zp::ds::Optimizers<zp::optim::AdamW>;  // the demos'; a user lists theirs
+    zp::ds::with_engine<B, Types, Stages, Optimizers>(
+        dc, dp,
+        [&]<class E>(std::type_identity<E> e, zp::EngineConfig ec, typename E::optimizer_type o) {
+          ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
+          f(e, ec, o, sched);
+        });
+    return;
+  }
+#endif
+  (void)p, (void)dp, (void)lead;
+  zp::dispatch(t.dtype(), t.stage,
+               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+                 f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),
+                   zp::optim::AdamW{.lr = t.lr, .weight_decay = 0.01f}, flag_schedule(t));
+               });
 }
 
 // One JSON line per step on rank 0 (--log-json): the step, the loss and the step's phase times.

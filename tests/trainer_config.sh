@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# zp_demo and zp_gpt --config (issue #20): a DeepSpeed ds_config.json sets the stage, precision,
+# batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and clipping, on a
+# dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains; a misspelt key
+# is refused naming the key it meant. Then zp_gpt resumes from a checkpoint saved with the config.
+#   trainer_config.sh <zp_demo> <zp_gpt> <work dir>
+set -euo pipefail
+demo=$1 gpt=$2 dir=$3/trainer-config
+rm -rf "$dir" && mkdir -p "$dir"
+cat > "$dir/ds.json" <<'JSON'
+{
+  "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": 2,
+  "bf16": {"enabled": true},
+  "zero_optimization": {"stage": 2, "reduce_bucket_size": 65536},
+  "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 2e-3}},
+  "gradient_clipping": 0.5
+}
+JSON
+gpt_args=(--config "$dir/ds.json" --ranks 4 --pp 2 --steps 20 --log-every 10 --layers 2
+          --d-model 32 --heads 4 --context 16 --micro-batch 4)
+"$gpt" "${gpt_args[@]}" --checkpoint-dir "$dir/ckpt" --save-every 10 > "$dir/gpt.log"
+grep -q "optimizer: AdamW(lr=0.002, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)" "$dir/gpt.log"
+grep -q "scheduler: WarmupLR(warmup_min_lr=0, warmup_max_lr=0.002, warmup_num_steps=5" "$dir/gpt.log"
+grep -q "grid dp 2 x tp 1 x pp 2 (1f1b, 2 activation sets on stage 0), ZeRO stage 2 over dp, backend threads, bf16" "$dir/gpt.log"
+grep -q "micro-batch 4 x micro-batches 2 x dp 2 = 16 sequences/step" "$dir/gpt.log"
+grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 20 steps" "$dir/gpt.log"
+printf step10 > "$dir/ckpt/latest"
+"$gpt" "${gpt_args[@]}" --checkpoint-dir "$dir/ckpt" --resume > "$dir/gpt-resumed.log"
+grep -q "resumed from $dir/ckpt/step10 at step 10" "$dir/gpt-resumed.log"
+echo "zp_gpt --config: stage, precision, batch, optimizer and schedule from ds_config.json; resumed"
+
+"$demo" --config "$dir/ds.json" --ranks 2 --steps 20 --log-every 10 --micro-batch 8 > "$dir/demo.log"
+grep -q "ZeRO stage 2, backend threads, 2 ranks, bf16, micro-batch 8 x accumulation 2 x ranks 2 = 32 sequences/step" "$dir/demo.log"
+grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 20 steps" "$dir/demo.log"
+echo "zp_demo --config: the same"
+
+sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"
+for prog in "$demo" "$gpt"; do
+  if "$prog" --config "$dir/bad.json" --ranks 2 --steps 2 > "$dir/bad.log" 2>&1; then
+    echo "$prog accepted a misspelt key"
+    exit 1
+  fi
+  grep -q "zero_optimisation: unknown key; did you mean zero_optimization?" "$dir/bad.log"
+done
+rm -rf "$dir"
+echo "trainer configs: ok"
