@@ -1,38 +1,55 @@
 #!/usr/bin/env bash
-# zp_gpt on a dp 2 x tp 2 x pp 2 grid, saving a checkpoint every step, is killed with SIGKILL at
-# random moments; each restart resumes from `latest` on the next grid of a cycle (2 x 2 x 2,
-# 2 data-parallel ranks at stage 3, tp 4 at stage 1, 1 x 2 x 2 at stage 0), so every checkpoint
-# is loaded by another grid than the one that saved it. Whatever the moments, every restart must
-# start and the run must finish at the last step with the loss lower than where it began.
-#   gpt_kill_loop.sh <zp_gpt> <work dir> [kills (default 12)]
+# zp_gpt saving a checkpoint every step is killed with SIGKILL at random moments (every process
+# of the run); each restart resumes from `latest` on the next grid of a cycle, at another stage,
+# so every checkpoint is loaded by another grid than the one that saved it. Threads: a
+# dp 2 x tp 2 x pp 2 grid, then 2 x 1 x 1, 1 x 4 x 1, 1 x 2 x 2; given mpiexec, a 4-process MPI
+# job: 1 x 2 x 2, 4 x 1 x 1, 1 x 4 x 1, 2 x 1 x 2. Whatever the moments, every restart must start
+# and the run must finish at the last step with the loss lower than where it began.
+#   gpt_kill_loop.sh <zp_gpt> <work dir> [mpiexec]
 set -euo pipefail
-gpt=$1 work=$2/gpt-kill-loop kills=${3:-12}
+gpt=$1 mpiexec=${3:-}
+if [ -z "$mpiexec" ]; then
+  work=$2/gpt-kill-loop kills=12 steps=600 launch=("$gpt")
+  grids=("--ranks 8 --tp 2 --pp 2 --stage 2" "--ranks 2 --stage 3" "--ranks 4 --tp 4 --stage 1"
+    "--ranks 4 --tp 2 --pp 2 --stage 0")
+else
+  # TCP between the processes: a killed job leaves no shared-memory segment behind.
+  work=$2/gpt-kill-loop-mpi kills=6 steps=400
+  launch=("$mpiexec" -n 4 --oversubscribe --mca btl self,tcp "$gpt" --backend mpi)
+  grids=("--tp 2 --pp 2 --stage 2" "--stage 3" "--tp 4 --stage 1" "--pp 2 --stage 0")
+fi
 rm -rf "$work"
 mkdir -p "$work"
-steps=600
 args=(--layers 2 --d-model 32 --heads 4 --context 16 --micro-batch 4 --log-every 1
   --steps "$steps" --save-every 1 --checkpoint-dir "$work/ckpt" --resume)
-grids=("--ranks 8 --tp 2 --pp 2 --stage 2" "--ranks 2 --stage 3" "--ranks 4 --tp 4 --stage 1"
-  "--ranks 4 --tp 2 --pp 2 --stage 0")
+
+# Every process of the run (mpiexec and its ranks too): their command lines name the directory.
+kill_run() {
+  for p in /proc/[0-9]*; do
+    if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "--checkpoint-dir $work/ckpt"; then
+      kill -9 "${p#/proc/}" 2>/dev/null || true
+    fi
+  done
+}
 
 killed=0 runs=0
 while :; do
   # shellcheck disable=SC2206  # the grid's flags split into words on purpose
   grid=(${grids[$((runs % ${#grids[@]}))]})
   runs=$((runs + 1))
-  "$gpt" "${args[@]}" "${grid[@]}" > "$work/run.log" 2>&1 &
+  "${launch[@]}" "${args[@]}" "${grid[@]}" > "$work/run.log" 2>&1 &
   pid=$!
   if [ "$killed" -lt "$kills" ]; then
-    sleep "0.$(printf '%03d' $((RANDOM % 1000)))"
-    kill -9 "$pid" 2>/dev/null || true
+    sleep "$((RANDOM % 2)).$(printf '%03d' $((RANDOM % 1000)))"
+    kill_run
   fi
   rc=0
   { wait "$pid"; } 2>/dev/null || rc=$?
   cat "$work/run.log" >> "$work/all.log"
-  if [ "$rc" -eq 137 ]; then
-    killed=$((killed + 1))
-  elif [ "$rc" -eq 0 ]; then
+  if [ "$rc" -eq 0 ]; then
     [ "$(cat "$work/ckpt/latest")" = "step$steps" ] && break
+  elif [ "$rc" -eq 137 ] || grep -q "signal 9" "$work/run.log"; then
+    killed=$((killed + 1))  # (mpiexec, when its ranks are killed first, says so)
   else
     echo "restart $runs (grid: ${grid[*]}, after $killed kills) failed with exit code $rc:"
     cat "$work/run.log"
