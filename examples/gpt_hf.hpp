@@ -29,6 +29,23 @@ inline std::string hf_name(const std::string& name) {
   return name == "lm_head.weight" ? name : "transformer." + name;
 }
 
+// Whether `name` is a tensor of a Hugging Face GPT-2 of c's depth: a parameter, or the attention
+// mask buffers older transformers saved (h.{l}.attn.bias and attn.masked_bias).
+inline bool hf_gpt2_tensor(const std::string& name, const Config& c) {
+  for (const char* n : {"transformer.wte.weight", "transformer.wpe.weight",
+                        "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"})
+    if (name == n) return true;
+  for (int l = 0; l < c.layers; ++l) {
+    const std::string h = "transformer.h." + std::to_string(l) + ".";
+    if (!name.starts_with(h)) continue;
+    const std::string rest = name.substr(h.size());
+    if (rest == "attn.bias" || rest == "attn.masked_bias") return true;
+    for (const char* t : block_tensor_names)
+      if (rest == t) return true;
+  }
+  return false;
+}
+
 // The values `whole` (a whole model's parameters in forward order, as Engine::gather_params
 // returns them) of a model laid out as `layout` (one rank's Model holding every module and the
 // whole vocabulary: a data-parallel grid) -> dir/config.json and dir/model.safetensors.
@@ -92,8 +109,8 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
 // dir/config.json and dir/model.safetensors -> the parameters of `m`, this rank's part of the
 // model (any grid: each tensor is read whole, one at a time, and the part's elements taken from
 // it). Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
-// another shape or an element type other than F32 is an error naming it; tensors the model does
-// not have (transformers' attention-mask buffers) are ignored.
+// another shape, an element type other than F32 or a tensor GPT-2 does not have (but the attention
+// mask buffers older transformers saved, which are ignored) is an error naming it.
 template <class T>
 void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   const Config& c = m.config();
@@ -134,6 +151,9 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     throw zp::Error(zp::Errc::invalid_argument, cfg_path.string() + ": " + e.what());
   }
   const zp::safetensors::Reader r(dir / "model.safetensors");
+  for (const auto& t : r.tensors())
+    ZP_EXPECT(hf_gpt2_tensor(t.name, c), r.path().string(), ": tensor '", t.name,
+              "' is not one of GPT-2's with n_layer ", c.layers);
   std::vector<float> buf;
   const auto read = [&](const std::string& name, std::vector<std::uint64_t> shape) {
     const auto& t = r.at(name);

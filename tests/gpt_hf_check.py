@@ -137,13 +137,17 @@ def check_trained(gpt, work):
     w2 = dict(w, **{"transformer.h.0.attn.c_attn.weight": w["transformer.h.0.attn.c_attn.weight"].T.copy()})
     save_file(w2, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
     refused(bad, "tensor 'transformer.h.0.attn.c_attn.weight' has shape [96,32], not [32,96]")
+    save_file(dict(w, **{"transformer.h.2.ln_1.weight": w["transformer.h.0.ln_1.weight"]}),
+              os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    refused(bad, "tensor 'transformer.h.2.ln_1.weight' is not one of GPT-2's with n_layer 1")
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(dict(cfg_tied, model_type="llama"), f)
     refused(bad, "model_type is 'llama', not gpt2")
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(dict(cfg_tied, vocab_size=99), f)
     refused(bad, "vocab_size 99 is not this model's vocabulary")
-    print("a missing tensor, a transposed one, another architecture, another vocabulary: refused")
+    print("a missing tensor, a transposed one, an extra one, another architecture, another "
+          "vocabulary: refused")
 
 
 def main():
