@@ -34,23 +34,20 @@ void run(const g::Session& s) {
 
 TEST_CASE("on a grid, k steps + save + load + k steps equal 2k steps bitwise") {
   zp::test::TempDir dir("gpt-ckpt");
-  struct Case {
-    zp::GridShape shape;
-    int stage;
-  };
-  for (const Case c :
-       {Case{{2, 2, 2}, 3}, Case{{1, 2, 2}, 1}, Case{{2, 1, 2}, 2}, Case{{4, 2, 1}, 0}}) {
-    const std::string id =
-        std::to_string(c.shape.dp) + std::to_string(c.shape.tp) + std::to_string(c.shape.pp);
-    g::Session s{.shape = c.shape, .stage = c.stage, .dir = dir.path / id};
-    run({s.shape, s.stage, s.dir, "", "straight", 0, 4});
-    run({s.shape, s.stage, s.dir, "", "half", 0, 2});
-    run({s.shape, s.stage, s.dir, "half", "resumed", 2, 4});
-    CHECK(zp::ckpt::Reader(s.dir, "half").manifest().grid.size() == c.shape.size());
-    const std::size_t n = g::expect_same_state(s.dir, "straight", s.dir, "resumed");
-    std::printf("gpt_checkpoint: dp %d x tp %d x pp %d, stage %d: resumed = straight, %zu values\n",
-                c.shape.dp, c.shape.tp, c.shape.pp, c.stage, n);
-  }
+  for (const zp::GridShape shape : {zp::GridShape{2, 2, 2}, zp::GridShape{1, 2, 2},
+                                    zp::GridShape{2, 1, 2}, zp::GridShape{4, 2, 1}})
+    for (int stage = 0; stage < 4; ++stage) {
+      const auto d = dir.path / (std::to_string(shape.dp) + std::to_string(shape.tp) +
+                                 std::to_string(shape.pp) + "-" + std::to_string(stage));
+      run({shape, stage, d, "", "straight", 0, 4});
+      run({shape, stage, d, "", "half", 0, 2});
+      run({shape, stage, d, "half", "resumed", 2, 4});
+      CHECK(zp::ckpt::Reader(d, "half").manifest().grid.size() == shape.size());
+      const std::size_t n = g::expect_same_state(d, "straight", d, "resumed");
+      std::printf(
+          "gpt_checkpoint: dp %d x tp %d x pp %d, stage %d: resumed = straight, %zu values\n",
+          shape.dp, shape.tp, shape.pp, stage, n);
+    }
 }
 
 TEST_CASE("a checkpoint saved on any grid loads on any other grid and stage, bitwise") {
@@ -67,12 +64,15 @@ TEST_CASE("a checkpoint saved on any grid loads on any other grid and stage, bit
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j) {
       if (i == j) continue;
-      // Loaded at grid j and stage (i + j) % 4, saved again at once, one more step trains.
-      const std::string from = "saved-" + std::to_string(i),
-                        again = "again-" + std::to_string(i) + "-" + std::to_string(j);
-      run({grids[j], (i + j) % 4, dir.path, from, again, 2, 2});
-      g::expect_same_state(dir.path, from, dir.path, again);
-      run({grids[j], (i + j + 1) % 4, dir.path, again, "", 2, 3});
+      // Loaded at grid j and every stage, saved again at once, and one more step trains.
+      const std::string from = "saved-" + std::to_string(i);
+      for (int stage = 0; stage < 4; ++stage) {
+        const std::string again =
+            "again-" + std::to_string(i) + "-" + std::to_string(j) + "-" + std::to_string(stage);
+        run({grids[j], stage, dir.path, from, again, 2, 2});
+        g::expect_same_state(dir.path, from, dir.path, again);
+      }
+      run({grids[j], (i + j) % 4, dir.path, from, "", 2, 3});
     }
 }
 
