@@ -5,6 +5,8 @@
 # finish, and its final model must equal, bit for bit, that of a run never killed.
 #   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)]
 set -euo pipefail
+# shellcheck source=checkpoint_retention.sh
+source "$(dirname "$0")/checkpoint_retention.sh"
 demo=$1 work=$2/demo-kill-loop kills=${3:-30}
 rm -rf "$work"
 mkdir -p "$work"
@@ -31,14 +33,7 @@ while :; do
   else
     echo "restart $runs (after $killed kills) failed with exit code $rc:"; cat "$work/run.log"; exit 1
   fi
-  # Retention, as a user's script would do it: drop tags older than the one `latest` names (a tag
-  # newer than it is left alone: it is what a kill between publishing and naming leaves).
-  if [ -f "$work/ckpt/latest" ]; then
-    latest=$(cat "$work/ckpt/latest")
-    for d in "$work"/ckpt/step*; do
-      [ -d "$d" ] && [ "${d##*/step}" -lt "${latest#step}" ] && rm -rf "$d"
-    done
-  fi
+  keep_latest_tags "$work/ckpt"
 done
 grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
 [ "$(cat "$work/ckpt/latest")" = step200 ]

@@ -2,8 +2,6 @@
 // (4 processes: 1 x 2 x 2 and 2 x 1 x 2; 8: 2 x 2 x 2 and 4 x 2 x 1), and a checkpoint saved on
 // each of 4 grids loads on each other one (at another stage) with every field of every
 // parameter bitwise as saved (tests/gpt_checkpoint.hpp).
-#include <unistd.h>
-
 #include "zp/backend/mpi.hpp"
 
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -15,7 +13,7 @@
 #include <vector>
 
 #include "gpt_checkpoint.hpp"
-#include "random.hpp"
+#include "mpi_main.hpp"
 
 using zp::Collective;
 using zp::backend::Mpi;
@@ -23,16 +21,23 @@ namespace g = zp::test::grid;
 
 namespace {
 
-std::uint64_t& seed() {
-  static std::uint64_t s = zp::test::fresh_seed();
-  return s;
-}
+std::uint64_t seed() { return zp::test::mpi_seed(); }
 
-// A directory every process sees, made by rank 0 and removed by it at the end.
-std::filesystem::path& dir() {
-  static std::filesystem::path d;
-  return d;
-}
+// A directory every process names alike (from the run's seed and the process count); rank 0
+// removes it when every process is done with it.
+struct SharedDir {
+  Collective<Mpi>& world;
+  std::filesystem::path path;
+  SharedDir(Collective<Mpi>& w, const char* name)
+      : world(w),
+        path(std::filesystem::temp_directory_path() /
+             ("zp-" + std::string(name) + "-" + std::to_string(seed()) + "-np" +
+              std::to_string(w.size()))) {}
+  ~SharedDir() {
+    world.barrier();
+    if (world.rank() == 0) std::filesystem::remove_all(path);
+  }
+};
 
 Collective<Mpi> world() {
   return Collective<Mpi>{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(120)})};
@@ -42,11 +47,13 @@ Collective<Mpi> world() {
 
 TEST_CASE("on a grid of mpi processes, k steps + save + load + k steps equal 2k steps bitwise") {
   auto w = world();
+  const SharedDir dir(w, "gpt-ckpt-mpi-exact");
   const auto shapes = w.size() == 8 ? std::vector<zp::GridShape>{{2, 2, 2}, {4, 2, 1}}
                                     : std::vector<zp::GridShape>{{1, 2, 2}, {2, 1, 2}};
   REQUIRE((w.size() == 4 || w.size() == 8));
   for (const zp::GridShape shape : shapes) {
-    const auto d = dir() / ("exact" + std::to_string(shape.dp) + std::to_string(shape.pp));
+    const auto d =
+        dir.path / (std::to_string(shape.dp) + std::to_string(shape.tp) + std::to_string(shape.pp));
     const int stage = shape.dp == 1 ? 1 : shape.tp == 1 ? 3 : 2;
     g::session_at_stage(w, {shape, stage, d, "", "straight", 0, 4}, seed());
     g::session_at_stage(w, {shape, stage, d, "", "half", 0, 2}, seed());
@@ -62,7 +69,8 @@ TEST_CASE("a checkpoint saved on any grid of mpi processes loads on any other, b
                          ? std::vector<zp::GridShape>{{8, 1, 1}, {2, 2, 2}, {1, 4, 2}, {2, 1, 4}}
                          : std::vector<zp::GridShape>{{4, 1, 1}, {1, 2, 2}, {2, 2, 1}, {1, 1, 4}};
   const int n = int(grids.size());
-  const auto d = dir() / "any";
+  const SharedDir dir(w, "gpt-ckpt-mpi-any");
+  const auto& d = dir.path;
   for (int i = 0; i < n; ++i)
     g::session_at_stage(w, {grids[i], i, d, "", "saved-" + std::to_string(i), 0, 2}, seed());
   for (int i = 0; i < n; ++i)
@@ -77,20 +85,5 @@ TEST_CASE("a checkpoint saved on any grid of mpi processes loads on any other, b
 }
 
 int main(int argc, char** argv) {
-  zp::backend::MpiEnvironment env(&argc, &argv);
-  MPI_Bcast(&seed(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // every process trains on rank 0's data
-  std::uint64_t id = std::uint64_t(::getpid());
-  MPI_Bcast(&id, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  dir() = std::filesystem::temp_directory_path() / ("zp-gpt-ckpt-mpi-" + std::to_string(id));
-  if (env.world_rank() == 0) {
-    std::filesystem::remove_all(dir());
-    std::printf("gpt_checkpoint_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n",
-                (unsigned long long)seed(), (unsigned long long)seed());
-  }
-  doctest::Context ctx(argc, argv);
-  if (env.world_rank() != 0) ctx.setOption("minimal", true);
-  const int rc = ctx.run();
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (env.world_rank() == 0) std::filesystem::remove_all(dir());
-  return rc;
+  return zp::test::mpi_main(argc, argv, "gpt_checkpoint_mpi.test");
 }

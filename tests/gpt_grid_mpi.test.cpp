@@ -11,6 +11,7 @@
 
 #include "expect_error.hpp"
 #include "gpt_grid.hpp"
+#include "mpi_main.hpp"
 
 using zp::Collective;
 using zp::backend::Mpi;
@@ -18,10 +19,7 @@ namespace g = zp::test::grid;
 
 namespace {
 
-std::uint64_t& seed() {
-  static std::uint64_t s = zp::test::fresh_seed();
-  return s;
-}
+std::uint64_t seed() { return zp::test::mpi_seed(); }
 
 // The bound of gpt_grid.test.cpp: MPI's reductions round in their own order, which changes
 // nothing at this scale.
@@ -80,13 +78,4 @@ TEST_CASE("GPT on every grid of 4 mpi processes, every ZeRO stage, agrees with o
   every_grid<3>(world);
 }
 
-int main(int argc, char** argv) {
-  zp::backend::MpiEnvironment env(&argc, &argv);
-  MPI_Bcast(&seed(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // every process trains on rank 0's data
-  if (env.world_rank() == 0)
-    std::printf("gpt_grid_mpi.test: seed %llu (ZP_TEST_SEED=%llu repeats this run)\n",
-                (unsigned long long)seed(), (unsigned long long)seed());
-  doctest::Context ctx(argc, argv);
-  if (env.world_rank() != 0) ctx.setOption("minimal", true);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return zp::test::mpi_main(argc, argv, "gpt_grid_mpi.test"); }

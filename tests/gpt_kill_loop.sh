@@ -7,6 +7,8 @@
 # and the run must finish at the last step with the loss lower than where it began.
 #   gpt_kill_loop.sh <zp_gpt> <work dir> [mpiexec]
 set -euo pipefail
+# shellcheck source=checkpoint_retention.sh
+source "$(dirname "$0")/checkpoint_retention.sh"
 gpt=$1 mpiexec=${3:-}
 if [ -z "$mpiexec" ]; then
   work=$2/gpt-kill-loop kills=12 steps=600 launch=("$gpt")
@@ -55,12 +57,7 @@ while :; do
     cat "$work/run.log"
     exit 1
   fi
-  if [ -f "$work/ckpt/latest" ]; then  # retention: tags older than `latest` go
-    latest=$(cat "$work/ckpt/latest")
-    for d in "$work"/ckpt/step*; do
-      [ -d "$d" ] && [ "${d##*/step}" -lt "${latest#step}" ] && rm -rf "$d"
-    done
-  fi
+  keep_latest_tags "$work/ckpt"
 done
 grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
 [ "$killed" -ge 3 ] || { echo "only $killed kills landed: lengthen the run"; exit 1; }
