@@ -1,10 +1,11 @@
 // zp_bench_collectives: collective bandwidth in nccl-tests' conventions (REFERENCE.md).
 //
-// <backend>/<op>/ranks:N/bytes:S  one in-place operation (the ZeRO layout) on float buffers.
-//   S is the full buffer (for all_gather and reduce_scatter: N x shard). Counters:
-//   algbw_GBps = S / t, busbw_GBps = algbw x (2(N-1)/N for all_reduce, (N-1)/N for all_gather
-//   and reduce_scatter, 1 for broadcast), wrong = elements that differed from the exact result
-//   in the check run before timing (any difference skips the benchmark with an error).
+// <backend>/<op>/ranks:N/bytes:S  one in-place operation (the ZeRO layout) on float buffers
+//   (all_to_all, never in place: from one buffer of S bytes into another). S is the full buffer
+//   (for all_gather, reduce_scatter and all_to_all: N x shard). Counters: algbw_GBps = S / t,
+//   busbw_GBps = algbw x (2(N-1)/N for all_reduce, (N-1)/N for all_gather, reduce_scatter and
+//   all_to_all, 1 for broadcast), wrong = elements that differed from the exact result in the
+//   check run before timing (any difference skips the benchmark with an error).
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
 //   on), mpi_unchecked (check_calls = false), mpi_raw (the bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
@@ -87,8 +88,9 @@ void fill(std::vector<float>& buf, CollOp op, int rank, int N) {
   }
 }
 
-// Elements of this rank's result that differ from the exact one. shard_at_start: the raw
-// MPI_Reduce_scatter_block in place leaves the shard at the start of the buffer.
+// Elements of this rank's result (all_to_all's: its output) that differ from the exact one.
+// shard_at_start: the raw MPI_Reduce_scatter_block in place leaves the shard at the start of the
+// buffer.
 std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N,
                     bool shard_at_start = false) {
   const std::size_t n = buf.size() / std::size_t(N);
@@ -113,6 +115,10 @@ std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N,
     case CollOp::broadcast:
       for (std::size_t i = 0; i < buf.size(); ++i) w += buf[i] != value(0, i);
       break;
+    case CollOp::all_to_all:  // block q came from rank q's block `rank`
+      for (std::size_t i = 0; i < buf.size(); ++i)
+        w += buf[i] != value(int(i / n), std::size_t(rank) * n + i % n);
+      break;
     case CollOp::barrier:
     case CollOp::send:
     case CollOp::recv: break;
@@ -129,17 +135,28 @@ void set_counters(benchmark::State& state, CollOp op, int N, std::size_t bytes, 
   state.counters["wrong"] = double(bad);
 }
 
+// out: all_to_all's output (the other operations are in place in buf).
 template <class B>
-void run_op(zp::Collective<B>& comm, CollOp op, std::span<float> buf) {
+void run_op(zp::Collective<B>& comm, CollOp op, std::span<float> buf, std::span<float> out) {
   switch (op) {
     case CollOp::all_reduce: comm.all_reduce(buf); break;
     case CollOp::reduce_scatter: comm.reduce_scatter(buf); break;
     case CollOp::all_gather: comm.all_gather(buf); break;
+    case CollOp::all_to_all: comm.all_to_all(std::span<const float>(buf), out); break;
     case CollOp::broadcast: comm.broadcast(buf, 0); break;
     case CollOp::barrier: comm.barrier(); break;
     case CollOp::send:
     case CollOp::recv: break;  // ping_pong's
   }
+}
+
+// all_to_all's output buffer (empty for the in-place operations), and the buffer to check.
+std::vector<float> output_of(CollOp op, std::size_t elems) {
+  return std::vector<float>(op == CollOp::all_to_all ? elems : 0, poison);
+}
+const std::vector<float>& result(CollOp op, const std::vector<float>& buf,
+                                 const std::vector<float>& out) {
+  return op == CollOp::all_to_all ? out : buf;
 }
 
 // One round trip of buf between ranks 0 and 1 (other ranks do nothing); send(peer) and
@@ -176,7 +193,7 @@ std::string bench_name(const char* backend, CollOp op, int N, std::size_t bytes)
 }
 
 const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather,
-                      CollOp::broadcast};
+                      CollOp::all_to_all, CollOp::broadcast};
 
 // --- threads: rank 0 is the benchmark's thread, ranks 1..N-1 persistent threads that run
 // the same number of operations; the timed region is rank 0's loop of collectives.
@@ -185,22 +202,25 @@ void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes)
   auto world = zp::backend::World::create(N, {std::chrono::seconds(120)});
   const std::size_t elems = bytes / sizeof(float);
   std::vector<std::vector<float>> bufs(std::size_t(N), std::vector<float>(elems, 0.0f));
+  std::vector<std::vector<float>> outs(std::size_t(N), output_of(op, elems));
   std::vector<std::uint64_t> bad(std::size_t(N), 0);
   const auto iters = state.max_iterations;
   auto rank_body = [&](zp::Collective<Threads>& comm, int r, bool timed) {
     auto& buf = bufs[std::size_t(r)];
+    auto& out = outs[std::size_t(r)];
+    auto once = [&] { run_op(comm, op, std::span<float>(buf), std::span<float>(out)); };
     fill(buf, op, r, N);
-    run_op(comm, op, std::span<float>(buf));  // the check run (and warm-up)
-    std::int64_t w = std::int64_t(wrong(buf, op, r, N));
+    once();  // the check run (and warm-up)
+    std::int64_t w = std::int64_t(wrong(result(op, buf, out), op, r, N));
     comm.all_reduce(std::span<std::int64_t>(&w, 1));
     bad[std::size_t(r)] = std::uint64_t(w);
     if (w) return;
     if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
     comm.barrier();
     if (timed) {
-      for (auto _ : state) run_op(comm, op, std::span<float>(buf));
+      for (auto _ : state) once();
     } else {
-      for (benchmark::IterationCount k = 0; k < iters; ++k) run_op(comm, op, std::span<float>(buf));
+      for (benchmark::IterationCount k = 0; k < iters; ++k) once();
     }
   };
   std::vector<std::jthread> peers;
@@ -297,24 +317,25 @@ void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check
   opt.check_calls = check_calls;
   zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
   const int N = comm.size(), r = comm.rank();
-  std::vector<float> buf(bytes / sizeof(float));
+  std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
   fill(buf, op, r, N);
-  run_op(comm, op, std::span<float>(buf));
-  const auto bad = mpi_total(wrong(buf, op, r, N), comm.backend().comm());
+  run_op(comm, op, std::span<float>(buf), std::span<float>(out));
+  const auto bad = mpi_total(wrong(result(op, buf, out), op, r, N), comm.backend().comm());
   if (bad) {
     state.SkipWithError(("mpi: " + std::to_string(bad) + " wrong elements").c_str());
     return;
   }
   if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
   MPI_Barrier(comm.backend().comm());
-  for (auto _ : state) run_op(comm, op, std::span<float>(buf));
+  for (auto _ : state) run_op(comm, op, std::span<float>(buf), std::span<float>(out));
   MPI_Barrier(comm.backend().comm());
   set_counters(state, op, N, bytes, bad);
 }
 
-int raw_op(CollOp op, float* buf, std::size_t elems, int N, MPI_Comm comm) {
+int raw_op(CollOp op, float* buf, float* out, std::size_t elems, int N, MPI_Comm comm) {
   const int n = int(elems / std::size_t(N));
   switch (op) {
+    case CollOp::all_to_all: return MPI_Alltoall(buf, n, MPI_FLOAT, out, n, MPI_FLOAT, comm);
     case CollOp::all_reduce:
       return MPI_Allreduce(MPI_IN_PLACE, buf, int(elems), MPI_FLOAT, MPI_SUM, comm);
     case CollOp::reduce_scatter:
@@ -368,16 +389,17 @@ void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes) {
   int N = 1, r = 0;
   MPI_Comm_size(comm, &N);
   MPI_Comm_rank(comm, &r);
-  std::vector<float> buf(bytes / sizeof(float));
+  std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
   fill(buf, op, r, N);
-  int rc = raw_op(op, buf.data(), buf.size(), N, comm);
-  const auto bad = mpi_total(rc == MPI_SUCCESS ? wrong(buf, op, r, N, true) : buf.size(), comm);
+  int rc = raw_op(op, buf.data(), out.data(), buf.size(), N, comm);
+  const auto bad =
+      mpi_total(rc == MPI_SUCCESS ? wrong(result(op, buf, out), op, r, N, true) : buf.size(), comm);
   if (bad) {
     state.SkipWithError(("mpi_raw: " + std::to_string(bad) + " wrong elements").c_str());
   } else {
     if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
     MPI_Barrier(comm);
-    for (auto _ : state) raw_op(op, buf.data(), buf.size(), N, comm);
+    for (auto _ : state) raw_op(op, buf.data(), out.data(), buf.size(), N, comm);
     MPI_Barrier(comm);
     set_counters(state, op, N, bytes, bad);
   }
@@ -391,19 +413,19 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
   MPI_Comm raw;
   MPI_Comm_dup(MPI_COMM_WORLD, &raw);
   const int N = comm.size(), r = comm.rank();
-  std::vector<float> buf(bytes / sizeof(float));
+  std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
   fill(buf, op, r, N);
-  run_op(comm, op, std::span<float>(buf));
-  const auto bad = mpi_total(wrong(buf, op, r, N), raw);
+  run_op(comm, op, std::span<float>(buf), std::span<float>(out));
+  const auto bad = mpi_total(wrong(result(op, buf, out), op, r, N), raw);
   double t_zp = 0, t_raw = 0;
   if (bad == 0) {
     using clock = std::chrono::steady_clock;
     MPI_Barrier(raw);
     for (auto _ : state) {
       const auto t0 = clock::now();
-      raw_op(op, buf.data(), buf.size(), N, raw);
+      raw_op(op, buf.data(), out.data(), buf.size(), N, raw);
       const auto t1 = clock::now();
-      run_op(comm, op, std::span<float>(buf));
+      run_op(comm, op, std::span<float>(buf), std::span<float>(out));
       const auto t2 = clock::now();
       t_raw += std::chrono::duration<double>(t1 - t0).count();
       t_zp += std::chrono::duration<double>(t2 - t1).count();
@@ -473,21 +495,23 @@ void bench_nccl(benchmark::State& state, CollOp op, std::size_t bytes) {
   const std::size_t elems = bytes / sizeof(float);
   std::vector<float> host(elems);
   fill(host, op, r, N);
-  float* dev = nullptr;
-  if (cudaMalloc(&dev, bytes) != cudaSuccess) {
+  float* dev = nullptr;  // the buffer, then all_to_all's output
+  if (cudaMalloc(&dev, 2 * bytes) != cudaSuccess) {
     state.SkipWithError("nccl: cudaMalloc failed");
     return;
   }
+  const std::span<float> buf(dev, elems), out(dev + elems, elems);
   cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice);
-  run_op(comm, op, std::span<float>(dev, elems));
-  cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost);
+  run_op(comm, op, buf, out);
+  cudaMemcpy(host.data(), op == CollOp::all_to_all ? out.data() : dev, bytes,
+             cudaMemcpyDeviceToHost);
   const auto bad = wrong(host, op, r, N);
   if (bad) {
     cudaFree(dev);
     state.SkipWithError(("nccl: " + std::to_string(bad) + " wrong elements").c_str());
     return;
   }
-  for (auto _ : state) run_op(comm, op, std::span<float>(dev, elems));
+  for (auto _ : state) run_op(comm, op, buf, out);
   cudaFree(dev);
   set_counters(state, op, N, bytes, bad);
 }

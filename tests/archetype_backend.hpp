@@ -97,6 +97,9 @@ class Archetype {
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch launch) {
     return issue(CollOp::all_gather, src, dst, n, t, ReduceOp::sum, 0, launch);
   }
+  Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch launch) {
+    return issue(CollOp::all_to_all, src, dst, n, t, ReduceOp::sum, 0, launch);
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch launch) {
     return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, launch);
   }

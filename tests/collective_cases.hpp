@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <memory>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <sstream>
 #include <string>
@@ -195,6 +196,39 @@ void check_all_gather(Collective<B>& comm, std::uint64_t seed, std::size_t n, bo
   CHECK(wrong == 0);
 }
 
+// Block q of rank r's input (elements r's input index q*n + i) must land in block r of rank q's
+// output; the input is untouched; the counters book the full buffer at (N-1)/N on the bus.
+template <class T, class B>
+void check_all_to_all(Collective<B>& comm, std::uint64_t seed, std::size_t n, bool async) {
+  const int N = comm.size(), r = comm.rank();
+  const std::size_t full = n * std::size_t(N);
+  const auto in = inputs<T>(seed, r, full, N, ReduceOp::sum);
+  std::vector<T> out(full, poison<T>());
+  const OpStats before = comm.stats()[CollOp::all_to_all];
+  if (async)
+    comm.all_to_all_async(std::span<const T>(in), std::span<T>(out)).wait();
+  else
+    comm.all_to_all(std::span<const T>(in), std::span<T>(out));
+  std::string first;
+  const auto wrong = count_wrong<T>(
+      std::span<const T>(out),
+      [&](std::size_t i) {  // element i of block q = i / n came from rank q's block r
+        return from<T>(
+            to<T>(input<T>(seed, int(i / n), std::size_t(r) * n + i % n, N, ReduceOp::sum)));
+      },
+      first);
+  INFO("all_to_all ", name(dtype_of<T>), " n=", n, " async=", async, " rank=", r, "/", N,
+       " seed=", seed, " first wrong: ", first);
+  CHECK(wrong == 0);
+  const auto again = inputs<T>(seed, r, full, N, ReduceOp::sum);
+  CHECK((full == 0 || std::memcmp(in.data(), again.data(), full * sizeof(T)) == 0));
+  const OpStats& now = comm.stats()[CollOp::all_to_all];
+  CHECK(now.calls == before.calls + 1);
+  CHECK(now.bytes == before.bytes + full * sizeof(T));
+  CHECK(now.bus_bytes - before.bus_bytes ==
+        doctest::Approx(double(full * sizeof(T)) * bus_factor(CollOp::all_to_all, N)));
+}
+
 template <class T, class B>
 void check_broadcast(Collective<B>& comm, std::uint64_t seed, std::size_t n, int root) {
   const int N = comm.size(), r = comm.rank();
@@ -229,6 +263,7 @@ void check_every_operation(Collective<B>& comm, std::uint64_t seed, std::size_t 
     }
   }
   for (bool in_place : {false, true}) check_all_gather<T>(comm, seed + 3, n, in_place);
+  for (bool async : {false, true}) check_all_to_all<T>(comm, seed + 6, n, async);
   check_broadcast<T>(comm, seed + 4, n, comm.size() - 1);
   check_broadcast<T>(comm, seed + 5, n, 0);
 }
@@ -265,6 +300,16 @@ void check_bad_arguments(Collective<B>& comm) {
             .wait();
       },
       {"reduce_scatter: the output overlaps the input but is not this rank's shard"});
+  // all_to_all is never in place, not even into the same buffer.
+  expect_invalid([&] { b.all_to_all(p, p, 1, DType::f32, blocking).wait(); },
+                 {"all_to_all: the input and output buffers overlap", "never in place"});
+  // The front end: both buffers hold size() equal blocks.
+  std::vector<float> odd(std::size_t(N) * 2 + 1), even(std::size_t(N) * 2);
+  expect_invalid([&] { comm.all_to_all(std::span<const float>(odd), std::span<float>(even)); },
+                 {"all_to_all: input has", "equal blocks (one per rank)"});
+  expect_invalid(
+      [&] { comm.all_to_all(std::span<const float>(even), std::span<float>(buf).first(1)); },
+      {"all_to_all: input has"});
   // A null buffer with a nonzero count (an unbound view), unknown reduction and element type.
   expect_invalid([&] { b.all_reduce(nullptr, p, 5, DType::f32, ReduceOp::sum, blocking).wait(); },
                  {"all_reduce: the input buffer is null but count is 5"});

@@ -7,6 +7,9 @@
 //    elements [r*n, r*n + n). In place when output == input + r*n.
 //  - all_gather: every rank contributes n elements; output holds size() * n elements with rank
 //    r's contribution at [r*n, r*n + n). In place when input == output + r*n.
+//  - all_to_all: input and output hold size() * n elements; rank r's input block q
+//    ([q*n, q*n + n)) lands in rank q's output block r. Never in place (the buffers must not
+//    overlap).
 //  - Buffers live in the backend's memory space (host for threads and mpi, device for nccl).
 //    Where ranks share one address space (threads, cuda_threads), a buffer one rank writes must
 //    not overlap any buffer of another rank; the backend refuses such a call on every rank.
@@ -48,9 +51,10 @@ enum class CollOp : std::uint8_t {
   broadcast,
   barrier,
   send,
-  recv
+  recv,
+  all_to_all
 };
-inline constexpr std::size_t coll_op_count = 7;
+inline constexpr std::size_t coll_op_count = 8;
 
 namespace detail {
 inline constexpr EnumValueNames reduce_op_values{"ReduceOp"}, coll_op_values{"CollOp"};
@@ -75,6 +79,7 @@ constexpr const char* name(CollOp op) noexcept {
     case CollOp::barrier: return "barrier";
     case CollOp::send: return "send";
     case CollOp::recv: return "recv";
+    case CollOp::all_to_all: return "all_to_all";
   }
   return detail::coll_op_values[std::uint8_t(op)];
 }
@@ -94,7 +99,8 @@ constexpr double bus_factor(CollOp op, int ranks) noexcept {
   switch (op) {
     case CollOp::all_reduce: return 2.0 * (n - 1.0) / n;
     case CollOp::reduce_scatter:
-    case CollOp::all_gather: return (n - 1.0) / n;
+    case CollOp::all_gather:
+    case CollOp::all_to_all: return (n - 1.0) / n;
     case CollOp::broadcast: return 1.0;
     case CollOp::barrier: return 0.0;
     case CollOp::send:
@@ -132,10 +138,11 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
   if (op == CollOp::broadcast && (root < 0 || root >= ranks))
     return cat("broadcast: root ", root, " is not a rank in [0, ", ranks, ")");
   if (op == CollOp::barrier || n == 0) return {};
-  const bool scatter = op == CollOp::reduce_scatter, gather = op == CollOp::all_gather;
+  const bool scatter = op == CollOp::reduce_scatter, gather = op == CollOp::all_gather,
+             exchange = op == CollOp::all_to_all;
   std::size_t part = 0, full = 0;
   if (__builtin_mul_overflow(n, size_of(t), &part) ||
-      __builtin_mul_overflow(part, std::size_t(scatter || gather ? ranks : 1), &full))
+      __builtin_mul_overflow(part, std::size_t(scatter || gather || exchange ? ranks : 1), &full))
     return cat(what, ": count ", n, " of ", name(t), " over ", ranks,
                " ranks overflows a 64-bit size");
   if (!src && (op != CollOp::broadcast || rank == root))
@@ -143,8 +150,11 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
   if (!dst) return cat(what, ": the output buffer is null but count is ", n);
   // Byte ranges [s, s + in) and [d, d + out): overlap is allowed only where it is in place.
   const auto s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
-  const std::size_t in = scatter ? full : part, out = gather ? full : part;
+  const std::size_t in = scatter || exchange ? full : part, out = gather || exchange ? full : part;
   const bool overlap = src && s < d + out && d < s + in;
+  if (exchange && overlap)
+    return cat("all_to_all: the input and output buffers overlap (they are ", std::intptr_t(d - s),
+               " bytes apart, each ", full, " bytes); all_to_all is never in place");
   const std::uintptr_t own = std::uintptr_t(rank) * part;
   if (!overlap || (scatter && d == s + own) || (gather && s == d + own) ||
       (!scatter && !gather && s == d))
@@ -236,6 +246,7 @@ concept Backend = std::movable<B> && WorkHandle<typename B::Work> &&
   { b.all_reduce(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
   { b.reduce_scatter(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
   { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
+  { b.all_to_all(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
   { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
   { b.barrier(launch) } -> std::same_as<typename B::Work>;
   { b.send(src, n, t, root, launch) } -> std::same_as<typename B::Work>;
@@ -243,8 +254,8 @@ concept Backend = std::movable<B> && WorkHandle<typename B::Work> &&
   { b.split(color, key) } -> std::same_as<B>;
 };
 
-// Per-operation counters. bytes follows nccl-tests' S (the full buffer: for reduce_scatter and
-// all_gather size() * shard; for send and recv the message); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
+// Per-operation counters. bytes follows nccl-tests' S (the full buffer: for reduce_scatter,
+// all_gather and all_to_all size() * shard; for send and recv the message); bus_bytes = bytes * bus_factor, i.e. what crossed the busiest
 // link. seconds is issue-to-completion as the caller observed it.
 struct OpStats {
   std::uint64_t calls = 0;
@@ -282,7 +293,7 @@ struct CommStats {
   static std::size_t index(CollOp op) {
     ZP_EXPECT(std::size_t(op) < coll_op_count,
               "CommStats: expected a CollOp (all_reduce, reduce_scatter, "
-              "all_gather, broadcast, barrier, send, recv), got ",
+              "all_gather, broadcast, barrier, send, recv, all_to_all), got ",
               name(op));
     return std::size_t(op);
   }
@@ -417,6 +428,24 @@ class Collective {
     all_gather(std::span<const T>(shard(buf)), buf);
   }
 
+  // --- all_to_all: in and out have size()*n elements; block q of in goes to rank q ----------
+  // (N-1)/N * bytes(in) over the busiest link (nccl-tests' alltoall). Rank r's in[q*n, q*n + n)
+  // becomes rank q's out[r*n, r*n + n); in and out must not overlap.
+  template <Element T>
+  Work all_to_all_async(std::span<const T> in, std::span<T> out) {
+    const std::size_t n = check_exchange(in.size(), out.size());
+    return issue(CollOp::all_to_all, in.size_bytes(), [&] {
+      return backend_.all_to_all(in.data(), out.data(), n, dtype_of<T>, Launch::async);
+    });
+  }
+  template <Element T>
+  void all_to_all(std::span<const T> in, std::span<T> out) {
+    const std::size_t n = check_exchange(in.size(), out.size());
+    blocking(CollOp::all_to_all, in.size_bytes(), [&] {
+      return backend_.all_to_all(in.data(), out.data(), n, dtype_of<T>, Launch::blocking);
+    });
+  }
+
   // --- broadcast from root into every rank's buf: bytes over every link ---------------------
   // The root is checked by the backend (collectively on mpi, so a bad root on one rank is an
   // error on every rank instead of a job abort).
@@ -520,6 +549,13 @@ class Collective {
     launch().wait();
     count(op, bytes);
     (*stats_)[op].seconds += seconds_since(t);
+  }
+  // all_to_all's block size: both buffers hold size() equal blocks.
+  std::size_t check_exchange(std::size_t in, std::size_t out) const {
+    ZP_EXPECT(in == out && in % std::size_t(size()) == 0, "all_to_all: input has ", in,
+              " elements and output ", out, "; both must hold ", size(),
+              " equal blocks (one per rank)");
+    return in / std::size_t(size());
   }
   void check_scatter(const char* what, std::size_t full, std::size_t part) const {
     ZP_EXPECT(full == part * std::size_t(size()), what, ": the full buffer has ", full,

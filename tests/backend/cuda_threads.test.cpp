@@ -1,6 +1,6 @@
-// zp/backend/cuda_threads.hpp: every collective on 1-4 ranks sharing one device equals the threads
-// backend on the host, bit for bit, on fresh random inputs (f32, f64, bf16, fp16, i32; sum,
-// avg, max, min; in place and not), and every output element is written. The same with each
+// zp/backend/cuda_threads.hpp: every collective (all_to_all too) on 1-4 ranks sharing one device
+// equals the threads backend on the host, bit for bit, on fresh random inputs (f32, f64, bf16,
+// fp16, i32; sum, avg, max, min; in place and not), and every output element is written. The same with each
 // kind of stream delayed (zp::device::delay_streams). Built with g++ it runs on the simulated
 // device (label sim); as cuda_threads.test.cu with nvcc, on a GPU (label gpu; without one it
 // exits 77, skip).
@@ -45,9 +45,10 @@ template <class T, class B>
 std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, std::uint64_t seed,
                    bool in_place) {
   const int N = comm.size(), r = comm.rank();
-  const std::vector<T> in =
-      input<T>(seed, r, op == CollOp::reduce_scatter ? n * std::size_t(N) : n);
-  const std::size_t out_n = op == CollOp::all_gather ? n * std::size_t(N) : n;
+  const bool blocks_in = op == CollOp::reduce_scatter || op == CollOp::all_to_all,
+             blocks_out = op == CollOp::all_gather || op == CollOp::all_to_all;
+  const std::vector<T> in = input<T>(seed, r, blocks_in ? n * std::size_t(N) : n);
+  const std::size_t out_n = blocks_out ? n * std::size_t(N) : n;
   std::vector<T> out(out_n);
   std::memset(out.data(), 0x7f, out.size() * sizeof(T));  // poison: every element must be written
   auto exec = [&](std::span<T> i, std::span<T> o) {
@@ -57,6 +58,7 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
         break;
       case CollOp::reduce_scatter: comm.reduce_scatter(std::span<const T>(i), o, rop); break;
       case CollOp::all_gather: comm.all_gather(std::span<const T>(i), o); break;
+      case CollOp::all_to_all: comm.all_to_all(std::span<const T>(i), o); break;
       case CollOp::broadcast: comm.broadcast(o, 1 % N); break;  // in place: o starts as the input
       default: break;
     }
@@ -117,6 +119,7 @@ void every_case() {
         check<T>(N, CollOp::reduce_scatter, rop, n, false);
       }
       check<T>(N, CollOp::all_gather, ReduceOp::sum, n, false);
+      check<T>(N, CollOp::all_to_all, ReduceOp::sum, n, false);
       check<T>(N, CollOp::broadcast, ReduceOp::sum, n, false);
     }
 }
@@ -140,6 +143,7 @@ TEST_CASE(
       check<float>(N, CollOp::all_reduce, ReduceOp::sum, large, true);
       check<zp::bf16>(N, CollOp::reduce_scatter, ReduceOp::avg, large, false);
       check<float>(N, CollOp::all_gather, ReduceOp::sum, large, false);
+      check<float>(N, CollOp::all_to_all, ReduceOp::sum, large, false);
       check<float>(N, CollOp::broadcast, ReduceOp::sum, large, false);
     }
     zp::device::delay_streams(role, {});

@@ -248,6 +248,17 @@ TEST_CASE("mismatched calls are an error on every rank, and the communicator sta
                       "rank 0 called all_reduce(count=8, dtype=f32, op=sum, root=0) but rank 1 "
                       "called all_reduce(count=9");
   }
+  SUBCASE("all_to_all against all_gather") {
+    std::vector<float> in(std::size_t(N) * 2), out(std::size_t(N) * 2);
+    expect_everywhere(
+        [&] {
+          if (r == 0)
+            comm.all_to_all(std::span<const float>(in), std::span<float>(out));
+          else
+            comm.all_gather(std::span<const float>(in).first(2), std::span<float>(out));
+        },
+        "rank 0 called all_to_all(count=2");
+  }
   SUBCASE("element type") {
     std::vector<zp::bf16> h(4);
     std::vector<float> f(4);

@@ -117,6 +117,18 @@ void check_device(Collective<Nccl>& comm, std::uint64_t seed, std::size_t n) {
     INFO("all_gather in_place=", in_place);
     CHECK(w == 0);
   }
+  {  // all_to_all (grouped ncclSend/ncclRecv): block q of rank r lands in block r of rank q
+    DeviceBuf<T> in(n * std::size_t(N)), out(n * std::size_t(N));
+    in.put(inputs<T>(seed + 4, r, n * std::size_t(N), N, ReduceOp::sum));
+    out.put(std::vector<T>(n * std::size_t(N), poison<T>()));
+    comm.all_to_all(std::span<const T>(in.span()), out.span());
+    const auto w = wrong(out.get(), [&](std::size_t i) {
+      return from<T>(
+          to<T>(input<T>(seed + 4, int(i / n), std::size_t(r) * n + i % n, N, ReduceOp::sum)));
+    });
+    INFO("all_to_all");
+    CHECK(w == 0);
+  }
   const int root = N - 1;
   DeviceBuf<T> b(n);
   b.put(r == root ? inputs<T>(seed + 3, root, n, N, ReduceOp::sum)

@@ -147,6 +147,32 @@ TEST_CASE("mismatched calls on different ranks are an error on every rank, not a
                        doctest::Contains("dtype=f32"), zp::Error);
 }
 
+TEST_CASE("an all_to_all against another call, or with overlapping ranks' buffers, is an error") {
+  CHECK_THROWS_WITH_AS(
+      run_threads(2,
+                  [&](Collective<Threads>& comm) {
+                    std::vector<float> in(4), out(4);
+                    if (comm.rank() == 0)
+                      comm.all_to_all(std::span<const float>(in), std::span<float>(out));
+                    else
+                      comm.all_gather(std::span<const float>(in).first(2), std::span<float>(out));
+                  }),
+      doctest::Contains("rank 0 called all_to_all(count=2"), zp::Error);
+  // Rank 1 writes its output where rank 0 reads its input.
+  std::vector<float> shared(8);
+  CHECK_THROWS_WITH_AS(run_threads(2,
+                                   [&](Collective<Threads>& comm) {
+                                     std::vector<float> own(4);
+                                     const std::span<float> s(shared);
+                                     if (comm.rank() == 0)
+                                       comm.all_to_all(std::span<const float>(s.first(4)),
+                                                       std::span<float>(own));
+                                     else
+                                       comm.all_to_all(std::span<const float>(own), s.first(4));
+                                   }),
+                       doctest::Contains("all_to_all: rank 1's output"), zp::Error);
+}
+
 TEST_CASE("a rank that throws makes the others fail promptly with the cause") {
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<int> aborted{0};

@@ -14,7 +14,8 @@
 //   2. between the meetings its communication stream waits for every rank's `ready`, then it
 //      enqueues its part there (all_reduce: its slice of every rank's buffers, summed in rank
 //      order with the host backends' element math, detail::combine_one, so results equal the
-//      threads backend bit for bit; all_gather: its input into every output) and records `done`;
+//      threads backend bit for bit; all_gather: its input into every output; all_to_all: its
+//      input's block q into rank q's output) and records `done`;
 //   3. after the second meeting its communication stream waits for every rank's `done` (the
 //      other ranks wrote into its outputs, and its next operation must not rewrite a buffer
 //      another rank still reads), and records the Work's event there. Work::wait() (or a Work
@@ -158,6 +159,17 @@ class CudaThreads {
             char* out = static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes;
             if (out != src) zp::device::copy(out, src, bytes, s);
           }
+        });
+  }
+  Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch) {
+    return collective(
+        {CollOp::all_to_all, src, dst, n, t}, [&](const auto& calls, zp::device::stream_t s) {
+          const std::size_t bytes = n * size_of(t);
+          if (!bytes) return;
+          for (int r = 0; r < size(); ++r)
+            zp::device::copy(
+                static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes,
+                static_cast<const char*>(src) + std::size_t(r) * bytes, bytes, s);
         });
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch) {

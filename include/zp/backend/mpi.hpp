@@ -1,7 +1,7 @@
 // zp/backend/mpi.hpp: ranks are MPI processes, buffers are host memory (multi-node CPU).
 //
 // Speed: blocking operations are exactly one blocking MPI collective on the caller's buffers
-// (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast; MPI_IN_PLACE for the
+// (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Alltoall, MPI_Bcast; MPI_IN_PLACE for the
 // in-place ZeRO layouts), so they run at the speed of the MPI library. Async operations use the
 // MPI-3 nonblocking collectives (MPI_Iallreduce, ...); their post-step (avg division, the
 // conversion of a 16-bit result) runs when the work handle completes. Everything is standard
@@ -10,8 +10,8 @@
 // Element types: f32/f64/i32/i64 map to MPI types. bf16 and fp16 reductions are staged through a
 // float buffer (convert every element once, reduce with MPI_FLOAT, round once at the end), so
 // sums accumulate in fp32 as in the threads backend; the staging costs 2 bytes in and 4 out per
-// element of host traffic and 4 bytes per element of memory. 16-bit all_gather and broadcast move
-// raw 16-bit words. avg is a sum followed by a division by size() (integers truncate toward
+// element of host traffic and 4 bytes per element of memory. 16-bit all_gather, all_to_all and
+// broadcast move raw 16-bit words. avg is a sum followed by a division by size() (integers truncate toward
 // zero, like C++ division).
 //
 // Failure semantics (nothing hangs):
@@ -396,6 +396,9 @@ class Mpi {
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
     return issue(CollOp::all_gather, src, dst, n, t, ReduceOp::sum, 0, l);
   }
+  Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    return issue(CollOp::all_to_all, src, dst, n, t, ReduceOp::sum, 0, l);
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, l);
   }
@@ -590,6 +593,10 @@ class Mpi {
         p.recv = dst;
         break;
       }
+      case CollOp::all_to_all:
+        p.send = src;
+        p.recv = dst;
+        break;
       case CollOp::broadcast:
         if (c.rank == root && src != dst && n) std::memcpy(dst, src, n * es);
         p.recv = dst;
@@ -622,6 +629,10 @@ class Mpi {
             p.send == MPI_IN_PLACE
                 ? MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type, c.comm)
                 : MPI_Allgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm);
+        break;
+      case CollOp::all_to_all:
+        fn = "MPI_Alltoall";
+        rc = MPI_Alltoall(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm);
         break;
       case CollOp::broadcast:
         fn = "MPI_Bcast";
@@ -656,6 +667,10 @@ class Mpi {
                  ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p.recv, p.count, p.type,
                                   c.comm, req)
                  : MPI_Iallgather(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm, req);
+        break;
+      case CollOp::all_to_all:
+        fn = "MPI_Ialltoall";
+        rc = MPI_Ialltoall(p.send, p.count, p.type, p.recv, p.count, p.type, c.comm, req);
         break;
       case CollOp::broadcast:
         fn = "MPI_Ibcast";

@@ -392,6 +392,23 @@ class Nccl {
       return ncclAllGather(src, dst, n, nccl_detail::nccl_type(t), c, s);
     });
   }
+  // One ncclSend and one ncclRecv per rank in one group (NCCL has no all-to-all call).
+  Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    check(CollOp::all_to_all, src, dst, n, t, ReduceOp::sum, 0);
+    return enqueue("all_to_all", l, [&](ncclComm_t c, cudaStream_t s) {
+      const std::size_t block = n * size_of(t);
+      ncclResult_t rc = ncclGroupStart();
+      for (int r = 0; r < size() && rc == ncclSuccess; ++r) {
+        rc = ncclSend(static_cast<const char*>(src) + std::size_t(r) * block, n,
+                      nccl_detail::nccl_type(t), r, c, s);
+        if (rc == ncclSuccess)
+          rc = ncclRecv(static_cast<char*>(dst) + std::size_t(r) * block, n,
+                        nccl_detail::nccl_type(t), r, c, s);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return rc == ncclSuccess ? end : rc;
+    });
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     check(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root);
     return enqueue("broadcast", l, [&](ncclComm_t c, cudaStream_t s) {

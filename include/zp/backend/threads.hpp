@@ -108,6 +108,7 @@ inline std::pair<Extent, Extent> extents(const Call& c, int rank, int n) {
   switch (c.op) {
     case CollOp::reduce_scatter: return {{c.src, full}, {c.dst, part}};
     case CollOp::all_gather: return {{c.src, part}, {c.dst, full}};
+    case CollOp::all_to_all: return {{c.src, full}, {c.dst, full}};
     case CollOp::broadcast:
       return {{rank == c.root ? c.src : nullptr, rank == c.root ? part : 0}, {c.dst, part}};
     default: return {{c.src, part}, {c.dst, part}};
@@ -588,6 +589,9 @@ class Threads {
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch l) {
     return submit({CollOp::all_gather, src, dst, n, t}, l);
   }
+  Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch l) {
+    return submit({CollOp::all_to_all, src, dst, n, t}, l);
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
     c.root = root;
@@ -846,6 +850,7 @@ class Threads {
           case CollOp::all_reduce: all_reduce_slice<T>(calls, c, rank, n); break;
           case CollOp::reduce_scatter: reduce_scatter_shard<T>(calls, c, rank, n); break;
           case CollOp::all_gather: all_gather_into<T>(calls, c, n); break;
+          case CollOp::all_to_all: all_to_all_into<T>(calls, c, rank, n); break;
           case CollOp::broadcast: broadcast_into<T>(calls, c); break;
           case CollOp::barrier:
           case CollOp::send:
@@ -887,6 +892,17 @@ class Threads {
       T* dst = out + std::size_t(r) * c.count;
       if (src != dst && c.count) std::memcpy(dst, src, c.count * sizeof(T));
     }
+  }
+
+  // Each rank copies its block from every rank's input (the buffers never overlap: check_call).
+  template <class T>
+  static void all_to_all_into(const Calls& calls, const threads_detail::Call& c, int rank, int n) {
+    if (!c.count) return;
+    T* out = static_cast<T*>(c.dst);
+    for (int r = 0; r < n; ++r)
+      std::memcpy(out + std::size_t(r) * c.count,
+                  static_cast<const T*>(calls[std::size_t(r)].src) + std::size_t(rank) * c.count,
+                  c.count * sizeof(T));
   }
 
   template <class T>
