@@ -6,7 +6,11 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "expect_error.hpp"
 #include "gpt_checkpoint.hpp"
@@ -55,6 +59,23 @@ TEST_CASE("a checkpoint saved on any grid loads on any other grid and stage, bit
   const zp::GridShape grids[] = {{1, 1, 1}, {2, 2, 2}, {1, 4, 1}, {2, 1, 4}};
   const int n = int(std::size(grids));
   for (int i = 0; i < n; ++i) run({grids[i], i, dir.path, "", "saved-" + std::to_string(i), 0, 2});
+  {  // a version-1 manifest (1-D tensors, no grid) of a data-parallel save loads on a grid
+    namespace fs = std::filesystem;
+    fs::create_directory(dir.path / "v1");
+    for (const auto& f : fs::directory_iterator(dir.path / "saved-0"))
+      if (f.path().filename() != "manifest.json") fs::copy(f.path(), dir.path / "v1");
+    std::ifstream in(dir.path / "saved-0" / "manifest.json");
+    nlohmann::json m = nlohmann::json::parse(in);
+    m["version"] = 1;
+    m["tag"] = "v1";
+    m.erase("grid");
+    m.erase("parts");
+    for (auto& p : m["params"]) p.erase("shape");
+    std::ofstream(dir.path / "v1" / "manifest.json") << m.dump();
+    CHECK(zp::ckpt::Reader(dir.path, "v1").manifest().params[0].place.shape.size() == 1);
+    run({grids[1], 3, dir.path, "v1", "again-v1", 2, 2});
+    g::expect_same_state(dir.path, "saved-0", dir.path, "again-v1");
+  }
   {  // offline, a grid's checkpoint rewritten for 3 data-parallel ranks holds the same values
     zp::ckpt::Reader rd(dir.path, "saved-1");
     zp::ckpt::reshard(rd, dir.path, "flat", 3);

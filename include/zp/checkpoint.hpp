@@ -9,8 +9,8 @@
 //
 // Rank 0 of the grid publishes a checkpoint only after every rank wrote its file; loading
 // verifies every file's size and CRC-32C (each rank checks a share of the files) before reading
-// anything. The
-// directory must be one file system that every rank sees (a shared one across nodes).
+// anything. The directory must be one file system that every rank sees (a shared one across
+// nodes).
 //
 // Errors: every function here is collective (over the engine's whole grid); a failure on one rank
 // (an unwritable directory, a corrupt file) becomes an Error on every rank naming the rank, the
@@ -338,9 +338,13 @@ inline std::vector<Match> match_params(std::span<const ParamInfo> ps, const Read
           p.tp == TensorParallel::split ? " (a split parameter without a zp::Placement)" : "");
       out.push_back({std::size_t(i), q.place});
     } else {
-      ZP_EXPECT(q.place.shape == p.place.shape, "checkpoint ", where, ": parameter '", p.name,
-                "' is of the shape ", dims_text(q.place.shape), " in the checkpoint but ",
-                dims_text(p.place.shape), " in the model");
+      // A 1-D checkpoint tensor (version 1, or a model that gave no shape) is the same row-major
+      // elements as any shape of its size.
+      ZP_EXPECT(q.place.shape == p.place.shape ||
+                    (q.place.shape.size() == 1 && q.size == p.place.full_size()),
+                "checkpoint ", where, ": parameter '", p.name, "' is of the shape ",
+                dims_text(q.place.shape), " in the checkpoint but ", dims_text(p.place.shape),
+                " in the model");
       out.push_back({std::size_t(i), p.place});
     }
   }

@@ -680,8 +680,12 @@ class Reader {
     const Placement& want =
         part.shape.empty() || (part.is_whole() && part.full_size() == param.size) ? param.place
                                                                                   : part;
-    ZP_EXPECT(want.shape == param.place.shape, "checkpoint ", path_.string(), ": parameter '",
-              param.name, "' has the shape ", dims_text(param.place.shape),
+    // Element indices are the full tensor's, row-major: shapes that differ only by a 1-D
+    // checkpoint tensor (version 1) address the same elements.
+    ZP_EXPECT(want.shape == param.place.shape ||
+                  (param.place.shape.size() == 1 && want.full_size() == param.size),
+              "checkpoint ", path_.string(), ": parameter '", param.name, "' has the shape ",
+              dims_text(param.place.shape),
               " in the checkpoint; the part asked for is of the shape ", dims_text(part.shape));
     ZP_EXPECT(first + out.size() <= want.size(), "checkpoint: read of elements [", first, ", ",
               first + out.size(), ") of a part of parameter '", param.name, "' with ", want.size());
