@@ -145,3 +145,69 @@ TEST_CASE(
   CHECK((bound.values[0] == &ok.p.value && bound.grads[1] == &ok.q.grad));
   CHECK(ok.visits == 2);  // visited twice: once to learn, once to check
 }
+
+namespace {
+// A model holding parts of two tensors, described by Placements.
+struct Placed {
+  Param<float> a{6}, b{4};
+  zp::Placement pa, pb;
+  template <class V>
+  friend void for_each_parameter(Placed& m, V&& visit) {
+    visit("a", 0, m.a, m.pa);
+    visit("b", 0, m.b.value, m.b.grad, m.pb);
+  }
+};
+}  // namespace
+
+TEST_CASE("a Placement maps each element of a part to the full tensor, run by run") {
+  // The columns [2, 5) of a [3, 3, 7] tensor's rows 1..2, in every one of its 3 blocks.
+  const zp::Placement p{{3, 3, 7}, {1, 0, 2}, {3, 3, 5}};
+  p.check("p");
+  CHECK(p.size() == 2 * 3 * 3);
+  CHECK(p.full_size() == 63);
+  CHECK_FALSE(p.is_whole());
+  std::vector<std::size_t> naive;  // row-major over the box, the independent loop
+  for (std::size_t i = 1; i < 3; ++i)
+    for (std::size_t j = 0; j < 3; ++j)
+      for (std::size_t k = 2; k < 5; ++k) naive.push_back((i * 3 + j) * 7 + k);
+  for (std::size_t e = 0; e < naive.size(); ++e) CHECK(p.full_index(e) == naive[e]);
+  for (std::size_t first : {std::size_t(0), std::size_t(1), std::size_t(4), std::size_t(17)})
+    for (std::size_t count :
+         {std::size_t(0), std::size_t(1), std::size_t(2), std::size_t(5), 18 - first}) {
+      if (first + count > naive.size()) continue;
+      std::size_t next = first;
+      p.for_each_run(first, count, [&](std::size_t full, std::size_t local, std::size_t n) {
+        CHECK(local == next);
+        CHECK(n >= 1);
+        for (std::size_t q = 0; q < n; ++q) CHECK(full + q == naive[local + q]);
+        next += n;
+      });
+      CHECK(next == first + count);
+    }
+  CHECK(zp::Placement{{4, 5}, {0, 0}, {4, 5}}.is_whole());
+  CHECK(zp::Placement{}.is_whole());
+  CHECK(zp::Placement{}.full_index(9) == 9);
+  CHECK_THROWS_WITH_AS(zp::Placement({{4, 5}, {0, 3}, {4, 3}}).check("t"),
+                       doctest::Contains("t: dimension 1 of the Placement is [3, 3)"), zp::Error);
+  CHECK_THROWS_WITH_AS(zp::Placement({{4, 5}, {0}, {4, 5}}).check("t"),
+                       doctest::Contains("begin and end of the shape's 2 dimensions, got 1 and 2"),
+                       zp::Error);
+}
+
+TEST_CASE("a parameter visited with a Placement is split unless the box is the whole tensor") {
+  Placed m;
+  m.pa = {{2, 6}, {1, 0}, {2, 6}};  // row 1 of 2
+  m.pb = {{4}, {0}, {4}};           // the whole vector
+  const auto ps = zp::describe_parameters<float>(m);
+  CHECK(ps[0].tp == zp::TensorParallel::split);
+  CHECK(ps[0].place.shape == std::vector<std::size_t>{2, 6});
+  CHECK(ps[1].tp == zp::TensorParallel::replicated);
+  m.pa = {{2, 6}, {0, 0}, {2, 6}};  // 12 elements in the box, 6 in the view
+  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(m),
+                       doctest::Contains("'a' has 6 elements but its Placement's box holds 12"),
+                       zp::Error);
+  m.pa = {{2, 6}, {1, 0}, {3, 6}};
+  CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(m),
+                       doctest::Contains("parameter 'a': dimension 0 of the Placement is [1, 3)"),
+                       zp::Error);
+}

@@ -153,7 +153,10 @@ struct Placement {
   // part index, run length), in order.
   template <class Fn>
   void for_each_run(std::size_t first, std::size_t count, Fn&& fn) const {
-    if (shape.empty()) return count ? fn(first, first, count) : void();
+    if (shape.empty()) {
+      if (count) fn(first, first, count);
+      return;
+    }
     const std::size_t w = end.back() - begin.back();
     for (std::size_t i = first; i < first + count;) {
       const std::size_t n = std::min(w - i % w, first + count - i);
