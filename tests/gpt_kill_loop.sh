@@ -11,12 +11,12 @@ set -euo pipefail
 source "$(dirname "$0")/checkpoint_retention.sh"
 gpt=$1 mpiexec=${3:-}
 if [ -z "$mpiexec" ]; then
-  work=$2/gpt-kill-loop kills=12 steps=600 launch=("$gpt")
+  work=$2/gpt-kill-loop kills=6 steps=600 launch=("$gpt")
   grids=("--ranks 8 --tp 2 --pp 2 --stage 2" "--ranks 2 --stage 3" "--ranks 4 --tp 4 --stage 1"
     "--ranks 4 --tp 2 --pp 2 --stage 0")
 else
   # TCP between the processes: a killed job leaves no shared-memory segment behind.
-  work=$2/gpt-kill-loop-mpi kills=6 steps=400
+  work=$2/gpt-kill-loop-mpi kills=4 steps=400
   launch=("$mpiexec" -n 4 --oversubscribe --mca btl self,tcp "$gpt" --backend mpi)
   grids=("--tp 2 --pp 2 --stage 2" "--stage 3" "--tp 4 --stage 1" "--pp 2 --stage 0")
 fi

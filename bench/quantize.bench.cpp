@@ -1,0 +1,151 @@
+// zp_bench_quantize: blockwise quantization (zp/quantize.hpp, issue #22) on one CPU thread,
+// against the memory's copy limit measured in the same benchmark.
+//
+// quant/<op>/<type>/<bits>/block:B/elems:N   op: quantize (T -> codes + fp32 scales),
+//   dequantize (codes + scales -> T) or dequantize_add (acc += codes x scales, fp32 acc).
+//   Counters: GBps = bytes read + bytes written per second (codes, scales, values; for
+//   dequantize_add the fp32 accumulator is read and written), copy_GBps = a streaming copy
+//   (bench/membw.hpp) of as many bytes on the same thread, timed in the same benchmark right
+//   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8). wrong = values
+//   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
+//   block (any skips the benchmark with an error).
+// membw/copy/threads:1  the copy limit on its own (256 MiB).
+#include <benchmark/benchmark.h>
+
+#include <zp/dtype.hpp>
+#include <zp/quantize.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <cstring>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "membw.hpp"
+
+namespace {
+
+using zp::quant::Bits;
+using zp::quant::Format;
+
+enum class Op { quantize, dequantize, dequantize_add };
+const char* op_name(Op op) {
+  return op == Op::quantize ? "quantize" : op == Op::dequantize ? "dequantize" : "dequantize_add";
+}
+
+// GB/s of a streaming copy of `bytes` (read + written) on this thread: the best of a few runs.
+double copy_gbps(std::size_t bytes) {
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  const std::size_t half = (bytes / 2 + 4095) / 4096 * 4096;
+  std::unique_ptr<char, Free> src(static_cast<char*>(std::aligned_alloc(4096, half))),
+      dst(static_cast<char*>(std::aligned_alloc(4096, half)));
+  std::memset(src.get(), 1, half);
+  std::memset(dst.get(), 0, half);
+  double best = 0;
+  for (int k = 0; k < 5; ++k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    zp::bench::stream_copy(dst.get(), src.get(), half);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(2 * half) / s * 1e-9);
+  }
+  benchmark::DoNotOptimize(dst.get());
+  return best;
+}
+
+template <class T>
+void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::size_t n) {
+  const Format f{.bits = bits, .block = block};
+  std::mt19937_64 rng(n * 31 + block);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<T> x(n), y(n);
+  for (auto& v : x) v = T(normal(rng));
+  std::vector<std::uint8_t> codes(f.code_bytes(n));
+  std::vector<float> scales(f.blocks(n)), acc(n, 0.0f);
+  zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales));
+  zp::quant::dequantize(f, std::span<const std::uint8_t>(codes), std::span<const float>(scales),
+                        std::span<T>(y));
+  // The check: every value within its block's bound (an independent loop over the blocks).
+  const double qmax = bits == Bits::int8 ? 127 : 7;
+  std::uint64_t wrong = 0;
+  for (std::size_t b = 0; b < n; b += block) {
+    const std::size_t e = std::min(n, b + block);
+    double absmax = 0;
+    for (std::size_t i = b; i < e; ++i) absmax = std::max(absmax, std::fabs(double(float(x[i]))));
+    // fp32 rounding (a few ulps of absmax), and a 16-bit output's own rounding.
+    const double tol = absmax / (2 * qmax) + absmax * 0x1p-21 + (sizeof(T) == 2 ? absmax / 128 : 0);
+    for (std::size_t i = b; i < e; ++i)
+      wrong += !(std::fabs(double(float(y[i])) - double(float(x[i]))) <= tol);
+  }
+  if (wrong) {
+    state.SkipWithError((std::to_string(wrong) + " values outside their block's bound").c_str());
+    return;
+  }
+  const std::size_t coded = codes.size() + scales.size() * sizeof(float);
+  const std::size_t bytes = op == Op::quantize     ? n * sizeof(T) + coded
+                            : op == Op::dequantize ? coded + n * sizeof(T)
+                                                   : coded + 2 * n * sizeof(float);
+  const double limit = copy_gbps(bytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    switch (op) {
+      case Op::quantize:
+        zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales));
+        break;
+      case Op::dequantize:
+        zp::quant::dequantize(f, std::span<const std::uint8_t>(codes),
+                              std::span<const float>(scales), std::span<T>(y));
+        break;
+      case Op::dequantize_add:
+        zp::quant::dequantize_add(f, std::span<const std::uint8_t>(codes),
+                                  std::span<const float>(scales), std::span<float>(acc));
+        break;
+    }
+    benchmark::ClobberMemory();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double gb = double(bytes) * double(state.iterations()) * 1e-9;
+  state.counters["GBps"] = benchmark::Counter(gb, benchmark::Counter::kIsRate);
+  state.counters["copy_GBps"] = limit;
+  state.counters["copy_fraction"] = gb / seconds / limit;
+  state.counters["wrong"] = double(wrong);
+}
+
+template <class T>
+void register_type(const char* type) {
+  constexpr std::size_t n = std::size_t(1) << 24;  // 16M values: out of every cache
+  for (Op op : {Op::quantize, Op::dequantize, Op::dequantize_add})
+    for (Bits bits : {Bits::int8, Bits::int4})
+      for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
+        if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
+        const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
+                                 (bits == Bits::int8 ? "int8" : "int4") +
+                                 "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
+        benchmark::RegisterBenchmark(name.c_str(),
+                                     [=](benchmark::State& s) { bench<T>(s, op, bits, block, n); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  zp::bench::register_membw_copy(std::size_t(256) << 20, {1});
+  register_type<float>("f32");
+  register_type<zp::bf16>("bf16");
+  register_type<zp::fp16>("f16");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
