@@ -19,10 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 #include <random>
-#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -38,27 +35,6 @@ using zp::quant::Format;
 enum class Op { quantize, dequantize, dequantize_add };
 const char* op_name(Op op) {
   return op == Op::quantize ? "quantize" : op == Op::dequantize ? "dequantize" : "dequantize_add";
-}
-
-// GB/s of a streaming copy of `bytes` (read + written) on this thread: the best of a few runs.
-double copy_gbps(std::size_t bytes) {
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
-  const std::size_t half = (bytes / 2 + 4095) / 4096 * 4096;
-  std::unique_ptr<char, Free> src(static_cast<char*>(std::aligned_alloc(4096, half))),
-      dst(static_cast<char*>(std::aligned_alloc(4096, half)));
-  std::memset(src.get(), 1, half);
-  std::memset(dst.get(), 0, half);
-  double best = 0;
-  for (int k = 0; k < 5; ++k) {
-    const auto t0 = std::chrono::steady_clock::now();
-    zp::bench::stream_copy(dst.get(), src.get(), half);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, double(2 * half) / s * 1e-9);
-  }
-  benchmark::DoNotOptimize(dst.get());
-  return best;
 }
 
 template <class T>
@@ -93,7 +69,7 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   const std::size_t bytes = op == Op::quantize     ? n * sizeof(T) + coded
                             : op == Op::dequantize ? coded + n * sizeof(T)
                                                    : coded + 2 * n * sizeof(float);
-  const double limit = copy_gbps(bytes);
+  const double limit = zp::bench::copy_gbps(bytes);
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     switch (op) {

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -178,10 +177,9 @@ void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Optio
 #endif
 }
 
-// --sample: a whole model of the values `whole` (Engine::gather_params) continues --prompt.
+// --sample: `model` (the whole model, holding the trained values) continues --prompt.
 template <class T>
-void print_sample(const gpt::Config& cfg, std::span<const T> whole, const Options& o,
-                  const examples::Corpus& corpus) {
+void print_sample(gpt::Model<T>& model, const Options& o, const examples::Corpus& corpus) {
   std::vector<int> prompt;
   for (char ch : o.prompt) {
     const auto at = std::find(corpus.chars.begin(), corpus.chars.end(), ch);
@@ -189,12 +187,6 @@ void print_sample(const gpt::Config& cfg, std::span<const T> whole, const Option
               int(static_cast<unsigned char>(ch)), ") is not in the training text's vocabulary");
     prompt.push_back(int(at - corpus.chars.begin()));
   }
-  gpt::Model<T> model(cfg, 1234);
-  std::size_t at = 0;  // gather_params holds the parameters whole, in forward order
-  zp::visit_parameters<T>(model, [&](std::string_view, int, zp::View<T>& value, zp::View<T>&) {
-    std::copy_n(whole.begin() + std::ptrdiff_t(at), value.size(), value.data());
-    at += value.size();
-  });
   std::string text = o.prompt;
   for (int id : gpt::sample(model, prompt, o.sampling)) text += corpus.chars[std::size_t(id)];
   std::printf("sample (temperature %g, top-k %d, seed %llu):\n%s\n", o.sampling.temperature,
@@ -303,11 +295,16 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     std::vector<T> whole = engine.gather_params();  // this rank's part
     if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
       whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
-    if (lead && !o.export_dir.empty()) {
-      std::optional<gpt::Model<T>> full;  // names and shapes of the whole model
-      export_hf(model.whole() ? model : full.emplace(cfg, 0), std::span<const T>(whole), o, corpus);
+    if (lead) {  // one whole model of the trained values (the run's own views are the engine's)
+      gpt::Model<T> full(cfg, 0);
+      std::size_t at = 0;  // gather_params' order: the whole model's, forward
+      zp::visit_parameters<T>(full, [&](std::string_view, int, zp::View<T>& value, zp::View<T>&) {
+        std::copy_n(whole.begin() + std::ptrdiff_t(at), value.size(), value.data());
+        at += value.size();
+      });
+      if (!o.export_dir.empty()) export_hf(full, std::span<const T>(whole), o, corpus);
+      if (o.sampling.count) print_sample(full, o, corpus);
     }
-    if (lead && o.sampling.count) print_sample(cfg, std::span<const T>(whole), o, corpus);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (lead && first_step < o.steps) {

@@ -29,6 +29,15 @@ inline std::string hf_name(const std::string& name) {
   return name == "lm_head.weight" ? name : "transformer." + name;
 }
 
+// Hugging Face's shape of a gpt.hpp tensor: vectors 1-D, matrices [rows, cols], lm_head as
+// nn.Linear's [V, d] (the transpose of gpt.hpp's [d, V]).
+template <class Tensor>
+std::vector<std::uint64_t> hf_shape(const Tensor& t) {
+  if (t.rows == 1) return {t.cols};
+  if (t.name == "lm_head.weight") return {t.cols, t.rows};
+  return {t.rows, t.cols};
+}
+
 // Whether `name` is a tensor of a Hugging Face GPT-2 of c's depth: a parameter, or the attention
 // mask buffers older transformers saved (h.{l}.attn.bias and attn.masked_bias).
 inline bool hf_gpt2_tensor(const std::string& name, const Config& c) {
@@ -57,11 +66,7 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   std::vector<zp::safetensors::TensorInfo> infos;
   std::size_t total = 0;
   for (const auto& t : layout.tensors()) {
-    const std::uint64_t rows = t.rows, cols = t.cols;
-    std::vector<std::uint64_t> shape =
-        rows == 1 ? std::vector<std::uint64_t>{cols} : std::vector<std::uint64_t>{rows, cols};
-    if (t.name == "lm_head.weight") shape = {cols, rows};
-    infos.push_back({hf_name(t.name), "F32", shape});
+    infos.push_back({hf_name(t.name), "F32", hf_shape(t)});
     total += t.place.full_size();
   }
   ZP_EXPECT(whole.size() == total, "gpt: write_hf got ", whole.size(),
@@ -162,16 +167,12 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     buf.resize(std::size_t(t.elements()));
     r.read_elements(name, 0, std::span<float>(buf));
   };
-  std::vector<std::vector<std::uint64_t>> shapes;  // Hugging Face's, in forward order
-  for (const auto& t : m.tensors())
-    shapes.push_back(t.rows == 1 ? std::vector<std::uint64_t>{t.cols}
-                                 : std::vector<std::uint64_t>{t.rows, t.cols});
   const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model);
   std::size_t k = 0;
   zp::visit_parameters<T>(m, [&](std::string_view name_, int, zp::View<T>& v, zp::View<T>&) {
     const std::string name(name_);
-    const zp::Placement& part = m.tensors()[k].place;
-    const std::vector<std::uint64_t>& shape = shapes[k++];
+    const auto& t = m.tensors()[k++];
+    const zp::Placement& part = t.place;
     if (name == "lm_head.weight") {  // [d, V] here, nn.Linear's [V, d] there (or wte, tied)
       read(tied && !r.contains(name) ? hf_name("wte.weight") : name, {V, d});
       for (std::size_t i = 0; i < v.size(); ++i) {
@@ -183,7 +184,7 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     if (name == "wpe.weight")
       read(hf_name(name), {std::uint64_t(positions), d});  // the first rows are used
     else
-      read(hf_name(name), shape);
+      read(hf_name(name), hf_shape(t));
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(buf[part.full_index(i)]);
   });
 }
