@@ -4,6 +4,8 @@
 #   zp::mpi   + the mpi backend (MPI::MPI_CXX)
 #   zp::io    + checkpoints, safetensors and DeepSpeed configs (nlohmann_json)
 #   zp::aio   + asynchronous file I/O for large transfers (zp/async_file.hpp: io_uring, liburing)
+#               and with it the optimizer state on NVMe (zp/swap.hpp; defines ZP_WITH_AIO, which
+#               must then hold for every file of the program)
 #   zp::cuda  + CUDA runtime (the device primitives and memory space; kernels built by nvcc)
 #   zp::nccl  + the nccl backend (zp::cuda and NCCL)
 #   zp::sim   + the simulated device (zp/device/sim.hpp): zp's device code built with any C++
@@ -54,6 +56,7 @@ if(ZP_ENABLE_AIO)
   find_package(Liburing QUIET)
   if(Liburing_FOUND)
     zp_component(aio zp Liburing::Liburing)
+    target_compile_definitions(zp_aio INTERFACE ZP_WITH_AIO=1)  # swap.hpp: optimizer state on NVMe
   endif()
 endif()
 

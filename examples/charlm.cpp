@@ -180,8 +180,9 @@ const char* usage =
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
-    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
-    "(default none)\n"
+    "  --offload-optimizer none|cpu|nvme:DIR\n"
+    "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
+    "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n";
 

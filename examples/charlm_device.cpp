@@ -6,7 +6,7 @@
 // against zp::sim it is zp_demo_sim and runs on the simulated device.
 //
 //   zp_demo_gpu [--backend cuda_threads|nccl] [--ranks N] [--stage 0-3] [--precision fp32|bf16]
-//               [--offload cpu|none] [--accum N] [--steps N] [--micro-batch N] [--lr X]
+//               [--offload-optimizer none|cpu|nvme:DIR] [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //               [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
@@ -250,8 +250,9 @@ const char* usage =
     "  --ranks N          ranks for cuda_threads (default 4)\n"
     "  --stage S          ZeRO stage 0, 1, 2 or 3 (default 3)\n"
     "  --precision P      fp32 or bf16 (default bf16)\n"
-    "  --offload cpu|none ZeRO-Offload: fp32 master weights and optimizer state in host memory "
-    "(default none)\n"
+    "  --offload-optimizer none|cpu|nvme:DIR\n"
+    "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
+    "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
     "  --accum N          gradient accumulation steps (default 1)\n"
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
@@ -297,6 +298,7 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
   ec.max_grad_norm = 1.0f;
   ec.offload_optimizer = o.offload;
+  if (!o.nvme.empty()) ec.optimizer_nvme = zp::NvmeOptions{.path = o.nvme};
   E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr});
   const zp::schedule::Any schedule =
       zp::schedule::WarmupCosineLR{.base_lr = o.lr,

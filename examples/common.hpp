@@ -108,7 +108,8 @@ struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
   float lr = 3e-3f;
-  bool offload = false;  // --offload cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
+  bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
+  std::string nvme;  // --offload-optimizer nvme:PATH: ZeRO-Infinity (EngineConfig::optimizer_nvme)
   std::vector<std::string> text;
 
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
@@ -120,7 +121,8 @@ struct TrainFlags {
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
-// --micro-batch, --log-every, --backend, --precision, --lr, --offload, --text); false if not.
+// --micro-batch, --log-every, --backend, --precision, --lr, --offload-optimizer (or --offload),
+// --text); false if not.
 inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a,
                              const std::string& v) {
   if (a == "--stage")
@@ -147,9 +149,12 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
       bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
-  } else if (a == "--offload") {
-    if (v != "cpu" && v != "none") bad(p, "--offload expects cpu or none, got '" + v + "'");
-    o.offload = v == "cpu";
+  } else if (a == "--offload-optimizer" || a == "--offload") {
+    const bool nvme = v.starts_with("nvme:") && v.size() > 5;
+    if (v != "cpu" && v != "none" && !nvme)
+      bad(p, a + " expects none, cpu or nvme:PATH (a directory on the drive), got '" + v + "'");
+    o.offload = v != "none";
+    o.nvme = nvme ? v.substr(5) : "";
   } else if (a == "--text") {
     o.text.push_back(v);
   } else {
@@ -252,6 +257,18 @@ inline void print_memory(const zp::MemoryReport& m) {
       mib(m.buckets), mib(m.gathered_peak));
   if (m.offloaded)
     std::printf("        of which in host memory (ZeRO-Offload): %.3f MiB\n", mib(m.offloaded));
+  if (m.nvme)
+    std::printf(
+        "        of which on NVMe (ZeRO-Infinity): %.3f MiB, through %.3f MiB of host buffers\n",
+        mib(m.nvme), mib(m.swap_buffers));
+  // The process's peaks (all ranks of this process), from /proc/self/status, in MiB.
+  std::ifstream status("/proc/self/status");
+  double rss = 0, vm = 0;
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("VmHWM:")) rss = std::atof(line.c_str() + 6) / 1024;
+    if (line.starts_with("VmPeak:")) vm = std::atof(line.c_str() + 7) / 1024;
+  }
+  std::printf("process peak (MiB): resident %.1f  virtual %.1f\n", rss, vm);
 }
 
 // The training text, or the exit status 1 with the error printed.

@@ -104,6 +104,12 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
   ec.steps_per_print = t.log_every;
   ec.wall_clock_breakdown = r.breakdown;
   ec.offload_optimizer = t.offload;
+  // NVMe: sub-groups of 256K elements (3 MiB of AdamW state), read ahead and written behind.
+  if (!t.nvme.empty())
+    ec.optimizer_nvme = zp::NvmeOptions{.path = t.nvme,
+                                        .pipeline_read = true,
+                                        .pipeline_write = true,
+                                        .sub_group_size = std::size_t(1) << 18};
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;

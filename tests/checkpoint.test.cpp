@@ -102,11 +102,15 @@ std::int64_t int_of(const std::vector<std::byte>& b) {
   return x;
 }
 
+// nvme: the optimizer state in swap files there (sub-groups of 1024 elements, pipelined).
 template <class T, int Stage>
-void check_resume(zp::LossScaler scaler) {
+void check_resume(zp::LossScaler scaler, const fs::path* nvme = nullptr) {
   constexpr int ranks = 2, gas = 2, k = 3;
   using E = zp::Engine<Threads, T, Stage>;
-  const EngineConfig cfg = config(gas, scaler);
+  EngineConfig cfg = config(gas, scaler);
+  if (nvme)
+    cfg.optimizer_nvme = zp::NvmeOptions{
+        .path = *nvme, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
   TempDir dir("resume");
   Snapshot<T> straight, resumed;
   run_threads(ranks, [&](Collective<Threads>& comm) {
@@ -136,11 +140,11 @@ void check_resume(zp::LossScaler scaler) {
 }
 
 template <class T>
-void check_resume_all_stages(zp::LossScaler scaler) {
-  check_resume<T, 0>(scaler);
-  check_resume<T, 1>(scaler);
-  check_resume<T, 2>(scaler);
-  check_resume<T, 3>(scaler);
+void check_resume_all_stages(zp::LossScaler scaler, const fs::path* nvme = nullptr) {
+  check_resume<T, 0>(scaler, nvme);
+  check_resume<T, 1>(scaler, nvme);
+  check_resume<T, 2>(scaler, nvme);
+  check_resume<T, 3>(scaler, nvme);
 }
 
 }  // namespace
@@ -155,6 +159,51 @@ TEST_CASE("resume is exact: 2k steps equal k steps, save, a fresh engine, load a
         zp::LossScaler::dynamic({.initial_scale = 0x1p24f, .window = 2, .hysteresis = 2}));
   }
 }
+
+#if defined(ZP_WITH_AIO)
+// Checkpoints read and write the state where it is, a segment piece at a time; the swap files
+// are scratch, never part of the checkpoint.
+TEST_CASE(
+    "with the optimizer state on NVMe, resume is exact and checkpoints move to and from memory") {
+  TempDir drive("nvme");
+  SUBCASE("fp32") { check_resume_all_stages<float>(zp::LossScaler::none(), &drive.path); }
+  SUBCASE("bf16") { check_resume_all_stages<zp::bf16>(zp::LossScaler::none(), &drive.path); }
+  SUBCASE("saved on NVMe at stage 2, loaded in memory at stage 3 and back on NVMe at stage 1") {
+    TempDir dir("ckpt");
+    EngineConfig on_nvme = config(1);
+    on_nvme.optimizer_nvme = zp::NvmeOptions{.path = drive.path, .sub_group_size = 3000};
+    Snapshot<zp::bf16> saved, in_memory, back;
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model;
+      zp::Engine<Threads, zp::bf16, 2> e(comm, model, on_nvme);
+      train(e, model, 0, 3);
+      zp::save_checkpoint(e, dir.path, "a");
+      auto s = snapshot(e);
+      if (comm.rank() == 0) saved = std::move(s);
+    });
+    for (const auto& f : fs::recursive_directory_iterator(dir.path))  // no swap file in it
+      CHECK(f.path().extension() != ".swap");
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model;
+      zp::Engine<Threads, zp::bf16, 3> e(comm, model, config(1));
+      zp::load_checkpoint(e, dir.path, "a");
+      auto s = snapshot(e);
+      if (comm.rank() == 0) in_memory = std::move(s);
+      zp::save_checkpoint(e, dir.path, "b");
+    });
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model;
+      zp::Engine<Threads, zp::bf16, 1> e(comm, model, on_nvme);
+      zp::load_checkpoint(e, dir.path, "b");
+      auto s = snapshot(e);
+      if (comm.rank() == 0) back = std::move(s);
+    });
+    check_same(saved, in_memory);
+    check_same(saved, back);
+  }
+  CHECK(drive.entries().empty());
+}
+#endif
 
 TEST_CASE(
     "a checkpoint saved at N ranks and stage S loads at M ranks and stage S', bitwise, and "

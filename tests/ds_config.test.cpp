@@ -205,6 +205,12 @@ Fields fields(const Config& c) {
   f["offload.device"] = str(int(c.offload_optimizer.device));
   f["offload.pin_memory"] = str(c.offload_optimizer.pin_memory);
   f["offload.nvme_path"] = c.offload_optimizer.nvme_path;
+  f["offload.buffer_count"] = str(c.offload_optimizer.buffer_count);
+  f["offload.pipeline_read"] = str(c.offload_optimizer.pipeline_read);
+  f["offload.pipeline_write"] = str(c.offload_optimizer.pipeline_write);
+  f["sub_group_size"] = str(c.sub_group_size);
+  f["aio.block_size"] = str(c.aio.block_size);
+  f["aio.queue_depth"] = str(c.aio.queue_depth);
   std::visit(
       [&](const auto& o) {
         f["optimizer.type"] = zp::optim::detail::type_name(o);
@@ -285,7 +291,7 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(s.warmup_type == zp::schedule::Warmup::log);
     CHECK(c.steps_per_print == 100);
     CHECK(!c.wall_clock_breakdown);
-    // offload_optimizer cpu is ZeRO-Offload; nvme is refused.
+    // offload_optimizer cpu is ZeRO-Offload; nvme the optimizer swap, with DeepSpeed's defaults.
     CHECK(zp::ds::describe(c).find("offload_optimizer: cpu") != std::string::npos);
     CHECK(zp::ds::engine_config<zp::fp16>(c, 2).offload_optimizer);
     json j = json::parse(example1);
@@ -294,11 +300,44 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     j["zero_optimization"]["stage"] = 3;
     j["optimizer"]["params"]["lr"] = 1e-3;
     CHECK(dispatch(zp::ds::parse(j, "ds_config.json"), 2).ec.offload_optimizer);
+    CHECK(!dispatch(zp::ds::parse(j, "ds_config.json"), 2).ec.optimizer_nvme);
     j["zero_optimization"]["offload_optimizer"]["device"] = "nvme";
-    j["zero_optimization"]["offload_optimizer"]["nvme_path"] = "/local_nvme";
-    expect_invalid([&] { dispatch(zp::ds::parse(j, "ds_config.json"), 2); },
-                   {"ds_config.json: zero_optimization.offload_optimizer.device: ",
-                    "offload_optimizer to \"nvme\" is not supported"});
+    expect_invalid(
+        [&] { zp::ds::parse(j, "ds_config.json"); },
+        {"ds_config.json: zero_optimization.offload_optimizer.nvme_path: ", "needs nvme_path"});
+    zp::test::TempDir drive("ds-nvme");
+    j["zero_optimization"]["offload_optimizer"]["nvme_path"] = drive.path.string();
+    auto nvme =
+        zp::ds::engine_config<zp::bf16>(zp::ds::parse(j, "ds_config.json"), 2).optimizer_nvme;
+    REQUIRE(nvme);
+    CHECK(nvme->path == drive.path);
+    CHECK(nvme->buffer_count == 4);
+    CHECK(!nvme->pipeline_read);
+    CHECK(!nvme->pipeline_write);
+    CHECK(nvme->sub_group_size == 1'000'000'000);
+    CHECK(nvme->queue_depth == 8);
+    CHECK(nvme->block_size == 1'048'576);
+    j["zero_optimization"]["offload_optimizer"]["buffer_count"] = 5;
+    j["zero_optimization"]["offload_optimizer"]["pipeline_read"] = true;
+    j["zero_optimization"]["offload_optimizer"]["pipeline_write"] = true;
+    j["zero_optimization"]["sub_group_size"] = 1e6;
+    j["aio"] = {{"block_size", 262144}, {"queue_depth", 32}, {"thread_count", 1}};
+    const Config cn = zp::ds::parse(j, "ds_config.json");
+    CHECK(zp::ds::describe(cn).find(" buffer_count 5, pipeline_read 1, pipeline_write 1") !=
+          std::string::npos);
+#if defined(ZP_WITH_AIO)
+    nvme = dispatch(cn, 2).ec.optimizer_nvme;  // and a step trained with it
+#else
+    expect_invalid([&] { dispatch(cn, 2); }, {"built without zp::aio"});
+    nvme = zp::ds::engine_config<zp::bf16>(cn, 2).optimizer_nvme;
+#endif
+    REQUIRE(nvme);
+    CHECK(nvme->buffer_count == 5);
+    CHECK(nvme->pipeline_read);
+    CHECK(nvme->pipeline_write);
+    CHECK(nvme->sub_group_size == 1'000'000);
+    CHECK(nvme->queue_depth == 32);
+    CHECK(nvme->block_size == 262144);
   }
   SUBCASE("2: bf16, stage 3, WarmupCosineLR, grad_accum_dtype fp32") {
     const Config c = parse_text(example2);
@@ -479,6 +518,15 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}",
        R"({"zero_optimization": {"offload_optimizer": {"pin_memory": true}}})",
        {"offload.pin_memory"}},
+      {"{}",
+       R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 8, "pipeline_read": true,
+                 "pipeline_write": true}, "sub_group_size": 5e8}})",
+       {"offload.buffer_count", "offload.pipeline_read", "offload.pipeline_write",
+        "sub_group_size"}},
+      {"{}",
+       R"({"aio": {"block_size": 65536, "queue_depth": 16, "single_submit": false,
+                 "overlap_events": true, "thread_count": 2}})",
+       {"aio.block_size", "aio.queue_depth"}},
       {"{}",
        R"({"zero_optimization": {"offload_optimizer": null, "offload_param": {"device": "none"}}})",
        {}},
@@ -695,6 +743,12 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
         R"(accepted only with "device": "none")"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        {R"(zero_optimization.offload_optimizer.device: expected "none", "cpu" or "nvme", got "gpu")"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"buffer_count": 1}}})",
+       {"zero_optimization.offload_optimizer.buffer_count: expected an integer in [2, 64], got 1"}},
+      {R"({"train_batch_size": 8, "aio": {"queue_depth": 0}})",
+       {"aio.queue_depth: expected an integer in [1, 4096], got 0"}},
+      {R"({"train_batch_size": 8, "aio": {"use_gds": true}})",
+       {"aio.use_gds: known DeepSpeed key that zp does not support"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": 1, "max_live_parameters": 2}})",
        {"zero_optimization.max_live_parameters: both stage3_max_live_parameters and its alias "
         "max_live_parameters"}},

@@ -13,6 +13,7 @@
 #include "zp/backend/threads.hpp"
 #include "expect_error.hpp"
 #include "memory_check.hpp"
+#include "temp_dir.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -53,6 +54,7 @@ struct Trained {
   std::vector<T> params;
   std::vector<float> master;
   std::vector<float> losses;  // rank 0's micro-step losses
+  std::vector<float> m, v;    // AdamW's state
 };
 
 template <class T, int Stage>
@@ -79,7 +81,8 @@ Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cf
     CHECK(engine.steps() == steps);
     auto p = engine.gather_params();
     auto m = engine.gather_master();
-    if (r == 0) out = {std::move(p), std::move(m), std::move(losses)};
+    auto m1 = engine.gather_state(0), v = engine.gather_state(1);
+    if (r == 0) out = {std::move(p), std::move(m), std::move(losses), std::move(m1), std::move(v)};
   });
   return out;
 }
@@ -104,17 +107,23 @@ double held_out_loss(std::vector<T> p) {
   return m.loss(labels, 1.0f);
 }
 
+// train() at a stage known at run time.
 template <class T>
-Trained<T> train_stage(int stage, int ranks, int steps, int gas, int mb,
-                       std::optional<zp::DType> accum = std::nullopt) {
-  auto cfg = test_config(mb, gas);
-  cfg.grad_accum_dtype = accum;
+Trained<T> train_at(int stage, int ranks, int steps, int gas, int mb, const EngineConfig& cfg) {
   switch (stage) {
     case 0: return train<T, 0>(ranks, steps, gas, mb, cfg);
     case 1: return train<T, 1>(ranks, steps, gas, mb, cfg);
     case 2: return train<T, 2>(ranks, steps, gas, mb, cfg);
     default: return train<T, 3>(ranks, steps, gas, mb, cfg);
   }
+}
+
+template <class T>
+Trained<T> train_stage(int stage, int ranks, int steps, int gas, int mb,
+                       std::optional<zp::DType> accum = std::nullopt) {
+  auto cfg = test_config(mb, gas);
+  cfg.grad_accum_dtype = accum;
+  return train_at<T>(stage, ranks, steps, gas, mb, cfg);
 }
 
 template <class T>
@@ -207,10 +216,14 @@ TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bi
 
 // ZeRO-Offload: the master weights and optimizer state on the host, updated by the CPU step
 // from host copies of the gradient shard; on the threads backend the copies are memcpys, so this
-// checks the offload path's staging, pieces and conversions: bitwise equal to no offload, and
-// the memory report puts master and state bytes on the host.
-TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as without offload",
+// checks the offload path's staging, pieces and conversions. ZeRO-Infinity: the same state in a
+// swap file per rank, stepped sub-group by sub-group through the swap's buffers (sub-groups of
+// 1024 elements, so segments straddle them), with and without read-ahead and write-behind. Both
+// bitwise equal to no offload in every field; the memory report puts the bytes on the host or
+// on NVMe; no swap file outlives its engine.
+TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains bitwise the same",
                    T, float, zp::bf16) {
+  zp::test::TempDir dir("nvme");
   for (int stage = 0; stage <= 3; ++stage)
     for (int ranks : {1, 3}) {
       CAPTURE(stage);
@@ -218,18 +231,26 @@ TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as
       // Clipping on, so the norm computed before the offloaded update feeds it.
       EngineConfig cfg = test_config(2, 2);
       cfg.max_grad_norm = 0.5f;
-      auto run = [&](bool offload) {
-        cfg.offload_optimizer = offload;
-        switch (stage) {
-          case 0: return train<T, 0>(ranks, 8, 2, 2, cfg);
-          case 1: return train<T, 1>(ranks, 8, 2, 2, cfg);
-          case 2: return train<T, 2>(ranks, 8, 2, 2, cfg);
-          default: return train<T, 3>(ranks, 8, 2, 2, cfg);
-        }
-      };
-      const Trained<T> off = run(true), plain = run(false);
-      CHECK(bitwise_equal(off.master, plain.master));
-      CHECK(bitwise_equal(off.params, plain.params));
+      const Trained<T> plain = train_at<T>(stage, ranks, 6, 2, 2, cfg);
+      cfg.offload_optimizer = true;
+      std::vector<Trained<T>> offloaded{train_at<T>(stage, ranks, 6, 2, 2, cfg)};
+#if defined(ZP_WITH_AIO)
+      cfg.optimizer_nvme = zp::NvmeOptions{.path = dir.path,
+                                           .buffer_count = 2 + stage,
+                                           .pipeline_read = stage % 2 == 1,
+                                           .pipeline_write = stage >= 2,
+                                           .sub_group_size = 1000,
+                                           .queue_depth = 2,
+                                           .block_size = 4096};
+      offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
+      CHECK(dir.entries().empty());
+#endif
+      for (const Trained<T>& off : offloaded) {
+        CHECK(bitwise_equal(off.master, plain.master));
+        CHECK(bitwise_equal(off.params, plain.params));
+        CHECK(bitwise_equal(off.m, plain.m));
+        CHECK(bitwise_equal(off.v, plain.v));
+      }
     }
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<T> model;
@@ -240,6 +261,22 @@ TEST_CASE_TEMPLATE("offloaded optimizer state gives bitwise the same training as
     CHECK(m.offloaded == m.master + m.optimizer_state);
     CHECK(m.offloaded == engine.layout().shard() * 4 * 3);  // master, m and v of the shard
   });
+#if defined(ZP_WITH_AIO)
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<T> model;
+    EngineConfig cfg = test_config(2, 1);
+    cfg.optimizer_nvme = zp::NvmeOptions{.path = dir.path, .sub_group_size = 1000};
+    zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+    const auto m = engine.memory();
+    const std::size_t shard = engine.layout().shard();
+    CHECK(m.nvme == m.master + m.optimizer_state);
+    CHECK(m.nvme == shard * 4 * 3);
+    CHECK(m.offloaded == 0);
+    const std::size_t C = 1024, buffers = std::min<std::size_t>(4, (shard + C - 1) / C);
+    CHECK(m.swap_buffers == (buffers * 3 + 1) * C * 4);  // buffers of 3 fields, one bounce
+    CHECK(m.total() == m.params + m.grads + m.buckets + m.swap_buffers);
+  });
+#endif
 }
 
 // A single rank on the same global batch sums each gradient over the whole batch in one pass,

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <tuple>
@@ -39,18 +40,26 @@ zp::EngineConfig config(int micro_batch, int gas) {
   return c;
 }
 
+// The master weights after training (with `also`: the parameters and AdamW's state appended).
 template <class T, int Stage, class B>
-std::vector<float> train(Collective<B>& comm, int steps, int gas, int micro_batch) {
+std::vector<float> train(Collective<B>& comm, int steps, int gas, int micro_batch,
+                         const zp::EngineConfig* cfg = nullptr, bool also = false) {
   const int n = comm.size(), r = comm.rank();
   Mlp<T> model;
   zp::Engine<B, T, Stage> engine(
-      comm, model, config(micro_batch, gas),
+      comm, model, cfg ? *cfg : config(micro_batch, gas),
       zp::optim::AdamW{.lr = 1e-2f, .eps = 1e-4f});  // eps: see engine.test.cpp
   for (int t = 0; t < steps; ++t)
     for (int i = 0; i < gas; ++i)
       zp::test::micro_step(engine, model, (std::int64_t(t * gas + i) * n + r) * micro_batch,
                            micro_batch);
-  return engine.gather_master();
+  std::vector<float> out = engine.gather_master();
+  if (also) {
+    for (T x : engine.gather_params()) out.push_back(float(x));
+    for (int k = 0; k < 2; ++k)
+      for (float x : engine.gather_state(k)) out.push_back(x);
+  }
+  return out;
 }
 
 template <class T>
@@ -102,6 +111,37 @@ TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same
     check_close<T>(s0, s3);
   }
 }
+
+#if defined(ZP_WITH_AIO)
+// ZeRO-Infinity on MPI: each process's optimizer state in its own swap file, bitwise the same
+// training as the state in host memory.
+TEST_CASE_TEMPLATE("on mpi the optimizer state on NVMe trains bitwise as in memory", T, float,
+                   zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("zp-mpi-nvme-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  zp::EngineConfig cfg = config(2, 2);
+  cfg.max_grad_norm = 0.5f;
+  cfg.offload_optimizer = true;
+  auto both = [&]<int Stage>(std::integral_constant<int, Stage>) {
+    CAPTURE(Stage);
+    cfg.optimizer_nvme.reset();
+    const auto memory = train<T, Stage>(comm, 4, 2, 2, &cfg, true);
+    cfg.optimizer_nvme = zp::NvmeOptions{
+        .path = dir, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
+    const auto nvme = train<T, Stage>(comm, 4, 2, 2, &cfg, true);
+    REQUIRE(memory.size() == nvme.size());
+    CHECK(std::memcmp(memory.data(), nvme.data(), memory.size() * sizeof(float)) == 0);
+  };
+  both(std::integral_constant<int, 0>{});
+  both(std::integral_constant<int, 1>{});
+  both(std::integral_constant<int, 2>{});
+  both(std::integral_constant<int, 3>{});
+  CHECK(std::filesystem::is_empty(dir));
+  std::filesystem::remove_all(dir);
+}
+#endif
 
 // The teardown rules on MPI (its Work waits in its destructor; the buckets complete before
 // their slots go): an engine left between backward and step, and an exception inside a

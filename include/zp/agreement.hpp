@@ -127,4 +127,21 @@ void on_every_rank(Collective<B>& comm, F&& f) {
   throw Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text));
 }
 
+// on_every_rank over an engine's grid (its data-parallel group, then its model-parallel one):
+// a failure on any rank of the grid is an error on every rank.
+template <class E, class F>
+void on_every_grid_rank(E& engine, F&& f) {
+  auto* mp = engine.model_parallel();
+  if (!mp) return on_every_rank(engine.comm(), f);
+  std::exception_ptr err;
+  try {
+    on_every_rank(engine.comm(), f);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  on_every_rank(*mp, [&] {
+    if (err) std::rethrow_exception(err);
+  });
+}
+
 }  // namespace zp

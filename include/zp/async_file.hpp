@@ -115,6 +115,7 @@ class File {
 
   const std::filesystem::path& path() const noexcept { return path_; }
   bool direct() const noexcept { return direct_; }
+  int native_handle() const noexcept { return fd_; }
   std::uint64_t size() const {
     struct stat st {};
     if (::fstat(fd_, &st) != 0) throw io_error("fstat", 0, 0, errno);
@@ -139,6 +140,14 @@ class File {
     const int code = it->second.code;
     transfers_.erase(it);
     if (!error.empty()) throw Error(Errc::io, error, code);
+  }
+  // Sets the file's size to `bytes` with every block allocated, so a full file system is an
+  // error here rather than in the middle of a later write.
+  void resize(std::uint64_t bytes) {
+    if (::ftruncate(fd_, off_t(bytes)) != 0) throw io_error("ftruncate", 0, bytes, errno);
+    if (bytes == 0) return;
+    if (const int e = ::posix_fallocate(fd_, 0, off_t(bytes)); e != 0)
+      throw io_error("posix_fallocate", 0, bytes, e);
   }
   // Makes the data of the transfers already waited for durable (fdatasync).
   void sync() {

@@ -68,21 +68,6 @@ bool same_over_grid(E& engine, std::uint64_t h) {
   reduce_over_grid(engine, std::span<std::int64_t>(v), ReduceOp::min);
   return v[0] == ~v[1];
 }
-// on_every_rank over the grid: a failure on any rank is an error on every rank.
-template <class E, class F>
-void on_every_grid_rank(E& engine, F&& f) {
-  auto* mp = engine.model_parallel();
-  if (!mp) return on_every_rank(engine.comm(), f);
-  std::exception_ptr err;
-  try {
-    on_every_rank(engine.comm(), f);
-  } catch (...) {
-    err = std::current_exception();
-  }
-  on_every_rank(*mp, [&] {
-    if (err) std::rethrow_exception(err);
-  });
-}
 // The engine's rank in its grid (Megatron's order) and the grid's size: the file it writes.
 template <class E>
 int grid_rank_of(E& engine) {
@@ -162,16 +147,16 @@ inline void describe_grid(Manifest& m, std::vector<std::vector<ParamInfo>> parts
   m.parts = std::move(parts);
 }
 
-// Runs fn(part.owned(...), whether it is in host memory) on manifest field f (0: the parameters,
-// 1: the master weights, 2 + k: optimizer state k) of segment s.
+// Runs part.access(..., a, fn) on manifest field f (0: the parameters, 1: the master weights,
+// 2 + k: optimizer state k) of segment s.
 template <class P, class Fn>
-void with_field(const P& part, std::size_t f, int s, Extent e, Fn&& fn) {
+void with_field(const P& part, std::size_t f, int s, Extent e, Access a, Fn&& fn) {
   if (f == 0)
-    fn(part.template owned<Field::param>(s, e), part.on_host(Field::param));
+    part.template access<Field::param>(s, e, 0, a, fn);
   else if (f == 1)
-    fn(part.template owned<Field::master>(s, e), part.on_host(Field::master));
+    part.template access<Field::master>(s, e, 0, a, fn);
   else
-    fn(part.template owned<Field::state>(s, e, int(f) - 2), part.on_host(Field::state));
+    part.template access<Field::state>(s, e, int(f) - 2, a, fn);
 }
 
 // Verifies every file of the checkpoint (size and CRC-32C), each rank of the grid a share; a
@@ -251,7 +236,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   // Rank 0 describes the grid's model, locks the directory and prepares an empty staging
   // directory; every rank learns the description's verdict.
   std::optional<ckpt::Publisher> pub;
-  ckpt::on_every_grid_rank(engine, [&] {
+  on_every_grid_rank(engine, [&] {
     ckpt::describe_grid(m, std::move(parts));
     if (w == 0) pub.emplace(dir, tag);
   });
@@ -263,17 +248,22 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::span<const std::byte> viewed;  // the current piece in host memory
   std::size_t first = 0;              // its first element's full-layout index
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
-  ckpt::on_every_grid_rank(engine, [&] {
+  on_every_grid_rank(engine, [&] {
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(w, m.world_size), m, L, w, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
           const auto& lp = L.params()[p];
           const std::size_t elem = f == 0 ? sizeof(T) : sizeof(float);
           if (current != std::pair{f, lp.segment}) {
-            ckpt::with_field(part, f, lp.segment, Extent::piece, [&](auto piece, bool host) {
-              viewed = host_view<E::memory_space>(std::as_bytes(piece.span), host, copy);
-              first = piece.offset;
-            });
+            ckpt::with_field(
+                part, f, lp.segment, Extent::piece, Access::read, [&](auto piece, bool host) {
+                  const auto bytes = std::as_bytes(piece.span);
+                  if (f > 0 && part.swap())  // access()'s copy from NVMe ends with the call
+                    copy.assign(bytes.begin(), bytes.end()), viewed = copy;
+                  else
+                    viewed = host_view<E::memory_space>(bytes, host, copy);
+                  first = piece.offset;
+                });
             current = {f, lp.segment};
           }
           return viewed.subspan((lp.offset + s.first - first) * elem, s.count * elem);
@@ -289,7 +279,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     m.files.push_back({ckpt::rank_file_name(i, m.world_size),
                        std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
-  ckpt::on_every_grid_rank(engine, [&] {
+  on_every_grid_rank(engine, [&] {
     if (w == 0) pub->publish(m);
   });
 }
@@ -411,7 +401,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   std::optional<ckpt::Reader> rd;
   std::vector<ckpt::Match> idx;
   Opt opt = engine.optimizer();
-  ckpt::on_every_grid_rank(engine, [&] {
+  on_every_grid_rank(engine, [&] {
     rd.emplace(dir, tag);
     const auto& m = rd->manifest();
     const std::string where = rd->path().string();
@@ -445,17 +435,18 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   // Read this rank's ranges, field by field, in the engine's layout.
   const auto& part = engine.partition();
   std::vector<std::byte> user;
-  ckpt::on_every_grid_rank(engine, [&] {
+  on_every_grid_rank(engine, [&] {
     for (int s = 0; s < L.segment_count(); ++s)
       for (std::size_t f = 0; f < m.fields.size(); ++f)
-        ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
-          fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
-            ckpt::fill_range<U>(L, dst.offset, h,
-                                [&](std::size_t p, std::size_t at, std::span<U> out) {
-                                  rd->read_part(f, idx[p].index, idx[p].part, at, out);
-                                });
-          });
-        });
+        ckpt::with_field(
+            part, f, s, Extent::kept, Access::write, [&]<class U>(Owned<U> dst, bool host) {
+              fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
+                ckpt::fill_range<U>(L, dst.offset, h,
+                                    [&](std::size_t p, std::size_t at, std::span<U> out) {
+                                      rd->read_part(f, idx[p].index, idx[p].part, at, out);
+                                    });
+              });
+            });
     user = rd->user_blob();
   });
   engine.optimizer() = opt;
@@ -561,10 +552,12 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
     };
     for (int s = 0; s < L.segment_count(); ++s)
       for (std::size_t f : {0, 1})  // the parameters and the master weights
-        ckpt::with_field(part, f, s, Extent::kept, [&]<class U>(Owned<U> dst, bool host) {
-          fill_via_host<E::memory_space>(
-              dst.span, host, [&](std::span<U> h) { ckpt::fill_range<U>(L, dst.offset, h, read); });
-        });
+        ckpt::with_field(part, f, s, Extent::kept, Access::write,
+                         [&]<class U>(Owned<U> dst, bool host) {
+                           fill_via_host<E::memory_space>(dst.span, host, [&](std::span<U> h) {
+                             ckpt::fill_range<U>(L, dst.offset, h, read);
+                           });
+                         });
   });
   engine.restore(engine.progress());  // stage 3: drop gathered copies of the old values
 }

@@ -26,7 +26,7 @@
 //  - read: it changes the Config (the declaration names its type, range, default and member);
 //  - ignored: DeepSpeed accepts it and for zp it is a harmless no-op, a choice of how (not what)
 //    to communicate: overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions,
-//    allgather_bucket_size, round_robin_gradients, stage3_max_reuse_distance, sub_group_size,
+//    allgather_bucket_size, round_robin_gradients, stage3_max_reuse_distance,
 //    ignore_unused_parameters, stage3_gather_16bit_weights_on_model_save (zp has no 16-bit model
 //    save), memory_breakdown, ...; its type is still checked;
 //  - unsupported: DeepSpeed knows it, zp does not do it (offload_param, amp, tensorboard,
@@ -44,9 +44,10 @@
 // listed in Config::auto_keys so the program can fill it, e.g. from its own flags.
 //
 // What a Config may hold but zp's engine does not do yet (with_engine raises the error, so the
-// value stays visible in describe()): offload_optimizer to "nvme" ("cpu" is ZeRO-Offload,
-// EngineConfig::offload_optimizer), and a grad_accum_dtype or communication_data_type other than
-// fp32 or the model's element type.
+// value stays visible in describe()): a grad_accum_dtype or communication_data_type other than
+// fp32 or the model's element type. offload_optimizer "cpu" is ZeRO-Offload
+// (EngineConfig::offload_optimizer), "nvme" ZeRO-Infinity's optimizer swap
+// (EngineConfig::optimizer_nvme, which needs zp::aio).
 #pragma once
 
 #include <algorithm>
@@ -88,12 +89,19 @@ enum class Precision : std::uint8_t { fp32, fp16, bf16 };
 enum class TagValidation : std::uint8_t { warn, ignore, fail };
 enum class OffloadDevice : std::uint8_t { none, cpu, nvme };
 
-// zero_optimization.offload_optimizer, kept as read; "cpu" sets EngineConfig::offload_optimizer,
-// with_engine rejects "nvme".
+// zero_optimization.offload_optimizer, kept as read: "cpu" sets EngineConfig::offload_optimizer,
+// "nvme" also EngineConfig::optimizer_nvme (with sub_group_size and the aio section).
 struct OffloadOptimizer {
   OffloadDevice device = OffloadDevice::none;
   bool pin_memory = false;  // zp pins its staging buffers either way (speed, not results)
   std::string nvme_path;
+  int buffer_count = 4;
+  bool pipeline_read = false, pipeline_write = false;
+};
+// The "aio" section: how the swap's I/O runs (zp::aio).
+struct AioSection {
+  std::int64_t block_size = 1'048'576;
+  std::int64_t queue_depth = 8;
 };
 
 // The optimizers zp runs, with DeepSpeed's names: "Adam" (decoupled decay unless
@@ -120,6 +128,8 @@ struct Config {
   std::uint64_t reduce_bucket_size = 500'000'000;
   std::uint64_t prefetch_bucket_size = 50'000'000;
   OffloadOptimizer offload_optimizer{};
+  std::uint64_t sub_group_size = 1'000'000'000;  // zero_optimization.sub_group_size (NVMe swap)
+  AioSection aio{};
 
   // The "optimizer" section; without one, DeepSpeed's Adam defaults (AdamW, lr 1e-3, betas
   // 0.9/0.999, eps 1e-8, weight_decay 0) and optimizer_given false.
@@ -258,10 +268,29 @@ inline constexpr OffloadKey offload_keys[] = {
         "nvme_path", text("a path string").or_null(), [](auto& o) -> auto& { return o.nvme_path; }),
     OffloadKey::read(
         "pin_memory", boolean(false), [](auto& o) -> auto& { return o.pin_memory; }),
+    OffloadKey::read(
+        "buffer_count", integer(4, 2, 64, "an integer in [2, 64]"),
+        [](auto& o) -> auto& { return o.buffer_count; }),
+    OffloadKey::read(
+        "pipeline_read", boolean(false), [](auto& o) -> auto& { return o.pipeline_read; }),
+    OffloadKey::read(
+        "pipeline_write", boolean(false), [](auto& o) -> auto& { return o.pipeline_write; }),
     // Partial offload: zp offloads all of the optimizer or none.
-    OffloadKey::unsupported("ratio", Off::number, 1), OffloadKey::ignored("buffer_count", count()),
-    OffloadKey::ignored("fast_init", boolean()), OffloadKey::ignored("pipeline_read", boolean()),
-    OffloadKey::ignored("pipeline_write", boolean()), OffloadKey::ignored("pipeline", boolean())};
+    OffloadKey::unsupported("ratio", Off::number, 1), OffloadKey::ignored("fast_init", boolean()),
+    OffloadKey::ignored("pipeline", boolean())};
+
+using AioKey = Key<AioSection>;
+inline constexpr AioKey aio_keys[] = {
+    AioKey::read(
+        "block_size", integer(1'048'576, 4096, std::int64_t(1) << 30, "bytes in [4096, 1 GiB]"),
+        [](auto& a) -> auto& { return a.block_size; }),
+    AioKey::read(
+        "queue_depth", integer(8, 1, 4096, "an integer in [1, 4096]"),
+        [](auto& a) -> auto& { return a.queue_depth; }),
+    // How libaio is driven in DeepSpeed; io_uring needs none of them.
+    AioKey::ignored("thread_count", count()), AioKey::ignored("single_submit", boolean()),
+    AioKey::ignored("overlap_events", boolean()), AioKey::ignored("intra_op_parallelism", count()),
+    AioKey::unsupported("use_gds", Off::is_false)};
 
 using ConfigKey = Key<Config>;
 inline constexpr ConfigKey zero_keys[] = {
@@ -295,7 +324,9 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::ignored("allgather_bucket_size", count()),
     ConfigKey::ignored("stage3_max_reuse_distance", count()),
     ConfigKey::ignored("max_reuse_distance", count()),
-    ConfigKey::ignored("sub_group_size", count()),
+    ConfigKey::read(
+        "sub_group_size", integer(1'000'000'000, 1, max_i64, "a positive integer (elements)"),
+        [](auto& c) -> auto& { return c.sub_group_size; }),
     ConfigKey::ignored("ignore_unused_parameters", boolean()),
     ConfigKey::ignored("load_from_fp32_weights", boolean()),
     ConfigKey::ignored("stage3_gather_16bit_weights_on_model_save", boolean()),
@@ -577,7 +608,8 @@ inline constexpr ConfigKey root_keys[] = {
     ConfigKey::unsupported("graph_harvesting", Off::is_false),
     ConfigKey::unsupported("activation_checkpointing"),
     ConfigKey::unsupported("pipeline"),
-    ConfigKey::unsupported("aio"),
+    ConfigKey::object<aio_keys>(
+        "aio", [](auto& c) -> auto& { return c.aio; }),
     ConfigKey::unsupported("sparse_attention"),
     ConfigKey::unsupported("compression_training"),
     ConfigKey::unsupported("flops_profiler", Off::not_enabled),
@@ -632,6 +664,10 @@ inline void read_bf16(const Ctx& c, const json& j, const std::string& path, Conf
 
 inline void read_zero(const Ctx& c, const json& j, const std::string& path, Config& cfg) {
   read_object(c, j, path, zero_keys, cfg);
+  if (cfg.offload_optimizer.device == OffloadDevice::nvme &&
+      cfg.offload_optimizer.nvme_path.empty())
+    c.fail(join(path, "offload_optimizer.nvme_path"),
+           "offload_optimizer to \"nvme\" needs nvme_path, a directory on the drive");
   cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
 }
 
@@ -962,6 +998,12 @@ inline std::string describe(const Config& c) {
           ", param_persistence_threshold ", c.engine.persist_threshold, ", prefetch_bucket_size ",
           c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off", ")\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
+  if (c.offload_optimizer.device == OffloadDevice::nvme)
+    out += cat("  nvme: nvme_path ", c.offload_optimizer.nvme_path, ", buffer_count ",
+               c.offload_optimizer.buffer_count, ", pipeline_read ",
+               c.offload_optimizer.pipeline_read, ", pipeline_write ",
+               c.offload_optimizer.pipeline_write, ", sub_group_size ", c.sub_group_size,
+               ", aio block_size ", c.aio.block_size, ", queue_depth ", c.aio.queue_depth, "\n");
   out += cat(
       "  optimizer: ", std::visit([](const auto& o) { return optim::describe(o); }, c.optimizer),
       c.optimizer_given ? "" : " (no optimizer section: DeepSpeed's Adam defaults)", "\n");
@@ -1014,7 +1056,15 @@ EngineConfig engine_config(const Config& c, int world_size) {
   });
   e.first_bucket_bytes = std::min(e.first_bucket_bytes, e.bucket_bytes);
   e.wall_clock_breakdown = c.wall_clock_breakdown;
-  e.offload_optimizer = c.offload_optimizer.device == OffloadDevice::cpu;
+  e.offload_optimizer = c.offload_optimizer.device != OffloadDevice::none;
+  if (c.offload_optimizer.device == OffloadDevice::nvme)
+    e.optimizer_nvme = NvmeOptions{.path = c.offload_optimizer.nvme_path,
+                                   .buffer_count = c.offload_optimizer.buffer_count,
+                                   .pipeline_read = c.offload_optimizer.pipeline_read,
+                                   .pipeline_write = c.offload_optimizer.pipeline_write,
+                                   .sub_group_size = std::size_t(c.sub_group_size),
+                                   .queue_depth = unsigned(c.aio.queue_depth),
+                                   .block_size = std::size_t(c.aio.block_size)};
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =
@@ -1041,8 +1091,8 @@ inline std::string braces(const std::vector<DType>& v) {
 // what f returns; f must return the same type for every combination compiled in. Throws
 // zp::Error(invalid_argument) before calling f when the config asks for something this program
 // did not compile in (naming what it did), for what zp's engine does not do yet
-// (offload_optimizer to nvme, a grad_accum_dtype or communication_data_type other than fp32 or
-// the model's type), and when the batch triad does not fit world_size.
+// (a grad_accum_dtype or communication_data_type other than fp32 or the model's type), and
+// when the batch triad does not fit world_size.
 template <Backend B, class TypeList = AllTypes, class StageList = AllStages,
           class OptList = AllOptimizers, class F>
 decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
@@ -1051,11 +1101,6 @@ decltype(auto) with_engine(const Config& c, int world_size, F&& f) {
                 "with_engine<B, Types<T...>, Stages<S...>, Optimizers<O...>>: each list names at "
                 "least one entry");
   const detail::Ctx ctx = detail::context(c.source, nullptr);
-  if (c.offload_optimizer.device == OffloadDevice::nvme)
-    ctx.fail("zero_optimization.offload_optimizer.device",
-             "offload_optimizer to \"nvme\" is not supported (zp offloads the optimizer to host "
-             "memory); use "
-             "\"cpu\" or \"none\"");
   const DType t = c.dtype();
   if (!contains(TypeList{}, t))
     ctx.fail(c.precision == Precision::fp32   ? ""

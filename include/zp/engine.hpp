@@ -103,11 +103,15 @@ class Engine {
                                           config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
         part_(Layout(bound_.params, comm.size(), layout_options(config_, sizeof(T))), comm.rank(),
-              optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer),
+              optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer,
+              config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr),
         buckets_(comm, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
     optim::validate(opt_);
+    // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
+    // failed to open on one rank is an error on all.
+    on_every_rank(*comm_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
     expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_);
     load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
@@ -399,10 +403,22 @@ class Engine {
     const double* gate = read ? host.data() + statistics_count : stats_.gate();
     const optim::StepScalars scalars{step_ + 1, 1.0f};
     const auto& o = config_.optimizer_options;
-    if (precision_.f32_result(Stage))
-      apply_update<true>(part_, opt_, scalars, o, gate, offload_);
-    else
-      apply_update<false>(part_, opt_, scalars, o, gate, offload_);
+    const auto update = [&] {
+      if (precision_.f32_result(Stage))
+        apply_update<true>(part_, opt_, scalars, o, gate, offload_);
+      else
+        apply_update<false>(part_, opt_, scalars, o, gate, offload_);
+    };
+    if (!part_.swap()) {
+      update();
+    } else {  // an I/O failure on one rank leaves that shard half updated: every rank stops
+      try {
+        in_context("step()", [&] { on_every_grid_rank(*this, update); });
+      } catch (const Error& e) {
+        broken_ = detail::cat("the optimizer step on NVMe failed (", e.message(), ")");
+        throw;
+      }
+    }
     timer_.phase(&StepTimes::optimizer);
     if constexpr (Part::whole(Field::param) &&
                   !Part::whole(Field::master)) {  // pieces updated, all kept

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 
@@ -18,6 +19,31 @@
 #include "zp/precision.hpp"
 
 namespace zp {
+
+// Where and how an offloaded optimizer's state lives on NVMe; DeepSpeed's keys and defaults
+// (offload_optimizer's nvme_path, buffer_count, pipeline_read, pipeline_write;
+// zero_optimization.sub_group_size; aio.queue_depth and aio.block_size).
+struct NvmeOptions {
+  std::filesystem::path path;                     // an existing, writable directory
+  int buffer_count = 4;                           // sub-group buffers in host memory (>= 2)
+  bool pipeline_read = false;                     // read ahead while a sub-group is stepped
+  bool pipeline_write = false;                    // write behind while the next one is stepped
+  std::size_t sub_group_size = 1'000'000'000;     // elements of a sub-group (at most the shard)
+  unsigned queue_depth = 8;                       // I/O requests in flight
+  std::size_t block_size = std::size_t(1) << 20;  // bytes of one request (a multiple of 4 KiB)
+
+  void check() const {
+    ZP_EXPECT(!path.empty(), "offload to nvme: nvme_path is empty; name a directory on the drive");
+    ZP_EXPECT(buffer_count >= 2 && buffer_count <= 64, "offload to nvme: buffer_count ",
+              buffer_count, " is not in [2, 64]");
+    ZP_EXPECT(sub_group_size >= 1, "offload to nvme: sub_group_size must be >= 1");
+    ZP_EXPECT(queue_depth >= 1 && queue_depth <= 4096, "offload to nvme: queue_depth ", queue_depth,
+              " is not in [1, 4096]");
+    ZP_EXPECT(block_size >= 4096 && block_size % 4096 == 0 && block_size <= (std::size_t(1) << 30),
+              "offload to nvme: block_size ", block_size,
+              " is not a multiple of 4096 in [4096, 1 GiB]");
+  }
+};
 
 // DeepSpeed's batch triad: train_batch_size = micro_batch_per_rank * gradient_accumulation_steps
 // * ranks. 0 means "not given"; any two determine the third; with only one batch size the
@@ -115,6 +141,11 @@ struct EngineConfig {
   // go through pinned double buffers (OffloadStaging), so they overlap the CPU work; the host
   // waits for each segment's gradient (those waits count in device::sync_count).
   bool offload_optimizer = false;
+  // ZeRO-Infinity (DeepSpeed's offload_optimizer: nvme): the offloaded master weights and
+  // optimizer state live in a swap file per rank under optimizer_nvme->path instead of host
+  // memory (swap.hpp; implies offload_optimizer); host memory holds buffer_count sub-groups.
+  // MemoryReport::nvme says how many bytes are there. Results equal offload to host memory.
+  std::optional<NvmeOptions> optimizer_nvme = std::nullopt;
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.

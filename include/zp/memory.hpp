@@ -217,11 +217,12 @@ void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
   Memory<S>::from_host(dst, std::span<const U>(tmp));
 }
 
-// ZeRO-Offload's transfers for one optimizer step: segment by segment, the gradient shard to
-// host memory, the CPU step there (optim/cpu.hpp) on the host-resident master weights and
-// state, and the new T values back. view_of(s) is segment s's shard where the engine keeps it
-// (gradient and T values in space S, master and state in host memory); step(v) runs the CPU
-// step on a view whose arrays are all in host memory. Here (S = host) that is the view itself;
+// ZeRO-Offload's transfers for one optimizer step: piece by piece (a segment's shard, or a
+// part of one), the gradient to host memory, the CPU step there (optim/cpu.hpp) on the
+// host-resident master weights and state, and the new T values back. view_of(s) is piece s
+// where the engine keeps it (gradient and T values in space S, master and state in host
+// memory); step(s, v) runs the CPU step on piece s's view whose arrays are all in host memory,
+// pieces in order. Here (S = host) that is the view itself;
 // zp/device/memory.hpp's specialisation pipelines the copies through pinned double buffers, so segment
 // s+1's gradient travels while the CPU updates segment s.
 template <MemorySpace S>
@@ -232,7 +233,7 @@ class OffloadStaging<MemorySpace::host> {
  public:
   template <class ViewOf, class Step>
   void run(int segments, ViewOf&& view_of, Step&& step) {
-    for (int s = 0; s < segments; ++s) step(view_of(s));
+    for (int s = 0; s < segments; ++s) step(s, view_of(s));
   }
 };
 

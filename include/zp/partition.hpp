@@ -16,6 +16,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -27,6 +29,7 @@
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/swap.hpp"
 
 namespace zp {
 
@@ -42,10 +45,15 @@ struct MemoryReport {
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather buffers kept for reuse (at most 2)
   std::size_t offloaded =
-      0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
+      0;                 // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
+  std::size_t nvme = 0;  // of master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
+  std::size_t swap_buffers = 0;  // host memory the swap moves them through (swap.hpp)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
-  std::size_t total() const noexcept { return model_states() + buckets + gathered + gather_cache; }
+  // Bytes in memory (the model states less those on NVMe, and the scratch).
+  std::size_t total() const noexcept {
+    return model_states() - nvme + buckets + gathered + gather_cache + swap_buffers;
+  }
 };
 
 // The ZeRO paper's per-rank model-state bytes (Figure 1): params, gradients (both elem bytes each), fp32
@@ -79,6 +87,16 @@ struct Owned {
   std::size_t offset;
 };
 
+// Whether an access to a field reads its values or overwrites every one of them.
+enum class Access : std::uint8_t { read, write };
+
+// A run of a segment's updated elements inside one sub-group of the NVMe swap (swap.hpp):
+// elements [first, first + count) of what Extent::updated names of the segment.
+struct SwapPiece {
+  int segment;
+  std::size_t first, count, sub_group;
+};
+
 // The buffers of one rank for a ZeRO stage; see the table at the top of this file. Owns memory,
 // knows no communicator: the engine moves data between ranks, this class says where it lives.
 template <class T, int Stage, MemorySpace S = MemorySpace::host>
@@ -92,10 +110,11 @@ class Partitioned {
 
   // grads_f32: also an fp32 gradient buffer of the gradients' extent (fp32 accumulation or
   // reduction of 16-bit gradients, bucket.hpp). offload: the fp32 master weights and optimizer
-  // state in host memory whatever S is (ZeRO-Offload: the CPU updates them).
+  // state in host memory whatever S is (ZeRO-Offload: the CPU updates them); nvme: in a swap
+  // file there instead (ZeRO-Infinity; the CPU updates them through swap.hpp's buffers).
   Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false,
-              bool offload = false)
-      : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload) {
+              bool offload = false, const NvmeOptions* nvme = nullptr)
+      : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload || nvme) {
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ",
@@ -106,7 +125,14 @@ class Partitioned {
       grads_ = Buffer<T, S>(whole(Field::grad) ? full : shard, "partition: gradients");
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
       const std::size_t m = whole(Field::master) ? full : shard;
-      if (offload_) {
+      if (nvme) {
+        try {
+          swap_ = std::make_unique<OptimizerSwap>(
+              *nvme, m, 1 + slots_, detail::cat("the optimizer state of rank ", rank));
+        } catch (const Error&) {  // for every rank to learn (expect_swap_opened)
+          swap_failed_ = std::current_exception();
+        }
+      } else if (offload_) {
         master_host_ =
             Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
         for (int k = 0; k < slots_; ++k)
@@ -139,11 +165,19 @@ class Partitioned {
     }
   }
 
-  // Master weights and optimizer state are in host memory (whatever S is).
+  // Master weights and state are in host memory or on NVMe (whatever S is), stepped by the CPU.
   bool offloaded() const noexcept { return offload_; }
-  // Whether field f lives in host memory whatever S is (offloaded master weights and state).
+  // Whether field f lives in host memory whatever S is (offloaded master weights and state;
+  // swapped ones are accessed through host memory).
   bool on_host(Field f) const noexcept {
     return offload_ && (f == Field::master || f == Field::state);
+  }
+  // The NVMe swap of the master weights and state, or null when they are in memory.
+  OptimizerSwap* swap() const noexcept { return swap_.get(); }
+  // Throws the error that kept the swap from opening (a missing or full nvme_path): the engine
+  // calls it on every rank at once, so that one rank's failure is every rank's error.
+  void expect_swap_opened() const {
+    if (swap_failed_) std::rethrow_exception(swap_failed_);
   }
 
   const Layout& layout() const noexcept { return layout_; }
@@ -185,19 +219,34 @@ class Partitioned {
   // The ownership query: field F's elements of segment s that `e` names, and where the first
   // of them sits in the full (padded) layout. Every stage-dependent choice of which span of
   // which buffer a rank reads or writes comes from here.
+  // Swapped fields (master and state on NVMe) have no span: access() reaches them.
   template <Field F>
   Owned<elem<F>> owned(int s, Extent e, int k = 0) const {
-    const auto& g = layout_.segment(s);
+    ZP_ASSERT(!swapped(F), "partition: field ", int(F), " is on NVMe; use access()");
     const std::span<elem<F>> b = buffer<F>(k);
-    const std::size_t mine = g.offset + std::size_t(rank_) * g.piece;
-    const bool segment = e == Extent::kept ? whole(F) : e == Extent::updated && Stage == 0;
-    const std::size_t at = segment    ? g.offset
-                           : whole(F) ? mine
-                                      : g.shard_offset,
-                      n = segment ? g.size : g.piece;
-    ZP_ASSERT(at + n <= b.size(), "partition: field ", int(F), " of segment ", s,
-              " is not kept here (", b.size(), " elements, ", at + n, " needed)");
-    return {b.subspan(at, n), segment ? g.offset : mine};
+    const Place p = place<F>(s, e);
+    ZP_ASSERT(p.at + p.n <= b.size(), "partition: field ", int(F), " of segment ", s,
+              " is not kept here (", b.size(), " elements, ", p.at + p.n, " needed)");
+    return {b.subspan(p.at, p.n), p.offset};
+  }
+
+  // Runs fn(Owned<elem<F>>, whether it is in host memory) on what owned<F>(s, e, k) names,
+  // wherever it lives: in place, or, swapped to NVMe, through a host copy read from the swap
+  // (Access::read) or written to it afterwards (Access::write: fn sets every element).
+  template <Field F, class Fn>
+  void access(int s, Extent e, int k, Access a, Fn&& fn) const {
+    if constexpr (F == Field::master || F == Field::state) {
+      if (swap_) {
+        const Place p = place<F>(s, e);
+        std::vector<float> copy(p.n);
+        const int f = F == Field::master ? 0 : 1 + k;
+        if (a == Access::read) swap_->read(f, p.at, std::span<float>(copy));
+        fn(Owned<float>{std::span<float>(copy), p.offset}, true);
+        if (a == Access::write) swap_->write(f, p.at, std::span<const float>(copy));
+        return;
+      }
+    }
+    fn(owned<F>(s, e, k), on_host(F));
   }
 
   // The optimizer's view of the elements of segment s this rank updates; F32: the gradient from
@@ -205,11 +254,45 @@ class Partitioned {
   template <bool F32>
   optim::ShardView<T, std::conditional_t<F32, float, T>> update_view(int s) const {
     optim::ShardView<T, std::conditional_t<F32, float, T>> v;
-    v.master = owned<Field::master>(s, Extent::updated).span;
     v.grad = owned < F32 ? Field::grad_f32 : Field::grad > (s, Extent::updated).span;
     v.param = owned<Field::param>(s, Extent::updated).span;
+    if (swap_) return v;  // master and state: swap_view()
+    v.master = owned<Field::master>(s, Extent::updated).span;
     for (int k = 0; k < slots_; ++k)
       v.state[std::size_t(k)] = owned<Field::state>(s, Extent::updated, k).span;
+    return v;
+  }
+
+  // Swapped: the runs of every segment's updated elements, each inside one sub-group, in
+  // sub-group order (the order the swap streams them).
+  std::vector<SwapPiece> swap_pieces() const {
+    std::vector<SwapPiece> out;
+    const std::size_t C = swap_->sub_group();
+    for (int s = 0; s < layout_.segment_count(); ++s) {
+      const Place p = place<Field::master>(s, Extent::updated);
+      for (std::size_t i = 0; i < p.n;) {
+        const std::size_t at = p.at + i, n = std::min(C - at % C, p.n - i);
+        out.push_back({s, i, n, at / C});
+        i += n;
+      }
+    }
+    std::stable_sort(out.begin(), out.end(), [](const SwapPiece& a, const SwapPiece& b) {
+      return a.sub_group < b.sub_group;
+    });
+    return out;
+  }
+  // The optimizer's view of piece q, its master weights and state in the swap's buffers
+  // (valid between the swap's enter(q.sub_group) and leave(q.sub_group)).
+  template <bool F32>
+  optim::ShardView<T, std::conditional_t<F32, float, T>> swap_view(const SwapPiece& q) const {
+    auto v = update_view<F32>(q.segment);
+    v.grad = v.grad.subspan(q.first, q.count);
+    v.param = v.param.subspan(q.first, q.count);
+    const std::size_t within =
+        (place<Field::master>(q.segment, Extent::updated).at + q.first) % swap_->sub_group();
+    v.master = {swap_->slot(q.sub_group, 0) + within, q.count};
+    for (int k = 0; k < slots_; ++k)
+      v.state[std::size_t(k)] = {swap_->slot(q.sub_group, 1 + k) + within, q.count};
     return v;
   }
 
@@ -218,13 +301,39 @@ class Partitioned {
     MemoryReport r;
     r.params = params_.bytes();
     r.grads = grads_.bytes() + grads32_.bytes();
-    r.master = buffer<Field::master>().size_bytes();
-    for (int k = 0; k < slots_; ++k) r.optimizer_state += buffer<Field::state>(k).size_bytes();
-    if (offload_) r.offloaded = r.master + r.optimizer_state;
+    r.master = master_elements() * sizeof(float);
+    r.optimizer_state = std::size_t(slots_) * r.master;
+    if (swap_) {
+      r.nvme = r.master + r.optimizer_state;
+      r.swap_buffers = swap_->host_bytes();
+    } else if (offload_) {
+      r.offloaded = r.master + r.optimizer_state;
+    }
     return r;
   }
 
  private:
+  // Where owned<F>(s, e) is: elements [at, at + n) of F's buffer, at full-layout index offset.
+  struct Place {
+    std::size_t at, n, offset;
+  };
+  template <Field F>
+  Place place(int s, Extent e) const {
+    const auto& g = layout_.segment(s);
+    const std::size_t mine = g.offset + std::size_t(rank_) * g.piece;
+    const bool segment = e == Extent::kept ? whole(F) : e == Extent::updated && Stage == 0;
+    return {segment    ? g.offset
+            : whole(F) ? mine
+                       : g.shard_offset,
+            segment ? g.size : g.piece, segment ? g.offset : mine};
+  }
+  bool swapped(Field f) const noexcept {
+    return swap_ && (f == Field::master || f == Field::state);
+  }
+  std::size_t master_elements() const noexcept {
+    return whole(Field::master) ? layout_.total() : layout_.shard();
+  }
+
   Layout layout_;
   int rank_;
   int slots_;
@@ -236,6 +345,8 @@ class Partitioned {
   // Offloaded (host) master and state; the S ones above stay empty then.
   Buffer<float, MemorySpace::host> master_host_;
   std::array<Buffer<float, MemorySpace::host>, 2> state_host_;
+  std::unique_ptr<OptimizerSwap> swap_;  // master and state on NVMe (the buffers above empty)
+  std::exception_ptr swap_failed_;
 };
 
 }  // namespace zp

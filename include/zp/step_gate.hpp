@@ -15,10 +15,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "zp/layout.hpp"
 #include "zp/memory.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/partition.hpp"
 #include "zp/shard_step.hpp"
 
 namespace zp {
@@ -112,9 +114,32 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
     return;
   }
   if (gate[1] != 0) return;
-  offload.run(
-      segments, [&](int s) { return part.template update_view<F32>(s); },
-      [&](const auto& v) { ShardStep<MemorySpace::host>::update(opt, scalars, v, o, gate); });
+  const auto step = [&](const auto& v) {
+    ShardStep<MemorySpace::host>::update(opt, scalars, v, o, gate);
+  };
+  OptimizerSwap* swap = part.swap();
+  if (!swap)
+    return offload.run(
+        segments, [&](int s) { return part.template update_view<F32>(s); },
+        [&](int, const auto& v) { step(v); });
+  // On NVMe: the pieces of each sub-group between the swap's enter and leave.
+  const std::vector<SwapPiece> pieces = part.swap_pieces();
+  const int n = int(pieces.size());
+  try {
+    swap->begin_step();
+    offload.run(
+        n, [&](int j) { return part.template swap_view<F32>(pieces[std::size_t(j)]); },
+        [&](int j, const auto& v) {
+          const std::size_t c = pieces[std::size_t(j)].sub_group;
+          if (j == 0 || pieces[std::size_t(j) - 1].sub_group != c) swap->enter(c);
+          step(v);
+          if (j + 1 == n || pieces[std::size_t(j) + 1].sub_group != c) swap->leave(c);
+        });
+    swap->end_step();
+  } catch (...) {
+    swap->abandon();
+    throw;
+  }
 }
 
 }  // namespace zp

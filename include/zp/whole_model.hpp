@@ -43,12 +43,14 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
   for (int s = 0; s < L.segment_count(); ++s) {
     const auto param = part.template owned<Field::param>(s, Extent::kept);
     Memory<S>::copy(param.span, std::span<const T>(init.span(param.offset, param.span.size())));
-    const auto master = part.template owned<Field::master>(s, Extent::kept);
-    const std::span<const T> from = init.span(master.offset, master.span.size());
-    if (part.on_host(Field::master))
-      Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
-    else
-      Memory<S>::convert(master.span, from);
+    part.template access<Field::master>(
+        s, Extent::kept, 0, Access::write, [&](Owned<float> master, bool host) {
+          const std::span<const T> from = init.span(master.offset, master.span.size());
+          if (host)
+            Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
+          else
+            Memory<S>::convert(master.span, from);
+        });
   }
 }
 
@@ -90,17 +92,20 @@ void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>&
                             Fn&& fn) {
   using U = typename Partitioned<T, Stage, S>::template elem<F>;
   const Layout& L = part.layout();
-  const bool host = part.on_host(F);
   Buffer<U, S> segment, staged;
   for (int s = 0; s < L.segment_count(); ++s) {
     const std::size_t size = L.segment(s).size;
     if constexpr (Partitioned<T, Stage, S>::whole(F)) {
-      fn(s, std::span<const U>(part.template owned<F>(s, Extent::kept, k).span), host);
+      part.template access<F>(s, Extent::kept, k, Access::read, [&](Owned<U> whole, bool host) {
+        fn(s, std::span<const U>(whole.span), host);
+      });
     } else {
       if (segment.size() < size)
         segment = Buffer<U, S>(L.largest_segment(), "whole model: one segment");
-      const std::span<const U> piece(part.template owned<F>(s, Extent::piece, k).span);
-      comm.all_gather(space_view<S>(piece, host, staged), segment.span(0, size));
+      part.template access<F>(s, Extent::piece, k, Access::read, [&](Owned<U> piece, bool host) {
+        comm.all_gather(space_view<S>(std::span<const U>(piece.span), host, staged),
+                        segment.span(0, size));
+      });
       fn(s, std::span<const U>(segment.span(0, size)), false);
     }
   }

@@ -49,7 +49,7 @@ struct Offloaded {
           return View{std::span<const float>(grad.span(std::size_t(s) * n, n)),
                       param.span(std::size_t(s) * n, n)};
         },
-        [&](const View& v) {
+        [&](int, const View& v) {
           for (std::size_t i = 0; i < v.param.size(); ++i) v.param[i] = 2 * v.grad[i] + 1;
           dev::delay(dev::current_stream(), 50ms);
         });

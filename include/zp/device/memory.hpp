@@ -177,7 +177,7 @@ class OffloadStaging<MemorySpace::device> {
       const std::span<T> device_param = v.param;
       v.grad = std::span<const G>(static_cast<const G*>(grad_[k]), v.grad.size());
       v.param = std::span<T>(static_cast<T*>(param_[k]), device_param.size());
-      step(v);
+      step(s, v);
       device::copy(device_param.data(), param_[k], device_param.size_bytes(), st);
     }
     if (!uploaded_) uploaded_.emplace();

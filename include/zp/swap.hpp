@@ -1,0 +1,283 @@
+// zp/swap.hpp: ZeRO-Infinity's optimizer state on NVMe (DeepSpeed's offload_optimizer: nvme).
+// An offloaded optimizer's fp32 master weights and state arrays live in one swap file per rank
+// under NvmeOptions::path instead of host memory, cut into sub-groups of C elements
+// (sub_group_size, rounded up to whole 4 KiB pages). Sub-group c's record holds every field's
+// c-th run side by side, so one aligned transfer moves all the state a step of it needs:
+//
+//   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * 4
+//
+// The optimizer step walks the sub-groups in order through buffer_count host buffers
+// (enter/leave): with pipeline_read, the next sub-groups are read while one is stepped; with
+// pipeline_write, a stepped sub-group is written back while the next one is stepped; with
+// both the step costs about max(I/O, compute). Other accesses (initial values, checkpoints,
+// whole-model copies) read() and write() element ranges through one bounce buffer of a
+// sub-group's field, a one-entry write-back cache, so no access holds more than that.
+//
+// The swap file is scratch, never a checkpoint: named for the process and engine, locked
+// (flock) while in use, removed by the destructor; a swap file left by a process that died is
+// unlocked, and the next swap opened in the directory removes it. The I/O goes through zp::aio
+// (io_uring, O_DIRECT where the file system allows it): a program that offloads to NVMe links
+// zp::aio, whose target defines ZP_WITH_AIO; without it opening a swap is an error saying so.
+#pragma once
+
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zp/engine_config.hpp"
+#include "zp/error.hpp"
+
+#if defined(ZP_WITH_AIO)
+#include "zp/async_file.hpp"
+#endif
+
+namespace zp {
+
+#if defined(ZP_WITH_AIO)
+
+class OptimizerSwap {
+  static constexpr std::size_t page = aio::alignment / sizeof(float);  // floats of 4 KiB
+
+ public:
+  // A swap of `fields` arrays of `elements` fp32 values each, all zero, for the engine of
+  // `who` (named in errors).
+  OptimizerSwap(const NvmeOptions& o, std::size_t elements, int fields, const std::string& who)
+      : opt_(o), fields_(std::size_t(fields)) {
+    o.check();
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    ZP_EXPECT(fs::is_directory(o.path, ec), "offload to nvme: nvme_path '", o.path.string(),
+              "' is not an existing directory (", who, ")");
+    chunk_ = std::max<std::size_t>(
+        page,
+        (std::min(o.sub_group_size, std::max<std::size_t>(elements, 1)) + page - 1) / page * page);
+    chunks_ = (elements + chunk_ - 1) / chunk_;
+    static std::atomic<std::uint64_t> serial{0};
+    path_ = o.path / detail::cat("zp-optimizer-", ::getpid(), "-", serial++, ".swap");
+    try {
+      {
+        // Created and locked before any rank of this process looks for abandoned files.
+        static std::mutex scanning;
+        const std::lock_guard<std::mutex> lock(scanning);
+        remove_abandoned(o.path);
+        file_.emplace(path_, aio::Mode::read_write,
+                      aio::Options{.queue_depth = o.queue_depth, .block_bytes = o.block_size});
+        if (::flock(file_->native_handle(), LOCK_EX | LOCK_NB) != 0)
+          throw Error(Errc::io,
+                      detail::cat("flock of '", path_.string(), "': ", std::strerror(errno)));
+      }
+      file_->resize(file_bytes());
+      // No more buffers than sub-groups: the others would never hold one.
+      const std::size_t count = std::clamp<std::size_t>(chunks_, 1, std::size_t(o.buffer_count));
+      buffers_.reserve(count);
+      for (std::size_t b = 0; b < count; ++b) buffers_.emplace_back(record_bytes());
+      bounce_.emplace(chunk_ * sizeof(float));
+      holds_.assign(buffers_.size(), none);
+      io_.assign(buffers_.size(), std::nullopt);
+      // All zero: the state arrays start so, and the master weights are written next.
+      std::memset(buffers_[0].span().data(), 0, record_bytes());
+      std::vector<aio::Transfer> ts;
+      for (std::size_t c = 0; c < chunks_; ++c)
+        ts.push_back(file_->write_async(record(0), c * record_bytes()));
+      for (auto t : ts) file_->wait(t);
+    } catch (const Error& e) {
+      file_.reset();
+      fs::remove(path_, ec);
+      throw Error(e.category(),
+                  detail::cat("offload to nvme (", who, ", nvme_path '", o.path.string(),
+                              "', a swap file of ", file_bytes(), " bytes): ", e.message()),
+                  e.native_code());
+    }
+  }
+  OptimizerSwap(const OptimizerSwap&) = delete;
+  OptimizerSwap& operator=(const OptimizerSwap&) = delete;
+  ~OptimizerSwap() {
+    file_.reset();  // waits for transfers in flight
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);  // scratch; already gone is fine
+  }
+
+  const std::filesystem::path& path() const noexcept { return path_; }
+  bool direct() const noexcept { return file_->direct(); }
+  std::size_t sub_group() const noexcept { return chunk_; }  // C, elements
+  std::size_t sub_groups() const noexcept { return chunks_; }
+  std::size_t file_bytes() const noexcept { return chunks_ * record_bytes(); }
+  std::size_t host_bytes() const noexcept {  // the buffers and the bounce buffer
+    return (buffers_.size() * fields_ + 1) * chunk_ * sizeof(float);
+  }
+
+  // ---- element ranges ----------------------------------------------------------------------
+
+  // Field f's elements [at, at + out.size()).
+  void read(int f, std::size_t at, std::span<float> out) {
+    for (std::size_t done = 0; done < out.size();) {
+      const std::size_t c = (at + done) / chunk_, i = (at + done) % chunk_;
+      const std::size_t n = std::min(chunk_ - i, out.size() - done);
+      const float* b = cached(f, c, true);
+      std::copy_n(b + i, n, out.begin() + std::ptrdiff_t(done));
+      done += n;
+    }
+  }
+  // Writes field f's elements [at, at + in.size()) (held in the cache until flush()).
+  void write(int f, std::size_t at, std::span<const float> in) {
+    for (std::size_t done = 0; done < in.size();) {
+      const std::size_t c = (at + done) / chunk_, i = (at + done) % chunk_;
+      const std::size_t n = std::min(chunk_ - i, in.size() - done);
+      float* b = cached(f, c, n < chunk_);  // a whole run is overwritten: nothing to read first
+      std::copy_n(in.begin() + std::ptrdiff_t(done), n, b + i);
+      dirty_ = true;
+      done += n;
+    }
+  }
+  // Writes the cached run back if it changed.
+  void flush() {
+    if (!dirty_) return;
+    file_->write(bounce_->span(), offset(cached_f_, cached_c_));
+    dirty_ = false;
+  }
+
+  // ---- the optimizer step ------------------------------------------------------------------
+
+  // Where field f of sub-group c is while it is stepped (between enter(c) and leave(c)).
+  float* slot(std::size_t c, int f) const noexcept {
+    return reinterpret_cast<float*>(buffers_[c % buffers_.size()].span().data()) +
+           std::size_t(f) * chunk_;
+  }
+  void begin_step() {
+    flush();
+    cached_c_ = none;
+  }
+  // Sub-group c's state is in slot(c, *) once this returns (sub-groups in increasing order).
+  void enter(std::size_t c) {
+    const std::size_t b = c % buffers_.size();
+    if (holds_[b] != c) fetch(c);
+    finish(b);
+    // Read ahead into the buffers not needed for this sub-group or (write-behind) the last one.
+    const std::size_t keep = opt_.pipeline_write ? 2 : 1;
+    if (!opt_.pipeline_read || buffers_.size() <= keep) return;
+    for (std::size_t n = c + 1; n < c + 1 + buffers_.size() - keep && n < chunks_; ++n)
+      if (holds_[n % buffers_.size()] != n) fetch(n);
+  }
+  // Sub-group c is stepped: it goes back to the file (waited for now unless pipeline_write).
+  void leave(std::size_t c) {
+    const std::size_t b = c % buffers_.size();
+    io_[b] = file_->write_async(record(b), c * record_bytes());
+    if (!opt_.pipeline_write) finish(b);
+  }
+  // Every write of the step is done; the buffers hold nothing for the next step.
+  void end_step() {
+    for (std::size_t b = 0; b < buffers_.size(); ++b) finish(b);
+    std::fill(holds_.begin(), holds_.end(), none);
+  }
+  // After a failure in the middle of a step: every transfer finished (the buffers may be
+  // freed), errors dropped (the first one is on its way up).
+  void abandon() noexcept {
+    for (std::size_t b = 0; b < buffers_.size(); ++b) try {
+        finish(b);
+      } catch (...) {
+      }
+    std::fill(holds_.begin(), holds_.end(), none);
+  }
+
+ private:
+  static constexpr std::size_t none = std::size_t(-1);
+
+  std::size_t record_bytes() const noexcept { return fields_ * chunk_ * sizeof(float); }
+  std::span<std::byte> record(std::size_t b) const noexcept {
+    return buffers_[b].span().first(record_bytes());
+  }
+  std::uint64_t offset(int f, std::size_t c) const noexcept {
+    return c * record_bytes() + std::size_t(f) * chunk_ * sizeof(float);
+  }
+  // Starts reading sub-group c into its buffer once that buffer's last transfer is done.
+  void fetch(std::size_t c) {
+    const std::size_t b = c % buffers_.size();
+    finish(b);
+    holds_[b] = c;
+    io_[b] = file_->read_async(record(b), c * record_bytes());
+  }
+  void finish(std::size_t b) {
+    if (auto t = std::exchange(io_[b], std::nullopt)) file_->wait(*t);
+  }
+  // The bounce buffer holding field f's run of sub-group c (read from the file if `load`).
+  float* cached(int f, std::size_t c, bool load) {
+    float* b = reinterpret_cast<float*>(bounce_->span().data());
+    if (cached_c_ == c && cached_f_ == f) return b;
+    flush();
+    cached_c_ = none;
+    if (load) file_->read(bounce_->span(), offset(f, c));
+    cached_c_ = c, cached_f_ = f;
+    return b;
+  }
+  // Removes the swap files of processes that died (their lock is free) in `dir`.
+  static void remove_abandoned(const std::filesystem::path& dir) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (!name.starts_with("zp-optimizer-") || !name.ends_with(".swap")) continue;
+      const int fd = ::open(e.path().c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) continue;
+      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove(e.path(), ec);
+      ::close(fd);
+    }
+  }
+
+  NvmeOptions opt_;
+  std::size_t fields_, chunk_ = 0, chunks_ = 0;
+  std::filesystem::path path_;
+  std::optional<aio::File> file_;
+  std::vector<aio::AlignedBuffer> buffers_;
+  std::vector<std::size_t> holds_;  // the sub-group each buffer holds or is reading (none)
+  std::vector<std::optional<aio::Transfer>> io_;  // each buffer's transfer in flight
+  std::optional<aio::AlignedBuffer> bounce_;
+  std::size_t cached_c_ = none;
+  int cached_f_ = 0;
+  bool dirty_ = false;
+};
+
+#else
+
+// Without zp::aio: the type exists so that engines compile, and opening one says what is missing.
+class OptimizerSwap {
+ public:
+  OptimizerSwap(const NvmeOptions&, std::size_t, int, const std::string& who) {
+    throw Error(Errc::invalid_argument,
+                detail::cat("offload to nvme (", who,
+                            "): this program was built without zp::aio (io_uring); link the "
+                            "zp::aio component (Debian: liburing-dev) to offload to NVMe"));
+  }
+  const std::filesystem::path& path() const noexcept { return path_; }
+  bool direct() const noexcept { return false; }
+  std::size_t sub_group() const noexcept { return 1; }
+  std::size_t sub_groups() const noexcept { return 0; }
+  std::size_t file_bytes() const noexcept { return 0; }
+  std::size_t host_bytes() const noexcept { return 0; }
+  void read(int, std::size_t, std::span<float>) {}
+  void write(int, std::size_t, std::span<const float>) {}
+  void flush() {}
+  float* slot(std::size_t, int) const noexcept { return nullptr; }
+  void begin_step() {}
+  void enter(std::size_t) {}
+  void leave(std::size_t) {}
+  void end_step() {}
+  void abandon() noexcept {}
+
+ private:
+  std::filesystem::path path_;
+};
+
+#endif
+
+}  // namespace zp

@@ -1,0 +1,266 @@
+// zp/swap.hpp: the optimizer state on NVMe. The swap against a plain array (element ranges
+// written and read at random, steps over every sub-group, each buffer count and pipeline, every
+// element read back checked), and the faults an engine meets: nvme_path missing or not a
+// directory on one rank, a file system too small for the swap, a swap file truncated under a
+// running job (an error naming the path on every rank, the engine unusable, the last checkpoint
+// loading bitwise), and the swap files of a process that died.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "expect_error.hpp"
+#include "random.hpp"
+#include "temp_dir.hpp"
+#include "zero_mlp.hpp"
+#include "zp/backend/threads.hpp"
+#include "zp/checkpoint.hpp"
+#include "zp/engine.hpp"
+#include "zp/swap.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using zp::Collective;
+using zp::EngineConfig;
+using zp::NvmeOptions;
+using zp::OptimizerSwap;
+using zp::backend::run_threads;
+using zp::backend::Threads;
+using zp::test::Mlp;
+using zp::test::TempDir;
+
+std::vector<std::string> swap_files(const fs::path& dir) {
+  std::vector<std::string> r;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".swap") r.push_back(e.path().string());
+  return r;
+}
+
+EngineConfig nvme_config(const fs::path& dir) {
+  EngineConfig c;
+  c.batch = {.micro_batch_per_rank = 2, .gradient_accumulation_steps = 1};
+  c.bucket_bytes = 4096;
+  c.first_bucket_bytes = 512;
+  c.optimizer_nvme = NvmeOptions{
+      .path = dir, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 2048};
+  return c;
+}
+
+template <class E, class T>
+void train(E& e, Mlp<T>& m, std::int64_t t0, std::int64_t t1) {
+  const int n = e.comm().size(), r = e.comm().rank();
+  for (std::int64_t t = t0; t < t1; ++t) zp::test::micro_step(e, m, (t * n + r) * 2, 2);
+}
+
+}  // namespace
+
+TEST_CASE("the swap holds what was written: ranges at random and steps over every sub-group") {
+  TempDir dir("swap");
+  const std::uint64_t seed = zp::test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (int buffers : {1, 2, 3, 5})
+    for (int pipe = 0; pipe < 4; ++pipe) {
+      CAPTURE(buffers);
+      CAPTURE(pipe);
+      const int fields = 1 + int(rng() % 3);
+      const std::size_t n = 3000 + rng() % 9000, sub = 1 + rng() % 3000;
+      OptimizerSwap swap(NvmeOptions{.path = dir.path,
+                                     .buffer_count = std::max(2, buffers),
+                                     .pipeline_read = (pipe & 1) != 0,
+                                     .pipeline_write = (pipe & 2) != 0,
+                                     .sub_group_size = sub,
+                                     .queue_depth = 3,
+                                     .block_size = 8192},
+                         n, fields, "the test");
+      CHECK(swap.sub_group() % 1024 == 0);
+      CHECK(swap.sub_groups() * swap.sub_group() >= n);
+      std::vector<std::vector<float>> ref(std::size_t(fields), std::vector<float>(n, 0.0f));
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      auto check_all = [&] {
+        for (int f = 0; f < fields; ++f) {
+          std::vector<float> got(n, std::nanf(""));
+          swap.read(f, 0, got);
+          CHECK(std::memcmp(got.data(), ref[std::size_t(f)].data(), n * 4) == 0);
+        }
+      };
+      check_all();  // all zero at first
+      for (int round = 0; round < 3; ++round) {
+        for (int w = 0; w < 20; ++w) {  // ranges written, some spanning sub-groups
+          const int f = int(rng() % std::uint64_t(fields));
+          const std::size_t at = rng() % n, len = 1 + rng() % std::min<std::size_t>(n - at, 5000);
+          std::vector<float> v(len);
+          for (auto& x : v) x = u(rng);
+          swap.write(f, at, v);
+          std::copy(v.begin(), v.end(), ref[std::size_t(f)].begin() + std::ptrdiff_t(at));
+          std::vector<float> back(len);
+          const std::size_t b = rng() % (n - at);
+          back.resize(std::min(len, n - at - b));
+          swap.read(f, at + b, back);
+          CHECK(std::equal(back.begin(), back.end(),
+                           ref[std::size_t(f)].begin() + std::ptrdiff_t(at + b)));
+        }
+        // A step: every sub-group entered in order, each element x becomes 2x + f + 1.
+        swap.begin_step();
+        const std::size_t C = swap.sub_group();
+        std::size_t wrong = 0;
+        for (std::size_t c = 0; c < swap.sub_groups(); ++c) {
+          swap.enter(c);
+          for (int f = 0; f < fields; ++f) {
+            float* s = swap.slot(c, f);
+            for (std::size_t i = c * C; i < std::min(n, (c + 1) * C); ++i) {
+              wrong += s[i - c * C] != ref[std::size_t(f)][i];
+              s[i - c * C] = 2 * s[i - c * C] + float(f + 1);
+              ref[std::size_t(f)][i] = 2 * ref[std::size_t(f)][i] + float(f + 1);
+            }
+          }
+          swap.leave(c);
+        }
+        swap.end_step();
+        CHECK(wrong == 0);  // what each step saw
+        check_all();
+      }
+    }
+  CHECK(swap_files(dir.path).empty());  // removed with the swap
+}
+
+TEST_CASE("a missing nvme_path, or one that is a file, is an error naming it on every rank") {
+  TempDir dir("swap");
+  const fs::path missing = dir.path / "no-such-dir", file = dir.path / "a-file";
+  std::FILE* fp = std::fopen(file.c_str(), "w");
+  REQUIRE(fp);
+  std::fclose(fp);
+  for (const fs::path& bad : {missing, file}) {
+    std::vector<std::string> errors(2);
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      // Only rank 1's path is bad: rank 0 learns it from rank 1.
+      const EngineConfig cfg = nvme_config(comm.rank() == 1 ? bad : dir.path);
+      try {
+        zp::Engine<Threads, float, 2> e(comm, model, cfg);
+      } catch (const zp::Error& e) {
+        errors[std::size_t(comm.rank())] = e.what();
+      }
+    });
+    for (const auto& e : errors) {
+      INFO(e);
+      CHECK(e.find("nvme_path '" + bad.string() + "' is not an existing directory") !=
+            std::string::npos);
+    }
+    CHECK(errors[0].find("rank 1 failed") != std::string::npos);
+  }
+  CHECK(swap_files(dir.path).empty());
+}
+
+TEST_CASE("a file system too small for the swap is an error naming the path at construction") {
+  TempDir dir("swap");
+  ::signal(SIGXFSZ, SIG_IGN);  // the limit is then EFBIG, not a signal
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  rlimit small = old;
+  small.rlim_cur = 16 << 10;  // smaller than each rank's swap file (~50 KiB)
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    try {
+      zp::Engine<Threads, float, 1> e(comm, model, nvme_config(dir.path));
+    } catch (const zp::Error& e) {
+      errors[std::size_t(comm.rank())] = e.what();
+    }
+  });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("nvme_path '" + dir.path.string() + "'") != std::string::npos);
+    CHECK(e.find("File too large") != std::string::npos);
+  }
+  CHECK(swap_files(dir.path).empty());  // nothing left behind
+}
+
+TEST_CASE(
+    "a swap file truncated under a running job: an error on every rank, the checkpoint loads") {
+  TempDir drive("swap"), ckpt("ckpt");
+  struct Snap {
+    std::vector<float> params, master, m, v;
+  };
+  auto snap = [](auto& e) {
+    return Snap{e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1)};
+  };
+  Snap saved, loaded;
+  std::vector<std::string> errors(2);
+  std::vector<int> unusable(2, 0);
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 3> e(comm, model, nvme_config(drive.path));
+    train(e, model, 0, 2);
+    zp::save_checkpoint(e, ckpt.path, "good");
+    auto s = snap(e);
+    if (comm.rank() == 0) saved = std::move(s);
+    comm.barrier();
+    if (comm.rank() == 1) fs::resize_file(swap_files(drive.path).at(0), 4096);
+    comm.barrier();
+    try {
+      train(e, model, 2, 3);
+    } catch (const zp::Error& x) {
+      errors[std::size_t(comm.rank())] = x.what();
+    }
+    try {
+      train(e, model, 3, 4);
+    } catch (const zp::Error& x) {
+      unusable[std::size_t(comm.rank())] =
+          std::string(x.what()).find("unusable since the optimizer step on NVMe failed") !=
+          std::string::npos;
+    }
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    INFO(errors[r]);
+    CHECK(errors[r].find(".swap'") != std::string::npos);  // the file, as the reader saw it
+    CHECK(errors[r].find(drive.path.string()) != std::string::npos);
+    CHECK(unusable[r]);
+  }
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 3> e(comm, model, nvme_config(drive.path));
+    zp::load_checkpoint(e, ckpt.path);
+    auto s = snap(e);
+    if (comm.rank() == 0) loaded = std::move(s);
+  });
+  CHECK(loaded.params == saved.params);
+  CHECK(loaded.master == saved.master);
+  CHECK(loaded.m == saved.m);
+  CHECK(loaded.v == saved.v);
+  CHECK(swap_files(drive.path).empty());
+}
+
+TEST_CASE("swap files of a process that died are removed; those in use are not") {
+  TempDir dir("swap");
+  const fs::path dead = dir.path / "zp-optimizer-999999-0.swap",
+                 alive = dir.path / "zp-optimizer-999998-0.swap", other = dir.path / "notes.swap";
+  for (const auto& p : {dead, alive, other}) {
+    std::FILE* f = std::fopen(p.c_str(), "w");
+    REQUIRE(f);
+    std::fputs("x", f);
+    std::fclose(f);
+  }
+  const int held = ::open(alive.c_str(), O_RDWR | O_CLOEXEC);  // as its live owner would
+  REQUIRE(held >= 0);
+  REQUIRE(::flock(held, LOCK_EX | LOCK_NB) == 0);
+  {
+    OptimizerSwap swap(NvmeOptions{.path = dir.path}, 100, 2, "the test");
+    CHECK_FALSE(fs::exists(dead));
+    CHECK(fs::exists(alive));
+    CHECK(fs::exists(other));
+    CHECK(fs::exists(swap.path()));
+  }
+  ::close(held);
+  CHECK(fs::exists(alive));
+  CHECK(swap_files(dir.path).size() == 2);  // alive and other
+}
