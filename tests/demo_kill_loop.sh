@@ -2,19 +2,28 @@
 # zp_demo saving a checkpoint every step is killed with SIGKILL at random moments, again and
 # again, each time restarted with the very same command line (--resume: from `latest`, or from
 # step 0 when there is none yet). Whatever the moments, every restart must start, the run must
-# finish, and its final model must equal, bit for bit, that of a run never killed.
-#   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)]
+# finish, and its final model must equal, bit for bit, that of a run never killed. With `nvme`,
+# the killed runs keep their optimizer state on NVMe (--offload-optimizer nvme:DIR): each kill
+# leaves a swap file behind, the next run removes it, and the model still equals the
+# uninterrupted run's with its state in memory.
+#   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)] [nvme]
 set -euo pipefail
 # shellcheck source=checkpoint_retention.sh
 source "$(dirname "$0")/checkpoint_retention.sh"
-demo=$1 work=$2/demo-kill-loop kills=${3:-30}
+demo=$1 work=$2/demo-kill-loop${4:+-$4} kills=${3:-30}
 rm -rf "$work"
 mkdir -p "$work"
+offload=()
+if [ "${4:-}" = nvme ]; then
+  mkdir -p "$work/swap"
+  offload=(--offload-optimizer "nvme:$work/swap")
+fi
 args=(--ranks 2 --stage 2 --steps 200 --micro-batch 4 --log-every 1000)
 "$demo" "${args[@]}" --export "$work/straight" > "$work/straight.log"
 
-cmd=("$demo" "${args[@]}" --save-every 1 --checkpoint-dir "$work/ckpt" --resume --export "$work/killed")
-killed=0 runs=0
+cmd=("$demo" "${args[@]}" "${offload[@]}" --save-every 1 --checkpoint-dir "$work/ckpt" --resume
+     --export "$work/killed")
+killed=0 runs=0 left=0
 while :; do
   runs=$((runs + 1))
   "${cmd[@]}" > "$work/run.log" 2>&1 &
@@ -27,6 +36,7 @@ while :; do
   { wait "$pid"; } 2>/dev/null || rc=$?
   if [ "$rc" -eq 137 ]; then
     killed=$((killed + 1))
+    [ ${#offload[@]} -gt 0 ] && left=$((left + $(ls "$work/swap" | wc -l)))
   elif [ "$rc" -eq 0 ]; then
     [ "$killed" -ge "$kills" ] && break
     echo "the run finished after only $killed kills; lower the step time or raise --steps"; exit 1
@@ -38,5 +48,9 @@ done
 grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
 [ "$(cat "$work/ckpt/latest")" = step200 ]
 cmp "$work/straight/model.safetensors" "$work/killed/model.safetensors"
-echo "killed $killed times at random moments, restarted with the same command line $runs times: finished, bitwise equal to an uninterrupted run"
+if [ ${#offload[@]} -gt 0 ] && [ -n "$(ls "$work/swap")" ]; then
+  echo "swap files outlived the job: $(ls "$work/swap")"; exit 1
+fi
+[ ${#offload[@]} -gt 0 ] && echo "the killed runs left swap files behind $left times; the next runs removed them"
+echo "killed $killed times at random moments${4:+ (optimizer state on $4)}, restarted with the same command line $runs times: finished, bitwise equal to an uninterrupted run"
 rm -rf "$work"

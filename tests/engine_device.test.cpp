@@ -4,7 +4,8 @@
 // (2 micro-steps each) at every stage, in fp32 and bf16, with 1, 2 and 4 cuda_threads ranks (and
 // on a GPU the nccl backend at world size 1); its parameters and fp32 master weights equal bit for
 // bit those of the threads backend on the CPU with as many ranks fed the same gradients (the same
-// formula on host and device, without contracted multiply-adds), with and without ZeRO-Offload.
+// formula on host and device, without contracted multiply-adds), with and without ZeRO-Offload
+// (and, where zp::aio is linked, with the optimizer state on NVMe).
 // The model's launches run on a compute stream of their own, the collectives on the backends'
 // communication streams; ordering is proven by delaying each kind of stream in turn, which must
 // change no bit (on the simulator its adversarial scheduler delays every stream besides). The
@@ -119,9 +120,15 @@ struct Fed {
   }
 };
 
-zp::EngineConfig config(bool offload = false, float max_grad_norm = 0) {
+// offload: 0 none, 1 the optimizer state in host memory (ZeRO-Offload), 2 in swap files
+// (ZeRO-Infinity; programs with zp::aio), sub-groups of 1024 elements, pipelined.
+zp::EngineConfig config(int offload = 0, float max_grad_norm = 0) {
+  static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
-  c.offload_optimizer = offload;
+  c.offload_optimizer = offload > 0;
+  if (offload == 2)
+    c.optimizer_nvme = zp::NvmeOptions{
+        .path = swap.path, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
   c.max_grad_norm = max_grad_norm;
   c.batch = {.micro_batch_per_rank = 1, .gradient_accumulation_steps = 2};
   c.bucket_bytes = 8192;
@@ -146,8 +153,8 @@ struct Ckpt {
 };
 
 template <class T, int Stage, class B>
-Out train(zp::Collective<B>& comm, std::uint64_t seed, bool offload = false,
-          const Ckpt* ckpt = nullptr, float max_grad_norm = 0) {
+Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ckpt* ckpt = nullptr,
+          float max_grad_norm = 0) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads =
@@ -216,7 +223,7 @@ auto delayed(zp::device::Role r, F&& fn) {
 }
 
 template <class T, int Stage>
-Out on_gpu(int n, std::uint64_t seed, bool offload = false) {
+Out on_gpu(int n, std::uint64_t seed, int offload = 0) {
   Out gpu;
   zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
     Out o = train<T, Stage>(comm, seed, offload);
@@ -242,12 +249,19 @@ void check_ranks(std::uint64_t seed) {
       CAPTURE(int(role));
       expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed); }), cpu);
     }
-    // ZeRO-Offload: master and state on the host, the CPU step; the same bits again.
-    const Out off = on_gpu<T, Stage>(n, seed, true);
-    CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
-          0);
-    CHECK(off.params == cpu.params);
-    CHECK(off.syncs_in_micro_steps == 0);
+    // ZeRO-Offload: master and state on the host, the CPU step; ZeRO-Infinity: in swap files,
+    // stepped sub-group by sub-group through pinned staging; the same bits again.
+    for (int offload : {1, 2}) {
+#if !defined(ZP_WITH_AIO)
+      if (offload == 2) continue;
+#endif
+      CAPTURE(offload);
+      const Out off = on_gpu<T, Stage>(n, seed, offload);
+      CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
+            0);
+      CHECK(off.params == cpu.params);
+      CHECK(off.syncs_in_micro_steps == 0);
+    }
   }
 }
 
@@ -264,11 +278,11 @@ void check_clipping(std::uint64_t seed) {
     CAPTURE(n);
     Out cpu, gpu;
     zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
-      Out o = train<T, Stage>(comm, seed, false, nullptr, max_norm);
+      Out o = train<T, Stage>(comm, seed, 0, nullptr, max_norm);
       if (comm.rank() == 0) cpu = std::move(o);
     });
     zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
-      Out o = train<T, Stage>(comm, seed, false, nullptr, max_norm);
+      Out o = train<T, Stage>(comm, seed, 0, nullptr, max_norm);
       if (comm.rank() == 0) gpu = std::move(o);
     });
     REQUIRE(cpu.grad_norms.size() == 20);
@@ -292,7 +306,7 @@ void check_clipping(std::uint64_t seed) {
 #if ZP_TEST_NCCL
 // nccl at world size 1: the model on a compute stream of its own, the collectives on nccl's.
 template <class T, int Stage>
-Out on_nccl(zp::Collective<zp::backend::Nccl>& comm, std::uint64_t seed, bool offload = false) {
+Out on_nccl(zp::Collective<zp::backend::Nccl>& comm, std::uint64_t seed, int offload = 0) {
   zp::device::Stream compute;
   zp::device::StreamScope on(compute.get());
   Out o = train<T, Stage>(comm, seed, offload);
@@ -314,7 +328,7 @@ void check_stage(std::uint64_t seed) {
     expect_equal(delayed(role, [&] { return on_nccl<T, Stage>(comm, seed); }), cpu);
   }
   // ZeRO-Offload: master and state on the host, the CPU step; the same bits again.
-  const Out off = on_nccl<T, Stage>(comm, seed, true);
+  const Out off = on_nccl<T, Stage>(comm, seed, 1);
   CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
   CHECK(off.params == cpu.params);
   CHECK(off.syncs_in_micro_steps == 0);
@@ -341,7 +355,7 @@ template <class T, int Stage>
 void check_checkpoints(std::uint64_t seed) {
   CAPTURE(Stage);
   zp::test::TempDir dir("engine_gpu");
-  auto gpu = [&](const Ckpt& c, bool offload) {
+  auto gpu = [&](const Ckpt& c, int offload) {
     Out o;
     zp::backend::run_cuda_threads(2, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
       Out r = train<T, Stage>(comm, seed, offload, &c);
@@ -352,19 +366,24 @@ void check_checkpoints(std::uint64_t seed) {
   auto cpu = [&](const Ckpt& c) {
     Out o;
     zp::backend::run_threads(2, [&](zp::Collective<zp::backend::Threads>& comm) {
-      Out r = train<T, Stage>(comm, seed, false, &c);
+      Out r = train<T, Stage>(comm, seed, 0, &c);
       if (comm.rank() == 0) o = std::move(r);
     });
     return o;
   };
-  const Out a = gpu({dir.path / "from_gpu", false, dir.path / "gpu_params"}, false);
+  const Out a = gpu({dir.path / "from_gpu", false, dir.path / "gpu_params"}, 0);
   const Out b = cpu({dir.path / "from_gpu", true, dir.path / "cpu_params"});
   CHECK(a.params == b.params);
   CHECK(std::memcmp(a.master.data(), b.master.data(), a.master.size() * sizeof(float)) == 0);
   CHECK(file_bytes(dir.path / "gpu_params" / "model.safetensors") ==
         file_bytes(dir.path / "cpu_params" / "model.safetensors"));
   const Out c = cpu({dir.path / "from_cpu", false, dir.path / "cpu_master", true});
-  const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, true);
+#if defined(ZP_WITH_AIO)
+  constexpr int offload = 2;  // the loaded state goes to swap files
+#else
+  constexpr int offload = 1;
+#endif
+  const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, offload);
   CHECK(c.params == d.params);
   CHECK(std::memcmp(c.master.data(), d.master.data(), c.master.size() * sizeof(float)) == 0);
   CHECK(file_bytes(dir.path / "gpu_master" / "model.safetensors") ==

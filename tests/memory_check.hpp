@@ -39,12 +39,15 @@ struct MeasuredMemory {
     const MemoryUse use = memory_use<S>();
     const std::int64_t stats =
         std::int64_t(E::stats_slots * sizeof(double));  // statistics and step gate
-    // offloaded master and optimizer state live in host memory, whatever S is
-    const std::int64_t offloaded = S == MemorySpace::host ? 0 : std::int64_t(mem.offloaded);
+    // offloaded master and optimizer state live in host memory, whatever S is, or on NVMe; the
+    // swap's buffers are its own (aligned for O_DIRECT), not the allocator's
+    const std::int64_t offloaded =
+        (S == MemorySpace::host ? 0 : std::int64_t(mem.offloaded)) + std::int64_t(mem.nvme);
     const std::int64_t held = use.current - base, peak = use.peak - base;
     INFO("stage ", E::stage, ": allocator holds ", held, " bytes (peak in training ", peak,
          "), report total ", mem.total(), ", model states ", mem.model_states());
-    CHECK(held == std::int64_t(mem.total()) - offloaded + stats);
+    CHECK(held == std::int64_t(mem.model_states() + mem.buckets + mem.gathered + mem.gather_cache) -
+                      offloaded + stats);
     const auto& L = engine.layout();
     if (!fp32_grads)
       CHECK(mem.model_states() ==

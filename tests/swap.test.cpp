@@ -3,7 +3,7 @@
 // element read back checked), and the faults an engine meets: nvme_path missing or not a
 // directory on one rank, a file system too small for the swap, a swap file truncated under a
 // running job (an error naming the path on every rank, the engine unusable, the last checkpoint
-// loading bitwise), and the swap files of a process that died.
+// loading bitwise) or deleted under it (nothing lost), and the swap files of a process that died.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -238,6 +238,28 @@ TEST_CASE(
   CHECK(loaded.m == saved.m);
   CHECK(loaded.v == saved.v);
   CHECK(swap_files(drive.path).empty());
+}
+
+// Unlinked, a file lives on while it is open: the job keeps its state and trains on unchanged.
+TEST_CASE("a swap file deleted under a running job loses nothing") {
+  TempDir drive("swap");
+  std::vector<float> straight, deleted;
+  for (bool remove : {false, true})
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      zp::Engine<Threads, float, 2> e(comm, model, nvme_config(drive.path));
+      train(e, model, 0, 2);
+      comm.barrier();
+      if (remove && comm.rank() == 0)
+        for (const auto& f : swap_files(drive.path)) fs::remove(f);
+      comm.barrier();
+      train(e, model, 2, 4);
+      auto m = e.gather_master(), v = e.gather_state(1);
+      m.insert(m.end(), v.begin(), v.end());
+      if (comm.rank() == 0) (remove ? deleted : straight) = std::move(m);
+    });
+  CHECK(!straight.empty());
+  CHECK(deleted == straight);
 }
 
 TEST_CASE("swap files of a process that died are removed; those in use are not") {

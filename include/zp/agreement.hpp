@@ -93,9 +93,11 @@ bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
 
 // Runs the local part f of a collective operation on every rank; if it throws on any rank, every
 // rank throws: a failing rank its own error, the others one naming the first failing rank, its
-// error's category and (at most 4 KiB of) its message. f must not communicate.
+// error's category and (at most 4 KiB of) its message. f must not communicate. word: one element
+// of the backend's memory for the check that runs every time, so that the call allocates
+// nothing unless a rank failed (empty: staged through a fresh buffer).
 template <Backend B, class F>
-void on_every_rank(Collective<B>& comm, F&& f) {
+void on_every_rank(Collective<B>& comm, F&& f, std::span<double> word = {}) {
   std::exception_ptr err;
   std::string msg;
   Errc category = Errc::io;
@@ -111,7 +113,15 @@ void on_every_rank(Collective<B>& comm, F&& f) {
     category = Errc::backend;
   }
   std::int64_t first = err ? comm.rank() : comm.size();
-  all_reduce_host(comm, std::span<std::int64_t>(&first, 1), ReduceOp::min);
+  if (word.empty()) {
+    all_reduce_host(comm, std::span<std::int64_t>(&first, 1), ReduceOp::min);
+  } else {  // rank numbers are exact in a double
+    double x = double(first);
+    Memory<B::memory>::from_host(word.first(1), std::span<const double>(&x, 1));
+    comm.all_reduce(word.first(1), ReduceOp::min);
+    Memory<B::memory>::to_host(std::span<double>(&x, 1), std::span<const double>(word.first(1)));
+    first = std::int64_t(x);
+  }
   if (first == comm.size()) return;
   std::int64_t head[2] = {0, 0};
   if (comm.rank() == first)
@@ -130,18 +140,21 @@ void on_every_rank(Collective<B>& comm, F&& f) {
 // on_every_rank over an engine's grid (its data-parallel group, then its model-parallel one):
 // a failure on any rank of the grid is an error on every rank.
 template <class E, class F>
-void on_every_grid_rank(E& engine, F&& f) {
+void on_every_grid_rank(E& engine, F&& f, std::span<double> word = {}) {
   auto* mp = engine.model_parallel();
-  if (!mp) return on_every_rank(engine.comm(), f);
+  if (!mp) return on_every_rank(engine.comm(), f, word);
   std::exception_ptr err;
   try {
-    on_every_rank(engine.comm(), f);
+    on_every_rank(engine.comm(), f, word);
   } catch (...) {
     err = std::current_exception();
   }
-  on_every_rank(*mp, [&] {
-    if (err) std::rethrow_exception(err);
-  });
+  on_every_rank(
+      *mp,
+      [&] {
+        if (err) std::rethrow_exception(err);
+      },
+      word);
 }
 
 }  // namespace zp

@@ -413,7 +413,7 @@ class Engine {
       update();
     } else {  // an I/O failure on one rank leaves that shard half updated: every rank stops
       try {
-        in_context("step()", [&] { on_every_grid_rank(*this, update); });
+        in_context("step()", [&] { on_every_grid_rank(*this, update, stats_.word()); });
       } catch (const Error& e) {
         broken_ = detail::cat("the optimizer step on NVMe failed (", e.message(), ")");
         throw;

@@ -55,13 +55,15 @@ template <MemorySpace S>
 class StepStatistics {
  public:
   static constexpr std::size_t count =
-      detail::StepGate::statistics;                // doubles all-reduced per step
-  static constexpr std::size_t slots = count + 2;  // with the gate: grad_mul, verdict
+      detail::StepGate::statistics;  // doubles all-reduced per step
+  // With the gate (grad_mul, verdict) and one word for agreements after the update
+  // (on_every_rank's, when the optimizer state is on NVMe).
+  static constexpr std::size_t slots = count + 3;
 
   void begin(std::uint64_t fingerprint) {
     h0_ = double(fingerprint & 0xffffu);
     h1_ = double((fingerprint >> 16) & 0xffffu);
-    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0};
+    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0, 0.0};
     Memory<S>::from_host(buf_.span(), std::span<const double>(init));
   }
   // Adds the squared norm and non-finite count of `g` (in S).
@@ -87,6 +89,7 @@ class StepStatistics {
     Memory<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm}, buf_.data());
   }
   const double* gate() const noexcept { return buf_.data() + count; }  // in S
+  std::span<double> word() { return buf_.span(count + 2, 1); }         // in S
   // The statistics and the gate in host memory (a device: the host waits for them).
   std::array<double, slots> read() const {
     std::array<double, slots> host{};
