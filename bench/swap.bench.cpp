@@ -104,7 +104,7 @@ void timed(benchmark::State& state, const std::string& key, F&& f) {
 }
 
 void BM_io(benchmark::State& state) {
-  zp::OptimizerSwap swap(nvme_options(state), elements(), 3, "zp_bench_swap");
+  zp::Swap<float> swap(nvme_options(state), elements(), 3, "zp_bench_swap");
   timed(state, key("io", state), [&] {
     swap.begin_step();
     for (std::size_t c = 0; c < swap.sub_groups(); ++c) {

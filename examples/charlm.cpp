@@ -183,6 +183,9 @@ const char* usage =
     "  --offload-optimizer none|cpu|nvme:DIR\n"
     "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
     "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
+    "  --offload-param none|cpu|nvme:DIR\n"
+    "                     stage 3: each rank's 16-bit parameter shard in host memory (where the\n"
+    "                     host backends keep it) or in a swap file under DIR (default none)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n";
 

@@ -110,6 +110,8 @@ struct TrainFlags {
   float lr = 3e-3f;
   bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
   std::string nvme;  // --offload-optimizer nvme:PATH: ZeRO-Infinity (EngineConfig::optimizer_nvme)
+  bool offload_param = false;  // --offload-param cpu (EngineConfig::offload_param)
+  std::string param_nvme;      // --offload-param nvme:PATH (EngineConfig::param_nvme)
   std::vector<std::string> text;
 
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
@@ -122,7 +124,7 @@ struct TrainFlags {
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
 // --micro-batch, --log-every, --backend, --precision, --lr, --offload-optimizer (or --offload),
-// --text); false if not.
+// --offload-param, --text); false if not.
 inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a,
                              const std::string& v) {
   if (a == "--stage")
@@ -149,12 +151,12 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
       bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
-  } else if (a == "--offload-optimizer" || a == "--offload") {
+  } else if (a == "--offload-optimizer" || a == "--offload" || a == "--offload-param") {
     const bool nvme = v.starts_with("nvme:") && v.size() > 5;
     if (v != "cpu" && v != "none" && !nvme)
       bad(p, a + " expects none, cpu or nvme:PATH (a directory on the drive), got '" + v + "'");
-    o.offload = v != "none";
-    o.nvme = nvme ? v.substr(5) : "";
+    (a == "--offload-param" ? o.offload_param : o.offload) = v != "none";
+    (a == "--offload-param" ? o.param_nvme : o.nvme) = nvme ? v.substr(5) : "";
   } else if (a == "--text") {
     o.text.push_back(v);
   } else {

@@ -110,6 +110,12 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
                                         .pipeline_read = true,
                                         .pipeline_write = true,
                                         .sub_group_size = std::size_t(1) << 18};
+  ec.offload_param = t.offload_param;
+  if (!t.param_nvme.empty())
+    ec.param_nvme = zp::NvmeOptions{.path = t.param_nvme,
+                                    .pipeline_read = true,
+                                    .pipeline_write = true,
+                                    .sub_group_size = std::size_t(1) << 18};
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;

@@ -102,15 +102,18 @@ std::int64_t int_of(const std::vector<std::byte>& b) {
   return x;
 }
 
-// nvme: the optimizer state in swap files there (sub-groups of 1024 elements, pipelined).
+// nvme: the optimizer state in swap files there (sub-groups of 2048 elements, pipelined), and at
+// stage 3 the parameter shard too.
 template <class T, int Stage>
 void check_resume(zp::LossScaler scaler, const fs::path* nvme = nullptr) {
   constexpr int ranks = 2, gas = 2, k = 3;
   using E = zp::Engine<Threads, T, Stage>;
   EngineConfig cfg = config(gas, scaler);
-  if (nvme)
+  if (nvme) {
     cfg.optimizer_nvme = zp::NvmeOptions{
         .path = *nvme, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
+    if (Stage == 3) cfg.param_nvme = zp::NvmeOptions{.path = *nvme};
+  }
   TempDir dir("resume");
   Snapshot<T> straight, resumed;
   run_threads(ranks, [&](Collective<Threads>& comm) {

@@ -208,6 +208,10 @@ Fields fields(const Config& c) {
   f["offload.buffer_count"] = str(c.offload_optimizer.buffer_count);
   f["offload.pipeline_read"] = str(c.offload_optimizer.pipeline_read);
   f["offload.pipeline_write"] = str(c.offload_optimizer.pipeline_write);
+  f["offload_param.device"] = str(int(c.offload_param.device));
+  f["offload_param.pin_memory"] = str(c.offload_param.pin_memory);
+  f["offload_param.nvme_path"] = c.offload_param.nvme_path;
+  f["offload_param.buffer_count"] = str(c.offload_param.buffer_count);
   f["sub_group_size"] = str(c.sub_group_size);
   f["aio.block_size"] = str(c.aio.block_size);
   f["aio.queue_depth"] = str(c.aio.queue_depth);
@@ -338,6 +342,22 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(nvme->sub_group_size == 1'000'000);
     CHECK(nvme->queue_depth == 32);
     CHECK(nvme->block_size == 262144);
+    // offload_param to nvme: the parameters' swap, with the aio settings and pipelining
+    j["zero_optimization"]["stage"] = 3;
+    j["zero_optimization"]["offload_param"] = {
+        {"device", "nvme"}, {"nvme_path", drive.path.string()}, {"buffer_count", 6}};
+    const Config cp = zp::ds::parse(j, "ds_config.json");
+    const zp::EngineConfig ep = zp::ds::engine_config<zp::bf16>(cp, 2);
+    REQUIRE(ep.param_nvme);
+    CHECK(ep.offload_param);
+    CHECK(ep.param_nvme->path == drive.path);
+    CHECK(ep.param_nvme->buffer_count == 6);
+    CHECK(ep.param_nvme->queue_depth == 32);
+    CHECK(ep.param_nvme->pipeline_write);
+    CHECK(zp::ds::describe(cp).find("offload_param: nvme (nvme_path ") != std::string::npos);
+#if defined(ZP_WITH_AIO)
+    CHECK(dispatch(cp, 2).ran);  // stage 3, bf16: a step with both on NVMe
+#endif
   }
   SUBCASE("2: bf16, stage 3, WarmupCosineLR, grad_accum_dtype fp32") {
     const Config c = parse_text(example2);
@@ -739,8 +759,10 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {"train_batch_size: give train_batch_size or train_micro_batch_size_per_gpu"}},
       // zero_optimization
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "cpu"}}})",
-       {"zero_optimization.offload_param: known DeepSpeed key that zp does not support",
-        R"(accepted only with "device": "none")"}},
+       {"zero_optimization.offload_param.device: offloading the parameters needs stage 3, got "
+        "stage 0"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+       {"zero_optimization.offload_param.nvme_path: offload_param to \"nvme\" needs nvme_path"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        {R"(zero_optimization.offload_optimizer.device: expected "none", "cpu" or "nvme", got "gpu")"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"buffer_count": 1}}})",
@@ -1266,6 +1288,9 @@ TEST_CASE(
   check_table(d::bf16_keys, "bfloat16", batch, out);
   check_table(d::zero_keys, "zero_optimization", batch, out);
   check_table(d::offload_keys, "zero_optimization.offload_optimizer", batch, out);
+  check_table(d::offload_param_keys, "zero_optimization.offload_param",
+              with(R"({"zero_optimization": {"stage": 3}})"), out);
+  check_table(d::aio_keys, "aio", batch, out);
   check_table(d::data_type_keys, "data_types", batch, out);
   check_table(d::checkpoint_keys, "checkpoint", batch, out);
   check_table(d::adam_keys, "optimizer.params", with(R"({"optimizer": {"type": "Adam"}})"), out);
@@ -1353,6 +1378,8 @@ TEST_CASE("describe() lists every key declared as read, from the declarations") 
   n += check_described(def, d::bf16_keys, "bf16");
   n += check_described(def, d::zero_keys, "zero_optimization");
   n += check_described(def, d::offload_keys, "zero_optimization.offload_optimizer");
+  n += check_described(def, d::offload_param_keys, "zero_optimization.offload_param");
+  n += check_described(def, d::aio_keys, "aio");
   n += check_described(def, d::data_type_keys, "data_types");
   n += check_described(def, d::checkpoint_keys, "checkpoint");
   n += check_described(def, d::optimizer_keys, "optimizer");

@@ -218,7 +218,7 @@ TEST_CASE_TEMPLATE("with accumulation, stages that sum in the same order stay bi
 // from host copies of the gradient shard; on the threads backend the copies are memcpys, so this
 // checks the offload path's staging, pieces and conversions. ZeRO-Infinity: the same state in a
 // swap file per rank, stepped sub-group by sub-group through the swap's buffers (sub-groups of
-// 1024 elements, so segments straddle them), with and without read-ahead and write-behind. Both
+// 2048 elements, so segments straddle them), with and without read-ahead and write-behind. Both
 // bitwise equal to no offload in every field; the memory report puts the bytes on the host or
 // on NVMe; no swap file outlives its engine.
 TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains bitwise the same",
@@ -243,6 +243,13 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
                                            .queue_depth = 2,
                                            .block_size = 4096};
       offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
+      if (stage == 3) {  // the parameter shard on NVMe too, then alone
+        cfg.param_nvme = zp::NvmeOptions{.path = dir.path, .block_size = 8192};
+        offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
+        cfg.optimizer_nvme.reset();
+        cfg.offload_optimizer = false;
+        offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
+      }
       CHECK(dir.entries().empty());
 #endif
       for (const Trained<T>& off : offloaded) {
@@ -266,16 +273,30 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
     Mlp<T> model;
     EngineConfig cfg = test_config(2, 1);
     cfg.optimizer_nvme = zp::NvmeOptions{.path = dir.path, .sub_group_size = 1000};
+    const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
     zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+    measured.start();
+    for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 2, 2);
+    measured.check(engine, 2);  // the allocator holds none of the state
     const auto m = engine.memory();
     const std::size_t shard = engine.layout().shard();
     CHECK(m.nvme == m.master + m.optimizer_state);
     CHECK(m.nvme == shard * 4 * 3);
     CHECK(m.offloaded == 0);
-    const std::size_t C = 1024, buffers = std::min<std::size_t>(4, (shard + C - 1) / C);
+    const std::size_t C = 2048, buffers = std::min<std::size_t>(4, (shard + C - 1) / C);
     CHECK(m.swap_buffers == (buffers * 3 + 1) * C * 4);  // buffers of 3 fields, one bounce
     CHECK(m.total() == m.params + m.grads + m.buckets + m.swap_buffers);
   });
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(1, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          EngineConfig cfg = test_config(2, 1);
+          cfg.param_nvme = zp::NvmeOptions{.path = dir.path};
+          zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+        });
+      },
+      {"parameters offloaded to NVMe need ZeRO stage 3", "got stage 2"});
 #endif
 }
 

@@ -121,7 +121,7 @@ struct Fed {
 };
 
 // offload: 0 none, 1 the optimizer state in host memory (ZeRO-Offload), 2 in swap files
-// (ZeRO-Infinity; programs with zp::aio), sub-groups of 1024 elements, pipelined.
+// (ZeRO-Infinity; programs with zp::aio), sub-groups of 2048 elements, pipelined.
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
@@ -249,12 +249,14 @@ void check_ranks(std::uint64_t seed) {
       CAPTURE(int(role));
       expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed); }), cpu);
     }
-    // ZeRO-Offload: master and state on the host, the CPU step; ZeRO-Infinity: in swap files,
-    // stepped sub-group by sub-group through pinned staging; the same bits again.
+    // ZeRO-Offload: master and state on the host, the CPU step; ZeRO-Infinity (stages 1 and 3,
+    // to keep the sanitizer runs short): in swap files, stepped sub-group by sub-group through
+    // pinned staging; the same bits again.
     for (int offload : {1, 2}) {
 #if !defined(ZP_WITH_AIO)
       if (offload == 2) continue;
 #endif
+      if (offload == 2 && Stage % 2 == 0) continue;
       CAPTURE(offload);
       const Out off = on_gpu<T, Stage>(n, seed, offload);
       CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==

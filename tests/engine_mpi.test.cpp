@@ -113,8 +113,8 @@ TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same
 }
 
 #if defined(ZP_WITH_AIO)
-// ZeRO-Infinity on MPI: each process's optimizer state in its own swap file, bitwise the same
-// training as the state in host memory.
+// ZeRO-Infinity on MPI: each process's optimizer state (at stage 3 its parameter shard too) in
+// its own swap files, bitwise the same training as in host memory.
 TEST_CASE_TEMPLATE("on mpi the optimizer state on NVMe trains bitwise as in memory", T, float,
                    zp::bf16) {
   Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
@@ -130,7 +130,9 @@ TEST_CASE_TEMPLATE("on mpi the optimizer state on NVMe trains bitwise as in memo
     const auto memory = train<T, Stage>(comm, 4, 2, 2, &cfg, true);
     cfg.optimizer_nvme = zp::NvmeOptions{
         .path = dir, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
+    if (Stage == 3) cfg.param_nvme = zp::NvmeOptions{.path = dir};  // the parameters too
     const auto nvme = train<T, Stage>(comm, 4, 2, 2, &cfg, true);
+    cfg.param_nvme.reset();
     REQUIRE(memory.size() == nvme.size());
     CHECK(std::memcmp(memory.data(), nvme.data(), memory.size() * sizeof(float)) == 0);
   };

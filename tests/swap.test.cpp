@@ -31,7 +31,7 @@ namespace fs = std::filesystem;
 using zp::Collective;
 using zp::EngineConfig;
 using zp::NvmeOptions;
-using zp::OptimizerSwap;
+using zp::Swap;
 using zp::backend::run_threads;
 using zp::backend::Threads;
 using zp::test::Mlp;
@@ -72,15 +72,15 @@ TEST_CASE("the swap holds what was written: ranges at random and steps over ever
       CAPTURE(pipe);
       const int fields = 1 + int(rng() % 3);
       const std::size_t n = 3000 + rng() % 9000, sub = 1 + rng() % 3000;
-      OptimizerSwap swap(NvmeOptions{.path = dir.path,
-                                     .buffer_count = std::max(2, buffers),
-                                     .pipeline_read = (pipe & 1) != 0,
-                                     .pipeline_write = (pipe & 2) != 0,
-                                     .sub_group_size = sub,
-                                     .queue_depth = 3,
-                                     .block_size = 8192},
-                         n, fields, "the test");
-      CHECK(swap.sub_group() % 1024 == 0);
+      Swap<float> swap(NvmeOptions{.path = dir.path,
+                                   .buffer_count = std::max(2, buffers),
+                                   .pipeline_read = (pipe & 1) != 0,
+                                   .pipeline_write = (pipe & 2) != 0,
+                                   .sub_group_size = sub,
+                                   .queue_depth = 3,
+                                   .block_size = 8192},
+                       n, fields, "the test");
+      CHECK(swap.sub_group() % 2048 == 0);
       CHECK(swap.sub_groups() * swap.sub_group() >= n);
       std::vector<std::vector<float>> ref(std::size_t(fields), std::vector<float>(n, 0.0f));
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -264,8 +264,8 @@ TEST_CASE("a swap file deleted under a running job loses nothing") {
 
 TEST_CASE("swap files of a process that died are removed; those in use are not") {
   TempDir dir("swap");
-  const fs::path dead = dir.path / "zp-optimizer-999999-0.swap",
-                 alive = dir.path / "zp-optimizer-999998-0.swap", other = dir.path / "notes.swap";
+  const fs::path dead = dir.path / "zp-swap-999999-0.swap",
+                 alive = dir.path / "zp-swap-999998-0.swap", other = dir.path / "notes.swap";
   for (const auto& p : {dead, alive, other}) {
     std::FILE* f = std::fopen(p.c_str(), "w");
     REQUIRE(f);
@@ -276,7 +276,7 @@ TEST_CASE("swap files of a process that died are removed; those in use are not")
   REQUIRE(held >= 0);
   REQUIRE(::flock(held, LOCK_EX | LOCK_NB) == 0);
   {
-    OptimizerSwap swap(NvmeOptions{.path = dir.path}, 100, 2, "the test");
+    Swap<float> swap(NvmeOptions{.path = dir.path}, 100, 2, "the test");
     CHECK_FALSE(fs::exists(dead));
     CHECK(fs::exists(alive));
     CHECK(fs::exists(other));

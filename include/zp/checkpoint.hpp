@@ -147,8 +147,12 @@ inline void describe_grid(Manifest& m, std::vector<std::vector<ParamInfo>> parts
   m.parts = std::move(parts);
 }
 
-// Runs part.access(..., a, fn) on manifest field f (0: the parameters, 1: the master weights,
-// 2 + k: optimizer state k) of segment s.
+// The partition's field of manifest field f (0: the parameters, 1: the master weights, 2 + k:
+// optimizer state k).
+inline Field field_of(std::size_t f) {
+  return f == 0 ? Field::param : f == 1 ? Field::master : Field::state;
+}
+// Runs part.access(..., a, fn) on manifest field f of segment s.
 template <class P, class Fn>
 void with_field(const P& part, std::size_t f, int s, Extent e, Access a, Fn&& fn) {
   if (f == 0)
@@ -258,7 +262,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
             ckpt::with_field(
                 part, f, lp.segment, Extent::piece, Access::read, [&](auto piece, bool host) {
                   const auto bytes = std::as_bytes(piece.span);
-                  if (f > 0 && part.swap())  // access()'s copy from NVMe ends with the call
+                  if (part.swapped(ckpt::field_of(f)))  // access()'s copy ends with the call
                     copy.assign(bytes.begin(), bytes.end()), viewed = copy;
                   else
                     viewed = host_view<E::memory_space>(bytes, host, copy);

@@ -29,7 +29,7 @@
 //    allgather_bucket_size, round_robin_gradients, stage3_max_reuse_distance,
 //    ignore_unused_parameters, stage3_gather_16bit_weights_on_model_save (zp has no 16-bit model
 //    save), memory_breakdown, ...; its type is still checked;
-//  - unsupported: DeepSpeed knows it, zp does not do it (offload_param, amp, tensorboard,
+//  - unsupported: DeepSpeed knows it, zp does not do it (amp, tensorboard,
 //    zero_allow_untested_optimizer, ...). It is an error unless it holds the value that means
 //    "off" (false, "none", {"enabled": false}, ...).
 // Duplicate keys, wrong types, 1.5 for an integer (5e8 is fine: sizes are written as floats),
@@ -98,6 +98,14 @@ struct OffloadOptimizer {
   int buffer_count = 4;
   bool pipeline_read = false, pipeline_write = false;
 };
+// zero_optimization.offload_param, kept as read: "cpu" sets EngineConfig::offload_param,
+// "nvme" also EngineConfig::param_nvme; stage 3 only.
+struct OffloadParam {
+  OffloadDevice device = OffloadDevice::none;
+  bool pin_memory = false;
+  std::string nvme_path;
+  int buffer_count = 5;
+};
 // The "aio" section: how the swap's I/O runs (zp::aio).
 struct AioSection {
   std::int64_t block_size = 1'048'576;
@@ -128,6 +136,7 @@ struct Config {
   std::uint64_t reduce_bucket_size = 500'000'000;
   std::uint64_t prefetch_bucket_size = 50'000'000;
   OffloadOptimizer offload_optimizer{};
+  OffloadParam offload_param{};
   std::uint64_t sub_group_size = 1'000'000'000;  // zero_optimization.sub_group_size (NVMe swap)
   AioSection aio{};
 
@@ -279,6 +288,23 @@ inline constexpr OffloadKey offload_keys[] = {
     OffloadKey::unsupported("ratio", Off::number, 1), OffloadKey::ignored("fast_init", boolean()),
     OffloadKey::ignored("pipeline", boolean())};
 
+using OffloadParamKey = Key<OffloadParam>;
+inline constexpr OffloadParamKey offload_param_keys[] = {
+    OffloadParamKey::read(
+        "device", choice(offload_devices, "\"none\", \"cpu\" or \"nvme\"", 0).or_null(),
+        [](auto& o) -> auto& { return o.device; }),
+    OffloadParamKey::read(
+        "nvme_path", text("a path string").or_null(), [](auto& o) -> auto& { return o.nvme_path; }),
+    OffloadParamKey::read(
+        "pin_memory", boolean(false), [](auto& o) -> auto& { return o.pin_memory; }),
+    OffloadParamKey::read(
+        "buffer_count", integer(5, 2, 64, "an integer in [2, 64]"),
+        [](auto& o) -> auto& { return o.buffer_count; }),
+    // How much of the parameters DeepSpeed keeps in host memory: zp keeps none (the module's
+    // pieces while it is gathered).
+    OffloadParamKey::ignored("buffer_size", count()),
+    OffloadParamKey::ignored("max_in_cpu", count())};
+
 using AioKey = Key<AioSection>;
 inline constexpr AioKey aio_keys[] = {
     AioKey::read(
@@ -315,6 +341,9 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::object<offload_keys>(
         "offload_optimizer", [](auto& c) -> auto& { return c.offload_optimizer; })
         .or_null(),
+    ConfigKey::object<offload_param_keys>(
+        "offload_param", [](auto& c) -> auto& { return c.offload_param; })
+        .or_null(),
     // How, not what, to communicate: no effect on zp.
     ConfigKey::ignored("contiguous_gradients", boolean()),
     ConfigKey::ignored("reduce_scatter", boolean()),
@@ -337,7 +366,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::ignored("use_multi_rank_bucket_allreduce", boolean()),
     ConfigKey::ignored("log_trace_cache_warnings", boolean()),
     // Known to DeepSpeed, not done by zp.
-    ConfigKey::unsupported("offload_param", Off::device_none),
     ConfigKey::unsupported("cpu_offload", Off::is_false),
     ConfigKey::unsupported("cpu_offload_params", Off::is_false),
     ConfigKey::unsupported("cpu_offload_use_pin_memory", Off::is_false),
@@ -668,6 +696,13 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
       cfg.offload_optimizer.nvme_path.empty())
     c.fail(join(path, "offload_optimizer.nvme_path"),
            "offload_optimizer to \"nvme\" needs nvme_path, a directory on the drive");
+  if (cfg.offload_param.device == OffloadDevice::nvme && cfg.offload_param.nvme_path.empty())
+    c.fail(join(path, "offload_param.nvme_path"),
+           "offload_param to \"nvme\" needs nvme_path, a directory on the drive");
+  if (cfg.offload_param.device != OffloadDevice::none && cfg.stage != 3)
+    c.fail(join(path, "offload_param.device"),
+           "offloading the parameters needs stage 3, got stage ", cfg.stage,
+           " (below it every rank keeps all of them)");
   cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
 }
 
@@ -998,6 +1033,12 @@ inline std::string describe(const Config& c) {
           ", param_persistence_threshold ", c.engine.persist_threshold, ", prefetch_bucket_size ",
           c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off", ")\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
+  out += cat("  offload_param: ", detail::ds_name(c.offload_param.device),
+             c.offload_param.device == OffloadDevice::nvme
+                 ? cat(" (nvme_path ", c.offload_param.nvme_path, ", buffer_count ",
+                       c.offload_param.buffer_count, ")")
+                 : std::string(),
+             "\n");
   if (c.offload_optimizer.device == OffloadDevice::nvme)
     out += cat("  nvme: nvme_path ", c.offload_optimizer.nvme_path, ", buffer_count ",
                c.offload_optimizer.buffer_count, ", pipeline_read ",
@@ -1065,6 +1106,15 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                    .sub_group_size = std::size_t(c.sub_group_size),
                                    .queue_depth = unsigned(c.aio.queue_depth),
                                    .block_size = std::size_t(c.aio.block_size)};
+  e.offload_param = c.offload_param.device != OffloadDevice::none;
+  if (c.offload_param.device == OffloadDevice::nvme)
+    e.param_nvme = NvmeOptions{.path = c.offload_param.nvme_path,
+                               .buffer_count = c.offload_param.buffer_count,
+                               .pipeline_read = c.offload_optimizer.pipeline_read,
+                               .pipeline_write = c.offload_optimizer.pipeline_write,
+                               .sub_group_size = std::size_t(c.sub_group_size),
+                               .queue_depth = unsigned(c.aio.queue_depth),
+                               .block_size = std::size_t(c.aio.block_size)};
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =

@@ -104,10 +104,18 @@ class Engine {
                                           batch_.gradient_accumulation_steps)),
         part_(Layout(bound_.params, comm.size(), layout_options(config_, sizeof(T))), comm.rank(),
               optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer,
-              config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr),
+              config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr,
+              config_.param_nvme ? &*config_.param_nvme : nullptr),
         buckets_(comm, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
+    ZP_EXPECT(!config_.offload_param || Stage == 3,
+              "engine: offloading the parameters needs ZeRO stage 3 (below it every rank keeps "
+              "all of them), got stage ",
+              Stage);
+    ZP_EXPECT(!config_.offload_param || S == MemorySpace::host,
+              "engine: offload_param to cpu is not implemented for device backends yet (the "
+              "host backends keep the parameters in host memory anyway)");
     optim::validate(opt_);
     // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
     // failed to open on one rank is an error on all.
@@ -409,7 +417,7 @@ class Engine {
       else
         apply_update<false>(part_, opt_, scalars, o, gate, offload_);
     };
-    if (!part_.swap()) {
+    if (!part_.swap() && !part_.param_swap()) {
       update();
     } else {  // an I/O failure on one rank leaves that shard half updated: every rank stops
       try {

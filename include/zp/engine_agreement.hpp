@@ -81,7 +81,9 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", bucket_slots=", c.bucket_slots,
                   ", broadcast_initial_params=", c.broadcast_initial_params, ")"),
       // The NVMe step adds an agreement to every step: all ranks or none.
-      detail::cat("optimizer state on NVMe (this rank: ", c.optimizer_nvme ? "yes" : "no", ")")};
+      detail::cat("optimizer state or parameters on NVMe (this rank: ",
+                  c.optimizer_nvme ? "state" : "no state", ", ",
+                  c.param_nvme ? "params" : "no params", ")")};
   const std::uint64_t h[] = {
       L.hash(),
       detail::Fnv1a().all(stage, dtype).value(),
@@ -98,7 +100,7 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
                c.broadcast_initial_params)
           .value(),
-      detail::Fnv1a().all(c.optimizer_nvme.has_value()).value()};
+      detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value()};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
   if (k == 0) detail::throw_layout_difference(comm, L, c);
   if (k < std::size(h))

@@ -146,6 +146,13 @@ struct EngineConfig {
   // memory (swap.hpp; implies offload_optimizer); host memory holds buffer_count sub-groups.
   // MemoryReport::nvme says how many bytes are there. Results equal offload to host memory.
   std::optional<NvmeOptions> optimizer_nvme = std::nullopt;
+  // DeepSpeed's offload_param: cpu (stage 3): the 16-bit parameter shard in host memory, where
+  // the host backends keep it anyway (device backends: not implemented yet, an error).
+  bool offload_param = false;
+  // ZeRO-Infinity's offload_param (nvme, stage 3, host backends): each rank's 16-bit parameter
+  // shard in a swap file, read for each module's gather and written by the optimizer step (in
+  // the optimizer swap's sub-groups when both are on NVMe). Results equal stage 3 in memory.
+  std::optional<NvmeOptions> param_nvme = std::nullopt;
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.

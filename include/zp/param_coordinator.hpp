@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "zp/collective.hpp"
@@ -71,6 +72,7 @@ class ParamCoordinator {
       for (auto& w : st.works) w.wait();
       waited = StepTimer::seconds(t, StepTimer::Clock::now());
       st.works.clear();
+      st.staged = Buffer<T, S>();  // the gathers read it; they are done
       st.state = State::gathered;
       bind(m, st.buffer.data());
     }
@@ -115,7 +117,8 @@ class ParamCoordinator {
     bool persistent = false;
     int uses = 0;  // guards on it not ended yet
     Buffer<T, S> buffer;
-    std::vector<Work> works;  // after buffer: destroyed (so waited for) before it
+    Buffer<T, S> staged;      // parameters on NVMe: this rank's pieces, the gathers' input
+    std::vector<Work> works;  // after the buffers: destroyed (so waited for) before them
   };
 
   const Layout& layout() const noexcept { return part_->layout(); }
@@ -127,11 +130,22 @@ class ParamCoordinator {
     (st.persistent ? persistent_live_ : live_) += mod.size;
     peak_live_ = std::max(peak_live_, live_);
     st.works.clear();
+    // Parameters on NVMe: the module's pieces, side by side in the shard, read first.
+    std::size_t staged = 0;
+    if (part_->param_swap()) {
+      std::size_t n = 0;
+      for (int s = mod.first_segment; s < mod.end_segment; ++s) n += layout().segment(s).piece;
+      st.staged = Buffer<T, S>(n, "engine: a module's parameter pieces read from NVMe");
+      part_->read_param_pieces(mod.first_segment, mod.end_segment, st.staged.span());
+    }
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
-      st.works.push_back(comm_->all_gather_async(
-          std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span),
-          st.buffer.span(g.offset - mod.offset, g.size)));
+      const std::span<const T> piece =
+          part_->param_swap()
+              ? std::span<const T>(st.staged.span(std::exchange(staged, staged + g.piece), g.piece))
+              : std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span);
+      st.works.push_back(
+          comm_->all_gather_async(piece, st.buffer.span(g.offset - mod.offset, g.size)));
     }
     st.state = State::gathering;
   }
@@ -150,6 +164,7 @@ class ParamCoordinator {
     if (st.state == State::released) return;
     for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
     st.works.clear();
+    st.staged = Buffer<T, S>();
     bind(m, nullptr);
     (st.persistent ? persistent_live_ : live_) -= layout().module(m).size;
     // Keep a couple of released buffers for the next gathers: re-allocating them every time

@@ -45,8 +45,9 @@ struct MemoryReport {
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather buffers kept for reuse (at most 2)
   std::size_t offloaded =
-      0;                 // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
-  std::size_t nvme = 0;  // of master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
+      0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
+  std::size_t nvme =
+      0;  // of params + master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
   std::size_t swap_buffers = 0;  // host memory the swap moves them through (swap.hpp)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
@@ -111,27 +112,46 @@ class Partitioned {
   // grads_f32: also an fp32 gradient buffer of the gradients' extent (fp32 accumulation or
   // reduction of 16-bit gradients, bucket.hpp). offload: the fp32 master weights and optimizer
   // state in host memory whatever S is (ZeRO-Offload: the CPU updates them); nvme: in a swap
-  // file there instead (ZeRO-Infinity; the CPU updates them through swap.hpp's buffers).
+  // file there instead (ZeRO-Infinity; the CPU updates them through swap.hpp's buffers);
+  // param_nvme (stage 3, host memory spaces): the 16-bit parameter shard in a swap file too,
+  // in the optimizer swap's sub-groups when both are swapped.
   Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false,
-              bool offload = false, const NvmeOptions* nvme = nullptr)
+              bool offload = false, const NvmeOptions* nvme = nullptr,
+              const NvmeOptions* param_nvme = nullptr)
       : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload || nvme) {
+    ZP_EXPECT(!param_nvme || Stage == 3,
+              "partition: parameters offloaded to NVMe need ZeRO stage "
+              "3 (each rank keeps only its shard of them), got stage ",
+              Stage);
+    ZP_EXPECT(!param_nvme || S == MemorySpace::host,
+              "partition: parameters offloaded to NVMe are not implemented for device memory yet; "
+              "use a host backend (threads, mpi) or keep the parameters on the device");
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ",
               state_slots);
     const std::size_t full = layout_.total(), shard = layout_.shard();
     try {
-      params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
+      if (!param_nvme)
+        params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
       grads_ = Buffer<T, S>(whole(Field::grad) ? full : shard, "partition: gradients");
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
       const std::size_t m = whole(Field::master) ? full : shard;
-      if (nvme) {
-        try {
-          swap_ = std::make_unique<OptimizerSwap>(
-              *nvme, m, 1 + slots_, detail::cat("the optimizer state of rank ", rank));
-        } catch (const Error&) {  // for every rank to learn (expect_swap_opened)
-          swap_failed_ = std::current_exception();
+      try {  // errors for every rank to learn (expect_swap_opened)
+        if (nvme)
+          swap_ = std::make_unique<Swap<float>>(*nvme, m, 1 + slots_,
+                                                detail::cat("the optimizer state of rank ", rank));
+        if (param_nvme) {
+          NvmeOptions o = *param_nvme;
+          if (nvme) o.sub_group_size = nvme->sub_group_size;  // the same sub-groups
+          param_swap_ =
+              std::make_unique<Swap<T>>(o, shard, 1, detail::cat("the parameters of rank ", rank));
         }
+      } catch (const Error&) {
+        swap_failed_ = std::current_exception();
+      }
+      if (nvme) {
+        // master and state: in swap_
       } else if (offload_) {
         master_host_ =
             Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
@@ -172,8 +192,15 @@ class Partitioned {
   bool on_host(Field f) const noexcept {
     return offload_ && (f == Field::master || f == Field::state);
   }
-  // The NVMe swap of the master weights and state, or null when they are in memory.
-  OptimizerSwap* swap() const noexcept { return swap_.get(); }
+  // The NVMe swap of the master weights and state, or null when they are in memory; of the
+  // parameter shard (stage 3), or null.
+  Swap<float>* swap() const noexcept { return swap_.get(); }
+  Swap<T>* param_swap() const noexcept { return param_swap_.get(); }
+  // Whether field f lives in a swap file (access() reaches it, owned() does not).
+  bool swapped(Field f) const noexcept {
+    return f == Field::param ? bool(param_swap_)
+                             : swap_ && (f == Field::master || f == Field::state);
+  }
   // Throws the error that kept the swap from opening (a missing or full nvme_path): the engine
   // calls it on every rank at once, so that one rank's failure is every rank's error.
   void expect_swap_opened() const {
@@ -235,18 +262,29 @@ class Partitioned {
   // (Access::read) or written to it afterwards (Access::write: fn sets every element).
   template <Field F, class Fn>
   void access(int s, Extent e, int k, Access a, Fn&& fn) const {
-    if constexpr (F == Field::master || F == Field::state) {
-      if (swap_) {
+    if constexpr (F == Field::param || F == Field::master || F == Field::state) {
+      if (swapped(F)) {
+        auto* sw = swap_of<F>();
         const Place p = place<F>(s, e);
-        std::vector<float> copy(p.n);
-        const int f = F == Field::master ? 0 : 1 + k;
-        if (a == Access::read) swap_->read(f, p.at, std::span<float>(copy));
-        fn(Owned<float>{std::span<float>(copy), p.offset}, true);
-        if (a == Access::write) swap_->write(f, p.at, std::span<const float>(copy));
+        std::vector<elem<F>> copy(p.n);
+        const int f = F == Field::state ? 1 + k : 0;
+        if (a == Access::read) sw->read(f, p.at, std::span<elem<F>>(copy));
+        fn(Owned<elem<F>>{std::span<elem<F>>(copy), p.offset}, true);
+        if (a == Access::write) sw->write(f, p.at, std::span<const elem<F>>(copy));
         return;
       }
     }
     fn(owned<F>(s, e, k), on_host(F));
+  }
+
+  // Swapped parameters (stage 3): this rank's pieces of segments [first, end), which lie side
+  // by side in the shard, read into out.
+  void read_param_pieces(int first, int end, std::span<T> out) const {
+    param_swap_->read(0, place<Field::param>(first, Extent::piece).at, out);
+    ZP_ASSERT(end <= first || out.size() == place<Field::param>(end - 1, Extent::piece).at +
+                                                layout_.segment(end - 1).piece -
+                                                place<Field::param>(first, Extent::piece).at,
+              "partition: segments ", first, " to ", end, " are not side by side in the shard");
   }
 
   // The optimizer's view of the elements of segment s this rank updates; F32: the gradient from
@@ -255,8 +293,8 @@ class Partitioned {
   optim::ShardView<T, std::conditional_t<F32, float, T>> update_view(int s) const {
     optim::ShardView<T, std::conditional_t<F32, float, T>> v;
     v.grad = owned < F32 ? Field::grad_f32 : Field::grad > (s, Extent::updated).span;
-    v.param = owned<Field::param>(s, Extent::updated).span;
-    if (swap_) return v;  // master and state: swap_view()
+    if (!param_swap_) v.param = owned<Field::param>(s, Extent::updated).span;
+    if (swap_) return v;  // what is swapped: swap_view()
     v.master = owned<Field::master>(s, Extent::updated).span;
     for (int k = 0; k < slots_; ++k)
       v.state[std::size_t(k)] = owned<Field::state>(s, Extent::updated, k).span;
@@ -264,10 +302,10 @@ class Partitioned {
   }
 
   // Swapped: the runs of every segment's updated elements, each inside one sub-group, in
-  // sub-group order (the order the swap streams them).
+  // sub-group order (the order the swaps stream them; both swaps have the same sub-groups).
   std::vector<SwapPiece> swap_pieces() const {
     std::vector<SwapPiece> out;
-    const std::size_t C = swap_->sub_group();
+    const std::size_t C = swap_ ? swap_->sub_group() : param_swap_->sub_group();
     for (int s = 0; s < layout_.segment_count(); ++s) {
       const Place p = place<Field::master>(s, Extent::updated);
       for (std::size_t i = 0; i < p.n;) {
@@ -281,18 +319,27 @@ class Partitioned {
     });
     return out;
   }
-  // The optimizer's view of piece q, its master weights and state in the swap's buffers
-  // (valid between the swap's enter(q.sub_group) and leave(q.sub_group)).
+  // The optimizer's view of piece q, what is swapped in the swaps' buffers (valid between
+  // the swaps' enter(q.sub_group) and leave(q.sub_group)).
   template <bool F32>
   optim::ShardView<T, std::conditional_t<F32, float, T>> swap_view(const SwapPiece& q) const {
     auto v = update_view<F32>(q.segment);
+    const std::size_t at = place<Field::master>(q.segment, Extent::updated).at + q.first;
     v.grad = v.grad.subspan(q.first, q.count);
-    v.param = v.param.subspan(q.first, q.count);
-    const std::size_t within =
-        (place<Field::master>(q.segment, Extent::updated).at + q.first) % swap_->sub_group();
-    v.master = {swap_->slot(q.sub_group, 0) + within, q.count};
-    for (int k = 0; k < slots_; ++k)
-      v.state[std::size_t(k)] = {swap_->slot(q.sub_group, 1 + k) + within, q.count};
+    if (param_swap_)
+      v.param = {param_swap_->slot(q.sub_group, 0) + at % param_swap_->sub_group(), q.count};
+    else
+      v.param = v.param.subspan(q.first, q.count);
+    if (swap_) {
+      v.master = {swap_->slot(q.sub_group, 0) + at % swap_->sub_group(), q.count};
+      for (int k = 0; k < slots_; ++k)
+        v.state[std::size_t(k)] = {swap_->slot(q.sub_group, 1 + k) + at % swap_->sub_group(),
+                                   q.count};
+    } else {
+      v.master = v.master.subspan(q.first, q.count);
+      for (int k = 0; k < slots_; ++k)
+        v.state[std::size_t(k)] = v.state[std::size_t(k)].subspan(q.first, q.count);
+    }
     return v;
   }
 
@@ -303,9 +350,14 @@ class Partitioned {
     r.grads = grads_.bytes() + grads32_.bytes();
     r.master = master_elements() * sizeof(float);
     r.optimizer_state = std::size_t(slots_) * r.master;
+    if (param_swap_) {
+      r.params = layout_.shard() * sizeof(T);
+      r.nvme += r.params;
+      r.swap_buffers += param_swap_->host_bytes();
+    }
     if (swap_) {
-      r.nvme = r.master + r.optimizer_state;
-      r.swap_buffers = swap_->host_bytes();
+      r.nvme += r.master + r.optimizer_state;
+      r.swap_buffers += swap_->host_bytes();
     } else if (offload_) {
       r.offloaded = r.master + r.optimizer_state;
     }
@@ -327,8 +379,12 @@ class Partitioned {
                        : g.shard_offset,
             segment ? g.size : g.piece, segment ? g.offset : mine};
   }
-  bool swapped(Field f) const noexcept {
-    return swap_ && (f == Field::master || f == Field::state);
+  template <Field F>
+  auto* swap_of() const noexcept {
+    if constexpr (F == Field::param)
+      return param_swap_.get();
+    else
+      return swap_.get();
   }
   std::size_t master_elements() const noexcept {
     return whole(Field::master) ? layout_.total() : layout_.shard();
@@ -345,7 +401,8 @@ class Partitioned {
   // Offloaded (host) master and state; the S ones above stay empty then.
   Buffer<float, MemorySpace::host> master_host_;
   std::array<Buffer<float, MemorySpace::host>, 2> state_host_;
-  std::unique_ptr<OptimizerSwap> swap_;  // master and state on NVMe (the buffers above empty)
+  std::unique_ptr<Swap<float>> swap_;    // master and state on NVMe (the buffers above empty)
+  std::unique_ptr<Swap<T>> param_swap_;  // stage 3's parameter shard on NVMe (params_ empty)
   std::exception_ptr swap_failed_;
 };
 

@@ -111,7 +111,8 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
                   const optim::cpu::Options& o, const double* gate,
                   OffloadStaging<P::memory_space>& offload) {
   const int segments = part.layout().segment_count();
-  if (!part.offloaded()) {
+  const bool swapped = part.swap() || part.param_swap();
+  if (!part.offloaded() && !swapped) {
     for (int s = 0; s < segments; ++s)
       ShardStep<P::memory_space>::update(opt, scalars, part.template update_view<F32>(s), o, gate);
     return;
@@ -120,27 +121,33 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
   const auto step = [&](const auto& v) {
     ShardStep<MemorySpace::host>::update(opt, scalars, v, o, gate);
   };
-  OptimizerSwap* swap = part.swap();
-  if (!swap)
+  if (!swapped)
     return offload.run(
         segments, [&](int s) { return part.template update_view<F32>(s); },
         [&](int, const auto& v) { step(v); });
-  // On NVMe: the pieces of each sub-group between the swap's enter and leave.
+  // On NVMe: the pieces of each sub-group between the swaps' enter and leave (the optimizer
+  // state's swap, the parameters', or both: they have the same sub-groups).
+  const auto each = [&](auto&& f) {
+    if (auto* sw = part.swap()) f(*sw);
+    if (auto* sw = part.param_swap()) f(*sw);
+  };
   const std::vector<SwapPiece> pieces = part.swap_pieces();
   const int n = int(pieces.size());
   try {
-    swap->begin_step();
+    each([](auto& sw) { sw.begin_step(); });
     offload.run(
         n, [&](int j) { return part.template swap_view<F32>(pieces[std::size_t(j)]); },
         [&](int j, const auto& v) {
           const std::size_t c = pieces[std::size_t(j)].sub_group;
-          if (j == 0 || pieces[std::size_t(j) - 1].sub_group != c) swap->enter(c);
+          if (j == 0 || pieces[std::size_t(j) - 1].sub_group != c)
+            each([&](auto& sw) { sw.enter(c); });
           step(v);
-          if (j + 1 == n || pieces[std::size_t(j) + 1].sub_group != c) swap->leave(c);
+          if (j + 1 == n || pieces[std::size_t(j) + 1].sub_group != c)
+            each([&](auto& sw) { sw.leave(c); });
         });
-    swap->end_step();
+    each([](auto& sw) { sw.end_step(); });
   } catch (...) {
-    swap->abandon();
+    each([](auto& sw) { sw.abandon(); });
     throw;
   }
 }

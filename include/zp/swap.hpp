@@ -1,8 +1,9 @@
-// zp/swap.hpp: ZeRO-Infinity's optimizer state on NVMe (DeepSpeed's offload_optimizer: nvme).
-// An offloaded optimizer's fp32 master weights and state arrays live in one swap file per rank
-// under NvmeOptions::path instead of host memory, cut into sub-groups of C elements
-// (sub_group_size, rounded up to whole 4 KiB pages). Sub-group c's record holds every field's
-// c-th run side by side, so one aligned transfer moves all the state a step of it needs:
+// zp/swap.hpp: ZeRO-Infinity's swap files (DeepSpeed's offload_optimizer and offload_param:
+// nvme). An offloaded optimizer's fp32 master weights and state arrays, and at stage 3 the 16-bit
+// parameter shard, live in swap files per rank under NvmeOptions::path instead of host memory,
+// cut into sub-groups of C elements (sub_group_size, rounded up to 2048: whole 4 KiB pages of
+// 16-bit values). Sub-group c's record holds every field's c-th run side by side, so one aligned
+// transfer moves all the state a step of it needs:
 //
 //   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * 4
 //
@@ -47,13 +48,31 @@ namespace zp {
 
 #if defined(ZP_WITH_AIO)
 
-class OptimizerSwap {
-  static constexpr std::size_t page = aio::alignment / sizeof(float);  // floats of 4 KiB
+namespace detail {
+// What every swap of the process shares, whatever its element type: the numbers in the file
+// names, and the lock under which a new file is created and abandoned ones are removed.
+struct SwapFiles {
+  std::atomic<std::uint64_t> serial{0};
+  std::mutex scanning;
+};
+inline SwapFiles& swap_files() {
+  static SwapFiles s;
+  return s;
+}
+}  // namespace detail
 
+// `fields` arrays of U in one swap file (the optimizer's: fp32 master weights and state; stage
+// 3's offloaded parameters: one array of the model's type).
+template <class U>
+class Swap {
  public:
-  // A swap of `fields` arrays of `elements` fp32 values each, all zero, for the engine of
-  // `who` (named in errors).
-  OptimizerSwap(const NvmeOptions& o, std::size_t elements, int fields, const std::string& who)
+  static_assert(sizeof(U) == 2 || sizeof(U) == 4, "swaps hold 16- or 32-bit values");
+  // Sub-groups are multiples of 2048 elements, 4 KiB of 16-bit values, so that every run is
+  // page-aligned and swaps of 16- and 32-bit values walk the same sub-groups.
+  static constexpr std::size_t unit = aio::alignment / 2;
+
+  // A swap of `fields` arrays of `elements` values each, all zero, for `who` (named in errors).
+  Swap(const NvmeOptions& o, std::size_t elements, int fields, const std::string& who)
       : opt_(o), fields_(std::size_t(fields)) {
     o.check();
     namespace fs = std::filesystem;
@@ -61,16 +80,15 @@ class OptimizerSwap {
     ZP_EXPECT(fs::is_directory(o.path, ec), "offload to nvme: nvme_path '", o.path.string(),
               "' is not an existing directory (", who, ")");
     chunk_ = std::max<std::size_t>(
-        page,
-        (std::min(o.sub_group_size, std::max<std::size_t>(elements, 1)) + page - 1) / page * page);
+        unit,
+        (std::min(o.sub_group_size, std::max<std::size_t>(elements, 1)) + unit - 1) / unit * unit);
     chunks_ = (elements + chunk_ - 1) / chunk_;
-    static std::atomic<std::uint64_t> serial{0};
-    path_ = o.path / detail::cat("zp-optimizer-", ::getpid(), "-", serial++, ".swap");
+    path_ =
+        o.path / detail::cat("zp-swap-", ::getpid(), "-", detail::swap_files().serial++, ".swap");
     try {
       {
         // Created and locked before any rank of this process looks for abandoned files.
-        static std::mutex scanning;
-        const std::lock_guard<std::mutex> lock(scanning);
+        const std::lock_guard<std::mutex> lock(detail::swap_files().scanning);
         remove_abandoned(o.path);
         file_.emplace(path_, aio::Mode::read_write,
                       aio::Options{.queue_depth = o.queue_depth, .block_bytes = o.block_size});
@@ -83,7 +101,7 @@ class OptimizerSwap {
       const std::size_t count = std::clamp<std::size_t>(chunks_, 1, std::size_t(o.buffer_count));
       buffers_.reserve(count);
       for (std::size_t b = 0; b < count; ++b) buffers_.emplace_back(record_bytes());
-      bounce_.emplace(chunk_ * sizeof(float));
+      bounce_.emplace(chunk_ * sizeof(U));
       holds_.assign(buffers_.size(), none);
       io_.assign(buffers_.size(), std::nullopt);
       // All zero: the state arrays start so, and the master weights are written next.
@@ -101,9 +119,9 @@ class OptimizerSwap {
                   e.native_code());
     }
   }
-  OptimizerSwap(const OptimizerSwap&) = delete;
-  OptimizerSwap& operator=(const OptimizerSwap&) = delete;
-  ~OptimizerSwap() {
+  Swap(const Swap&) = delete;
+  Swap& operator=(const Swap&) = delete;
+  ~Swap() {
     file_.reset();  // waits for transfers in flight
     std::error_code ec;
     std::filesystem::remove(path_, ec);  // scratch; already gone is fine
@@ -115,27 +133,27 @@ class OptimizerSwap {
   std::size_t sub_groups() const noexcept { return chunks_; }
   std::size_t file_bytes() const noexcept { return chunks_ * record_bytes(); }
   std::size_t host_bytes() const noexcept {  // the buffers and the bounce buffer
-    return (buffers_.size() * fields_ + 1) * chunk_ * sizeof(float);
+    return (buffers_.size() * fields_ + 1) * chunk_ * sizeof(U);
   }
 
   // ---- element ranges ----------------------------------------------------------------------
 
   // Field f's elements [at, at + out.size()).
-  void read(int f, std::size_t at, std::span<float> out) {
+  void read(int f, std::size_t at, std::span<U> out) {
     for (std::size_t done = 0; done < out.size();) {
       const std::size_t c = (at + done) / chunk_, i = (at + done) % chunk_;
       const std::size_t n = std::min(chunk_ - i, out.size() - done);
-      const float* b = cached(f, c, true);
+      const U* b = cached(f, c, true);
       std::copy_n(b + i, n, out.begin() + std::ptrdiff_t(done));
       done += n;
     }
   }
   // Writes field f's elements [at, at + in.size()) (held in the cache until flush()).
-  void write(int f, std::size_t at, std::span<const float> in) {
+  void write(int f, std::size_t at, std::span<const U> in) {
     for (std::size_t done = 0; done < in.size();) {
       const std::size_t c = (at + done) / chunk_, i = (at + done) % chunk_;
       const std::size_t n = std::min(chunk_ - i, in.size() - done);
-      float* b = cached(f, c, n < chunk_);  // a whole run is overwritten: nothing to read first
+      U* b = cached(f, c, n < chunk_);  // a whole run is overwritten: nothing to read first
       std::copy_n(in.begin() + std::ptrdiff_t(done), n, b + i);
       dirty_ = true;
       done += n;
@@ -151,8 +169,8 @@ class OptimizerSwap {
   // ---- the optimizer step ------------------------------------------------------------------
 
   // Where field f of sub-group c is while it is stepped (between enter(c) and leave(c)).
-  float* slot(std::size_t c, int f) const noexcept {
-    return reinterpret_cast<float*>(buffers_[c % buffers_.size()].span().data()) +
+  U* slot(std::size_t c, int f) const noexcept {
+    return reinterpret_cast<U*>(buffers_[c % buffers_.size()].span().data()) +
            std::size_t(f) * chunk_;
   }
   void begin_step() {
@@ -194,12 +212,12 @@ class OptimizerSwap {
  private:
   static constexpr std::size_t none = std::size_t(-1);
 
-  std::size_t record_bytes() const noexcept { return fields_ * chunk_ * sizeof(float); }
+  std::size_t record_bytes() const noexcept { return fields_ * chunk_ * sizeof(U); }
   std::span<std::byte> record(std::size_t b) const noexcept {
     return buffers_[b].span().first(record_bytes());
   }
   std::uint64_t offset(int f, std::size_t c) const noexcept {
-    return c * record_bytes() + std::size_t(f) * chunk_ * sizeof(float);
+    return c * record_bytes() + std::size_t(f) * chunk_ * sizeof(U);
   }
   // Starts reading sub-group c into its buffer once that buffer's last transfer is done.
   void fetch(std::size_t c) {
@@ -212,8 +230,8 @@ class OptimizerSwap {
     if (auto t = std::exchange(io_[b], std::nullopt)) file_->wait(*t);
   }
   // The bounce buffer holding field f's run of sub-group c (read from the file if `load`).
-  float* cached(int f, std::size_t c, bool load) {
-    float* b = reinterpret_cast<float*>(bounce_->span().data());
+  U* cached(int f, std::size_t c, bool load) {
+    U* b = reinterpret_cast<U*>(bounce_->span().data());
     if (cached_c_ == c && cached_f_ == f) return b;
     flush();
     cached_c_ = none;
@@ -226,7 +244,7 @@ class OptimizerSwap {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       const std::string name = e.path().filename().string();
-      if (!name.starts_with("zp-optimizer-") || !name.ends_with(".swap")) continue;
+      if (!name.starts_with("zp-swap-") || !name.ends_with(".swap")) continue;
       const int fd = ::open(e.path().c_str(), O_RDWR | O_CLOEXEC);
       if (fd < 0) continue;
       if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove(e.path(), ec);
@@ -250,9 +268,10 @@ class OptimizerSwap {
 #else
 
 // Without zp::aio: the type exists so that engines compile, and opening one says what is missing.
-class OptimizerSwap {
+template <class U>
+class Swap {
  public:
-  OptimizerSwap(const NvmeOptions&, std::size_t, int, const std::string& who) {
+  Swap(const NvmeOptions&, std::size_t, int, const std::string& who) {
     throw Error(Errc::invalid_argument,
                 detail::cat("offload to nvme (", who,
                             "): this program was built without zp::aio (io_uring); link the "
@@ -264,10 +283,10 @@ class OptimizerSwap {
   std::size_t sub_groups() const noexcept { return 0; }
   std::size_t file_bytes() const noexcept { return 0; }
   std::size_t host_bytes() const noexcept { return 0; }
-  void read(int, std::size_t, std::span<float>) {}
-  void write(int, std::size_t, std::span<const float>) {}
+  void read(int, std::size_t, std::span<U>) {}
+  void write(int, std::size_t, std::span<const U>) {}
   void flush() {}
-  float* slot(std::size_t, int) const noexcept { return nullptr; }
+  U* slot(std::size_t, int) const noexcept { return nullptr; }
   void begin_step() {}
   void enter(std::size_t) {}
   void leave(std::size_t) {}

@@ -39,10 +39,16 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
                 " (its value view is unbound); point it at the model's initial weights");
   }
   if (broadcast && comm.size() > 1) comm.broadcast(init.span(), 0);
-  std::vector<T> staged;
+  std::vector<T> staged, staged_t;
   for (int s = 0; s < L.segment_count(); ++s) {
-    const auto param = part.template owned<Field::param>(s, Extent::kept);
-    Memory<S>::copy(param.span, std::span<const T>(init.span(param.offset, param.span.size())));
+    part.template access<Field::param>(
+        s, Extent::kept, 0, Access::write, [&](Owned<T> param, bool host) {
+          const std::span<const T> from = init.span(param.offset, param.span.size());
+          if (host)
+            std::ranges::copy(host_view<S>(from, false, staged_t), param.span.begin());
+          else
+            Memory<S>::copy(param.span, from);
+        });
     part.template access<Field::master>(
         s, Extent::kept, 0, Access::write, [&](Owned<float> master, bool host) {
           const std::span<const T> from = init.span(master.offset, master.span.size());

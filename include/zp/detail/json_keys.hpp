@@ -472,8 +472,7 @@ enum class Off : std::uint8_t {
   is_null,
   number,
   null_or_number,
-  not_enabled,
-  device_none
+  not_enabled
 };
 
 template <class S>
@@ -613,13 +612,6 @@ inline bool is_off(Off off, double number, const json& v) {
       const auto it = v.find("enabled");
       return it == v.end() || (it->is_boolean() && !it->get<bool>());
     }
-    case Off::device_none: {
-      if (v.is_null()) return true;
-      if (!v.is_object()) return false;
-      const auto it = v.find("device");
-      return it == v.end() || it->is_null() ||
-             (it->is_string() && it->get_ref<const std::string&>() == "none");
-    }
   }
   return false;
 }
@@ -633,7 +625,6 @@ inline std::string off_text(Off off, double number) {
     case Off::number: return cat(" (accepted only as ", number, ")");
     case Off::null_or_number: return cat(" (accepted only as null or ", number, ")");
     case Off::not_enabled: return " (accepted only with \"enabled\": false)";
-    case Off::device_none: return " (accepted only with \"device\": \"none\")";
   }
   return "";
 }
