@@ -104,18 +104,17 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
   ec.steps_per_print = t.log_every;
   ec.wall_clock_breakdown = r.breakdown;
   ec.offload_optimizer = t.offload;
-  // NVMe: sub-groups of 256K elements (3 MiB of AdamW state), read ahead and written behind.
-  if (!t.nvme.empty())
-    ec.optimizer_nvme = zp::NvmeOptions{.path = t.nvme,
-                                        .pipeline_read = true,
-                                        .pipeline_write = true,
-                                        .sub_group_size = std::size_t(1) << 18};
   ec.offload_param = t.offload_param;
-  if (!t.param_nvme.empty())
-    ec.param_nvme = zp::NvmeOptions{.path = t.param_nvme,
-                                    .pipeline_read = true,
-                                    .pipeline_write = true,
-                                    .sub_group_size = std::size_t(1) << 18};
+  // NVMe: sub-groups of 256K elements (3 MiB of AdamW state), read ahead and written behind.
+  const auto nvme = [](const std::string& dir) -> std::optional<zp::NvmeOptions> {
+    if (dir.empty()) return std::nullopt;
+    return zp::NvmeOptions{.path = dir,
+                           .pipeline_read = true,
+                           .pipeline_write = true,
+                           .sub_group_size = std::size_t(1) << 18};
+  };
+  ec.optimizer_nvme = nvme(t.nvme);
+  ec.param_nvme = nvme(t.param_nvme);
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
