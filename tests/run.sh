@@ -12,6 +12,8 @@ bash cmake/install-deps.sh
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 # mpiexec as root (containers, CI) must be allowed explicitly.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# One test per core: an mpi test counts its processes, tests that time wall clocks run alone.
+export CTEST_PARALLEL_LEVEL=${CTEST_PARALLEL_LEVEL:-$(nproc)}
 for preset in dev asan tsan; do
   echo "=== zp tests: preset $preset"
   cmake --workflow --preset "$preset"
