@@ -72,7 +72,7 @@ class ParamCoordinator {
       for (auto& w : st.works) w.wait();
       waited = StepTimer::seconds(t, StepTimer::Clock::now());
       st.works.clear();
-      st.staged = Buffer<T, S>();  // the gathers read it; they are done
+      keep(staged_spare_, std::move(st.staged));  // the gathers read it; they are done
       st.state = State::gathered;
       bind(m, st.buffer.data());
     }
@@ -108,6 +108,7 @@ class ParamCoordinator {
     r.gathered_peak = peak_live_ * sizeof(T);
     r.persistent = persistent_live_ * sizeof(T);
     for (const auto& b : spare_) r.gather_cache += b.bytes();
+    for (const auto& b : staged_spare_) r.gather_cache += b.bytes();
   }
 
  private:
@@ -126,7 +127,7 @@ class ParamCoordinator {
   void gather(int m) {
     const auto& mod = layout().module(m);
     Module& st = mods_[std::size_t(m)];
-    st.buffer = take_spare(mod.size);
+    st.buffer = take(spare_, mod.size, "engine: a gathered module");
     (st.persistent ? persistent_live_ : live_) += mod.size;
     peak_live_ = std::max(peak_live_, live_);
     st.works.clear();
@@ -135,7 +136,7 @@ class ParamCoordinator {
     if (part_->param_swap()) {
       std::size_t n = 0;
       for (int s = mod.first_segment; s < mod.end_segment; ++s) n += layout().segment(s).piece;
-      st.staged = Buffer<T, S>(n, "engine: a module's parameter pieces read from NVMe");
+      st.staged = take(staged_spare_, n, "engine: a module's parameter pieces read from NVMe");
       part_->read_param_pieces(mod.first_segment, mod.end_segment, st.staged.span());
     }
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
@@ -164,27 +165,30 @@ class ParamCoordinator {
     if (st.state == State::released) return;
     for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
     st.works.clear();
-    st.staged = Buffer<T, S>();
+    keep(staged_spare_, std::move(st.staged));
     bind(m, nullptr);
     (st.persistent ? persistent_live_ : live_) -= layout().module(m).size;
-    // Keep a couple of released buffers for the next gathers: re-allocating them every time
-    // costs page faults (host) or allocator calls (device) on every module of every step.
-    if (spare_.size() < 2) spare_.push_back(std::move(st.buffer));
-    st.buffer = Buffer<T, S>();
+    keep(spare_, std::move(st.buffer));
     st.state = State::released;
   }
 
-  Buffer<T, S> take_spare(std::size_t n) {
-    for (auto& b : spare_)
+  // Released buffers kept for the next gathers (at most 2 a pool): re-allocating them every time
+  // costs page faults (host) or allocator calls (device) on every module of every step.
+  static void keep(std::vector<Buffer<T, S>>& pool, Buffer<T, S>&& b) {
+    if (b.size() > 0 && pool.size() < 2) pool.push_back(std::move(b));
+    b = Buffer<T, S>();
+  }
+
+  static Buffer<T, S> take(std::vector<Buffer<T, S>>& pool, std::size_t n, const char* what) {
+    for (auto& b : pool)
       if (b.size() == n) {
         Buffer<T, S> out = std::move(b);
-        b = std::move(spare_.back());
-        spare_.pop_back();
+        b = std::move(pool.back());
+        pool.pop_back();
         return out;
       }
-    if (spare_.size() >= 2)
-      spare_.erase(spare_.begin());  // sizes that do not match: drop the oldest
-    return Buffer<T, S>(n);
+    if (pool.size() >= 2) pool.erase(pool.begin());  // sizes that do not match: drop the oldest
+    return Buffer<T, S>(n, what);
   }
 
   void bind(int m, T* base) {
@@ -199,8 +203,9 @@ class ParamCoordinator {
   Collective<B>* comm_;
   const Partitioned<T, 3, S>* part_;
   std::span<View<T>* const> values_;
-  std::vector<Buffer<T, S>> spare_;  // released gather buffers kept for reuse (at most 2)
-  std::vector<Module> mods_;         // after spare_: its in-flight gathers end first
+  std::vector<Buffer<T, S>> spare_;         // released gather buffers kept for reuse
+  std::vector<Buffer<T, S>> staged_spare_;  // ... and released NVMe staging buffers
+  std::vector<Module> mods_;                // after spare_: its in-flight gathers end first
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
 };
 
