@@ -205,7 +205,7 @@ class ParamCoordinator {
   std::span<View<T>* const> values_;
   std::vector<Buffer<T, S>> spare_;         // released gather buffers kept for reuse
   std::vector<Buffer<T, S>> staged_spare_;  // ... and released NVMe staging buffers
-  std::vector<Module> mods_;                // after spare_: its in-flight gathers end first
+  std::vector<Module> mods_;                // after the pools: its in-flight gathers end first
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
 };
 
