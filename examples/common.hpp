@@ -15,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -34,6 +35,22 @@ namespace examples {
 struct Corpus {
   std::vector<int> ids;
   std::vector<char> chars;  // id -> character
+
+  // `text` as token ids; a character the training text lacks is an error naming it and `what`.
+  std::vector<int> encode(std::string_view text, std::string_view what) const {
+    std::vector<int> out;
+    out.reserve(text.size());
+    for (char ch : text) {
+      const auto at = std::find(chars.begin(), chars.end(), ch);
+      if (at == chars.end())
+        throw zp::Error(zp::Errc::invalid_argument,
+                        std::string(what) + ": the character '" + std::string(1, ch) + "' (byte " +
+                            std::to_string(int(static_cast<unsigned char>(ch))) +
+                            ") is not in the training text's vocabulary");
+      out.push_back(int(at - chars.begin()));
+    }
+    return out;
+  }
 };
 
 // The files concatenated, each followed by a newline.

@@ -8,7 +8,7 @@
 //          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
 //          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
-//          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N]
+//          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N] [--eval PATH]
 //
 // A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
 // --tp, --pp), --stage or --backend: each rank saves its part of the model with where it sits
@@ -16,7 +16,9 @@
 // --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with the
 // vocabulary (vocab.json), and --init-from DIR starts from one, on any grid. --sample N prints N
 // characters the trained model generates after --prompt; with --resume and no steps left
-// (--steps equal to the checkpoint's), it samples from the checkpoint.
+// (--steps equal to the checkpoint's), it samples from the checkpoint. --eval PATH prints the
+// trained (or, with --steps 0, the loaded) model's mean loss of predicting every next character
+// of PATH.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
@@ -27,6 +29,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -50,7 +55,7 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
-  std::string prompt = "\n", init_from;
+  std::string prompt = "\n", init_from, eval;
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
@@ -94,7 +99,9 @@ const char* usage =
     "  --prompt TEXT      the text sampling continues (default a newline)\n"
     "  --temperature X    sampling temperature; 0: always the most likely character (default 1)\n"
     "  --top-k N          sample among the N most likely characters; 0: all (default 0)\n"
-    "  --seed N           the sampling's random seed (default 1)\n";
+    "  --seed N           the sampling's random seed (default 1)\n"
+    "  --eval PATH        after training, print the mean loss of predicting every next character\n"
+    "                     of the text in PATH (each once, in windows of --context)\n";
 
 const examples::Program program{"zp_gpt", usage, examples::run_usage};
 
@@ -122,6 +129,8 @@ Options parse(int argc, char** argv) {
           o.sampling.count = examples::to_int(program, a, v, 0, 1000000);
         else if (a == "--init-from")
           o.init_from = v;
+        else if (a == "--eval")
+          o.eval = v;
         else if (a == "--prompt")
           o.prompt = v;
         else if (a == "--temperature") {
@@ -184,24 +193,37 @@ void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Optio
 // --sample: `model` (the whole model, holding the trained values) continues --prompt.
 template <class T>
 void print_sample(gpt::Model<T>& model, const Options& o, const examples::Corpus& corpus) {
-  std::vector<int> prompt;
-  for (char ch : o.prompt) {
-    const auto at = std::find(corpus.chars.begin(), corpus.chars.end(), ch);
-    ZP_EXPECT(at != corpus.chars.end(), "--prompt: the character '", ch, "' (byte ",
-              int(static_cast<unsigned char>(ch)), ") is not in the training text's vocabulary");
-    prompt.push_back(int(at - corpus.chars.begin()));
-  }
   std::string text = o.prompt;
-  for (int id : gpt::sample(model, prompt, o.sampling)) text += corpus.chars[std::size_t(id)];
+  for (int id : gpt::sample(model, corpus.encode(o.prompt, "--prompt"), o.sampling))
+    text += corpus.chars[std::size_t(id)];
   std::printf("sample (temperature %g, top-k %d, seed %llu):\n%s\n", o.sampling.temperature,
               o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed), text.c_str());
 }
 
+// --eval's text as token ids, read before any rank starts.
+std::vector<int> eval_ids(const Options& o, const examples::Corpus& corpus) {
+  if (o.eval.empty()) return {};
+  try {
+    std::ifstream f(o.eval, std::ios::binary);
+    if (!f) throw zp::Error(zp::Errc::io, "cannot read --eval text '" + o.eval + "'");
+    const std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+    if (text.size() < 2)
+      throw zp::Error(zp::Errc::invalid_argument,
+                      "--eval " + o.eval + " is too short: " + std::to_string(text.size()) +
+                          " character(s), at least 2 needed (one prediction)");
+    return corpus.encode(text, "--eval " + o.eval);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program.name, e.what());
+    std::exit(1);
+  }
+}
+
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config (examples::with_engine), as are ec, opt and the schedule.
+// `eval`: --eval's text as ids (empty: none).
 template <class E, class B>
 void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
-           const examples::Corpus& corpus, const zp::EngineConfig& ec,
+           const examples::Corpus& corpus, std::span<const int> eval, const zp::EngineConfig& ec,
            typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
@@ -295,8 +317,8 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
-  if (!o.export_dir.empty() || o.sampling.count) {  // both read the whole model: one gather
-    std::vector<T> whole = engine.gather_params();  // this rank's part
+  if (!o.export_dir.empty() || o.sampling.count || !eval.empty()) {  // one gather for all three
+    std::vector<T> whole = engine.gather_params();                   // this rank's part
     if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
       whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
     if (lead) {  // one whole model of the trained values (the run's own views are the engine's)
@@ -308,6 +330,9 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
       });
       if (!o.export_dir.empty()) export_hf(full, std::span<const T>(whole), o, corpus);
       if (o.sampling.count) print_sample(full, o, corpus);
+      if (!eval.empty())
+        std::printf("eval: loss %.7f over the %zu next characters of %s\n",
+                    gpt::evaluate(full, eval, micro_batch), eval.size() - 1, o.eval.c_str());
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -323,7 +348,8 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
 }
 
 template <class B>
-void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus& c) {
+void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus& c,
+              std::span<const int> eval) {
   const int n = world.size();
   if (n % (o.tp * o.pp) != 0)
     throw zp::Error(zp::Errc::invalid_argument,
@@ -334,7 +360,7 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
       program, o, o, grid.shape().dp, world.rank() == 0,
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) {
-        train<E>(world, grid, o, c, ec, opt, sched);
+        train<E>(world, grid, o, c, eval, ec, opt, sched);
       });
 }
 
@@ -344,6 +370,7 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const examples::Corpus corpus =
       examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
+  const std::vector<int> eval = eval_ids(o, corpus);
   return examples::launch(program, argc, argv, o.backend, o.ranks,
-                          [&](auto& comm) { dispatch(comm, o, corpus); });
+                          [&](auto& comm) { dispatch(comm, o, corpus, eval); });
 }

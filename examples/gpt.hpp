@@ -764,6 +764,35 @@ std::vector<int> sample(Model<T, F>& model, std::vector<int> prompt, const Sampl
   return out;
 }
 
+// The mean loss of predicting every next token of `ids`, each once, by a whole model: windows of
+// context + 1 tokens (the first context the input, the last context the targets), each window
+// starting where the last one's targets end, `batch` windows a forward; the last window's
+// missing targets are left out of the loss.
+template <class T, class F>
+double evaluate(Model<T, F>& model, std::span<const int> ids, int batch) {
+  const Config& c = model.config();
+  ZP_EXPECT(model.whole(),
+            "gpt: evaluation needs the whole model on one rank (no tensor or pipeline split)");
+  ZP_EXPECT(ids.size() >= 2, "gpt: evaluation needs at least 2 tokens, got ", ids.size());
+  const std::size_t context = std::size_t(c.context), predictions = ids.size() - 1,
+                    windows = (predictions + context - 1) / context;
+  Activations<F> a(c, batch);
+  double sum = 0;
+  for (std::size_t first = 0; first < windows; first += std::size_t(batch)) {
+    std::size_t counted = 0;
+    for (std::size_t r = 0; r < a.tokens.size(); ++r) {
+      const std::size_t i = (first + r / context) * context + r % context;  // the input's index
+      const bool in = i < predictions;
+      a.tokens[r] = in ? ids[i] : 0;  // causal attention keeps padding out of the logits read
+      a.targets[r] = in ? ids[i + 1] : zp::tp::ignore_index;
+      counted += in;
+    }
+    for (int m = 0; m < model.modules(); ++m) model.forward(m, a);
+    sum += double(model.loss(a, 1.0f)) * double(counted);
+  }
+  return sum / double(predictions);
+}
+
 // The modules of pipeline stage `stage` of `stages`: the model's layers + 2 modules cut into
 // contiguous ranges of nearly equal count.
 inline std::pair<int, int> pipeline_stage(const Config& c, int stages, int stage) {

@@ -6,15 +6,15 @@ forward in float64 with numpy the way transformers' GPT2LMHeadModel does (names 
 in its state dict: Conv1D weights [in, out] applied as x W + b, q | k | v side by side in
 c_attn, heads split in order, causal softmax at 1/sqrt(d/H), gelu_new, LayerNorm at
 layer_norm_epsilon, lm_head an nn.Linear [V, d] applied as x W^T). Its logits must equal the
-C++ model's to fp32 rounding. Where `transformers` and `torch` are importable, it also loads the
-directory with GPT2LMHeadModel.from_pretrained and compares, and reads a GPT-2 that transformers
-saved into zp (gpt::read_hf, zp_gpt --init-from's reader): the same loss and logits on the same
-tokens. Where they are not (the test's default environment: torch from PyPI is the 5 GB CUDA
-build), it says so.
+C++ model's to fp32 rounding, and so must those of transformers' GPT2LMHeadModel.from_pretrained
+on the directory. A GPT-2 that transformers initialises and saves, read into zp (gpt::read_hf,
+zp_gpt --init-from's reader), gives transformers' loss and logits on the same tokens.
 
 With argv[3], the path of zp_gpt: trains it on a repeating text and exports it (--export), and the
 numpy GPT-2 on that directory, reading vocab.json, must continue the pattern greedily as zp_gpt's
 own --sample does: the whole export path (gathered parameters, names, vocabulary) end to end.
+zp_gpt --init-from a transformers-saved GPT-2 on a 2 x 2 x 2 grid then reports, with --eval, the
+loss transformers computes on the same text.
 """
 import json
 import os
@@ -22,7 +22,12 @@ import subprocess
 import sys
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # keep the test's log to its findings
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import torch  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 
 def layer_norm(x, w, b, eps):
@@ -65,6 +70,18 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def save_transformers_gpt2(directory, seed, **shape):
+    """A GPT-2 of `shape` (GPT2Config's keys) as transformers' save_pretrained writes it (tied
+    head), every parameter drawn from N(0, 0.3) so that no loss is near log(vocab) by chance."""
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(bos_token_id=None, eos_token_id=None, **shape))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return GPT2LMHeadModel.from_pretrained(directory).eval()
+
+
 def check_trained(gpt, work):
     text = os.path.join(work, "pattern.txt")
     with open(text, "w") as f:
@@ -89,8 +106,9 @@ def check_trained(gpt, work):
     assert got == "cdefghabcdefghabcdefghabcde", got
 
     # --init-from: zp_gpt's own export comes back bit for bit (export -> init-from -> export).
-    args = [gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4", "--context",
-            "16", "--ranks", "2", "--steps", "0"]
+    shape = [gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4", "--context",
+             "16"]
+    args = shape + ["--ranks", "2", "--steps", "0"]
     again = os.path.join(work, "again")
     subprocess.run(args + ["--init-from", out, "--export", again], check=True,
                    stdout=subprocess.DEVNULL)
@@ -149,6 +167,48 @@ def check_trained(gpt, work):
     print("a missing tensor, a transposed one, an extra one, another architecture, another "
           "vocabulary: refused")
 
+    # A GPT-2 that transformers saved, fine-tuned from on a 2 x 2 x 2 grid: zp_gpt's loss of the
+    # loaded weights (--steps 0 --eval) on a random text equals transformers' on the same windows
+    # (each of context + 1 characters starting where the last one's targets end; the last one
+    # short, and 3 windows a forward, so one forward is padded).
+    seed = int.from_bytes(os.urandom(4), "little")
+    saved = os.path.join(work, "transformers_saved")
+    model = save_transformers_gpt2(saved, seed, vocab_size=len(byte_of_id), n_positions=64,
+                                   n_embd=32, n_layer=1, n_head=4)
+    eval_text = bytes(rng.choice(byte_of_id, size=61).tolist())
+    eval_path = os.path.join(work, "eval.txt")
+    with open(eval_path, "wb") as f:
+        f.write(eval_text)
+    r = subprocess.run(shape + ["--ranks", "8", "--tp", "2", "--pp", "2", "--micro-batch", "3",
+                                    "--precision", "fp32", "--steps", "0", "--init-from", saved,
+                                    "--eval", eval_path],
+                       check=True, capture_output=True, text=True)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("eval: loss "))
+    loss_zp = float(line.split()[2])
+    ids = [id_of_byte[b] for b in eval_text]
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, 16):
+            window = torch.tensor([ids[start:start + 17]])
+            total += float(model(window, labels=window).loss) * (window.shape[1] - 1)
+    loss_hf = total / (len(ids) - 1)
+    print(f"zp_gpt --init-from a transformers GPT-2 on a 2x2x2 grid, --eval: loss {loss_zp:.7f} "
+          f"(zp), {loss_hf:.7f} (transformers) on {len(ids) - 1} predictions; seed {seed}")
+    assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
+    for content, needle in ((b"abcz", f"--eval {eval_path}: the character 'z' (byte 122) is not "
+                                      "in the training text's vocabulary"),
+                            (b"a", f"--eval {eval_path} is too short: 1 character(s), at least 2"),
+                            (None, f"cannot read --eval text '{eval_path}'")):
+        if content is None:
+            os.remove(eval_path)
+        else:
+            with open(eval_path, "wb") as f:
+                f.write(content)
+        r = subprocess.run(args + ["--eval", eval_path], capture_output=True, text=True)
+        assert r.returncode == 1 and needle in r.stderr, (needle, r.returncode, r.stderr)
+    print("--eval of a text with a character the vocabulary lacks, of 1 character, of no file: "
+          "refused")
+
 
 def main():
     exporter, work = sys.argv[1], sys.argv[2]
@@ -183,12 +243,6 @@ def main():
     err = rel_err(logits, ref)
     print(f"zp's logits against a float64 GPT-2 of Hugging Face's layout: relative error {err:.2e}")
     assert err < 1e-5, err
-    try:
-        import torch
-        from transformers import GPT2LMHeadModel
-    except ImportError:
-        print("transformers/torch not installed here: compared with the numpy GPT-2 only")
-        return
     model = GPT2LMHeadModel.from_pretrained(hf).eval()
     with torch.no_grad():
         out = model(torch.from_numpy(tokens)).logits.double().numpy()
@@ -199,15 +253,11 @@ def main():
     # The other way: a GPT-2 that transformers initialises and saves (tied head, more positions
     # than zp's context), read as zp_gpt --init-from reads it: zp's loss of predicting each next
     # token equals transformers' (labels=tokens) on the same tokens, and so do the logits.
-    from transformers import GPT2Config
-    torch.manual_seed(seed)
     saved = os.path.join(work, "from_transformers")
-    GPT2LMHeadModel(GPT2Config(vocab_size=cfg["vocab_size"], n_positions=4 * c, n_embd=d,
-                               n_layer=cfg["n_layer"], n_head=cfg["n_head"], bos_token_id=None,
-                               eos_token_id=None)).save_pretrained(saved)
+    model = save_transformers_gpt2(saved, seed, vocab_size=cfg["vocab_size"], n_positions=4 * c,
+                                   n_embd=d, n_layer=cfg["n_layer"], n_head=cfg["n_head"])
     again = os.path.join(work, "zp_from_transformers")
     subprocess.run([exporter, again, str(seed), saved], check=True)
-    model = GPT2LMHeadModel.from_pretrained(saved).eval()
     expected = load_file(os.path.join(again, "expected.safetensors"))
     tokens = torch.from_numpy(expected["tokens"].astype(np.int64))
     with torch.no_grad():

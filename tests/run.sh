@@ -8,7 +8,7 @@
 #   tsan  TSan build of the same tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash cmake/install-deps.sh
+bash cmake/install-deps.sh tests
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 # mpiexec as root (containers, CI) must be allowed explicitly.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
