@@ -213,6 +213,7 @@ Fields fields(const Config& c) {
   f["offload_param.nvme_path"] = c.offload_param.nvme_path;
   f["offload_param.buffer_count"] = str(c.offload_param.buffer_count);
   f["sub_group_size"] = str(c.sub_group_size);
+  f["zero_quantized_weights"] = str(c.zero_quantized_weights);
   f["aio.block_size"] = str(c.aio.block_size);
   f["aio.queue_depth"] = str(c.aio.queue_depth);
   std::visit(
@@ -357,6 +358,18 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(zp::ds::describe(cp).find("offload_param: nvme (nvme_path ") != std::string::npos);
 #if defined(ZP_WITH_AIO)
     CHECK(dispatch(cp, 2).ran);  // stage 3, bf16: a step with both on NVMe
+#endif
+    // ZeRO++'s quantized weight gathers: int8 in blocks of 2048
+    CHECK(!ep.quantized_weights);
+    j["zero_optimization"]["zero_quantized_weights"] = true;
+    const Config cq = zp::ds::parse(j, "ds_config.json");
+    const zp::EngineConfig eq = zp::ds::engine_config<zp::bf16>(cq, 2);
+    REQUIRE(eq.quantized_weights);
+    CHECK(eq.quantized_weights->bits == zp::quant::Bits::int8);
+    CHECK(eq.quantized_weights->block == 2048);
+    CHECK(zp::ds::describe(cq).find("zero_quantized_weights 1") != std::string::npos);
+#if defined(ZP_WITH_AIO)
+    CHECK(dispatch(cq, 2).ran);  // quantized gathers of the pieces read from NVMe
 #endif
   }
   SUBCASE("2: bf16, stage 3, WarmupCosineLR, grad_accum_dtype fp32") {
@@ -774,8 +787,11 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": 1, "max_live_parameters": 2}})",
        {"zero_optimization.max_live_parameters: both stage3_max_live_parameters and its alias "
         "max_live_parameters"}},
-      {R"({"train_batch_size": 8, "zero_optimization": {"zero_quantized_weights": true}})",
-       {"zero_optimization.zero_quantized_weights: known DeepSpeed key that zp does not support "
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "zero_quantized_weights": true}})",
+       {"zero_optimization.zero_quantized_weights: quantized weight gathers need stage 3, got "
+        "stage 2"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"zero_quantized_gradients": true}})",
+       {"zero_optimization.zero_quantized_gradients: known DeepSpeed key that zp does not support "
         "(accepted only as false)"}},
       // known DeepSpeed keys zp does not do
       {R"({"train_batch_size": 8, "amp": {"enabled": true}})",
@@ -1286,7 +1302,8 @@ TEST_CASE(
   check_table(d::fp16_keys, "fp16", with(R"({"fp16": {"enabled": true}})"), out);
   check_table(d::bf16_keys, "bf16", batch, out);
   check_table(d::bf16_keys, "bfloat16", batch, out);
-  check_table(d::zero_keys, "zero_optimization", batch, out);
+  check_table(d::zero_keys, "zero_optimization", with(R"({"zero_optimization": {"stage": 3}})"),
+              out);
   check_table(d::offload_keys, "zero_optimization.offload_optimizer", batch, out);
   check_table(d::offload_param_keys, "zero_optimization.offload_param",
               with(R"({"zero_optimization": {"stage": 3}})"), out);

@@ -418,6 +418,122 @@ TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent 
   });
 }
 
+TEST_CASE_TEMPLATE(
+    "quantized weight gathers (qwZ): every rank computes with each piece's int8 round trip, the "
+    "shards stay exact, and the gathers move the quantized bytes",
+    T, float, zp::bf16) {
+  constexpr int N = 3;
+  const zp::quant::Format f{.bits = zp::quant::Bits::int8, .block = 8};
+  std::uint64_t plain_bytes = 0, quantized_bytes = 0;
+  std::vector<float> plain_losses, quantized_losses;
+  double ratio_lo = 1e9, ratio_hi = 0;  // quantized / plain bytes over the modules
+  for (const bool quantized : {false, true})
+    run_threads(N, [&](Collective<Threads>& comm) {
+      Mlp<T> model;
+      EngineConfig cfg = test_config(2, 1);
+      if (quantized) cfg.quantized_weights = f;
+      const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      measured.start();
+      const zp::Layout& L = engine.layout();
+      std::vector<zp::View<T>*> views;
+      zp::visit_parameters<T>(
+          model, [&](std::string_view, int, zp::View<T>& v, zp::View<T>&) { views.push_back(&v); });
+      std::int64_t scratch = 0;  // the records of 4 modules: 2 in flight, 2 kept
+      for (int m = 0; m < L.module_count(); ++m) {
+        std::size_t words = 0, elems = 0;
+        for (int s = L.module(m).first_segment; s < L.module(m).end_segment; ++s) {
+          const std::size_t piece = L.segment(s).piece;
+          words += (piece + 3) / 4 + f.blocks(piece);
+          elems += piece;
+        }
+        scratch = std::max(scratch, std::int64_t(4 * (N + 1) * words * 4));
+        const double ratio = double(words * 4) / double(elems * sizeof(T));
+        ratio_lo = std::min(ratio_lo, ratio);
+        ratio_hi = std::max(ratio_hi, ratio);
+      }
+      const auto same = [](const T& a, const T& b) { return std::memcmp(&a, &b, sizeof(T)) == 0; };
+      std::uint64_t reference_bytes = 0;  // the test's own all_gathers
+      const auto before = comm.stats()[CollOp::all_gather].bytes;
+      for (int t = 0; t < 3; ++t) {
+        // What each guard must see: every rank's exact piece of each segment (gathered here with
+        // a plain all_gather), through quantize -> dequantize, and within the int8 bound of it.
+        std::vector<std::vector<T>> expected(std::size_t(L.segment_count()));
+        for (int s = 0; s < L.segment_count(); ++s) {
+          const auto& g = L.segment(s);
+          std::vector<T> exact(g.size);
+          comm.all_gather(
+              std::span<const T>(
+                  engine.partition().template owned<zp::Field::param>(s, zp::Extent::piece).span),
+              std::span<T>(exact));
+          reference_bytes += exact.size() * sizeof(T);
+          auto& e = expected[std::size_t(s)];
+          e = exact;
+          if (!quantized) continue;
+          for (int r = 0; r < N; ++r) {
+            const auto in = std::span<const T>(exact).subspan(std::size_t(r) * g.piece, g.piece);
+            std::vector<std::uint8_t> codes(f.code_bytes(g.piece));
+            std::vector<float> scales(f.blocks(g.piece));
+            zp::quant::quantize(in, f, std::span(codes), std::span(scales));
+            zp::quant::dequantize(f, std::span<const std::uint8_t>(codes),
+                                  std::span<const float>(scales),
+                                  std::span(e).subspan(std::size_t(r) * g.piece, g.piece));
+            for (std::size_t lo = 0; lo < g.piece; lo += f.block) {  // float64: the int8 bound
+              const std::size_t hi = std::min(g.piece, lo + f.block);
+              double absmax = 0;
+              for (std::size_t i = lo; i < hi; ++i)
+                absmax = std::max(absmax, std::fabs(double(float(in[i]))));
+              for (std::size_t i = lo; i < hi; ++i)
+                REQUIRE(std::fabs(double(float(e[std::size_t(r) * g.piece + i])) -
+                                  double(float(in[i]))) <=
+                        absmax / 254 * (1 + 1e-5) +
+                            (sizeof(T) == 2 ? std::fabs(double(float(in[i]))) / 256 : 0));
+            }
+          }
+        }
+        std::vector<int> labels;
+        model.load((t * N + comm.rank()) * 2, 2, labels);
+        for (int l = 0; l < model.modules(); ++l) {
+          auto guard = engine.forward(l);
+          for (int s = L.module(l).first_segment; s < L.module(l).end_segment; ++s)
+            for (int p : L.segment(s).params) {
+              const auto& info = L.params()[std::size_t(p)];
+              const zp::View<T>& v = *views[std::size_t(p)];
+              for (std::size_t i = 0; i < v.size(); ++i)
+                REQUIRE(
+                    same(v[i], expected[std::size_t(s)][info.offset - L.segment(s).offset + i]));
+            }
+          model.forward(l);
+        }
+        const float loss = model.loss(labels, engine.loss_scale());
+        if (comm.rank() == 0) (quantized ? quantized_losses : plain_losses).push_back(loss);
+        for (int l = model.modules() - 1; l >= 0; --l) {
+          auto guard = engine.backward(l);
+          model.backward(l);
+        }
+        engine.step();
+        // The shard is the optimizer's, untouched by the quantization: T of the master weights.
+        const auto& P = engine.partition();
+        const auto params = P.template buffer<zp::Field::param>();
+        const auto master = P.template buffer<zp::Field::master>();
+        for (std::size_t i = 0; i < params.size(); ++i) REQUIRE(same(params[i], T(master[i])));
+      }
+      measured.check(engine, N, false, scratch);
+      if (comm.rank() == 0)
+        (quantized ? quantized_bytes : plain_bytes) =
+            comm.stats()[CollOp::all_gather].bytes - before - reference_bytes;
+    });
+  // Both runs gather the same modules, the quantized one each as records instead of pieces.
+  INFO("engine's all_gather bytes: plain ", plain_bytes, ", quantized ", quantized_bytes,
+       "; records / pieces per module ", ratio_lo, " to ", ratio_hi);
+  CHECK(plain_bytes > 0);
+  CHECK(double(quantized_bytes) >= ratio_lo * double(plain_bytes));
+  CHECK(double(quantized_bytes) <= ratio_hi * double(plain_bytes));
+  CHECK(quantized_losses.size() == 3);
+  for (std::size_t t = 0; t < quantized_losses.size(); ++t)
+    CHECK(std::fabs(quantized_losses[t] - plain_losses[t]) <= 0.02f * plain_losses[t]);
+}
+
 namespace {
 
 template <int Stage>

@@ -112,6 +112,21 @@ TEST_CASE_TEMPLATE("on mpi every stage agrees with a single-rank run on the same
   }
 }
 
+// ZeRO++'s quantized weight gathers on MPI: the records travel as MPI's 32-bit integers; the
+// training equals the threads backend's with the same ranks (to the reduction order's rounding).
+TEST_CASE_TEMPLATE("on mpi quantized weight gathers train as on the threads backend", T, float,
+                   zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(3, 1);
+  cfg.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 8};
+  std::vector<float> threads;
+  zp::backend::run_threads(comm.size(), [&](Collective<zp::backend::Threads>& c) {
+    auto out = train<T, 3>(c, close_steps, 1, 3, &cfg, true);
+    if (c.rank() == 0) threads = std::move(out);
+  });
+  check_close<T>(threads, train<T, 3>(comm, close_steps, 1, 3, &cfg, true));
+}
+
 #if defined(ZP_WITH_AIO)
 // ZeRO-Infinity on MPI: each process's optimizer state (at stage 3 its parameter shard too) in
 // its own swap files, bitwise the same training as in host memory.

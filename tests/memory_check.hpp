@@ -31,9 +31,10 @@ struct MeasuredMemory {
   // Every byte the engine holds is in its report, the report's model states are the ZeRO
   // formula's for `ranks` (unless the gradients have an fp32 copy, which the formula leaves out),
   // and training never held more than the model states, the buckets and, at stage 3, the
-  // live-parameter cap, the persistent modules and the (at most 2) cached gather buffers.
+  // live-parameter cap, the persistent modules and the (at most 2) cached gather buffers, plus
+  // `scratch` bytes the caller expects on top (stage 3's quantized gathers: their records).
   template <class E>
-  void check(const E& engine, int ranks, bool fp32_grads = false) const {
+  void check(const E& engine, int ranks, bool fp32_grads = false, std::int64_t scratch = 0) const {
     using T = typename E::value_type;
     const MemoryReport mem = engine.memory();
     const MemoryUse use = memory_use<S>();
@@ -53,7 +54,8 @@ struct MeasuredMemory {
       CHECK(mem.model_states() ==
             zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T),
                                    optim::state_slots<typename E::optimizer_type>));
-    std::int64_t bound = std::int64_t(mem.model_states() + mem.buckets) - offloaded + stats;
+    std::int64_t bound =
+        std::int64_t(mem.model_states() + mem.buckets) - offloaded + stats + scratch;
     if constexpr (E::stage == 3) {
       std::size_t largest = 0;
       for (int m = 0; m < L.module_count(); ++m) largest = std::max(largest, L.module(m).size);

@@ -138,6 +138,9 @@ struct Config {
   OffloadOptimizer offload_optimizer{};
   OffloadParam offload_param{};
   std::uint64_t sub_group_size = 1'000'000'000;  // zero_optimization.sub_group_size (NVMe swap)
+  // zero_optimization.zero_quantized_weights (ZeRO++'s qwZ, stage 3): EngineConfig's
+  // quantized_weights, int8 in blocks of 2048.
+  bool zero_quantized_weights = false;
   AioSection aio{};
 
   // The "optimizer" section; without one, DeepSpeed's Adam defaults (AdamW, lr 1e-3, betas
@@ -338,6 +341,9 @@ inline constexpr ConfigKey zero_keys[] = {
         "stage3_max_live_parameters", count(1'000'000'000),
         [](auto& c) -> auto& { return c.engine.max_live_params; })
         .or_alias("max_live_parameters"),
+    ConfigKey::read(
+        "zero_quantized_weights", boolean(false),
+        [](auto& c) -> auto& { return c.zero_quantized_weights; }),
     ConfigKey::object<offload_keys>(
         "offload_optimizer", [](auto& c) -> auto& { return c.offload_optimizer; })
         .or_null(),
@@ -372,7 +378,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::unsupported("elastic_checkpoint", Off::is_false),
     ConfigKey::unsupported("legacy_stage1", Off::is_false),
     ConfigKey::unsupported("zero_hpz_partition_size", Off::number, 1),
-    ConfigKey::unsupported("zero_quantized_weights", Off::is_false),
     ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
     ConfigKey::unsupported("zero_quantized_gradients", Off::is_false),
     ConfigKey::unsupported("mics_shard_size", Off::number, -1),
@@ -703,6 +708,10 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
     c.fail(join(path, "offload_param.device"),
            "offloading the parameters needs stage 3, got stage ", cfg.stage,
            " (below it every rank keeps all of them)");
+  if (cfg.zero_quantized_weights && cfg.stage != 3)
+    c.fail(join(path, "zero_quantized_weights"),
+           "quantized weight gathers need stage 3, got stage ", cfg.stage,
+           " (below it no parameters are gathered)");
   cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
 }
 
@@ -1031,7 +1040,8 @@ inline std::string describe(const Config& c) {
   out +=
       cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
           ", param_persistence_threshold ", c.engine.persist_threshold, ", prefetch_bucket_size ",
-          c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off", ")\n");
+          c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off",
+          "), zero_quantized_weights ", c.zero_quantized_weights, "\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
   out += cat("  offload_param: ", detail::ds_name(c.offload_param.device),
              c.offload_param.device == OffloadDevice::nvme
@@ -1115,6 +1125,8 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                .sub_group_size = std::size_t(c.sub_group_size),
                                .queue_depth = unsigned(c.aio.queue_depth),
                                .block_size = std::size_t(c.aio.block_size)};
+  if (c.zero_quantized_weights)
+    e.quantized_weights = quant::Format{.bits = quant::Bits::int8, .block = 2048};
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =

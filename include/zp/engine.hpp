@@ -113,6 +113,10 @@ class Engine {
               "engine: offloading the parameters needs ZeRO stage 3 (below it every rank keeps "
               "all of them), got stage ",
               Stage);
+    ZP_EXPECT(!config_.quantized_weights || Stage == 3,
+              "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
+              "it no parameters are gathered), got stage ",
+              Stage);
     ZP_EXPECT(!config_.offload_param || S == MemorySpace::host,
               "engine: offload_param to cpu is not implemented for device backends yet (the "
               "host backends keep the parameters in host memory anyway)");
@@ -127,7 +131,8 @@ class Engine {
     bind_views(part_, bound_);
     if constexpr (Stage == 3)
       params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values),
-                      config_.persist_threshold, config_.max_live_params);
+                      config_.persist_threshold, config_.max_live_params,
+                      config_.quantized_weights);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now

@@ -78,8 +78,9 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", loss scaler kind ", int(ls.kind()), ", scale ", ls.scale(), ")"),
       detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
                   ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch,
-                  ", bucket_slots=", c.bucket_slots,
-                  ", broadcast_initial_params=", c.broadcast_initial_params, ")"),
+                  ", bucket_slots=", c.bucket_slots, ", broadcast_initial_params=",
+                  c.broadcast_initial_params, ", quantized weights block ",
+                  c.quantized_weights ? c.quantized_weights->block : 0, ")"),
       // The NVMe step adds an agreement to every step: all ranks or none.
       detail::cat("optimizer state or parameters on NVMe (this rank: ",
                   c.optimizer_nvme ? "state" : "no state", ", ",
@@ -98,7 +99,8 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           .value(),
       detail::Fnv1a()
           .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
-               c.broadcast_initial_params)
+               c.broadcast_initial_params,
+               c.quantized_weights ? c.quantized_weights->block : std::size_t(0))
           .value(),
       detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value()};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));

@@ -17,6 +17,7 @@
 #include "zp/layout.hpp"
 #include "zp/optim/cpu.hpp"
 #include "zp/precision.hpp"
+#include "zp/quantize.hpp"
 
 namespace zp {
 
@@ -123,6 +124,12 @@ struct EngineConfig {
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
   int prefetch = 1;
+  // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, host backends): the parameter
+  // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
+  // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every
+  // rank computes with the same dequantized weights, while shards, master weights and optimizer
+  // state stay exact. zero_quantized_weights: true gives {int8, 2048}.
+  std::optional<quant::Format> quantized_weights = std::nullopt;
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)

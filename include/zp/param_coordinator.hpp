@@ -9,10 +9,19 @@
 // module of at most persist_threshold elements is persistent: gathered once, it stays until the
 // shards change. A prefetch never evicts; a gather evicts unused modules first, and fails,
 // naming the numbers, when modules in use leave no room.
+//
+// Quantized weights (ZeRO++'s qwZ): each rank sends its pieces as int8 codes with one fp32 scale
+// per block (quantize.hpp) instead of T, and every rank dequantizes every rank's piece, its own
+// too, so all ranks compute with the same weights; the shards (and master weights) stay exact.
+// A piece travels as one record of 32-bit words, its codes (padded to a word) then its scales,
+// so a segment still takes one all_gather.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -23,6 +32,7 @@
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
 #include "zp/partition.hpp"
+#include "zp/quantize.hpp"
 #include "zp/step_timer.hpp"
 
 namespace zp {
@@ -33,14 +43,23 @@ class ParamCoordinator {
   using Work = typename Collective<B>::Work;
 
  public:
-  // values: the model's value views, by parameter index. Everything passed must outlive this.
+  // values: the model's value views, by parameter index; quantized: qwZ's format (host memory
+  // only), or none. Everything passed must outlive this.
   ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
                    std::span<View<T>* const> values, std::size_t persist_threshold,
-                   std::size_t max_live_params)
+                   std::size_t max_live_params,
+                   std::optional<quant::Format> quantized = std::nullopt)
       : comm_(&comm),
         part_(&part),
         values_(values),
+        quant_(quantized),
         mods_(std::size_t(part.layout().module_count())) {
+    if (quant_) {
+      quant_->check();
+      ZP_EXPECT(S == MemorySpace::host && quant_->bits == quant::Bits::int8,
+                "engine: quantized weight gathers are int8, in host memory (device backends: not "
+                "implemented yet)");
+    }
     const Layout& L = part.layout();
     std::size_t largest = 0;
     for (int m = 0; m < L.module_count(); ++m) {
@@ -73,6 +92,7 @@ class ParamCoordinator {
       waited = StepTimer::seconds(t, StepTimer::Clock::now());
       st.works.clear();
       keep(staged_spare_, std::move(st.staged));  // the gathers read it; they are done
+      if (quant_) dequantize(m);
       st.state = State::gathered;
       bind(m, st.buffer.data());
     }
@@ -109,6 +129,7 @@ class ParamCoordinator {
     r.persistent = persistent_live_ * sizeof(T);
     for (const auto& b : spare_) r.gather_cache += b.bytes();
     for (const auto& b : staged_spare_) r.gather_cache += b.bytes();
+    for (const auto& b : packed_spare_) r.gather_cache += b.bytes();
   }
 
  private:
@@ -118,9 +139,23 @@ class ParamCoordinator {
     bool persistent = false;
     int uses = 0;  // guards on it not ended yet
     Buffer<T, S> buffer;
-    Buffer<T, S> staged;      // parameters on NVMe: this rank's pieces, the gathers' input
+    Buffer<T, S> staged;  // parameters on NVMe: this rank's pieces, the gathers' input
+    // qwZ: this rank's records (one per segment), then every rank's, segment after segment
+    Buffer<std::int32_t, S> packed;
     std::vector<Work> works;  // after the buffers: destroyed (so waited for) before them
   };
+
+  // qwZ: a piece of n elements as 32-bit words: its int8 codes, padded, then its fp32 scales.
+  std::size_t code_words(std::size_t n) const { return (quant_->code_bytes(n) + 3) / 4; }
+  std::size_t record_words(std::size_t n) const { return code_words(n) + quant_->blocks(n); }
+  // The words of module m's records on this rank (the gathered ones: comm size times as many).
+  std::size_t records_words(int m) const {
+    std::size_t w = 0;
+    const auto& mod = layout().module(m);
+    for (int s = mod.first_segment; s < mod.end_segment; ++s)
+      w += record_words(layout().segment(s).piece);
+    return w;
+  }
 
   const Layout& layout() const noexcept { return part_->layout(); }
 
@@ -139,16 +174,57 @@ class ParamCoordinator {
       st.staged = take(staged_spare_, n, "engine: a module's parameter pieces read from NVMe");
       part_->read_param_pieces(mod.first_segment, mod.end_segment, st.staged.span());
     }
+    const std::size_t ranks = std::size_t(comm_->size()), mine = quant_ ? records_words(m) : 0;
+    if (quant_) st.packed = take(packed_spare_, (ranks + 1) * mine, "engine: quantized gathers");
+    std::size_t local = 0, gathered = mine;  // qwZ: where the segment's records go
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
       const std::span<const T> piece =
           part_->param_swap()
               ? std::span<const T>(st.staged.span(std::exchange(staged, staged + g.piece), g.piece))
               : std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span);
-      st.works.push_back(
-          comm_->all_gather_async(piece, st.buffer.span(g.offset - mod.offset, g.size)));
+      if (!quant_) {
+        st.works.push_back(
+            comm_->all_gather_async(piece, st.buffer.span(g.offset - mod.offset, g.size)));
+        continue;
+      }
+      const std::size_t words = record_words(g.piece);
+      const std::span<std::int32_t> record = st.packed.span(local, words);
+      scales_.resize(quant_->blocks(g.piece));
+      std::fill_n(record.data(), code_words(g.piece), 0);  // the padding too: no stale bytes sent
+      quant::quantize(
+          piece, *quant_,
+          std::span(reinterpret_cast<std::uint8_t*>(record.data()), quant_->code_bytes(g.piece)),
+          std::span<float>(scales_));
+      std::memcpy(record.data() + code_words(g.piece), scales_.data(), scales_.size() * 4);
+      st.works.push_back(comm_->all_gather_async(std::span<const std::int32_t>(record),
+                                                 st.packed.span(gathered, ranks * words)));
+      local += words;
+      gathered += ranks * words;
     }
     st.state = State::gathering;
+  }
+
+  // qwZ: module m's gathered records (its gathers done) -> its buffer, every rank's piece.
+  void dequantize(int m) {
+    Module& st = mods_[std::size_t(m)];
+    const auto& mod = layout().module(m);
+    std::size_t at = records_words(m);
+    for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+      const auto& g = layout().segment(s);
+      const std::size_t codes = code_words(g.piece), blocks = quant_->blocks(g.piece);
+      scales_.resize(blocks);
+      for (int r = 0; r < comm_->size(); ++r, at += codes + blocks) {
+        const std::int32_t* record = st.packed.data() + at;
+        std::memcpy(scales_.data(), record + codes, blocks * 4);
+        quant::dequantize(
+            *quant_,
+            std::span(reinterpret_cast<const std::uint8_t*>(record), quant_->code_bytes(g.piece)),
+            std::span<const float>(scales_),
+            st.buffer.span(g.offset - mod.offset + std::size_t(r) * g.piece, g.piece));
+      }
+    }
+    keep(packed_spare_, std::move(st.packed));
   }
 
   // Makes room for `need` more live elements by releasing gathered modules nobody uses.
@@ -166,6 +242,7 @@ class ParamCoordinator {
     for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
     st.works.clear();
     keep(staged_spare_, std::move(st.staged));
+    keep(packed_spare_, std::move(st.packed));
     bind(m, nullptr);
     (st.persistent ? persistent_live_ : live_) -= layout().module(m).size;
     keep(spare_, std::move(st.buffer));
@@ -174,21 +251,23 @@ class ParamCoordinator {
 
   // Released buffers kept for the next gathers (at most 2 a pool): re-allocating them every time
   // costs page faults (host) or allocator calls (device) on every module of every step.
-  static void keep(std::vector<Buffer<T, S>>& pool, Buffer<T, S>&& b) {
+  template <class U>
+  static void keep(std::vector<Buffer<U, S>>& pool, Buffer<U, S>&& b) {
     if (b.size() > 0 && pool.size() < 2) pool.push_back(std::move(b));
-    b = Buffer<T, S>();
+    b = Buffer<U, S>();
   }
 
-  static Buffer<T, S> take(std::vector<Buffer<T, S>>& pool, std::size_t n, const char* what) {
+  template <class U>
+  static Buffer<U, S> take(std::vector<Buffer<U, S>>& pool, std::size_t n, const char* what) {
     for (auto& b : pool)
       if (b.size() == n) {
-        Buffer<T, S> out = std::move(b);
+        Buffer<U, S> out = std::move(b);
         b = std::move(pool.back());
         pool.pop_back();
         return out;
       }
     if (pool.size() >= 2) pool.erase(pool.begin());  // sizes that do not match: drop the oldest
-    return Buffer<T, S>(n, what);
+    return Buffer<U, S>(n, what);
   }
 
   void bind(int m, T* base) {
@@ -203,9 +282,12 @@ class ParamCoordinator {
   Collective<B>* comm_;
   const Partitioned<T, 3, S>* part_;
   std::span<View<T>* const> values_;
-  std::vector<Buffer<T, S>> spare_;         // released gather buffers kept for reuse
-  std::vector<Buffer<T, S>> staged_spare_;  // ... and released NVMe staging buffers
-  std::vector<Module> mods_;                // after the pools: its in-flight gathers end first
+  std::vector<Buffer<T, S>> spare_;                    // released gather buffers kept for reuse
+  std::vector<Buffer<T, S>> staged_spare_;             // ... and released NVMe staging buffers
+  std::vector<Buffer<std::int32_t, S>> packed_spare_;  // ... and qwZ's records
+  std::optional<quant::Format> quant_;
+  std::vector<float> scales_;  // qwZ: one piece's scales, in and out of a record
+  std::vector<Module> mods_;   // after the pools: its in-flight gathers end first
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
 };
 

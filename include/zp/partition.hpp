@@ -43,7 +43,7 @@ struct MemoryReport {
   std::size_t gathered = 0;         // stage 3: gathered parameters live now
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
-  std::size_t gather_cache = 0;     // stage 3: released gather and NVMe staging buffers kept
+  std::size_t gather_cache = 0;     // stage 3: released gather, NVMe and qwZ buffers kept
   std::size_t offloaded =
       0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
   std::size_t nvme =
