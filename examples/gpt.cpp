@@ -158,7 +158,7 @@ Options parse(int argc, char** argv) {
           return false;
         return true;
       },
-      {"--resume", "--wall-clock-breakdown"});
+      examples::run_switches);
   examples::check_run_flags(program, o);
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -35,7 +36,12 @@ struct RunFlags {
   std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
   bool resume = false, breakdown = false;
+  bool quantized_weights = false;  // --zero-quantized-weights (EngineConfig::quantized_weights)
 };
+
+// RunFlags' flags that take no value (examples::parse_args' switches).
+inline constexpr std::initializer_list<const char*> run_switches = {
+    "--resume", "--wall-clock-breakdown", "--zero-quantized-weights"};
 
 // The usage lines of RunFlags' flags (Program::more).
 inline constexpr const char* run_usage =
@@ -57,6 +63,8 @@ inline constexpr const char* run_usage =
     "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
     "batch\n"
     "                     keys are filled from --micro-batch and --accum\n"
+    "  --zero-quantized-weights  stage 3: gather the parameters as int8 with a scale per 2048\n"
+    "                     (ZeRO++'s qwZ; in a --config: zero_quantized_weights)\n"
     "  --help             this text\n";
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
@@ -66,6 +74,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.resume = true;
   else if (a == "--wall-clock-breakdown")
     o.breakdown = true;
+  else if (a == "--zero-quantized-weights")
+    o.quantized_weights = true;
   else if (a == "--save-every")
     o.save_every = to_int(p, a, v, 1, 10000000);
   else if (a == "--checkpoint-dir")
@@ -84,6 +94,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
 inline void check_run_flags(const Program& p, const RunFlags& o) {
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
     bad(p, "--save-every and --resume need --checkpoint-dir");
+  if (o.quantized_weights && !o.config.empty())
+    bad(p, "--zero-quantized-weights with --config: set zero_quantized_weights in the config");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad(p, std::string("this ") + p.name +
@@ -115,6 +127,7 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
   };
   ec.optimizer_nvme = nvme(t.nvme);
   ec.param_nvme = nvme(t.param_nvme);
+  if (r.quantized_weights) ec.quantized_weights = zp::zero_quantized_weights;
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
@@ -157,7 +170,12 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
     return;
   }
 #endif
-  (void)p, (void)dp, (void)lead;
+  (void)dp;
+  if (lead && r.quantized_weights)
+    std::printf(
+        "%s: stage 3's parameter gathers quantized to int8, a scale per %zu values "
+        "(ZeRO++ qwZ)\n",
+        p.name, zp::zero_quantized_weights.block);
   zp::dispatch(t.dtype(), t.stage,
                [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
                  f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),

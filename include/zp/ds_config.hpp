@@ -139,7 +139,7 @@ struct Config {
   OffloadParam offload_param{};
   std::uint64_t sub_group_size = 1'000'000'000;  // zero_optimization.sub_group_size (NVMe swap)
   // zero_optimization.zero_quantized_weights (ZeRO++'s qwZ, stage 3): EngineConfig's
-  // quantized_weights, int8 in blocks of 2048.
+  // quantized_weights = zp::zero_quantized_weights (int8 in blocks of 2048).
   bool zero_quantized_weights = false;
   AioSection aio{};
 
@@ -1125,8 +1125,7 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                .sub_group_size = std::size_t(c.sub_group_size),
                                .queue_depth = unsigned(c.aio.queue_depth),
                                .block_size = std::size_t(c.aio.block_size)};
-  if (c.zero_quantized_weights)
-    e.quantized_weights = quant::Format{.bits = quant::Bits::int8, .block = 2048};
+  if (c.zero_quantized_weights) e.quantized_weights = zero_quantized_weights;
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =

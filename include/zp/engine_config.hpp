@@ -109,6 +109,9 @@ inline BatchConfig resolve_batch(BatchConfig b, int ranks) {
   return r;
 }
 
+// qwZ's format when a ds_config (or a trainer's flag) turns it on: int8, a scale per 2048 values.
+inline constexpr quant::Format zero_quantized_weights{.bits = quant::Bits::int8, .block = 2048};
+
 struct EngineConfig {
   BatchConfig batch{.micro_batch_per_rank = 1};
   // Gradient bucket size (DDP uses 25 MiB; DeepSpeed's 5e8 elements is its top memory
@@ -128,7 +131,7 @@ struct EngineConfig {
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
   // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every
   // rank computes with the same dequantized weights, while shards, master weights and optimizer
-  // state stay exact. zero_quantized_weights: true gives {int8, 2048}.
+  // state stay exact. ds_config's zero_quantized_weights: true gives zero_quantized_weights.
   std::optional<quant::Format> quantized_weights = std::nullopt;
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
