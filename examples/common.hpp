@@ -280,6 +280,7 @@ inline void print_memory(const zp::MemoryReport& m) {
     std::printf(
         "        of which on NVMe (ZeRO-Infinity): %.3f MiB, through %.3f MiB of host buffers\n",
         mib(m.nvme), mib(m.swap_buffers));
+  if (m.secondary) std::printf("        secondary shards (hpZ): %.3f MiB\n", mib(m.secondary));
   // The process's peaks (all ranks of this process), from /proc/self/status, in MiB.
   std::ifstream status("/proc/self/status");
   double rss = 0, vm = 0;

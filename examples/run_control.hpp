@@ -37,6 +37,7 @@ struct RunFlags {
   int save_every = 0;
   bool resume = false, breakdown = false;
   bool quantized_weights = false;  // --zero-quantized-weights (EngineConfig::quantized_weights)
+  int hpz = 1;                     // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
 };
 
 // RunFlags' flags that take no value (examples::parse_args' switches).
@@ -65,6 +66,9 @@ inline constexpr const char* run_usage =
     "                     keys are filled from --micro-batch and --accum\n"
     "  --zero-quantized-weights  stage 3: gather the parameters as int8 with a scale per 2048\n"
     "                     (ZeRO++'s qwZ; in a --config: zero_quantized_weights)\n"
+    "  --zero-hpz-partition-size N  stage 3: also keep 1/N of each gathered module, so gathers\n"
+    "                     after a module's first of a step stay among N consecutive data-parallel\n"
+    "                     ranks (ZeRO++'s hpZ; a --config: zero_hpz_partition_size) (default 1)\n"
     "  --help             this text\n";
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
@@ -76,6 +80,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.breakdown = true;
   else if (a == "--zero-quantized-weights")
     o.quantized_weights = true;
+  else if (a == "--zero-hpz-partition-size")
+    o.hpz = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--save-every")
     o.save_every = to_int(p, a, v, 1, 10000000);
   else if (a == "--checkpoint-dir")
@@ -94,8 +100,10 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
 inline void check_run_flags(const Program& p, const RunFlags& o) {
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
     bad(p, "--save-every and --resume need --checkpoint-dir");
-  if (o.quantized_weights && !o.config.empty())
-    bad(p, "--zero-quantized-weights with --config: set zero_quantized_weights in the config");
+  if ((o.quantized_weights || o.hpz > 1) && !o.config.empty())
+    bad(p,
+        "--zero-quantized-weights and --zero-hpz-partition-size with --config: set "
+        "zero_quantized_weights and zero_hpz_partition_size in the config");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad(p, std::string("this ") + p.name +
@@ -128,6 +136,7 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
   ec.optimizer_nvme = nvme(t.nvme);
   ec.param_nvme = nvme(t.param_nvme);
   if (r.quantized_weights) ec.quantized_weights = zp::zero_quantized_weights;
+  ec.hpz_partition_size = r.hpz;
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
@@ -176,6 +185,9 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
         "%s: stage 3's parameter gathers quantized to int8, a scale per %zu values "
         "(ZeRO++ qwZ)\n",
         p.name, zp::zero_quantized_weights.block);
+  if (lead && r.hpz > 1)
+    std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
+                r.hpz);
   zp::dispatch(t.dtype(), t.stage,
                [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
                  f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),

@@ -214,6 +214,7 @@ Fields fields(const Config& c) {
   f["offload_param.buffer_count"] = str(c.offload_param.buffer_count);
   f["sub_group_size"] = str(c.sub_group_size);
   f["zero_quantized_weights"] = str(c.zero_quantized_weights);
+  f["engine.hpz_partition_size"] = str(c.engine.hpz_partition_size);
   f["aio.block_size"] = str(c.aio.block_size);
   f["aio.queue_depth"] = str(c.aio.queue_depth);
   std::visit(
@@ -368,6 +369,12 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(eq.quantized_weights->bits == zp::quant::Bits::int8);
     CHECK(eq.quantized_weights->block == 2048);
     CHECK(zp::ds::describe(cq).find("zero_quantized_weights 1") != std::string::npos);
+    // ... and hpZ's secondary partition over 2 ranks a node
+    CHECK(eq.hpz_partition_size == 1);
+    j["zero_optimization"]["zero_hpz_partition_size"] = 2;
+    const Config ch = zp::ds::parse(j, "ds_config.json");
+    CHECK(zp::ds::engine_config<zp::bf16>(ch, 2).hpz_partition_size == 2);
+    CHECK(zp::ds::describe(ch).find("zero_hpz_partition_size 2") != std::string::npos);
 #if defined(ZP_WITH_AIO)
     CHECK(dispatch(cq, 2).ran);  // quantized gathers of the pieces read from NVMe
 #endif
@@ -790,6 +797,11 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "zero_quantized_weights": true}})",
        {"zero_optimization.zero_quantized_weights: quantized weight gathers need stage 3, got "
         "stage 2"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 4}})",
+       {"zero_optimization.zero_hpz_partition_size: a secondary partition needs stage 3, got "
+        "stage 1"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})",
+       {"zero_optimization.zero_hpz_partition_size: expected a positive integer (ranks per node)"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"zero_quantized_gradients": true}})",
        {"zero_optimization.zero_quantized_gradients: known DeepSpeed key that zp does not support "
         "(accepted only as false)"}},

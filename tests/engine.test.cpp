@@ -534,6 +534,80 @@ TEST_CASE_TEMPLATE(
     CHECK(std::fabs(quantized_losses[t] - plain_losses[t]) <= 0.02f * plain_losses[t]);
 }
 
+TEST_CASE_TEMPLATE(
+    "a secondary partition (hpZ) trains bitwise as without it, runs the later gathers inside "
+    "the node and keeps 1/hpz of the modules",
+    T, float, zp::bf16) {
+  for (const bool quantized : {false, true}) {
+    CAPTURE(quantized);
+    auto cfg = test_config(2, 2);  // accumulation: later micro-batches gather the modules again
+    if (quantized)
+      cfg.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 8};
+    const auto plain = train<T, 3>(4, 3, 2, 2, cfg);
+    cfg.hpz_partition_size = 2;
+    const auto hpz = train<T, 3>(4, 3, 2, 2, cfg);
+    CHECK(bitwise_equal(hpz.params, plain.params));
+    CHECK(bitwise_equal(hpz.master, plain.master));
+    CHECK(bitwise_equal(hpz.m, plain.m));
+    CHECK(bitwise_equal(hpz.v, plain.v));
+    CHECK(bitwise_equal(hpz.losses, plain.losses));
+  }
+  // The same gathers, counted: each module's first gather of a step over all 4 ranks, the rest
+  // inside the node; the secondary shards in the report and the allocator.
+  std::uint64_t plain_bytes = 0, all_bytes = 0, node_bytes = 0, first_bytes = 0;
+  for (const int hpz : {1, 2})
+    run_threads(4, [&](Collective<Threads>& comm) {
+      Mlp<T> model;
+      auto cfg = test_config(2, 2);
+      cfg.hpz_partition_size = hpz;
+      const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      measured.start();
+      REQUIRE((engine.hpz_group() != nullptr) == (hpz == 2));
+      const auto before = comm.stats()[CollOp::all_gather].bytes;
+      for (int t = 0; t < 4; ++t) zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
+      const auto gathered = comm.stats()[CollOp::all_gather].bytes - before;
+      measured.check(engine, 4);
+      const zp::Layout& L = engine.layout();
+      std::size_t modules = 0;  // every module's elements, padded
+      for (int m = 0; m < L.module_count(); ++m) modules += L.module(m).size;
+      CHECK(engine.memory().secondary == (hpz == 2 ? modules / 2 * sizeof(T) : 0));
+      if (comm.rank() != 0) return;
+      if (hpz == 1) {
+        plain_bytes = gathered;
+      } else {
+        all_bytes = gathered;
+        node_bytes = engine.hpz_group()->stats()[CollOp::all_gather].bytes;
+        first_bytes = 2 * modules * sizeof(T);  // 2 steps, each module once over all ranks
+      }
+    });
+  INFO("all_gather bytes: without hpZ ", plain_bytes, "; with: ", all_bytes, " over all ranks, ",
+       node_bytes, " inside the node");
+  CHECK(all_bytes == first_bytes);
+  CHECK(all_bytes + node_bytes == plain_bytes);
+  CHECK(node_bytes > all_bytes);
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(3, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          auto cfg = test_config(2, 1);
+          cfg.hpz_partition_size = 2;
+          zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+        });
+      },
+      {"hpz_partition_size 2 does not divide the 3 data-parallel ranks"});
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(2, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          auto cfg = test_config(2, 1);
+          cfg.hpz_partition_size = 2;
+          zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+        });
+      },
+      {"secondary partition (zero_hpz_partition_size 2) needs ZeRO stage 3", "got stage 2"});
+}
+
 namespace {
 
 template <int Stage>

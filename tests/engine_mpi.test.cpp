@@ -127,6 +127,19 @@ TEST_CASE_TEMPLATE("on mpi quantized weight gathers train as on the threads back
   check_close<T>(threads, train<T, 3>(comm, close_steps, 1, 3, &cfg, true));
 }
 
+// ZeRO++'s secondary partition on MPI (2 processes a node; at 2 processes the node is the world):
+// the node's gathers on MPI's split communicator, bitwise the training without it.
+TEST_CASE_TEMPLATE("on mpi a secondary partition (hpZ) trains bitwise as without it", T, float,
+                   zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(2, 2);
+  const auto plain = train<T, 3>(comm, close_steps, 2, 2, &cfg, true);
+  cfg.hpz_partition_size = 2;
+  const auto hpz = train<T, 3>(comm, close_steps, 2, 2, &cfg, true);
+  REQUIRE(plain.size() == hpz.size());
+  CHECK(std::memcmp(plain.data(), hpz.data(), plain.size() * sizeof(float)) == 0);
+}
+
 #if defined(ZP_WITH_AIO)
 // ZeRO-Infinity on MPI: each process's optimizer state (at stage 3 its parameter shard too) in
 // its own swap files, bitwise the same training as in host memory.

@@ -47,15 +47,16 @@ struct MeasuredMemory {
     const std::int64_t held = use.current - base, peak = use.peak - base;
     INFO("stage ", E::stage, ": allocator holds ", held, " bytes (peak in training ", peak,
          "), report total ", mem.total(), ", model states ", mem.model_states());
-    CHECK(held == std::int64_t(mem.model_states() + mem.buckets + mem.gathered + mem.gather_cache) -
+    CHECK(held == std::int64_t(mem.model_states() + mem.buckets + mem.gathered + mem.gather_cache +
+                               mem.secondary) -
                       offloaded + stats);
     const auto& L = engine.layout();
     if (!fp32_grads)
       CHECK(mem.model_states() ==
             zero_model_state_bytes(E::stage, L.total(), ranks, sizeof(T),
                                    optim::state_slots<typename E::optimizer_type>));
-    std::int64_t bound =
-        std::int64_t(mem.model_states() + mem.buckets) - offloaded + stats + scratch;
+    std::int64_t bound = std::int64_t(mem.model_states() + mem.buckets + mem.secondary) -
+                         offloaded + stats + scratch;
     if constexpr (E::stage == 3) {
       std::size_t largest = 0;
       for (int m = 0; m < L.module_count(); ++m) largest = std::max(largest, L.module(m).size);

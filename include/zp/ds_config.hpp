@@ -342,6 +342,9 @@ inline constexpr ConfigKey zero_keys[] = {
         [](auto& c) -> auto& { return c.engine.max_live_params; })
         .or_alias("max_live_parameters"),
     ConfigKey::read(
+        "zero_hpz_partition_size", integer(1, 1, 1 << 20, "a positive integer (ranks per node)"),
+        [](auto& c) -> auto& { return c.engine.hpz_partition_size; }),
+    ConfigKey::read(
         "zero_quantized_weights", boolean(false),
         [](auto& c) -> auto& { return c.zero_quantized_weights; }),
     ConfigKey::object<offload_keys>(
@@ -377,7 +380,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::unsupported("cpu_offload_use_pin_memory", Off::is_false),
     ConfigKey::unsupported("elastic_checkpoint", Off::is_false),
     ConfigKey::unsupported("legacy_stage1", Off::is_false),
-    ConfigKey::unsupported("zero_hpz_partition_size", Off::number, 1),
     ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
     ConfigKey::unsupported("zero_quantized_gradients", Off::is_false),
     ConfigKey::unsupported("mics_shard_size", Off::number, -1),
@@ -708,6 +710,9 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
     c.fail(join(path, "offload_param.device"),
            "offloading the parameters needs stage 3, got stage ", cfg.stage,
            " (below it every rank keeps all of them)");
+  if (cfg.engine.hpz_partition_size > 1 && cfg.stage != 3)
+    c.fail(join(path, "zero_hpz_partition_size"), "a secondary partition needs stage 3, got stage ",
+           cfg.stage, " (below it no parameters are gathered)");
   if (cfg.zero_quantized_weights && cfg.stage != 3)
     c.fail(join(path, "zero_quantized_weights"),
            "quantized weight gathers need stage 3, got stage ", cfg.stage,
@@ -1037,11 +1042,11 @@ inline std::string describe(const Config& c) {
   out += cat("  precision: ", precision, "\n");
   out +=
       cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
-  out +=
-      cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
-          ", param_persistence_threshold ", c.engine.persist_threshold, ", prefetch_bucket_size ",
-          c.prefetch_bucket_size, " (prefetch ", c.engine.prefetch ? "on" : "off",
-          "), zero_quantized_weights ", c.zero_quantized_weights, "\n");
+  out += cat(
+      "  stage 3: max_live_parameters ", c.engine.max_live_params, ", param_persistence_threshold ",
+      c.engine.persist_threshold, ", prefetch_bucket_size ", c.prefetch_bucket_size, " (prefetch ",
+      c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ", c.zero_quantized_weights,
+      ", zero_hpz_partition_size ", c.engine.hpz_partition_size, "\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
   out += cat("  offload_param: ", detail::ds_name(c.offload_param.device),
              c.offload_param.device == OffloadDevice::nvme

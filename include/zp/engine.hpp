@@ -113,6 +113,9 @@ class Engine {
               "engine: offloading the parameters needs ZeRO stage 3 (below it every rank keeps "
               "all of them), got stage ",
               Stage);
+    ZP_EXPECT(config_.hpz_partition_size == 1 || Stage == 3,
+              "engine: a secondary partition (zero_hpz_partition_size ", config_.hpz_partition_size,
+              ") needs ZeRO stage 3 (below it no parameters are gathered), got stage ", Stage);
     ZP_EXPECT(!config_.quantized_weights || Stage == 3,
               "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
               "it no parameters are gathered), got stage ",
@@ -129,10 +132,16 @@ class Engine {
     load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params);
     bind_views(part_, bound_);
-    if constexpr (Stage == 3)
+    if constexpr (Stage == 3) {
+      if (const int h = config_.hpz_partition_size; h > 1) {
+        ZP_EXPECT(comm.size() % h == 0, "engine: hpz_partition_size ", h, " does not divide the ",
+                  comm.size(), " data-parallel ranks");
+        node_.emplace(comm.split(comm.rank() / h, comm.rank() % h));
+      }
       params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values),
-                      config_.persist_threshold, config_.max_live_params,
-                      config_.quantized_weights);
+                      config_.persist_threshold, config_.max_live_params, config_.quantized_weights,
+                      node_ ? &*node_ : nullptr);
+    }
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now
@@ -269,6 +278,10 @@ class Engine {
               "(after the step() that ends a window), where no gradient is half accumulated");
     mods_.expect_idle(what);
   }
+
+  // Stage 3 with hpZ (EngineConfig::hpz_partition_size > 1): the node group the gathers after a
+  // module's first run in (its counters are its own); else null.
+  Collective<B>* hpz_group() noexcept { return node_ ? &*node_ : nullptr; }
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
   std::size_t max_live_params() const noexcept { return params_ ? params_->max_live_params() : 0; }
@@ -495,6 +508,7 @@ class Engine {
   Part part_;
   GradBuckets<T, B, S> buckets_;
   ModuleTracker mods_;
+  std::optional<Collective<B>> node_;             // stage 3 with hpZ: this rank's node
   std::optional<ParamCoordinator<T, B>> params_;  // stage 3: gathers, prefetches, releases
   StepStatistics<S> stats_;                       // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)

@@ -133,6 +133,12 @@ struct EngineConfig {
   // rank computes with the same dequantized weights, while shards, master weights and optimizer
   // state stay exact. ds_config's zero_quantized_weights: true gives zero_quantized_weights.
   std::optional<quant::Format> quantized_weights = std::nullopt;
+  // ZeRO++'s hpZ (DeepSpeed's zero_hpz_partition_size; stage 3, host backends): ranks per node,
+  // consecutive ranks forming a node. Above 1, each rank also keeps 1/hpz of every module it
+  // gathered until the next step (MemoryReport::secondary, 2 Psi / hpz bytes at 16 bits), and
+  // gathers after the first (backward, later micro-batches) run inside the node. Bitwise the
+  // same results. Must divide the data-parallel size.
+  int hpz_partition_size = 1;
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
@@ -176,6 +182,8 @@ struct EngineConfig {
               "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "
               "no clipping");
     ZP_EXPECT(steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", steps_per_print);
+    ZP_EXPECT(hpz_partition_size >= 1, "engine: hpz_partition_size must be >= 1, got ",
+              hpz_partition_size);
   }
 };
 

@@ -15,6 +15,13 @@
 // too, so all ranks compute with the same weights; the shards (and master weights) stay exact.
 // A piece travels as one record of 32-bit words, its codes (padded to a word) then its scales,
 // so a segment still takes one all_gather.
+//
+// Secondary partition (ZeRO++'s hpZ): with a node group (the ranks of `comm` that share a node,
+// `hpz` of them), a module's first gather after the shards change (over all ranks) leaves on each
+// rank its 1/hpz of every segment of the gathered T values; later gathers of the module until
+// the shards change (backward, further micro-batches) all_gather those inside the node only. The
+// values are the same either way (quantized gathers keep the dequantized ones), so results are
+// bitwise those without hpZ; a rank keeps 1/hpz of the non-persistent modules (account()).
 #pragma once
 
 #include <algorithm>
@@ -48,12 +55,19 @@ class ParamCoordinator {
   ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
                    std::span<View<T>* const> values, std::size_t persist_threshold,
                    std::size_t max_live_params,
-                   std::optional<quant::Format> quantized = std::nullopt)
+                   std::optional<quant::Format> quantized = std::nullopt,
+                   Collective<B>* node = nullptr)
       : comm_(&comm),
         part_(&part),
         values_(values),
+        node_(node && node->size() > 1 ? node : nullptr),
         quant_(quantized),
         mods_(std::size_t(part.layout().module_count())) {
+    ZP_EXPECT(!node_ || (S == MemorySpace::host && comm.size() % node_->size() == 0),
+              "engine: a secondary partition (hpZ) over ", node ? node->size() : 0,
+              " ranks needs host memory (device backends: not implemented yet) and a group size "
+              "that divides the ",
+              comm.size(), " ranks");
     if (quant_) {
       quant_->check();
       ZP_EXPECT(S == MemorySpace::host && quant_->bits == quant::Bits::int8,
@@ -92,7 +106,8 @@ class ParamCoordinator {
       waited = StepTimer::seconds(t, StepTimer::Clock::now());
       st.works.clear();
       keep(staged_spare_, std::move(st.staged));  // the gathers read it; they are done
-      if (quant_) dequantize(m);
+      if (quant_ && !st.from_secondary) dequantize(m);
+      if (node_ && !st.persistent && !st.secondary_valid) keep_secondary(m);
       st.state = State::gathered;
       bind(m, st.buffer.data());
     }
@@ -115,9 +130,13 @@ class ParamCoordinator {
     gather(m);
   }
 
-  // Drops every gathered copy (the shards are about to change, or changed). No module may be in use.
+  // Drops every gathered copy and secondary shard (the shards are about to change, or changed).
+  // No module may be in use.
   void release_all() {
-    for (int m = 0; m < layout().module_count(); ++m) release(m);
+    for (int m = 0; m < layout().module_count(); ++m) {
+      release(m);
+      mods_[std::size_t(m)].secondary_valid = false;
+    }
   }
 
   std::size_t max_live_params() const noexcept { return cap_; }
@@ -130,6 +149,7 @@ class ParamCoordinator {
     for (const auto& b : spare_) r.gather_cache += b.bytes();
     for (const auto& b : staged_spare_) r.gather_cache += b.bytes();
     for (const auto& b : packed_spare_) r.gather_cache += b.bytes();
+    for (const auto& mod : mods_) r.secondary += mod.secondary.bytes();
   }
 
  private:
@@ -142,6 +162,9 @@ class ParamCoordinator {
     Buffer<T, S> staged;  // parameters on NVMe: this rank's pieces, the gathers' input
     // qwZ: this rank's records (one per segment), then every rank's, segment after segment
     Buffer<std::int32_t, S> packed;
+    // hpZ: this rank's 1/hpz of each segment, valid from the first gather until the shards change
+    Buffer<T, S> secondary;
+    bool secondary_valid = false, from_secondary = false;
     std::vector<Work> works;  // after the buffers: destroyed (so waited for) before them
   };
 
@@ -166,6 +189,20 @@ class ParamCoordinator {
     (st.persistent ? persistent_live_ : live_) += mod.size;
     peak_live_ = std::max(peak_live_, live_);
     st.works.clear();
+    st.from_secondary = st.secondary_valid;
+    st.state = State::gathering;
+    if (st.from_secondary) {  // inside the node: each rank's 1/hpz of each segment
+      const std::size_t h = std::size_t(node_->size());
+      std::size_t at = 0;
+      for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+        const auto& g = layout().segment(s);
+        st.works.push_back(
+            node_->all_gather_async(std::span<const T>(st.secondary.span(at, g.size / h)),
+                                    st.buffer.span(g.offset - mod.offset, g.size)));
+        at += g.size / h;
+      }
+      return;
+    }
     // Parameters on NVMe: the module's pieces, side by side in the shard, read first.
     std::size_t staged = 0;
     if (part_->param_swap()) {
@@ -202,7 +239,24 @@ class ParamCoordinator {
       local += words;
       gathered += ranks * words;
     }
-    st.state = State::gathering;
+  }
+
+  // hpZ: module m gathered (from all ranks): this rank's 1/hpz of each segment kept.
+  void keep_secondary(int m) {
+    Module& st = mods_[std::size_t(m)];
+    const auto& mod = layout().module(m);
+    const std::size_t h = std::size_t(node_->size()), l = std::size_t(node_->rank());
+    if (st.secondary.size() != mod.size / h)
+      st.secondary = Buffer<T, S>(mod.size / h, "engine: a module's secondary shard (hpZ)");
+    std::size_t at = 0;
+    for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+      const auto& g = layout().segment(s);
+      Memory<S>::copy(
+          st.secondary.span(at, g.size / h),
+          std::span<const T>(st.buffer.span(g.offset - mod.offset + l * (g.size / h), g.size / h)));
+      at += g.size / h;
+    }
+    st.secondary_valid = true;
   }
 
   // qwZ: module m's gathered records (its gathers done) -> its buffer, every rank's piece.
@@ -285,6 +339,7 @@ class ParamCoordinator {
   std::vector<Buffer<T, S>> spare_;                    // released gather buffers kept for reuse
   std::vector<Buffer<T, S>> staged_spare_;             // ... and released NVMe staging buffers
   std::vector<Buffer<std::int32_t, S>> packed_spare_;  // ... and qwZ's records
+  Collective<B>* node_;                                // hpZ's node group, or null
   std::optional<quant::Format> quant_;
   std::vector<float> scales_;  // qwZ: one piece's scales, in and out of a record
   std::vector<Module> mods_;   // after the pools: its in-flight gathers end first

@@ -44,6 +44,7 @@ struct MemoryReport {
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather, NVMe and qwZ buffers kept
+  std::size_t secondary = 0;        // stage 3 with hpZ: the secondary shards of the modules
   std::size_t offloaded =
       0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
   std::size_t nvme =
@@ -53,7 +54,7 @@ struct MemoryReport {
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
   // Bytes in memory (the model states less those on NVMe, and the scratch).
   std::size_t total() const noexcept {
-    return model_states() - nvme + buckets + gathered + gather_cache + swap_buffers;
+    return model_states() - nvme + buckets + gathered + gather_cache + secondary + swap_buffers;
   }
 };
 
