@@ -586,25 +586,21 @@ TEST_CASE_TEMPLATE(
   CHECK(all_bytes == first_bytes);
   CHECK(all_bytes + node_bytes == plain_bytes);
   CHECK(node_bytes > all_bytes);
+  // An engine with a node of 2 ranks at `Stage` on `ranks` ranks.
+  const auto hpz2 = [&]<int Stage>(std::integral_constant<int, Stage>, int ranks) {
+    return [=] {
+      run_threads(ranks, [&](Collective<Threads>& comm) {
+        Mlp<T> model;
+        auto cfg = test_config(2, 1);
+        cfg.hpz_partition_size = 2;
+        zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
+      });
+    };
+  };
+  zp::test::expect_invalid(hpz2(std::integral_constant<int, 3>{}, 3),
+                           {"hpz_partition_size 2 does not divide the 3 data-parallel ranks"});
   zp::test::expect_invalid(
-      [&] {
-        run_threads(3, [&](Collective<Threads>& comm) {
-          Mlp<T> model;
-          auto cfg = test_config(2, 1);
-          cfg.hpz_partition_size = 2;
-          zp::Engine<Threads, T, 3> engine(comm, model, cfg);
-        });
-      },
-      {"hpz_partition_size 2 does not divide the 3 data-parallel ranks"});
-  zp::test::expect_invalid(
-      [&] {
-        run_threads(2, [&](Collective<Threads>& comm) {
-          Mlp<T> model;
-          auto cfg = test_config(2, 1);
-          cfg.hpz_partition_size = 2;
-          zp::Engine<Threads, T, 2> engine(comm, model, cfg);
-        });
-      },
+      hpz2(std::integral_constant<int, 2>{}, 2),
       {"secondary partition (zero_hpz_partition_size 2) needs ZeRO stage 3", "got stage 2"});
 }
 
