@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <stdexcept>
 #include <tuple>
 #include <type_traits>
@@ -20,6 +21,7 @@
 #include "zp/backend/threads.hpp"
 #include "zp/engine.hpp"
 #include "zp/grid.hpp"
+#include "zp/quantized_collectives.hpp"
 #if ZP_TEST_IO
 #include "zp/checkpoint.hpp"
 #endif
@@ -125,6 +127,39 @@ TEST_CASE_TEMPLATE("on mpi quantized weight gathers train as on the threads back
     if (c.rank() == 0) threads = std::move(out);
   });
   check_close<T>(threads, train<T, 3>(comm, close_steps, 1, 3, &cfg, true));
+}
+
+// qgZ's two-hop reduce_scatter on MPI (nodes of 2 processes): the threads backend's bits, since
+// every addition runs in a fixed order on one rank.
+TEST_CASE("on mpi qgZ's quantized reduce_scatter gives the threads backend's bits") {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  const int n = comm.size(), h = 2;
+  const zp::quant::Format f{.bits = zp::quant::Bits::int4, .block = 16};
+  const std::size_t piece = 75;
+  std::int64_t seed = std::int64_t(std::random_device{}() >> 1);
+  comm.broadcast(std::span<std::int64_t>(&seed, 1), 0);
+  auto input = [&](int r) {
+    std::mt19937_64 rng(std::uint64_t(seed) + std::uint64_t(r));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<zp::bf16> x(std::size_t(n) * piece);
+    for (auto& v : x) v = zp::bf16(normal(rng));
+    return x;
+  };
+  auto sum = [&](auto& c) {
+    auto node = c.split(c.rank() / h, c.rank() % h);
+    auto peers = c.split(c.rank() % h, c.rank() / h);
+    const auto x = input(c.rank());
+    std::vector<float> out(piece);
+    zp::quant::reduce_scatter(node, peers, std::span<const zp::bf16>(x), std::span(out), f);
+    return out;
+  };
+  std::vector<float> threads;
+  zp::backend::run_threads(n, [&](Collective<zp::backend::Threads>& c) {
+    auto out = sum(c);
+    if (c.rank() == comm.rank()) threads = std::move(out);
+  });
+  const auto mpi = sum(comm);
+  CHECK(std::memcmp(threads.data(), mpi.data(), piece * sizeof(float)) == 0);
 }
 
 // ZeRO++'s secondary partition on MPI (2 processes a node; at 2 processes the node is the world):

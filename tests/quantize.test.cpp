@@ -4,18 +4,24 @@
 // float64 quotient may go either way), |x - dequant| <= absmax / (2 qmax) up to fp32 rounding,
 // dequantizing into T is the fp32 value rounded to T, and dequantize_add adds exactly that fp32
 // value; every code byte and scale is written (poisoned first); a block with an inf or NaN
-// dequantizes to NaN and leaves the other blocks exact; bad formats and sizes are errors.
+// dequantizes to NaN and leaves the other blocks exact; bad formats and sizes are errors. qgZ's
+// two-hop reduce_scatter (quantized_collectives.hpp) on several node layouts against the float64
+// sum within its quantization bounds.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "expect_error.hpp"
 #include "random.hpp"
+#include "zp/backend/threads.hpp"
 #include "zp/quantize.hpp"
+#include "zp/quantized_collectives.hpp"
 
 namespace {
 
@@ -137,4 +143,120 @@ TEST_CASE("bad formats and sizes are errors naming them") {
         zp::quant::quantize(std::span<const float>(x), {.block = 4}, std::span(q), std::span(s));
       },
       {"10 values in blocks of 4 need 10 code bytes and 3 scales, got 10 and 5"});
+}
+
+namespace {
+
+// The qgZ reduce_scatter on `ranks` thread ranks in nodes of h, each rank's pieces drawn from
+// its own seed (blocks of different magnitudes, a block of zeros): against the float64 sum, each
+// output within the two hops' quantization bounds; every output written. Returns rank 0's output
+// (and the whole input through `all_in`).
+template <class T>
+std::vector<float> quantized_sum(int ranks, int h, const Format& f, std::size_t piece,
+                                 std::uint64_t seed) {
+  std::vector<std::vector<T>> in(std::size_t(ranks), std::vector<T>(std::size_t(ranks) * piece));
+  for (int r = 0; r < ranks; ++r) {
+    std::mt19937_64 rng(seed + std::uint64_t(r));
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (std::size_t i = 0; i < in[std::size_t(r)].size(); ++i) {
+      const std::size_t b = (i % piece) / f.block;
+      in[std::size_t(r)][i] =
+          T(float(b % 7 == 3 ? 0.0 : normal(rng) * std::pow(10.0, double(int(b % 4) - 1))));
+    }
+  }
+  std::vector<std::vector<float>> out(static_cast<std::size_t>(ranks));
+  zp::backend::run_threads(ranks, [&](zp::Collective<zp::backend::Threads>& comm) {
+    const int r = comm.rank();
+    auto node = comm.split(r / h, r % h);
+    auto peers = comm.split(r % h, r / h);
+    auto& o = out[std::size_t(r)];
+    o.assign(piece, std::numeric_limits<float>::quiet_NaN());
+    zp::quant::reduce_scatter(node, peers, std::span<const T>(in[std::size_t(r)]), std::span(o), f);
+  });
+  // Bound: hop 1 errs by at most absmax / (2 qmax) of each sender's block; the node's partial
+  // has absmax at most the sum of its senders' absmax plus their errors, and hop 2 errs by at
+  // most that over 2 qmax; a few fp32 ulps on top.
+  const double q2 = 2.0 * f.qmax();
+  for (int me = 0; me < ranks; ++me)
+    for (std::size_t k = 0; k < f.blocks(piece); ++k) {
+      const std::size_t lo = k * f.block, hi = std::min(piece, lo + f.block);
+      double bound = 0, total = 0;
+      for (int n = 0; n < ranks / h; ++n) {
+        double node_absmax = 0, node_err = 0;
+        for (int j = 0; j < h; ++j) {
+          double absmax = 0;
+          const auto& x = in[std::size_t(n * h + j)];
+          for (std::size_t i = lo; i < hi; ++i)
+            absmax = std::max(absmax, std::fabs(double(float(x[std::size_t(me) * piece + i]))));
+          node_absmax += absmax;
+          node_err += absmax / q2;
+        }
+        bound += node_err + (node_absmax + node_err) / q2;
+        total += node_absmax;
+      }
+      for (std::size_t i = lo; i < hi; ++i) {
+        double exact = 0;
+        for (int r = 0; r < ranks; ++r)
+          exact += double(float(in[std::size_t(r)][std::size_t(me) * piece + i]));
+        const double got = out[std::size_t(me)][i];
+        REQUIRE(std::isfinite(got));
+        REQUIRE(std::fabs(got - exact) <= bound + total * 0x1p-19);
+      }
+    }
+  return out[0];
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "qgZ's two-hop quantized reduce_scatter stays within its quantization bounds of the sum", T,
+    float, zp::bf16, zp::fp16) {
+  const std::uint64_t seed = zp::test::fresh_seed();
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (auto [ranks, h] : {std::pair{4, 2}, {6, 3}, {6, 2}, {4, 1}, {4, 4}, {1, 1}})
+      for (std::size_t piece :
+           {std::size_t(0), std::size_t(1), std::size_t(63), std::size_t(130)}) {
+        CAPTURE(int(bits));
+        CAPTURE(ranks);
+        CAPTURE(h);
+        CAPTURE(piece);
+        quantized_sum<T>(ranks, h, {.bits = bits, .block = 32}, piece, seed);
+      }
+}
+
+TEST_CASE("qgZ's reduce_scatter: the same bits on every node layout's run, NaN where an inf went") {
+  const std::uint64_t seed = zp::test::fresh_seed();
+  const Format f{.bits = Bits::int4, .block = 16};
+  // Deterministic: the same inputs give the same bits (the additions run in a fixed order).
+  const auto a = quantized_sum<float>(4, 2, f, 40, seed),
+             b = quantized_sum<float>(4, 2, f, 40, seed);
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  // An inf in one rank's input reaches its owner as NaN in that block only.
+  std::vector<float> out;
+  zp::backend::run_threads(4, [&](zp::Collective<zp::backend::Threads>& comm) {
+    const int r = comm.rank();
+    auto node = comm.split(r / 2, r % 2);
+    auto peers = comm.split(r % 2, r / 2);
+    std::vector<float> in(4 * 32, 1.0f), mine(32);
+    if (r == 3) in[1 * 32 + 20] = std::numeric_limits<float>::infinity();  // rank 1's, block 1
+    zp::quant::reduce_scatter(node, peers, std::span<const float>(in), std::span(mine), f);
+    if (r == 1) out = mine;
+  });
+  for (std::size_t i = 0; i < 32; ++i) {
+    CAPTURE(i);
+    if (i / 16 == 1)
+      CHECK(std::isnan(out[i]));
+    else
+      CHECK(out[i] == 4.0f);
+  }
+  zp::test::expect_invalid(
+      [&] {
+        zp::backend::run_threads(2, [&](zp::Collective<zp::backend::Threads>& comm) {
+          auto node = comm.split(0, comm.rank());
+          auto peers = comm.split(comm.rank(), 0);
+          std::vector<float> in(5), mine(2);
+          zp::quant::reduce_scatter(node, peers, std::span<const float>(in), std::span(mine), f);
+        });
+      },
+      {"5 values in for 2 ranks (1 nodes of 2) of 2 each"});
 }

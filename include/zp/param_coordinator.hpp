@@ -13,8 +13,8 @@
 // Quantized weights (ZeRO++'s qwZ): each rank sends its pieces as int8 codes with one fp32 scale
 // per block (quantize.hpp) instead of T, and every rank dequantizes every rank's piece, its own
 // too, so all ranks compute with the same weights; the shards (and master weights) stay exact.
-// A piece travels as one record of 32-bit words, its codes (padded to a word) then its scales,
-// so a segment still takes one all_gather.
+// A piece travels as one record (quantized_collectives.hpp), so a segment still takes one
+// all_gather.
 //
 // Secondary partition (ZeRO++'s hpZ): with a node group (the ranks of `comm` that share a node,
 // `hpz` of them), a module's first gather after the shards change (over all ranks) leaves on each
@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <span>
 #include <utility>
@@ -39,7 +38,7 @@
 #include "zp/memory.hpp"
 #include "zp/model.hpp"
 #include "zp/partition.hpp"
-#include "zp/quantize.hpp"
+#include "zp/quantized_collectives.hpp"
 #include "zp/step_timer.hpp"
 
 namespace zp {
@@ -168,9 +167,8 @@ class ParamCoordinator {
     std::vector<Work> works;  // after the buffers: destroyed (so waited for) before them
   };
 
-  // qwZ: a piece of n elements as 32-bit words: its int8 codes, padded, then its fp32 scales.
-  std::size_t code_words(std::size_t n) const { return (quant_->code_bytes(n) + 3) / 4; }
-  std::size_t record_words(std::size_t n) const { return code_words(n) + quant_->blocks(n); }
+  // qwZ: a piece of n elements as one record (quantized_collectives.hpp).
+  std::size_t record_words(std::size_t n) const { return quant::record_words(*quant_, n); }
   // The words of module m's records on this rank (the gathered ones: comm size times as many).
   std::size_t records_words(int m) const {
     std::size_t w = 0;
@@ -227,13 +225,7 @@ class ParamCoordinator {
       }
       const std::size_t words = record_words(g.piece);
       const std::span<std::int32_t> record = st.packed.span(local, words);
-      scales_.resize(quant_->blocks(g.piece));
-      std::fill_n(record.data(), code_words(g.piece), 0);  // the padding too: no stale bytes sent
-      quant::quantize(
-          piece, *quant_,
-          std::span(reinterpret_cast<std::uint8_t*>(record.data()), quant_->code_bytes(g.piece)),
-          std::span<float>(scales_));
-      std::memcpy(record.data() + code_words(g.piece), scales_.data(), scales_.size() * 4);
+      quant::pack(piece, *quant_, record);
       st.works.push_back(comm_->all_gather_async(std::span<const std::int32_t>(record),
                                                  st.packed.span(gathered, ranks * words)));
       local += words;
@@ -266,17 +258,10 @@ class ParamCoordinator {
     std::size_t at = records_words(m);
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
-      const std::size_t codes = code_words(g.piece), blocks = quant_->blocks(g.piece);
-      scales_.resize(blocks);
-      for (int r = 0; r < comm_->size(); ++r, at += codes + blocks) {
-        const std::int32_t* record = st.packed.data() + at;
-        std::memcpy(scales_.data(), record + codes, blocks * 4);
-        quant::dequantize(
-            *quant_,
-            std::span(reinterpret_cast<const std::uint8_t*>(record), quant_->code_bytes(g.piece)),
-            std::span<const float>(scales_),
-            st.buffer.span(g.offset - mod.offset + std::size_t(r) * g.piece, g.piece));
-      }
+      const std::size_t words = record_words(g.piece);
+      for (int r = 0; r < comm_->size(); ++r, at += words)
+        quant::unpack(*quant_, std::span<const std::int32_t>(st.packed.span(at, words)),
+                      st.buffer.span(g.offset - mod.offset + std::size_t(r) * g.piece, g.piece));
     }
     keep(packed_spare_, std::move(st.packed));
   }
@@ -341,8 +326,7 @@ class ParamCoordinator {
   std::vector<Buffer<std::int32_t, S>> packed_spare_;  // ... and qwZ's records
   Collective<B>* node_;                                // hpZ's node group, or null
   std::optional<quant::Format> quant_;
-  std::vector<float> scales_;  // qwZ: one piece's scales, in and out of a record
-  std::vector<Module> mods_;   // after the pools: its in-flight gathers end first
+  std::vector<Module> mods_;  // after the pools: its in-flight gathers end first
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
 };
 

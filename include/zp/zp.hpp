@@ -26,6 +26,8 @@
 #include "zp/partition.hpp"
 #include "zp/pipeline.hpp"
 #include "zp/precision.hpp"
+#include "zp/quantize.hpp"
+#include "zp/quantized_collectives.hpp"
 #include "zp/schedule.hpp"
 #include "zp/shard_step.hpp"
 #include "zp/step_gate.hpp"

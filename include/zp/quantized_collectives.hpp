@@ -1,0 +1,112 @@
+// zp/quantized_collectives.hpp: ZeRO++'s quantized communication on the host (issue #22), built
+// from quantize.hpp's element math and the collectives' all_gather / all_to_all.
+//
+// A record is one piece of n values quantized in Format f, as 32-bit words: its codes (padded to
+// a word), then its fp32 scales, so a piece travels in one collective of a dtype every backend
+// has (i32). qwZ's gathers (param_coordinator.hpp) move records; qgZ's reduce-scatter moves them
+// twice:
+//
+//   reduce_scatter(node, peers, in, out, f): ranks form nodes of h = node.size() consecutive
+//   ranks, world rank r = peers.rank() * h + node.rank(); `in` holds one piece per world rank
+//   (rank r's at r * piece), `out` receives the sum over ranks of this rank's piece, in fp32.
+//     hop 1, inside the node: each rank sends local rank j the records of the pieces of ranks
+//       j, h + j, 2h + j, ... (all_to_all over `node`); local rank j dequantizes and adds them in
+//       fp32, local rank by local rank: the node's partial sum of those pieces;
+//     hop 2, across nodes among ranks of the same local index: each partial is requantized and
+//       sent to the node that owns its piece (all_to_all over `peers`), which dequantizes and
+//       adds them in node order.
+//   Every addition runs in a fixed order on one rank, so any backend gives the same bits. Bytes:
+//   hop 1 moves N x record_words(f, piece) words per rank (S, nccl-tests' convention), hop 2
+//   (the only one that crosses nodes) N / h of them. A piece with an inf or NaN gives NaN in the
+//   blocks it reaches: the overflow the loss scaler sees.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "zp/collective.hpp"
+#include "zp/error.hpp"
+#include "zp/quantize.hpp"
+
+namespace zp::quant {
+
+// Words of the codes of n values, and of the whole record.
+inline std::size_t code_words(const Format& f, std::size_t n) { return (f.code_bytes(n) + 3) / 4; }
+inline std::size_t record_words(const Format& f, std::size_t n) {
+  return code_words(f, n) + f.blocks(n);
+}
+
+namespace detail {
+inline std::vector<float>& scale_scratch(std::size_t n) {
+  thread_local std::vector<float> scales;  // a record's scales, in and out of its words
+  scales.resize(n);
+  return scales;
+}
+}  // namespace detail
+
+// x -> its record (record_words(f, x.size()) words; the codes' padding zeroed).
+template <class T>
+void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record) {
+  const std::size_t cw = code_words(f, x.size());
+  ZP_EXPECT(record.size() == record_words(f, x.size()), "quantize: a record of ", x.size(),
+            " values takes ", record_words(f, x.size()), " words, got ", record.size());
+  std::vector<float>& scales = detail::scale_scratch(f.blocks(x.size()));
+  std::fill_n(record.data(), cw, 0);
+  quantize(x, f, std::span(reinterpret_cast<std::uint8_t*>(record.data()), f.code_bytes(x.size())),
+           std::span<float>(scales));
+  std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
+}
+
+// A record of out.size() values -> out (Add: acc += them, in fp32).
+template <bool Add = false, class T>
+void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> out) {
+  const std::size_t n = out.size(), cw = code_words(f, n);
+  ZP_EXPECT(record.size() == record_words(f, n), "dequantize: a record of ", n, " values takes ",
+            record_words(f, n), " words, got ", record.size());
+  std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
+  std::memcpy(scales.data(), record.data() + cw, scales.size() * sizeof(float));
+  const auto codes =
+      std::span(reinterpret_cast<const std::uint8_t*>(record.data()), f.code_bytes(n));
+  if constexpr (Add)
+    dequantize_add(f, codes, std::span<const float>(scales), out);
+  else
+    dequantize(f, codes, std::span<const float>(scales), out);
+}
+
+// qgZ's two-hop reduce-scatter (see the top of this file). Host memory; blocking.
+template <Backend B, class T>
+void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
+                    std::span<float> out, const Format& f) {
+  f.check();
+  const std::size_t h = std::size_t(node.size()), nodes = std::size_t(peers.size()),
+                    ranks = h * nodes, piece = out.size(), rw = record_words(f, piece);
+  ZP_EXPECT(in.size() == ranks * piece, "quantized reduce_scatter: ", in.size(), " values in for ",
+            ranks, " ranks (", nodes, " nodes of ", h, ") of ", piece, " each");
+  std::vector<std::int32_t> send(ranks * rw), recv(ranks * rw);
+  // Hop 1: block j of the send buffer holds, node by node, the pieces local rank j sums.
+  for (std::size_t j = 0; j < h; ++j)
+    for (std::size_t n = 0; n < nodes; ++n)
+      pack(in.subspan((n * h + j) * piece, piece), f,
+           std::span(send).subspan((j * nodes + n) * rw, rw));
+  node.all_to_all(std::span<const std::int32_t>(send), std::span(recv));
+  std::vector<float> partial(nodes * piece, 0.0f);  // per node n: the sum of rank n*h+me's piece
+  for (std::size_t i = 0; i < h; ++i)
+    for (std::size_t n = 0; n < nodes; ++n)
+      unpack<true>(f, std::span<const std::int32_t>(recv).subspan((i * nodes + n) * rw, rw),
+                   std::span(partial).subspan(n * piece, piece));
+  // Hop 2: the partial of node n's piece to node n.
+  for (std::size_t n = 0; n < nodes; ++n)
+    pack(std::span<const float>(partial).subspan(n * piece, piece), f,
+         std::span(send).subspan(n * rw, rw));
+  peers.all_to_all(std::span<const std::int32_t>(send).first(nodes * rw),
+                   std::span(recv).first(nodes * rw));
+  std::fill(out.begin(), out.end(), 0.0f);
+  for (std::size_t n = 0; n < nodes; ++n)
+    unpack<true>(f, std::span<const std::int32_t>(recv).subspan(n * rw, rw), out);
+}
+
+}  // namespace zp::quant
