@@ -36,13 +36,15 @@ struct RunFlags {
   std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
   bool resume = false, breakdown = false;
-  bool quantized_weights = false;  // --zero-quantized-weights (EngineConfig::quantized_weights)
-  int hpz = 1;                     // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
+  bool quantized_weights = false;    // --zero-quantized-weights (EngineConfig::quantized_weights)
+  int hpz = 1;                       // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
+  bool quantized_gradients = false;  // --zero-quantized-gradients (EngineConfig's)
+  int ranks_per_node = 0;            // --ranks-per-node (EngineConfig::ranks_per_node)
 };
 
 // RunFlags' flags that take no value (examples::parse_args' switches).
 inline constexpr std::initializer_list<const char*> run_switches = {
-    "--resume", "--wall-clock-breakdown", "--zero-quantized-weights"};
+    "--resume", "--wall-clock-breakdown", "--zero-quantized-weights", "--zero-quantized-gradients"};
 
 // The usage lines of RunFlags' flags (Program::more).
 inline constexpr const char* run_usage =
@@ -69,6 +71,11 @@ inline constexpr const char* run_usage =
     "  --zero-hpz-partition-size N  stage 3: also keep 1/N of each gathered module, so gathers\n"
     "                     after a module's first of a step stay among N consecutive data-parallel\n"
     "                     ranks (ZeRO++'s hpZ; a --config: zero_hpz_partition_size) (default 1)\n"
+    "  --zero-quantized-gradients  stage 2/3: reduce the gradients as int8 with a scale per 512,\n"
+    "                     inside each node, then across nodes (ZeRO++'s qgZ; a --config:\n"
+    "                     zero_quantized_gradients)\n"
+    "  --ranks-per-node N data-parallel ranks per node, consecutive, for qgZ's two hops (default\n"
+    "                     0: one node)\n"
     "  --help             this text\n";
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
@@ -82,6 +89,10 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.quantized_weights = true;
   else if (a == "--zero-hpz-partition-size")
     o.hpz = to_int(p, a, v, 1, 1 << 20);
+  else if (a == "--zero-quantized-gradients")
+    o.quantized_gradients = true;
+  else if (a == "--ranks-per-node")
+    o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--save-every")
     o.save_every = to_int(p, a, v, 1, 10000000);
   else if (a == "--checkpoint-dir")
@@ -100,10 +111,11 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
 inline void check_run_flags(const Program& p, const RunFlags& o) {
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
     bad(p, "--save-every and --resume need --checkpoint-dir");
-  if ((o.quantized_weights || o.hpz > 1) && !o.config.empty())
+  if ((o.quantized_weights || o.hpz > 1 || o.quantized_gradients) && !o.config.empty())
     bad(p,
-        "--zero-quantized-weights and --zero-hpz-partition-size with --config: set "
-        "zero_quantized_weights and zero_hpz_partition_size in the config");
+        "--zero-quantized-weights, --zero-hpz-partition-size and --zero-quantized-gradients "
+        "with --config: set zero_quantized_weights, zero_hpz_partition_size and "
+        "zero_quantized_gradients in the config");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad(p, std::string("this ") + p.name +
@@ -137,6 +149,8 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
   ec.param_nvme = nvme(t.param_nvme);
   if (r.quantized_weights) ec.quantized_weights = zp::zero_quantized_weights;
   ec.hpz_partition_size = r.hpz;
+  if (r.quantized_gradients) ec.quantized_gradients = zp::zero_quantized_gradients;
+  ec.ranks_per_node = r.ranks_per_node;
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
@@ -174,6 +188,7 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
         dc, dp,
         [&]<class E>(std::type_identity<E> e, zp::EngineConfig ec, typename E::optimizer_type o) {
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
+          ec.ranks_per_node = r.ranks_per_node;  // the launcher's knowledge, not the config's
           f(e, ec, o, sched);
         });
     return;
@@ -185,6 +200,10 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
         "%s: stage 3's parameter gathers quantized to int8, a scale per %zu values "
         "(ZeRO++ qwZ)\n",
         p.name, zp::zero_quantized_weights.block);
+  if (lead && r.quantized_gradients)
+    std::printf("%s: gradients reduced as int%d, a scale per %zu values, in %s (ZeRO++ qgZ)\n",
+                p.name, int(zp::zero_quantized_gradients.bits), zp::zero_quantized_gradients.block,
+                r.ranks_per_node ? "nodes of --ranks-per-node, then across them" : "one node");
   if (lead && r.hpz > 1)
     std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
                 r.hpz);

@@ -214,6 +214,7 @@ Fields fields(const Config& c) {
   f["offload_param.buffer_count"] = str(c.offload_param.buffer_count);
   f["sub_group_size"] = str(c.sub_group_size);
   f["zero_quantized_weights"] = str(c.zero_quantized_weights);
+  f["zero_quantized_gradients"] = str(c.zero_quantized_gradients);
   f["engine.hpz_partition_size"] = str(c.engine.hpz_partition_size);
   f["aio.block_size"] = str(c.aio.block_size);
   f["aio.queue_depth"] = str(c.aio.queue_depth);
@@ -375,6 +376,13 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     const Config ch = zp::ds::parse(j, "ds_config.json");
     CHECK(zp::ds::engine_config<zp::bf16>(ch, 2).hpz_partition_size == 2);
     CHECK(zp::ds::describe(ch).find("zero_hpz_partition_size 2") != std::string::npos);
+    // ... and qgZ: int8 in blocks of 512
+    j["zero_optimization"]["zero_quantized_gradients"] = true;
+    const zp::EngineConfig eg =
+        zp::ds::engine_config<zp::bf16>(zp::ds::parse(j, "ds_config.json"), 2);
+    REQUIRE(eg.quantized_gradients);
+    CHECK(eg.quantized_gradients->bits == zp::quant::Bits::int8);
+    CHECK(eg.quantized_gradients->block == 512);
 #if defined(ZP_WITH_AIO)
     CHECK(dispatch(cq, 2).ran);  // quantized gathers of the pieces read from NVMe
 #endif
@@ -802,9 +810,9 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
         "stage 1"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})",
        {"zero_optimization.zero_hpz_partition_size: expected a positive integer (ranks per node)"}},
-      {R"({"train_batch_size": 8, "zero_optimization": {"zero_quantized_gradients": true}})",
-       {"zero_optimization.zero_quantized_gradients: known DeepSpeed key that zp does not support "
-        "(accepted only as false)"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "zero_quantized_gradients": true}})",
+       {"zero_optimization.zero_quantized_gradients: quantized gradients need stage 2 or 3, got "
+        "stage 1"}},
       // known DeepSpeed keys zp does not do
       {R"({"train_batch_size": 8, "amp": {"enabled": true}})",
        {"amp: known DeepSpeed key that zp does not support"}},

@@ -604,6 +604,73 @@ TEST_CASE_TEMPLATE(
       {"secondary partition (zero_hpz_partition_size 2) needs ZeRO stage 3", "got stage 2"});
 }
 
+TEST_CASE_TEMPLATE(
+    "quantized gradients (qgZ) train close to the exact ones, and only their second hop crosses "
+    "nodes",
+    T, float, zp::bf16) {
+  constexpr int N = 4, steps = 3;
+  const zp::quant::Format int8{.bits = zp::quant::Bits::int8, .block = 8},
+      int4{.bits = zp::quant::Bits::int4, .block = 8};
+  for (const int stage : {2, 3})
+    for (const int per_node : {0, 2})
+      for (const auto& f : {int8, int4}) {
+        CAPTURE(stage);
+        CAPTURE(per_node);
+        CAPTURE(int(f.bits));
+        std::vector<float> losses[2];
+        for (const bool quantized : {false, true})
+          run_threads(N, [&](Collective<Threads>& comm) {
+            Mlp<T> model;
+            auto cfg = test_config(2, 1);
+            cfg.ranks_per_node = per_node;
+            if (quantized) cfg.quantized_gradients = f;
+            const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+            auto run = [&]<int Stage>(std::integral_constant<int, Stage>) {
+              zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
+              measured.start();
+              const zp::Layout& L = engine.layout();
+              const int nodes = per_node ? N / per_node : 1;
+              std::uint64_t node_bytes = 0, cross_bytes = 0;  // a step's, by the formula
+              for (int s = 0; s < L.segment_count(); ++s) {
+                const std::size_t rw = zp::quant::record_words(f, L.segment(s).piece);
+                node_bytes += N * rw * 4;
+                cross_bytes += std::uint64_t(nodes) * rw * 4;
+              }
+              for (int t = 0; t < steps; ++t) {
+                float loss = 0;
+                zp::test::micro_step(engine, model, (t * N + comm.rank()) * 2, 2, &loss);
+                if (comm.rank() == 0) losses[quantized].push_back(loss);
+                if (!quantized) continue;
+                const auto& last = engine.last_step_comm();
+                CHECK(last[CollOp::reduce_scatter].bytes == 0);
+                CHECK(engine.qgz_node_group()->stats()[CollOp::all_to_all].bytes ==
+                      node_bytes * std::uint64_t(t + 1));
+                CHECK(engine.qgz_cross_group()->stats()[CollOp::all_to_all].bytes ==
+                      cross_bytes * std::uint64_t(t + 1));
+              }
+              measured.check(engine, N);
+            };
+            if (stage == 2)
+              run(std::integral_constant<int, 2>{});
+            else
+              run(std::integral_constant<int, 3>{});
+          });
+        for (int t = 0; t < steps; ++t)
+          CHECK(std::fabs(losses[1][std::size_t(t)] - losses[0][std::size_t(t)]) <=
+                0.05f * losses[0][std::size_t(t)]);
+      }
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(2, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          auto cfg = test_config(2, 1);
+          cfg.quantized_gradients = zp::zero_quantized_gradients;
+          zp::Engine<Threads, T, 1> engine(comm, model, cfg);
+        });
+      },
+      {"quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3", "got stage 1"});
+}
+
 namespace {
 
 template <int Stage>

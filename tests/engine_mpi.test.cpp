@@ -162,6 +162,30 @@ TEST_CASE("on mpi qgZ's quantized reduce_scatter gives the threads backend's bit
   CHECK(std::memcmp(threads.data(), mpi.data(), piece * sizeof(float)) == 0);
 }
 
+// qgZ in the engine on MPI (nodes of 2 processes): bitwise the threads backend's training, the
+// quantized reduction's sums running in a fixed order on each rank (no clipping: the norm's
+// all_reduce, in MPI's order, is only reported).
+TEST_CASE_TEMPLATE("on mpi quantized gradients (qgZ) train bitwise as on the threads backend", T,
+                   float, zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(2, 2);
+  cfg.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 16};
+  cfg.ranks_per_node = 2;
+  auto both = [&]<int Stage>(std::integral_constant<int, Stage>) {
+    CAPTURE(Stage);
+    std::vector<float> threads;
+    zp::backend::run_threads(comm.size(), [&](Collective<zp::backend::Threads>& c) {
+      auto out = train<T, Stage>(c, close_steps, 2, 2, &cfg, true);
+      if (c.rank() == 0) threads = std::move(out);
+    });
+    const auto mpi = train<T, Stage>(comm, close_steps, 2, 2, &cfg, true);
+    REQUIRE(mpi.size() == threads.size());
+    CHECK(std::memcmp(mpi.data(), threads.data(), mpi.size() * sizeof(float)) == 0);
+  };
+  both(std::integral_constant<int, 2>{});
+  both(std::integral_constant<int, 3>{});
+}
+
 // ZeRO++'s secondary partition on MPI (2 processes a node; at 2 processes the node is the world):
 // the node's gathers on MPI's split communicator, bitwise the training without it.
 TEST_CASE_TEMPLATE("on mpi a secondary partition (hpZ) trains bitwise as without it", T, float,

@@ -17,6 +17,11 @@
 // Stage 0/1 reduce only at the accumulation boundary (sync on); in between, gradients accumulate
 // locally in the full buffer without communication.
 //
+// Quantized (ZeRO++'s qgZ, quantize_gradients(); scatter_accumulate in host memory): a bucket's
+// reduce_scatter is quantized_collectives.hpp's two-hop one, run when the bucket launches
+// (blocking, so it does not overlap backward), its fp32 average written to this rank's piece of
+// the slot (rounded to the reduction's type) for the completion to fold as usual.
+//
 // Precision (GradPrecision, DeepSpeed's grad_accum_dtype and communication_data_type): the model
 // always writes T. With fp32 accumulation, stage 0/1 add each micro-step's T gradients into a
 // full fp32 buffer (and zero the T ones) when a bucket is complete, stage 2/3 keep an fp32 shard
@@ -40,6 +45,7 @@
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
 #include "zp/partition.hpp"
+#include "zp/quantized_collectives.hpp"
 
 namespace zp {
 
@@ -156,6 +162,26 @@ class GradBuckets {
     for (auto& b : buckets_) b.work = Work{};
   }
 
+  // Reduces every bucket from now on with qgZ's quantized two-hop reduce_scatter over nodes
+  // (`node`: this rank's node, `peers`: the ranks of its local index, one per node).
+  void quantize_gradients(Collective<B>& node, Collective<B>& peers, const quant::Format& f) {
+    f.check();
+    ZP_EXPECT(reduction_ == Reduction::scatter_accumulate && S == MemorySpace::host,
+              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 and "
+              "host memory (device backends: not implemented yet)");
+    ZP_EXPECT(node.size() * peers.size() == comm_->size() &&
+                  comm_->rank() == peers.rank() * node.size() + node.rank(),
+              "buckets: nodes of ", node.size(), " ranks x ", peers.size(),
+              " nodes do not lay out the ", comm_->size(), " ranks");
+    const std::size_t piece = layout_->largest_segment() / std::size_t(comm_->size());
+    const auto need =
+        quant::reduce_scratch(f, std::size_t(comm_->size()), std::size_t(peers.size()), piece);
+    qgz_.emplace(Quantized{
+        &node, &peers, f, Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
+        Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
+        Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums")});
+  }
+
   int count() const noexcept { return int(buckets_.size()); }
   Reduction reduction() const noexcept { return reduction_; }
   // Bytes of scratch bucket memory (stage 2/3; 0 when buckets are the full gradient buffer).
@@ -163,6 +189,7 @@ class GradBuckets {
     std::size_t b = 0;
     for (const auto& s : slots_) b += s.bytes();
     for (const auto& s : slots32_) b += s.bytes();
+    if (qgz_) b += qgz_->send.bytes() + qgz_->recv.bytes() + qgz_->sums.bytes();
     return b;
   }
 
@@ -315,7 +342,9 @@ class GradBuckets {
               s, [&](auto seg) { return comm_->reduce_scatter_async(seg, ReduceOp::avg); });
           break;
         case Reduction::scatter_accumulate:
-          if (precision_.reduce_f32) {
+          if (qgz_) {
+            reduce_quantized(b);
+          } else if (precision_.reduce_f32) {
             Memory<S>::convert(slot32_span(b), std::span<const T>(slot_span(b)));
             b.work = comm_->reduce_scatter_async(slot32_span(b), ReduceOp::avg);
           } else {
@@ -327,6 +356,24 @@ class GradBuckets {
       b.state = Bucket::State::launched;
       ++next_;
     }
+  }
+
+  // qgZ: bucket b's average, reduced now, into this rank's piece of its slot.
+  void reduce_quantized(Bucket& b) {
+    const auto& g = layout_->segment(b.segment);
+    Quantized& q = *qgz_;
+    const std::size_t partial =
+        q.sums.size() - layout_->largest_segment() / std::size_t(comm_->size());
+    const std::span<float> mine = q.sums.span(partial, g.piece);
+    quant::reduce_scatter(*q.node, *q.peers, std::span<const T>(slot_span(b)), mine, q.format,
+                          q.send.span(), q.recv.span(), q.sums.span(0, partial));
+    const float n = float(comm_->size());
+    for (float& x : mine) x /= n;
+    const std::size_t at = std::size_t(comm_->rank()) * g.piece;
+    if (precision_.reduce_f32)
+      Memory<S>::copy(slot32_span(b).subspan(at, g.piece), std::span<const float>(mine));
+    else
+      Memory<S>::convert(slot_span(b).subspan(at, g.piece), std::span<const float>(mine));
   }
 
   // Waits for bucket s (scatter_accumulate) and folds this rank's piece into the accumulator.
@@ -379,7 +426,14 @@ class GradBuckets {
   std::vector<Buffer<float, S>> slots32_;  // fp32 reduction: slot i widened
   std::vector<int> free_;
   std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
-  std::size_t next_ = 0;      // the next bucket to launch
+  struct Quantized {
+    Collective<B>*node, *peers;
+    quant::Format format;
+    Buffer<std::int32_t, S> send, recv;
+    Buffer<float, S> sums;  // the node's partial sums, then this rank's piece
+  };
+  std::optional<Quantized> qgz_;
+  std::size_t next_ = 0;  // the next bucket to launch
   bool sync_ = true, first_ = true;
   std::chrono::steady_clock::time_point first_launch_ =
       std::chrono::steady_clock::time_point::max();

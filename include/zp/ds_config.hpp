@@ -141,6 +141,9 @@ struct Config {
   // zero_optimization.zero_quantized_weights (ZeRO++'s qwZ, stage 3): EngineConfig's
   // quantized_weights = zp::zero_quantized_weights (int8 in blocks of 2048).
   bool zero_quantized_weights = false;
+  // zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, stages 2 and 3): EngineConfig's
+  // quantized_gradients = zp::zero_quantized_gradients (int8 in blocks of 512).
+  bool zero_quantized_gradients = false;
   AioSection aio{};
 
   // The "optimizer" section; without one, DeepSpeed's Adam defaults (AdamW, lr 1e-3, betas
@@ -345,6 +348,9 @@ inline constexpr ConfigKey zero_keys[] = {
         "zero_hpz_partition_size", integer(1, 1, 1 << 20, "a positive integer (ranks per node)"),
         [](auto& c) -> auto& { return c.engine.hpz_partition_size; }),
     ConfigKey::read(
+        "zero_quantized_gradients", boolean(false),
+        [](auto& c) -> auto& { return c.zero_quantized_gradients; }),
+    ConfigKey::read(
         "zero_quantized_weights", boolean(false),
         [](auto& c) -> auto& { return c.zero_quantized_weights; }),
     ConfigKey::object<offload_keys>(
@@ -381,7 +387,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::unsupported("elastic_checkpoint", Off::is_false),
     ConfigKey::unsupported("legacy_stage1", Off::is_false),
     ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
-    ConfigKey::unsupported("zero_quantized_gradients", Off::is_false),
     ConfigKey::unsupported("mics_shard_size", Off::number, -1),
     ConfigKey::unsupported("mics_hierarchical_params_gather", Off::is_false),
     ConfigKey::unsupported("stage3_model_persistence_threshold"),
@@ -713,6 +718,10 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
   if (cfg.engine.hpz_partition_size > 1 && cfg.stage != 3)
     c.fail(join(path, "zero_hpz_partition_size"), "a secondary partition needs stage 3, got stage ",
            cfg.stage, " (below it no parameters are gathered)");
+  if (cfg.zero_quantized_gradients && cfg.stage < 2)
+    c.fail(join(path, "zero_quantized_gradients"),
+           "quantized gradients need stage 2 or 3, got stage ", cfg.stage,
+           " (below it the gradients are all-reduced, not reduce-scattered)");
   if (cfg.zero_quantized_weights && cfg.stage != 3)
     c.fail(join(path, "zero_quantized_weights"),
            "quantized weight gathers need stage 3, got stage ", cfg.stage,
@@ -1042,11 +1051,12 @@ inline std::string describe(const Config& c) {
   out += cat("  precision: ", precision, "\n");
   out +=
       cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
-  out += cat(
-      "  stage 3: max_live_parameters ", c.engine.max_live_params, ", param_persistence_threshold ",
-      c.engine.persist_threshold, ", prefetch_bucket_size ", c.prefetch_bucket_size, " (prefetch ",
-      c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ", c.zero_quantized_weights,
-      ", zero_hpz_partition_size ", c.engine.hpz_partition_size, "\n");
+  out += cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
+             ", param_persistence_threshold ", c.engine.persist_threshold,
+             ", prefetch_bucket_size ", c.prefetch_bucket_size, " (prefetch ",
+             c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ",
+             c.zero_quantized_weights, ", zero_hpz_partition_size ", c.engine.hpz_partition_size,
+             ", zero_quantized_gradients ", c.zero_quantized_gradients, "\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
   out += cat("  offload_param: ", detail::ds_name(c.offload_param.device),
              c.offload_param.device == OffloadDevice::nvme
@@ -1131,6 +1141,7 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                .queue_depth = unsigned(c.aio.queue_depth),
                                .block_size = std::size_t(c.aio.block_size)};
   if (c.zero_quantized_weights) e.quantized_weights = zero_quantized_weights;
+  if (c.zero_quantized_gradients) e.quantized_gradients = zero_quantized_gradients;
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =

@@ -116,6 +116,10 @@ class Engine {
     ZP_EXPECT(config_.hpz_partition_size == 1 || Stage == 3,
               "engine: a secondary partition (zero_hpz_partition_size ", config_.hpz_partition_size,
               ") needs ZeRO stage 3 (below it no parameters are gathered), got stage ", Stage);
+    ZP_EXPECT(!config_.quantized_gradients || Stage >= 2,
+              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 (a "
+              "reduce_scatter to quantize), got stage ",
+              Stage);
     ZP_EXPECT(!config_.quantized_weights || Stage == 3,
               "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
               "it no parameters are gathered), got stage ",
@@ -132,16 +136,25 @@ class Engine {
     load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params);
     bind_views(part_, bound_);
-    if constexpr (Stage == 3) {
-      if (const int h = config_.hpz_partition_size; h > 1) {
-        ZP_EXPECT(comm.size() % h == 0, "engine: hpz_partition_size ", h, " does not divide the ",
-                  comm.size(), " data-parallel ranks");
-        node_.emplace(comm.split(comm.rank() / h, comm.rank() % h));
-      }
+    // hpZ's node: hpz_partition_size consecutive ranks. qgZ's two hops: inside nodes of
+    // ranks_per_node consecutive ranks, then across them.
+    const auto nodes_of = [&](int h, const char* what) {
+      ZP_EXPECT(comm.size() % h == 0, "engine: ", what, " ", h, " does not divide the ",
+                comm.size(), " data-parallel ranks");
+      return comm.split(comm.rank() / h, comm.rank() % h);
+    };
+    if (config_.hpz_partition_size > 1)
+      hpz_node_.emplace(nodes_of(config_.hpz_partition_size, "hpz_partition_size"));
+    if (config_.quantized_gradients) {
+      const int h = config_.ranks_per_node > 0 ? config_.ranks_per_node : comm.size();
+      qgz_node_.emplace(nodes_of(h, "ranks_per_node"));
+      qgz_peers_.emplace(comm.split(comm.rank() % h, comm.rank() / h));
+      buckets_.quantize_gradients(*qgz_node_, *qgz_peers_, *config_.quantized_gradients);
+    }
+    if constexpr (Stage == 3)
       params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values),
                       config_.persist_threshold, config_.max_live_params, config_.quantized_weights,
-                      node_ ? &*node_ : nullptr);
-    }
+                      hpz_node_ ? &*hpz_node_ : nullptr);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now
@@ -279,9 +292,12 @@ class Engine {
     mods_.expect_idle(what);
   }
 
-  // Stage 3 with hpZ (EngineConfig::hpz_partition_size > 1): the node group the gathers after a
-  // module's first run in (its counters are its own); else null.
-  Collective<B>* hpz_group() noexcept { return node_ ? &*node_ : nullptr; }
+  // The sub-groups of ZeRO++, each with its own counters (CommStats) beside the data-parallel
+  // group's, else null: hpZ's node (the gathers after a module's first), qgZ's node (its first
+  // hop) and qgZ's group across nodes (its second hop: the only bytes that cross nodes).
+  Collective<B>* hpz_group() noexcept { return hpz_node_ ? &*hpz_node_ : nullptr; }
+  Collective<B>* qgz_node_group() noexcept { return qgz_node_ ? &*qgz_node_ : nullptr; }
+  Collective<B>* qgz_cross_group() noexcept { return qgz_peers_ ? &*qgz_peers_ : nullptr; }
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
   std::size_t max_live_params() const noexcept { return params_ ? params_->max_live_params() : 0; }
@@ -508,7 +524,9 @@ class Engine {
   Part part_;
   GradBuckets<T, B, S> buckets_;
   ModuleTracker mods_;
-  std::optional<Collective<B>> node_;             // stage 3 with hpZ: this rank's node
+  std::optional<Collective<B>> hpz_node_;  // hpZ: this rank's node
+  // qgZ: this rank's node, and the ranks of its local index (one a node)
+  std::optional<Collective<B>> qgz_node_, qgz_peers_;
   std::optional<ParamCoordinator<T, B>> params_;  // stage 3: gathers, prefetches, releases
   StepStatistics<S> stats_;                       // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)

@@ -81,7 +81,9 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", bucket_slots=", c.bucket_slots, ", broadcast_initial_params=",
                   c.broadcast_initial_params, ", quantized weights block ",
                   c.quantized_weights ? c.quantized_weights->block : 0,
-                  ", hpz_partition_size=", c.hpz_partition_size, ")"),
+                  ", hpz_partition_size=", c.hpz_partition_size, ", quantized gradients block ",
+                  c.quantized_gradients ? c.quantized_gradients->block : 0,
+                  ", ranks_per_node=", c.ranks_per_node, ")"),
       // The NVMe step adds an agreement to every step: all ranks or none.
       detail::cat("optimizer state or parameters on NVMe (this rank: ",
                   c.optimizer_nvme ? "state" : "no state", ", ",
@@ -102,7 +104,9 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
                c.broadcast_initial_params,
                c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
-               c.hpz_partition_size)
+               c.hpz_partition_size,
+               c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
+               c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
           .value(),
       detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value()};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));

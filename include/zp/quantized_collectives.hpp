@@ -77,36 +77,65 @@ void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> 
     dequantize(f, codes, std::span<const float>(scales), out);
 }
 
-// qgZ's two-hop reduce-scatter (see the top of this file). Host memory; blocking.
+// The scratch reduce_scatter needs for pieces of `piece` values on `ranks` ranks in `nodes`
+// nodes: send and recv records (each), then the node's partial sums.
+struct ReduceScratchSize {
+  std::size_t records, partial;
+};
+inline ReduceScratchSize reduce_scratch(const Format& f, std::size_t ranks, std::size_t nodes,
+                                        std::size_t piece) {
+  return {ranks * record_words(f, piece), nodes * piece};
+}
+
+// qgZ's two-hop reduce-scatter (see the top of this file), through caller-owned scratch of at
+// least reduce_scratch()'s sizes. Host memory; blocking.
 template <Backend B, class T>
 void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
-                    std::span<float> out, const Format& f) {
+                    std::span<float> out, const Format& f, std::span<std::int32_t> send,
+                    std::span<std::int32_t> recv, std::span<float> partial) {
   f.check();
   const std::size_t h = std::size_t(node.size()), nodes = std::size_t(peers.size()),
                     ranks = h * nodes, piece = out.size(), rw = record_words(f, piece);
   ZP_EXPECT(in.size() == ranks * piece, "quantized reduce_scatter: ", in.size(), " values in for ",
             ranks, " ranks (", nodes, " nodes of ", h, ") of ", piece, " each");
-  std::vector<std::int32_t> send(ranks * rw), recv(ranks * rw);
+  const ReduceScratchSize need = reduce_scratch(f, ranks, nodes, piece);
+  ZP_EXPECT(
+      send.size() >= need.records && recv.size() >= need.records && partial.size() >= need.partial,
+      "quantized reduce_scatter: scratch of ", send.size(), ", ", recv.size(), " and ",
+      partial.size(), " elements, less than ", need.records, " record words and ", need.partial,
+      " partial sums");
+  send = send.first(need.records);
+  recv = recv.first(need.records);
+  partial = partial.first(need.partial);
   // Hop 1: block j of the send buffer holds, node by node, the pieces local rank j sums.
   for (std::size_t j = 0; j < h; ++j)
     for (std::size_t n = 0; n < nodes; ++n)
-      pack(in.subspan((n * h + j) * piece, piece), f,
-           std::span(send).subspan((j * nodes + n) * rw, rw));
-  node.all_to_all(std::span<const std::int32_t>(send), std::span(recv));
-  std::vector<float> partial(nodes * piece, 0.0f);  // per node n: the sum of rank n*h+me's piece
+      pack(in.subspan((n * h + j) * piece, piece), f, send.subspan((j * nodes + n) * rw, rw));
+  node.all_to_all(std::span<const std::int32_t>(send), recv);
+  std::fill(partial.begin(), partial.end(), 0.0f);  // node n's sum of rank n*h+me's piece
   for (std::size_t i = 0; i < h; ++i)
     for (std::size_t n = 0; n < nodes; ++n)
-      unpack<true>(f, std::span<const std::int32_t>(recv).subspan((i * nodes + n) * rw, rw),
-                   std::span(partial).subspan(n * piece, piece));
+      unpack<true>(f, std::span<const std::int32_t>(recv.subspan((i * nodes + n) * rw, rw)),
+                   partial.subspan(n * piece, piece));
   // Hop 2: the partial of node n's piece to node n.
   for (std::size_t n = 0; n < nodes; ++n)
-    pack(std::span<const float>(partial).subspan(n * piece, piece), f,
-         std::span(send).subspan(n * rw, rw));
-  peers.all_to_all(std::span<const std::int32_t>(send).first(nodes * rw),
-                   std::span(recv).first(nodes * rw));
+    pack(std::span<const float>(partial.subspan(n * piece, piece)), f, send.subspan(n * rw, rw));
+  peers.all_to_all(std::span<const std::int32_t>(send.first(nodes * rw)), recv.first(nodes * rw));
   std::fill(out.begin(), out.end(), 0.0f);
   for (std::size_t n = 0; n < nodes; ++n)
-    unpack<true>(f, std::span<const std::int32_t>(recv).subspan(n * rw, rw), out);
+    unpack<true>(f, std::span<const std::int32_t>(recv.subspan(n * rw, rw)), out);
+}
+
+// ... with scratch of its own.
+template <Backend B, class T>
+void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
+                    std::span<float> out, const Format& f) {
+  const ReduceScratchSize need =
+      reduce_scratch(f, std::size_t(node.size()) * std::size_t(peers.size()),
+                     std::size_t(peers.size()), out.size());
+  std::vector<std::int32_t> send(need.records), recv(need.records);
+  std::vector<float> partial(need.partial);
+  reduce_scatter(node, peers, in, out, f, std::span(send), std::span(recv), std::span(partial));
 }
 
 }  // namespace zp::quant
