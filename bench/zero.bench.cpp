@@ -11,6 +11,14 @@
 // Each configuration checks its memory report and communication volume against the ZeRO
 // formulas before timing; iterations are timed inside the ranks (manual time, rank 0's clock
 // between barriers).
+//
+// zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s
+//   qwZ (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop
+//   gradient reduction), all three, or none (plain). Counters, per rank per step in nccl-tests'
+//   S bytes: cross_node_bytes (the data-parallel group's collectives, which span both nodes,
+//   and qgZ's second hop), node_bytes (hpZ's gathers and qgZ's first hop), cross_vs_plain (the
+//   cross-node bytes over the plain step's, measured in the same run). The threads backend has
+//   no slow link between its "nodes", so the time shows the quantization's CPU cost only.
 #include <benchmark/benchmark.h>
 
 #include <zp/backend/threads.hpp>
@@ -110,7 +118,78 @@ void zero_step(benchmark::State& state) {
   state.counters["gathered_peak_bytes"] = m.gathered_bytes;
 }
 
+// A stage 3 step's bytes (S, per rank) that cross the 2 nodes and that stay inside one.
+struct Traffic {
+  double cross = 0, node = 0;
+};
+template <class E>
+Traffic step_traffic(E& engine, Collective<Threads>& comm, Synthetic& model) {
+  auto bytes = [](zp::Collective<Threads>* c) { return c ? double(c->stats().total().bytes) : 0; };
+  const double dp0 = bytes(&comm), cross0 = bytes(engine.qgz_cross_group()),
+               node0 = bytes(engine.hpz_group()) + bytes(engine.qgz_node_group());
+  zp::bench::train_step(engine, model);
+  return {bytes(&comm) - dp0 + bytes(engine.qgz_cross_group()) - cross0,
+          bytes(engine.hpz_group()) + bytes(engine.qgz_node_group()) - node0};
+}
+
+enum class ZeroPP { plain, qwz, hpz, qgz, all };
+
+zp::EngineConfig zeropp_config(ZeroPP v) {
+  zp::EngineConfig cfg;
+  cfg.ranks_per_node = 2;
+  if (v == ZeroPP::qwz || v == ZeroPP::all) cfg.quantized_weights = zp::zero_quantized_weights;
+  if (v == ZeroPP::hpz || v == ZeroPP::all) cfg.hpz_partition_size = 2;
+  if (v == ZeroPP::qgz || v == ZeroPP::all) cfg.quantized_gradients = zp::zero_quantized_gradients;
+  return cfg;
+}
+
+void zeropp_step(benchmark::State& state) {
+  const auto v = ZeroPP(state.range(0));
+  std::vector<double> times;
+  Traffic plain, mine;
+  zp::backend::run_threads(4, [&](Collective<Threads>& comm) {
+    Traffic p;
+    {
+      Synthetic base;
+      zp::Engine<Threads, bf16, 3> engine(comm, base, zeropp_config(ZeroPP::plain));
+      zp::bench::train_step(engine, base);
+      p = step_traffic(engine, comm, base);
+    }
+    Synthetic model;
+    zp::Engine<Threads, bf16, 3> engine(comm, model, zeropp_config(v));
+    zp::bench::train_step(engine, model);
+    const Traffic t = step_traffic(engine, comm, model);
+    std::vector<double> s;
+    for (int i = 0; i < int(state.max_iterations); ++i) {
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      zp::bench::train_step(engine, model);
+      comm.barrier();
+      s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (comm.rank() == 0) {
+      times = s;
+      plain = p;
+      mine = t;
+    }
+  });
+  std::size_t i = 0;
+  for (auto _ : state) state.SetIterationTime(times[i++ % times.size()]);
+  state.counters["cross_node_bytes"] = mine.cross;
+  state.counters["node_bytes"] = mine.node;
+  state.counters["cross_vs_plain"] = mine.cross / plain.cross;
+}
+
 }  // namespace
+
+// Names: zeropp_step/variant:V/iterations:3/manual_time; V: 0 plain, 1 qwZ, 2 hpZ, 3 qgZ, 4 all.
+BENCHMARK(zeropp_step)
+    ->Name("zeropp_step")
+    ->ArgName("variant")
+    ->DenseRange(0, 4)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 // Names: zero_step/stage:S/ranks:N/iterations:3/manual_time.
 BENCHMARK(zero_step<0>)
