@@ -1,14 +1,15 @@
 // zp_bench_quantize: blockwise quantization (zp/quantize.hpp, issue #22) on one CPU thread,
 // against the memory's copy limit measured in the same benchmark.
 //
-// quant/<op>/<type>/<bits>/block:B/elems:N   op: quantize (T -> codes + fp32 scales),
+// quant/<op>/<type>/<bits>[/portable]/block:B/elems:N   op: quantize (T -> codes + fp32 scales),
 //   dequantize (codes + scales -> T) or dequantize_add (acc += codes x scales, fp32 acc).
 //   Counters: GBps = bytes read + bytes written per second (codes, scales, values; for
 //   dequantize_add the fp32 accumulator is read and written), copy_GBps = a streaming copy
 //   (bench/membw.hpp) of as many bytes on the same thread, timed in the same benchmark right
 //   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8). wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
-//   block (any skips the benchmark with an error).
+//   block (any skips the benchmark with an error). int8 rows run the host's best path (AVX2
+//   where the CPU has it); /portable rows force the scalar work items, the baseline.
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
 
@@ -38,7 +39,8 @@ const char* op_name(Op op) {
 }
 
 template <class T>
-void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::size_t n) {
+void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::size_t n,
+           zp::quant::Path path) {
   const Format f{.bits = bits, .block = block};
   std::mt19937_64 rng(n * 31 + block);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -46,9 +48,9 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   for (auto& v : x) v = T(normal(rng));
   std::vector<std::uint8_t> codes(f.code_bytes(n));
   std::vector<float> scales(f.blocks(n)), acc(n, 0.0f);
-  zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales));
+  zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales), path);
   zp::quant::dequantize(f, std::span<const std::uint8_t>(codes), std::span<const float>(scales),
-                        std::span<T>(y));
+                        std::span<T>(y), path);
   // The check: every value within its block's bound (an independent loop over the blocks).
   const double qmax = bits == Bits::int8 ? 127 : 7;
   std::uint64_t wrong = 0;
@@ -74,15 +76,15 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   for (auto _ : state) {
     switch (op) {
       case Op::quantize:
-        zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales));
+        zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales), path);
         break;
       case Op::dequantize:
         zp::quant::dequantize(f, std::span<const std::uint8_t>(codes),
-                              std::span<const float>(scales), std::span<T>(y));
+                              std::span<const float>(scales), std::span<T>(y), path);
         break;
       case Op::dequantize_add:
         zp::quant::dequantize_add(f, std::span<const std::uint8_t>(codes),
-                                  std::span<const float>(scales), std::span<float>(acc));
+                                  std::span<const float>(scales), std::span<float>(acc), path);
         break;
     }
     benchmark::ClobberMemory();
@@ -101,16 +103,20 @@ void register_type(const char* type) {
   constexpr std::size_t n = std::size_t(1) << 24;  // 16M values: out of every cache
   for (Op op : {Op::quantize, Op::dequantize, Op::dequantize_add})
     for (Bits bits : {Bits::int8, Bits::int4})
-      for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
-        if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
-        const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
-                                 (bits == Bits::int8 ? "int8" : "int4") +
-                                 "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
-        benchmark::RegisterBenchmark(name.c_str(),
-                                     [=](benchmark::State& s) { bench<T>(s, op, bits, block, n); })
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-      }
+      for (auto path : {zp::quant::Path::best, zp::quant::Path::portable})
+        for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
+          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;    // fp32 acc only
+          if (bits == Bits::int4 && path == zp::quant::Path::portable) continue;  // one path
+          const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
+                                   (bits == Bits::int8 ? "int8" : "int4") +
+                                   (path == zp::quant::Path::portable ? "/portable" : "") +
+                                   "/block:" + std::to_string(block) +
+                                   "/elems:" + std::to_string(n);
+          benchmark::RegisterBenchmark(
+              name.c_str(), [=](benchmark::State& s) { bench<T>(s, op, bits, block, n, path); })
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
 }
 
 }  // namespace
