@@ -82,20 +82,49 @@ def save_transformers_gpt2(directory, seed, **shape):
     return GPT2LMHeadModel.from_pretrained(directory).eval()
 
 
+def zp_eval_loss(stdout):
+    """The loss zp_gpt --eval printed."""
+    return float(next(ln for ln in stdout.splitlines() if ln.startswith("eval: loss ")).split()[2])
+
+
+def transformers_eval_loss(model, ids, context):
+    """zp_gpt --eval's loss computed by transformers: every next token of ids predicted once, in
+    windows of context + 1 tokens, each starting where the last one's targets end."""
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, context):
+            window = torch.tensor(ids[start:start + context + 1])
+            logits = model(window[None, :-1]).logits[0].double()
+            total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
+    return total / (len(ids) - 1)
+
+
 def check_trained(gpt, work):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     text = os.path.join(work, "pattern.txt")
     with open(text, "w") as f:
         f.write("abcdefgh" * 400)
+    eval_path = os.path.join(work, "eval.txt")
+    eval_text = b"efghabcdefghabcd" + bytes(rng.choice(list(b"abcdefgh\n"), size=45).tolist())
+    with open(eval_path, "wb") as f:
+        f.write(eval_text)
     out = os.path.join(work, "trained")
-    subprocess.run([gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4",
-                    "--context", "16", "--micro-batch", "8", "--lr", "1e-2", "--steps", "150",
-                    "--log-every", "150", "--ranks", "2", "--export", out], check=True,
-                   stdout=subprocess.DEVNULL)
+    r = subprocess.run([gpt, "--text", text, "--layers", "1", "--d-model", "32", "--heads", "4",
+                        "--context", "16", "--micro-batch", "8", "--lr", "1e-2", "--steps", "150",
+                        "--log-every", "150", "--ranks", "2", "--export", out, "--eval",
+                        eval_path], check=True, capture_output=True, text=True)
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     with open(os.path.join(out, "vocab.json")) as f:
         byte_of_id = json.load(f)["byte_of_id"]
     id_of_byte = {b: i for i, b in enumerate(byte_of_id)}
+    # transformers on zp_gpt's own export: the loss zp_gpt reported for the trained model.
+    model = GPT2LMHeadModel.from_pretrained(out).eval()
+    loss_zp = zp_eval_loss(r.stdout)
+    loss_hf = transformers_eval_loss(model, [id_of_byte[b] for b in eval_text], 16)
+    print(f"GPT2LMHeadModel.from_pretrained(zp_gpt's export of a bf16 run): eval loss "
+          f"{loss_hf:.7f}, zp_gpt's own {loss_zp:.7f}")
+    assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
     weights = load_file(os.path.join(out, "model.safetensors"))
     ids = [id_of_byte[b] for b in b"cde"]
     for _ in range(24):
@@ -119,7 +148,6 @@ def check_trained(gpt, work):
 
     # A directory as transformers' save_pretrained writes a tied GPT-2 with more positions:
     # no lm_head.weight (it is wte), n_positions 32, a non-persistent buffer saved anyway.
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     tied = os.path.join(work, "tied")
     os.makedirs(tied)
     w = {k: v for k, v in weights.items() if k != "lm_head.weight"}
@@ -176,22 +204,15 @@ def check_trained(gpt, work):
     model = save_transformers_gpt2(saved, seed, vocab_size=len(byte_of_id), n_positions=64,
                                    n_embd=32, n_layer=1, n_head=4)
     eval_text = bytes(rng.choice(byte_of_id, size=61).tolist())
-    eval_path = os.path.join(work, "eval.txt")
     with open(eval_path, "wb") as f:
         f.write(eval_text)
     r = subprocess.run(shape + ["--ranks", "8", "--tp", "2", "--pp", "2", "--micro-batch", "3",
                                     "--precision", "fp32", "--steps", "0", "--init-from", saved,
                                     "--eval", eval_path],
                        check=True, capture_output=True, text=True)
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("eval: loss "))
-    loss_zp = float(line.split()[2])
+    loss_zp = zp_eval_loss(r.stdout)
     ids = [id_of_byte[b] for b in eval_text]
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, len(ids) - 1, 16):
-            window = torch.tensor([ids[start:start + 17]])
-            total += float(model(window, labels=window).loss) * (window.shape[1] - 1)
-    loss_hf = total / (len(ids) - 1)
+    loss_hf = transformers_eval_loss(model, ids, 16)
     print(f"zp_gpt --init-from a transformers GPT-2 on a 2x2x2 grid, --eval: loss {loss_zp:.7f} "
           f"(zp), {loss_hf:.7f} (transformers) on {len(ids) - 1} predictions; seed {seed}")
     assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
