@@ -58,7 +58,8 @@ void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record)
   std::fill_n(record.data(), cw, 0);
   quantize(x, f, std::span(reinterpret_cast<std::uint8_t*>(record.data()), f.code_bytes(x.size())),
            std::span<float>(scales));
-  std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
+  if (!scales.empty())  // (an empty piece's record may have no storage)
+    std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
 }
 
 // A record of out.size() values -> out (Add: acc += them, in fp32).
@@ -68,7 +69,8 @@ void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> 
   ZP_EXPECT(record.size() == record_words(f, n), "dequantize: a record of ", n, " values takes ",
             record_words(f, n), " words, got ", record.size());
   std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
-  std::memcpy(scales.data(), record.data() + cw, scales.size() * sizeof(float));
+  if (!scales.empty())
+    std::memcpy(scales.data(), record.data() + cw, scales.size() * sizeof(float));
   const auto codes =
       std::span(reinterpret_cast<const std::uint8_t*>(record.data()), f.code_bytes(n));
   if constexpr (Add)
