@@ -449,8 +449,10 @@ TEST_CASE_TEMPLATE(
         }
         scratch = std::max(scratch, std::int64_t(4 * (N + 1) * words * 4));
         const double ratio = double(words * 4) / double(elems * sizeof(T));
-        ratio_lo = std::min(ratio_lo, ratio);
-        ratio_hi = std::max(ratio_hi, ratio);
+        if (comm.rank() == 0) {  // the ranks share these
+          ratio_lo = std::min(ratio_lo, ratio);
+          ratio_hi = std::max(ratio_hi, ratio);
+        }
       }
       const auto same = [](const T& a, const T& b) { return std::memcmp(&a, &b, sizeof(T)) == 0; };
       std::uint64_t reference_bytes = 0;  // the test's own all_gathers
