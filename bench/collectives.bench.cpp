@@ -17,6 +17,10 @@
 //   the others idle). One iteration moves 2S: algbw_GBps = busbw_GBps = 2S / t. backends:
 //   threads (one memcpy per message, so bounded by GBps(membw/copy/threads:1)), mpi,
 //   mpi_unchecked (no signature exchange), mpi_raw (bare MPI_Send/MPI_Recv: the baseline).
+// membw/copy/ranks:N (under mpirun, before the mpi rows): every rank streams its own copy at once;
+//   mpi and mpi_paired rows then report limit_fraction = busbw / the busbw that copy limit
+//   allows the operation (busbw_limit below; for 2 ranks membw/4, /6, /4 for all_reduce,
+//   reduce_scatter, all_gather: the threads backend's bar).
 // membw/copy/threads:T  the memory-bandwidth limit measured in the same run (bench/membw.hpp):
 //   a 2-rank in-place all_reduce moves at least 4 bytes per byte of S through memory (each
 //   rank's half: read both inputs, write both outputs), so busbw of threads/all_reduce/ranks:2
@@ -45,6 +49,7 @@
 #include <vector>
 
 #include "membw.hpp"
+#include "mpi_main.hpp"
 
 #if ZP_BENCH_MPI
 #include <zp/backend/mpi.hpp>
@@ -312,6 +317,54 @@ std::uint64_t mpi_total(std::uint64_t w, MPI_Comm comm) {
   return w;
 }
 
+// membw/copy/ranks:N: every rank streams its own 256 MiB / N copy at once (between barriers), so
+// GBps (bytes read + written by all ranks per second) is the limit the N processes share.
+double g_membw_gbps = 0;  // its last value, for limit_fraction below
+
+void bench_membw_ranks(benchmark::State& state) {
+  int N = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &N);
+  const std::size_t bytes = 256 * MiB / std::size_t(N);
+  const zp::bench::PageBuffer src(bytes, 1), dst(bytes, 0);
+  double seconds = 0;
+  for (auto _ : state) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto t0 = std::chrono::steady_clock::now();
+    zp::bench::stream_copy(dst.get(), src.get(), bytes);
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(t);
+    seconds += t;
+  }
+  const double gb = 2.0 * double(bytes) * double(N) * double(state.iterations()) * 1e-9;
+  g_membw_gbps = gb / seconds;
+  state.counters["GBps"] = g_membw_gbps;
+}
+
+// The busbw an in-place operation of N ranks cannot exceed with the copy limit: each rank's
+// result costs at least what it must read and write (all_reduce: N inputs read and N outputs
+// written per element of S; reduce_scatter: the N inputs read and one output written;
+// all_gather: (N-1)/N of S read and written per rank), and busbw = S x bus_factor / t.
+double busbw_limit(CollOp op, int N, double membw) {
+  const double n = N;
+  switch (op) {
+    case CollOp::all_reduce: return membw * zp::bus_factor(op, N) / (2 * n);
+    case CollOp::reduce_scatter: return membw * zp::bus_factor(op, N) / (n + 1);
+    case CollOp::all_gather: return membw * zp::bus_factor(op, N) / (2 * (n - 1));
+    default: return 0;
+  }
+}
+
+// limit_fraction = busbw / busbw_limit, where membw/copy/ranks:N ran earlier in this process.
+void set_limit_fraction(benchmark::State& state, CollOp op, int N, std::size_t bytes,
+                        double seconds) {
+  const double limit = busbw_limit(op, N, g_membw_gbps);
+  if (limit <= 0 || seconds <= 0) return;
+  const double busbw =
+      double(bytes) * zp::bus_factor(op, N) * double(state.iterations()) / seconds * 1e-9;
+  state.counters["limit_fraction"] = busbw / limit;
+}
+
 void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check_calls) {
   zp::backend::Mpi::Options opt;
   opt.check_calls = check_calls;
@@ -327,9 +380,12 @@ void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check
   }
   if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
   MPI_Barrier(comm.backend().comm());
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) run_op(comm, op, std::span<float>(buf), std::span<float>(out));
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MPI_Barrier(comm.backend().comm());
   set_counters(state, op, N, bytes, bad);
+  set_limit_fraction(state, op, N, bytes, t);
 }
 
 int raw_op(CollOp op, float* buf, float* out, std::size_t elems, int N, MPI_Comm comm) {
@@ -442,9 +498,14 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
   const double bus = double(bytes) * zp::bus_factor(op, N) * double(state.iterations());
   state.counters["raw_busbw_GBps"] = bus / t_raw / 1e9;
   state.counters["ratio"] = t_raw / t_zp;  // zp busbw / raw busbw
+  set_limit_fraction(state, op, N, bytes, t_zp);
 }
 
 void register_mpi(int N) {
+  benchmark::RegisterBenchmark(("membw/copy/ranks:" + std::to_string(N)).c_str(), bench_membw_ranks)
+      ->Iterations(10)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   for (std::size_t bytes : sizes) {
     auto reg = [&](const char* backend, bool raw, bool check_calls) {
       benchmark::RegisterBenchmark(
@@ -477,13 +538,6 @@ void register_mpi(int N) {
     }
 }
 
-// Launched by mpirun/mpiexec/srun? (Initialising MPI otherwise would need a singleton launch.)
-bool under_mpi_launcher() {
-  for (const char* v :
-       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_PROCID"})
-    if (std::getenv(v)) return true;
-  return false;
-}
 #endif
 
 #if ZP_BENCH_NCCL
@@ -529,44 +583,23 @@ void register_nccl() {
 }
 #endif
 
-// Rank != 0 under MPI: runs everything, prints nothing.
-class NullReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  int mpi_size = 1, mpi_rank = 0;
+  return zp::bench::mpi_main(
+      argc, argv,
+      [](int ranks) {
 #if ZP_BENCH_MPI
-  std::unique_ptr<zp::backend::MpiEnvironment> env;
-  if (under_mpi_launcher()) {
-    env = std::make_unique<zp::backend::MpiEnvironment>(&argc, &argv);
-    mpi_size = env->world_size();
-    mpi_rank = env->world_rank();
-  }
+        register_mpi(ranks);
+#else
+        (void)ranks;
 #endif
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  if (mpi_size >= 2) {
-#if ZP_BENCH_MPI
-    register_mpi(mpi_size);
-#endif
-  } else {
-    zp::bench::register_membw_copy(256 * MiB, {1, 2});
-    register_threads();
+      },
+      [] {
+        zp::bench::register_membw_copy(256 * MiB, {1, 2});
+        register_threads();
 #if ZP_BENCH_NCCL
-    register_nccl();
+        register_nccl();
 #endif
-  }
-  if (mpi_rank == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    NullReporter null;
-    benchmark::RunSpecifiedBenchmarks(&null);
-  }
-  benchmark::Shutdown();
-  return 0;
+      });
 }

@@ -1,8 +1,8 @@
 // The synthetic model of the ZeRO step benchmarks (zp_bench_zero, zp_bench_zero_cuda): the
 // parameters (`modules` blocks of a weight and a bias, named block<m>.weight / block<m>.bias,
 // every value starting from one shared host array of initial values, which zp copies), the
-// pattern the "computed" gradients follow, one training step under the engine's guards, and
-// the check each benchmark runs before timing. A benchmark's model adds forward(m) and
+// pattern the "computed" gradients follow, one training step under the engine's guards, its
+// timing loop, and the check each benchmark runs before timing. A benchmark's model adds forward(m) and
 // backward(m): where the gradients come from and the compute.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include <zp/engine.hpp>
 #include <zp/model.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -56,6 +57,38 @@ zp::StepResult train_step(E& engine, M& model) {
     model.backward(m);
   }
   return engine.step();
+}
+
+// `iterations` steps after one untimed, each timed on this rank's clock between barriers (so rank
+// 0's times are the slowest rank's), and the share of the steps' time no phase of StepTimes
+// accounts for. StepTimes::total runs from the end of one step() to the end of the next, so it
+// includes this loop's barriers between steps; they are taken out of both sums.
+struct TimedSteps {
+  std::vector<double> seconds;
+  double untracked = 0;
+};
+template <class E, class M, class C>
+TimedSteps timed_steps(E& engine, M& model, C& comm, int iterations) {
+  using clock = std::chrono::steady_clock;
+  const auto sec = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  TimedSteps out;
+  double untracked = 0, total = 0;
+  train_step(engine, model);
+  auto last = clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    comm.barrier();
+    const auto t0 = clock::now();
+    const zp::StepResult r = train_step(engine, model);
+    const auto t1 = clock::now();
+    comm.barrier();
+    out.seconds.push_back(sec(clock::now() - t0));
+    const double between = sec(t0 - last);  // the barriers since the last step() returned
+    untracked += r.times.untracked() - between;
+    total += r.times.total - between;
+    last = t1;
+  }
+  out.untracked = total > 0 ? untracked / total : 0;
+  return out;
 }
 
 // Checked before timing: the first step applied, and the engine's model-state bytes and the

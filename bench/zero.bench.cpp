@@ -1,4 +1,5 @@
-// zp_bench_zero: the time of one ZeRO training step per stage on the threads backend.
+// zp_bench_zero: the time of one ZeRO training step per stage on the threads backend (and, under
+// mpirun, on the mpi backend beside it).
 //
 // zero_step/stage:S/ranks:N  one optimizer step of a 51M-parameter model (8 modules) in bf16
 //   with fp32 master weights and AdamW (the layout of the ZeRO formulas): module guards around a
@@ -24,11 +25,14 @@
 #include <zp/backend/threads.hpp>
 #include <zp/engine.hpp>
 
+#include "mpi_main.hpp"
 #include "synthetic.hpp"
 
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -65,50 +69,53 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
 struct Measured {
   std::vector<double> seconds;
   double psi = 0, state_bytes = 0, bus_bytes = 0, bucket_bytes = 0, gathered_bytes = 0;
+  double untracked = 0;  // the share of step time no StepTimes phase accounts for
   std::string error;
 };
 
-template <int Stage>
-Measured measure(int ranks, int iterations) {
+// The step on comm's ranks; every field is rank 0's.
+template <int Stage, class B>
+Measured measure(Collective<B>& comm, int iterations) {
   Measured out;
-  zp::backend::run_threads(ranks, [&](Collective<Threads>& comm) {
-    Synthetic model;
-    zp::EngineConfig cfg;  // default buckets (16 MiB), no clipping, no persistence
-    zp::Engine<Threads, bf16, Stage> engine(comm, model, cfg, zp::optim::AdamW{});
-    const auto first = zp::bench::train_step(engine, model);  // checked before timing
-    const auto& L = engine.layout();
-    const auto mem = engine.memory();
-    const std::string err = zp::bench::check_first_step(engine, first, comm.size());
-    const double bus = engine.last_step_comm().total().bus_bytes;
-    std::vector<double> times;
-    for (int i = 0; i < iterations; ++i) {
-      comm.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      zp::bench::train_step(engine, model);
-      comm.barrier();
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    if (comm.rank() == 0) {
-      out.seconds = times;
-      out.psi = double(L.used());
-      out.state_bytes = double(mem.model_states());
-      out.bus_bytes = bus;
-      out.bucket_bytes = double(mem.buckets);
-      out.gathered_bytes = double(mem.gathered_peak);
-      out.error = err;
-    }
-  });
+  Synthetic model;
+  zp::EngineConfig cfg;  // default buckets (16 MiB), no clipping, no persistence
+  zp::Engine<B, bf16, Stage> engine(comm, model, cfg, zp::optim::AdamW{});
+  const auto first = zp::bench::train_step(engine, model);  // checked before timing
+  const auto& L = engine.layout();
+  const auto mem = engine.memory();
+  const std::string err = zp::bench::check_first_step(engine, first, comm.size());
+  const double bus = engine.last_step_comm().total().bus_bytes;
+  const auto timed = zp::bench::timed_steps(engine, model, comm, iterations);
+  if (comm.rank() == 0) {
+    out.seconds = timed.seconds;
+    out.untracked = timed.untracked;
+    out.psi = double(L.used());
+    out.state_bytes = double(mem.model_states());
+    out.bus_bytes = bus;
+    out.bucket_bytes = double(mem.buckets);
+    out.gathered_bytes = double(mem.gathered_peak);
+    out.error = err;
+  }
   return out;
 }
 
 template <int Stage>
-void zero_step(benchmark::State& state) {
-  const int ranks = int(state.range(0));
-  const auto m = measure<Stage>(ranks, int(state.max_iterations));
-  if (!m.error.empty()) {
-    state.SkipWithError(m.error.c_str());
-    return;
-  }
+Measured measure_threads(int ranks, int iterations) {
+  Measured out;
+  zp::backend::run_threads(ranks, [&](Collective<Threads>& comm) {
+    auto m = measure<Stage>(comm, iterations);
+    if (comm.rank() == 0) out = std::move(m);
+  });
+  return out;
+}
+
+double mean(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v;
+  return x.empty() ? 0 : s / double(x.size());
+}
+
+void report(benchmark::State& state, const Measured& m) {
   std::size_t i = 0;
   for (auto _ : state) state.SetIterationTime(m.seconds[i++ % m.seconds.size()]);
   state.counters["params"] = m.psi;
@@ -116,7 +123,53 @@ void zero_step(benchmark::State& state) {
   state.counters["comm_bus_bytes_per_rank_per_step"] = m.bus_bytes;
   state.counters["bucket_bytes"] = m.bucket_bytes;
   state.counters["gathered_peak_bytes"] = m.gathered_bytes;
+  state.counters["untracked_fraction"] = m.untracked;
 }
+
+template <int Stage>
+void zero_step(benchmark::State& state) {
+  const auto m = measure_threads<Stage>(int(state.range(0)), int(state.max_iterations));
+  if (!m.error.empty()) return state.SkipWithError(m.error.c_str());
+  report(state, m);
+}
+
+#if ZP_BENCH_MPI
+// zero_step_mpi/stage:S/ranks:N (under mpirun -n N): the same step with one process per rank,
+// then, in the same run, the threads step with as many ranks on rank 0 while the other
+// processes sleep (threads_ms; vs_threads = the mpi step's mean time over the threads step's).
+template <int Stage>
+void zero_step_mpi(benchmark::State& state) {
+  Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD)};
+  const int iterations = int(state.max_iterations);
+  const auto m = measure<Stage>(comm, iterations);
+  Measured t;
+  if (comm.rank() == 0) t = measure_threads<Stage>(comm.size(), iterations);
+  MPI_Request done;  // the others wait without spinning on a core the threads step needs
+  MPI_Ibarrier(MPI_COMM_WORLD, &done);
+  for (int flag = 0; !flag;) {
+    MPI_Test(&done, &flag, MPI_STATUS_IGNORE);
+    if (!flag) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (comm.rank() != 0) {
+    for (auto _ : state) state.SetIterationTime(1);
+    return;
+  }
+  if (!m.error.empty()) return state.SkipWithError(m.error.c_str());
+  report(state, m);
+  state.counters["threads_ms"] = mean(t.seconds) * 1e3;
+  state.counters["vs_threads"] = mean(m.seconds) / mean(t.seconds);
+}
+
+template <int Stage>
+void register_mpi_stage(int ranks) {
+  benchmark::RegisterBenchmark(
+      ("zero_step_mpi/stage:" + std::to_string(Stage) + "/ranks:" + std::to_string(ranks)).c_str(),
+      zero_step_mpi<Stage>)
+      ->Iterations(3)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+}
+#endif
 
 // A stage 3 step's bytes (S, per rank) that cross the 2 nodes and that stay inside one.
 struct Traffic {
@@ -159,14 +212,7 @@ void zeropp_step(benchmark::State& state) {
     zp::Engine<Threads, bf16, 3> engine(comm, model, zeropp_config(v));
     zp::bench::train_step(engine, model);
     const Traffic t = step_traffic(engine, comm, model);
-    std::vector<double> s;
-    for (int i = 0; i < int(state.max_iterations); ++i) {
-      comm.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      zp::bench::train_step(engine, model);
-      comm.barrier();
-      s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
+    auto s = zp::bench::timed_steps(engine, model, comm, int(state.max_iterations)).seconds;
     if (comm.rank() == 0) {
       times = s;
       plain = p;
@@ -180,50 +226,43 @@ void zeropp_step(benchmark::State& state) {
   state.counters["cross_vs_plain"] = mine.cross / plain.cross;
 }
 
+// Names: zeropp_step/variant:V/iterations:3/manual_time (V: 0 plain, 1 qwZ, 2 hpZ, 3 qgZ, 4 all)
+// and zero_step/stage:S/ranks:N/iterations:3/manual_time.
+template <int Stage>
+void register_stage(std::initializer_list<int> ranks) {
+  auto* b = benchmark::RegisterBenchmark(("zero_step/stage:" + std::to_string(Stage)).c_str(),
+                                         zero_step<Stage>);
+  b->ArgName("ranks")->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (int r : ranks) b->Arg(r);
+}
+
+void register_local() {
+  benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
+      ->ArgName("variant")
+      ->DenseRange(0, 4)
+      ->Iterations(3)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  register_stage<0>({1, 2, 4});
+  register_stage<1>({2, 4});
+  register_stage<2>({2, 4});
+  register_stage<3>({2, 4});
+}
+
 }  // namespace
 
-// Names: zeropp_step/variant:V/iterations:3/manual_time; V: 0 plain, 1 qwZ, 2 hpZ, 3 qgZ, 4 all.
-BENCHMARK(zeropp_step)
-    ->Name("zeropp_step")
-    ->ArgName("variant")
-    ->DenseRange(0, 4)
-    ->Iterations(3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-
-// Names: zero_step/stage:S/ranks:N/iterations:3/manual_time.
-BENCHMARK(zero_step<0>)
-    ->Name("zero_step/stage:0")
-    ->ArgName("ranks")
-    ->Arg(1)
-    ->Arg(2)
-    ->Arg(4)
-    ->Iterations(3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<1>)
-    ->Name("zero_step/stage:1")
-    ->ArgName("ranks")
-    ->Arg(2)
-    ->Arg(4)
-    ->Iterations(3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<2>)
-    ->Name("zero_step/stage:2")
-    ->ArgName("ranks")
-    ->Arg(2)
-    ->Arg(4)
-    ->Iterations(3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(zero_step<3>)
-    ->Name("zero_step/stage:3")
-    ->ArgName("ranks")
-    ->Arg(2)
-    ->Arg(4)
-    ->Iterations(3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  return zp::bench::mpi_main(
+      argc, argv,
+      [](int ranks) {
+#if ZP_BENCH_MPI
+        register_mpi_stage<0>(ranks);
+        register_mpi_stage<1>(ranks);
+        register_mpi_stage<2>(ranks);
+        register_mpi_stage<3>(ranks);
+#else
+        (void)ranks;
+#endif
+      },
+      register_local);
+}

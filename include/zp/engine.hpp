@@ -370,7 +370,13 @@ class Engine {
     const Layout& L = part_.layout();
     const auto& mod = L.module(m);
     mods_.closed(m, backward);
-    timer_.close(backward ? StepTimer::backward : StepTimer::forward);
+    // The guard's own work (releasing a gather, launching its buckets, which waits for the
+    // peers' launch on mpi) is the guard's phase, whatever way this returns.
+    struct Close {
+      StepTimer& timer;
+      StepTimer::Guard g;
+      ~Close() { timer.close(g); }
+    } close{timer_, backward ? StepTimer::backward : StepTimer::forward};
     if constexpr (Stage == 3) params_->unuse(m);
     if (backward) {
       if constexpr (!Part::whole(Field::grad))

@@ -7,7 +7,11 @@
 //   mpi_failure recv    rank 0 receives from rank 1, which never sends (a pipeline stage that
 //                       died): the watchdog aborts the job after the timeout, naming the recv
 //                       and the peer.
+//   mpi_failure kill    rank 1 is killed (SIGKILL) while the others wait for it in the third
+//                       collective, inside the node's shared segment: the job ends naming rank 1
+//                       well before the timeout (mpi_kill.sh also checks no segment is left).
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -21,12 +25,16 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   try {
     zp::backend::Mpi::Options opt;
-    opt.timeout = std::chrono::milliseconds(1500);
+    opt.timeout = std::chrono::milliseconds(mode == "kill" ? 20000 : 1500);
     zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
     std::vector<float> a(1000, 1.0f);
     comm.all_reduce(std::span<float>(a));  // call #1
     comm.barrier();                        // call #2
     if (comm.rank() == 1 && mode == "throw") throw std::runtime_error("loss exploded on rank 1");
+    if (comm.rank() == 1 && mode == "kill") {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the others are waiting
+      raise(SIGKILL);
+    }
     if (comm.rank() == 1 && (mode == "silent" || mode == "recv")) {
       std::this_thread::sleep_for(std::chrono::seconds(40));
       return 0;

@@ -1,18 +1,21 @@
 // zp/backend/mpi.hpp: ranks are MPI processes, buffers are host memory (multi-node CPU).
 //
-// Speed: blocking operations are exactly one blocking MPI collective on the caller's buffers
-// (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Alltoall, MPI_Bcast; MPI_IN_PLACE for the
-// in-place ZeRO layouts), so they run at the speed of the MPI library. Async operations use the
-// MPI-3 nonblocking collectives (MPI_Iallreduce, ...); their post-step (avg division, the
-// conversion of a 16-bit result) runs when the work handle completes. Everything is standard
-// MPI-3: OpenMPI, MPICH and their derivatives work.
+// Speed: all_reduce, reduce_scatter and all_gather take the node path (Options::shared_memory,
+// mpi_node.hpp): through a shared segment inside each node at the memory's speed, in rank order
+// across nodes, bitwise the threads backend's results; async ones run in issue order on a
+// progress thread. Everything else (and those three with shared_memory off) is exactly one MPI
+// call on the caller's buffers (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
+// MPI_Alltoall, MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
+// library; async ones use the MPI-3 nonblocking collectives (MPI_Iallreduce, ...), whose
+// post-step (avg division, the conversion of a 16-bit result) runs when the work handle
+// completes. Everything is standard MPI-3: OpenMPI, MPICH and their derivatives work.
 //
-// Element types: f32/f64/i32/i64 map to MPI types. bf16 and fp16 reductions are staged through a
-// float buffer (convert every element once, reduce with MPI_FLOAT, round once at the end), so
-// sums accumulate in fp32 as in the threads backend; the staging costs 2 bytes in and 4 out per
-// element of host traffic and 4 bytes per element of memory. 16-bit all_gather, all_to_all and
-// broadcast move raw 16-bit words. avg is a sum followed by a division by size() (integers truncate toward
-// zero, like C++ division).
+// Element types (MPI calls): f32/f64/i32/i64 map to MPI types. bf16 and fp16 reductions are
+// staged through a float buffer (convert every element once, reduce with MPI_FLOAT, round once
+// at the end), so sums accumulate in fp32 as in the threads backend; the staging costs 2 bytes in
+// and 4 out per element of host traffic and 4 bytes per element of memory. 16-bit all_gather,
+// all_to_all and broadcast move raw 16-bit words. avg is a sum followed by a division by size()
+// (integers truncate toward zero, like C++ division).
 //
 // Failure semantics (nothing hangs):
 //  - Mismatch check (Options::check_calls, on by default): before each operation the ranks
@@ -74,8 +77,10 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/progress.hpp"
 #include "zp/detail/reduce.hpp"
 #include "zp/dtype.hpp"
+#include "zp/backend/mpi_node.hpp"
 #include "zp/backend/mpi_watchdog.hpp"
 #include "zp/error.hpp"
 #include "zp/work.hpp"
@@ -88,43 +93,17 @@ struct MpiOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   // Exchange a signature of every call first, so mismatched calls are an error on every rank.
   bool check_calls = true;
+  // all_reduce, reduce_scatter and all_gather through a shared segment inside each node and in
+  // rank order across nodes (mpi_node.hpp): bitwise the threads backend's results. false: each
+  // is one MPI call (MPI's speed and reduction order).
+  bool shared_memory = true;
+  // Ranks per node; 0: ZP_RANKS_PER_NODE if set, else the machines (MPI's shared-memory split).
+  int ranks_per_node = 0;
+  // Bytes per rank and round of the node path's staging (two areas of it per rank in the segment).
+  std::size_t node_chunk_bytes = std::size_t(1) << 20;
 };
 
 namespace mpi_detail {
-
-inline std::string error_string(int code) {
-  char buf[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "unknown MPI error";
-  return std::string(buf, std::size_t(len));
-}
-
-inline int world_rank() {
-  int init = 0, fin = 0, r = -1;
-  MPI_Initialized(&init);
-  MPI_Finalized(&fin);
-  if (init && !fin) MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-inline void check(int rc, const char* call, int rank) {
-  if (rc != MPI_SUCCESS) [[unlikely]]
-    throw Error(
-        Errc::mpi,
-        detail::cat("mpi backend: ", call, " failed on rank ", rank, ": ", error_string(rc)), rc);
-}
-
-inline MPI_Datatype mpi_type(DType t) {
-  switch (t) {
-    case DType::f32: return MPI_FLOAT;
-    case DType::f64: return MPI_DOUBLE;
-    case DType::i32: return MPI_INT32_T;
-    case DType::i64: return MPI_INT64_T;
-    case DType::bf16:
-    case DType::f16: return MPI_UINT16_T;  // moved as raw words; reductions are staged
-  }
-  return MPI_BYTE;
-}
 
 inline MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
@@ -171,8 +150,13 @@ struct Context {
   std::atomic<bool> busy{false};  // a thread is issuing a call (detail::OneCaller)
   std::shared_ptr<Watchdog> watchdog;
   std::vector<std::uint64_t> sent, received;  // messages posted to / from each peer
+  std::unique_ptr<NodeComm> node;             // shared_memory: the node path
+  bool node_async = false;  // MPI_THREAD_MULTIPLE: node operations may run on `progress`
+  std::unique_ptr<detail::Progress> progress;  // async node operations, in issue order
 
   ~Context() {
+    progress.reset();  // runs what is queued: it uses `node`
+    node.reset();
     int fin = 0;
     MPI_Finalized(&fin);
     if (comm != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm);
@@ -240,7 +224,8 @@ struct Pending {
   Post post;
   std::vector<float> stage;
   Blocked info;
-  std::unique_ptr<P2p> p2p;  // send/recv only
+  std::unique_ptr<P2p> p2p;                 // send/recv only
+  std::shared_ptr<detail::Completion> job;  // an operation of the node path
 };
 
 // The verdict on a completed send/recv: the signatures first (a mismatch is the same error on
@@ -285,6 +270,7 @@ struct Op {
   explicit operator bool() const noexcept { return p != nullptr; }
   void finish() {
     const auto q = std::move(p);
+    if (q->job) return q->job->wait();  // its waits run under the watchdog on the progress thread
     if (q->p2p) {
       MPI_Request reqs[3] = {q->req, q->p2p->reqs[0], q->p2p->reqs[1]};
       MPI_Status st[3];
@@ -304,6 +290,11 @@ struct Op {
     q->post.run();
   }
   bool done() {
+    if (p->job) {
+      if (!p->job->ready.load(std::memory_order_acquire)) return false;
+      finish();
+      return true;
+    }
     if (p->p2p) {
       MPI_Request reqs[3] = {p->req, p->p2p->reqs[0], p->p2p->reqs[1]};
       MPI_Status st[3];
@@ -340,6 +331,8 @@ struct Op {
 };
 
 }  // namespace mpi_detail
+
+using NodeLayout = mpi_detail::NodeLayout;
 
 // The backend: one MPI communicator (a private duplicate of the one it was given, so zp's
 // traffic never matches the application's own calls). Move-only.
@@ -385,6 +378,11 @@ class Mpi {
   int size() const { return ctx_->size; }
   // zp's private communicator (for bootstrapping, e.g. the nccl backend).
   MPI_Comm comm() const { return ctx_->comm; }
+  // Where this rank sits among nodes (mpi_node.hpp); one node of size() ranks without
+  // shared_memory.
+  NodeLayout node_layout() const {
+    return ctx_->node ? ctx_->node->layout() : NodeLayout{1, ctx_->size, 0, ctx_->rank};
+  }
   const Options& options() const { return ctx_->opt; }
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
@@ -449,6 +447,13 @@ class Mpi {
     c->sent.assign(std::size_t(c->size), 0);
     c->received.assign(std::size_t(c->size), 0);
     if (opt.timeout.count() > 0) c->watchdog = mpi_detail::Watchdog::get();
+    if (opt.shared_memory) {
+      c->node = std::make_unique<mpi_detail::NodeComm>(
+          comm, mpi_detail::requested_ranks_per_node(opt.ranks_per_node), opt.node_chunk_bytes);
+      int level = MPI_THREAD_SINGLE;
+      MPI_Query_thread(&level);
+      c->node_async = level == MPI_THREAD_MULTIPLE;
+    }
     ctx_ = std::move(c);
     unwinding_ = std::uncaught_exceptions();
   }
@@ -708,6 +713,9 @@ class Mpi {
     } else if (!bad.empty()) {
       throw Error(Errc::invalid_argument, "mpi backend: " + bad);
     }
+    if (c.node &&
+        (op == CollOp::all_reduce || op == CollOp::reduce_scatter || op == CollOp::all_gather))
+      return issue_node(op, src, dst, n, t, rop, info, l);
     if (l == Launch::blocking) {
       auto p = plan(op, src, dst, n, t, rop, root, c.scratch);
       if (!p.skip) {
@@ -727,6 +735,45 @@ class Mpi {
     pending->ctx = ctx_;
     pending->post = p.post;
     pending->info = info;
+    return Work(mpi_detail::Op{std::move(pending)});
+  }
+
+  // An operation of the node path: on the caller's thread once the earlier async ones are done
+  // (blocking, or async where MPI cannot be called from a second thread), else queued behind
+  // them on the progress thread. Its waits run under the watchdog either way.
+  Work issue_node(CollOp op, const void* src, void* dst, std::size_t n, DType t, ReduceOp rop,
+                  const mpi_detail::Blocked& info, Launch l) {
+    auto run = [ctx = ctx_.get(), op, src, dst, n, t, rop,
+                info = mpi_detail::Blocked(info)]() mutable {
+      mpi_detail::Guard g(ctx->watchdog.get(), info, ctx->opt.timeout);
+      auto& node = *ctx->node;
+      if (op == CollOp::all_reduce)
+        node.all_reduce(src, dst, n, t, rop, info);
+      else if (op == CollOp::reduce_scatter)
+        node.reduce_scatter(src, dst, n, t, rop, info);
+      else
+        node.all_gather(src, dst, n, t, info);
+    };
+    auto& c = *ctx_;
+    if (l == Launch::blocking || !c.node_async) {
+      if (c.progress) c.progress->drain();
+      run();
+      return Work{};
+    }
+    if (!c.progress) c.progress = std::make_unique<detail::Progress>();
+    auto pending = std::make_unique<mpi_detail::Pending>();
+    pending->ctx = ctx_;  // the Work keeps the context (and so the raw pointer above) alive
+    pending->info = info;
+    pending->job = std::make_shared<detail::Completion>();
+    c.progress->post([run, job = pending->job]() mutable {
+      std::exception_ptr e;
+      try {
+        run();
+      } catch (...) {
+        e = std::current_exception();
+      }
+      job->complete(std::move(e));
+    });
     return Work(mpi_detail::Op{std::move(pending)});
   }
 

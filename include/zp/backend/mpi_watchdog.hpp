@@ -1,5 +1,6 @@
-// zp/backend/mpi_watchdog.hpp: how an MPI job whose rank is stuck ends in bounded time (the mpi
-// backend's Options::timeout). A rank registers each blocking region (Guard) with the process's
+// zp/backend/mpi_watchdog.hpp: how the mpi backend fails: an MPI error is a zp::Error naming the
+// call (check), and a job whose rank is stuck ends in bounded time (the backend's
+// Options::timeout). A rank registers each blocking region (Guard) with the process's
 // one watchdog thread; a region that outlives its deadline prints what the rank was blocked in
 // (operation, call number, count, type, the peer it waited for) and aborts the job (abort_job:
 // MPI_Abort where MPI may be called from that thread, else _Exit, which mpiexec turns into the
@@ -26,6 +27,29 @@
 
 namespace zp::backend::mpi_detail {
 
+// MPI's text for an error code.
+inline std::string error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "unknown MPI error";
+  return std::string(buf, std::size_t(len));
+}
+
+inline int world_rank() {
+  int init = 0, fin = 0, r = -1;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+// An MPI call's failure as Errc::mpi, naming the call and the rank.
+inline void check(int rc, const char* call, int rank) {
+  if (rc != MPI_SUCCESS) [[unlikely]]
+    throw Error(
+        Errc::mpi,
+        detail::cat("mpi backend: ", call, " failed on rank ", rank, ": ", error_string(rc)), rc);
+}
 // The thread that initialised MPI through MpiEnvironment (or first constructed a backend).
 inline std::thread::id& main_thread_id_storage() {
   static std::thread::id id = std::this_thread::get_id();

@@ -47,7 +47,6 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,13 +55,11 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/progress.hpp"
 #include "zp/detail/reduce.hpp"
+#include "zp/detail/spin.hpp"
 #include "zp/error.hpp"
 #include "zp/work.hpp"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
 
 namespace zp::backend {
 
@@ -150,13 +147,8 @@ inline std::string check_disjoint(const std::vector<Call>& calls) {
 // progress thread for collectives, the matching peer for send/recv).
 struct Op;  // a pending operation, below World
 
-struct WorkState {
-  std::mutex m;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
-  std::atomic<bool> ready{false};  // done, readable without the lock (for a spinning waiter)
-  bool spin = false;               // send/recv with a core to spare: spin briefly before sleeping
+struct WorkState : detail::Completion {
+  bool spin = false;  // send/recv with a core to spare: spin briefly before sleeping
   // send/recv only, set when the message is posted unmatched: when the waiter gives up, and
   // the world whose channel to withdraw the message from (weak: a channel's entries hold their
   // states, so a strong pointer would be a cycle).
@@ -164,14 +156,6 @@ struct WorkState {
   std::weak_ptr<World> world;
   bool is_send = false;
   int src = 0, dst = 0;
-
-  void complete(std::exception_ptr e) {
-    std::lock_guard lk(m);
-    error = std::move(e);
-    done = true;
-    ready.store(true, std::memory_order_release);
-    cv.notify_all();
-  }
 };
 
 // A send or recv posted on a channel and not yet matched.
@@ -192,24 +176,6 @@ struct Channel {
   std::deque<Message> sends, recvs;
   std::uint64_t sent = 0, received = 0;  // posted so far, per side
 };
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(_M_X64)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-// Whether `ranks` threads waiting for each other can each have a core: only then does a short
-// spin before sleeping pay (it saves a sleep and wake-up of tens of microseconds).
-inline bool spin_pays(int ranks) { return ranks <= int(std::thread::hardware_concurrency()); }
-
-// Spins a little (a few microseconds) until done() holds.
-template <class Done>
-void spin_until(Done&& done) {
-  for (int i = 0; i < 4000 && !done(); ++i) cpu_relax();
-}
 
 }  // namespace threads_detail
 
@@ -471,8 +437,8 @@ class World {
   // Spins a little while generation `gen` lasts, when every rank can have its own core: an
   // operation's two rendezvous then cost microseconds instead of a sleep and wake-up.
   void spin_while(std::uint64_t gen, bool until_poisoned) const {
-    if (!threads_detail::spin_pays(n_)) return;
-    threads_detail::spin_until([&] {
+    if (!detail::spin_pays(n_)) return;
+    detail::spin_until([&] {
       return generation_.load(std::memory_order_acquire) != gen || (until_poisoned && poisoned());
     });
   }
@@ -504,7 +470,7 @@ struct Op {
     const auto st = std::move(s);
     std::exception_ptr error;
     // A message's peer is often microseconds away: a short spin saves a sleep and wake-up.
-    if (st->spin) spin_until([&] { return st->ready.load(std::memory_order_acquire); });
+    if (st->spin) detail::spin_until([&] { return st->ready.load(std::memory_order_acquire); });
     {
       std::unique_lock lk(st->m);
       while (!st->done) {
@@ -663,44 +629,9 @@ class Threads {
  private:
   using Calls = std::vector<threads_detail::Call>;
 
-  // Async operations run, in issue order, on one progress thread per rank, started on first
-  // use. A blocking call runs on the caller's thread once the earlier async ones are done, so
-  // the order every rank sees is the order it issued.
-  struct Progress {
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<std::function<void()>> queue;
-    std::size_t pending = 0;  // queued or running
-    bool stop = false;
-    std::thread thread;
-
-    ~Progress() {
-      {
-        std::lock_guard lk(m);
-        stop = true;
-      }
-      cv.notify_all();
-      if (thread.joinable()) thread.join();
-    }
-    void loop() {
-      for (;;) {
-        std::function<void()> job;
-        {
-          std::unique_lock lk(m);
-          cv.wait(lk, [&] { return stop || !queue.empty(); });
-          if (queue.empty()) return;
-          job = std::move(queue.front());
-          queue.pop_front();
-        }
-        job();
-        {
-          std::lock_guard lk(m);
-          --pending;
-        }
-        cv.notify_all();
-      }
-    }
-  };
+  // Async operations run, in issue order, on the rank's progress thread (detail::Progress); a
+  // blocking call runs on the caller's thread once the earlier async ones are done, so the order
+  // every rank sees is the order it issued.
 
   template <class F>
   friend void run_threads(int ranks, F&& fn, World::Options opt);
@@ -715,9 +646,7 @@ class Threads {
   }
 
   void drain() {
-    if (!progress_) return;
-    std::unique_lock lk(progress_->m);
-    progress_->cv.wait(lk, [&] { return progress_->pending == 0; });
+    if (progress_) progress_->drain();
   }
 
   void leave() {
@@ -740,28 +669,17 @@ class Threads {
       execute(*world_, rank_, c);
       return Work{};
     }
-    if (!progress_) {
-      progress_ = std::make_unique<Progress>();
-      progress_->thread = std::thread([p = progress_.get()] { p->loop(); });
-    }
+    if (!progress_) progress_ = std::make_unique<detail::Progress>();
     auto state = std::make_shared<threads_detail::WorkState>();
-    {
-      std::lock_guard lk(progress_->m);
-      ++progress_->pending;
-      progress_->queue.push_back([w = world_, r = rank_, c, state] {
-        std::exception_ptr err;
-        try {
-          execute(*w, r, c);
-        } catch (...) {
-          err = std::current_exception();
-        }
-        std::lock_guard lk2(state->m);
-        state->error = std::move(err);  // the waiter then holds the only reference (see wait)
-        state->done = true;
-        state->cv.notify_all();
-      });
-    }
-    progress_->cv.notify_all();
+    progress_->post([w = world_, r = rank_, c, state] {
+      std::exception_ptr err;
+      try {
+        execute(*w, r, c);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      state->complete(std::move(err));  // the waiter then holds the only reference (see wait)
+    });
     return Work(threads_detail::Op{std::move(state)});
   }
 
@@ -776,7 +694,7 @@ class Threads {
         detail::check_p2p(op, is_send ? m.src : m.dst, m.count, m.dtype, peer, rank_, size());
     if (!bad.empty()) throw Error(Errc::invalid_argument, "threads backend: " + bad);
     auto state = std::make_shared<threads_detail::WorkState>();
-    state->spin = threads_detail::spin_pays(2);  // the two ranks of the pair
+    state->spin = detail::spin_pays(2);  // the two ranks of the pair
     m.state = state;
     if (l == Launch::blocking) {
       drain();
@@ -784,19 +702,10 @@ class Threads {
       threads_detail::Op{std::move(state)}.finish();
       return Work{};
     }
-    if (!progress_) {
-      progress_ = std::make_unique<Progress>();
-      progress_->thread = std::thread([p = progress_.get()] { p->loop(); });
-    }
-    {
-      std::lock_guard lk(progress_->m);
-      ++progress_->pending;
-      progress_->queue.push_back(
-          [w = world_, r = rank_, is_send, peer, m = std::move(m)]() mutable {
-            World::post(w, r, is_send, peer, std::move(m));
-          });
-    }
-    progress_->cv.notify_all();
+    if (!progress_) progress_ = std::make_unique<detail::Progress>();
+    progress_->post([w = world_, r = rank_, is_send, peer, m = std::move(m)]() mutable {
+      World::post(w, r, is_send, peer, std::move(m));
+    });
     return Work(threads_detail::Op{std::move(state)});
   }
 
@@ -913,7 +822,7 @@ class Threads {
 
   std::shared_ptr<World> world_;
   int rank_ = 0;
-  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<detail::Progress> progress_;
 };
 
 static_assert(Backend<Threads>);

@@ -96,29 +96,43 @@ inline void store(T* out, const A* acc, std::size_t n) {
   }
 }
 
-// out[k][i] = reduce_r in[r][i] for i in [0, n), for every one of the n_out outputs. Inputs are
-// combined in rank order 0, 1, ..., so the result is identical on every rank and every run.
-// An output may alias an input (in-place collectives): each chunk is read completely before
-// any of it is written.
 template <class T>
-void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::size_t n,
-                   ReduceOp op) {
-  using A = typename accum<T>::type;
+using accum_t = typename accum<T>::type;
+
+// One stretch of a rank-order reduction: acc = init (op) in[0] (op) ... (op) in[n_in-1] for the n
+// elements, where init (in the accumulation type) is what the ranks before these reduced to, or
+// nullptr when in[0] is rank 0's input. With n_out > 0 this stretch ends the reduction: avg
+// divides by `ranks` (how many inputs there were in all) and the result is stored to every out[k];
+// otherwise the accumulator goes to acc_out for the next stretch (the mpi backend's next node).
+// So the result is identical on every rank and every run however the ranks are cut into
+// stretches. An output may alias an input or init (in-place collectives): each chunk is read
+// completely before any of it is written.
+template <class T>
+void reduce_chunks(const accum_t<T>* init, const T* const* in, int n_in, T* const* out, int n_out,
+                   accum_t<T>* acc_out, std::size_t n, ReduceOp op, int ranks) {
+  using A = accum_t<T>;
   constexpr std::size_t chunk = 2048;
   alignas(64) A acc[chunk];
   alignas(64) A tmp[chunk];
   for (std::size_t lo = 0; lo < n; lo += chunk) {
     const std::size_t m = std::min(chunk, n - lo);
-    int r = 1;
+    int r = 0;
     if constexpr (std::is_same_v<T, A>) {
-      if (n_in >= 2) {
+      if (init) {
+        combine(acc, init + lo, in[0] + lo, m, op);
+        r = 1;
+      } else if (n_in >= 2) {
         combine(acc, in[0] + lo, in[1] + lo, m, op);
         r = 2;
       } else {
         load(acc, in[0] + lo, m);
+        r = 1;
       }
+    } else if (init) {
+      load(acc, init + lo, m);
     } else {
       load(acc, in[0] + lo, m);
+      r = 1;
     }
     for (; r < n_in; ++r) {
       if constexpr (std::is_same_v<T, A>) {
@@ -128,10 +142,21 @@ void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::
         combine(acc, acc, tmp, m, op);
       }
     }
+    if (n_out == 0) {
+      std::memcpy(acc_out + lo, acc, m * sizeof(A));
+      continue;
+    }
     if (op == ReduceOp::avg)
-      for (std::size_t i = 0; i < m; ++i) acc[i] = finish_one(acc[i], op, n_in);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = finish_one(acc[i], op, ranks);
     for (int k = 0; k < n_out; ++k) store(out[k] + lo, acc, m);
   }
+}
+
+// The whole reduction over in[0..n_in) in rank order, stored to every out[k] (threads).
+template <class T>
+void reduce_chunks(const T* const* in, int n_in, T* const* out, int n_out, std::size_t n,
+                   ReduceOp op) {
+  reduce_chunks<T>(nullptr, in, n_in, out, n_out, nullptr, n, op, n_in);
 }
 
 // Backends that reduce 16-bit floats through a float staging buffer (mpi): widen the input, and

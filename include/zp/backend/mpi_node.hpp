@@ -1,0 +1,536 @@
+// zp/backend/mpi_node.hpp: the mpi backend's reductions at the memory limit of a node, and
+// deterministic across nodes (MpiOptions::shared_memory, on by default).
+//
+// Node layout: the ranks of one machine are MPI's shared-memory split (MPI_COMM_TYPE_SHARED);
+// MpiOptions::ranks_per_node, or else the environment variable ZP_RANKS_PER_NODE, cuts them
+// finer (world rank / ranks_per_node is the node), so one machine can run 4 processes as 2 nodes
+// x 2 and exercise the path between nodes. The layout is used when every node holds the same
+// number L of consecutive ranks (rank = node * L + local index), which is what mpirun's default
+// placement gives; any other layout runs with every rank as a node of its own (no shared memory,
+// same results).
+//
+// Inside a node: one shared segment, a header of per-rank arrival counters and, per rank, a
+// staging area and a result area of MpiOptions::node_chunk_bytes each. A collective runs in
+// rounds: each rank copies the part of its input the others need into its staging area (what
+// it reduces itself it reads from its own buffer), the ranks meet (a counter barrier in the
+// segment: spin briefly where there is a core per rank, then yield, then sleep 50 us), each
+// rank reduces its slice across every local rank's data in rank order with the threads
+// backend's element math (detail::reduce_chunks: fp32 accumulation for 16-bit types, one
+// rounding), and writes it where it belongs. Chunks of a megabyte keep the staged data in the
+// L3 cache between the writer and its readers. So 16-bit operations move 16-bit bytes.
+//
+// Across nodes: rank (node k, local index l) continues the rank-order reduction of its slice:
+// it receives from node k-1's rank l the accumulator of ranks 0 .. kL-1 (in the accumulation
+// type, fp32 for 16-bit types), adds its node's L inputs in rank order, and sends the
+// accumulator on to node k+1; node N-1 finishes (avg divides, 16-bit rounds once) and returns
+// each final piece to the rank it belongs to (reduce_scatter) or broadcasts it to the ranks of
+// local index l (all_reduce), which share it inside their node. all_gather gathers across
+// nodes among the ranks of one local index, then inside the node. Every byte of a rank's slice
+// crosses the network once per node boundary; the results are bitwise those of the threads
+// backend with as many ranks, on any layout. (The chain runs its rounds one after another: a
+// pipelined ring across nodes would be faster at many nodes and is not built yet.)
+//
+// Failure: the segment is unlinked as soon as every local rank has mapped it, so no segment
+// outlives the job, whatever kills it. A wait in the barrier runs under the backend's watchdog
+// (Options::timeout ends the job naming the operation); a local rank whose process is gone
+// ends the job at once, naming it. The segment's memory is reserved when it is made
+// (posix_fallocate), so a full /dev/shm is an error naming the size, not a SIGBUS later.
+#pragma once
+
+#include <fcntl.h>
+#include <mpi.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "zp/backend/mpi_watchdog.hpp"
+#include "zp/collective.hpp"
+#include "zp/detail/reduce.hpp"
+#include "zp/detail/spin.hpp"
+#include "zp/dtype.hpp"
+#include "zp/error.hpp"
+
+namespace zp::backend::mpi_detail {
+
+// The MPI type that moves one element of t (16-bit floats as raw words).
+inline MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::bf16:
+    case DType::f16: return MPI_UINT16_T;
+  }
+  return MPI_BYTE;
+}
+
+// Where a rank sits: `nodes` nodes of `per_node` consecutive ranks each.
+struct NodeLayout {
+  int nodes = 1, per_node = 1;
+  int node = 0, local = 0;  // this rank = node * per_node + local
+};
+
+// The ranks per node a job asks for: `option` if positive, else ZP_RANKS_PER_NODE if set, else 0
+// (the machines' own split).
+inline int requested_ranks_per_node(int option) {
+  if (option > 0) return option;
+  const char* env = std::getenv("ZP_RANKS_PER_NODE");
+  if (!env || !*env) return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(env, &end, 10);
+  if (*end || errno || v < 1 || v > (1 << 20))
+    throw Error(Errc::invalid_argument,
+                detail::cat("mpi backend: ZP_RANKS_PER_NODE=\"", env,
+                            "\" is not a positive number of ranks per node"));
+  return int(v);
+}
+
+// A wait that spins only where every local rank can have a core, then yields, then sleeps.
+class Backoff {
+ public:
+  explicit Backoff(int ranks) : spins_(detail::spin_pays(ranks) ? 4000 : 0) {}
+  void pause() {
+    ++n_;
+    if (n_ <= spins_) {
+      detail::cpu_relax();
+    } else if (n_ <= spins_ + 200) {
+      sched_yield();
+    } else {
+      const timespec ts{0, 50'000};
+      nanosleep(&ts, nullptr);
+    }
+  }
+  // Every 256 pauses (a few ms once sleeping): time to look at the peers' processes.
+  bool due() const { return n_ % 256 == 0; }
+
+ private:
+  long spins_;
+  long n_ = 0;
+};
+
+// The shared segment of one node's ranks (see the file comment).
+class NodeSegment {
+ public:
+  // Collective over `node` (one node's ranks, in local order): maps a segment with two areas of
+  // `area_bytes` per rank. `first_rank` is the communicator rank of local rank 0 (for messages).
+  NodeSegment(MPI_Comm node, std::size_t area_bytes, int first_rank, int rank)
+      : area_(round_up(area_bytes, 4096)), first_rank_(first_rank) {
+    check(MPI_Comm_rank(node, &local_), "MPI_Comm_rank (node)", rank);
+    check(MPI_Comm_size(node, &size_), "MPI_Comm_size (node)", rank);
+    header_ = round_up(std::size_t(size_) * sizeof(Peer), 4096);
+    bytes_ = header_ + std::size_t(size_) * 2 * area_;
+    static std::atomic<unsigned> made{0};
+    char name[64] = {};
+    std::string error;
+    int fd = -1;
+    if (local_ == 0) {
+      std::snprintf(name, sizeof name, "/zp-%d-%u", int(getpid()), made.fetch_add(1));
+      fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) {
+        error = os_error("shm_open(O_CREAT)", name);
+      } else if (const int e = posix_fallocate(fd, 0, off_t(bytes_)); e != 0) {
+        errno = e;
+        error = os_error(detail::cat("posix_fallocate(", bytes_, " bytes)").c_str(), name);
+      }
+    }
+    check(MPI_Bcast(name, sizeof name, MPI_CHAR, 0, node), "MPI_Bcast (segment name)", rank);
+    if (local_ != 0) {
+      fd = shm_open(name, O_RDWR, 0600);
+      if (fd < 0) error = os_error("shm_open", name);
+    }
+    if (fd >= 0 && error.empty()) {
+      void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED)
+        error = os_error("mmap", name);
+      else
+        base_ = static_cast<std::byte*>(p);
+    }
+    if (fd >= 0) close(fd);
+    if (base_ && local_ == 0)  // the creator zeroed it (ftruncate); the others' mapping sees that
+      for (int q = 0; q < size_; ++q) new (peer(q)) Peer{};
+    int ok = error.empty() ? 1 : 0;
+    check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce (segment)",
+          rank);
+    if (local_ == 0) shm_unlink(name);  // every rank has it mapped (or gave up): no name remains
+    if (!ok) {
+      unmap();
+      throw Error(Errc::io,
+                  error.empty()
+                      ? detail::cat("mpi backend: a rank of this node could not map the shared "
+                                    "segment of ",
+                                    bytes_,
+                                    " bytes (see its error); set "
+                                    "MpiOptions::shared_memory = false to run without one")
+                      : detail::cat("mpi backend: rank ", rank, ": ", error,
+                                    "; set MpiOptions::shared_memory = false to run without a "
+                                    "shared segment"));
+    }
+    peer(local_)->pid.store(std::int32_t(getpid()), std::memory_order_relaxed);
+    check(MPI_Barrier(node), "MPI_Barrier (segment)", rank);  // the pids are published
+  }
+  ~NodeSegment() { unmap(); }
+  NodeSegment(const NodeSegment&) = delete;
+  NodeSegment& operator=(const NodeSegment&) = delete;
+
+  int size() const { return size_; }
+  int local() const { return local_; }
+  std::size_t area_bytes() const { return area_; }
+  std::byte* stage(int q) const { return base_ + header_ + std::size_t(q) * 2 * area_; }
+  std::byte* result(int q) const { return stage(q) + area_; }
+
+  // Waits until every local rank has arrived here as often as this one.
+  void barrier(const Blocked& info) {
+    const std::uint64_t e = ++arrivals_;
+    peer(local_)->arrived.store(e, std::memory_order_release);
+    for (int q = 0; q < size_; ++q) {
+      Backoff wait(size_);
+      while (peer(q)->arrived.load(std::memory_order_acquire) < e) {
+        wait.pause();
+        if (wait.due()) check_alive(q, info);
+      }
+    }
+  }
+
+ private:
+  struct alignas(64) Peer {
+    std::atomic<std::uint64_t> arrived{0};
+    std::atomic<std::int32_t> pid{0};
+  };
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
+
+  static std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+  static std::string os_error(const char* call, const char* name) {
+    return detail::cat(call, " of the node's shared segment /dev/shm", name,
+                       " failed: ", std::strerror(errno));
+  }
+  Peer* peer(int q) const { return reinterpret_cast<Peer*>(base_) + q; }
+  void unmap() noexcept {
+    if (base_) munmap(base_, bytes_);
+    base_ = nullptr;
+  }
+
+  // A local rank whose process is gone never arrives: end the job now, naming it.
+  void check_alive(int q, const Blocked& info) const {
+    const int pid = peer(q)->pid.load(std::memory_order_relaxed);
+    if (pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH) return;
+    abort_job(detail::cat("rank ", info.rank, " of ", info.size, " (world rank ", info.world_rank,
+                          ") in ", info.what, " (call #", info.call, ", count=", info.count,
+                          ", dtype=", name(info.dtype), "): rank ", first_rank_ + q,
+                          " of its node (pid ", pid,
+                          ") is gone (killed or crashed) mid-collective; aborting the job"));
+  }
+
+  std::size_t area_, header_ = 0, bytes_ = 0;
+  int first_rank_ = 0, local_ = 0, size_ = 1;
+  std::byte* base_ = nullptr;
+  std::uint64_t arrivals_ = 0;
+};
+
+// The node-local path of one communicator: its layout, segment and the communicator among the
+// ranks of one local index (across nodes).
+class NodeComm {
+ public:
+  // Collective over comm. ranks_per_node: as requested_ranks_per_node returned it.
+  NodeComm(MPI_Comm comm, int ranks_per_node, std::size_t chunk_bytes) {
+    int rank = 0, n = 1, world = 0;
+    check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", rank);
+    check(MPI_Comm_size(comm, &n), "MPI_Comm_size", rank);
+    check(MPI_Comm_rank(MPI_COMM_WORLD, &world), "MPI_Comm_rank", rank);
+    rank_ = rank;
+    size_ = n;
+    // The machine: its ranks share memory. Its lowest world rank names it.
+    MPI_Comm machine = MPI_COMM_NULL;
+    check(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &machine),
+          "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)", rank);
+    int machine_id = world;
+    check(MPI_Allreduce(MPI_IN_PLACE, &machine_id, 1, MPI_INT, MPI_MIN, machine),
+          "MPI_Allreduce (node layout)", rank);
+    MPI_Comm node = machine;
+    if (ranks_per_node > 0) {  // finer nodes, named by world rank so sub-groups agree
+      check(MPI_Comm_split(comm, world / ranks_per_node, rank, &node), "MPI_Comm_split (node)",
+            rank);
+      int ids[2] = {machine_id, -machine_id};
+      check(MPI_Allreduce(MPI_IN_PLACE, ids, 2, MPI_INT, MPI_MAX, node),
+            "MPI_Allreduce (node layout)", rank);
+      MPI_Comm_free(&machine);
+      if (ids[0] != -ids[1]) {
+        MPI_Comm_free(&node);
+        throw Error(Errc::invalid_argument,
+                    detail::cat("mpi backend: ", ranks_per_node,
+                                " ranks per node (MpiOptions::ranks_per_node or "
+                                "ZP_RANKS_PER_NODE) puts ranks of different machines into one "
+                                "node; it must divide the ranks each machine runs"));
+      }
+    }
+    int local = 0, per_node = 1;
+    check(MPI_Comm_rank(node, &local), "MPI_Comm_rank (node)", rank);
+    check(MPI_Comm_size(node, &per_node), "MPI_Comm_size (node)", rank);
+    // Uniform and consecutive: every node has per_node ranks, node k holds ranks k*L .. k*L+L-1.
+    int span[2] = {rank, -rank};  // the node's lowest and highest rank
+    check(MPI_Allreduce(MPI_IN_PLACE, span, 2, MPI_INT, MPI_MIN, node),
+          "MPI_Allreduce (node layout)", rank);
+    int agree[3] = {
+        per_node, -per_node,
+        span[0] % per_node == 0 && -span[1] - span[0] == per_node - 1 && rank - span[0] == local
+            ? 1
+            : 0};
+    check(MPI_Allreduce(MPI_IN_PLACE, agree, 3, MPI_INT, MPI_MIN, comm),
+          "MPI_Allreduce (node layout)", rank);
+    const bool uniform = agree[0] == -agree[1] && agree[2] == 1 && n % per_node == 0;
+    if (!uniform || per_node == 1) {
+      MPI_Comm_free(&node);
+      per_node = 1;
+      local = 0;
+    }
+    layout_ = {n / per_node, per_node, rank / per_node, local};
+    if (per_node > 1) {
+      segment_ = std::make_unique<NodeSegment>(node, std::max(chunk_bytes, std::size_t(n) * 64),
+                                               rank - local, rank);
+      MPI_Comm_free(&node);
+    }
+    if (layout_.nodes > 1) {
+      check(MPI_Comm_split(comm, layout_.local, layout_.node, &cross_), "MPI_Comm_split (cross)",
+            rank);
+      check(MPI_Comm_set_errhandler(cross_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
+    }
+  }
+  ~NodeComm() {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (cross_ != MPI_COMM_NULL && !fin) MPI_Comm_free(&cross_);
+  }
+  NodeComm(const NodeComm&) = delete;
+  NodeComm& operator=(const NodeComm&) = delete;
+
+  const NodeLayout& layout() const { return layout_; }
+
+  // The three operations, with the signatures of the untyped core (count per rank's block for
+  // reduce_scatter and all_gather). `info` names the operation in a wait's error.
+  void all_reduce(const void* src, void* dst, std::size_t count, DType t, ReduceOp op,
+                  const Blocked& info) {
+    visit_dtype(t, [&](auto tag) {
+      using T = decltype(tag);
+      all_reduce_typed(static_cast<const T*>(src), static_cast<T*>(dst), count, op, info);
+    });
+  }
+  void reduce_scatter(const void* src, void* dst, std::size_t count, DType t, ReduceOp op,
+                      const Blocked& info) {
+    visit_dtype(t, [&](auto tag) {
+      using T = decltype(tag);
+      reduce_scatter_typed(static_cast<const T*>(src), static_cast<T*>(dst), count, op, info);
+    });
+  }
+  void all_gather(const void* src, void* dst, std::size_t count, DType t, const Blocked& info) {
+    visit_dtype(t, [&](auto tag) {
+      using T = decltype(tag);
+      all_gather_typed(static_cast<const T*>(src), static_cast<T*>(dst), count, t, info);
+    });
+  }
+
+ private:
+  static constexpr int tag_chain = 0x7a80, tag_final = 0x7a81;
+  int L() const { return layout_.per_node; }
+  int N() const { return layout_.nodes; }
+
+  void barrier(const Blocked& info) {
+    if (segment_) segment_->barrier(info);
+  }
+  // Elements of T per block per round when `blocks` blocks of a round share one area.
+  template <class T>
+  std::size_t round_elems(std::size_t blocks) const {
+    const std::size_t area = segment_ ? segment_->area_bytes() : std::size_t(1) << 20;
+    return std::max<std::size_t>(1, area / (blocks * sizeof(T)) / 16 * 16);
+  }
+  template <class T>
+  T* stage(int q) const {
+    return reinterpret_cast<T*>(segment_->stage(q));
+  }
+  template <class T>
+  T* result(int q) const {
+    return reinterpret_cast<T*>(segment_->result(q));
+  }
+  void send(const void* p, std::size_t bytes, int to, int tag) {
+    check(MPI_Send(p, int(bytes), MPI_BYTE, to, tag, cross_), "MPI_Send (across nodes)", rank_);
+  }
+  void recv(void* p, std::size_t bytes, int from, int tag) {
+    check(MPI_Recv(p, int(bytes), MPI_BYTE, from, tag, cross_, MPI_STATUS_IGNORE),
+          "MPI_Recv (across nodes)", rank_);
+  }
+
+  // This node's stretch of the rank-order reduction of `blocks` pieces of m elements, in[b][q]
+  // local rank q's input for piece b: the first node starts it, the others continue the
+  // accumulator received from the node before; all but the last pass it on. On the last node
+  // the pieces are finished into out[b] (n_out outputs each); elsewhere out is untouched.
+  template <class T>
+  void chain(std::vector<const T*>& in, std::size_t blocks, std::size_t m, T* const* out, int n_out,
+             ReduceOp op) {
+    using A = detail::accum_t<T>;
+    const bool first = layout_.node == 0, last = layout_.node == N() - 1;
+    const int l = L();
+    if (N() > 1) {
+      acc_.resize(blocks * m * sizeof(A));
+      if (!first) recv(acc_.data(), blocks * m * sizeof(A), layout_.node - 1, tag_chain);
+    }
+    A* acc = reinterpret_cast<A*>(acc_.data());
+    for (std::size_t b = 0; b < blocks; ++b)
+      detail::reduce_chunks<T>(first ? nullptr : acc + b * m, in.data() + b * std::size_t(l), l,
+                               last ? out + b * std::size_t(n_out) : nullptr, last ? n_out : 0,
+                               N() > 1 ? acc + b * m : nullptr, m, op, size_);
+    if (!last) send(acc, blocks * m * sizeof(A), layout_.node + 1, tag_chain);
+  }
+
+  template <class T>
+  void all_reduce_typed(const T* src, T* dst, std::size_t count, ReduceOp op, const Blocked& info) {
+    if (count == 0) return;
+    const int l = L(), me = layout_.local;
+    const std::size_t c = round_elems<T>(std::size_t(l));
+    std::vector<std::pair<std::size_t, std::size_t>> cols(static_cast<std::size_t>(l));
+    std::size_t longest = 0;
+    for (int q = 0; q < l; ++q) {
+      cols[std::size_t(q)] = detail::rank_slice(count, q, l);
+      longest = std::max(longest, cols[std::size_t(q)].second - cols[std::size_t(q)].first);
+    }
+    std::vector<const T*> in(static_cast<std::size_t>(l));
+    for (std::size_t lo = 0; lo < longest; lo += c) {
+      const auto piece = [&](int q) {  // column q's part in this round: {begin, length}
+        const auto [b, e] = cols[std::size_t(q)];
+        const std::size_t at = std::min(b + lo, e);
+        return std::pair{at, std::min(c, e - at)};
+      };
+      for (int q = 0; q < l; ++q)
+        if (q != me && piece(q).second)
+          std::memcpy(stage<T>(me) + std::size_t(q) * c, src + piece(q).first,
+                      piece(q).second * sizeof(T));
+      barrier(info);
+      const auto [at, m] = piece(me);
+      for (int q = 0; q < l; ++q)
+        in[std::size_t(q)] = q == me ? src + at : stage<T>(q) + std::size_t(me) * c;
+      T* outs[2] = {dst + at, segment_ ? result<T>(me) : nullptr};
+      if (m) {
+        chain<T>(in, 1, m, outs, segment_ && N() == 1 ? 2 : 1, op);
+        if (N() > 1) {
+          check(MPI_Bcast(dst + at, int(m * sizeof(T)), MPI_BYTE, N() - 1, cross_),
+                "MPI_Bcast (across nodes)", rank_);
+          if (segment_) std::memcpy(result<T>(me), dst + at, m * sizeof(T));
+        }
+      }
+      barrier(info);
+      for (int q = 0; q < l; ++q)
+        if (q != me && piece(q).second)
+          std::memcpy(dst + piece(q).first, result<T>(q), piece(q).second * sizeof(T));
+    }
+  }
+
+  template <class T>
+  void reduce_scatter_typed(const T* src, T* dst, std::size_t count, ReduceOp op,
+                            const Blocked& info) {
+    if (count == 0) return;
+    const int l = L(), me = layout_.local, nodes = N();
+    const std::size_t c = round_elems<T>(std::size_t(size_));
+    const auto block = [&](int b) { return src + std::size_t(b) * count; };
+    std::vector<const T*> in(std::size_t(nodes) * std::size_t(l));
+    std::vector<T*> outs(static_cast<std::size_t>(nodes));
+    std::vector<MPI_Request> sent;
+    for (std::size_t lo = 0; lo < count; lo += c) {
+      const std::size_t m = std::min(c, count - lo);
+      // Blocks of the other local ranks' columns (block b is reduced by local rank b % L).
+      if (segment_)
+        for (int b = 0; b < size_; ++b)
+          if (b % l != me)
+            std::memcpy(stage<T>(me) + std::size_t(b) * c, block(b) + lo, m * sizeof(T));
+      barrier(info);
+      for (int k = 0; k < nodes; ++k) {
+        const int b = k * l + me;  // the column: this local index's block on every node
+        for (int q = 0; q < l; ++q)
+          in[std::size_t(k * l + q)] = q == me ? block(b) + lo : stage<T>(q) + std::size_t(b) * c;
+      }
+      if (nodes == 1) {
+        T* out = dst + lo;
+        chain<T>(in, 1, m, &out, 1, op);
+      } else {
+        // The last node finishes every node's piece of this column and returns it to its rank.
+        finals_.resize(std::size_t(nodes) * m * sizeof(T));
+        for (int k = 0; k < nodes; ++k)
+          outs[std::size_t(k)] = k == layout_.node
+                                     ? dst + lo
+                                     : reinterpret_cast<T*>(finals_.data()) + std::size_t(k) * m;
+        chain<T>(in, std::size_t(nodes), m, outs.data(), 1, op);
+        if (layout_.node == nodes - 1) {
+          sent.assign(std::size_t(nodes - 1), MPI_REQUEST_NULL);
+          for (int k = 0; k + 1 < nodes; ++k)
+            check(MPI_Isend(outs[std::size_t(k)], int(m * sizeof(T)), MPI_BYTE, k, tag_final,
+                            cross_, &sent[std::size_t(k)]),
+                  "MPI_Isend (across nodes)", rank_);
+          check(MPI_Waitall(nodes - 1, sent.data(), MPI_STATUSES_IGNORE),
+                "MPI_Waitall (across nodes)", rank_);
+        } else {
+          recv(dst + lo, m * sizeof(T), nodes - 1, tag_final);
+        }
+      }
+      barrier(info);
+    }
+  }
+
+  template <class T>
+  void all_gather_typed(const T* src, T* dst, std::size_t count, DType t, const Blocked& info) {
+    if (count == 0) return;
+    const int l = L(), me = layout_.local, nodes = N();
+    T* own = dst + std::size_t(rank_) * count;
+    if (nodes > 1) {  // this local index's blocks from every node, straight into place
+      MPI_Datatype piece = MPI_DATATYPE_NULL, strided = MPI_DATATYPE_NULL;
+      check(MPI_Type_contiguous(int(count), mpi_type(t), &piece), "MPI_Type_contiguous", rank_);
+      check(
+          MPI_Type_create_resized(piece, 0, MPI_Aint(std::size_t(l) * count * sizeof(T)), &strided),
+          "MPI_Type_create_resized", rank_);
+      MPI_Type_free(&piece);
+      MPI_Type_commit(&strided);
+      const int rc = MPI_Allgather(src == own ? MPI_IN_PLACE : src, src == own ? 0 : 1,
+                                   src == own ? MPI_DATATYPE_NULL : strided,
+                                   dst + std::size_t(me) * count, 1, strided, cross_);
+      MPI_Type_free(&strided);
+      check(rc, "MPI_Allgather (across nodes)", rank_);
+    } else if (src != own && count) {
+      std::memcpy(own, src, count * sizeof(T));
+    }
+    if (!segment_) return;
+    const std::size_t c = round_elems<T>(std::size_t(nodes));
+    const auto block = [&](int b) { return dst + std::size_t(b) * count; };
+    for (std::size_t lo = 0; lo < count; lo += c) {
+      const std::size_t m = std::min(c, count - lo);
+      for (int k = 0; k < nodes; ++k)
+        std::memcpy(stage<T>(me) + std::size_t(k) * c, block(k * l + me) + lo, m * sizeof(T));
+      barrier(info);
+      for (int q = 0; q < l; ++q)
+        if (q != me)
+          for (int k = 0; k < nodes; ++k)
+            std::memcpy(block(k * l + q) + lo, stage<T>(q) + std::size_t(k) * c, m * sizeof(T));
+      barrier(info);
+    }
+  }
+
+  NodeLayout layout_;
+  int rank_ = 0, size_ = 1;
+  std::unique_ptr<NodeSegment> segment_;
+  MPI_Comm cross_ = MPI_COMM_NULL;
+  std::vector<std::byte> acc_, finals_;  // the chain's accumulator; the last node's results
+};
+
+}  // namespace zp::backend::mpi_detail

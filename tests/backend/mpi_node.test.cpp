@@ -1,0 +1,219 @@
+// Tests of include/zp/backend/mpi_node.hpp, the mpi backend's node path, run under mpiexec at 2,
+// 3 and 4 processes and, with ZP_RANKS_PER_NODE, as 2 nodes x 2 and 3 nodes x 1 (the path
+// across nodes). Inputs are random floats with full mantissas (and integers over the whole
+// range), so a result is bitwise right only if it reduced in rank order with the threads
+// backend's element math: every process runs the same operation on the threads backend with as
+// many ranks, in process, and compares its own output bit for bit. Outputs are poisoned first.
+#include "zp/backend/mpi.hpp"
+#include "zp/backend/threads.hpp"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../mpi_main.hpp"
+#include "../random.hpp"
+
+using zp::Collective;
+using zp::CollOp;
+using zp::DType;
+using zp::Launch;
+using zp::ReduceOp;
+using zp::backend::Mpi;
+
+namespace {
+
+Mpi::Options options() {
+  Mpi::Options opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.node_chunk_bytes = 64 << 10;  // many rounds even at test sizes
+  return opt;
+}
+
+// Element i of rank r's input, as raw bytes of t: floats uniform over a few binades with full
+// mantissas, integers over the whole range (so sums wrap).
+std::vector<std::byte> input(DType t, std::uint64_t seed, int rank, std::size_t n) {
+  std::vector<std::byte> v(n * zp::size_of(t));
+  zp::visit_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    T* p = reinterpret_cast<T*>(v.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t h = zp::test::mix(seed ^ zp::test::mix(std::uint64_t(rank) << 40 | i));
+      if constexpr (std::is_integral_v<T>) {
+        p[i] = T(h);
+      } else {
+        const float u = zp::test::hash_uniform(seed + std::uint64_t(rank), i);
+        p[i] = T(double(u) * double(1 << (h % 8)));
+      }
+    }
+  });
+  return v;
+}
+
+struct Case {
+  CollOp op;
+  DType t;
+  ReduceOp rop;
+  std::size_t count;  // per rank's block for reduce_scatter / all_gather
+  bool in_place;
+};
+
+std::size_t in_elems(const Case& c, int n) {
+  return c.op == CollOp::reduce_scatter ? c.count * std::size_t(n) : c.count;
+}
+std::size_t out_elems(const Case& c, int n) {
+  return c.op == CollOp::all_gather ? c.count * std::size_t(n) : c.count;
+}
+
+// Runs c on `comm` over rank r's input; returns the output buffer.
+template <class B>
+std::vector<std::byte> run(Collective<B>& comm, const Case& c, std::uint64_t seed, Launch l) {
+  const int n = comm.size(), r = comm.rank();
+  const std::size_t es = zp::size_of(c.t);
+  const auto in = input(c.t, seed, r, in_elems(c, n));
+  std::vector<std::byte> buf(std::max(in.size(), out_elems(c, n) * es), std::byte{0xA5});
+  auto& b = comm.backend();
+  void* dst = buf.data();
+  const void* src = in.data();
+  if (c.in_place) {
+    if (c.op == CollOp::all_gather) {
+      std::memcpy(buf.data() + std::size_t(r) * c.count * es, in.data(), in.size());
+      src = buf.data() + std::size_t(r) * c.count * es;
+    } else {
+      std::memcpy(buf.data(), in.data(), in.size());
+      src = buf.data();
+      if (c.op == CollOp::reduce_scatter) dst = buf.data() + std::size_t(r) * c.count * es;
+    }
+  }
+  auto w = c.op == CollOp::all_reduce       ? b.all_reduce(src, dst, c.count, c.t, c.rop, l)
+           : c.op == CollOp::reduce_scatter ? b.reduce_scatter(src, dst, c.count, c.t, c.rop, l)
+                                            : b.all_gather(src, dst, c.count, c.t, l);
+  w.wait();
+  const std::byte* out = static_cast<const std::byte*>(dst);
+  return {out, out + out_elems(c, n) * es};
+}
+
+// The same operation on the threads backend with as many ranks: rank r's output.
+std::vector<std::byte> threads_output(const Case& c, int n, int r, std::uint64_t seed) {
+  std::vector<std::byte> out;
+  zp::backend::run_threads(n, [&](Collective<zp::backend::Threads>& t) {
+    auto o = run(t, c, seed, Launch::blocking);
+    if (t.rank() == r) out = std::move(o);
+  });
+  return out;
+}
+
+std::string describe(const Case& c) {
+  return zp::detail::cat(zp::name(c.op), "(count=", c.count, ", dtype=", zp::name(c.t),
+                         ", op=", zp::name(c.rop), c.in_place ? ", in place)" : ")");
+}
+
+}  // namespace
+
+TEST_CASE("every collective and element type is bitwise the threads backend's") {
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
+  const int n = comm.size(), r = comm.rank();
+  const auto layout = comm.backend().node_layout();
+  if (const char* e = std::getenv("ZP_RANKS_PER_NODE")) {  // the layout the job asked for
+    const int per_node = std::atoi(e);
+    CHECK(layout.per_node == per_node);
+    CHECK(layout.nodes == n / per_node);
+    CHECK(layout.node == r / per_node);
+  } else {
+    CHECK(layout.nodes == 1);
+    CHECK(layout.per_node == n);
+  }
+  CHECK(layout.node * layout.per_node + layout.local == r);
+  const std::uint64_t seed = zp::test::mpi_seed();
+  std::size_t cases = 0, wrong = 0;
+  for (std::size_t count : {0, 1, 2, 61, 1009, 4099, 40009}) {
+    for (DType t : {DType::f32, DType::bf16, DType::f16, DType::f64, DType::i32, DType::i64}) {
+      for (CollOp op : {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather}) {
+        for (ReduceOp rop : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
+          if (op == CollOp::all_gather && rop != ReduceOp::sum) continue;
+          for (bool in_place : {false, true}) {
+            const Case c{op, t, rop, count, in_place};
+            const std::uint64_t s = seed + cases;
+            const Launch l = cases % 2 ? Launch::async : Launch::blocking;
+            const auto got = run(comm, c, s, l);
+            const auto want = threads_output(c, n, r, s);
+            ++cases;
+            if (got != want) {
+              ++wrong;
+              if (wrong < 5)
+                FAIL_CHECK(zp::detail::cat("rank ", r, ": ", describe(c),
+                                           " differs from the threads backend"));
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(wrong == 0);
+  CHECK(cases > 500);
+}
+
+TEST_CASE("async operations queue in issue order and a 256 MiB all_reduce is the rank-order sum") {
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
+  const int n = comm.size(), r = comm.rank();
+  const std::uint64_t seed = zp::test::mpi_seed() + 7;
+  // Several async operations in flight, then waited in reverse order.
+  std::vector<std::vector<float>> bufs;
+  std::vector<Mpi::Work> work;
+  for (int k = 0; k < 4; ++k) {
+    bufs.emplace_back(10007 + std::size_t(k));
+    for (std::size_t i = 0; i < bufs.back().size(); ++i)
+      bufs.back()[i] = zp::test::hash_uniform(seed + std::uint64_t(k * 64 + r), i);
+  }
+  for (auto& b : bufs)
+    work.push_back(comm.backend().all_reduce(b.data(), b.data(), b.size(), DType::f32,
+                                             ReduceOp::sum, Launch::async));
+  for (auto it = work.rbegin(); it != work.rend(); ++it) it->wait();
+  for (int k = 0; k < 4; ++k) {
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < bufs[std::size_t(k)].size(); ++i) {
+      float acc = zp::test::hash_uniform(seed + std::uint64_t(k * 64), i);
+      for (int q = 1; q < n; ++q)
+        acc += zp::test::hash_uniform(seed + std::uint64_t(k * 64 + q), i);
+      bad += bufs[std::size_t(k)][i] != acc;
+    }
+    CHECK(bad == 0);
+  }
+  // 256 MiB in place: against the serial rank-order loop (the threads backend's order), computed
+  // element by element so no process holds the other ranks' inputs.
+  const std::size_t big = (std::size_t(256) << 20) / sizeof(float);
+  std::vector<float> x(big);
+  for (std::size_t i = 0; i < big; ++i)
+    x[i] = zp::test::hash_uniform(seed + 1000 + std::uint64_t(r), i);
+  comm.all_reduce(std::span<float>(x));
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < big; i += 7) {  // every 7th element: the loop's cost, not coverage
+    float acc = zp::test::hash_uniform(seed + 1000, i);
+    for (int q = 1; q < n; ++q) acc += zp::test::hash_uniform(seed + 1000 + std::uint64_t(q), i);
+    bad += x[i] != acc;
+  }
+  CHECK(bad == 0);
+}
+
+TEST_CASE("sub-groups from split run the node path over their own layout") {
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
+  const int n = comm.size(), r = comm.rank();
+  // Even and odd ranks: across nodes when nodes are pairs, inside one otherwise.
+  auto sub = comm.backend().split(r % 2, r);
+  Collective<Mpi> group(std::move(sub));
+  const int g = group.size();
+  CHECK(g == (n + 1 - r % 2) / 2);
+  const std::uint64_t seed = zp::test::mpi_seed() + 11;
+  for (DType t : {DType::bf16, DType::f32}) {
+    const Case c{CollOp::reduce_scatter, t, ReduceOp::sum, 3001, true};
+    const auto got = run(group, c, seed + std::uint64_t(r % 2), Launch::blocking);
+    CHECK(got == threads_output(c, g, group.rank(), seed + std::uint64_t(r % 2)));
+  }
+}
+
+int main(int argc, char** argv) { return zp::test::mpi_main(argc, argv, "mpi_node.test"); }
