@@ -135,13 +135,21 @@ void zero_step(benchmark::State& state) {
 
 #if ZP_BENCH_MPI
 // zero_step_mpi/stage:S/ranks:N (under mpirun -n N): the same step with one process per rank,
-// then, in the same run, the threads step with as many ranks on rank 0 while the other
-// processes sleep (threads_ms; vs_threads = the mpi step's mean time over the threads step's).
+// then, in the same run, the step with every collective one MPI call (shared_memory off:
+// one_call_ms, vs_one_call = this step's mean time over that one's) and the threads step with as
+// many ranks on rank 0 while the other processes sleep (threads_ms, vs_threads).
 template <int Stage>
 void zero_step_mpi(benchmark::State& state) {
-  Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD)};
   const int iterations = int(state.max_iterations);
-  const auto m = measure<Stage>(comm, iterations);
+  Measured m, one_call;
+  {
+    Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD)};
+    m = measure<Stage>(comm, iterations);
+  }
+  zp::backend::Mpi::Options plain;
+  plain.shared_memory = false;
+  Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, plain)};
+  one_call = measure<Stage>(comm, iterations);
   Measured t;
   if (comm.rank() == 0) t = measure_threads<Stage>(comm.size(), iterations);
   MPI_Request done;  // the others wait without spinning on a core the threads step needs
@@ -158,6 +166,8 @@ void zero_step_mpi(benchmark::State& state) {
   report(state, m);
   state.counters["threads_ms"] = mean(t.seconds) * 1e3;
   state.counters["vs_threads"] = mean(m.seconds) / mean(t.seconds);
+  state.counters["one_call_ms"] = mean(one_call.seconds) * 1e3;
+  state.counters["vs_one_call"] = mean(m.seconds) / mean(one_call.seconds);
 }
 
 template <int Stage>

@@ -75,7 +75,7 @@ inline constexpr const char* run_usage =
     "                     inside each node, then across nodes (ZeRO++'s qgZ; a --config:\n"
     "                     zero_quantized_gradients)\n"
     "  --ranks-per-node N data-parallel ranks per node, consecutive, for qgZ's two hops (default\n"
-    "                     0: one node)\n"
+    "                     0: the backend's nodes; mpi: the machines, or ZP_RANKS_PER_NODE)\n"
     "  --help             this text\n";
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
@@ -203,7 +203,8 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
   if (lead && r.quantized_gradients)
     std::printf("%s: gradients reduced as int%d, a scale per %zu values, in %s (ZeRO++ qgZ)\n",
                 p.name, int(zp::zero_quantized_gradients.bits), zp::zero_quantized_gradients.block,
-                r.ranks_per_node ? "nodes of --ranks-per-node, then across them" : "one node");
+                r.ranks_per_node ? "nodes of --ranks-per-node, then across them"
+                                 : "the backend's nodes, then across them");
   if (lead && r.hpz > 1)
     std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
                 r.hpz);

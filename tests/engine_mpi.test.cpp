@@ -1,7 +1,7 @@
 // The engine on the mpi backend (ctest runs it at 2 and 4 processes): every stage agrees with a
 // single-rank run of the same global batch (computed in each process on the threads backend)
-// and with each other, to rounding. MPI's reduction order is the library's own, so stages are
-// compared to rounding here, not bitwise (the threads tests pin the bitwise guarantees).
+// and with each other, to rounding (the bitwise guarantees are pinned by the threads tests and,
+// for the mpi backend's reductions, tests/backend/mpi_node.test.cpp).
 #include "zp/backend/mpi.hpp"
 
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -184,6 +184,21 @@ TEST_CASE_TEMPLATE("on mpi quantized gradients (qgZ) train bitwise as on the thr
   };
   both(std::integral_constant<int, 2>{});
   both(std::integral_constant<int, 3>{});
+}
+
+// qgZ's nodes, not given, are the mpi backend's node layout (one machine, or ZP_RANKS_PER_NODE:
+// ctest runs this file again as 2 nodes x 2).
+TEST_CASE("on mpi qgZ's nodes default to the backend's node layout") {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(2, 2);
+  cfg.quantized_gradients = zp::zero_quantized_gradients;
+  Mlp<float> model;
+  zp::Engine<Mpi, float, 2> engine(comm, model, cfg, zp::optim::AdamW{});
+  const auto layout = comm.backend().node_layout();
+  REQUIRE(engine.qgz_node_group() != nullptr);
+  CHECK(engine.qgz_node_group()->size() == layout.per_node);
+  CHECK(engine.qgz_cross_group()->size() == layout.nodes);
+  if (const char* e = std::getenv("ZP_RANKS_PER_NODE")) CHECK(layout.per_node == std::atoi(e));
 }
 
 // ZeRO++'s secondary partition on MPI (2 processes a node; at 2 processes the node is the world):

@@ -132,6 +132,11 @@ class Engine {
     // failed to open on one rank is an error on all.
     on_every_rank(*comm_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
+    // qgZ's nodes: where not given, the backend's own layout (mpi: its shared-memory split, or
+    // ZP_RANKS_PER_NODE), which every rank of the group found alike.
+    if constexpr (requires { comm.backend().node_layout(); })
+      if (config_.ranks_per_node == 0)
+        config_.ranks_per_node = comm.backend().node_layout().per_node;
     expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_);
     load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params);

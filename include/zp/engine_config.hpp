@@ -145,7 +145,8 @@ struct EngineConfig {
   int hpz_partition_size = 1;
   // ZeRO++'s qgZ (DeepSpeed's zero_quantized_gradients; stages 2 and 3, host backends): each
   // bucket's reduce_scatter quantized, in two hops: inside nodes of ranks_per_node consecutive
-  // data-parallel ranks (0: one node of all), then across nodes among ranks of the same local
+  // data-parallel ranks (0: the backend's node layout where it has one, as the mpi backend's
+  // node_layout(); else one node of all), then across nodes among ranks of the same local
   // index, summing in fp32 between and after (quantized_collectives.hpp). The same bits on every
   // backend; the gradients within the quantization's bounds of the exact average.
   std::optional<quant::Format> quantized_gradients = std::nullopt;

@@ -9,15 +9,17 @@
 // placement gives; any other layout runs with every rank as a node of its own (no shared memory,
 // same results).
 //
-// Inside a node: one shared segment, a header of per-rank arrival counters and, per rank, a
-// staging area and a result area of MpiOptions::node_chunk_bytes each. A collective runs in
-// rounds: each rank copies the part of its input the others need into its staging area (what
-// it reduces itself it reads from its own buffer), the ranks meet (a counter barrier in the
-// segment: spin briefly where there is a core per rank, then yield, then sleep 50 us), each
-// rank reduces its slice across every local rank's data in rank order with the threads
-// backend's element math (detail::reduce_chunks: fp32 accumulation for 16-bit types, one
-// rounding), and writes it where it belongs. Chunks of a megabyte keep the staged data in the
-// L3 cache between the writer and its readers. So 16-bit operations move 16-bit bytes.
+// Inside a node: one shared segment, a header of per-rank arrival counters and, per rank, two
+// areas of MpiOptions::node_chunk_bytes each. A collective runs in rounds: each rank copies the
+// part of its input the others need into an area (what it reduces itself it reads from its own
+// buffer), the ranks meet (a counter barrier in the segment: spin briefly where there is a core
+// per rank, then yield, then sleep 50 us), each rank reduces its slice across every local rank's
+// data in rank order with the threads backend's element math (detail::reduce_chunks: fp32
+// accumulation for 16-bit types, one rounding), and writes it where it belongs. reduce_scatter
+// and all_gather stage in the two areas by turns and meet once a round; all_reduce stages in
+// one, publishes its slice's result in the other and meets twice. Chunks of a megabyte keep the
+// staged data in the L3 cache between the writer and its readers. So 16-bit operations move
+// 16-bit bytes.
 //
 // Across nodes: rank (node k, local index l) continues the rank-order reduction of its slice:
 // it receives from node k-1's rank l the accumulator of ranks 0 .. kL-1 (in the accumulation
@@ -367,6 +369,14 @@ class NodeComm {
   T* result(int q) const {
     return reinterpret_cast<T*>(segment_->result(q));
   }
+  template <class T>
+  T* area(int q, int a) const {
+    return a == 0 ? stage<T>(q) : result<T>(q);
+  }
+  // reduce_scatter and all_gather stage in the two areas by turns and meet once a round: a rank
+  // writes an area again only two rounds on, when every peer has passed the barrier after its
+  // reads. The last round's area may still be read when an operation returns (busy_).
+  int first_area() const { return busy_ == 0 ? 1 : 0; }
   void send(const void* p, std::size_t bytes, int to, int tag) {
     check(MPI_Send(p, int(bytes), MPI_BYTE, to, tag, cross_), "MPI_Send (across nodes)", rank_);
   }
@@ -409,6 +419,8 @@ class NodeComm {
       longest = std::max(longest, cols[std::size_t(q)].second - cols[std::size_t(q)].first);
     }
     std::vector<const T*> in(static_cast<std::size_t>(l));
+    if (busy_ == 0) barrier(info);  // the stage area a peer may still read
+    busy_ = 1;                      // the last round's results are read after its second barrier
     for (std::size_t lo = 0; lo < longest; lo += c) {
       const auto piece = [&](int q) {  // column q's part in this round: {begin, length}
         const auto [b, e] = cols[std::size_t(q)];
@@ -449,18 +461,21 @@ class NodeComm {
     std::vector<const T*> in(std::size_t(nodes) * std::size_t(l));
     std::vector<T*> outs(static_cast<std::size_t>(nodes));
     std::vector<MPI_Request> sent;
-    for (std::size_t lo = 0; lo < count; lo += c) {
+    for (std::size_t lo = 0, a = std::size_t(first_area()); lo < count; lo += c, a ^= 1) {
       const std::size_t m = std::min(c, count - lo);
       // Blocks of the other local ranks' columns (block b is reduced by local rank b % L).
-      if (segment_)
+      if (segment_) {
         for (int b = 0; b < size_; ++b)
           if (b % l != me)
-            std::memcpy(stage<T>(me) + std::size_t(b) * c, block(b) + lo, m * sizeof(T));
-      barrier(info);
+            std::memcpy(area<T>(me, int(a)) + std::size_t(b) * c, block(b) + lo, m * sizeof(T));
+        barrier(info);
+        busy_ = int(a);
+      }
       for (int k = 0; k < nodes; ++k) {
         const int b = k * l + me;  // the column: this local index's block on every node
         for (int q = 0; q < l; ++q)
-          in[std::size_t(k * l + q)] = q == me ? block(b) + lo : stage<T>(q) + std::size_t(b) * c;
+          in[std::size_t(k * l + q)] =
+              q == me ? block(b) + lo : area<T>(q, int(a)) + std::size_t(b) * c;
       }
       if (nodes == 1) {
         T* out = dst + lo;
@@ -485,7 +500,6 @@ class NodeComm {
           recv(dst + lo, m * sizeof(T), nodes - 1, tag_final);
         }
       }
-      barrier(info);
     }
   }
 
@@ -513,16 +527,18 @@ class NodeComm {
     if (!segment_) return;
     const std::size_t c = round_elems<T>(std::size_t(nodes));
     const auto block = [&](int b) { return dst + std::size_t(b) * count; };
-    for (std::size_t lo = 0; lo < count; lo += c) {
+    for (std::size_t lo = 0, a = std::size_t(first_area()); lo < count; lo += c, a ^= 1) {
       const std::size_t m = std::min(c, count - lo);
       for (int k = 0; k < nodes; ++k)
-        std::memcpy(stage<T>(me) + std::size_t(k) * c, block(k * l + me) + lo, m * sizeof(T));
+        std::memcpy(area<T>(me, int(a)) + std::size_t(k) * c, block(k * l + me) + lo,
+                    m * sizeof(T));
       barrier(info);
+      busy_ = int(a);
       for (int q = 0; q < l; ++q)
         if (q != me)
           for (int k = 0; k < nodes; ++k)
-            std::memcpy(block(k * l + q) + lo, stage<T>(q) + std::size_t(k) * c, m * sizeof(T));
-      barrier(info);
+            std::memcpy(block(k * l + q) + lo, area<T>(q, int(a)) + std::size_t(k) * c,
+                        m * sizeof(T));
     }
   }
 
@@ -531,6 +547,7 @@ class NodeComm {
   std::unique_ptr<NodeSegment> segment_;
   MPI_Comm cross_ = MPI_COMM_NULL;
   std::vector<std::byte> acc_, finals_;  // the chain's accumulator; the last node's results
+  int busy_ = -1;  // the area of this rank's that peers may still read (-1: none)
 };
 
 }  // namespace zp::backend::mpi_detail
