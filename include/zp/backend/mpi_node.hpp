@@ -166,7 +166,7 @@ class NodeSegment {
         base_ = static_cast<std::byte*>(p);
     }
     if (fd >= 0) close(fd);
-    if (base_ && local_ == 0)  // the creator zeroed it (ftruncate); the others' mapping sees that
+    if (base_ && local_ == 0)  // zeroed pages; the others touch the header after the allreduce
       for (int q = 0; q < size_; ++q) new (peer(q)) Peer{};
     int ok = error.empty() ? 1 : 0;
     check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce (segment)",
