@@ -1,4 +1,4 @@
-// zp/backend/mpi_node.hpp: the mpi backend's reductions at the memory limit of a node, and
+// zp/backend/mpi_node.hpp: the mpi backend's reductions through a node's shared memory, and
 // deterministic across nodes (MpiOptions::shared_memory, on by default).
 //
 // Node layout: the ranks of one machine are MPI's shared-memory split (MPI_COMM_TYPE_SHARED);
