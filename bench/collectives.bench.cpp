@@ -204,7 +204,7 @@ const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_ga
 // the same number of operations; the timed region is rank 0's loop of collectives.
 void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes) {
   using zp::backend::Threads;
-  auto world = zp::backend::World::create(N, {std::chrono::seconds(120)});
+  auto world = zp::backend::World::create(N, {.timeout = std::chrono::seconds(120)});
   const std::size_t elems = bytes / sizeof(float);
   std::vector<std::vector<float>> bufs(std::size_t(N), std::vector<float>(elems, 0.0f));
   std::vector<std::vector<float>> outs(std::size_t(N), output_of(op, elems));
@@ -251,7 +251,7 @@ void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes)
 // --- threads send/recv: rank 0 is the benchmark's thread, rank 1 a thread answering each ping.
 void bench_threads_p2p(benchmark::State& state, std::size_t bytes) {
   using zp::backend::Threads;
-  auto world = zp::backend::World::create(2, {std::chrono::seconds(120)});
+  auto world = zp::backend::World::create(2, {.timeout = std::chrono::seconds(120)});
   std::vector<std::vector<float>> bufs(2, std::vector<float>(bytes / sizeof(float)));
   std::vector<std::uint64_t> bad(2, 0);
   const auto iters = state.max_iterations;

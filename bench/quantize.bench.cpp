@@ -8,7 +8,7 @@
 //   (bench/membw.hpp) of as many bytes on the same thread, timed in the same benchmark right
 //   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8). wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
-//   block (any skips the benchmark with an error). int8 rows run the host's best path (AVX2
+//   block (any skips the benchmark with an error). Rows run the host's best path (AVX2
 //   where the CPU has it); /portable rows force the scalar work items, the baseline.
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
@@ -105,8 +105,7 @@ void register_type(const char* type) {
     for (Bits bits : {Bits::int8, Bits::int4})
       for (auto path : {zp::quant::Path::best, zp::quant::Path::portable})
         for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
-          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;    // fp32 acc only
-          if (bits == Bits::int4 && path == zp::quant::Path::portable) continue;  // one path
+          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
           const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
                                    (bits == Bits::int8 ? "int8" : "int4") +
                                    (path == zp::quant::Path::portable ? "/portable" : "") +

@@ -15,11 +15,13 @@
 //
 // zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s
 //   qwZ (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop
-//   gradient reduction), all three, or none (plain). Counters, per rank per step in nccl-tests'
+//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), or none (plain). Counters, per rank per step in nccl-tests'
 //   S bytes: cross_node_bytes (the data-parallel group's collectives, which span both nodes,
 //   and qgZ's second hop), node_bytes (hpZ's gathers and qgZ's first hop), cross_vs_plain (the
-//   cross-node bytes over the plain step's, measured in the same run). The threads backend has
-//   no slow link between its "nodes", so the time shows the quantization's CPU cost only.
+//   cross-node bytes over the plain step's, measured in the same run). link_MBps:0 has no slow
+//   link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
+//   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
+//   collective lasts at least the bytes the rank moves across nodes / L).
 #include <benchmark/benchmark.h>
 
 #include <zp/backend/threads.hpp>
@@ -195,40 +197,47 @@ Traffic step_traffic(E& engine, Collective<Threads>& comm, Synthetic& model) {
           bytes(engine.hpz_group()) + bytes(engine.qgz_node_group()) - node0};
 }
 
-enum class ZeroPP { plain, qwz, hpz, qgz, all };
+enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4 };
 
 zp::EngineConfig zeropp_config(ZeroPP v) {
   zp::EngineConfig cfg;
   cfg.ranks_per_node = 2;
-  if (v == ZeroPP::qwz || v == ZeroPP::all) cfg.quantized_weights = zp::zero_quantized_weights;
-  if (v == ZeroPP::hpz || v == ZeroPP::all) cfg.hpz_partition_size = 2;
-  if (v == ZeroPP::qgz || v == ZeroPP::all) cfg.quantized_gradients = zp::zero_quantized_gradients;
+  const bool all = v == ZeroPP::all || v == ZeroPP::all_int4;
+  if (v == ZeroPP::qwz || all) cfg.quantized_weights = zp::zero_quantized_weights;
+  if (v == ZeroPP::hpz || all) cfg.hpz_partition_size = 2;
+  if (v == ZeroPP::qgz || all) cfg.quantized_gradients = zp::zero_quantized_gradients;
+  if (v == ZeroPP::all_int4) cfg.quantized_gradients->bits = zp::quant::Bits::int4;
   return cfg;
 }
 
 void zeropp_step(benchmark::State& state) {
   const auto v = ZeroPP(state.range(0));
+  zp::backend::ThreadsOptions opt;
+  opt.link = {2, double(state.range(1)) * 1e6};
   std::vector<double> times;
   Traffic plain, mine;
-  zp::backend::run_threads(4, [&](Collective<Threads>& comm) {
-    Traffic p;
-    {
-      Synthetic base;
-      zp::Engine<Threads, bf16, 3> engine(comm, base, zeropp_config(ZeroPP::plain));
-      zp::bench::train_step(engine, base);
-      p = step_traffic(engine, comm, base);
-    }
-    Synthetic model;
-    zp::Engine<Threads, bf16, 3> engine(comm, model, zeropp_config(v));
-    zp::bench::train_step(engine, model);
-    const Traffic t = step_traffic(engine, comm, model);
-    auto s = zp::bench::timed_steps(engine, model, comm, int(state.max_iterations)).seconds;
-    if (comm.rank() == 0) {
-      times = s;
-      plain = p;
-      mine = t;
-    }
-  });
+  zp::backend::run_threads(
+      4,
+      [&](Collective<Threads>& comm) {
+        Traffic p;
+        {
+          Synthetic base;
+          zp::Engine<Threads, bf16, 3> engine(comm, base, zeropp_config(ZeroPP::plain));
+          zp::bench::train_step(engine, base);
+          p = step_traffic(engine, comm, base);
+        }
+        Synthetic model;
+        zp::Engine<Threads, bf16, 3> engine(comm, model, zeropp_config(v));
+        zp::bench::train_step(engine, model);
+        const Traffic t = step_traffic(engine, comm, model);
+        auto s = zp::bench::timed_steps(engine, model, comm, int(state.max_iterations)).seconds;
+        if (comm.rank() == 0) {
+          times = s;
+          plain = p;
+          mine = t;
+        }
+      },
+      opt);
   std::size_t i = 0;
   for (auto _ : state) state.SetIterationTime(times[i++ % times.size()]);
   state.counters["cross_node_bytes"] = mine.cross;
@@ -236,7 +245,9 @@ void zeropp_step(benchmark::State& state) {
   state.counters["cross_vs_plain"] = mine.cross / plain.cross;
 }
 
-// Names: zeropp_step/variant:V/iterations:3/manual_time (V: 0 plain, 1 qwZ, 2 hpZ, 3 qgZ, 4 all)
+// Names: zeropp_step/variant:V/link_MBps:L/iterations:3/manual_time (V: 0 plain, 1 qwZ, 2 hpZ,
+// 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ; L: 0 no simulated link, else each
+// rank's link to the other node in MB/s)
 // and zero_step/stage:S/ranks:N/iterations:3/manual_time.
 template <int Stage>
 void register_stage(std::initializer_list<int> ranks) {
@@ -248,8 +259,8 @@ void register_stage(std::initializer_list<int> ranks) {
 
 void register_local() {
   benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
-      ->ArgName("variant")
-      ->DenseRange(0, 4)
+      ->ArgNames({"variant", "link_MBps"})
+      ->ArgsProduct({{0, 1, 2, 3, 4, 5}, {0, 1000, 250}})
       ->Iterations(3)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

@@ -7,7 +7,8 @@
 // backward in the engine's guards, which is all stage 3 needs to gather, prefetch and release.
 //
 //   zp_demo [--stage 0-3] [--backend threads|mpi] [--ranks N] [--precision fp32|bf16|fp16]
-//           [--accum N] [--steps N] [--micro-batch N] [--lr X] [--log-every N] [--text PATH]...
+//           [--accum N] [--steps N] [--micro-batch N] [--lr X] [--init-seed N] [--log-every N]
+//           [--text PATH]...
 //           [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //           [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //
@@ -180,6 +181,7 @@ const char* usage =
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --init-seed N      the initial weights' random seed (default 1)\n"
     "  --offload-optimizer none|cpu|nvme:DIR\n"
     "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
     "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
@@ -219,7 +221,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
   const bool lead = r == 0;
   Dims dims;
   dims.vocab = int(corpus.chars.size());
-  CharLm<T> model(dims);
+  CharLm<T> model(dims, o.init_seed);
   E engine(comm, model, cfg, opt);
   const int micro_batch = int(engine.batch().micro_batch_per_rank),
             accum = int(engine.batch().gradient_accumulation_steps);
@@ -278,7 +280,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
     }
     if (step > first_step) sum += res.times;
     // The log's loss is the global batch's, as the progress line's (same flags on every rank).
-    if (!o.log_json.empty()) json.line(step + 1, examples::mean_over_ranks(comm, loss), res.times);
+    if (!o.log_json.empty()) json.line(step + 1, examples::mean_over_ranks(comm, loss), res);
     progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }

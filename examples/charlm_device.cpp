@@ -7,7 +7,7 @@
 //
 //   zp_demo_gpu [--backend cuda_threads|nccl] [--ranks N] [--stage 0-3] [--precision fp32|bf16]
 //               [--offload-optimizer none|cpu|nvme:DIR] [--accum N] [--steps N] [--micro-batch N] [--lr X]
-//               [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
+//               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
 // --backend nccl: one process per GPU under mpirun (zp::backend::nccl_from_mpi; zp_demo_gpu only).
@@ -257,6 +257,7 @@ const char* usage =
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --init-seed N      the initial weights' random seed (default 1)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --embed N --context N --hidden N   model sizes (default 24, 16, 256)\n"
@@ -293,7 +294,7 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   using T = typename E::value_type;
   const int n = comm.size(), r = comm.rank();
   const Dims dims{int(corpus.chars.size()), o.embed, o.context, o.hidden};
-  CharLmDevice<T> model(dims, o.micro_batch);
+  CharLmDevice<T> model(dims, o.micro_batch, o.init_seed);
   zp::EngineConfig ec;
   ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
   ec.max_grad_norm = 1.0f;

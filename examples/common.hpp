@@ -125,6 +125,7 @@ struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
   float lr = 3e-3f;
+  std::uint64_t init_seed = 1;  // --init-seed: the initial weights' random draw
   bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
   std::string nvme;  // --offload-optimizer nvme:PATH: ZeRO-Infinity (EngineConfig::optimizer_nvme)
   bool offload_param = false;  // --offload-param cpu (EngineConfig::offload_param)
@@ -140,8 +141,8 @@ struct TrainFlags {
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
-// --micro-batch, --log-every, --backend, --precision, --lr, --offload-optimizer (or --offload),
-// --offload-param, --text); false if not.
+// --micro-batch, --log-every, --backend, --precision, --lr, --init-seed, --offload-optimizer (or
+// --offload), --offload-param, --text); false if not.
 inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a,
                              const std::string& v) {
   if (a == "--stage")
@@ -174,6 +175,8 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
       bad(p, a + " expects none, cpu or nvme:PATH (a directory on the drive), got '" + v + "'");
     (a == "--offload-param" ? o.offload_param : o.offload) = v != "none";
     (a == "--offload-param" ? o.param_nvme : o.nvme) = nvme ? v.substr(5) : "";
+  } else if (a == "--init-seed") {
+    o.init_seed = std::uint64_t(to_int(p, a, v, 0, 2147483647));
   } else if (a == "--text") {
     o.text.push_back(v);
   } else {
@@ -211,7 +214,8 @@ double mean_over_ranks(Comm& comm, double x) {
 }
 
 // The trainers' progress line every log_every steps (the global mean loss of the steps since the
-// last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB) and the loss
+// last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB, the last
+// step's gradient norm) and the loss
 // trend for the summary. Collective: every rank calls step() each optimizer step.
 class Progress {
  public:
@@ -238,10 +242,10 @@ class Progress {
     if (comm.rank() == 0)
       std::printf(
           "step %5d  loss %.4f  tokens/s %8.0f  loss-scale %-7g skipped %llu  model-state/rank "
-          "%.2f MiB  comm %.3f GB\n",
+          "%.2f MiB  comm %.3f GB  grad-norm %.4g\n",
           step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
           static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
-          double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9);
+          double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9, res.grad_norm);
     std::fflush(stdout);
     t_log_ = now;
     window_loss_ = 0;

@@ -4,7 +4,7 @@
 // into pipeline stages run by GPipe or 1F1B.
 //
 //   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--tp N] [--pp N] [--schedule 1f1b|gpipe]
-//          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
+//          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X] [--init-seed N]
 //          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
 //          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
@@ -62,6 +62,7 @@ struct Options : examples::TrainFlags, examples::RunFlags {
     steps = 300;
     micro_batch = 8;
     log_every = 25;
+    init_seed = 1234;
   }
 };
 
@@ -81,6 +82,7 @@ const char* usage =
     "  --steps N          optimizer steps (default 300)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 8)\n"
     "  --lr X             peak learning rate of AdamW, warmup + cosine (default 3e-3)\n"
+    "  --init-seed N      the initial weights' random seed (default 1234)\n"
     "  --offload-optimizer none|cpu|nvme:DIR\n"
     "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
     "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
@@ -235,7 +237,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
                         .heads = o.heads,
                         .layers = o.layers};
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
-  gpt::Model<T> model(cfg, 1234, zp::tp::Group<float>(grid.tp()),
+  gpt::Model<T> model(cfg, o.init_seed, zp::tp::Group<float>(grid.tp()),
                       {first, end});  // the same initial weights on every grid
   if (!o.init_from.empty()) {
 #if ZP_DEMO_IO
@@ -313,7 +315,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     // The loss lives on the last stage (once per TP group): its mean over the replicas.
     double loss = grid.last_stage() && grid.coords().tp == 0 ? r.loss / dp : 0.0;
     world.all_reduce(std::span<double>(&loss, 1));
-    json.line(step + 1, loss, r.result.times);
+    json.line(step + 1, loss, r.result);
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -215,7 +216,8 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
                });
 }
 
-// One JSON line per step on rank 0 (--log-json): the step, the loss and the step's phase times.
+// One JSON line per step on rank 0 (--log-json): the step, the loss, the gradient norm (before
+// clipping; null where it is not finite) and the step's phase times.
 class JsonLog {
  public:
   JsonLog(const RunFlags& o, bool lead) {
@@ -228,9 +230,12 @@ class JsonLog {
   }
   JsonLog(const JsonLog&) = delete;
   JsonLog& operator=(const JsonLog&) = delete;
-  void line(int step, double loss, const zp::StepTimes& t) {
-    if (f_)
-      std::fprintf(f_, "{\"step\":%d,\"loss\":%.6f,%s}\n", step, loss, t.json_fields().c_str());
+  void line(int step, double loss, const zp::StepResult& r) {
+    if (!f_) return;
+    char norm[32] = "null";  // JSON has no inf or NaN (an fp16 step that overflowed)
+    if (std::isfinite(r.grad_norm)) std::snprintf(norm, sizeof norm, "%.6g", r.grad_norm);
+    std::fprintf(f_, "{\"step\":%d,\"loss\":%.6f,\"grad_norm\":%s,%s}\n", step, loss, norm,
+                 r.times.json_fields().c_str());
   }
 
  private:

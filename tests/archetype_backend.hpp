@@ -100,6 +100,15 @@ class Archetype {
   Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch launch) {
     return issue(CollOp::all_to_all, src, dst, n, t, ReduceOp::sum, 0, launch);
   }
+  Work all_to_all_v(const void* src, const std::size_t* send_counts, void* dst,
+                    const std::size_t* recv_counts, DType t, Launch launch) {
+    std::string bad = detail::check_exchange_v(src, send_counts, dst, recv_counts, t, 1);
+    if (bad.empty()) bad = detail::check_block_agrees(0, 0, send_counts[0], recv_counts[0]);
+    if (!bad.empty()) throw Error(Errc::invalid_argument, detail::cat("archetype backend: ", bad));
+    Work w(src, dst, send_counts[0] * size_of(t));
+    if (launch == Launch::blocking) w.wait();
+    return w;
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch launch) {
     return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, launch);
   }

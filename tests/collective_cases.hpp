@@ -229,6 +229,56 @@ void check_all_to_all(Collective<B>& comm, std::uint64_t seed, std::size_t n, bo
         doctest::Approx(double(full * sizeof(T)) * bus_factor(CollOp::all_to_all, N)));
 }
 
+// all_to_all_v: rank r sends exchange_count(seed, r, q, n) elements to rank q (0 to 2n, some
+// blocks empty), taken from its input packed in rank order; both buffers have slack past their
+// counts that must stay untouched. Rank q's block r must be r's elements at r's offset for q.
+inline std::size_t exchange_count(std::uint64_t seed, int from, int to, std::size_t n) {
+  return n == 0 ? 0
+                : std::size_t(mix(seed ^ mix(std::uint64_t(from) * 31u + std::uint64_t(to))) %
+                              (2 * n + 1));
+}
+template <class T, class B>
+void check_all_to_all_v(Collective<B>& comm, std::uint64_t seed, std::size_t n, bool async) {
+  const int N = comm.size(), r = comm.rank();
+  std::vector<std::size_t> sends(static_cast<std::size_t>(N)), recvs(sends);
+  for (int q = 0; q < N; ++q) {
+    sends[std::size_t(q)] = exchange_count(seed, r, q, n);
+    recvs[std::size_t(q)] = exchange_count(seed, q, r, n);
+  }
+  const std::size_t sent = detail::block_offset(sends.data(), N),
+                    received = detail::block_offset(recvs.data(), N), slack = 3;
+  const auto in = inputs<T>(seed, r, sent + slack, N, ReduceOp::sum);
+  std::vector<T> out(received + slack, poison<T>());
+  const OpStats before = comm.stats()[CollOp::all_to_all];
+  if (async)
+    comm.all_to_all_v_async(std::span<const T>(in), std::span<const std::size_t>(sends),
+                            std::span<T>(out), std::span<const std::size_t>(recvs))
+        .wait();
+  else
+    comm.all_to_all_v(std::span<const T>(in), std::span<const std::size_t>(sends),
+                      std::span<T>(out), std::span<const std::size_t>(recvs));
+  std::vector<double> want(out.size(), from<T>(poison<T>()));
+  for (int q = 0, at = 0; q < N; at += int(recvs[std::size_t(q)]), ++q) {
+    std::size_t offset = 0;  // where q's block for r starts in q's input
+    for (int p = 0; p < r; ++p) offset += exchange_count(seed, q, p, n);
+    for (std::size_t i = 0; i < recvs[std::size_t(q)]; ++i)
+      want[std::size_t(at) + i] = from<T>(to<T>(input<T>(seed, q, offset + i, N, ReduceOp::sum)));
+  }
+  std::string first;
+  const auto wrong = count_wrong<T>(
+      std::span<const T>(out), [&](std::size_t i) { return want[i]; }, first);
+  INFO("all_to_all_v ", name(dtype_of<T>), " n=", n, " async=", async, " rank=", r, "/", N,
+       " seed=", seed, " first wrong: ", first);
+  CHECK(wrong == 0);
+  const auto again = inputs<T>(seed, r, sent + slack, N, ReduceOp::sum);
+  CHECK(std::memcmp(in.data(), again.data(), in.size() * sizeof(T)) == 0);
+  const OpStats& now = comm.stats()[CollOp::all_to_all];
+  CHECK(now.calls == before.calls + 1);
+  CHECK(now.bytes == before.bytes + sent * sizeof(T));
+  CHECK(now.bus_bytes - before.bus_bytes ==
+        doctest::Approx(double((sent - sends[std::size_t(r)]) * sizeof(T))));
+}
+
 template <class T, class B>
 void check_broadcast(Collective<B>& comm, std::uint64_t seed, std::size_t n, int root) {
   const int N = comm.size(), r = comm.rank();
@@ -263,7 +313,10 @@ void check_every_operation(Collective<B>& comm, std::uint64_t seed, std::size_t 
     }
   }
   for (bool in_place : {false, true}) check_all_gather<T>(comm, seed + 3, n, in_place);
-  for (bool async : {false, true}) check_all_to_all<T>(comm, seed + 6, n, async);
+  for (bool async : {false, true}) {
+    check_all_to_all<T>(comm, seed + 6, n, async);
+    check_all_to_all_v<T>(comm, seed + 7, n, async);
+  }
   check_broadcast<T>(comm, seed + 4, n, comm.size() - 1);
   check_broadcast<T>(comm, seed + 5, n, 0);
 }
@@ -310,6 +363,32 @@ void check_bad_arguments(Collective<B>& comm) {
   expect_invalid(
       [&] { comm.all_to_all(std::span<const float>(even), std::span<float>(buf).first(1)); },
       {"all_to_all: input has"});
+  // all_to_all_v: overlapping buffers, null counts, and one rank's send count that its receiver
+  // does not expect (an error on every rank, and the communicator still usable).
+  std::vector<std::size_t> ones(std::size_t(N), 1), more(ones);
+  more[0] = r == N - 1 ? 2 : 1;
+  expect_invalid(
+      [&] { b.all_to_all_v(p, more.data(), p + 1, more.data(), DType::f32, blocking).wait(); },
+      {"all_to_all_v: the input and output buffers overlap", "never in place"});
+  expect_invalid(
+      [&] { b.all_to_all_v(p, nullptr, even.data(), ones.data(), DType::f32, blocking).wait(); },
+      {"all_to_all_v: the send counts are null"});
+  const auto mismatched = [&] {
+    comm.all_to_all_v(std::span<const float>(buf), std::span<const std::size_t>(more),
+                      std::span<float>(even), std::span<const std::size_t>(ones));
+  };
+  if (r == 0)  // the receiver names the pair on every backend
+    expect_invalid(mismatched, {"all_to_all_v: rank",
+                                " sends 2 elements to rank 0 but rank 0's "
+                                "receive count for rank"});
+  else
+    expect_invalid(mismatched, {"all_to_all_v"});
+  expect_invalid(
+      [&] {
+        comm.all_to_all_v(std::span<const float>(buf).first(0), std::span<const std::size_t>(ones),
+                          std::span<float>(even), std::span<const std::size_t>(ones));
+      },
+      {"all_to_all_v: the send counts add up to"});
   // A null buffer with a nonzero count (an unbound view), unknown reduction and element type.
   expect_invalid([&] { b.all_reduce(nullptr, p, 5, DType::f32, ReduceOp::sum, blocking).wait(); },
                  {"all_reduce: the input buffer is null but count is 5"});

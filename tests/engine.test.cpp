@@ -886,7 +886,7 @@ void exception_in_backward(int reps) {
               forward_backward(engine, model, comm.rank() * 2, comm.rank() == 0 ? 1 : -1);
               engine.step();
             },
-            World::Options{std::chrono::seconds(60)}),
+            World::Options{.timeout = std::chrono::seconds(60)}),
         doctest::Contains("model failed in backward"), std::runtime_error);
   }
 }
@@ -951,7 +951,7 @@ TEST_CASE("a rank that skips step() is an error naming step() on every rank") {
             forward_backward(engine, model, 4 + comm.rank() * 2);  // rank 1 went on without step()
             engine.step();
           },
-          World::Options{std::chrono::seconds(60)}),
+          World::Options{.timeout = std::chrono::seconds(60)}),
       doctest::Contains("call step() after every micro-step"), zp::Error);
 }
 

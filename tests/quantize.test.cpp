@@ -6,7 +6,7 @@
 // value; every code byte and scale is written (poisoned first); a block with an inf or NaN
 // dequantizes to NaN and leaves the other blocks exact; bad formats and sizes are errors. qgZ's
 // two-hop reduce_scatter (quantized_collectives.hpp) on several node layouts against the float64
-// sum within its quantization bounds. int8's AVX2 path against the portable one, bit for bit.
+// sum within its quantization bounds. The AVX2 paths (int8, int4) against the portable one, bit for bit.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -40,8 +40,9 @@ void check_roundtrip(const Format& f, std::size_t n, std::mt19937_64& rng) {
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<T> x(n);
   for (std::size_t i = 0; i < n; ++i) {
-    // Blocks of very different magnitudes, and a block of zeros.
-    const double mag = std::pow(10.0, double(int((i / f.block) % 5) - 2));
+    // Blocks of very different magnitudes (down to 1e-38, subnormal scales), a block of zeros.
+    const double mag =
+        (i / f.block) % 7 == 5 ? 1e-38 : std::pow(10.0, double(int((i / f.block) % 5) - 2));
     x[i] = T(float((i / f.block) % 7 == 3 ? 0.0 : normal(rng) * mag));
   }
   std::vector<std::uint8_t> q(f.code_bytes(n), 0xAA);
@@ -261,57 +262,62 @@ TEST_CASE("qgZ's reduce_scatter: the same bits on every node layout's run, NaN w
       {"5 values in for 2 ranks (1 nodes of 2) of 2 each"});
 }
 
-TEST_CASE_TEMPLATE("int8's AVX2 path gives the portable work items' bits", T, float, zp::bf16,
-                   zp::fp16) {
-  if (!zp::quant::detail::use_avx2({.bits = Bits::int8}, zp::quant::Path::best)) {
+TEST_CASE_TEMPLATE("the AVX2 paths (int8, int4) give the portable work items' bits", T, float,
+                   zp::bf16, zp::fp16) {
+  if (!zp::quant::detail::use_avx2(zp::quant::Path::best)) {
     MESSAGE("no AVX2 on this CPU: only the portable path runs");
     return;
   }
   std::mt19937_64 rng(zp::test::fresh_seed());
   std::normal_distribution<double> normal(0.0, 1.0);
-  for (std::size_t block : {std::size_t(1), std::size_t(8), std::size_t(13), std::size_t(256)})
-    for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
-      CAPTURE(block);
-      CAPTURE(n);
-      const Format f{.bits = Bits::int8, .block = block};
-      std::vector<T> x(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::size_t b = i / block;
-        // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax 127, so the
-        // scale is 1 and x.5 rounds to even), an inf and a NaN.
-        const double v = b % 6 == 1   ? 0.0
-                         : b % 6 == 2 ? (i % block == 0 ? 127.0 : double(int(i % 9) - 4) + 0.5)
-                                      : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
-        x[i] = T(float(v));
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (std::size_t block : {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(256),
+                              std::size_t(bits == Bits::int8 ? 13 : 18)})
+      for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
+        CAPTURE(int(bits));
+        CAPTURE(block);
+        CAPTURE(n);
+        const Format f{.bits = bits, .block = block};
+        std::vector<T> x(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::size_t b = i / block;
+          // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax 127, so the
+          // scale is 1 and x.5 rounds to even), a block near 1e-38 (subnormal scales; zero in
+          // fp16), an inf and a NaN.
+          const double v = b % 6 == 1   ? 0.0
+                           : b % 6 == 3 ? normal(rng) * 1e-38
+                           : b % 6 == 2 ? (i % block == 0 ? 127.0 : double(int(i % 9) - 4) + 0.5)
+                                        : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
+          x[i] = T(float(v));
+        }
+        if (n > 600) {
+          x[300] = T(std::numeric_limits<float>::infinity());
+          x[500] = T(std::numeric_limits<float>::quiet_NaN());
+        }
+        std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(f.code_bytes(n), 0xAA),
+                                          std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
+        std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
+                                   std::vector<float>(f.blocks(n), -2.0f)};
+        std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
+        std::vector<float> acc[2];
+        for (int k = 0; k < 2; ++k) {
+          const auto path = k ? zp::quant::Path::portable : zp::quant::Path::best;
+          zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
+          zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]),
+                                std::span<const float>(s[k]), std::span(back[k]), path);
+          acc[k].assign(n, 0.25f);
+          zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
+                                    std::span<const float>(s[k]), std::span(acc[k]), path);
+        }
+        CHECK(q[0] == q[1]);
+        CHECK((n == 0 || std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
+        CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
+        for (std::size_t i = 0; i < n; ++i) {
+          const float a = float(back[0][i]), b = float(back[1][i]);
+          if (std::isnan(b))
+            REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
+          else
+            REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
+        }
       }
-      if (n > 600) {
-        x[300] = T(std::numeric_limits<float>::infinity());
-        x[500] = T(std::numeric_limits<float>::quiet_NaN());
-      }
-      std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(n, 0xAA),
-                                        std::vector<std::uint8_t>(n, 0x55)};
-      std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
-                                 std::vector<float>(f.blocks(n), -2.0f)};
-      std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
-      std::vector<float> acc[2];
-      for (int k = 0; k < 2; ++k) {
-        const auto path = k ? zp::quant::Path::portable : zp::quant::Path::best;
-        zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
-        zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]), std::span<const float>(s[k]),
-                              std::span(back[k]), path);
-        acc[k].assign(n, 0.25f);
-        zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
-                                  std::span<const float>(s[k]), std::span(acc[k]), path);
-      }
-      CHECK(q[0] == q[1]);
-      CHECK((n == 0 || std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
-      CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
-      for (std::size_t i = 0; i < n; ++i) {
-        const float a = float(back[0][i]), b = float(back[1][i]);
-        if (std::isnan(b))
-          REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
-        else
-          REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
-      }
-    }
 }

@@ -10,6 +10,11 @@
 //  - all_to_all: input and output hold size() * n elements; rank r's input block q
 //    ([q*n, q*n + n)) lands in rank q's output block r. Never in place (the buffers must not
 //    overlap).
+//  - all_to_all_v: per-peer counts. Rank r sends send_counts[q] elements to rank q and receives
+//    recv_counts[q] from it; the blocks lie packed in rank order (block q of the input starts at
+//    send_counts[0] + ... + send_counts[q-1], the output likewise), rank r's send_counts[q] must
+//    equal rank q's recv_counts[r] (host backends check it on every rank; nccl cannot see it),
+//    and the count arrays are read before the call returns. Never in place.
 //  - Buffers live in the backend's memory space (host for threads and mpi, device for nccl).
 //    Where ranks share one address space (threads, cuda_threads), a buffer one rank writes must
 //    not overlap any buffer of another rank; the backend refuses such a call on every rank.
@@ -175,6 +180,55 @@ inline std::string check_call(CollOp op, const void* src, const void* dst, std::
              std::intptr_t(d - s), " bytes apart)");
 }
 
+// The element counts of the blocks of all_to_all_v before block `q` (where block q starts).
+inline std::size_t block_offset(const std::size_t* counts, int q) noexcept {
+  std::size_t at = 0;
+  for (int i = 0; i < q; ++i) at += counts[i];
+  return at;
+}
+
+// check_call's counterpart for all_to_all_v: a known element type, count arrays present, totals
+// that do not wrap, no null buffer with a nonzero total, and buffers that do not overlap. "" when
+// well-formed, else what is wrong and its value.
+inline std::string check_exchange_v(const void* src, const std::size_t* send_counts, void* dst,
+                                    const std::size_t* recv_counts, DType t, int ranks) {
+  if (std::uint8_t(t) > std::uint8_t(DType::f16))
+    return cat("all_to_all_v: element type DType(", int(t),
+               ") is not one of f32, f64, i32, i64, bf16, f16");
+  if (!send_counts || !recv_counts)
+    return cat("all_to_all_v: the ", !send_counts ? "send" : "receive",
+               " counts are null; expected ", ranks, " counts, one per rank");
+  std::size_t bytes[2] = {0, 0};
+  const std::size_t* counts[2] = {send_counts, recv_counts};
+  for (int side = 0; side < 2; ++side) {
+    std::size_t total = 0;
+    for (int q = 0; q < ranks; ++q)
+      if (__builtin_add_overflow(total, counts[side][q], &total) ||
+          __builtin_mul_overflow(total, size_of(t), &bytes[side]))
+        return cat("all_to_all_v: the ", side ? "receive" : "send", " counts up to rank ", q, " (",
+                   counts[side][q], " elements there) overflow a 64-bit size of ", name(t));
+  }
+  if (!src && bytes[0])
+    return cat("all_to_all_v: the input buffer is null but sends ", bytes[0], " bytes");
+  if (!dst && bytes[1])
+    return cat("all_to_all_v: the output buffer is null but receives ", bytes[1], " bytes");
+  const auto s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
+  if (bytes[0] && bytes[1] && s < d + bytes[1] && d < s + bytes[0])
+    return cat("all_to_all_v: the input and output buffers overlap (they are ",
+               std::intptr_t(d - s), " bytes apart; the input is ", bytes[0], " bytes, the output ",
+               bytes[1], "); all_to_all_v is never in place");
+  return {};
+}
+
+// The error for an all_to_all_v whose ranks disagree on one block's size, the same words on
+// every backend: "" when they agree.
+inline std::string check_block_agrees(int from, int to, std::size_t sent, std::size_t expected) {
+  if (sent == expected) return {};
+  return cat("all_to_all_v: rank ", from, " sends ", sent, " elements to rank ", to, " but rank ",
+             to, "'s receive count for rank ", from, " is ", expected,
+             "; every send count must equal its receiver's receive count");
+}
+
 // check_call's counterpart for send and recv (op is CollOp::send or CollOp::recv): a known
 // element type, a size that does not wrap, no null buffer with a nonzero count, and a peer that
 // is another rank of the communicator. "" when well-formed, else what is wrong and its value.
@@ -238,7 +292,7 @@ concept WorkHandle = std::movable<W> && std::default_initializable<W> && require
 template <class B>
 concept Backend = std::movable<B> && WorkHandle<typename B::Work> &&
     requires(B& b, const B& cb, const void* src, void* dst, std::size_t n, DType t, ReduceOp op,
-             int root, int color, int key, Launch launch) {
+             int root, int color, int key, Launch launch, const std::size_t* counts) {
   typename std::integral_constant<MemorySpace, B::memory>;  // a constant: front ends branch on it
   { B::name } -> std::convertible_to<const char*>;
   { cb.rank() } -> std::same_as<int>;
@@ -247,6 +301,7 @@ concept Backend = std::movable<B> && WorkHandle<typename B::Work> &&
   { b.reduce_scatter(src, dst, n, t, op, launch) } -> std::same_as<typename B::Work>;
   { b.all_gather(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
   { b.all_to_all(src, dst, n, t, launch) } -> std::same_as<typename B::Work>;
+  { b.all_to_all_v(src, counts, dst, counts, t, launch) } -> std::same_as<typename B::Work>;
   { b.broadcast(src, dst, n, t, root, launch) } -> std::same_as<typename B::Work>;
   { b.barrier(launch) } -> std::same_as<typename B::Work>;
   { b.send(src, n, t, root, launch) } -> std::same_as<typename B::Work>;
@@ -446,6 +501,32 @@ class Collective {
     });
   }
 
+  // --- all_to_all_v: per-peer counts (see the file comment) ---------------------------------
+  // send_counts[q] elements of in go to rank q, recv_counts[q] of out come from it, each side
+  // packed in rank order; in and out may be longer than their counts' sums. Booked under
+  // all_to_all: bytes is what this rank sends, bus_bytes what it sends to other ranks (the even
+  // form's (N-1)/N).
+  template <Element T>
+  Work all_to_all_v_async(std::span<const T> in, std::span<const std::size_t> send_counts,
+                          std::span<T> out, std::span<const std::size_t> recv_counts) {
+    const auto [bytes, bus] =
+        check_exchange_v(in.size(), send_counts, out.size(), recv_counts, sizeof(T));
+    return issue(CollOp::all_to_all, bytes, bus, [&] {
+      return backend_.all_to_all_v(in.data(), send_counts.data(), out.data(), recv_counts.data(),
+                                   dtype_of<T>, Launch::async);
+    });
+  }
+  template <Element T>
+  void all_to_all_v(std::span<const T> in, std::span<const std::size_t> send_counts,
+                    std::span<T> out, std::span<const std::size_t> recv_counts) {
+    const auto [bytes, bus] =
+        check_exchange_v(in.size(), send_counts, out.size(), recv_counts, sizeof(T));
+    blocking(CollOp::all_to_all, bytes, bus, [&] {
+      return backend_.all_to_all_v(in.data(), send_counts.data(), out.data(), recv_counts.data(),
+                                   dtype_of<T>, Launch::blocking);
+    });
+  }
+
   // --- broadcast from root into every rank's buf: bytes over every link ---------------------
   // The root is checked by the backend (collectively on mpi, so a bad root on one rank is an
   // error on every rank instead of a job abort).
@@ -530,25 +611,33 @@ class Collective {
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   }
-  void count(CollOp op, std::size_t bytes) {
+  void count(CollOp op, std::size_t bytes, double bus_bytes) {
     auto& s = (*stats_)[op];
     s.calls += 1;
     s.bytes += bytes;
-    s.bus_bytes += double(bytes) * bus_factor(op, size());
+    s.bus_bytes += bus_bytes;
   }
   template <class F>
-  Work issue(CollOp op, std::size_t bytes, F&& launch) {
+  Work issue(CollOp op, std::size_t bytes, double bus_bytes, F&& launch) {
     const auto t = std::chrono::steady_clock::now();
     auto w = launch();
-    count(op, bytes);
+    count(op, bytes, bus_bytes);
     return Work(std::move(w), stats_.get(), op, t);
   }
   template <class F>
-  void blocking(CollOp op, std::size_t bytes, F&& launch) {
+  Work issue(CollOp op, std::size_t bytes, F&& launch) {
+    return issue(op, bytes, double(bytes) * bus_factor(op, size()), std::forward<F>(launch));
+  }
+  template <class F>
+  void blocking(CollOp op, std::size_t bytes, double bus_bytes, F&& launch) {
     const auto t = std::chrono::steady_clock::now();
     launch().wait();
-    count(op, bytes);
+    count(op, bytes, bus_bytes);
     (*stats_)[op].seconds += seconds_since(t);
+  }
+  template <class F>
+  void blocking(CollOp op, std::size_t bytes, F&& launch) {
+    blocking(op, bytes, double(bytes) * bus_factor(op, size()), std::forward<F>(launch));
   }
   // all_to_all's block size: both buffers hold size() equal blocks.
   std::size_t check_exchange(std::size_t in, std::size_t out) const {
@@ -556,6 +645,29 @@ class Collective {
               " elements and output ", out, "; both must hold ", size(),
               " equal blocks (one per rank)");
     return in / std::size_t(size());
+  }
+  // all_to_all_v's counts: one per rank, sums within the buffers. Returns {bytes sent, bytes
+  // sent to other ranks}.
+  std::pair<std::size_t, double> check_exchange_v(std::size_t in,
+                                                  std::span<const std::size_t> send_counts,
+                                                  std::size_t out,
+                                                  std::span<const std::size_t> recv_counts,
+                                                  std::size_t element) const {
+    const std::size_t n = std::size_t(size());
+    ZP_EXPECT(send_counts.size() == n && recv_counts.size() == n, "all_to_all_v: expected ", n,
+              " send and receive counts (one per rank), got ", send_counts.size(), " and ",
+              recv_counts.size());
+    std::size_t sends = 0, receives = 0;
+    for (std::size_t q = 0; q < n; ++q) {
+      ZP_EXPECT(!__builtin_add_overflow(sends, send_counts[q], &sends) &&
+                    !__builtin_add_overflow(receives, recv_counts[q], &receives),
+                "all_to_all_v: the counts up to rank ", q, " overflow a 64-bit size");
+    }
+    ZP_EXPECT(sends <= in && receives <= out, "all_to_all_v: the send counts add up to ", sends,
+              " elements and the receive counts to ", receives, ", but the input has ", in,
+              " and the output ", out);
+    const std::size_t own = send_counts[std::size_t(rank())];
+    return {sends * element, double((sends - own) * element)};
   }
   void check_scatter(const char* what, std::size_t full, std::size_t part) const {
     ZP_EXPECT(full == part * std::size_t(size()), what, ": the full buffer has ", full,

@@ -16,8 +16,8 @@
 //   zp::quant::dequantize_add(f, q, s, acc);   // acc += dequant(q): fp32 accumulation
 //
 // QuantizeBlock and DequantizeBlock are the work items (one block each) that a device launches
-// with zp::device::launch; the host functions here run them in a loop, or, for int8 on a CPU with
-// AVX2 (checked at run time), the same math 8 values at a time with bitwise the same results
+// with zp::device::launch; the host functions here run them in a loop, or, on a CPU with AVX2
+// (checked at run time), the same math 8 or 16 values at a time with bitwise the same results
 // (IEEE division and products, the conversion rounding to nearest even as rintf does; a NaN
 // stored as fp16 may keep another payload). Path::portable forces the loop of work items.
 #pragma once
@@ -138,12 +138,12 @@ inline bool avx2() noexcept {
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-// QuantizeBlock for int8, 8 values at a time (the tail of each block as the work item does it).
-template <class T>
-[[ZP_TARGET_AVX2, gnu::flatten]] void quantize_int8_avx2(const T* x, std::size_t n,
-                                                         std::size_t block, std::uint8_t* codes,
-                                                         float* scales) {
+// QuantizeBlock, 16 values at a time (the tail of each block as the work item does it).
+template <Bits B, class T>
+[[ZP_TARGET_AVX2, gnu::flatten]] void quantize_avx2(const T* x, std::size_t n, std::size_t block,
+                                                    std::uint8_t* codes, float* scales) {
   constexpr std::type_identity<simd::V8> as{};
+  constexpr int qmax = B == Bits::int8 ? 127 : 7;
   const __m256 zero = _mm256_setzero_ps(),
                magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
@@ -165,43 +165,67 @@ template <class T>
       finite = finite && v - v == 0;
       absmax = ::fabsf(v) > absmax ? ::fabsf(v) : absmax;
     }
-    const float scale = finite ? absmax / 127.0f : NAN;
+    const float scale = finite ? absmax / float(qmax) : NAN;
     scales[k] = scale;
+    std::uint8_t* out = codes + (B == Bits::int8 ? lo : lo / 2);
     if (!finite || scale == 0) {
-      std::memset(codes + lo, 0, hi - lo);
+      std::memset(out, 0, B == Bits::int8 ? hi - lo : (hi - lo + 1) / 2);
       continue;
     }
     const __m256 s = _mm256_set1_ps(scale);
-    for (i = lo; i + 8 <= hi; i += 8) {
-      const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(simd::load(x + i, as).v, s));
-      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(w, w));
+    for (i = lo; i + 16 <= hi; i += 16) {
+      const __m256 v0 = simd::load(x + i, as).v, v1 = simd::load(x + i + 8, as).v;
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_div_ps(v0, s)),
+                    q1 = _mm256_cvtps_epi32(_mm256_div_ps(v1, s));
+      const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order
+          _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
+          _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
+      if constexpr (B == Bits::int8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c);
+      } else {  // 16-bit lane j holds codes 2j, 2j+1: low nibble of each into one byte
+        const __m128i nib =
+            _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000f)),
+                         _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00f0)));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(nib, nib));
+      }
     }
-    for (; i < hi; ++i)
-      codes[i] =
-          static_cast<std::uint8_t>(static_cast<std::int8_t>(int(::rintf(float(x[i]) / scale))));
+    const auto q = [&](std::size_t j) { return j < hi ? int(::rintf(float(x[j]) / scale)) : 0; };
+    for (; i < hi; i += B == Bits::int8 ? 1 : 2) {
+      if constexpr (B == Bits::int8)
+        codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
+      else
+        codes[i / 2] = std::uint8_t((q(i) & 0xf) | ((q(i + 1) & 0xf) << 4));
+    }
   }
 }
 
-// DequantizeBlock<T, Accumulate> for int8, 8 values at a time.
-template <class T, bool Accumulate>
-[[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_int8_avx2(const std::uint8_t* codes,
-                                                           const float* scales, std::size_t n,
-                                                           std::size_t block, T* out) {
+// DequantizeBlock<T, Accumulate>, 8 values at a time.
+template <Bits B, class T, bool Accumulate>
+[[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_avx2(const std::uint8_t* codes,
+                                                      const float* scales, std::size_t n,
+                                                      std::size_t block, T* out) {
   constexpr std::type_identity<simd::V8> as{};
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
     const __m256 s = _mm256_set1_ps(scales[k]);
     std::size_t i = lo;
     for (; i + 8 <= hi; i += 8) {
-      const __m256i c =
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-      simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(c), s));
+      __m128i c;
+      if constexpr (B == Bits::int8) {
+        c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+      } else {  // 4 bytes: nibbles in order (low first), sign-extended as bytes
+        std::int32_t word;
+        std::memcpy(&word, codes + i / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(word), m = _mm_set1_epi8(0x0f), e = _mm_set1_epi8(8);
+        c = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+        c = _mm_sub_epi8(_mm_xor_si128(c, e), e);
+      }
+      simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
       if constexpr (Accumulate) v = simd::load(out + i, as) + v;
       simd::store(out + i, v);
     }
     for (; i < hi; ++i) {
-      const float v = float(static_cast<std::int8_t>(codes[i])) * scales[k];
+      const float v = float(code(codes, B, i)) * scales[k];
       if constexpr (Accumulate)
         out[i] = T(float(out[i]) + v);
       else
@@ -212,12 +236,12 @@ template <class T, bool Accumulate>
 #pragma GCC diagnostic pop
 #endif  // ZP_OPTIM_X86
 
-// Whether the AVX2 loops serve format f on this CPU.
-inline bool use_avx2(const Format& f, Path p) noexcept {
+// Whether the AVX2 loops serve this call on this CPU.
+inline bool use_avx2(Path p) noexcept {
 #if ZP_OPTIM_X86
-  return p == Path::best && f.bits == Bits::int8 && avx2();
+  return p == Path::best && avx2();
 #else
-  (void)f, (void)p;
+  (void)p;
   return false;
 #endif
 }
@@ -237,8 +261,11 @@ void quantize(std::span<const T> x, const Format& f, std::span<std::uint8_t> cod
               std::span<float> scales, Path path = Path::best) {
   detail::check_sizes(f, x.size(), codes.size(), scales.size(), "quantize");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(f, path))
-    return detail::quantize_int8_avx2(x.data(), x.size(), f.block, codes.data(), scales.data());
+  if (detail::use_avx2(path))
+    return f.bits == Bits::int8 ? detail::quantize_avx2<Bits::int8>(x.data(), x.size(), f.block,
+                                                                    codes.data(), scales.data())
+                                : detail::quantize_avx2<Bits::int4>(x.data(), x.size(), f.block,
+                                                                    codes.data(), scales.data());
 #endif
   (void)path;
   const QuantizeBlock<T> item{x.data(), x.size(), f, codes.data(), scales.data()};
@@ -251,9 +278,11 @@ void dequantize(const Format& f, std::span<const std::uint8_t> codes, std::span<
                 std::span<T> out, Path path = Path::best) {
   detail::check_sizes(f, out.size(), codes.size(), scales.size(), "dequantize");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(f, path))
-    return detail::dequantize_int8_avx2<T, false>(codes.data(), scales.data(), out.size(), f.block,
-                                                  out.data());
+  if (detail::use_avx2(path))
+    return f.bits == Bits::int8 ? detail::dequantize_avx2<Bits::int8, T, false>(
+                                      codes.data(), scales.data(), out.size(), f.block, out.data())
+                                : detail::dequantize_avx2<Bits::int4, T, false>(
+                                      codes.data(), scales.data(), out.size(), f.block, out.data());
 #endif
   (void)path;
   const DequantizeBlock<T, false> item{codes.data(), scales.data(), out.size(), f, out.data()};
@@ -266,9 +295,11 @@ inline void dequantize_add(const Format& f, std::span<const std::uint8_t> codes,
                            Path path = Path::best) {
   detail::check_sizes(f, acc.size(), codes.size(), scales.size(), "dequantize_add");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(f, path))
-    return detail::dequantize_int8_avx2<float, true>(codes.data(), scales.data(), acc.size(),
-                                                     f.block, acc.data());
+  if (detail::use_avx2(path))
+    return f.bits == Bits::int8 ? detail::dequantize_avx2<Bits::int8, float, true>(
+                                      codes.data(), scales.data(), acc.size(), f.block, acc.data())
+                                : detail::dequantize_avx2<Bits::int4, float, true>(
+                                      codes.data(), scales.data(), acc.size(), f.block, acc.data());
 #endif
   (void)path;
   const DequantizeBlock<float, true> item{codes.data(), scales.data(), acc.size(), f, acc.data()};

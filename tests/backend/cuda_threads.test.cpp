@@ -1,4 +1,4 @@
-// zp/backend/cuda_threads.hpp: every collective (all_to_all too) on 1-4 ranks sharing one device
+// zp/backend/cuda_threads.hpp: every collective (all_to_all and all_to_all_v too) on 1-4 ranks sharing one device
 // equals the threads backend on the host, bit for bit, on fresh random inputs (f32, f64, bf16,
 // fp16, i32; sum, avg, max, min; in place and not), and every output element is written. The same with each
 // kind of stream delayed (zp::device::delay_streams). Built with g++ it runs on the simulated
@@ -40,15 +40,26 @@ std::vector<T> input(std::uint64_t seed, int r, std::size_t n) {
 }
 
 // The operation on one backend: this rank's output as a host vector (poisoned before, unless
-// the operation is in place).
+// the operation is in place). exchange_v: all_to_all_v, rank r sending (r + 2q) % 3 * n / 2
+// elements to rank q (some blocks empty).
 template <class T, class B>
 std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, std::uint64_t seed,
-                   bool in_place) {
+                   bool in_place, bool exchange_v = false) {
   const int N = comm.size(), r = comm.rank();
   const bool blocks_in = op == CollOp::reduce_scatter || op == CollOp::all_to_all,
              blocks_out = op == CollOp::all_gather || op == CollOp::all_to_all;
-  const std::vector<T> in = input<T>(seed, r, blocks_in ? n * std::size_t(N) : n);
-  const std::size_t out_n = blocks_out ? n * std::size_t(N) : n;
+  std::vector<std::size_t> sends(static_cast<std::size_t>(N)), recvs(sends);
+  for (int q = 0; q < N; ++q) {
+    sends[std::size_t(q)] = std::size_t((r + 2 * q) % 3) * n / 2;
+    recvs[std::size_t(q)] = std::size_t((q + 2 * r) % 3) * n / 2;
+  }
+  const std::vector<T> in = input<T>(seed, r,
+                                     exchange_v  ? zp::detail::block_offset(sends.data(), N)
+                                     : blocks_in ? n * std::size_t(N)
+                                                 : n);
+  const std::size_t out_n = exchange_v   ? zp::detail::block_offset(recvs.data(), N)
+                            : blocks_out ? n * std::size_t(N)
+                                         : n;
   std::vector<T> out(out_n);
   std::memset(out.data(), 0x7f, out.size() * sizeof(T));  // poison: every element must be written
   auto exec = [&](std::span<T> i, std::span<T> o) {
@@ -58,7 +69,13 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
         break;
       case CollOp::reduce_scatter: comm.reduce_scatter(std::span<const T>(i), o, rop); break;
       case CollOp::all_gather: comm.all_gather(std::span<const T>(i), o); break;
-      case CollOp::all_to_all: comm.all_to_all(std::span<const T>(i), o); break;
+      case CollOp::all_to_all:
+        if (exchange_v)
+          comm.all_to_all_v(std::span<const T>(i), std::span<const std::size_t>(sends), o,
+                            std::span<const std::size_t>(recvs));
+        else
+          comm.all_to_all(std::span<const T>(i), o);
+        break;
       case CollOp::broadcast: comm.broadcast(o, 1 % N); break;  // in place: o starts as the input
       default: break;
     }
@@ -81,19 +98,20 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
 }
 
 template <class T>
-void check(int N, CollOp op, ReduceOp rop, std::size_t n, bool in_place) {
+void check(int N, CollOp op, ReduceOp rop, std::size_t n, bool in_place, bool exchange_v = false) {
   CAPTURE(N);
   CAPTURE(zp::name(op));
   CAPTURE(zp::name(rop));
   CAPTURE(n);
   CAPTURE(in_place);
+  CAPTURE(exchange_v);
   const std::uint64_t seed = zp::test::run_seed("cuda_threads.test") + n;
   std::vector<std::vector<T>> host(static_cast<std::size_t>(N)), dev(static_cast<std::size_t>(N));
   zp::backend::run_threads(N, [&](Collective<Threads>& c) {
-    host.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place);
+    host.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place, exchange_v);
   });
   zp::backend::run_cuda_threads(N, [&](Collective<CudaThreads>& c) {
-    dev.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place);
+    dev.at(std::size_t(c.rank())) = run<T>(c, op, rop, n, seed, in_place, exchange_v);
   });
   for (std::size_t r = 0; r < std::size_t(N); ++r) {
     REQUIRE(host.at(r).size() == dev.at(r).size());
@@ -120,6 +138,7 @@ void every_case() {
       }
       check<T>(N, CollOp::all_gather, ReduceOp::sum, n, false);
       check<T>(N, CollOp::all_to_all, ReduceOp::sum, n, false);
+      check<T>(N, CollOp::all_to_all, ReduceOp::sum, n, false, true);
       check<T>(N, CollOp::broadcast, ReduceOp::sum, n, false);
     }
 }
@@ -144,6 +163,7 @@ TEST_CASE(
       check<zp::bf16>(N, CollOp::reduce_scatter, ReduceOp::avg, large, false);
       check<float>(N, CollOp::all_gather, ReduceOp::sum, large, false);
       check<float>(N, CollOp::all_to_all, ReduceOp::sum, large, false);
+      check<float>(N, CollOp::all_to_all, ReduceOp::sum, large, false, true);
       check<float>(N, CollOp::broadcast, ReduceOp::sum, large, false);
     }
     zp::device::delay_streams(role, {});

@@ -173,6 +173,75 @@ TEST_CASE("an all_to_all against another call, or with overlapping ranks' buffer
                        doctest::Contains("all_to_all: rank 1's output"), zp::Error);
 }
 
+TEST_CASE("all_to_all_v against all_to_all, or writing into another rank's input, is an error") {
+  CHECK_THROWS_WITH_AS(
+      run_threads(2,
+                  [&](Collective<Threads>& comm) {
+                    std::vector<float> in(4), out(4);
+                    const std::vector<std::size_t> counts{2, 2};
+                    if (comm.rank() == 0)
+                      comm.all_to_all(std::span<const float>(in), std::span<float>(out));
+                    else
+                      comm.all_to_all_v(std::span<const float>(in),
+                                        std::span<const std::size_t>(counts), std::span<float>(out),
+                                        std::span<const std::size_t>(counts));
+                  }),
+      doctest::Contains("but rank 1 called all_to_all_v(dtype=f32)"), zp::Error);
+  std::vector<float> shared(8);
+  CHECK_THROWS_WITH_AS(
+      run_threads(2,
+                  [&](Collective<Threads>& comm) {
+                    std::vector<float> own(4);
+                    const std::vector<std::size_t> counts{2, 2};
+                    const std::span<float> s(shared);
+                    if (comm.rank() == 0)
+                      comm.all_to_all_v(std::span<const float>(s.first(4)),
+                                        std::span<const std::size_t>(counts), std::span<float>(own),
+                                        std::span<const std::size_t>(counts));
+                    else
+                      comm.all_to_all_v(std::span<const float>(own),
+                                        std::span<const std::size_t>(counts), s.subspan(2, 4),
+                                        std::span<const std::size_t>(counts));
+                  }),
+      doctest::Contains("all_to_all: rank 1's output"), zp::Error);
+}
+
+// The simulated link (ThreadsOptions::link): 4 ranks as 2 nodes of 2 at 10 kB/s. An all_gather of
+// 2500 floats per rank reads 2 blocks (20 kB) from the other node: at least 2 s. The same inside
+// one node (a split by node) crosses nothing and is not held back (a memcpy of 20 kB, well
+// under the 1 s bound however loaded the machine).
+TEST_CASE("the simulated link holds cross-node collectives for their bytes, and only those") {
+  zp::backend::ThreadsOptions opt;
+  opt.link = {2, 1e4};
+  std::vector<double> cross(4), inside(4);
+  run_threads(
+      4,
+      [&](Collective<Threads>& comm) {
+        const std::vector<float> in(2500, float(comm.rank()));
+        std::vector<float> out(4 * in.size());
+        auto timed = [&](auto& c, std::span<float> o) {
+          const auto t = std::chrono::steady_clock::now();
+          c.all_gather(std::span<const float>(in), o);
+          return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        };
+        cross[std::size_t(comm.rank())] = timed(comm, std::span<float>(out));
+        CHECK(out[3 * in.size()] == 3.0f);
+        auto node = comm.split(comm.rank() / 2, comm.rank());
+        inside[std::size_t(comm.rank())] = timed(node, std::span<float>(out).first(2 * in.size()));
+        CHECK(out[in.size()] == float(comm.rank() / 2 * 2 + 1));
+      },
+      opt);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(cross[std::size_t(r)] >= 2.0);
+    CHECK(inside[std::size_t(r)] < 1.0);
+  }
+  opt.link.bytes_per_second = -1;
+  CHECK_THROWS_WITH_AS(run_threads(
+                           2, [](Collective<Threads>&) {}, opt),
+                       doctest::Contains("finite bytes_per_second >= 0, got 2 and -1"), zp::Error);
+}
+
 TEST_CASE("a rank that throws makes the others fail promptly with the cause") {
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<int> aborted{0};
@@ -192,7 +261,7 @@ TEST_CASE("a rank that throws makes the others fail promptly with the cause") {
             throw;
           }
         },
-        World::Options{std::chrono::seconds(60)});
+        World::Options{.timeout = std::chrono::seconds(60)});
     FAIL("run_threads should have rethrown");
   } catch (const std::runtime_error& e) {
     CHECK(std::string(e.what()) == "loss exploded on rank 2");  // the cause, not an abort
@@ -212,7 +281,7 @@ TEST_CASE("a rank that leaves early fails the others, and a silent one times out
                          doctest::Contains("rank 1 left the communicator"), zp::Error);
   }
   SUBCASE("silent") {
-    auto world = World::create(2, {std::chrono::milliseconds(200)});
+    auto world = World::create(2, {.timeout = std::chrono::milliseconds(200)});
     Threads idle(world, 1);  // a member that never calls
     Collective<Threads> comm{Threads(world, 0)};
     std::vector<float> a(3);
@@ -262,7 +331,7 @@ TEST_CASE("a timeout of milliseconds::max() means never, not an immediate timeou
           CHECK(x == 2);
         }
       },
-      World::Options{std::chrono::milliseconds::max()});
+      World::Options{.timeout = std::chrono::milliseconds::max()});
 }
 
 TEST_CASE("a second backend for one rank of a World is an error") {
@@ -399,7 +468,7 @@ TEST_CASE(
     "a send or recv whose peer never comes times out naming the ranks, the operation and the "
     "call") {
   SUBCASE("recv") {
-    auto world = World::create(2, {std::chrono::milliseconds(200)});
+    auto world = World::create(2, {.timeout = std::chrono::milliseconds(200)});
     Threads idle(world, 0);  // a member that never sends
     Collective<Threads> comm{Threads(world, 1)};
     std::vector<float> a(3);
@@ -415,7 +484,7 @@ TEST_CASE(
                            {"timed out"});
   }
   SUBCASE("async send") {
-    auto world = World::create(3, {std::chrono::milliseconds(200)});
+    auto world = World::create(3, {.timeout = std::chrono::milliseconds(200)});
     Threads idle1(world, 1), idle2(world, 2);
     Collective<Threads> comm{Threads(world, 0)};
     std::vector<float> a(3);
@@ -464,7 +533,7 @@ TEST_CASE("a rank that leaves or throws fails the send and recv waiting for it")
                                  throw;
                                }
                              },
-                             World::Options{std::chrono::seconds(60)}),
+                             World::Options{.timeout = std::chrono::seconds(60)}),
                          doctest::Contains("rank 2 gave up"), std::runtime_error);
     CHECK(aborted == 2);
   }

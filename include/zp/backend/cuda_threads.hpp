@@ -14,8 +14,8 @@
 //   2. between the meetings its communication stream waits for every rank's `ready`, then it
 //      enqueues its part there (all_reduce: its slice of every rank's buffers, summed in rank
 //      order with the host backends' element math, detail::combine_one, so results equal the
-//      threads backend bit for bit; all_gather: its input into every output; all_to_all: its
-//      input's block q into rank q's output) and records `done`;
+//      threads backend bit for bit; all_gather: its input into every output; all_to_all (and
+//      all_to_all_v): its input's block q into rank q's output) and records `done`;
 //   3. after the second meeting its communication stream waits for every rank's `done` (the
 //      other ranks wrote into its outputs, and its next operation must not rewrite a buffer
 //      another rank still reads), and records the Work's event there. Work::wait() (or a Work
@@ -170,6 +170,25 @@ class CudaThreads {
             zp::device::copy(
                 static_cast<char*>(calls[std::size_t(r)].dst) + std::size_t(rank()) * bytes,
                 static_cast<const char*>(src) + std::size_t(r) * bytes, bytes, s);
+        });
+  }
+  // Its block q into rank q's output, where q's receive counts put it.
+  Work all_to_all_v(const void* src, const std::size_t* send_counts, void* dst,
+                    const std::size_t* recv_counts, DType t, Launch) {
+    return collective(
+        threads_detail::exchange_v_call(src, send_counts, dst, recv_counts, t, size()),
+        [&](const auto& calls, zp::device::stream_t s) {
+          const std::size_t es = size_of(t);
+          std::size_t at = 0;  // elements of src before block r
+          for (int r = 0; r < size(); ++r) {
+            const auto& to = calls[std::size_t(r)];
+            const std::size_t k = send_counts[r];
+            if (k)
+              zp::device::copy(
+                  static_cast<char*>(to.dst) + detail::block_offset(to.recvs.data(), rank()) * es,
+                  static_cast<const char*>(src) + at * es, k * es, s);
+            at += k;
+          }
         });
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch) {

@@ -5,7 +5,7 @@
 // against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads backend's
 // results; async ones run in issue order on a progress thread. Everything else (and those three with shared_memory off) is exactly one MPI
 // call on the caller's buffers (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
-// MPI_Alltoall, MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
+// MPI_Alltoall, MPI_Alltoallv, MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
 // library; async ones use the MPI-3 nonblocking collectives (MPI_Iallreduce, ...), whose
 // post-step (avg division, the conversion of a 16-bit result) runs when the work handle
 // completes. Everything is standard MPI-3: OpenMPI, MPICH and their derivatives work.
@@ -117,15 +117,17 @@ inline MPI_Op mpi_op(ReduceOp op) {
 
 inline bool is_16bit(DType t) { return t == DType::bf16 || t == DType::f16; }
 
-// Operation codes of the signature (CollOp values, plus split).
-inline constexpr std::int64_t split_code = 100;
+// Operation codes of the signature (CollOp values, plus split and all_to_all_v).
+inline constexpr std::int64_t split_code = 100, all_to_all_v_code = 101;
 
 // Tags of zp's point-to-point traffic (its communicator is private, so they only need to
 // differ from each other): the data, the sender's signature and the receiver's signature.
 inline constexpr int tag_data = 0x7a70, tag_send_signature = 0x7a71, tag_recv_signature = 0x7a72;
 
 inline const char* op_name(std::int64_t code) {
-  return code == split_code ? "split" : name(CollOp(code));
+  return code == split_code          ? "split"
+         : code == all_to_all_v_code ? "all_to_all_v"
+                                     : name(CollOp(code));
 }
 
 // The fields every rank must agree on.
@@ -226,6 +228,7 @@ struct Pending {
   Blocked info;
   std::unique_ptr<P2p> p2p;                 // send/recv only
   std::shared_ptr<detail::Completion> job;  // an operation of the node path
+  std::vector<int> layout;                  // all_to_all_v: counts and displacements
 };
 
 // The verdict on a completed send/recv: the signatures first (a mismatch is the same error on
@@ -396,6 +399,64 @@ class Mpi {
   }
   Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch l) {
     return issue(CollOp::all_to_all, src, dst, n, t, ReduceOp::sum, 0, l);
+  }
+  // MPI_Alltoallv (MPI_Ialltoallv). With check_calls, every rank's send counts also reach
+  // their receivers first (one MPI_Alltoall of a word per rank), so counts that disagree are an
+  // error on every rank, naming the pair on the receiver.
+  Work all_to_all_v(const void* src, const std::size_t* send_counts, void* dst,
+                    const std::size_t* recv_counts, DType t, Launch l) {
+    auto& c = *ctx_;
+    const detail::OneCaller busy(c.busy, "mpi", "all_to_all_v", c.rank);
+    ++c.calls;
+    const std::size_t n = std::size_t(c.size);
+    std::string bad = detail::check_exchange_v(src, send_counts, dst, recv_counts, t, c.size);
+    if (bad.empty())
+      for (const std::size_t* counts : {send_counts, recv_counts})
+        if (const std::size_t total = detail::block_offset(counts, c.size); total > INT_MAX)
+          bad = detail::cat("all_to_all_v: ", total, " elements on one side exceed MPI's limit of ",
+                            INT_MAX, " (int displacements); split the exchange");
+    mpi_detail::Blocked info = blocked("all_to_all_v", 0, t, ReduceOp::sum, false);
+    if (c.opt.check_calls) {
+      mpi_detail::Signature s;
+      s.v[0] = mpi_detail::all_to_all_v_code;
+      s.v[2] = std::int64_t(t);
+      mpi_detail::Guard g(c.watchdog.get(), info, c.opt.timeout);
+      agree(s, bad);
+      std::vector<std::int64_t> mine(send_counts, send_counts + n), theirs(n);
+      mpi_detail::check(
+          MPI_Alltoall(mine.data(), 1, MPI_INT64_T, theirs.data(), 1, MPI_INT64_T, c.comm),
+          "MPI_Alltoall (all_to_all_v counts check)", c.rank);
+      for (std::size_t q = 0; q < n && bad.empty(); ++q)
+        bad = detail::check_block_agrees(int(q), c.rank, std::size_t(theirs[q]), recv_counts[q]);
+      agree(s, bad);
+    } else if (!bad.empty()) {
+      throw Error(Errc::invalid_argument, "mpi backend: " + bad);
+    }
+    std::vector<int> layout(4 * n);  // send counts, send displacements, recv counts, recv ones
+    for (std::size_t q = 0, out = 0, in = 0; q < n;
+         out += send_counts[q], in += recv_counts[q], ++q) {
+      layout[q] = int(send_counts[q]);
+      layout[n + q] = int(out);
+      layout[2 * n + q] = int(recv_counts[q]);
+      layout[3 * n + q] = int(in);
+    }
+    const MPI_Datatype type = mpi_detail::mpi_type(t);
+    const int* v = layout.data();
+    if (l == Launch::blocking) {
+      mpi_detail::Guard g(c.watchdog.get(), info, c.opt.timeout);
+      mpi_detail::check(MPI_Alltoallv(src, v, v + n, type, dst, v + 2 * n, v + 3 * n, type, c.comm),
+                        "MPI_Alltoallv", c.rank);
+      return Work{};
+    }
+    auto pending = std::make_unique<mpi_detail::Pending>();
+    pending->layout = std::move(layout);
+    v = pending->layout.data();
+    mpi_detail::check(
+        MPI_Ialltoallv(src, v, v + n, type, dst, v + 2 * n, v + 3 * n, type, c.comm, &pending->req),
+        "MPI_Ialltoallv", c.rank);
+    pending->ctx = ctx_;
+    pending->info = info;
+    return Work(mpi_detail::Op{std::move(pending)});
   }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     return issue(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root, l);

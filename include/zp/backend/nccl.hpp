@@ -409,6 +409,29 @@ class Nccl {
       return rc == ncclSuccess ? end : rc;
     });
   }
+  // The same group with per-peer counts. NCCL cannot see counts that disagree between a sender
+  // and its receiver (undefined there: usually a hang that ends in the timeout).
+  Work all_to_all_v(const void* src, const std::size_t* send_counts, void* dst,
+                    const std::size_t* recv_counts, DType t, Launch l) {
+    const std::string bad = detail::check_exchange_v(src, send_counts, dst, recv_counts, t, size());
+    if (!bad.empty()) throw Error(Errc::invalid_argument, "nccl backend: " + bad);
+    return enqueue("all_to_all_v", l, [&](ncclComm_t c, cudaStream_t s) {
+      const std::size_t es = size_of(t);
+      std::size_t out = 0, in = 0;  // elements before block r
+      ncclResult_t rc = ncclGroupStart();
+      for (int r = 0; r < size() && rc == ncclSuccess; ++r) {
+        rc = ncclSend(static_cast<const char*>(src) + out * es, send_counts[r],
+                      nccl_detail::nccl_type(t), r, c, s);
+        if (rc == ncclSuccess)
+          rc = ncclRecv(static_cast<char*>(dst) + in * es, recv_counts[r],
+                        nccl_detail::nccl_type(t), r, c, s);
+        out += send_counts[r];
+        in += recv_counts[r];
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return rc == ncclSuccess ? end : rc;
+    });
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     check(CollOp::broadcast, src, dst, n, t, ReduceOp::sum, root);
     return enqueue("broadcast", l, [&](ncclComm_t c, cudaStream_t s) {

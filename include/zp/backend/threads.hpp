@@ -22,6 +22,9 @@
 // its calls come from one thread at a time; a second backend for the same rank, or two threads
 // calling as one rank at once, is an error.
 //
+// Options::link simulates a slow network between nodes of ranks (for benches): a collective
+// whose ranks span nodes is held until its cross-node bytes would have crossed it.
+//
 // send/recv: only the pair meets, never the world. Every ordered pair (src, dst) has a channel
 // holding the sends and the recvs posted but not yet matched, with a message counter per side;
 // the k-th send posted by src to dst meets the k-th recv posted by dst from src (MPI's
@@ -42,9 +45,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <memory>
@@ -84,14 +89,50 @@ struct Call {
   enum class Kind : std::uint8_t { op, split, finish } kind = Kind::op;
   std::string rejected = {};  // why this rank's arguments failed check_call ("" if they did not)
   const void* ext = nullptr;  // a backend built on this world (meet()): the rank's own state
+  // all_to_all_v (op all_to_all, count 0): the counts per rank, copied at the call (so async
+  // operations keep them); empty where the caller passed none.
+  bool exchange_v = false;
+  std::vector<std::size_t> sends = {}, recvs = {};
 
   std::string describe() const {
     if (kind == Kind::finish) return "returned from its function (run_threads)";
     if (kind == Kind::split) return detail::cat("called split(color=", color, ", key=", key, ")");
+    if (exchange_v) return detail::cat("called all_to_all_v(dtype=", name(dtype), ")");
     return detail::cat("called ", name(op), "(count=", count, ", dtype=", name(dtype),
                        ", op=", name(reduce), ", root=", root, ")");
   }
 };
+
+// An all_to_all_v call of a communicator of n ranks (the counts copied).
+inline Call exchange_v_call(const void* src, const std::size_t* send_counts, void* dst,
+                            const std::size_t* recv_counts, DType t, int n) {
+  Call c{CollOp::all_to_all, src, dst, 0, t};
+  c.exchange_v = true;
+  if (send_counts) c.sends.assign(send_counts, send_counts + n);
+  if (recv_counts) c.recvs.assign(recv_counts, recv_counts + n);
+  return c;
+}
+
+// The argument checks of one rank's call (detail::check_call or check_exchange_v).
+inline std::string check(const Call& c, int rank, int n) {
+  if (!c.exchange_v)
+    return detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank, n);
+  return detail::check_exchange_v(c.src, c.sends.empty() ? nullptr : c.sends.data(), c.dst,
+                                  c.recvs.empty() ? nullptr : c.recvs.data(), c.dtype, n);
+}
+
+// all_to_all_v: every rank's send count to q against q's receive count from it (the calls are
+// well-formed). "" when all agree, else the first pair that does not (the same on every rank).
+inline std::string check_counts(const std::vector<Call>& calls) {
+  const std::size_t n = calls.size();
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t q = 0; q < n; ++q) {
+      std::string why =
+          detail::check_block_agrees(int(r), int(q), calls[r].sends[q], calls[q].recvs[r]);
+      if (!why.empty()) return why;
+    }
+  return {};
+}
 
 // The bytes a rank's call reads (its input) and writes (its output) in a collective of n ranks;
 // {nullptr, 0} for none. broadcast reads only the root's input.
@@ -102,6 +143,9 @@ struct Extent {
 inline std::pair<Extent, Extent> extents(const Call& c, int rank, int n) {
   if (c.kind != Call::Kind::op || c.op == CollOp::barrier) return {};
   const std::size_t part = c.count * size_of(c.dtype), full = part * std::size_t(n);
+  if (c.exchange_v)
+    return {{c.src, detail::block_offset(c.sends.data(), n) * size_of(c.dtype)},
+            {c.dst, detail::block_offset(c.recvs.data(), n) * size_of(c.dtype)}};
   switch (c.op) {
     case CollOp::reduce_scatter: return {{c.src, full}, {c.dst, part}};
     case CollOp::all_gather: return {{c.src, part}, {c.dst, full}};
@@ -182,6 +226,17 @@ struct Channel {
 struct ThreadsOptions {
   // How long a rank waits for its peers inside one operation before it gives up.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // A simulated network between nodes, to measure what cross-node traffic would cost (benches):
+  // the world's ranks form nodes of `ranks_per_node` consecutive ranks (sub-groups keep their
+  // ranks' nodes), and each rank's collective lasts at least the bytes it reads from or writes to
+  // ranks of other nodes (its own data movement here: all_gather, reduce_scatter and all_to_all
+  // read a block from each such rank, all_reduce reads and writes its slice there, broadcast
+  // reads the root's buffer) over `bytes_per_second`, its own link. Off while either is 0;
+  // send and recv are never delayed.
+  struct Link {
+    int ranks_per_node = 0;
+    double bytes_per_second = 0;
+  } link = {};
 };
 
 // The state the ranks of one communicator share. Created by run_threads (or World::create for
@@ -192,7 +247,15 @@ class World {
 
   static std::shared_ptr<World> create(int ranks, Options opt = {}) {
     ZP_EXPECT(ranks >= 1, "threads backend: world size must be >= 1, got ", ranks);
-    return std::shared_ptr<World>(new World(ranks, opt));
+    ZP_EXPECT(opt.link.ranks_per_node >= 0 && opt.link.bytes_per_second >= 0 &&
+                  std::isfinite(opt.link.bytes_per_second),
+              "threads backend: the simulated link needs ranks_per_node >= 0 and a finite "
+              "bytes_per_second >= 0, got ",
+              opt.link.ranks_per_node, " and ", opt.link.bytes_per_second);
+    auto w = std::shared_ptr<World>(new World(ranks, opt));
+    for (int r = 0; r < ranks; ++r)
+      w->node_[std::size_t(r)] = opt.link.ranks_per_node ? r / opt.link.ranks_per_node : 0;
+    return w;
   }
 
   int size() const { return n_; }
@@ -240,6 +303,7 @@ class World {
         seqs_(std::size_t(n), 0),
         split_(std::size_t(n)),
         owned_(std::size_t(n), false),
+        node_(std::size_t(n), 0),
         busy_(new std::atomic<bool>[std::size_t(n)]),
         channels_(new threads_detail::Channel[std::size_t(n) * std::size_t(n)]) {
     for (int r = 0; r < n; ++r) busy_[std::size_t(r)].store(false, std::memory_order_relaxed);
@@ -455,6 +519,7 @@ class World {
   std::vector<std::uint64_t> seqs_;            // operations issued, per rank (for messages)
   std::vector<std::shared_ptr<World>> split_;  // split results, by the group's first rank
   std::vector<bool> owned_;                    // ranks that have a backend (guarded by m_)
+  std::vector<int> node_;                      // each rank's node (Options::link)
   std::unique_ptr<std::atomic<bool>[]> busy_;  // ranks inside a call (see busy())
   std::unique_ptr<threads_detail::Channel[]> channels_;  // send/recv, slot src * n + dst
 };
@@ -558,6 +623,11 @@ class Threads {
   Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch l) {
     return submit({CollOp::all_to_all, src, dst, n, t}, l);
   }
+  Work all_to_all_v(const void* src, const std::size_t* send_counts, void* dst,
+                    const std::size_t* recv_counts, DType t, Launch l) {
+    return submit(threads_detail::exchange_v_call(src, send_counts, dst, recv_counts, t, size()),
+                  l);
+  }
   Work broadcast(const void* src, void* dst, std::size_t n, DType t, int root, Launch l) {
     threads_detail::Call c{CollOp::broadcast, src, dst, n, t};
     c.root = root;
@@ -588,8 +658,7 @@ class Threads {
   template <class Body>
   void meet(threads_detail::Call c, Body&& body) {
     const auto busy = world_->busy(rank_, zp::name(c.op));
-    c.rejected =
-        detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
+    c.rejected = threads_detail::check(c, rank_, size());
     drain();
     run(*world_, rank_, c, body);
   }
@@ -614,6 +683,8 @@ class Threads {
       const int leader = *std::min_element(members.begin(), members.end());
       if (leader == rank_) {
         auto w = World::create(int(members.size()), world_->options());
+        for (std::size_t i = 0; i < members.size(); ++i)
+          w->node_[i] = world_->node_[std::size_t(members[i])];
         std::lock_guard lk(world_->m_);
         world_->split_[std::size_t(leader)] = w;
       }
@@ -661,9 +732,7 @@ class Threads {
 
   Work submit(threads_detail::Call c, Launch l) {
     const auto busy = world_->busy(rank_, zp::name(c.op));
-    std::string bad =
-        detail::check_call(c.op, c.src, c.dst, c.count, c.dtype, c.reduce, c.root, rank_, size());
-    c.rejected = std::move(bad);
+    c.rejected = threads_detail::check(c, rank_, size());
     if (l == Launch::blocking) {
       drain();
       execute(*world_, rank_, c);
@@ -719,12 +788,13 @@ class Threads {
     ++w.seqs_[std::size_t(rank)];
     w.calls_[std::size_t(rank)] = c;
     w.arrive(rank, c);
+    const auto met = std::chrono::steady_clock::now();
     const Calls& calls = w.calls_;
     const auto& c0 = calls[0];
     for (int r = 1; r < w.size(); ++r) {
       const auto& cr = calls[std::size_t(r)];
       if (cr.op != c0.op || cr.kind != c0.kind || cr.count != c0.count || cr.dtype != c0.dtype ||
-          cr.reduce != c0.reduce || cr.root != c0.root) {
+          cr.reduce != c0.reduce || cr.root != c0.root || cr.exchange_v != c0.exchange_v) {
         const std::string why = detail::cat(
             "mismatched collective calls: rank 0 ", c0.describe(), " but rank ", r, " ",
             cr.describe(), "; every rank must issue the same operations in the same order");
@@ -736,17 +806,45 @@ class Threads {
     for (int r = 0; r < w.size() && first < 0; ++r)
       if (!calls[std::size_t(r)].rejected.empty()) first = r;
     std::string why =
-        first < 0 ? threads_detail::check_disjoint(calls)
+        first < 0 ? (c.exchange_v ? threads_detail::check_counts(calls) : std::string())
         : !c.rejected.empty()
             ? c.rejected
             : detail::cat("rank ", first,
                           " rejected its arguments: ", calls[std::size_t(first)].rejected);
+    if (why.empty() && first < 0) why = threads_detail::check_disjoint(calls);
     if (!why.empty()) {
       w.depart();
       throw Error(Errc::invalid_argument, "threads backend: " + why);
     }
     body(calls);
+    if (const double link = w.opt_.link.bytes_per_second;
+        link > 0 && c.kind == threads_detail::Call::Kind::op)
+      std::this_thread::sleep_until(
+          met + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(cross_node_bytes(w, c, rank) / link)));
     w.depart();
+  }
+
+  // What this rank's part of c moves between its node and others (ThreadsOptions::link).
+  static double cross_node_bytes(const World& w, const threads_detail::Call& c, int rank) {
+    const int n = w.size();
+    const double es = double(size_of(c.dtype));
+    const auto [lo, hi] = detail::rank_slice(c.count, rank, n);
+    double bytes = 0;
+    for (int q = 0; q < n; ++q) {
+      if (w.node_[std::size_t(q)] == w.node_[std::size_t(rank)]) continue;
+      switch (c.op) {
+        case CollOp::all_reduce: bytes += 2.0 * double(hi - lo) * es; break;
+        case CollOp::reduce_scatter:
+        case CollOp::all_gather: bytes += double(c.count) * es; break;
+        case CollOp::all_to_all:
+          bytes += double(c.exchange_v ? c.recvs[std::size_t(q)] : c.count) * es;
+          break;
+        case CollOp::broadcast: bytes += q == c.root ? double(c.count) * es : 0; break;
+        default: break;
+      }
+    }
+    return bytes;
   }
 
   static void execute(World& w, int rank, const threads_detail::Call& c) {
@@ -759,7 +857,12 @@ class Threads {
           case CollOp::all_reduce: all_reduce_slice<T>(calls, c, rank, n); break;
           case CollOp::reduce_scatter: reduce_scatter_shard<T>(calls, c, rank, n); break;
           case CollOp::all_gather: all_gather_into<T>(calls, c, n); break;
-          case CollOp::all_to_all: all_to_all_into<T>(calls, c, rank, n); break;
+          case CollOp::all_to_all:
+            if (c.exchange_v)
+              all_to_all_v_into<T>(calls, c, rank, n);
+            else
+              all_to_all_into<T>(calls, c, rank, n);
+            break;
           case CollOp::broadcast: broadcast_into<T>(calls, c); break;
           case CollOp::barrier:
           case CollOp::send:
@@ -812,6 +915,23 @@ class Threads {
       std::memcpy(out + std::size_t(r) * c.count,
                   static_cast<const T*>(calls[std::size_t(r)].src) + std::size_t(rank) * c.count,
                   c.count * sizeof(T));
+  }
+
+  // all_to_all_v: rank r's block for this rank (where r's send counts put it) into this rank's
+  // block r.
+  template <class T>
+  static void all_to_all_v_into(const Calls& calls, const threads_detail::Call& c, int rank,
+                                int n) {
+    T* out = static_cast<T*>(c.dst);
+    for (int r = 0; r < n; ++r) {
+      const auto& from = calls[std::size_t(r)];
+      const std::size_t k = c.recvs[std::size_t(r)];
+      if (k)
+        std::memcpy(out,
+                    static_cast<const T*>(from.src) + detail::block_offset(from.sends.data(), rank),
+                    k * sizeof(T));
+      out += k;
+    }
   }
 
   template <class T>
