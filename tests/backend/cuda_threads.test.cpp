@@ -41,7 +41,7 @@ std::vector<T> input(std::uint64_t seed, int r, std::size_t n) {
 
 // The operation on one backend: this rank's output as a host vector (poisoned before, unless
 // the operation is in place). exchange_v: all_to_all_v, rank r sending (r + 2q) % 3 * n / 2
-// elements to rank q (some blocks empty).
+// elements to rank q and one more to itself (some blocks empty, never a whole buffer).
 template <class T, class B>
 std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, std::uint64_t seed,
                    bool in_place, bool exchange_v = false) {
@@ -50,8 +50,8 @@ std::vector<T> run(Collective<B>& comm, CollOp op, ReduceOp rop, std::size_t n, 
              blocks_out = op == CollOp::all_gather || op == CollOp::all_to_all;
   std::vector<std::size_t> sends(static_cast<std::size_t>(N)), recvs(sends);
   for (int q = 0; q < N; ++q) {
-    sends[std::size_t(q)] = std::size_t((r + 2 * q) % 3) * n / 2;
-    recvs[std::size_t(q)] = std::size_t((q + 2 * r) % 3) * n / 2;
+    sends[std::size_t(q)] = std::size_t((r + 2 * q) % 3) * n / 2 + (q == r);
+    recvs[std::size_t(q)] = std::size_t((q + 2 * r) % 3) * n / 2 + (q == r);
   }
   const std::vector<T> in = input<T>(seed, r,
                                      exchange_v  ? zp::detail::block_offset(sends.data(), N)
