@@ -15,10 +15,11 @@
 //
 // zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s
 //   qwZ (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop
-//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), or none (plain). Counters, per rank per step in nccl-tests'
-//   S bytes: cross_node_bytes (the data-parallel group's collectives, which span both nodes,
-//   and qgZ's second hop), node_bytes (hpZ's gathers and qgZ's first hop), cross_vs_plain (the
-//   cross-node bytes over the plain step's, measured in the same run). link_MBps:0 has no slow
+//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), or none
+//   (plain). Counters, per rank per step in nccl-tests' S bytes: cross_node_bytes (the
+//   data-parallel group's collectives, which span both nodes, and qgZ's second hop), node_bytes
+//   (hpZ's gathers and qgZ's first hop), cross_vs_plain (the cross-node bytes over the plain
+//   step's, measured in the same run). link_MBps:0 has no slow
 //   link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
 //   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
 //   collective lasts at least the bytes the rank moves across nodes / L).

@@ -215,8 +215,8 @@ double mean_over_ranks(Comm& comm, double x) {
 
 // The trainers' progress line every log_every steps (the global mean loss of the steps since the
 // last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB, the last
-// step's gradient norm) and the loss
-// trend for the summary. Collective: every rank calls step() each optimizer step.
+// step's gradient norm) and the loss trend for the summary. Collective: every rank calls step()
+// each optimizer step.
 class Progress {
  public:
   Progress(int log_every, int first_step, int last_step)

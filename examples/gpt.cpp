@@ -4,9 +4,9 @@
 // into pipeline stages run by GPipe or 1F1B.
 //
 //   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--tp N] [--pp N] [--schedule 1f1b|gpipe]
-//          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X] [--init-seed N]
-//          [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N] [--context N]
-//          [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
+//          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
+//          [--init-seed N] [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N]
+//          [--context N] [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N] [--eval PATH]
 //
