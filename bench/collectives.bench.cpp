@@ -7,7 +7,9 @@
 //   all_to_all, 1 for broadcast), wrong = elements that differed from the exact result in the
 //   check run before timing (any difference skips the benchmark with an error).
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
-//   on), mpi_unchecked (check_calls = false), mpi_raw (the bare MPI call: the baseline),
+//   on), mpi_unchecked (check_calls = false), mpi_plain_stores (the node path's outputs written
+//   with plain stores at every size: MpiOptions::node_stream_bytes's baseline), mpi_raw (the
+//   bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
@@ -330,7 +332,7 @@ void bench_membw_ranks(benchmark::State& state) {
   for (auto _ : state) {
     MPI_Barrier(MPI_COMM_WORLD);
     const auto t0 = std::chrono::steady_clock::now();
-    zp::bench::stream_copy(dst.get(), src.get(), bytes);
+    zp::detail::stream_copy(dst.get(), src.get(), bytes);
     MPI_Barrier(MPI_COMM_WORLD);
     const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state.SetIterationTime(t);
@@ -365,9 +367,8 @@ void set_limit_fraction(benchmark::State& state, CollOp op, int N, std::size_t b
   state.counters["limit_fraction"] = busbw / limit;
 }
 
-void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes, bool check_calls) {
-  zp::backend::Mpi::Options opt;
-  opt.check_calls = check_calls;
+void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes,
+               const zp::backend::Mpi::Options& opt) {
   zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
   const int N = comm.size(), r = comm.rank();
   std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
@@ -528,8 +529,12 @@ void register_mpi(int N) {
             ->Unit(benchmark::kMicrosecond);
       };
       reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes); });
-      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, true); });
-      reg("mpi_unchecked", [=](benchmark::State& s) { bench_mpi(s, op, bytes, false); });
+      zp::backend::Mpi::Options checked, unchecked, plain_stores;
+      unchecked.check_calls = false;
+      plain_stores.node_stream_bytes = SIZE_MAX;  // the node path before streaming stores
+      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, checked); });
+      reg("mpi_unchecked", [=](benchmark::State& s) { bench_mpi(s, op, bytes, unchecked); });
+      reg("mpi_plain_stores", [=](benchmark::State& s) { bench_mpi(s, op, bytes, plain_stores); });
       benchmark::RegisterBenchmark(bench_name("mpi_paired", op, N, bytes).c_str(),
                                    [=](benchmark::State& s) { bench_mpi_paired(s, op, bytes); })
           ->Iterations(iterations(bytes))

@@ -2,10 +2,10 @@
 //
 // membw/copy/threads:T copies one 256 MiB buffer into another, each thread its own contiguous
 // part, and reports GBps as bytes read + bytes written per second. The copy streams: aligned
-// 32-byte loads and non-temporal stores (AVX2 when the CPU has it, chosen at run time), so no
-// read-for-ownership traffic is hidden and the probe is the machine's copy limit rather than a
-// library's memcpy strategy (glibc's memcpy reached only ~2/3 of it on the 2-core VM of
-// bench/RESULTS.md).
+// 32-byte loads and non-temporal stores (zp/detail/copy.hpp, the copy the collectives use for large
+// outputs), so no read-for-ownership traffic is hidden and the probe is the machine's copy limit
+// rather than a library's memcpy strategy (glibc's memcpy reached only ~2/3 of it on the 2-core
+// VM of bench/RESULTS.md).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -21,29 +21,11 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "zp/detail/copy.hpp"
 
 namespace zp::bench {
 
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) inline void stream_copy_avx2(char* dst, const char* src,
-                                                             std::size_t bytes) {
-  for (std::size_t i = 0; i < bytes; i += 32)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm256_load_si256(reinterpret_cast<const __m256i*>(src + i)));
-  _mm_sfence();
-}
-#endif
-
-// dst and src 32-byte aligned, bytes a multiple of 32.
-inline void stream_copy(char* dst, const char* src, std::size_t bytes) {
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2")) return stream_copy_avx2(dst, src, bytes);
-#endif
-  std::memcpy(dst, src, bytes);
-}
+using zp::detail::stream_copy;
 
 // Copies src to dst with `threads` threads (the caller is one of them), in 4 KiB-aligned parts.
 inline void parallel_copy(char* dst, const char* src, std::size_t bytes, int threads) {

@@ -40,7 +40,8 @@ constexpr std::size_t largest_count = 40009, big_bytes = std::size_t(256) << 20;
 Mpi::Options options() {
   Mpi::Options opt;
   opt.timeout = std::chrono::seconds(60);
-  opt.node_chunk_bytes = 64 << 10;  // many rounds even at test sizes
+  opt.node_chunk_bytes = 64 << 10;   // many rounds even at test sizes
+  opt.node_stream_bytes = 64 << 10;  // the larger sizes stream their outputs, the smaller not
   return opt;
 }
 

@@ -19,7 +19,8 @@
 // and all_gather stage in the two areas by turns and meet once a round; all_reduce stages in
 // one, publishes its slice's result in the other and meets twice. Chunks of a megabyte keep the
 // staged data in the L3 cache between the writer and its readers. So 16-bit operations move
-// 16-bit bytes.
+// 16-bit bytes. all_gather writes outputs of MpiOptions::node_stream_bytes or more with
+// streaming stores (zp/detail/copy.hpp).
 //
 // Across nodes: rank (node k, local index l) continues the rank-order reduction of its slice:
 // it receives from node k-1's rank l the accumulator of ranks 0 .. kL-1 (in the accumulation
@@ -63,6 +64,7 @@
 
 #include "zp/backend/mpi_watchdog.hpp"
 #include "zp/collective.hpp"
+#include "zp/detail/copy.hpp"
 #include "zp/detail/reduce.hpp"
 #include "zp/detail/spin.hpp"
 #include "zp/dtype.hpp"
@@ -251,7 +253,8 @@ class NodeSegment {
 class NodeComm {
  public:
   // Collective over comm. ranks_per_node: as requested_ranks_per_node returned it.
-  NodeComm(MPI_Comm comm, int ranks_per_node, std::size_t chunk_bytes) {
+  NodeComm(MPI_Comm comm, int ranks_per_node, std::size_t chunk_bytes, std::size_t stream_bytes)
+      : stream_bytes_(stream_bytes) {
     int rank = 0, n = 1, world = 0;
     check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", rank);
     check(MPI_Comm_size(comm, &n), "MPI_Comm_size", rank);
@@ -361,6 +364,20 @@ class NodeComm {
     const std::size_t area = segment_ ? segment_->area_bytes() : std::size_t(1) << 20;
     return std::max<std::size_t>(1, area / (blocks * sizeof(T)) / 16 * 16);
   }
+  // Tables of n input or output pointers, kept per thread and type so that a call allocates
+  // nothing once warm.
+  template <class T>
+  static std::vector<const T*>& inputs(std::size_t n) {
+    static thread_local std::vector<const T*> v;
+    v.resize(n);
+    return v;
+  }
+  template <class T>
+  static std::vector<T*>& outputs(std::size_t n) {
+    static thread_local std::vector<T*> v;
+    v.resize(n);
+    return v;
+  }
   template <class T>
   T* stage(int q) const {
     return reinterpret_cast<T*>(segment_->stage(q));
@@ -379,6 +396,17 @@ class NodeComm {
   int first_area() const { return busy_ == 0 ? 1 : 0; }
   void send(const void* p, std::size_t bytes, int to, int tag) {
     check(MPI_Send(p, int(bytes), MPI_BYTE, to, tag, cross_), "MPI_Send (across nodes)", rank_);
+  }
+  // all_gather's copy into the caller's output of `total` bytes: streamed past the caches when
+  // the output is larger than they are (MpiOptions::node_stream_bytes; nobody reads it before
+  // the operation returns), saving each line's read for ownership; a plain memcpy otherwise,
+  // leaving it in cache for the caller. (all_reduce's copies stay plain: streamed, its 64-256
+  // MiB rows ran 7-23% slower in bench/RESULTS.md's same-run comparison.)
+  void put(void* to, const void* from, std::size_t bytes, std::size_t total) const {
+    if (total >= stream_bytes_)
+      detail::stream_copy(to, from, bytes);
+    else
+      std::memcpy(to, from, bytes);
   }
   void recv(void* p, std::size_t bytes, int from, int tag) {
     check(MPI_Recv(p, int(bytes), MPI_BYTE, from, tag, cross_, MPI_STATUS_IGNORE),
@@ -412,13 +440,14 @@ class NodeComm {
     if (count == 0) return;
     const int l = L(), me = layout_.local;
     const std::size_t c = round_elems<T>(std::size_t(l));
-    std::vector<std::pair<std::size_t, std::size_t>> cols(static_cast<std::size_t>(l));
+    auto& cols = cols_;
+    cols.resize(std::size_t(l));
     std::size_t longest = 0;
     for (int q = 0; q < l; ++q) {
       cols[std::size_t(q)] = detail::rank_slice(count, q, l);
       longest = std::max(longest, cols[std::size_t(q)].second - cols[std::size_t(q)].first);
     }
-    std::vector<const T*> in(static_cast<std::size_t>(l));
+    auto& in = inputs<T>(std::size_t(l));
     if (busy_ == 0) barrier(info);  // the stage area a peer may still read
     busy_ = 1;                      // the last round's results are read after its second barrier
     for (std::size_t lo = 0; lo < longest; lo += c) {
@@ -458,9 +487,9 @@ class NodeComm {
     const int l = L(), me = layout_.local, nodes = N();
     const std::size_t c = round_elems<T>(std::size_t(size_));
     const auto block = [&](int b) { return src + std::size_t(b) * count; };
-    std::vector<const T*> in(std::size_t(nodes) * std::size_t(l));
-    std::vector<T*> outs(static_cast<std::size_t>(nodes));
-    std::vector<MPI_Request> sent;
+    auto& in = inputs<T>(std::size_t(nodes) * std::size_t(l));
+    auto& outs = outputs<T>(std::size_t(nodes));
+    auto& sent = sent_;
     for (std::size_t lo = 0, a = std::size_t(first_area()); lo < count; lo += c, a ^= 1) {
       const std::size_t m = std::min(c, count - lo);
       // Blocks of the other local ranks' columns (block b is reduced by local rank b % L).
@@ -508,6 +537,7 @@ class NodeComm {
     if (count == 0) return;
     const int l = L(), me = layout_.local, nodes = N();
     T* own = dst + std::size_t(rank_) * count;
+    const std::size_t total = std::size_t(size_) * count * sizeof(T);
     if (nodes > 1) {  // this local index's blocks from every node, straight into place
       MPI_Datatype piece = MPI_DATATYPE_NULL, strided = MPI_DATATYPE_NULL;
       check(MPI_Type_contiguous(int(count), mpi_type(t), &piece), "MPI_Type_contiguous", rank_);
@@ -522,7 +552,7 @@ class NodeComm {
       MPI_Type_free(&strided);
       check(rc, "MPI_Allgather (across nodes)", rank_);
     } else if (src != own && count) {
-      std::memcpy(own, src, count * sizeof(T));
+      put(own, src, count * sizeof(T), total);
     }
     if (!segment_) return;
     const std::size_t c = round_elems<T>(std::size_t(nodes));
@@ -537,8 +567,8 @@ class NodeComm {
       for (int q = 0; q < l; ++q)
         if (q != me)
           for (int k = 0; k < nodes; ++k)
-            std::memcpy(block(k * l + q) + lo, area<T>(q, int(a)) + std::size_t(k) * c,
-                        m * sizeof(T));
+            put(block(k * l + q) + lo, area<T>(q, int(a)) + std::size_t(k) * c, m * sizeof(T),
+                total);
     }
   }
 
@@ -547,6 +577,10 @@ class NodeComm {
   std::unique_ptr<NodeSegment> segment_;
   MPI_Comm cross_ = MPI_COMM_NULL;
   std::vector<std::byte> acc_, finals_;  // the chain's accumulator; the last node's results
+  // Per-call tables, kept so that a call allocates nothing (calls run one at a time).
+  std::vector<std::pair<std::size_t, std::size_t>> cols_;
+  std::vector<MPI_Request> sent_;
+  std::size_t stream_bytes_;
   int busy_ = -1;  // the area of this rank's that peers may still read (-1: none)
 };
 
