@@ -282,11 +282,14 @@ TEST_CASE_TEMPLATE("the AVX2 paths (int8, int4) give the portable work items' bi
         for (std::size_t i = 0; i < n; ++i) {
           const std::size_t b = i / block;
           // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax 127, so the
-          // scale is 1 and x.5 rounds to even), a block near 1e-38 (subnormal scales; zero in
-          // fp16), an inf and a NaN.
+          // scale is 1 and x.5 rounds to even), a block of near-ties under a scale of about
+          // 0.3 (where a product with 1 / scale and the quotient can round apart), a block
+          // near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
+          const double tie = i % block == 0 ? 127.0 : double(int(i % 9) - 4) + 0.5;
           const double v = b % 6 == 1   ? 0.0
                            : b % 6 == 3 ? normal(rng) * 1e-38
-                           : b % 6 == 2 ? (i % block == 0 ? 127.0 : double(int(i % 9) - 4) + 0.5)
+                           : b % 6 == 2 ? tie
+                           : b % 6 == 4 ? tie * 0.3
                                         : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
           x[i] = T(float(v));
         }

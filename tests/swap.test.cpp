@@ -1,9 +1,10 @@
 // zp/swap.hpp: the optimizer state on NVMe. The swap against a plain array (element ranges
 // written and read at random, steps over every sub-group, each buffer count and pipeline, every
-// element read back checked), and the faults an engine meets: nvme_path missing or not a
-// directory on one rank, a file system too small for the swap, a swap file truncated under a
-// running job (an error naming the path on every rank, the engine unusable, the last checkpoint
-// loading bitwise) or deleted under it (nothing lost), and the swap files of a process that died.
+// element read back checked), and the faults an engine meets: nvme_path missing, not a
+// directory or not writable on one rank, a file system too small for the swap, a swap file
+// truncated under a running job (an error naming the path on every rank, the engine unusable,
+// the last checkpoint loading bitwise) or deleted under it (nothing lost), and the swap files of
+// a process that died.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -157,6 +158,30 @@ TEST_CASE("a missing nvme_path, or one that is a file, is an error naming it on 
     CHECK(errors[0].find("rank 1 failed") != std::string::npos);
   }
   CHECK(swap_files(dir.path).empty());
+}
+
+// Permission bits do not stop root (CI runs tests as root), but nobody creates files in sysfs.
+TEST_CASE("an nvme_path nobody can write to is an error naming it on every rank") {
+  TempDir dir("swap");
+  const fs::path unwritable = "/sys";
+  REQUIRE(fs::is_directory(unwritable));
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    try {
+      zp::Engine<Threads, float, 2> e(comm, model,
+                                      nvme_config(comm.rank() == 1 ? unwritable : dir.path));
+    } catch (const zp::Error& e) {
+      errors[std::size_t(comm.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) {
+    INFO(e);
+    CHECK(e.find("nvme_path '/sys'") != std::string::npos);
+    CHECK(e.find("Permission denied") != std::string::npos);
+  }
+  CHECK(errors[0].find("rank 1 failed") != std::string::npos);
+  CHECK(swap_files(dir.path).empty());  // rank 0's swap removed with its engine
 }
 
 TEST_CASE("a file system too small for the swap is an error naming the path at construction") {
