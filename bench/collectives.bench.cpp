@@ -14,6 +14,13 @@
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
 //   ratio = zp busbw / raw busbw, free of the drift between two separate benchmark runs.
+// <backend>/all_to_all_v/ranks:N/bytes:S and <backend>/all_to_all_v_skewed/...  per-peer counts:
+//   rank r sends count(r, q) floats to rank q, each rank S bytes in and out. Even: S / N bytes to
+//   each peer, all_to_all's split (the row beside <backend>/all_to_all is the v form's cost);
+//   skewed: n + e (2 ((q - r) mod N) - (N - 1)) elements with n = S / 4N and e = n / 2N, so
+//   blocks differ by up to a factor of 2 and every rank keeps n - (N - 1) e for itself.
+//   busbw_GBps = the bytes a rank sends to the other ranks / t ((N-1)/N x algbw when even);
+//   mpi_raw: the bare MPI_Alltoallv.
 // <backend>/send_recv/ranks:2/bytes:S  point to point: a ping-pong between ranks 0 and 1 (rank 0
 //   sends S bytes, rank 1 receives them and sends them back; under a launcher with more ranks
 //   the others idle). One iteration moves 2S: algbw_GBps = busbw_GBps = 2S / t. backends:
@@ -48,6 +55,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "membw.hpp"
@@ -166,6 +174,70 @@ const std::vector<float>& result(CollOp op, const std::vector<float>& buf,
   return op == CollOp::all_to_all ? out : buf;
 }
 
+// all_to_all_v rows: even counts (all_to_all's) or skewed ones (see the top of the file).
+enum class Split { none, even, skewed };
+const char* split_name(Split v) {
+  return v == Split::even ? "all_to_all_v" : "all_to_all_v_skewed";
+}
+
+std::size_t v_count(Split v, int r, int q, int N, std::size_t n) {
+  if (v != Split::skewed) return n;
+  const std::size_t e = n / (2 * std::size_t(N)), k = std::size_t(((q - r) % N + N) % N);
+  return n + 2 * k * e - std::size_t(N - 1) * e;
+}
+
+// Rank r's send and receive counts of an all_to_all_v over N ranks of n elements a block (none:
+// the row is not one).
+struct Counts {
+  Split split;
+  std::size_t n;
+  std::vector<std::size_t> send, recv;
+  Counts(Split v, int r, int N, std::size_t elems) : split(v), n(elems / std::size_t(N)) {
+    for (int q = 0; q < N; ++q) {
+      send.push_back(v_count(v, r, q, N, n));
+      recv.push_back(v_count(v, q, r, N, n));
+    }
+  }
+};
+
+// Elements of rank r's all_to_all_v output that differ from the exact one: the block from rank q
+// is q's input (value(q, i)) from where q's block for r starts.
+std::uint64_t wrong_v(const std::vector<float>& out, Split v, int r, int N, std::size_t n) {
+  std::uint64_t w = 0;
+  std::size_t at = 0;
+  for (int q = 0; q < N; ++q) {
+    std::size_t from = 0;
+    for (int p = 0; p < r; ++p) from += v_count(v, q, p, N, n);
+    for (std::size_t j = 0; j < v_count(v, q, r, N, n); ++j) w += out[at++] != value(q, from + j);
+  }
+  return w + (at != out.size());
+}
+
+// One operation of a row: op, or all_to_all_v with c's counts.
+template <class B>
+void run_row(zp::Collective<B>& comm, CollOp op, const Counts& c, std::span<float> buf,
+             std::span<float> out) {
+  if (c.split == Split::none) return run_op(comm, op, buf, out);
+  comm.all_to_all_v(std::span<const float>(buf), std::span<const std::size_t>(c.send), out,
+                    std::span<const std::size_t>(c.recv));
+}
+std::uint64_t wrong_row(CollOp op, const Counts& c, const std::vector<float>& buf,
+                        const std::vector<float>& out, int r, int N) {
+  return c.split == Split::none ? wrong(result(op, buf, out), op, r, N)
+                                : wrong_v(out, c.split, r, N, c.n);
+}
+
+// set_counters; for all_to_all_v rows busbw = the bytes rank 0 sends to the others / t.
+void set_row_counters(benchmark::State& state, CollOp op, Split v, int N, std::size_t bytes,
+                      std::uint64_t bad) {
+  set_counters(state, op, N, bytes, bad);
+  if (v == Split::none) return;
+  const std::size_t n = bytes / sizeof(float) / std::size_t(N);
+  const double sent = double(bytes - v_count(v, 0, 0, N, n) * sizeof(float));
+  state.counters["busbw_GBps"] =
+      benchmark::Counter(sent * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
 // One round trip of buf between ranks 0 and 1 (other ranks do nothing); send(peer) and
 // recv(peer) move the whole buffer.
 template <class Send, class Recv>
@@ -199,12 +271,19 @@ std::string bench_name(const char* backend, CollOp op, int N, std::size_t bytes)
          "/bytes:" + std::to_string(bytes);
 }
 
+std::string v_name(const char* backend, Split v, int N, std::size_t bytes) {
+  return std::string(backend) + "/" + split_name(v) + "/ranks:" + std::to_string(N) +
+         "/bytes:" + std::to_string(bytes);
+}
+
 const CollOp ops[] = {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather,
                       CollOp::all_to_all, CollOp::broadcast};
 
 // --- threads: rank 0 is the benchmark's thread, ranks 1..N-1 persistent threads that run
 // the same number of operations; the timed region is rank 0's loop of collectives.
-void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes) {
+// split: an all_to_all_v row (op all_to_all).
+void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes,
+                   Split split = Split::none) {
   using zp::backend::Threads;
   auto world = zp::backend::World::create(N, {.timeout = std::chrono::seconds(120)});
   const std::size_t elems = bytes / sizeof(float);
@@ -215,10 +294,11 @@ void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes)
   auto rank_body = [&](zp::Collective<Threads>& comm, int r, bool timed) {
     auto& buf = bufs[std::size_t(r)];
     auto& out = outs[std::size_t(r)];
-    auto once = [&] { run_op(comm, op, std::span<float>(buf), std::span<float>(out)); };
+    const Counts counts(split, r, N, elems);
+    auto once = [&] { run_row(comm, op, counts, std::span<float>(buf), std::span<float>(out)); };
     fill(buf, op, r, N);
     once();  // the check run (and warm-up)
-    std::int64_t w = std::int64_t(wrong(result(op, buf, out), op, r, N));
+    std::int64_t w = std::int64_t(wrong_row(op, counts, buf, out, r, N));
     comm.all_reduce(std::span<std::int64_t>(&w, 1));
     bad[std::size_t(r)] = std::uint64_t(w);
     if (w) return;
@@ -247,7 +327,7 @@ void bench_threads(benchmark::State& state, CollOp op, int N, std::size_t bytes)
     state.SkipWithError(("threads: " + std::to_string(bad[0]) + " wrong elements").c_str());
     return;
   }
-  set_counters(state, op, N, bytes, bad[0]);
+  set_row_counters(state, op, split, N, bytes, bad[0]);
 }
 
 // --- threads send/recv: rank 0 is the benchmark's thread, rank 1 a thread answering each ping.
@@ -301,6 +381,15 @@ void register_threads() {
       for (std::size_t bytes : sizes)
         benchmark::RegisterBenchmark(bench_name("threads", op, N, bytes).c_str(),
                                      [=](benchmark::State& s) { bench_threads(s, op, N, bytes); })
+            ->Iterations(iterations(bytes))
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+  for (int N : {2, 4})
+    for (Split v : {Split::even, Split::skewed})
+      for (std::size_t bytes : sizes)
+        benchmark::RegisterBenchmark(
+            v_name("threads", v, N, bytes).c_str(),
+            [=](benchmark::State& s) { bench_threads(s, CollOp::all_to_all, N, bytes, v); })
             ->Iterations(iterations(bytes))
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
@@ -367,14 +456,17 @@ void set_limit_fraction(benchmark::State& state, CollOp op, int N, std::size_t b
   state.counters["limit_fraction"] = busbw / limit;
 }
 
+// split: an all_to_all_v row (op all_to_all).
 void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes,
-               const zp::backend::Mpi::Options& opt) {
+               const zp::backend::Mpi::Options& opt, Split split = Split::none) {
   zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
   const int N = comm.size(), r = comm.rank();
   std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
+  const Counts counts(split, r, N, buf.size());
+  auto once = [&] { run_row(comm, op, counts, std::span<float>(buf), std::span<float>(out)); };
   fill(buf, op, r, N);
-  run_op(comm, op, std::span<float>(buf), std::span<float>(out));
-  const auto bad = mpi_total(wrong(result(op, buf, out), op, r, N), comm.backend().comm());
+  once();
+  const auto bad = mpi_total(wrong_row(op, counts, buf, out, r, N), comm.backend().comm());
   if (bad) {
     state.SkipWithError(("mpi: " + std::to_string(bad) + " wrong elements").c_str());
     return;
@@ -382,11 +474,11 @@ void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes,
   if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
   MPI_Barrier(comm.backend().comm());
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto _ : state) run_op(comm, op, std::span<float>(buf), std::span<float>(out));
+  for (auto _ : state) once();
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MPI_Barrier(comm.backend().comm());
-  set_counters(state, op, N, bytes, bad);
-  set_limit_fraction(state, op, N, bytes, t);
+  set_row_counters(state, op, split, N, bytes, bad);
+  if (split == Split::none) set_limit_fraction(state, op, N, bytes, t);
 }
 
 int raw_op(CollOp op, float* buf, float* out, std::size_t elems, int N, MPI_Comm comm) {
@@ -440,25 +532,43 @@ void bench_mpi_p2p(benchmark::State& state, std::size_t bytes, bool raw, bool ch
   set_counters(state, CollOp::send, 2, 2 * bytes, bad);
 }
 
-void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes) {
+// split: MPI_Alltoallv with an all_to_all_v row's counts (op all_to_all).
+void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes,
+                   Split split = Split::none) {
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   int N = 1, r = 0;
   MPI_Comm_size(comm, &N);
   MPI_Comm_rank(comm, &r);
   std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
+  const Counts counts(split, r, N, buf.size());
+  std::vector<int> sends, recvs, send_at, recv_at;
+  for (int q = 0, s = 0, t = 0; q < N; ++q) {
+    sends.push_back(int(counts.send[std::size_t(q)]));
+    recvs.push_back(int(counts.recv[std::size_t(q)]));
+    send_at.push_back(std::exchange(s, s + sends.back()));
+    recv_at.push_back(std::exchange(t, t + recvs.back()));
+  }
+  auto once = [&] {
+    return split == Split::none
+               ? raw_op(op, buf.data(), out.data(), buf.size(), N, comm)
+               : MPI_Alltoallv(buf.data(), sends.data(), send_at.data(), MPI_FLOAT, out.data(),
+                               recvs.data(), recv_at.data(), MPI_FLOAT, comm);
+  };
   fill(buf, op, r, N);
-  int rc = raw_op(op, buf.data(), out.data(), buf.size(), N, comm);
-  const auto bad =
-      mpi_total(rc == MPI_SUCCESS ? wrong(result(op, buf, out), op, r, N, true) : buf.size(), comm);
+  const int rc = once();
+  const auto bad = mpi_total(rc != MPI_SUCCESS      ? buf.size()
+                             : split == Split::none ? wrong(result(op, buf, out), op, r, N, true)
+                                                    : wrong_v(out, split, r, N, counts.n),
+                             comm);
   if (bad) {
     state.SkipWithError(("mpi_raw: " + std::to_string(bad) + " wrong elements").c_str());
   } else {
     if (op == CollOp::all_gather || op == CollOp::reduce_scatter) fill(buf, op, r, N);
     MPI_Barrier(comm);
-    for (auto _ : state) raw_op(op, buf.data(), out.data(), buf.size(), N, comm);
+    for (auto _ : state) once();
     MPI_Barrier(comm);
-    set_counters(state, op, N, bytes, bad);
+    set_row_counters(state, op, split, N, bytes, bad);
   }
   MPI_Comm_free(&comm);
 }
@@ -540,6 +650,18 @@ void register_mpi(int N) {
           ->Iterations(iterations(bytes))
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
+    }
+  for (Split v : {Split::even, Split::skewed})
+    for (std::size_t bytes : sizes) {
+      auto reg = [&](const char* backend, auto fn) {
+        benchmark::RegisterBenchmark(v_name(backend, v, N, bytes).c_str(), fn)
+            ->Iterations(iterations(bytes))
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+      };
+      constexpr CollOp op = CollOp::all_to_all;
+      reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes, v); });
+      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, {}, v); });
     }
 }
 

@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-       "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+       "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+       "all_to_all": lambda n: (n - 1) / n, "all_to_all_v": lambda n: (n - 1) / n}
 SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 out = subprocess.run([sys.argv[1], "--benchmark_format=json",
-                      "--benchmark_filter=^threads/(all_reduce|all_gather|reduce_scatter)/ranks:2/bytes:(4096|65536)/"
+                      "--benchmark_filter=^threads/(all_reduce|all_gather|reduce_scatter|all_to_all|all_to_all_v)"
+                      "/ranks:2/bytes:(4096|65536)/"
                       "|^membw/copy/threads:1/"],
                      check=True, capture_output=True, text=True).stdout
 rows = json.loads(out)["benchmarks"]
@@ -34,6 +36,6 @@ for row in rows:
         if not 0.1 < row["GBps"] < 1e4:
             sys.exit(f"{name}: GBps = {row['GBps']} is not in GB/s")
         checked += 1
-if checked < 7:
+if checked < 11:
     sys.exit(f"only {checked} rows checked; the filter matched {[r['name'] for r in rows]}")
 print(f"bench_units: {checked} rows, every *_GBps counter in GB/s")

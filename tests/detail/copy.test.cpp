@@ -19,7 +19,7 @@ TEST_CASE("stream_copy writes exactly what memcpy does, at any alignment and len
   const std::size_t lengths[] = {0, 1, 15, 31, 32, 33, 63, 64, 65, 95, 129, 4096, largest};
   int cases = 0;
   for (std::size_t len : lengths)
-    for (std::size_t d = 0; d < pad; d += len > 4096 ? 7 : 1)
+    for (std::size_t d = 0; d<pad; d += len> 4096 ? 7 : 1)
       for (std::size_t s : {std::size_t(0), std::size_t(1), std::size_t(17), std::size_t(32)}) {
         for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = want[i] = std::uint8_t(0xA5 ^ i);
         zp::detail::stream_copy(dst.data() + d, src.data() + s, len);
