@@ -549,6 +549,7 @@ class Mpi {
     b.dtype = t;
     b.reduce = op;
     b.has_reduce = has_reduce;
+    if (ctx_->node) b.peers = ctx_->node->peers();
     return b;
   }
 

@@ -36,7 +36,8 @@
 // Failure: the segment is unlinked as soon as every local rank has mapped it, so no segment
 // outlives the job, whatever kills it. A wait in the barrier runs under the backend's watchdog
 // (Options::timeout ends the job naming the operation); a local rank whose process is gone
-// ends the job at once, naming it. The segment's memory is reserved when it is made
+// ends the job at once, naming it, whether the others wait in the segment or, through the
+// watchdog's PeerCheck, inside any MPI call of the communicator. The segment's memory is reserved when it is made
 // (posix_fallocate), so a full /dev/shm is an error naming the size, not a SIGBUS later.
 #pragma once
 
@@ -130,8 +131,9 @@ class Backoff {
   long n_ = 0;
 };
 
-// The shared segment of one node's ranks (see the file comment).
-class NodeSegment {
+// The shared segment of one node's ranks (see the file comment). Its header holds each local
+// rank's pid, so it is also the watchdog's PeerCheck for every call of the communicator.
+class NodeSegment final : public PeerCheck {
  public:
   // Collective over `node` (one node's ranks, in local order): maps a segment with two areas of
   // `area_bytes` per rank. `first_rank` is the communicator rank of local rank 0 (for messages).
@@ -208,9 +210,18 @@ class NodeSegment {
       Backoff wait(size_);
       while (peer(q)->arrived.load(std::memory_order_acquire) < e) {
         wait.pause();
-        if (wait.due()) check_alive(q, info);
+        if (wait.due())
+          if (const std::string g = gone(q); !g.empty()) abort_gone(info, g);
       }
     }
+  }
+
+  // The first other local rank whose process is gone (its pid no longer exists), or "".
+  std::string gone() const override {
+    for (int q = 0; q < size_; ++q)
+      if (q != local_)
+        if (std::string g = gone(q); !g.empty()) return g;
+    return {};
   }
 
  private:
@@ -231,15 +242,12 @@ class NodeSegment {
     base_ = nullptr;
   }
 
-  // A local rank whose process is gone never arrives: end the job now, naming it.
-  void check_alive(int q, const Blocked& info) const {
+  // Local rank q's process, if it is gone: a rank that never arrives, so the job ends naming it.
+  std::string gone(int q) const {
     const int pid = peer(q)->pid.load(std::memory_order_relaxed);
-    if (pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH) return;
-    abort_job(detail::cat("rank ", info.rank, " of ", info.size, " (world rank ", info.world_rank,
-                          ") in ", info.what, " (call #", info.call, ", count=", info.count,
-                          ", dtype=", name(info.dtype), "): rank ", first_rank_ + q,
-                          " of its node (pid ", pid,
-                          ") is gone (killed or crashed) mid-collective; aborting the job"));
+    if (pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH) return {};
+    return detail::cat("rank ", first_rank_ + q, " of its node (pid ", pid,
+                       ") is gone (killed or crashed)");
   }
 
   std::size_t area_, header_ = 0, bytes_ = 0;
@@ -326,6 +334,8 @@ class NodeComm {
   NodeComm& operator=(const NodeComm&) = delete;
 
   const NodeLayout& layout() const { return layout_; }
+  // The other local ranks' processes, for the watchdog (null without a segment).
+  const PeerCheck* peers() const { return segment_.get(); }
 
   // The three operations, with the signatures of the untyped core (count per rank's block for
   // reduce_scatter and all_gather). `info` names the operation in a wait's error.

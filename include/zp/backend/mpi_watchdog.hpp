@@ -4,7 +4,11 @@
 // one watchdog thread; a region that outlives its deadline prints what the rank was blocked in
 // (operation, call number, count, type, the peer it waited for) and aborts the job (abort_job:
 // MPI_Abort where MPI may be called from that thread, else _Exit, which mpiexec turns into the
-// end of the job).
+// end of the job). While a region waits, the watchdog also asks its PeerCheck (the node's shared
+// segment, which knows the other local ranks' processes) every 50 ms whether a peer's process
+// is gone, and ends the job at once naming it: a rank killed while the others wait inside MPI
+// (the call check's signature exchange, a cross-node message) ends the job in well under the
+// timeout whether or not the launcher notices first.
 #pragma once
 
 #include <mpi.h>
@@ -73,6 +77,16 @@ inline std::thread::id main_thread_id() { return main_thread_id_storage(); }
   std::_Exit(134);
 }
 
+// Tells whether a peer of this rank's process is gone: its description ("rank 3 of its node
+// (pid 1234) is gone (killed or crashed)"), or empty. Called from the watchdog's thread.
+class PeerCheck {
+ public:
+  virtual std::string gone() const = 0;
+
+ protected:
+  ~PeerCheck() = default;
+};
+
 // What a rank is blocked in, for the watchdog's message.
 struct Blocked {
   std::chrono::steady_clock::time_point deadline;
@@ -84,8 +98,24 @@ struct Blocked {
   DType dtype{};
   ReduceOp reduce{};
   bool has_reduce = false;
-  int peer = -1;  // send/recv: the one rank waited for
+  int peer = -1;                     // send/recv: the one rank waited for
+  const PeerCheck* peers = nullptr;  // the node's other processes, where known
 };
+
+// "rank R of N (world rank W) in WHAT (call #C, count=N, dtype=T[, op=O][, peer=P])".
+inline std::string describe(const Blocked& b, const std::string& after_rank = "") {
+  std::string s = detail::cat("rank ", b.rank, " of ", b.size, " (world rank ", b.world_rank, ")",
+                              after_rank, " in ", b.what, " (call #", b.call, ", count=", b.count,
+                              ", dtype=", name(b.dtype));
+  if (b.has_reduce) s += detail::cat(", op=", name(b.reduce));
+  if (b.peer >= 0) s += detail::cat(", peer=", b.peer);
+  return s + ")";
+}
+
+// The job's end when a peer of b's rank is gone mid-call.
+[[noreturn]] inline void abort_gone(const Blocked& b, const std::string& gone) {
+  abort_job(detail::cat(describe(b), ": ", gone, " mid-collective; aborting the job"));
+}
 
 // One thread per process that aborts the job when a registered wait outlives its deadline.
 // Shared by every backend of the process; stops when the last one is gone.
@@ -131,21 +161,15 @@ class Watchdog {
       cv_.wait_for(lk, std::chrono::milliseconds(50));
       const auto now = std::chrono::steady_clock::now();
       for (const Blocked* b : active_) {
+        if (b->peers)
+          if (const std::string gone = b->peers->gone(); !gone.empty()) abort_gone(*b, gone);
         if (now < b->deadline) continue;
-        std::string why =
-            detail::cat("rank ", b->rank, " of ", b->size, " (world rank ", b->world_rank,
-                        ") timed out after ", b->timeout_ms, " ms in ", b->what, " (call #",
-                        b->call, ", count=", b->count, ", dtype=", name(b->dtype));
-        if (b->has_reduce) why += detail::cat(", op=", name(b->reduce));
-        if (b->peer >= 0)
-          why +=
-              detail::cat(", peer=", b->peer, ") waiting for rank ", b->peer,
-                          " (it failed, left or never issued the matching call); aborting the job");
-        else
-          why +=
-              ") waiting for the other ranks (one failed, left or skipped the call); aborting "
-              "the job";
-        abort_job(why);
+        abort_job(describe(*b, detail::cat(" timed out after ", b->timeout_ms, " ms")) +
+                  (b->peer >= 0 ? detail::cat(" waiting for rank ", b->peer,
+                                              " (it failed, left or never issued the matching "
+                                              "call); aborting the job")
+                                : std::string(" waiting for the other ranks (one failed, left or "
+                                              "skipped the call); aborting the job")));
       }
     }
   }
