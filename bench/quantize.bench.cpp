@@ -9,7 +9,9 @@
 //   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8). wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
 //   block (any skips the benchmark with an error). Rows run the host's best path (AVX2
-//   where the CPU has it); /portable rows force the scalar work items, the baseline.
+//   where the CPU has it; dequantize's 16M values are past zp::detail::stream_min_bytes, so
+//   it streams its output); /portable rows force the scalar work items, the baseline, and
+//   dequantize's /cached rows the AVX2 loops with plain stores (the streaming stores' baseline).
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
 
@@ -103,12 +105,15 @@ void register_type(const char* type) {
   constexpr std::size_t n = std::size_t(1) << 24;  // 16M values: out of every cache
   for (Op op : {Op::quantize, Op::dequantize, Op::dequantize_add})
     for (Bits bits : {Bits::int8, Bits::int4})
-      for (auto path : {zp::quant::Path::best, zp::quant::Path::portable})
+      for (auto path : {zp::quant::Path::best, zp::quant::Path::cached, zp::quant::Path::portable})
         for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
-          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
+          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;    // fp32 acc only
+          if (path == zp::quant::Path::cached && op != Op::dequantize) continue;  // = best there
           const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
                                    (bits == Bits::int8 ? "int8" : "int4") +
-                                   (path == zp::quant::Path::portable ? "/portable" : "") +
+                                   (path == zp::quant::Path::portable ? "/portable"
+                                    : path == zp::quant::Path::cached ? "/cached"
+                                                                      : "") +
                                    "/block:" + std::to_string(block) +
                                    "/elems:" + std::to_string(n);
           benchmark::RegisterBenchmark(

@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <span>
 #include <limits>
 #include <random>
 #include <utility>
@@ -323,4 +325,75 @@ TEST_CASE_TEMPLATE("the AVX2 paths (int8, int4) give the portable work items' bi
             REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
         }
       }
+}
+
+// A 16-byte-aligned window of n values inside v (which holds n + 8).
+template <class T>
+std::span<T> aligned_window(std::vector<T>& v, std::size_t n) {
+  std::size_t at = 0;
+  while (reinterpret_cast<std::uintptr_t>(v.data() + at) % 16) ++at;
+  return std::span<T>(v).subspan(at, n);
+}
+
+TEST_CASE_TEMPLATE("dequantize's streaming stores write the bits plain stores do", T, float,
+                   zp::bf16, zp::fp16) {
+  namespace d = zp::quant::detail;
+  if (!d::use_avx2(zp::quant::Path::best)) {
+    MESSAGE("no AVX2 on this CPU: only the portable path runs");
+    return;
+  }
+  using zp::quant::Path;
+  const std::uint64_t seed = zp::test::fresh_seed();
+  // When: Path::best, a large enough, 16-byte-aligned output, blocks that keep the alignment.
+  constexpr std::size_t big = zp::detail::stream_min_bytes / sizeof(T);
+  std::vector<T> room(big + 8);
+  const std::span<T> out = aligned_window(room, big);
+  CHECK(d::streams(Path::best, out.data(), big, 256));
+  CHECK_FALSE(d::streams(Path::cached, out.data(), big, 256));
+  CHECK_FALSE(d::streams(Path::best, out.data(), big - 1, 256));
+  CHECK_FALSE(d::streams(Path::best, out.data() + 1, big - 1, 256));
+  CHECK_FALSE(d::streams(Path::best, out.data(), big, 26));  // 26 x 2 bytes: blocks misaligned
+  // The streaming loop against the portable work items, bitwise, on small outputs (inf, NaN,
+  // short last blocks included).
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(256)})
+      for (std::size_t n : {std::size_t(8), std::size_t(1001), std::size_t(4099)}) {
+        CAPTURE(int(bits));
+        CAPTURE(block);
+        CAPTURE(n);
+        const Format f{.bits = bits, .block = block};
+        std::vector<T> x(n), want(n), got_room(n + 8);
+        for (std::size_t i = 0; i < n; ++i) x[i] = T(zp::test::hash_uniform(seed, i) * 100.0f);
+        if (n > 600) x[500] = T(std::numeric_limits<float>::quiet_NaN());
+        std::vector<std::uint8_t> q(f.code_bytes(n));
+        std::vector<float> s(f.blocks(n));
+        zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
+        zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                              std::span(want), Path::portable);
+        const std::span<T> got = aligned_window(got_room, n);
+        std::fill(got.begin(), got.end(), T(-7.0f));
+        if (bits == Bits::int8)
+          d::dequantize_avx2<Bits::int8, T, false, true>(q.data(), s.data(), n, block, got.data());
+        else
+          d::dequantize_avx2<Bits::int4, T, false, true>(q.data(), s.data(), n, block, got.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          if (std::isnan(float(want[i])))
+            REQUIRE(std::isnan(float(got[i])));  // fp16 may keep another NaN payload
+          else
+            REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
+        }
+      }
+  // And through dequantize itself at the size where it streams: best (streamed) equals cached.
+  const Format f{.bits = Bits::int8, .block = 256};
+  std::vector<T> x(big);
+  for (std::size_t i = 0; i < big; ++i) x[i] = T(zp::test::hash_uniform(seed + 1, i));
+  std::vector<std::uint8_t> q(f.code_bytes(big));
+  std::vector<float> s(f.blocks(big));
+  zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
+  std::vector<T> plain(big);
+  zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                        std::span(plain), Path::cached);
+  std::fill(out.begin(), out.end(), T(-7.0f));
+  zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s), out);
+  CHECK(std::memcmp(plain.data(), out.data(), big * sizeof(T)) == 0);
 }

@@ -20,6 +20,10 @@
 // (checked at run time), the same math 8 or 16 values at a time with bitwise the same results
 // (IEEE division and products, the conversion rounding to nearest even as rintf does; a NaN
 // stored as fp16 may keep another payload). Path::portable forces the loop of work items.
+// dequantize writes an output of detail::stream_min_bytes or more with streaming stores (where
+// it is 16-byte aligned and blocks keep that alignment): no read of each line before it is
+// written, and the output not left in the caches; Path::cached keeps plain stores, for an
+// output read again right away.
 #pragma once
 
 #include <math.h>
@@ -32,6 +36,7 @@
 #include <type_traits>
 
 #include "zp/config.hpp"
+#include "zp/detail/copy.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
 #include "zp/optim/detail/simd.hpp"
@@ -123,8 +128,9 @@ struct DequantizeBlock {
   }
 };
 
-// Which host code runs: the best the CPU supports, or the portable work items.
-enum class Path { best, portable };
+// Which host code runs: the best the CPU supports, the same with plain stores only (cached),
+// or the portable work items.
+enum class Path { best, portable, cached };
 
 namespace detail {
 #if ZP_OPTIM_X86
@@ -199,11 +205,13 @@ template <Bits B, class T>
   }
 }
 
-// DequantizeBlock<T, Accumulate>, 8 values at a time.
-template <Bits B, class T, bool Accumulate>
+// DequantizeBlock<T, Accumulate>, 8 values at a time (Stream: with streaming stores; out and
+// every block start 16-byte aligned).
+template <Bits B, class T, bool Accumulate, bool Stream = false>
 [[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_avx2(const std::uint8_t* codes,
                                                       const float* scales, std::size_t n,
                                                       std::size_t block, T* out) {
+  static_assert(!(Accumulate && Stream), "an accumulator was just read: it is in the cache");
   constexpr std::type_identity<simd::V8> as{};
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
@@ -222,7 +230,10 @@ template <Bits B, class T, bool Accumulate>
       }
       simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
       if constexpr (Accumulate) v = simd::load(out + i, as) + v;
-      simd::store(out + i, v);
+      if constexpr (Stream)
+        simd::stream(out + i, v);
+      else
+        simd::store(out + i, v);
     }
     for (; i < hi; ++i) {
       const float v = float(code(codes, B, i)) * scales[k];
@@ -232,6 +243,7 @@ template <Bits B, class T, bool Accumulate>
         out[i] = T(v);
     }
   }
+  if constexpr (Stream) _mm_sfence();
 }
 #pragma GCC diagnostic pop
 #endif  // ZP_OPTIM_X86
@@ -239,11 +251,18 @@ template <Bits B, class T, bool Accumulate>
 // Whether the AVX2 loops serve this call on this CPU.
 inline bool use_avx2(Path p) noexcept {
 #if ZP_OPTIM_X86
-  return p == Path::best && avx2();
+  return p != Path::portable && avx2();
 #else
   (void)p;
   return false;
 #endif
+}
+
+// Whether dequantize writes n values of T in blocks of `block` at out with streaming stores.
+template <class T>
+bool streams(Path p, const T* out, std::size_t n, std::size_t block) noexcept {
+  return p == Path::best && n * sizeof(T) >= zp::detail::stream_min_bytes &&
+         reinterpret_cast<std::uintptr_t>(out) % 16 == 0 && block * sizeof(T) % 16 == 0;
 }
 
 inline void check_sizes(const Format& f, std::size_t n, std::size_t code_bytes, std::size_t scales,
@@ -278,11 +297,17 @@ void dequantize(const Format& f, std::span<const std::uint8_t> codes, std::span<
                 std::span<T> out, Path path = Path::best) {
   detail::check_sizes(f, out.size(), codes.size(), scales.size(), "dequantize");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(path))
-    return f.bits == Bits::int8 ? detail::dequantize_avx2<Bits::int8, T, false>(
-                                      codes.data(), scales.data(), out.size(), f.block, out.data())
-                                : detail::dequantize_avx2<Bits::int4, T, false>(
-                                      codes.data(), scales.data(), out.size(), f.block, out.data());
+  if (detail::use_avx2(path)) {
+    const auto run = [&]<bool Stream>(std::bool_constant<Stream>) {
+      return f.bits == Bits::int8
+                 ? detail::dequantize_avx2<Bits::int8, T, false, Stream>(
+                       codes.data(), scales.data(), out.size(), f.block, out.data())
+                 : detail::dequantize_avx2<Bits::int4, T, false, Stream>(
+                       codes.data(), scales.data(), out.size(), f.block, out.data());
+    };
+    return detail::streams(path, out.data(), out.size(), f.block) ? run(std::true_type{})
+                                                                  : run(std::false_type{});
+  }
 #endif
   (void)path;
   const DequantizeBlock<T, false> item{codes.data(), scales.data(), out.size(), f, out.data()};

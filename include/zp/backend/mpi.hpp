@@ -77,6 +77,7 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/copy.hpp"
 #include "zp/detail/progress.hpp"
 #include "zp/detail/reduce.hpp"
 #include "zp/dtype.hpp"
@@ -104,7 +105,7 @@ struct MpiOptions {
   // all_gather outputs at least this large are written with streaming stores on the node path
   // (no read for ownership: 2 bytes of memory traffic per byte instead of 3, the output not
   // cached). SIZE_MAX: never.
-  std::size_t node_stream_bytes = std::size_t(32) << 20;
+  std::size_t node_stream_bytes = detail::stream_min_bytes;
 };
 
 namespace mpi_detail {

@@ -22,6 +22,11 @@
 
 namespace zp::detail {
 
+// Outputs at least this large are written with streaming stores where zp writes them whole and
+// nobody reads them before the call returns (the mpi node path's all_gather, dequantize): past
+// the 32 MiB L3 cache of the VMs in bench/RESULTS.md, the cache would not keep them anyway.
+inline constexpr std::size_t stream_min_bytes = std::size_t(32) << 20;
+
 #if ZP_STREAM_X86
 // 32 bytes at a time where the CPU has AVX2 (checked at run time): 15-20% faster than 16 on the
 // 2-core VM of bench/RESULTS.md, where a copy's loop overhead still shows.

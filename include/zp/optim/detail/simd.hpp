@@ -83,8 +83,8 @@ struct V8 {
 [[ZP_TARGET_AVX2]] inline V8 load(const fp16* p, std::type_identity<V8>) {
   return V8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-[[ZP_TARGET_AVX2]] inline void store(float* p, const V8& x) { _mm256_storeu_ps(p, x.v); }
-[[ZP_TARGET_AVX2]] inline void store(bf16* p, const V8& x) {
+// x's 8 values as bf16 bits, in order.
+[[ZP_TARGET_AVX2]] inline __m128i to_bf16(const V8& x) {
   const __m256i u = _mm256_castps_si256(x.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded =
@@ -94,10 +94,29 @@ struct V8 {
   const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
   // Pack the 16-bit halves of the 8 lanes (all <= 0xffff, so unsigned saturation is exact).
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b11'01'10'00);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(packed);
+}
+[[ZP_TARGET_AVX2]] inline __m128i to_fp16(const V8& x) {
+  return _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT);
+}
+[[ZP_TARGET_AVX2]] inline void store(float* p, const V8& x) { _mm256_storeu_ps(p, x.v); }
+[[ZP_TARGET_AVX2]] inline void store(bf16* p, const V8& x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
 }
 [[ZP_TARGET_AVX2]] inline void store(fp16* p, const V8& x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_fp16(x));
+}
+// store's non-temporal form, for outputs nobody reads soon (no read for ownership, not cached):
+// p 16-byte aligned; the caller fences (_mm_sfence) before the data is published.
+[[ZP_TARGET_AVX2]] inline void stream(float* p, const V8& x) {
+  _mm_stream_ps(p, _mm256_castps256_ps128(x.v));
+  _mm_stream_ps(p + 4, _mm256_extractf128_ps(x.v, 1));
+}
+[[ZP_TARGET_AVX2]] inline void stream(bf16* p, const V8& x) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
+}
+[[ZP_TARGET_AVX2]] inline void stream(fp16* p, const V8& x) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x));
 }
 
 // Sum of squares of 8 floats into two double accumulators (4 lanes each).
