@@ -205,6 +205,37 @@ template <Bits B, class T>
   }
 }
 
+// Values [i, i + 8) of dequantize_avx2's output, their block's scale s (MayBeNaN: a NaN scale, so
+// NaN values; bf16 skips the quieting otherwise).
+template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
+[[ZP_TARGET_AVX2]] inline void dequantize8(const std::uint8_t* codes, std::size_t i, __m256 s,
+                                           T* out) {
+  constexpr std::type_identity<simd::V8> as{};
+  __m128i c;
+  if constexpr (B == Bits::int8) {
+    c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+  } else {  // 4 bytes: nibbles in order (low first), sign-extended as bytes
+    std::int32_t word;
+    std::memcpy(&word, codes + i / 2, 4);
+    const __m128i b = _mm_cvtsi32_si128(word), m = _mm_set1_epi8(0x0f), e = _mm_set1_epi8(8);
+    c = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    c = _mm_sub_epi8(_mm_xor_si128(c, e), e);
+  }
+  simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
+  if constexpr (Accumulate) v = simd::load(out + i, as) + v;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m128i h = simd::to_bf16<MayBeNaN>(v);
+    if constexpr (Stream)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), h);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  } else if constexpr (Stream) {
+    simd::stream(out + i, v);
+  } else {
+    simd::store(out + i, v);
+  }
+}
+
 // DequantizeBlock<T, Accumulate>, 8 values at a time (Stream: with streaming stores; out and
 // every block start 16-byte aligned).
 template <Bits B, class T, bool Accumulate, bool Stream = false>
@@ -212,29 +243,14 @@ template <Bits B, class T, bool Accumulate, bool Stream = false>
                                                       const float* scales, std::size_t n,
                                                       std::size_t block, T* out) {
   static_assert(!(Accumulate && Stream), "an accumulator was just read: it is in the cache");
-  constexpr std::type_identity<simd::V8> as{};
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
     const __m256 s = _mm256_set1_ps(scales[k]);
     std::size_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-      __m128i c;
-      if constexpr (B == Bits::int8) {
-        c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-      } else {  // 4 bytes: nibbles in order (low first), sign-extended as bytes
-        std::int32_t word;
-        std::memcpy(&word, codes + i / 2, 4);
-        const __m128i b = _mm_cvtsi32_si128(word), m = _mm_set1_epi8(0x0f), e = _mm_set1_epi8(8);
-        c = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-        c = _mm_sub_epi8(_mm_xor_si128(c, e), e);
-      }
-      simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
-      if constexpr (Accumulate) v = simd::load(out + i, as) + v;
-      if constexpr (Stream)
-        simd::stream(out + i, v);
-      else
-        simd::store(out + i, v);
-    }
+    if (scales[k] != scales[k])  // a NaN scale: every value NaN
+      for (; i + 8 <= hi; i += 8) dequantize8<B, T, Accumulate, Stream, true>(codes, i, s, out);
+    else
+      for (; i + 8 <= hi; i += 8) dequantize8<B, T, Accumulate, Stream, false>(codes, i, s, out);
     for (; i < hi; ++i) {
       const float v = float(code(codes, B, i)) * scales[k];
       if constexpr (Accumulate)
