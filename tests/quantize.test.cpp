@@ -353,7 +353,8 @@ TEST_CASE_TEMPLATE("dequantize's streaming stores write the bits plain stores do
   CHECK_FALSE(d::streams(Path::best, out.data(), big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data() + 1, big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data(), big, 26));  // 26 x 2 bytes: blocks misaligned
-  // The streaming loop against the portable work items, bitwise, on small outputs (inf, NaN,
+#if ZP_OPTIM_X86
+  // The streaming loop against the portable work items, bitwise, on small outputs (a NaN block,
   // short last blocks included).
   for (Bits bits : {Bits::int8, Bits::int4})
     for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(256)})
@@ -383,6 +384,7 @@ TEST_CASE_TEMPLATE("dequantize's streaming stores write the bits plain stores do
             REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
         }
       }
+#endif
   // And through dequantize itself at the size where it streams: best (streamed) equals cached.
   const Format f{.bits = Bits::int8, .block = 256};
   std::vector<T> x(big);

@@ -37,8 +37,9 @@
 // outlives the job, whatever kills it. A wait in the barrier runs under the backend's watchdog
 // (Options::timeout ends the job naming the operation); a local rank whose process is gone
 // ends the job at once, naming it, whether the others wait in the segment or, through the
-// watchdog's PeerCheck, inside any MPI call of the communicator. The segment's memory is reserved when it is made
-// (posix_fallocate), so a full /dev/shm is an error naming the size, not a SIGBUS later.
+// watchdog's PeerCheck, inside any MPI call of the communicator. The segment's memory is
+// reserved when it is made (posix_fallocate), so a full /dev/shm is an error naming the size,
+// not a SIGBUS later.
 #pragma once
 
 #include <fcntl.h>
