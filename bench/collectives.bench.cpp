@@ -7,9 +7,9 @@
 //   all_to_all, 1 for broadcast), wrong = elements that differed from the exact result in the
 //   check run before timing (any difference skips the benchmark with an error).
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
-//   on), mpi_unchecked (check_calls = false), mpi_plain_stores (the node path's outputs written
-//   with plain stores at every size: MpiOptions::node_stream_bytes's baseline), mpi_raw (the
-//   bare MPI call: the baseline),
+//   on), mpi_unchecked (check_calls = false), mpi_plain_stores (all_gather only: the node path's
+//   outputs written with plain stores at every size, MpiOptions::node_stream_bytes's baseline),
+//   mpi_raw (the bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
@@ -222,8 +222,8 @@ void run_row(zp::Collective<B>& comm, CollOp op, const Counts& c, std::span<floa
                     std::span<const std::size_t>(c.recv));
 }
 std::uint64_t wrong_row(CollOp op, const Counts& c, const std::vector<float>& buf,
-                        const std::vector<float>& out, int r, int N) {
-  return c.split == Split::none ? wrong(result(op, buf, out), op, r, N)
+                        const std::vector<float>& out, int r, int N, bool shard_at_start = false) {
+  return c.split == Split::none ? wrong(result(op, buf, out), op, r, N, shard_at_start)
                                 : wrong_v(out, c.split, r, N, c.n);
 }
 
@@ -557,10 +557,8 @@ void bench_mpi_raw(benchmark::State& state, CollOp op, std::size_t bytes,
   };
   fill(buf, op, r, N);
   const int rc = once();
-  const auto bad = mpi_total(rc != MPI_SUCCESS      ? buf.size()
-                             : split == Split::none ? wrong(result(op, buf, out), op, r, N, true)
-                                                    : wrong_v(out, split, r, N, counts.n),
-                             comm);
+  const auto bad =
+      mpi_total(rc == MPI_SUCCESS ? wrong_row(op, counts, buf, out, r, N, true) : buf.size(), comm);
   if (bad) {
     state.SkipWithError(("mpi_raw: " + std::to_string(bad) + " wrong elements").c_str());
   } else {
@@ -630,38 +628,39 @@ void register_mpi(int N) {
     reg("mpi", false, true);
     reg("mpi_unchecked", false, false);
   }
+  // One row at a fixed iteration count, timed on the wall clock.
+  auto reg = [](const std::string& name, std::size_t bytes, auto fn) {
+    benchmark::RegisterBenchmark(name.c_str(), fn)
+        ->Iterations(iterations(bytes))
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
+  zp::backend::Mpi::Options checked, unchecked, plain_stores;
+  unchecked.check_calls = false;
+  plain_stores.node_stream_bytes = SIZE_MAX;  // the node path before streaming stores
   for (CollOp op : ops)
     for (std::size_t bytes : sizes) {
-      auto reg = [&](const char* backend, auto fn) {
-        benchmark::RegisterBenchmark(bench_name(backend, op, N, bytes).c_str(), fn)
-            ->Iterations(iterations(bytes))
-            ->UseRealTime()
-            ->Unit(benchmark::kMicrosecond);
-      };
-      reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes); });
-      zp::backend::Mpi::Options checked, unchecked, plain_stores;
-      unchecked.check_calls = false;
-      plain_stores.node_stream_bytes = SIZE_MAX;  // the node path before streaming stores
-      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, checked); });
-      reg("mpi_unchecked", [=](benchmark::State& s) { bench_mpi(s, op, bytes, unchecked); });
-      reg("mpi_plain_stores", [=](benchmark::State& s) { bench_mpi(s, op, bytes, plain_stores); });
-      benchmark::RegisterBenchmark(bench_name("mpi_paired", op, N, bytes).c_str(),
+      const auto row = [&](const char* backend) { return bench_name(backend, op, N, bytes); };
+      reg(row("mpi_raw"), bytes, [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes); });
+      reg(row("mpi"), bytes, [=](benchmark::State& s) { bench_mpi(s, op, bytes, checked); });
+      reg(row("mpi_unchecked"), bytes,
+          [=](benchmark::State& s) { bench_mpi(s, op, bytes, unchecked); });
+      if (op == CollOp::all_gather)  // the only operation that streams its output
+        reg(row("mpi_plain_stores"), bytes,
+            [=](benchmark::State& s) { bench_mpi(s, op, bytes, plain_stores); });
+      benchmark::RegisterBenchmark(row("mpi_paired").c_str(),
                                    [=](benchmark::State& s) { bench_mpi_paired(s, op, bytes); })
           ->Iterations(iterations(bytes))
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
+  constexpr CollOp a2a = CollOp::all_to_all;
   for (Split v : {Split::even, Split::skewed})
     for (std::size_t bytes : sizes) {
-      auto reg = [&](const char* backend, auto fn) {
-        benchmark::RegisterBenchmark(v_name(backend, v, N, bytes).c_str(), fn)
-            ->Iterations(iterations(bytes))
-            ->UseRealTime()
-            ->Unit(benchmark::kMicrosecond);
-      };
-      constexpr CollOp op = CollOp::all_to_all;
-      reg("mpi_raw", [=](benchmark::State& s) { bench_mpi_raw(s, op, bytes, v); });
-      reg("mpi", [=](benchmark::State& s) { bench_mpi(s, op, bytes, {}, v); });
+      reg(v_name("mpi_raw", v, N, bytes), bytes,
+          [=](benchmark::State& s) { bench_mpi_raw(s, a2a, bytes, v); });
+      reg(v_name("mpi", v, N, bytes), bytes,
+          [=](benchmark::State& s) { bench_mpi(s, a2a, bytes, checked, v); });
     }
 }
 

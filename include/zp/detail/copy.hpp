@@ -28,8 +28,7 @@ namespace zp::detail {
 inline constexpr std::size_t stream_min_bytes = std::size_t(32) << 20;
 
 #if ZP_STREAM_X86
-// 32 bytes at a time where the CPU has AVX2 (checked at run time): 15-20% faster than 16 on the
-// 2-core VM of bench/RESULTS.md, where a copy's loop overhead still shows.
+// 32 bytes a store where the CPU has AVX2 (checked at run time), else 16 (SSE2: every x86-64).
 [[gnu::target("avx2")]] inline void stream_lines_avx2(char* d, const char* s, std::size_t bytes) {
   for (std::size_t i = 0; i < bytes; i += 32)
     _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
