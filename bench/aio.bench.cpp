@@ -6,6 +6,11 @@
 //   iterations); vs_sync = its GBps over the sync row's at the same block size; direct = 1 where
 //   O_DIRECT was in effect.
 // sync/<write|read>/block:B  the baseline: pwrite/pread of B bytes at a time, one in flight.
+// aio/read_behind_compute/depth:D/block:B  the same read started, then the caller busy for as
+//   long as the read alone took just before (io_ms; a spin on the clock, no memory traffic),
+//   then waiting for it: total_ms; hidden = (io + compute - total) / min(io, compute), the part
+//   of the read that ran while the caller computed (1: all of it; a transfer that moves only
+//   while waited for gives 0). What the swap's read-ahead (swap.hpp) relies on.
 // The file lives in ZP_BENCH_AIO_DIR (default: the temporary directory): put it on the NVMe
 // device to measure. Every read row first checks the bytes against what was written.
 #include <benchmark/benchmark.h>
@@ -132,6 +137,44 @@ void aio_loop(benchmark::State& state, bool write) {
     state.counters["vs_sync"] = gbps / it->second;
 }
 
+void read_behind_compute(benchmark::State& state) {
+  const unsigned depth = unsigned(state.range(0));
+  const std::size_t block = std::size_t(state.range(1)), n = total_bytes();
+  const fs::path path = bench_file();
+  double io = 0, compute = 0, total = 0;
+  try {
+    zp::aio::File f(path, zp::aio::Mode::read_write, {.queue_depth = depth, .block_bytes = block});
+    AlignedBuffer in(n);
+    f.write(data().span(), 0);
+    for (auto _ : state) {
+      auto t0 = std::chrono::steady_clock::now();
+      f.read(in.span(), 0);
+      const double alone = seconds_since(t0);
+      std::memset(in.span().data(), 0, n);  // every byte must come again
+      t0 = std::chrono::steady_clock::now();
+      const zp::aio::Transfer t = f.read_async(in.span(), 0);
+      double busy = 0;
+      while ((busy = seconds_since(t0)) < alone) {
+      }
+      f.wait(t);
+      const double both = seconds_since(t0);
+      state.SetIterationTime(both);
+      io += alone, compute += busy, total += both;
+      if (std::memcmp(in.span().data(), data().span().data(), n) != 0)
+        return state.SkipWithError("the bytes read back differ");
+    }
+  } catch (const std::exception& e) {
+    fs::remove(path);
+    return state.SkipWithError(e.what());
+  }
+  fs::remove(path);
+  const double k = 1e3 / double(state.iterations());
+  state.counters["io_ms"] = io * k;
+  state.counters["compute_ms"] = compute * k;
+  state.counters["total_ms"] = total * k;
+  state.counters["hidden"] = std::max(0.0, (io + compute - total) / std::min(io, compute));
+}
+
 const bool registered = [] {
   for (bool write : {true, false}) {
     const std::string op = write ? "write" : "read";
@@ -154,6 +197,13 @@ const bool registered = [] {
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("aio/read_behind_compute", read_behind_compute)
+      ->ArgNames({"depth", "block"})
+      ->Args({8, 1 << 20})
+      ->Args({32, 1 << 20})
+      ->Iterations(3)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   return true;
 }();
 

@@ -1,6 +1,7 @@
 // zp/async_file.hpp: round trips of random bytes through files at several block sizes and queue
-// depths, against the bytes written (every byte of a poisoned buffer read back); several
-// transfers in flight finished in any order; reads past the end of the file, writes past the
+// depths, against the bytes written (every byte of a poisoned buffer read back); transfers
+// that reach their end while the caller does not wait; several transfers in flight finished in
+// any order; reads past the end of the file, writes past the
 // process's file-size limit, files that cannot be opened and misaligned O_DIRECT requests are
 // errors naming the file, the call, the offset and the value.
 #include <doctest/doctest.h>
@@ -9,8 +10,11 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -78,6 +82,34 @@ TEST_CASE("several transfers in flight finish in any order") {
     CHECK(std::memcmp(in[k].span().data(), out[k].span().data(), piece) == 0);
 }
 
+// A transfer must move while its caller computes (the swap's read-ahead relies on it): each
+// transfer here is watched, without a call into the File, until its bytes are where they belong.
+TEST_CASE("a transfer runs to its end without the caller waiting for it") {
+  zp::test::TempDir dir("aio");
+  const std::size_t bytes = std::size_t(3) << 20;  // 48 requests in 4 chains
+  AlignedBuffer out(bytes), in(bytes);
+  fill_random(out.span(), zp::test::fresh_seed());
+  std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
+  const auto path = dir.path / "ahead.bin";
+  File f(path, Mode::read_write, {.queue_depth = 4, .block_bytes = 64 << 10});
+  const auto arrives = [](auto&& equal) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!equal() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return equal();
+  };
+  const zp::aio::Transfer w = f.write_async(out.span(), 0);
+  CHECK(arrives([&] {  // through another descriptor, which sees what reached the file
+    std::vector<std::byte> back(bytes);
+    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(back.data()), bytes);
+    return std::memcmp(back.data(), out.span().data(), bytes) == 0;
+  }));
+  f.wait(w);
+  const zp::aio::Transfer r = f.read_async(in.span(), 0);
+  CHECK(arrives([&] { return std::memcmp(in.span().data(), out.span().data(), bytes) == 0; }));
+  f.wait(r);
+}
+
 TEST_CASE("without O_DIRECT any address, offset and length work") {
   zp::test::TempDir dir("aio");
   std::vector<std::byte> out(10007), in(10007, std::byte{0});
@@ -99,9 +131,14 @@ TEST_CASE("failures are errors naming the file, the call, the offset and the val
     f.write(buf.span().first(2 * zp::aio::alignment), 0);
   }
   File f(path, Mode::read);
-  // Past the end: the second half of the read finds no bytes.
+  // Past the end: the second half of the read finds no bytes (in one request, and in a chain of
+  // four whose third and fourth find none).
   zp::test::expect_error(zp::Errc::io, [&] { f.read(buf.span(), 0); },
                          {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
+  zp::test::expect_error(
+      zp::Errc::io,
+      [&] { File(path, Mode::read, {.queue_depth = 1, .block_bytes = 4096}).read(buf.span(), 0); },
+      {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
   // The file is still usable after an error.
   f.read(buf.span().first(zp::aio::alignment), zp::aio::alignment);
   zp::test::expect_error(zp::Errc::io,

@@ -2,7 +2,9 @@
 // (liburing; component zp::aio). The I/O layer of ZeRO-Infinity's NVMe offload (issue #21): a
 // transfer is cut into requests of Options::block_bytes, at most Options::queue_depth of them in
 // flight, and several transfers may be in flight at once (read the next piece while the last
-// one is written back).
+// one is written back). A transfer runs from the call that starts it, while the caller computes:
+// its requests go to the kernel as queue_depth chains (each request starts when the one before
+// it in its chain ends), so no thread of zp has to come back to keep the queue full.
 //
 //   zp::aio::File f("swap/master.bin", zp::aio::Mode::read_write, {.queue_depth = 32});
 //   zp::aio::AlignedBuffer buf(bytes);                          // 4096-byte aligned
@@ -25,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +53,7 @@ inline constexpr std::size_t alignment = 4096;
 enum class Mode { read, read_write };  // read_write creates the file if it is missing
 
 struct Options {
-  unsigned queue_depth = 32;                       // requests in flight at most
+  unsigned queue_depth = 32;                       // requests of one transfer in flight at most
   std::size_t block_bytes = std::size_t(1) << 20;  // bytes of one request
   bool direct = true;  // try O_DIRECT (kept only where the file system allows)
 };
@@ -97,7 +100,8 @@ class File {
     if (fd_ < 0 && direct_ && errno == EINVAL) direct_ = false;  // the file system refuses it
     if (fd_ < 0 && !direct_) fd_ = ::open(path_.c_str(), flags, 0644);
     if (fd_ < 0) throw io_error("open", 0, 0, errno);
-    if (const int e = io_uring_queue_init(opt.queue_depth, &ring_, 0); e < 0) {
+    if (const int e = io_uring_queue_init(std::max(opt.queue_depth, ring_entries), &ring_, 0);
+        e < 0) {
       ::close(fd_);
       throw io_error("io_uring_queue_init", 0, 0, -e);
     }
@@ -199,25 +203,41 @@ class File {
       ++st.requests_left;
     }
     if (st.requests_left == 0) transfers_.erase(id);  // nothing to move
+    launch();
     return {id};
   }
 
-  // Fills the submission queue from pending_, then reaps one completion.
-  void pump() {
-    while (in_flight_ < opt_.queue_depth && !pending_.empty()) {
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      if (!sqe) break;
-      auto slot = std::make_unique<Request>(pending_.front());
-      pending_.pop_front();
-      Request& r = *slot;
-      if (r.write)
-        io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
-      else
-        io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
-      io_uring_sqe_set_data(sqe, slot.release());
-      ++in_flight_;
-    }
+  // Hands the pending requests (as many as the rings hold) to the kernel as up to queue_depth
+  // chains: request i in chain i % depth, so the requests in flight stay near each other in the
+  // file. Hard links: a short or failed request does not cancel the rest of its chain (a short
+  // one's remainder comes back to pending_ in reap_one).
+  void launch() {
+    const std::size_t n = std::min({pending_.size(), std::size_t(io_uring_sq_space_left(&ring_)),
+                                    std::size_t(ring_.cq.ring_entries) -
+                                        std::min<std::size_t>(in_flight_, ring_.cq.ring_entries)});
+    if (n == 0) return;
+    const std::size_t chains = std::min<std::size_t>(opt_.queue_depth, n);
+    for (std::size_t c = 0; c < chains; ++c)
+      for (std::size_t i = c; i < n; i += chains) {
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+        auto slot = std::make_unique<Request>(pending_[i]);
+        Request& r = *slot;
+        if (r.write)
+          io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
+                              r.offset + r.done);
+        else
+          io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
+        if (i + chains < n) sqe->flags |= IOSQE_IO_HARDLINK;
+        io_uring_sqe_set_data(sqe, slot.release());
+        ++in_flight_;
+      }
+    pending_.erase(pending_.begin(), pending_.begin() + std::ptrdiff_t(n));
     if (const int e = io_uring_submit(&ring_); e < 0) throw io_error("io_uring_submit", 0, 0, -e);
+  }
+
+  // Hands over what is pending, then reaps one completion.
+  void pump() {
+    launch();
     reap_one();
   }
 
@@ -249,12 +269,16 @@ class File {
       --st.requests_left;
   }
 
+  // Submission entries: a transfer of up to this many requests (4 GiB in 1 MiB blocks) goes to
+  // the kernel at once; a larger one's rest when the first ones end.
+  static constexpr unsigned ring_entries = 4096;
+
   std::filesystem::path path_;
   Options opt_;
   int fd_ = -1;
   bool direct_ = true;
   io_uring ring_{};
-  unsigned in_flight_ = 0;
+  std::size_t in_flight_ = 0;  // submitted, not reaped
   std::deque<Request> pending_;
   std::map<std::uint64_t, State> transfers_;
   std::uint64_t last_id_ = 0;

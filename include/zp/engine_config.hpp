@@ -30,7 +30,7 @@ struct NvmeOptions {
   bool pipeline_read = false;                     // read ahead while a sub-group is stepped
   bool pipeline_write = false;                    // write behind while the next one is stepped
   std::size_t sub_group_size = 1'000'000'000;     // elements of a sub-group (at most the shard)
-  unsigned queue_depth = 8;                       // I/O requests in flight
+  unsigned queue_depth = 8;                       // I/O requests of a transfer in flight
   std::size_t block_size = std::size_t(1) << 20;  // bytes of one request (a multiple of 4 KiB)
 
   void check() const {
