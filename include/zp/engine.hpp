@@ -357,7 +357,7 @@ class Engine {
     if constexpr (Stage == 3) {
       in_context(next > m ? "forward()" : "backward()", [&] {
         timer_.add_gather_wait(params_->use(m));
-        if (config_.prefetch) params_->prefetch(next);
+        if (config_.prefetch) params_->prefetch(next, next + (next - m));
       });
     }
   }

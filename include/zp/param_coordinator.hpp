@@ -4,6 +4,10 @@
 // released when the last guard on them ends, and the model's value views pointed at them in
 // between.
 //
+// Parameters on NVMe (offload_param: nvme): a module's pieces are read from the swap file before
+// its gathers; the read of the module after the prefetched one starts with the prefetch, so it
+// runs while the module before it computes (aio transfers move without the caller).
+//
 // Budget: at most max_live_params elements of non-persistent modules are gathered at once
 // (default twice the largest module, so one module can run while the next is prefetched). A
 // module of at most persist_threshold elements is persistent: gathered once, it stays until the
@@ -40,6 +44,7 @@
 #include "zp/partition.hpp"
 #include "zp/quantized_collectives.hpp"
 #include "zp/step_timer.hpp"
+#include "zp/swap.hpp"
 
 namespace zp {
 
@@ -80,10 +85,17 @@ class ParamCoordinator {
       if (!mods_[std::size_t(m)].persistent) largest = std::max(largest, L.module(m).size);
     }
     cap_ = max_live_params ? max_live_params : 2 * largest;
+    read_spare_.reserve(2);  // drop_read() keeps buffers without allocating
     for (int m = 0; m < L.module_count(); ++m)
       ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
                 " has ", L.module(m).size, " (padded) elements, more than max_live_params = ", cap_,
                 "; raise the cap or split the module");
+  }
+
+  ParamCoordinator(const ParamCoordinator&) = delete;
+  ParamCoordinator& operator=(const ParamCoordinator&) = delete;
+  ~ParamCoordinator() {
+    for (auto& st : mods_) drop_read(st);  // the kernel must not write into freed buffers
   }
 
   // A guard on module m begins: its parameters gathered (waiting for a prefetch in flight) and
@@ -104,7 +116,7 @@ class ParamCoordinator {
       for (auto& w : st.works) w.wait();
       waited = StepTimer::seconds(t, StepTimer::Clock::now());
       st.works.clear();
-      keep(staged_spare_, std::move(st.staged));  // the gathers read it; they are done
+      drop_read(st);  // the gathers read it; they are done
       if (quant_ && !st.from_secondary) dequantize(m);
       if (node_ && !st.persistent && !st.secondary_valid) keep_secondary(m);
       st.state = State::gathered;
@@ -120,20 +132,23 @@ class ParamCoordinator {
     if (--st.uses == 0 && !st.persistent) release(m);
   }
 
-  // Starts gathering module m if it exists, is released and fits without evicting anything.
-  void prefetch(int m) {
+  // Starts gathering module m if it exists, is released and fits without evicting anything;
+  // with parameters on NVMe, starts reading the pieces of `then` (the module expected after m).
+  void prefetch(int m, int then = -1) {
     if (m < 0 || m >= layout().module_count()) return;
     const Module& st = mods_[std::size_t(m)];
     if (st.state != State::released) return;
     if (!st.persistent && live_ + layout().module(m).size > cap_) return;
     gather(m);
+    read_ahead(then);
   }
 
-  // Drops every gathered copy and secondary shard (the shards are about to change, or changed).
-  // No module may be in use.
+  // Drops every gathered copy, read ahead and secondary shard (the shards are about to change,
+  // or changed). No module may be in use.
   void release_all() {
     for (int m = 0; m < layout().module_count(); ++m) {
       release(m);
+      drop_read(mods_[std::size_t(m)]);
       mods_[std::size_t(m)].secondary_valid = false;
     }
   }
@@ -146,9 +161,12 @@ class ParamCoordinator {
     r.gathered_peak = peak_live_ * sizeof(T);
     r.persistent = persistent_live_ * sizeof(T);
     for (const auto& b : spare_) r.gather_cache += b.bytes();
-    for (const auto& b : staged_spare_) r.gather_cache += b.bytes();
     for (const auto& b : packed_spare_) r.gather_cache += b.bytes();
-    for (const auto& mod : mods_) r.secondary += mod.secondary.bytes();
+    for (const auto& b : read_spare_) r.swap_buffers += b.bytes();
+    for (const auto& mod : mods_) {
+      r.secondary += mod.secondary.bytes();
+      if (mod.read) r.swap_buffers += mod.read->bytes();
+    }
   }
 
  private:
@@ -158,7 +176,9 @@ class ParamCoordinator {
     bool persistent = false;
     int uses = 0;  // guards on it not ended yet
     Buffer<T, S> buffer;
-    Buffer<T, S> staged;  // parameters on NVMe: this rank's pieces, the gathers' input
+    // Parameters on NVMe: this rank's pieces read (or being read) from the swap file, the
+    // gathers' input
+    std::optional<typename Swap<T>::Ahead> read;
     // qwZ: this rank's records (one per segment), then every rank's, segment after segment
     Buffer<std::int32_t, S> packed;
     // hpZ: this rank's 1/hpz of each segment, valid from the first gather until the shards change
@@ -190,6 +210,7 @@ class ParamCoordinator {
     st.from_secondary = st.secondary_valid;
     st.state = State::gathering;
     if (st.from_secondary) {  // inside the node: each rank's 1/hpz of each segment
+      drop_read(st);
       const std::size_t h = std::size_t(node_->size());
       std::size_t at = 0;
       for (int s = mod.first_segment; s < mod.end_segment; ++s) {
@@ -201,13 +222,12 @@ class ParamCoordinator {
       }
       return;
     }
-    // Parameters on NVMe: the module's pieces, side by side in the shard, read first.
-    std::size_t staged = 0;
-    if (part_->param_swap()) {
-      std::size_t n = 0;
-      for (int s = mod.first_segment; s < mod.end_segment; ++s) n += layout().segment(s).piece;
-      st.staged = take(staged_spare_, n, "engine: a module's parameter pieces read from NVMe");
-      part_->read_param_pieces(mod.first_segment, mod.end_segment, st.staged.span());
+    // Parameters on NVMe: the module's pieces, side by side in the shard, read first (unless a
+    // read ahead brought them already).
+    std::span<const T> staged;
+    if (auto* sw = part_->param_swap()) {
+      if (!st.read) start_read(m);
+      staged = sw->finish(*st.read);
     }
     const std::size_t ranks = std::size_t(comm_->size()), mine = quant_ ? records_words(m) : 0;
     if (quant_) st.packed = take(packed_spare_, (ranks + 1) * mine, "engine: quantized gathers");
@@ -216,7 +236,8 @@ class ParamCoordinator {
       const auto& g = layout().segment(s);
       const std::span<const T> piece =
           part_->param_swap()
-              ? std::span<const T>(st.staged.span(std::exchange(staged, staged + g.piece), g.piece))
+              ? staged.subspan(g.shard_offset - layout().segment(mod.first_segment).shard_offset,
+                               g.piece)
               : std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span);
       if (!quant_) {
         st.works.push_back(
@@ -280,12 +301,36 @@ class ParamCoordinator {
     if (st.state == State::released) return;
     for (auto& w : st.works) w.wait();  // an in-flight gather still writes the buffer
     st.works.clear();
-    keep(staged_spare_, std::move(st.staged));
+    drop_read(st);
     keep(packed_spare_, std::move(st.packed));
     bind(m, nullptr);
     (st.persistent ? persistent_live_ : live_) -= layout().module(m).size;
     keep(spare_, std::move(st.buffer));
     st.state = State::released;
+  }
+
+  // Parameters on NVMe: starts reading module m's pieces.
+  void start_read(int m) {
+    Module& st = mods_[std::size_t(m)];
+    if (read_spare_.empty())
+      st.read.emplace();
+    else
+      st.read.emplace(std::move(read_spare_.back())), read_spare_.pop_back();
+    const auto& mod = layout().module(m);
+    part_->read_param_pieces(mod.first_segment, mod.end_segment, *st.read);
+  }
+  // Starts reading module m's pieces if it exists and would be gathered from the swap file next.
+  void read_ahead(int m) {
+    if (!part_->param_swap() || m < 0 || m >= layout().module_count()) return;
+    const Module& st = mods_[std::size_t(m)];
+    if (st.state == State::released && !st.read && !st.secondary_valid) start_read(m);
+  }
+  // Ends the read of st's pieces (waited for), its buffer kept for the next (at most 2).
+  void drop_read(Module& st) noexcept {
+    if (!st.read) return;
+    part_->param_swap()->drop(*st.read);
+    if (read_spare_.size() < 2) read_spare_.push_back(std::move(*st.read));
+    st.read.reset();
   }
 
   // Released buffers kept for the next gathers (at most 2 a pool): re-allocating them every time
@@ -322,7 +367,7 @@ class ParamCoordinator {
   const Partitioned<T, 3, S>* part_;
   std::span<View<T>* const> values_;
   std::vector<Buffer<T, S>> spare_;                    // released gather buffers kept for reuse
-  std::vector<Buffer<T, S>> staged_spare_;             // ... and released NVMe staging buffers
+  std::vector<typename Swap<T>::Ahead> read_spare_;    // ... and NVMe read buffers
   std::vector<Buffer<std::int32_t, S>> packed_spare_;  // ... and qwZ's records
   Collective<B>* node_;                                // hpZ's node group, or null
   std::optional<quant::Format> quant_;

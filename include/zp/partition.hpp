@@ -43,13 +43,14 @@ struct MemoryReport {
   std::size_t gathered = 0;         // stage 3: gathered parameters live now
   std::size_t gathered_peak = 0;    // stage 3: most gathered non-persistent bytes at once
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
-  std::size_t gather_cache = 0;     // stage 3: released gather, NVMe and qwZ buffers kept
+  std::size_t gather_cache = 0;     // stage 3: released gather and qwZ buffers kept
   std::size_t secondary = 0;        // stage 3 with hpZ: the secondary shards of the modules
   std::size_t offloaded =
       0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
   std::size_t nvme =
       0;  // of params + master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
-  std::size_t swap_buffers = 0;  // host memory the swap moves them through (swap.hpp)
+  std::size_t swap_buffers = 0;  // host memory the swaps move them through (swap.hpp; stage 3's
+                                 // parameter reads too)
 
   std::size_t model_states() const noexcept { return params + grads + master + optimizer_state; }
   // Bytes in memory (the model states less those on NVMe, and the scratch).
@@ -278,14 +279,14 @@ class Partitioned {
     fn(owned<F>(s, e, k), on_host(F));
   }
 
-  // Swapped parameters (stage 3): this rank's pieces of segments [first, end), which lie side
-  // by side in the shard, read into out.
-  void read_param_pieces(int first, int end, std::span<T> out) const {
-    param_swap_->read(0, place<Field::param>(first, Extent::piece).at, out);
-    ZP_ASSERT(end <= first || out.size() == place<Field::param>(end - 1, Extent::piece).at +
-                                                layout_.segment(end - 1).piece -
-                                                place<Field::param>(first, Extent::piece).at,
-              "partition: segments ", first, " to ", end, " are not side by side in the shard");
+  // Swapped parameters (stage 3): starts reading this rank's pieces of segments [first, end),
+  // which lie side by side in the shard, into `into` (param_swap()->finish(into) gives them).
+  void read_param_pieces(int first, int end, typename Swap<T>::Ahead& into) const {
+    if (end <= first) return param_swap_->read_ahead(0, 0, into);
+    const std::size_t at = place<Field::param>(first, Extent::piece).at,
+                      to = place<Field::param>(end - 1, Extent::piece).at +
+                           layout_.segment(end - 1).piece;
+    param_swap_->read_ahead(at, to - at, into);
   }
 
   // The optimizer's view of the elements of segment s this rank updates; F32: the gradient from

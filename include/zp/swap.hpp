@@ -35,6 +35,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zp/engine_config.hpp"
@@ -166,6 +167,42 @@ class Swap {
     dirty_ = false;
   }
 
+  // ---- reading ahead (one field: element i lies at byte i * sizeof(U) of the file) ----------
+
+  // A read in flight into a buffer of whole pages around the elements (kept for the next read).
+  struct Ahead {
+    aio::AlignedBuffer buffer{0};
+    aio::Transfer transfer;
+    std::size_t skip = 0, n = 0;  // the elements: from byte `skip` of the buffer, n of them
+    std::size_t bytes() const noexcept { return buffer.span().size(); }
+  };
+  // Starts reading elements [at, at + n) into `into`; finish(into) gives them. The read runs
+  // while the caller goes on (aio::File), from what write() left too.
+  void read_ahead(std::size_t at, std::size_t n, Ahead& into) {
+    ZP_ASSERT(fields_ == 1, "swap: reading ahead needs a swap of one field, this one has ",
+              fields_);
+    flush();
+    const std::size_t page = aio::alignment, first = at * sizeof(U) / page * page,
+                      end = ((at + n) * sizeof(U) + page - 1) / page * page;
+    if (into.buffer.span().size() < end - first) into.buffer = aio::AlignedBuffer(end - first);
+    into.skip = at * sizeof(U) - first;
+    into.n = n;
+    into.transfer = file_->read_async(into.buffer.span().first(end - first), first);
+  }
+  // The elements of `a` once its read is done (throws its error).
+  std::span<const U> finish(Ahead& a) {
+    file_->wait(std::exchange(a.transfer, {}));
+    return {reinterpret_cast<const U*>(a.buffer.span().data() + a.skip), a.n};
+  }
+  // Waits for `a`'s read, whose elements nobody needs now: its errors are dropped (a read that
+  // needs them meets them again).
+  void drop(Ahead& a) noexcept {
+    try {
+      file_->wait(std::exchange(a.transfer, {}));
+    } catch (...) {
+    }
+  }
+
   // ---- the optimizer step ------------------------------------------------------------------
 
   // Where field f of sub-group c is while it is stepped (between enter(c) and leave(c)).
@@ -286,6 +323,12 @@ class Swap {
   void read(int, std::size_t, std::span<U>) {}
   void write(int, std::size_t, std::span<const U>) {}
   void flush() {}
+  struct Ahead {
+    std::size_t bytes() const noexcept { return 0; }
+  };
+  void read_ahead(std::size_t, std::size_t, Ahead&) {}
+  std::span<const U> finish(Ahead&) { return {}; }
+  void drop(Ahead&) noexcept {}
   U* slot(std::size_t, int) const noexcept { return nullptr; }
   void begin_step() {}
   void enter(std::size_t) {}
