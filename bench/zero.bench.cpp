@@ -22,7 +22,9 @@
 //   step's, measured in the same run). link_MBps:0 has no slow
 //   link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
 //   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
-//   collective lasts at least the bytes the rank moves across nodes / L).
+//   collective lasts at least the bytes the rank moves across nodes / L). backward_ms:C: each
+//   module's backward sleeps C ms more (compute elsewhere, as on a device: what the gradient
+//   reductions can overlap); the others' backward is a memcpy.
 #include <benchmark/benchmark.h>
 
 #include <zp/backend/threads.hpp>
@@ -50,6 +52,7 @@ constexpr std::size_t weight_elems = 6'400'000, bias_elems = 1'000;
 struct Synthetic : zp::bench::SyntheticParams<modules> {
   std::vector<bf16> grad_w, grad_b;  // the "computed" gradient each backward writes
   float sink = 0;
+  double backward_seconds = 0;  // a module's backward also sleeps this long
 
   Synthetic()
       : SyntheticParams(weight_elems, bias_elems),
@@ -64,6 +67,8 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
     sink += acc + float(b[m].value[0]);
   }
   void backward(int m) {
+    if (backward_seconds > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(backward_seconds));
     std::memcpy(static_cast<void*>(w[m].grad.data()), grad_w.data(), weight_elems * sizeof(bf16));
     std::memcpy(static_cast<void*>(b[m].grad.data()), grad_b.data(), bias_elems * sizeof(bf16));
   }
@@ -228,6 +233,7 @@ void zeropp_step(benchmark::State& state) {
           p = step_traffic(engine, comm, base);
         }
         Synthetic model;
+        model.backward_seconds = double(state.range(2)) / 1e3;
         zp::Engine<Threads, bf16, 3> engine(comm, model, zeropp_config(v));
         zp::bench::train_step(engine, model);
         const Traffic t = step_traffic(engine, comm, model);
@@ -246,9 +252,10 @@ void zeropp_step(benchmark::State& state) {
   state.counters["cross_vs_plain"] = mine.cross / plain.cross;
 }
 
-// Names: zeropp_step/variant:V/link_MBps:L/iterations:3/manual_time (V: 0 plain, 1 qwZ, 2 hpZ,
-// 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ; L: 0 no simulated link, else each
-// rank's link to the other node in MB/s)
+// Names: zeropp_step/variant:V/link_MBps:L/backward_ms:C/iterations:3/manual_time (V: 0 plain,
+// 1 qwZ, 2 hpZ, 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ; L: 0 no simulated
+// link, else each rank's link to the other node in MB/s; C: each module's backward also sleeps
+// C ms, a model that computes elsewhere (as on a device) while its gradients are reduced)
 // and zero_step/stage:S/ranks:N/iterations:3/manual_time.
 template <int Stage>
 void register_stage(std::initializer_list<int> ranks) {
@@ -260,8 +267,9 @@ void register_stage(std::initializer_list<int> ranks) {
 
 void register_local() {
   benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
-      ->ArgNames({"variant", "link_MBps"})
-      ->ArgsProduct({{0, 1, 2, 3, 4, 5}, {0, 1000, 250}})
+      ->ArgNames({"variant", "link_MBps", "backward_ms"})
+      ->ArgsProduct({{0, 1, 2, 3, 4, 5}, {0, 1000, 250}, {0}})
+      ->ArgsProduct({{0, 3, 4}, {250}, {40}})
       ->Iterations(3)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

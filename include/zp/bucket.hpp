@@ -18,9 +18,12 @@
 // locally in the full buffer without communication.
 //
 // Quantized (ZeRO++'s qgZ, quantize_gradients(); scatter_accumulate in host memory): a bucket's
-// reduce_scatter is quantized_collectives.hpp's two-hop one, run when the bucket launches
-// (blocking, so it does not overlap backward), its fp32 average written to this rank's piece of
-// the slot (rounded to the reduction's type) for the completion to fold as usual.
+// reduce_scatter is quantized_collectives.hpp's two-hop one, in flight while backward goes on:
+// bucket k's hop 1 starts when it launches, its hop 2 when bucket k + 1 launches, and it ends
+// when bucket k + 2 launches (or at finish()), so each hop overlaps about one bucket's backward.
+// Those points are the same on every rank, so every rank issues the hops in one order. Two run
+// at once, each in a scratch set of its own. Its completion writes the fp32 average to this
+// rank's piece of the slot (rounded to the reduction's type) and folds as usual.
 //
 // Precision (GradPrecision, DeepSpeed's grad_accum_dtype and communication_data_type): the model
 // always writes T. With fp32 accumulation, stage 0/1 add each micro-step's T gradients into a
@@ -31,10 +34,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -160,6 +165,11 @@ class GradBuckets {
   // Waits for every launched reduction, dropping errors (teardown and unwinding paths).
   void wait_all_quietly() noexcept {
     for (auto& b : buckets_) b.work = Work{};
+    if (qgz_)
+      for (int s : inflight_) try {
+          if (auto* set = set_of(s)) set->op->finish();
+        } catch (...) {
+        }
   }
 
   // Reduces every bucket from now on with qgZ's quantized two-hop reduce_scatter over nodes
@@ -176,10 +186,11 @@ class GradBuckets {
     const std::size_t piece = layout_->largest_segment() / std::size_t(comm_->size());
     const auto need =
         quant::reduce_scratch(f, std::size_t(comm_->size()), std::size_t(peers.size()), piece);
-    qgz_.emplace(Quantized{
-        &node, &peers, f, Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
-        Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
-        Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums")});
+    qgz_.emplace(Quantized{&node, &peers, f, {}});
+    for (auto& set : qgz_->sets)
+      set = {Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
+             Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
+             Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums")};
   }
 
   int count() const noexcept { return int(buckets_.size()); }
@@ -189,7 +200,9 @@ class GradBuckets {
     std::size_t b = 0;
     for (const auto& s : slots_) b += s.bytes();
     for (const auto& s : slots32_) b += s.bytes();
-    if (qgz_) b += qgz_->send.bytes() + qgz_->recv.bytes() + qgz_->sums.bytes();
+    if (qgz_)
+      for (const auto& set : qgz_->sets)
+        b += set.send.bytes() + set.recv.bytes() + set.sums.bytes();
     return b;
   }
 
@@ -343,7 +356,7 @@ class GradBuckets {
           break;
         case Reduction::scatter_accumulate:
           if (qgz_) {
-            reduce_quantized(b);
+            start_quantized(b);
           } else if (precision_.reduce_f32) {
             Memory<S>::convert(slot32_span(b), std::span<const T>(slot_span(b)));
             b.work = comm_->reduce_scatter_async(slot32_span(b), ReduceOp::avg);
@@ -358,15 +371,48 @@ class GradBuckets {
     }
   }
 
-  // qgZ: bucket b's average, reduced now, into this rank's piece of its slot.
-  void reduce_quantized(Bucket& b) {
-    const auto& g = layout_->segment(b.segment);
+  // qgZ: a scratch set's partial sums, then this rank's piece of the reduction.
+  std::size_t partial_sums(const auto& set) const {
+    return set.sums.size() - layout_->largest_segment() / std::size_t(comm_->size());
+  }
+  std::span<float> reduced_piece(const auto& set, const Bucket& b) const {
+    return set.sums.span(partial_sums(set), layout_->segment(b.segment).piece);
+  }
+  auto* set_of(int s) {
+    for (auto& set : qgz_->sets)
+      if (set.bucket == s) return &set;
+    return static_cast<typename Quantized::Set*>(nullptr);
+  }
+
+  // qgZ: starts bucket b's reduction in a free scratch set (completing the oldest bucket in
+  // flight while none is free), after moving the others on to hop 2.
+  void start_quantized(Bucket& b) {
     Quantized& q = *qgz_;
-    const std::size_t partial =
-        q.sums.size() - layout_->largest_segment() / std::size_t(comm_->size());
-    const std::span<float> mine = q.sums.span(partial, g.piece);
-    quant::reduce_scatter(*q.node, *q.peers, std::span<const T>(slot_span(b)), mine, q.format,
-                          q.send.span(), q.recv.span(), q.sums.span(0, partial));
+    while (!set_of(-1)) complete(inflight_.front());
+    for (int s : inflight_) set_of(s)->op->advance();
+    auto& set = *set_of(-1);
+    set.op = std::make_unique<quant::ReduceScatter<B, T>>(
+        *q.node, *q.peers, std::span<const T>(slot_span(b)), reduced_piece(set, b), q.format,
+        set.send.span(), set.recv.span(), set.sums.span(0, partial_sums(set)));
+    set.op->start();
+    set.bucket = b.segment;
+  }
+  // qgZ: bucket b's reduction finished; its average into this rank's piece of its slot.
+  void finish_quantized(Bucket& b) {
+    auto& set = *set_of(b.segment);
+    const auto release = [&] {
+      set.op.reset();
+      set.bucket = -1;
+    };
+    try {
+      set.op->finish();
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+    const auto& g = layout_->segment(b.segment);
+    const std::span<float> mine = reduced_piece(set, b);
     const float n = float(comm_->size());
     for (float& x : mine) x /= n;
     const std::size_t at = std::size_t(comm_->rank()) * g.piece;
@@ -381,7 +427,10 @@ class GradBuckets {
     Bucket& b = at(s);
     ZP_ASSERT(!inflight_.empty() && inflight_.front() == s, "buckets: completion out of order");
     inflight_.pop_front();
-    b.work.wait();
+    if (qgz_)
+      finish_quantized(b);
+    else
+      b.work.wait();
     const auto& g = layout_->segment(s);
     const std::size_t at = std::size_t(comm_->rank()) * g.piece;
     const auto dst = acc_.subspan(g.shard_offset, g.piece);
@@ -429,8 +478,13 @@ class GradBuckets {
   struct Quantized {
     Collective<B>*node, *peers;
     quant::Format format;
-    Buffer<std::int32_t, S> send, recv;
-    Buffer<float, S> sums;  // the node's partial sums, then this rank's piece
+    struct Set {
+      Buffer<std::int32_t, S> send, recv;
+      Buffer<float, S> sums;  // the node's partial sums, then this rank's piece
+      std::unique_ptr<quant::ReduceScatter<B, T>> op;  // after what it uses: destroyed first
+      int bucket = -1;                                 // the segment reduced in it, or -1
+    };
+    std::array<Set, 2> sets;
   };
   std::optional<Quantized> qgz_;
   std::size_t next_ = 0;  // the next bucket to launch

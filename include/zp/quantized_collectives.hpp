@@ -89,43 +89,125 @@ inline ReduceScratchSize reduce_scratch(const Format& f, std::size_t ranks, std:
   return {ranks * record_words(f, piece), nodes * piece};
 }
 
-// qgZ's two-hop reduce-scatter (see the top of this file), through caller-owned scratch of at
-// least reduce_scratch()'s sizes. Host memory; blocking.
+// qgZ's two-hop reduce-scatter (see the top of this file) in flight, through caller-owned
+// scratch of at least reduce_scratch()'s sizes, which it uses until it is finished. Host memory.
+// start() packs hop 1's records and starts its all_to_all; advance() waits for hop 1, sums its
+// records and starts hop 2; finish() waits for it to end. Each call issues collectives, so every
+// rank must make the same calls in the same order (a backend may run one process's operations,
+// over all its communicators, one after the other in the order they were issued).
+template <Backend B, class T>
+class ReduceScatter {
+ public:
+  ReduceScatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
+                std::span<float> out, const Format& f, std::span<std::int32_t> send,
+                std::span<std::int32_t> recv, std::span<float> partial)
+      : node_(&node),
+        peers_(&peers),
+        in_(in),
+        out_(out),
+        f_(f),
+        h_(std::size_t(node.size())),
+        nodes_(std::size_t(peers.size())),
+        rw_((f.check(), record_words(f, out.size()))) {
+    const std::size_t ranks = h_ * nodes_, piece = out.size();
+    ZP_EXPECT(in.size() == ranks * piece, "quantized reduce_scatter: ", in.size(),
+              " values in for ", ranks, " ranks (", nodes_, " nodes of ", h_, ") of ", piece,
+              " each");
+    const ReduceScratchSize need = reduce_scratch(f, ranks, nodes_, piece);
+    ZP_EXPECT(send.size() >= need.records && recv.size() >= need.records &&
+                  partial.size() >= need.partial,
+              "quantized reduce_scatter: scratch of ", send.size(), ", ", recv.size(), " and ",
+              partial.size(), " elements, less than ", need.records, " record words and ",
+              need.partial, " partial sums");
+    send_ = send.first(need.records);
+    recv_ = recv.first(need.records);
+    partial_ = partial.first(need.partial);
+  }
+  ReduceScatter(const ReduceScatter&) = delete;
+  ReduceScatter& operator=(const ReduceScatter&) = delete;
+
+  // Hop 1: block j of the send buffer holds, node by node, the pieces local rank j sums.
+  void start() {
+    const std::size_t piece = out_.size();
+    for (std::size_t j = 0; j < h_; ++j)
+      for (std::size_t n = 0; n < nodes_; ++n)
+        pack(in_.subspan((n * h_ + j) * piece, piece), f_,
+             send_.subspan((j * nodes_ + n) * rw_, rw_));
+    work_ = node_->all_to_all_async(std::span<const std::int32_t>(send_), recv_);
+    hop_ = 1;
+  }
+  // Hop 1 done and hop 2 started (if hop 1 is in flight).
+  void advance() {
+    ended_on_error([&] {
+      if (hop_ != 1) return;
+      work_.wait();
+      next();
+    });
+  }
+  void finish() {
+    ended_on_error([&] {
+      while (hop_ != 0) {
+        work_.wait();
+        next();
+      }
+    });
+  }
+
+ private:
+  // The hop in flight is done: hop 1's records summed and hop 2 started, or hop 2's summed.
+  void next() {
+    const std::size_t piece = out_.size();
+    if (hop_ == 2) {
+      std::fill(out_.begin(), out_.end(), 0.0f);
+      for (std::size_t n = 0; n < nodes_; ++n)
+        unpack<true>(f_, std::span<const std::int32_t>(recv_.subspan(n * rw_, rw_)), out_);
+      hop_ = 0;
+      return;
+    }
+    std::fill(partial_.begin(), partial_.end(), 0.0f);  // node n's sum of rank n*h+me's piece
+    for (std::size_t i = 0; i < h_; ++i)
+      for (std::size_t n = 0; n < nodes_; ++n)
+        unpack<true>(f_, std::span<const std::int32_t>(recv_.subspan((i * nodes_ + n) * rw_, rw_)),
+                     partial_.subspan(n * piece, piece));
+    // Hop 2: the partial of node n's piece to node n.
+    for (std::size_t n = 0; n < nodes_; ++n)
+      pack(std::span<const float>(partial_.subspan(n * piece, piece)), f_,
+           send_.subspan(n * rw_, rw_));
+    work_ = peers_->all_to_all_async(std::span<const std::int32_t>(send_.first(nodes_ * rw_)),
+                                     recv_.first(nodes_ * rw_));
+    hop_ = 2;
+  }
+
+  // An operation whose hop failed ends there (its error on its way up); it posts nothing more.
+  template <class F>
+  void ended_on_error(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      hop_ = 0;
+      throw;
+    }
+  }
+
+  Collective<B>*node_, *peers_;
+  std::span<const T> in_;
+  std::span<float> out_;
+  Format f_;
+  std::size_t h_, nodes_, rw_;
+  std::span<std::int32_t> send_, recv_;
+  std::span<float> partial_;
+  int hop_ = 0;                        // the hop in flight (0: none)
+  typename Collective<B>::Work work_;  // last: waited for (destroyed) before anything it uses
+};
+
+// ... blocking.
 template <Backend B, class T>
 void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
                     std::span<float> out, const Format& f, std::span<std::int32_t> send,
                     std::span<std::int32_t> recv, std::span<float> partial) {
-  f.check();
-  const std::size_t h = std::size_t(node.size()), nodes = std::size_t(peers.size()),
-                    ranks = h * nodes, piece = out.size(), rw = record_words(f, piece);
-  ZP_EXPECT(in.size() == ranks * piece, "quantized reduce_scatter: ", in.size(), " values in for ",
-            ranks, " ranks (", nodes, " nodes of ", h, ") of ", piece, " each");
-  const ReduceScratchSize need = reduce_scratch(f, ranks, nodes, piece);
-  ZP_EXPECT(
-      send.size() >= need.records && recv.size() >= need.records && partial.size() >= need.partial,
-      "quantized reduce_scatter: scratch of ", send.size(), ", ", recv.size(), " and ",
-      partial.size(), " elements, less than ", need.records, " record words and ", need.partial,
-      " partial sums");
-  send = send.first(need.records);
-  recv = recv.first(need.records);
-  partial = partial.first(need.partial);
-  // Hop 1: block j of the send buffer holds, node by node, the pieces local rank j sums.
-  for (std::size_t j = 0; j < h; ++j)
-    for (std::size_t n = 0; n < nodes; ++n)
-      pack(in.subspan((n * h + j) * piece, piece), f, send.subspan((j * nodes + n) * rw, rw));
-  node.all_to_all(std::span<const std::int32_t>(send), recv);
-  std::fill(partial.begin(), partial.end(), 0.0f);  // node n's sum of rank n*h+me's piece
-  for (std::size_t i = 0; i < h; ++i)
-    for (std::size_t n = 0; n < nodes; ++n)
-      unpack<true>(f, std::span<const std::int32_t>(recv.subspan((i * nodes + n) * rw, rw)),
-                   partial.subspan(n * piece, piece));
-  // Hop 2: the partial of node n's piece to node n.
-  for (std::size_t n = 0; n < nodes; ++n)
-    pack(std::span<const float>(partial.subspan(n * piece, piece)), f, send.subspan(n * rw, rw));
-  peers.all_to_all(std::span<const std::int32_t>(send.first(nodes * rw)), recv.first(nodes * rw));
-  std::fill(out.begin(), out.end(), 0.0f);
-  for (std::size_t n = 0; n < nodes; ++n)
-    unpack<true>(f, std::span<const std::int32_t>(recv.subspan(n * rw, rw)), out);
+  ReduceScatter<B, T> op(node, peers, in, out, f, send, recv, partial);
+  op.start();
+  op.finish();
 }
 
 // ... with scratch of its own.
