@@ -2,8 +2,9 @@
 // written and read at random, steps over every sub-group, each buffer count and pipeline, every
 // element read back checked), and the faults an engine meets: nvme_path missing, not a
 // directory or not writable on one rank, a file system too small for the swap, a swap file
-// truncated under a running job (an error naming the path on every rank, the engine unusable,
-// the last checkpoint loading bitwise) or deleted under it (nothing lost), and the swap files of
+// (the optimizer state's or stage 3's parameters') truncated under a running job (an error
+// naming the path on every rank, the engine unusable after a failed optimizer step, the last
+// checkpoint loading bitwise) or deleted under it (nothing lost), and the swap files of
 // a process that died.
 #include <doctest/doctest.h>
 
@@ -210,59 +211,76 @@ TEST_CASE("a file system too small for the swap is an error naming the path at c
   CHECK(swap_files(dir.path).empty());  // nothing left behind
 }
 
+// The optimizer state's swap (its step fails) and stage 3's parameter swap (a module's gather,
+// read ahead or not, fails): the engine unusable after a failed optimizer step.
 TEST_CASE(
     "a swap file truncated under a running job: an error on every rank, the checkpoint loads") {
-  TempDir drive("swap"), ckpt("ckpt");
-  struct Snap {
-    std::vector<float> params, master, m, v;
-  };
-  auto snap = [](auto& e) {
-    return Snap{e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1)};
-  };
-  Snap saved, loaded;
-  std::vector<std::string> errors(2);
-  std::vector<int> unusable(2, 0);
-  run_threads(2, [&](Collective<Threads>& comm) {
-    Mlp<float> model;
-    zp::Engine<Threads, float, 3> e(comm, model, nvme_config(drive.path));
-    train(e, model, 0, 2);
-    zp::save_checkpoint(e, ckpt.path, "good");
-    auto s = snap(e);
-    if (comm.rank() == 0) saved = std::move(s);
-    comm.barrier();
-    if (comm.rank() == 1) fs::resize_file(swap_files(drive.path).at(0), 4096);
-    comm.barrier();
-    try {
-      train(e, model, 2, 3);
-    } catch (const zp::Error& x) {
-      errors[std::size_t(comm.rank())] = x.what();
+  for (const bool params : {false, true}) {
+    CAPTURE(params);
+    TempDir drive("swap"), ckpt("ckpt");
+    EngineConfig cfg = nvme_config(drive.path);
+    if (params) std::swap(cfg.param_nvme, cfg.optimizer_nvme);
+    struct Snap {
+      std::vector<float> params, master, m, v;
+    };
+    auto snap = [](auto& e) {
+      return Snap{e.gather_params(), e.gather_master(), e.gather_state(0), e.gather_state(1)};
+    };
+    Snap saved, loaded;
+    std::vector<std::string> errors(2);
+    std::vector<int> unusable(2, 0);
+    // A gather's failure on one rank reaches the others through the communicator: the rank
+    // leaves with it (as a trainer's would), and those waiting for it learn its cause.
+    const auto job = [&](auto&& rank) {
+      try {
+        run_threads(2, rank);
+      } catch (const zp::Error&) {
+        CHECK(params);
+      }
+    };
+    job([&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      zp::Engine<Threads, float, 3> e(comm, model, cfg);
+      train(e, model, 0, 2);
+      zp::save_checkpoint(e, ckpt.path, "good");
+      auto s = snap(e);
+      if (comm.rank() == 0) saved = std::move(s);
+      comm.barrier();
+      if (comm.rank() == 1) fs::resize_file(swap_files(drive.path).at(0), 4096);
+      comm.barrier();
+      try {
+        train(e, model, 2, 3);
+      } catch (const zp::Error& x) {
+        errors[std::size_t(comm.rank())] = x.what();
+        if (params) throw;
+      }
+      try {
+        train(e, model, 3, 4);
+      } catch (const zp::Error& x) {
+        unusable[std::size_t(comm.rank())] =
+            std::string(x.what()).find("unusable since the optimizer step on NVMe failed") !=
+            std::string::npos;
+      }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      INFO(errors[r]);
+      CHECK(errors[r].find(".swap'") != std::string::npos);  // the file, as the reader saw it
+      CHECK(errors[r].find(drive.path.string()) != std::string::npos);
+      CHECK(unusable[r] == !params);
     }
-    try {
-      train(e, model, 3, 4);
-    } catch (const zp::Error& x) {
-      unusable[std::size_t(comm.rank())] =
-          std::string(x.what()).find("unusable since the optimizer step on NVMe failed") !=
-          std::string::npos;
-    }
-  });
-  for (std::size_t r = 0; r < 2; ++r) {
-    INFO(errors[r]);
-    CHECK(errors[r].find(".swap'") != std::string::npos);  // the file, as the reader saw it
-    CHECK(errors[r].find(drive.path.string()) != std::string::npos);
-    CHECK(unusable[r]);
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<float> model;
+      zp::Engine<Threads, float, 3> e(comm, model, cfg);
+      zp::load_checkpoint(e, ckpt.path);
+      auto s = snap(e);
+      if (comm.rank() == 0) loaded = std::move(s);
+    });
+    CHECK(loaded.params == saved.params);
+    CHECK(loaded.master == saved.master);
+    CHECK(loaded.m == saved.m);
+    CHECK(loaded.v == saved.v);
+    CHECK(swap_files(drive.path).empty());
   }
-  run_threads(2, [&](Collective<Threads>& comm) {
-    Mlp<float> model;
-    zp::Engine<Threads, float, 3> e(comm, model, nvme_config(drive.path));
-    zp::load_checkpoint(e, ckpt.path);
-    auto s = snap(e);
-    if (comm.rank() == 0) loaded = std::move(s);
-  });
-  CHECK(loaded.params == saved.params);
-  CHECK(loaded.master == saved.master);
-  CHECK(loaded.m == saved.m);
-  CHECK(loaded.v == saved.v);
-  CHECK(swap_files(drive.path).empty());
 }
 
 // Unlinked, a file lives on while it is open: the job keeps its state and trains on unchanged.
