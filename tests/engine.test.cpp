@@ -827,13 +827,20 @@ void forward_backward(E& e, Mlp<T>& m, std::int64_t first, int throw_in_backward
   }
 }
 
+// qgz: 4 ranks as 2 nodes of 2 with quantized gradients, whose two-hop reductions are in flight.
 template <int Stage>
-void destroy_in_flight(int reps) {
+void destroy_in_flight(int reps, bool qgz = false) {
+  const int ranks = qgz ? 4 : 3;
+  EngineConfig cfg = test_config(2, 1);
+  if (qgz) {
+    cfg.quantized_gradients = zp::zero_quantized_gradients;
+    cfg.ranks_per_node = 2;
+  }
   for (int rep = 0; rep < reps; ++rep)
-    run_threads(3, [&](Collective<Threads>& comm) {
+    run_threads(ranks, [&](Collective<Threads>& comm) {
       Mlp<zp::bf16> model;
       {
-        zp::Engine<Threads, zp::bf16, Stage> engine(comm, model, test_config(2, 1));
+        zp::Engine<Threads, zp::bf16, Stage> engine(comm, model, cfg);
         zp::test::micro_step(engine, model, comm.rank() * 2, 2);
         forward_backward(engine, model, 6 + comm.rank() * 2);
       }  // left between backward and step: the reductions must finish before the buckets go
@@ -841,7 +848,7 @@ void destroy_in_flight(int reps) {
       // The communicator is still in step: a collective after the teardown sums correctly.
       std::int64_t x = 1;
       comm.all_reduce(std::span<std::int64_t>(&x, 1));
-      CHECK(x == 3);
+      CHECK(x == ranks);
     });
 }
 
@@ -898,6 +905,8 @@ TEST_CASE("an engine destroyed while its reductions are in flight completes them
   destroy_in_flight<1>(4);
   destroy_in_flight<2>(4);
   destroy_in_flight<3>(4);
+  destroy_in_flight<2>(2, true);
+  destroy_in_flight<3>(2, true);
 }
 
 TEST_CASE("an exception inside a backward guard leaves nothing in flight and poisons no data") {
