@@ -397,17 +397,9 @@ class GradBuckets {
   // qgZ: bucket b's reduction finished; its average into this rank's piece of its slot.
   void finish_quantized(Bucket& b) {
     auto& set = *set_of(b.segment);
-    const auto release = [&] {
-      set.op.reset();
-      set.bucket = -1;
-    };
-    try {
-      set.op->finish();
-    } catch (...) {
-      release();
-      throw;
-    }
-    release();
+    const auto op = std::move(set.op);  // the set is free once this returns, or throws
+    set.bucket = -1;
+    op->finish();
     const auto& g = layout_->segment(b.segment);
     const std::span<float> mine = reduced_piece(set, b);
     const float n = float(comm_->size());

@@ -329,16 +329,16 @@ class ParamCoordinator {
   void drop_read(Module& st) noexcept {
     if (!st.read) return;
     part_->param_swap()->drop(*st.read);
-    if (read_spare_.size() < 2) read_spare_.push_back(std::move(*st.read));
+    keep(read_spare_, std::move(*st.read));
     st.read.reset();
   }
 
   // Released buffers kept for the next gathers (at most 2 a pool): re-allocating them every time
   // costs page faults (host) or allocator calls (device) on every module of every step.
-  template <class U>
-  static void keep(std::vector<Buffer<U, S>>& pool, Buffer<U, S>&& b) {
-    if (b.size() > 0 && pool.size() < 2) pool.push_back(std::move(b));
-    b = Buffer<U, S>();
+  template <class V>
+  static void keep(std::vector<V>& pool, V&& b) {
+    if (b.bytes() > 0 && pool.size() < 2) pool.push_back(std::move(b));
+    b = V();
   }
 
   template <class U>
