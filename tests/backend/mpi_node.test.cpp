@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -226,6 +227,20 @@ TEST_CASE("sub-groups from split run the node path over their own layout") {
     const auto got = run(group, c, seed + std::uint64_t(r % 2), Launch::blocking);
     CHECK(got == threads_output(c, g, group.rank(), seed + std::uint64_t(r % 2)));
   }
+}
+
+// A name in /dev/shm outlives a job killed while it exists; the segment must never have one.
+TEST_CASE("the node's segment is an unnamed memfd, mapped by every local rank") {
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
+  if (comm.backend().node_layout().per_node < 2) return;  // no segment without a second rank
+  std::ifstream maps("/proc/self/maps");
+  int memfd = 0, named = 0;
+  for (std::string line; std::getline(maps, line);) {
+    memfd += line.find("/memfd:zp-node") != std::string::npos;
+    named += line.find("/dev/shm/zp-") != std::string::npos;
+  }
+  CHECK(memfd >= 1);
+  CHECK(named == 0);
 }
 
 int main(int argc, char** argv) { return zp::test::mpi_main(argc, argv, "mpi_node.test"); }

@@ -33,13 +33,13 @@
 // backend with as many ranks, on any layout. (The chain runs its rounds one after another: a
 // pipelined ring across nodes would be faster at many nodes and is not built yet.)
 //
-// Failure: the segment is unlinked as soon as every local rank has mapped it, so no segment
-// outlives the job, whatever kills it. A wait in the barrier runs under the backend's watchdog
-// (Options::timeout ends the job naming the operation); a local rank whose process is gone
-// ends the job at once, naming it, whether the others wait in the segment or, through the
-// watchdog's PeerCheck, inside any MPI call of the communicator. The segment's memory is
-// reserved when it is made (posix_fallocate), so a full /dev/shm is an error naming the size,
-// not a SIGBUS later.
+// Failure: the segment is a memfd of local rank 0, which the others open through /proc: it never
+// has a name, so the kernel frees it when the node's last process that maps it ends, whatever
+// kills them. A wait in the barrier runs under the backend's watchdog (Options::timeout ends the
+// job naming the operation); a local rank whose process is gone ends the job at once, naming
+// it, whether the others wait in the segment or, through the watchdog's PeerCheck, inside any
+// MPI call of the communicator. The segment's memory is reserved when it is made
+// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later.
 #pragma once
 
 #include <fcntl.h>
@@ -144,39 +144,42 @@ class NodeSegment final : public PeerCheck {
     check(MPI_Comm_size(node, &size_), "MPI_Comm_size (node)", rank);
     header_ = round_up(std::size_t(size_) * sizeof(Peer), 4096);
     bytes_ = header_ + std::size_t(size_) * 2 * area_;
-    static std::atomic<unsigned> made{0};
-    char name[64] = {};
+    // Local rank 0 makes the segment as a memfd; the others open it through /proc. It never
+    // has a name, so it lives exactly as long as a process maps it (or holds it open).
     std::string error;
     int fd = -1;
+    std::int32_t made[2] = {0, -1};  // local rank 0's pid and its descriptor of the segment
     if (local_ == 0) {
-      std::snprintf(name, sizeof name, "/zp-%d-%u", int(getpid()), made.fetch_add(1));
-      fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+      fd = memfd_create("zp-node", MFD_CLOEXEC);
       if (fd < 0) {
-        error = os_error("shm_open(O_CREAT)", name);
+        error = os_error("memfd_create", "");
       } else if (const int e = posix_fallocate(fd, 0, off_t(bytes_)); e != 0) {
         errno = e;
-        error = os_error(detail::cat("posix_fallocate(", bytes_, " bytes)").c_str(), name);
+        error = os_error(detail::cat("posix_fallocate(", bytes_, " bytes)").c_str(), "");
+      } else {
+        made[0] = std::int32_t(getpid());
+        made[1] = fd;
       }
     }
-    check(MPI_Bcast(name, sizeof name, MPI_CHAR, 0, node), "MPI_Bcast (segment name)", rank);
-    if (local_ != 0) {
-      fd = shm_open(name, O_RDWR, 0600);
-      if (fd < 0) error = os_error("shm_open", name);
+    check(MPI_Bcast(made, 2, MPI_INT32_T, 0, node), "MPI_Bcast (segment)", rank);
+    if (local_ != 0 && made[1] >= 0) {
+      const std::string path = detail::cat("/proc/", made[0], "/fd/", made[1]);
+      fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) error = os_error("open", path.c_str());
     }
     if (fd >= 0 && error.empty()) {
       void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       if (p == MAP_FAILED)
-        error = os_error("mmap", name);
+        error = os_error("mmap", "");
       else
         base_ = static_cast<std::byte*>(p);
     }
-    if (fd >= 0) close(fd);
     if (base_ && local_ == 0)  // zeroed pages; the others touch the header after the allreduce
       for (int q = 0; q < size_; ++q) new (peer(q)) Peer{};
-    int ok = error.empty() ? 1 : 0;
+    int ok = base_ ? 1 : 0;
     check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce (segment)",
           rank);
-    if (local_ == 0) shm_unlink(name);  // every rank has it mapped (or gave up): no name remains
+    if (fd >= 0) close(fd);  // (local rank 0's stays open until every rank has opened its own)
     if (!ok) {
       unmap();
       throw Error(Errc::io,
@@ -233,9 +236,10 @@ class NodeSegment final : public PeerCheck {
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 
   static std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
-  static std::string os_error(const char* call, const char* name) {
-    return detail::cat(call, " of the node's shared segment /dev/shm", name,
-                       " failed: ", std::strerror(errno));
+  // `path`: where another rank opens local rank 0's segment ("" for local rank 0's calls).
+  static std::string os_error(const char* call, const char* path) {
+    return detail::cat(call, *path ? detail::cat("(", path, ")") : std::string(),
+                       " of the node's shared segment failed: ", std::strerror(errno));
   }
   Peer* peer(int q) const { return reinterpret_cast<Peer*>(base_) + q; }
   void unmap() noexcept {
