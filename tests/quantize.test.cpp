@@ -63,7 +63,8 @@ void check_roundtrip(const Format& f, std::size_t n, std::mt19937_64& rng) {
       const double xi = double(float(x[i]));
       const int c = code_of(q, f.bits, i);
       CHECK(std::abs(c) <= qmax);
-      if (s[k] > 0) CHECK(std::fabs(xi / double(s[k]) - c) <= 0.5 + 1e-5);
+      // x * (1 / scale) is within 127 x 2^-23 < 2^-16 of x / scale.
+      if (s[k] > 0) CHECK(std::fabs(xi / double(s[k]) - c) <= 0.5 + 0x1p-16);
       const double err = std::fabs(xi - double(back[i]));
       // fp32 rounding of the scale and of code x scale: a few ulps of absmax.
       CHECK(err <= absmax / (2.0 * qmax) + absmax * 0x1p-21 + 1e-30);
@@ -274,24 +275,29 @@ TEST_CASE_TEMPLATE("the AVX2 paths (int8, int4) give the portable work items' bi
   std::normal_distribution<double> normal(0.0, 1.0);
   for (Bits bits : {Bits::int8, Bits::int4})
     for (std::size_t block : {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(256),
-                              std::size_t(bits == Bits::int8 ? 13 : 18)})
+                              std::size_t(bits == Bits::int8 ? 19 : 18)})
       for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
         CAPTURE(int(bits));
         CAPTURE(block);
         CAPTURE(n);
         const Format f{.bits = bits, .block = block};
         std::vector<T> x(n);
+        std::uniform_real_distribution<double> near_scale(0.1, 10.0);
+        double c = 1;  // the scale of a block of near-ties
         for (std::size_t i = 0; i < n; ++i) {
           const std::size_t b = i / block;
-          // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax 127, so the
-          // scale is 1 and x.5 rounds to even), a block of near-ties under a scale of about
-          // 0.3 (where a product with 1 / scale and the quotient can round apart), a block
-          // near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
-          const double tie = i % block == 0 ? 127.0 : double(int(i % 9) - 4) + 0.5;
+          if (i % block == 0) c = near_scale(rng);
+          // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
+          // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
+          // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
+          // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
+          const int qmax = f.qmax();
+          const double tie =
+              i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;
           const double v = b % 6 == 1   ? 0.0
                            : b % 6 == 3 ? normal(rng) * 1e-38
                            : b % 6 == 2 ? tie
-                           : b % 6 == 4 ? tie * 0.3
+                           : b % 6 == 4 ? tie * c
                                         : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
           x[i] = T(float(v));
         }

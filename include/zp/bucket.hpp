@@ -187,7 +187,8 @@ class GradBuckets {
     for (auto& set : qgz_->sets)
       set = {Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
              Buffer<std::int32_t, S>(need.records, "buckets: quantized records"),
-             Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums")};
+             Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums"), nullptr,
+             -1};
   }
 
   int count() const noexcept { return int(buckets_.size()); }

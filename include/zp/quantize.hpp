@@ -3,7 +3,7 @@
 //
 // A tensor of n values (float, bf16 or fp16) is cut into blocks of `block` values (the last one
 // short). Block k has one fp32 scale, its largest |x| over qmax (127 for int8, 7 for int4), and
-// each value becomes q = x / scale rounded to the nearest integer, ties to even, so that
+// each value becomes q = x * (1 / scale) rounded to the nearest integer, ties to even, so that
 // |x - q * scale| <= absmax / (2 qmax) up to fp32 rounding. int8 codes take a byte each; int4
 // codes two per byte, the lower nibble first (two's complement), and `block` must then be even so
 // that every block starts on a byte. A block with an inf or NaN gets a NaN scale and dequantizes
@@ -18,8 +18,8 @@
 // QuantizeBlock and DequantizeBlock are the work items (one block each) that a device launches
 // with zp::device::launch; the host functions here run them in a loop, or, on a CPU with AVX2
 // (checked at run time), the same math 8 or 16 values at a time with bitwise the same results
-// (IEEE division and products, the conversion rounding to nearest even as rintf does; a NaN
-// stored as fp16 may keep another payload). Path::portable forces the loop of work items.
+// (IEEE products, the conversion rounding to nearest even as rintf does; a NaN stored as fp16
+// may keep another payload). Path::portable forces the loop of work items.
 // dequantize writes an output of detail::stream_min_bytes or more with streaming stores (where
 // it is 16-byte aligned and blocks keep that alignment): no read of each line before it is
 // written, and the output not left in the caches; Path::cached keeps plain stores, for an
@@ -70,6 +70,20 @@ ZP_HOST_DEVICE inline int code(const std::uint8_t* q, Bits bits, std::size_t i) 
   return nib >= 8 ? nib - 16 : nib;
 }
 
+// x / scale rounded to the nearest integer, ties to even (rintf in the default rounding mode),
+// as x times 1 / scale: one division per block, not per value. The product is within 2^-16 of
+// the quotient (|x / scale| <= qmax <= 127, two roundings of 2^-24). A scale under 2^-128,
+// whose reciprocal overflows, divides; a zero scale gives zeros.
+struct Divisor {
+  float scale, inverse;
+  bool divide;
+  ZP_HOST_DEVICE explicit Divisor(float s)
+      : scale(s), inverse(1.0f / s), divide(!(inverse < INFINITY)) {}
+  ZP_HOST_DEVICE int code(float x) const {
+    return scale == 0 ? 0 : int(::rintf(divide ? x / scale : x * inverse));
+  }
+};
+
 }  // namespace detail
 
 // Work item k: quantizes block k of x[0, n) into codes and scales[k].
@@ -92,10 +106,8 @@ struct QuantizeBlock {
     }
     const float scale = finite ? absmax / float(f.qmax()) : NAN;
     scales[k] = scale;
-    // rintf rounds to nearest, ties to even (the default rounding mode); |x / scale| <= qmax.
-    const auto q = [&](std::size_t i) {
-      return i >= hi || !finite || scale == 0 ? 0 : int(::rintf(float(x[i]) / scale));
-    };
+    const detail::Divisor d(scale);
+    const auto q = [&](std::size_t i) { return i >= hi || !finite ? 0 : d.code(float(x[i])); };
     if (f.bits == Bits::int8) {
       for (std::size_t i = lo; i < hi; ++i)
         codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
@@ -144,45 +156,63 @@ inline bool avx2() noexcept {
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-// QuantizeBlock, 16 values at a time (the tail of each block as the work item does it).
+// |v|'s bits, which order as the magnitudes do, with inf and NaN above every finite value.
+template <class T>
+std::uint32_t magnitude_bits(T v) {
+  if constexpr (std::is_same_v<T, float>)
+    return zp::detail::float_bits(v) & 0x7fffffffu;
+  else
+    return v.bits & 0x7fffu;
+}
+template <class T>
+constexpr std::uint32_t inf_bits = std::is_same_v<T, float>  ? 0x7f800000u
+                                   : std::is_same_v<T, bf16> ? 0x7f80u
+                                                             : 0x7c00u;  // fp16
+
+// QuantizeBlock, 16 values at a time (the tail of each block as the work item does it). The
+// absmax pass takes the largest magnitude's bits, 32 bytes of x at a time with no conversion.
 template <Bits B, class T>
 [[ZP_TARGET_AVX2, gnu::flatten]] void quantize_avx2(const T* x, std::size_t n, std::size_t block,
                                                     std::uint8_t* codes, float* scales) {
   constexpr std::type_identity<simd::V8> as{};
   constexpr int qmax = B == Bits::int8 ? 127 : 7;
-  const __m256 zero = _mm256_setzero_ps(),
-               magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  constexpr std::size_t per = 32 / sizeof(T);
+  const __m256i mask = sizeof(T) == 4 ? _mm256_set1_epi32(0x7fffffff) : _mm256_set1_epi16(0x7fff);
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
-    __m256 top = zero, bad = zero;
+    __m256i top = _mm256_setzero_si256();
     std::size_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-      const __m256 v = simd::load(x + i, as).v;
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ));
-      top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));
+    for (; i + per <= hi; i += per) {
+      const __m256i b =
+          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
+      top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
     }
-    alignas(32) float t[8];
-    _mm256_store_ps(t, top);
-    float absmax = 0;
-    for (float a : t) absmax = a > absmax ? a : absmax;
-    bool finite = _mm256_movemask_ps(bad) == 0;
-    for (std::size_t j = i; j < hi; ++j) {
-      const float v = float(x[j]);
-      finite = finite && v - v == 0;
-      absmax = ::fabsf(v) > absmax ? ::fabsf(v) : absmax;
-    }
-    const float scale = finite ? absmax / float(qmax) : NAN;
+    alignas(32) T t[per];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), top);
+    std::uint32_t m = 0;
+    for (const T& v : t) m = std::max(m, magnitude_bits(v));
+    for (std::size_t j = i; j < hi; ++j) m = std::max(m, magnitude_bits(x[j]));
+    const bool finite = m < inf_bits<T>;
+    T big;
+    if constexpr (std::is_same_v<T, float>)
+      big = zp::detail::bits_float(m);
+    else
+      big = T::from_bits(std::uint16_t(m));
+    const float scale = finite ? float(big) / float(qmax) : NAN;
     scales[k] = scale;
     std::uint8_t* out = codes + (B == Bits::int8 ? lo : lo / 2);
+    const Divisor d(scale);
     if (!finite || scale == 0) {
       std::memset(out, 0, B == Bits::int8 ? hi - lo : (hi - lo + 1) / 2);
       continue;
     }
-    const __m256 s = _mm256_set1_ps(scale);
+    const __m256 s = _mm256_set1_ps(scale), inv = _mm256_set1_ps(d.inverse);
     for (i = lo; i + 16 <= hi; i += 16) {
       const __m256 v0 = simd::load(x + i, as).v, v1 = simd::load(x + i + 8, as).v;
-      const __m256i q0 = _mm256_cvtps_epi32(_mm256_div_ps(v0, s)),
-                    q1 = _mm256_cvtps_epi32(_mm256_div_ps(v1, s));
+      const __m256i q0 = _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v0, s)
+                                                     : _mm256_mul_ps(v0, inv)),
+                    q1 = _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v1, s)
+                                                     : _mm256_mul_ps(v1, inv));
       const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order
           _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
           _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
@@ -195,7 +225,7 @@ template <Bits B, class T>
         _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(nib, nib));
       }
     }
-    const auto q = [&](std::size_t j) { return j < hi ? int(::rintf(float(x[j]) / scale)) : 0; };
+    const auto q = [&](std::size_t j) { return j < hi ? d.code(float(x[j])) : 0; };
     for (; i < hi; i += B == Bits::int8 ? 1 : 2) {
       if constexpr (B == Bits::int8)
         codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
