@@ -169,6 +169,20 @@ constexpr std::uint32_t inf_bits = std::is_same_v<T, float>  ? 0x7f800000u
                                    : std::is_same_v<T, bf16> ? 0x7f80u
                                                              : 0x7c00u;  // fp16
 
+// The largest lane of top: 8 lanes of 32 bits, or 16 of 16 bits.
+template <class T>
+[[ZP_TARGET_AVX2]] inline std::uint32_t largest(__m256i top, std::type_identity<T>) {
+  __m128i m = _mm256_castsi256_si128(top), h = _mm256_extracti128_si256(top, 1);
+  if constexpr (sizeof(T) == 2) {  // the smallest complement is the largest lane
+    m = _mm_minpos_epu16(_mm_xor_si128(_mm_max_epu16(m, h), _mm_set1_epi32(-1)));
+    return ~std::uint32_t(_mm_cvtsi128_si32(m)) & 0xffffu;
+  } else {
+    m = _mm_max_epu32(m, h);
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+    return std::uint32_t(_mm_cvtsi128_si32(_mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1))));
+  }
+}
+
 // QuantizeBlock, 16 values at a time (the tail of each block as the work item does it). The
 // absmax pass takes the largest magnitude's bits, 32 bytes of x at a time with no conversion.
 template <Bits B, class T>
@@ -187,10 +201,7 @@ template <Bits B, class T>
           _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
       top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
     }
-    alignas(32) T t[per];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), top);
-    std::uint32_t m = 0;
-    for (const T& v : t) m = std::max(m, magnitude_bits(v));
+    std::uint32_t m = largest(top, std::type_identity<T>{});
     for (std::size_t j = i; j < hi; ++j) m = std::max(m, magnitude_bits(x[j]));
     const bool finite = m < inf_bits<T>;
     T big;
