@@ -246,22 +246,25 @@ template <Bits B, class T>
   }
 }
 
-// Values [i, i + 8) of dequantize_avx2's output, their block's scale s (MayBeNaN: a NaN scale, so
-// NaN values; bf16 skips the quieting otherwise).
-template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
-[[ZP_TARGET_AVX2]] inline void dequantize8(const std::uint8_t* codes, std::size_t i, __m256 s,
-                                           T* out) {
-  constexpr std::type_identity<simd::V8> as{};
-  __m128i c;
+// Codes i .. i + 15 as bytes (int4: unpacked in order, low nibble first, and sign-extended).
+template <Bits B>
+[[ZP_TARGET_AVX2]] inline __m128i codes16(const std::uint8_t* codes, std::size_t i) {
   if constexpr (B == Bits::int8) {
-    c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-  } else {  // 4 bytes: nibbles in order (low first), sign-extended as bytes
-    std::int32_t word;
-    std::memcpy(&word, codes + i / 2, 4);
-    const __m128i b = _mm_cvtsi32_si128(word), m = _mm_set1_epi8(0x0f), e = _mm_set1_epi8(8);
-    c = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-    c = _mm_sub_epi8(_mm_xor_si128(c, e), e);
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)),
+                  m = _mm_set1_epi8(0x0f), e = _mm_set1_epi8(8);
+    const __m128i c =
+        _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm_sub_epi8(_mm_xor_si128(c, e), e);
   }
+}
+
+// Values [i, i + 8) of dequantize_avx2's output from the 8 codes in c's low bytes, their block's
+// scale s (MayBeNaN: a NaN scale, so NaN values; bf16 skips the quieting otherwise).
+template <class T, bool Accumulate, bool Stream, bool MayBeNaN>
+[[ZP_TARGET_AVX2]] inline void dequantize8(__m128i c, __m256 s, T* out, std::size_t i) {
+  constexpr std::type_identity<simd::V8> as{};
   simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
   if constexpr (Accumulate) v = simd::load(out + i, as) + v;
   if constexpr (std::is_same_v<T, bf16>) {
@@ -277,7 +280,27 @@ template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
   }
 }
 
-// DequantizeBlock<T, Accumulate>, 8 values at a time (Stream: with streaming stores; out and
+// Values [lo, hi) of a block, 16 at a time, then the tail as the work item does it.
+template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
+[[ZP_TARGET_AVX2]] inline void dequantize_block(const std::uint8_t* codes, std::size_t lo,
+                                                std::size_t hi, float scale, T* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  std::size_t i = lo;
+  for (; i + 16 <= hi; i += 16) {
+    const __m128i c = codes16<B>(codes, i);
+    dequantize8<T, Accumulate, Stream, MayBeNaN>(c, s, out, i);
+    dequantize8<T, Accumulate, Stream, MayBeNaN>(_mm_srli_si128(c, 8), s, out, i + 8);
+  }
+  for (; i < hi; ++i) {
+    const float v = float(code(codes, B, i)) * scale;
+    if constexpr (Accumulate)
+      out[i] = T(float(out[i]) + v);
+    else
+      out[i] = T(v);
+  }
+}
+
+// DequantizeBlock<T, Accumulate>, 16 values at a time (Stream: with streaming stores; out and
 // every block start 16-byte aligned).
 template <Bits B, class T, bool Accumulate, bool Stream = false>
 [[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_avx2(const std::uint8_t* codes,
@@ -286,19 +309,10 @@ template <Bits B, class T, bool Accumulate, bool Stream = false>
   static_assert(!(Accumulate && Stream), "an accumulator was just read: it is in the cache");
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
-    const __m256 s = _mm256_set1_ps(scales[k]);
-    std::size_t i = lo;
     if (scales[k] != scales[k])  // a NaN scale: every value NaN
-      for (; i + 8 <= hi; i += 8) dequantize8<B, T, Accumulate, Stream, true>(codes, i, s, out);
+      dequantize_block<B, T, Accumulate, Stream, true>(codes, lo, hi, scales[k], out);
     else
-      for (; i + 8 <= hi; i += 8) dequantize8<B, T, Accumulate, Stream, false>(codes, i, s, out);
-    for (; i < hi; ++i) {
-      const float v = float(code(codes, B, i)) * scales[k];
-      if constexpr (Accumulate)
-        out[i] = T(float(out[i]) + v);
-      else
-        out[i] = T(v);
-    }
+      dequantize_block<B, T, Accumulate, Stream, false>(codes, lo, hi, scales[k], out);
   }
   if constexpr (Stream) _mm_sfence();
 }
