@@ -229,6 +229,28 @@ TEST_CASE("sub-groups from split run the node path over their own layout") {
   }
 }
 
+TEST_CASE("a segment larger than half the memory is an error on every rank, naming its size") {
+  Mpi::Options opt = options();
+  opt.node_chunk_bytes = std::size_t(1) << 46;  // 64 TiB per area
+  std::string what;
+  try {
+    Mpi m(MPI_COMM_WORLD, opt);
+    if (m.node_layout().per_node < 2) return;  // no segment without a second local rank
+  } catch (const zp::Error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  const bool local0 = what.find("more than half of the") != std::string::npos &&
+                      what.find("lower MpiOptions::node_chunk_bytes") != std::string::npos;
+  const bool other = what.find("could not map the shared segment") != std::string::npos;
+  CHECK((local0 || other));
+  // The communicator works afterwards with the default rounds.
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
+  std::vector<float> one(1, 1.0f);
+  comm.all_reduce(std::span<float>(one));
+  CHECK(one[0] == float(comm.size()));
+}
+
 // A name in /dev/shm outlives a job killed while it exists; the segment must never have one.
 TEST_CASE("the node's segment is an unnamed memfd, mapped by every local rank") {
   Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));

@@ -39,7 +39,8 @@
 // job naming the operation); a local rank whose process is gone ends the job at once, naming
 // it, whether the others wait in the segment or, through the watchdog's PeerCheck, inside any
 // MPI call of the communicator. The segment's memory is reserved when it is made
-// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later.
+// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later; one
+// over half the machine's memory is refused before it is made.
 #pragma once
 
 #include <fcntl.h>
@@ -149,7 +150,15 @@ class NodeSegment final : public PeerCheck {
     std::string error;
     int fd = -1;
     std::int32_t made[2] = {0, -1};  // local rank 0's pid and its descriptor of the segment
-    if (local_ == 0) {
+    // A memfd has no size limit of its own (a /dev/shm has half the memory): past the memory,
+    // posix_fallocate would take it all before failing.
+    const std::size_t memory =
+        std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGESIZE));
+    if (local_ == 0 && bytes_ > memory / 2) {
+      error = detail::cat("the node's shared segment of ", bytes_, " bytes (", size_,
+                          " local ranks x 2 areas of ", area_, " bytes) is more than half of the ",
+                          memory, " bytes of memory; lower MpiOptions::node_chunk_bytes");
+    } else if (local_ == 0) {
       fd = memfd_create("zp-node", MFD_CLOEXEC);
       if (fd < 0) {
         error = os_error("memfd_create", "");
