@@ -260,23 +260,35 @@ template <Bits B>
   }
 }
 
-// Values [i, i + 8) of dequantize_avx2's output from the 8 codes in c's low bytes, their block's
-// scale s (MayBeNaN: a NaN scale, so NaN values; bf16 skips the quieting otherwise).
-template <class T, bool Accumulate, bool Stream, bool MayBeNaN>
-[[ZP_TARGET_AVX2]] inline void dequantize8(__m128i c, __m256 s, T* out, std::size_t i) {
-  constexpr std::type_identity<simd::V8> as{};
+// Values [i, i + 8) of dequantize_avx2's output in fp32, from the 8 codes in c's low bytes and
+// their block's scale s (Accumulate: plus out's values).
+template <class T, bool Accumulate>
+[[ZP_TARGET_AVX2]] inline simd::V8 values8(__m128i c, __m256 s, const T* out, std::size_t i) {
   simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
-  if constexpr (Accumulate) v = simd::load(out + i, as) + v;
+  if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<simd::V8>{}) + v;
+  return v;
+}
+
+// Values [i, i + 16) of dequantize_avx2's output from the 16 codes in c (MayBeNaN: a NaN scale,
+// so NaN values; bf16 skips the quieting otherwise, and packs the 16 at once).
+template <class T, bool Accumulate, bool Stream, bool MayBeNaN>
+[[ZP_TARGET_AVX2]] inline void dequantize16(__m128i c, __m256 s, T* out, std::size_t i) {
+  const simd::V8 a = values8<T, Accumulate>(c, s, out, i),
+                 b = values8<T, Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
   if constexpr (std::is_same_v<T, bf16>) {
-    const __m128i h = simd::to_bf16<MayBeNaN>(v);
-    if constexpr (Stream)
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), h);
-    else
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    const __m256i h = simd::to_bf16<MayBeNaN>(a, b);
+    if constexpr (Stream) {  // out + i: 16-byte aligned only
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(h));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i + 8), _mm256_extracti128_si256(h, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+    }
   } else if constexpr (Stream) {
-    simd::stream(out + i, v);
+    simd::stream(out + i, a);
+    simd::stream(out + i + 8, b);
   } else {
-    simd::store(out + i, v);
+    simd::store(out + i, a);
+    simd::store(out + i + 8, b);
   }
 }
 
@@ -286,11 +298,8 @@ template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
                                                 std::size_t hi, float scale, T* out) {
   const __m256 s = _mm256_set1_ps(scale);
   std::size_t i = lo;
-  for (; i + 16 <= hi; i += 16) {
-    const __m128i c = codes16<B>(codes, i);
-    dequantize8<T, Accumulate, Stream, MayBeNaN>(c, s, out, i);
-    dequantize8<T, Accumulate, Stream, MayBeNaN>(_mm_srli_si128(c, 8), s, out, i + 8);
-  }
+  for (; i + 16 <= hi; i += 16)
+    dequantize16<T, Accumulate, Stream, MayBeNaN>(codes16<B>(codes, i), s, out, i);
   for (; i < hi; ++i) {
     const float v = float(code(codes, B, i)) * scale;
     if constexpr (Accumulate)

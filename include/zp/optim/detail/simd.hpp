@@ -83,23 +83,30 @@ struct V8 {
 [[ZP_TARGET_AVX2]] inline V8 load(const fp16* p, std::type_identity<V8>) {
   return V8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// x's 8 values as bf16 bits, in order (MayBeNaN = false: the caller knows none is a NaN, and the
-// quieting is skipped; every other value converts the same).
+// x's 8 values as bf16 bits, in the low halves of 32-bit lanes (MayBeNaN = false: the caller
+// knows none is a NaN, and the quieting is skipped; every other value converts the same).
 template <bool MayBeNaN = true>
-[[ZP_TARGET_AVX2]] inline __m128i to_bf16(const V8& x) {
+[[ZP_TARGET_AVX2]] inline __m256i bf16_lanes(const V8& x) {
   const __m256i u = _mm256_castps_si256(x.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded =
       _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  __m256i r = rounded;
-  if constexpr (MayBeNaN) {
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(rounded, quiet, nan);
-  }
-  // Pack the 16-bit halves of the 8 lanes (all <= 0xffff, so unsigned saturation is exact).
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b11'01'10'00);
-  return _mm256_castsi256_si128(packed);
+  if constexpr (!MayBeNaN) return rounded;
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+// x's 8 values as bf16 bits, in order. (Every lane <= 0xffff: unsigned saturation is exact.)
+template <bool MayBeNaN = true>
+[[ZP_TARGET_AVX2]] inline __m128i to_bf16(const V8& x) {
+  const __m256i r = bf16_lanes<MayBeNaN>(x);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b11'01'10'00));
+}
+// a's then b's 8 values as bf16 bits, in order: one pack for 16 values.
+template <bool MayBeNaN = true>
+[[ZP_TARGET_AVX2]] inline __m256i to_bf16(const V8& a, const V8& b) {
+  return _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(bf16_lanes<MayBeNaN>(a), bf16_lanes<MayBeNaN>(b)), 0b11'01'10'00);
 }
 [[ZP_TARGET_AVX2]] inline __m128i to_fp16(const V8& x) {
   return _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT);
