@@ -5,7 +5,8 @@
 // on a GPU the nccl backend at world size 1); its parameters and fp32 master weights equal bit for
 // bit those of the threads backend on the CPU with as many ranks fed the same gradients (the same
 // formula on host and device, without contracted multiply-adds), with and without ZeRO-Offload
-// (and, where zp::aio is linked, with the optimizer state on NVMe).
+// (and, where zp::aio is linked, with the optimizer state on NVMe), and at stage 3 with ZeRO++'s
+// secondary partition (hpZ) over pairs of ranks.
 // The model's launches run on a compute stream of their own, the collectives on the backends'
 // communication streams; ordering is proven by delaying each kind of stream in turn, which must
 // change no bit (on the simulator its adversarial scheduler delays every stream besides). The
@@ -122,9 +123,11 @@ struct Fed {
 
 // offload: 0 none, 1 the optimizer state in host memory (ZeRO-Offload), 2 in swap files
 // (ZeRO-Infinity; programs with zp::aio), sub-groups of 2048 elements, pipelined.
-zp::EngineConfig config(int offload = 0, float max_grad_norm = 0) {
+// hpz: ZeRO++'s secondary partition over groups of that many ranks (stage 3).
+zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, int hpz = 1) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
+  c.hpz_partition_size = hpz;
   c.offload_optimizer = offload > 0;
   if (offload == 2)
     c.optimizer_nvme = zp::NvmeOptions{
@@ -154,13 +157,13 @@ struct Ckpt {
 
 template <class T, int Stage, class B>
 Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ckpt* ckpt = nullptr,
-          float max_grad_norm = 0) {
+          float max_grad_norm = 0, int hpz = 1) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads =
       seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   const zp::test::MeasuredMemory<S> measured;
-  zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm),
+  zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm, hpz),
                                  zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   measured.start();
   Out out;
@@ -188,6 +191,10 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
         out.syncs_per_step_max =
             std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
     }
+  }
+  if (hpz > 1) {  // the backward gathers ran inside the group, from the secondary shards
+    REQUIRE(engine.hpz_group() != nullptr);
+    CHECK(engine.hpz_group()->stats()[zp::CollOp::all_gather].bytes > 0);
   }
   // bf16 at stage 0 accumulates its 2 micro-steps in fp32 (an extra gradient copy)
   measured.check(engine, comm.size(), std::is_same_v<T, zp::bf16> && Stage == 0);
@@ -223,10 +230,10 @@ auto delayed(zp::device::Role r, F&& fn) {
 }
 
 template <class T, int Stage>
-Out on_gpu(int n, std::uint64_t seed, int offload = 0) {
+Out on_gpu(int n, std::uint64_t seed, int offload = 0, int hpz = 1) {
   Out gpu;
   zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
-    Out o = train<T, Stage>(comm, seed, offload);
+    Out o = train<T, Stage>(comm, seed, offload, nullptr, 0, hpz);
     if (comm.rank() == 0) gpu = std::move(o);
   });
   return gpu;
@@ -244,6 +251,17 @@ void check_ranks(std::uint64_t seed) {
       if (comm.rank() == 0) cpu = std::move(o);
     });
     expect_equal(on_gpu<T, Stage>(n, seed), cpu);  // sync_count is per thread: rank 0's own
+    // hpZ (stage 3): the backward gathers inside groups of 2 from the secondary shards that the
+    // forward gathers left; where bytes travel changes, not their values.
+    if (Stage == 3 && n > 1) {
+      CAPTURE("hpz 2");
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, 2), cpu);
+      if (n == 2)
+        for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
+          CAPTURE(int(role));
+          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, 2); }), cpu);
+        }
+    }
     if (n != 2) continue;
     for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
       CAPTURE(int(role));

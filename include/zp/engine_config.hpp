@@ -137,7 +137,7 @@ struct EngineConfig {
   // rank computes with the same dequantized weights, while shards, master weights and optimizer
   // state stay exact. ds_config's zero_quantized_weights: true gives zero_quantized_weights.
   std::optional<quant::Format> quantized_weights = std::nullopt;
-  // ZeRO++'s hpZ (DeepSpeed's zero_hpz_partition_size; stage 3, host backends): ranks per node,
+  // ZeRO++'s hpZ (DeepSpeed's zero_hpz_partition_size; stage 3, every backend): ranks per node,
   // consecutive ranks forming a node. Above 1, each rank also keeps 1/hpz of every module it
   // gathered until the next step (MemoryReport::secondary, 2 Psi / hpz bytes at 16 bits), and
   // gathers after the first (backward, later micro-batches) run inside the node. Bitwise the

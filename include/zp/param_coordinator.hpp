@@ -67,11 +67,9 @@ class ParamCoordinator {
         node_(node && node->size() > 1 ? node : nullptr),
         quant_(quantized),
         mods_(std::size_t(part.layout().module_count())) {
-    ZP_EXPECT(!node_ || (S == MemorySpace::host && comm.size() % node_->size() == 0),
+    ZP_EXPECT(!node_ || comm.size() % node_->size() == 0,
               "engine: a secondary partition (hpZ) over ", node ? node->size() : 0,
-              " ranks needs host memory (device backends: not implemented yet) and a group size "
-              "that divides the ",
-              comm.size(), " ranks");
+              " ranks needs a group size that divides the ", comm.size(), " ranks");
     if (quant_) {
       quant_->check();
       ZP_EXPECT(S == MemorySpace::host && quant_->bits == quant::Bits::int8,
