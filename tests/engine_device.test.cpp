@@ -6,7 +6,8 @@
 // bit those of the threads backend on the CPU with as many ranks fed the same gradients (the same
 // formula on host and device, without contracted multiply-adds), with and without ZeRO-Offload
 // (and, where zp::aio is linked, with the optimizer state on NVMe), and at stage 3 with ZeRO++'s
-// secondary partition (hpZ) over pairs of ranks.
+// secondary partition (hpZ) over pairs of ranks, and with quantized gathers (qwZ) against the
+// threads backend's quantized run.
 // The model's launches run on a compute stream of their own, the collectives on the backends'
 // communication streams; ordering is proven by delaying each kind of stream in turn, which must
 // change no bit (on the simulator its adversarial scheduler delays every stream besides). The
@@ -123,11 +124,17 @@ struct Fed {
 
 // offload: 0 none, 1 the optimizer state in host memory (ZeRO-Offload), 2 in swap files
 // (ZeRO-Infinity; programs with zp::aio), sub-groups of 2048 elements, pipelined.
-// hpz: ZeRO++'s secondary partition over groups of that many ranks (stage 3).
-zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, int hpz = 1) {
+// ZeRO++ (stage 3): hpz, the secondary partition over groups of that many ranks; qwz, the
+// gathers quantized (int8 in blocks of 64, so pieces hold several blocks and a short one).
+struct ZeroPP {
+  int hpz = 1;
+  bool qwz = false;
+};
+zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
-  c.hpz_partition_size = hpz;
+  c.hpz_partition_size = zpp.hpz;
+  if (zpp.qwz) c.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 64};
   c.offload_optimizer = offload > 0;
   if (offload == 2)
     c.optimizer_nvme = zp::NvmeOptions{
@@ -157,13 +164,13 @@ struct Ckpt {
 
 template <class T, int Stage, class B>
 Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ckpt* ckpt = nullptr,
-          float max_grad_norm = 0, int hpz = 1) {
+          float max_grad_norm = 0, ZeroPP zpp = {}) {
   constexpr zp::MemorySpace S = B::memory;
   Fed<T> model(seed);
   const std::uint64_t grads =
       seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   const zp::test::MeasuredMemory<S> measured;
-  zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm, hpz),
+  zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm, zpp),
                                  zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   measured.start();
   Out out;
@@ -192,7 +199,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
             std::max<std::uint64_t>(out.syncs_per_step_max, zp::device::sync_count() - before);
     }
   }
-  if (hpz > 1) {  // the backward gathers ran inside the group, from the secondary shards
+  if (zpp.hpz > 1) {  // the backward gathers ran inside the group, from the secondary shards
     REQUIRE(engine.hpz_group() != nullptr);
     CHECK(engine.hpz_group()->stats()[zp::CollOp::all_gather].bytes > 0);
   }
@@ -230,10 +237,10 @@ auto delayed(zp::device::Role r, F&& fn) {
 }
 
 template <class T, int Stage>
-Out on_gpu(int n, std::uint64_t seed, int offload = 0, int hpz = 1) {
+Out on_gpu(int n, std::uint64_t seed, int offload = 0, ZeroPP zpp = {}) {
   Out gpu;
   zp::backend::run_cuda_threads(n, [&](zp::Collective<zp::backend::CudaThreads>& comm) {
-    Out o = train<T, Stage>(comm, seed, offload, nullptr, 0, hpz);
+    Out o = train<T, Stage>(comm, seed, offload, nullptr, 0, zpp);
     if (comm.rank() == 0) gpu = std::move(o);
   });
   return gpu;
@@ -253,13 +260,25 @@ void check_ranks(std::uint64_t seed) {
     expect_equal(on_gpu<T, Stage>(n, seed), cpu);  // sync_count is per thread: rank 0's own
     // hpZ (stage 3): the backward gathers inside groups of 2 from the secondary shards that the
     // forward gathers left; where bytes travel changes, not their values.
+    // qwZ: the gathers quantized on the device, bitwise the threads backend's quantized run
+    // (the work items there, quantize's AVX2 path on the CPU: the same bits).
     if (Stage == 3 && n > 1) {
+      const ZeroPP hpz{.hpz = 2};
       CAPTURE("hpz 2");
-      expect_equal(on_gpu<T, Stage>(n, seed, 0, 2), cpu);
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, hpz), cpu);
+      Out quantized;
+      zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
+        Out o = train<T, Stage>(comm, seed, 0, nullptr, 0, {.qwz = true});
+        if (comm.rank() == 0) quantized = std::move(o);
+      });
+      CHECK(quantized.params != cpu.params);  // the quantization shows
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.qwz = true}), quantized);
       if (n == 2)
         for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
           CAPTURE(int(role));
-          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, 2); }), cpu);
+          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, hpz); }), cpu);
+          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, {.qwz = true}); }),
+                       quantized);
         }
     }
     if (n != 2) continue;

@@ -131,7 +131,7 @@ struct EngineConfig {
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
   int prefetch = 1;
-  // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, host backends): the parameter
+  // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
   // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every
   // rank computes with the same dequantized weights, while shards, master weights and optimizer

@@ -187,6 +187,11 @@ struct Memory<MemorySpace::host> {
   static void invoke(const F& f, X* p) {
     f(p);
   }
+  // f(i) for i in [0, n), where the memory is (a device runs it as a kernel, f ZP_HOST_DEVICE).
+  template <class F>
+  static void for_each(std::size_t n, const F& f) {
+    for (std::size_t i = 0; i < n; ++i) f(i);
+  }
 };
 
 // Staging between host memory and space S, for code that reads or feeds buffers wherever they

@@ -54,8 +54,7 @@ class ParamCoordinator {
   using Work = typename Collective<B>::Work;
 
  public:
-  // values: the model's value views, by parameter index; quantized: qwZ's format (host memory
-  // only), or none. Everything passed must outlive this.
+  // values: the model's value views, by parameter index; quantized: qwZ's format, or none. Everything passed must outlive this.
   ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
                    std::span<View<T>* const> values, std::size_t persist_threshold,
                    std::size_t max_live_params,
@@ -72,9 +71,7 @@ class ParamCoordinator {
               " ranks needs a group size that divides the ", comm.size(), " ranks");
     if (quant_) {
       quant_->check();
-      ZP_EXPECT(S == MemorySpace::host && quant_->bits == quant::Bits::int8,
-                "engine: quantized weight gathers are int8, in host memory (device backends: not "
-                "implemented yet)");
+      ZP_EXPECT(quant_->bits == quant::Bits::int8, "engine: quantized weight gathers are int8");
     }
     const Layout& L = part.layout();
     std::size_t largest = 0;
@@ -244,7 +241,7 @@ class ParamCoordinator {
       }
       const std::size_t words = record_words(g.piece);
       const std::span<std::int32_t> record = st.packed.span(local, words);
-      quant::pack(piece, *quant_, record);
+      quant::pack<S>(piece, *quant_, record);
       st.works.push_back(comm_->all_gather_async(std::span<const std::int32_t>(record),
                                                  st.packed.span(gathered, ranks * words)));
       local += words;
@@ -279,8 +276,9 @@ class ParamCoordinator {
       const auto& g = layout().segment(s);
       const std::size_t words = record_words(g.piece);
       for (int r = 0; r < comm_->size(); ++r, at += words)
-        quant::unpack(*quant_, std::span<const std::int32_t>(st.packed.span(at, words)),
-                      st.buffer.span(g.offset - mod.offset + std::size_t(r) * g.piece, g.piece));
+        quant::unpack<false, S>(
+            *quant_, std::span<const std::int32_t>(st.packed.span(at, words)),
+            st.buffer.span(g.offset - mod.offset + std::size_t(r) * g.piece, g.piece));
     }
     keep(packed_spare_, std::move(st.packed));
   }

@@ -1,5 +1,6 @@
-// zp/quantized_collectives.hpp: ZeRO++'s quantized communication on the host (issue #22), built
-// from quantize.hpp's element math and the collectives' all_gather / all_to_all.
+// zp/quantized_collectives.hpp: ZeRO++'s quantized communication (issue #22), built from
+// quantize.hpp's element math and the collectives' all_gather / all_to_all. Records are packed
+// and unpacked on the host or in device memory (qwZ); qgZ's reduce_scatter runs on the host.
 //
 // A record is one piece of n values quantized in Format f, as 32-bit words: its codes (padded to
 // a word), then its fp32 scales, so a piece travels in one collective of a dtype every backend
@@ -30,6 +31,7 @@
 
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
+#include "zp/memory.hpp"
 #include "zp/quantize.hpp"
 
 namespace zp::quant {
@@ -48,35 +50,52 @@ inline std::vector<float>& scale_scratch(std::size_t n) {
 }
 }  // namespace detail
 
-// x -> its record (record_words(f, x.size()) words; the codes' padding zeroed).
-template <class T>
+// x -> its record (record_words(f, x.size()) words; the codes' padding zeroed), in memory space
+// S (host: quantize's best path; a device: the work items, on the current stream).
+template <MemorySpace S = MemorySpace::host, class T>
 void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record) {
-  const std::size_t cw = code_words(f, x.size());
-  ZP_EXPECT(record.size() == record_words(f, x.size()), "quantize: a record of ", x.size(),
-            " values takes ", record_words(f, x.size()), " words, got ", record.size());
-  std::vector<float>& scales = detail::scale_scratch(f.blocks(x.size()));
-  std::fill_n(record.data(), cw, 0);
-  quantize(x, f, std::span(reinterpret_cast<std::uint8_t*>(record.data()), f.code_bytes(x.size())),
-           std::span<float>(scales));
-  if (!scales.empty())  // (an empty piece's record may have no storage)
-    std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
+  const std::size_t n = x.size(), cw = code_words(f, n);
+  ZP_EXPECT(record.size() == record_words(f, n), "quantize: a record of ", n, " values takes ",
+            record_words(f, n), " words, got ", record.size());
+  if constexpr (S == MemorySpace::host) {
+    std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
+    std::fill_n(record.data(), cw, 0);
+    quantize(x, f, std::span(reinterpret_cast<std::uint8_t*>(record.data()), f.code_bytes(n)),
+             std::span<float>(scales));
+    if (!scales.empty())  // (an empty piece's record may have no storage)
+      std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
+  } else {
+    f.check();
+    if (cw > 0) Memory<S>::zero(record.subspan(cw - 1, 1));  // the padding after the codes
+    Memory<S>::for_each(
+        f.blocks(n),
+        QuantizeBlock<T>{x.data(), n, f, reinterpret_cast<std::uint8_t*>(record.data()),
+                         reinterpret_cast<float*>(record.data() + cw)});
+  }
 }
 
-// A record of out.size() values -> out (Add: acc += them, in fp32).
-template <bool Add = false, class T>
+// A record of out.size() values -> out (Add: acc += them, in fp32), in memory space S.
+template <bool Add = false, MemorySpace S = MemorySpace::host, class T>
 void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> out) {
   const std::size_t n = out.size(), cw = code_words(f, n);
   ZP_EXPECT(record.size() == record_words(f, n), "dequantize: a record of ", n, " values takes ",
             record_words(f, n), " words, got ", record.size());
-  std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
-  if (!scales.empty())
-    std::memcpy(scales.data(), record.data() + cw, scales.size() * sizeof(float));
-  const auto codes =
-      std::span(reinterpret_cast<const std::uint8_t*>(record.data()), f.code_bytes(n));
-  if constexpr (Add)
-    dequantize_add(f, codes, std::span<const float>(scales), out);
-  else
-    dequantize(f, codes, std::span<const float>(scales), out);
+  const auto* codes = reinterpret_cast<const std::uint8_t*>(record.data());
+  if constexpr (S == MemorySpace::host) {
+    std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
+    if (!scales.empty())
+      std::memcpy(scales.data(), record.data() + cw, scales.size() * sizeof(float));
+    const std::span<const std::uint8_t> c(codes, f.code_bytes(n));
+    if constexpr (Add)
+      dequantize_add(f, c, std::span<const float>(scales), out);
+    else
+      dequantize(f, c, std::span<const float>(scales), out);
+  } else {
+    f.check();
+    Memory<S>::for_each(f.blocks(n), DequantizeBlock<T, Add>{
+                                         codes, reinterpret_cast<const float*>(record.data() + cw),
+                                         n, f, out.data()});
+  }
 }
 
 // The scratch reduce_scatter needs for pieces of `piece` values on `ranks` ranks in `nodes`

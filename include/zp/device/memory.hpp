@@ -100,6 +100,10 @@ struct Memory<MemorySpace::device> {
   static void invoke(const F& f, X* p) {
     device::launch(device::detail::compute_stream(), 1, device::detail::InvokeAt<F, X>{f, p});
   }
+  template <class F>
+  static void for_each(std::size_t n, const F& f) {
+    if (n > 0) device::launch(device::detail::compute_stream(), n, f);
+  }
 
  private:
   // Enqueues the copy on the current stream (after the delay test mode) and returns that stream.
