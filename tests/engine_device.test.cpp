@@ -6,8 +6,8 @@
 // bit those of the threads backend on the CPU with as many ranks fed the same gradients (the same
 // formula on host and device, without contracted multiply-adds), with and without ZeRO-Offload
 // (and, where zp::aio is linked, with the optimizer state on NVMe), and at stage 3 with ZeRO++'s
-// secondary partition (hpZ) over pairs of ranks, and with quantized gathers (qwZ) against the
-// threads backend's quantized run.
+// secondary partition (hpZ) over pairs of ranks, and with quantized gathers (qwZ) and, at stages
+// 2 and 3, quantized gradient reductions (qgZ) against the threads backend's quantized runs.
 // The model's launches run on a compute stream of their own, the collectives on the backends'
 // communication streams; ordering is proven by delaying each kind of stream in turn, which must
 // change no bit (on the simulator its adversarial scheduler delays every stream besides). The
@@ -129,12 +129,17 @@ struct Fed {
 struct ZeroPP {
   int hpz = 1;
   bool qwz = false;
+  bool qgz = false;  // the gradients' reduce_scatter quantized, over nodes of 2 ranks (stage 2, 3)
 };
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
   c.hpz_partition_size = zpp.hpz;
   if (zpp.qwz) c.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 64};
+  if (zpp.qgz) {
+    c.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 64};
+    c.ranks_per_node = 2;
+  }
   c.offload_optimizer = offload > 0;
   if (offload == 2)
     c.optimizer_nvme = zp::NvmeOptions{
@@ -258,27 +263,29 @@ void check_ranks(std::uint64_t seed) {
       if (comm.rank() == 0) cpu = std::move(o);
     });
     expect_equal(on_gpu<T, Stage>(n, seed), cpu);  // sync_count is per thread: rank 0's own
-    // hpZ (stage 3): the backward gathers inside groups of 2 from the secondary shards that the
-    // forward gathers left; where bytes travel changes, not their values.
-    // qwZ: the gathers quantized on the device, bitwise the threads backend's quantized run
-    // (the work items there, quantize's AVX2 path on the CPU: the same bits).
+    // ZeRO++ on the device: hpZ alone (stage 3) is bitwise the run without it (the backward
+    // gathers run inside groups of 2, from the secondary shards the forward gathers left); with
+    // qgZ (stages 2, 3: the reduce_scatter's quantized hops) and qwZ (stage 3: the gathers
+    // quantized) on too, bitwise the threads backend's run of the same (the work items there,
+    // quantize's AVX2 path on the CPU: the same bits), also with each kind of stream delayed.
     if (Stage == 3 && n > 1) {
-      const ZeroPP hpz{.hpz = 2};
       CAPTURE("hpz 2");
-      expect_equal(on_gpu<T, Stage>(n, seed, 0, hpz), cpu);
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.hpz = 2}), cpu);
+    }
+    if (Stage >= 2 && n > 1) {
+      const ZeroPP all{.hpz = Stage == 3 ? 2 : 1, .qwz = Stage == 3, .qgz = true};
+      CAPTURE("zero++");
       Out quantized;
       zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
-        Out o = train<T, Stage>(comm, seed, 0, nullptr, 0, {.qwz = true});
+        Out o = train<T, Stage>(comm, seed, 0, nullptr, 0, all);
         if (comm.rank() == 0) quantized = std::move(o);
       });
       CHECK(quantized.params != cpu.params);  // the quantization shows
-      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.qwz = true}), quantized);
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, all), quantized);
       if (n == 2)
         for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
           CAPTURE(int(role));
-          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, hpz); }), cpu);
-          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, {.qwz = true}); }),
-                       quantized);
+          expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, all); }), quantized);
         }
     }
     if (n != 2) continue;

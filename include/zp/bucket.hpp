@@ -17,7 +17,7 @@
 // Stage 0/1 reduce only at the accumulation boundary (sync on); in between, gradients accumulate
 // locally in the full buffer without communication.
 //
-// Quantized (ZeRO++'s qgZ, quantize_gradients(); scatter_accumulate in host memory): a bucket's
+// Quantized (ZeRO++'s qgZ, quantize_gradients(); scatter_accumulate): a bucket's
 // reduce_scatter is quantized_collectives.hpp's two-hop one, in flight while backward goes on:
 // bucket k's hop 1 starts when it launches, its hop 2 when bucket k + 1 launches, and it ends
 // when bucket k + 2 launches (or at finish()), so each hop overlaps about one bucket's backward.
@@ -89,6 +89,13 @@ constexpr Reduction reduction_of(int stage) noexcept {
          : stage == 1 ? Reduction::scatter_in_place
                       : Reduction::scatter_accumulate;
 }
+
+// x[i] /= n (qgZ's average: a division, as a reduction's avg does).
+struct DivideBy {
+  float* x;
+  float n;
+  ZP_HOST_DEVICE void operator()(std::size_t i) const { x[i] /= n; }
+};
 
 // The state of one bucket within a micro-step.
 template <class Work>
@@ -173,9 +180,8 @@ class GradBuckets {
   // (`node`: this rank's node, `peers`: the ranks of its local index, one per node).
   void quantize_gradients(Collective<B>& node, Collective<B>& peers, const quant::Format& f) {
     f.check();
-    ZP_EXPECT(reduction_ == Reduction::scatter_accumulate && S == MemorySpace::host,
-              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 and "
-              "host memory (device backends: not implemented yet)");
+    ZP_EXPECT(reduction_ == Reduction::scatter_accumulate,
+              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3");
     ZP_EXPECT(node.size() * peers.size() == comm_->size() &&
                   comm_->rank() == peers.rank() * node.size() + node.rank(),
               "buckets: nodes of ", node.size(), " ranks x ", peers.size(),
@@ -403,8 +409,7 @@ class GradBuckets {
     op->finish();
     const auto& g = layout_->segment(b.segment);
     const std::span<float> mine = reduced_piece(set, b);
-    const float n = float(comm_->size());
-    for (float& x : mine) x /= n;
+    Memory<S>::for_each(mine.size(), DivideBy{mine.data(), float(comm_->size())});
     const std::size_t at = std::size_t(comm_->rank()) * g.piece;
     if (precision_.reduce_f32)
       Memory<S>::copy(slot32_span(b).subspan(at, g.piece), std::span<const float>(mine));

@@ -143,7 +143,7 @@ struct EngineConfig {
   // gathers after the first (backward, later micro-batches) run inside the node. Bitwise the
   // same results. Must divide the data-parallel size.
   int hpz_partition_size = 1;
-  // ZeRO++'s qgZ (DeepSpeed's zero_quantized_gradients; stages 2 and 3, host backends): each
+  // ZeRO++'s qgZ (DeepSpeed's zero_quantized_gradients; stages 2 and 3, every backend): each
   // bucket's reduce_scatter quantized, in two hops: inside nodes of ranks_per_node consecutive
   // data-parallel ranks (0: the backend's node layout where it has one, as the mpi backend's
   // node_layout(); else one node of all), then across nodes among ranks of the same local

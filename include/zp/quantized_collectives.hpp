@@ -1,6 +1,6 @@
 // zp/quantized_collectives.hpp: ZeRO++'s quantized communication (issue #22), built from
 // quantize.hpp's element math and the collectives' all_gather / all_to_all. Records are packed
-// and unpacked on the host or in device memory (qwZ); qgZ's reduce_scatter runs on the host.
+// and unpacked, and qgZ's reduce_scatter runs, on the host or in device memory.
 //
 // A record is one piece of n values quantized in Format f, as 32-bit words: its codes (padded to
 // a word), then its fp32 scales, so a piece travels in one collective of a dtype every backend
@@ -109,7 +109,8 @@ inline ReduceScratchSize reduce_scratch(const Format& f, std::size_t ranks, std:
 }
 
 // qgZ's two-hop reduce-scatter (see the top of this file) in flight, through caller-owned
-// scratch of at least reduce_scratch()'s sizes, which it uses until it is finished. Host memory.
+// scratch of at least reduce_scratch()'s sizes, which it uses until it is finished. Everything in
+// the backend's memory (a device: the packing and sums on the rank's compute stream).
 // start() packs hop 1's records and starts its all_to_all; advance() waits for hop 1, sums its
 // records and starts hop 2; finish() waits for it to end. Each call issues collectives, so every
 // rank must make the same calls in the same order (a backend may run one process's operations,
@@ -150,8 +151,8 @@ class ReduceScatter {
     const std::size_t piece = out_.size();
     for (std::size_t j = 0; j < h_; ++j)
       for (std::size_t n = 0; n < nodes_; ++n)
-        pack(in_.subspan((n * h_ + j) * piece, piece), f_,
-             send_.subspan((j * nodes_ + n) * rw_, rw_));
+        pack<S>(in_.subspan((n * h_ + j) * piece, piece), f_,
+                send_.subspan((j * nodes_ + n) * rw_, rw_));
     work_ = node_->all_to_all_async(std::span<const std::int32_t>(send_), recv_);
     hop_ = 1;
   }
@@ -177,21 +178,22 @@ class ReduceScatter {
   void next() {
     const std::size_t piece = out_.size();
     if (hop_ == 2) {
-      std::fill(out_.begin(), out_.end(), 0.0f);
+      Memory<S>::zero(out_);
       for (std::size_t n = 0; n < nodes_; ++n)
-        unpack<true>(f_, std::span<const std::int32_t>(recv_.subspan(n * rw_, rw_)), out_);
+        unpack<true, S>(f_, std::span<const std::int32_t>(recv_.subspan(n * rw_, rw_)), out_);
       hop_ = 0;
       return;
     }
-    std::fill(partial_.begin(), partial_.end(), 0.0f);  // node n's sum of rank n*h+me's piece
+    Memory<S>::zero(partial_);  // node n's sum of rank n*h+me's piece
     for (std::size_t i = 0; i < h_; ++i)
       for (std::size_t n = 0; n < nodes_; ++n)
-        unpack<true>(f_, std::span<const std::int32_t>(recv_.subspan((i * nodes_ + n) * rw_, rw_)),
-                     partial_.subspan(n * piece, piece));
+        unpack<true, S>(f_,
+                        std::span<const std::int32_t>(recv_.subspan((i * nodes_ + n) * rw_, rw_)),
+                        partial_.subspan(n * piece, piece));
     // Hop 2: the partial of node n's piece to node n.
     for (std::size_t n = 0; n < nodes_; ++n)
-      pack(std::span<const float>(partial_.subspan(n * piece, piece)), f_,
-           send_.subspan(n * rw_, rw_));
+      pack<S>(std::span<const float>(partial_.subspan(n * piece, piece)), f_,
+              send_.subspan(n * rw_, rw_));
     work_ = peers_->all_to_all_async(std::span<const std::int32_t>(send_.first(nodes_ * rw_)),
                                      recv_.first(nodes_ * rw_));
     hop_ = 2;
@@ -208,6 +210,7 @@ class ReduceScatter {
     }
   }
 
+  static constexpr MemorySpace S = B::memory;
   Collective<B>*node_, *peers_;
   std::span<const T> in_;
   std::span<float> out_;
@@ -229,8 +232,9 @@ void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T
   op.finish();
 }
 
-// ... with scratch of its own.
+// ... with scratch of its own (host memory).
 template <Backend B, class T>
+  requires(B::memory == MemorySpace::host)
 void reduce_scatter(Collective<B>& node, Collective<B>& peers, std::span<const T> in,
                     std::span<float> out, const Format& f) {
   const ReduceScratchSize need =
