@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -64,6 +65,25 @@ inline double copy_gbps(std::size_t bytes) {
     best = std::max(best, double(2 * half) / s * 1e-9);
   }
   benchmark::DoNotOptimize(dst.get());
+  return best;
+}
+
+// GB/s of reading `bytes` on this thread (an OR over 64-bit words, nothing written): the best of
+// 5, the limit of a benchmark that mostly reads (one core's loads in flight bound it, not the
+// memory's copy bandwidth).
+inline double read_gbps(std::size_t bytes) {
+  const std::size_t size = (bytes + 4095) / 4096 * 4096;
+  const PageBuffer src(size, 1);
+  const auto* words = reinterpret_cast<const std::uint64_t*>(src.get());
+  double best = 0;
+  for (int k = 0; k < 5; ++k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::uint64_t acc = 0;
+    for (std::size_t i = 0; i < size / 8; ++i) acc |= words[i];
+    benchmark::DoNotOptimize(acc);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(size) / s * 1e-9);
+  }
   return best;
 }
 

@@ -6,7 +6,9 @@
 //   Counters: GBps = bytes read + bytes written per second (codes, scales, values; for
 //   dequantize_add the fp32 accumulator is read and written), copy_GBps = a streaming copy
 //   (bench/membw.hpp) of as many bytes on the same thread, timed in the same benchmark right
-//   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8). wrong = values
+//   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8);
+//   quantize rows also read_GBps = reading x alone on the same thread (bench/membw.hpp, the best
+//   of 5) and read_fraction = x's bytes per second over it. wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
 //   block (any skips the benchmark with an error). Rows run the host's best path (AVX2
 //   where the CPU has it; dequantize's 16M values are past zp::detail::stream_min_bytes, so
@@ -74,6 +76,7 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
                             : op == Op::dequantize ? coded + n * sizeof(T)
                                                    : coded + 2 * n * sizeof(float);
   const double limit = zp::bench::copy_gbps(bytes);
+  const double read_limit = op == Op::quantize ? zp::bench::read_gbps(n * sizeof(T)) : 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     switch (op) {
@@ -97,6 +100,11 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   state.counters["GBps"] = benchmark::Counter(gb, benchmark::Counter::kIsRate);
   state.counters["copy_GBps"] = limit;
   state.counters["copy_fraction"] = gb / seconds / limit;
+  if (op == Op::quantize) {  // it reads 4 or 2 bytes of x for each code byte it writes
+    state.counters["read_GBps"] = read_limit;
+    state.counters["read_fraction"] =
+        double(n * sizeof(T)) * double(state.iterations()) * 1e-9 / seconds / read_limit;
+  }
   state.counters["wrong"] = double(wrong);
 }
 
