@@ -90,12 +90,14 @@ constexpr Reduction reduction_of(int stage) noexcept {
                       : Reduction::scatter_accumulate;
 }
 
+namespace detail {
 // x[i] /= n (qgZ's average: a division, as a reduction's avg does).
 struct DivideBy {
   float* x;
   float n;
   ZP_HOST_DEVICE void operator()(std::size_t i) const { x[i] /= n; }
 };
+}  // namespace detail
 
 // The state of one bucket within a micro-step.
 template <class Work>
@@ -409,7 +411,7 @@ class GradBuckets {
     op->finish();
     const auto& g = layout_->segment(b.segment);
     const std::span<float> mine = reduced_piece(set, b);
-    Memory<S>::for_each(mine.size(), DivideBy{mine.data(), float(comm_->size())});
+    Memory<S>::for_each(mine.size(), detail::DivideBy{mine.data(), float(comm_->size())});
     const std::size_t at = std::size_t(comm_->rank()) * g.piece;
     if (precision_.reduce_f32)
       Memory<S>::copy(slot32_span(b).subspan(at, g.piece), std::span<const float>(mine));

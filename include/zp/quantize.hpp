@@ -73,15 +73,13 @@ ZP_HOST_DEVICE inline int code(const std::uint8_t* q, Bits bits, std::size_t i) 
 // x / scale rounded to the nearest integer, ties to even (rintf in the default rounding mode),
 // as x times 1 / scale: one division per block, not per value. The product is within 2^-16 of
 // the quotient (|x / scale| <= qmax <= 127, two roundings of 2^-24). A scale under 2^-128,
-// whose reciprocal overflows, divides; a zero scale gives zeros.
+// whose reciprocal overflows, divides; a zero scale (every x zero) multiplies by zero.
 struct Divisor {
   float scale, inverse;
   bool divide;
   ZP_HOST_DEVICE explicit Divisor(float s)
-      : scale(s), inverse(1.0f / s), divide(!(inverse < INFINITY)) {}
-  ZP_HOST_DEVICE int code(float x) const {
-    return scale == 0 ? 0 : int(::rintf(divide ? x / scale : x * inverse));
-  }
+      : scale(s), inverse(s == 0 ? 0.0f : 1.0f / s), divide(!(inverse < INFINITY)) {}
+  ZP_HOST_DEVICE int code(float x) const { return int(::rintf(divide ? x / scale : x * inverse)); }
 };
 
 }  // namespace detail

@@ -153,7 +153,7 @@ class NodeSegment final : public PeerCheck {
     // A memfd has no size limit of its own (a /dev/shm has half the memory): past the memory,
     // posix_fallocate would take it all before failing.
     const std::size_t memory =
-        std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGESIZE));
+        local_ == 0 ? std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGESIZE)) : 0;
     if (local_ == 0 && bytes_ > memory / 2) {
       error = detail::cat("the node's shared segment of ", bytes_, " bytes (", size_,
                           " local ranks x 2 areas of ", area_, " bytes) is more than half of the ",
