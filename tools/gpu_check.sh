@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): configure a Release
-# build for Hopper with CUDA and NCCL, build the gpu tests and the benchmarks, run `ctest -L gpu`,
-# the gpu tests of the engine, cuda_threads and the optimizer again under compute-sanitizer
-# memcheck (racecheck and synccheck too: cuda_threads and the optimizer), zp_bench_optim_cuda
-# (AdamW against a device-to-device copy), zp_bench_collectives_cuda (the cuda_threads
-# collectives' busbw against the same copy), zp_bench_zero_cuda (the
-# device engine's step per stage and rank count against its bare kernels, offload against the
-# device step), the GPU demo's tokens/s and loss, and bench/torch_adamw.py (PyTorch's
-# clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
-# build/gpu-out); a summary is printed as it goes.
+# Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): the gpu tests (the
+# optimizer, cuda_threads, nccl, the device engine, the GPU demo), the same tests under
+# compute-sanitizer memcheck (racecheck and synccheck too: cuda_threads and the optimizer),
+# zp_bench_optim_cuda (AdamW against a device-to-device copy), zp_bench_collectives_cuda (the
+# cuda_threads collectives' busbw against the same copy), zp_bench_zero_cuda (the device engine's
+# step per stage and rank count against its bare kernels, offload against the device step), the
+# GPU demo's tokens/s and loss, and bench/torch_adamw.py (PyTorch's clip_grad_norm_ + fused AdamW
+# on the same sizes). Logs and JSON go to $OUT (default build/gpu-out); a summary is printed as
+# it goes.
 #
 #   bash tools/gpu_check.sh [all|test|memcheck|bench]   # on the GPU machine, from the repository root
 #
-# test: ctest -L gpu; memcheck: the gpu tests under compute-sanitizer's memcheck, racecheck,
-# synccheck; bench: the measurements (zp_bench_optim_cuda, zp_bench_collectives_cuda,
-# zp_bench_zero_cuda, the GPU demo, PyTorch); all (default): the three.
-# Each phase configures and builds only the targets it runs, so the phases fit separate calls
-# on a machine that keeps nothing between them.
+# test: the gpu tests; memcheck: them under compute-sanitizer's memcheck, racecheck, synccheck;
+# bench: the measurements; all (default): the three. test and memcheck run side by side (neither
+# is timed), every test and sanitizer run at once, each bounded (ZP_TEST_TIMEOUT,
+# ZP_SANITIZE_TIMEOUT, ZP_BENCH_TIMEOUT seconds); bench runs alone after them.
 #
-# That machine cannot download: doctest, Google Benchmark and nlohmann/json come from build/gpu-deps, which
-# tools/gpu_deps.sh fills on a Debian machine (carry it along); NCCL from CMake's search or
-# PyTorch's nvidia-nccl wheel.
+# Binaries: with ZP_GPU_BIN=build/gpu-bin, the ones tools/gpu_deps.sh --binaries built on the
+# Debian machine (carry that folder; nothing is built here). Otherwise this script configures a
+# Release build for Hopper and builds the targets its phases run, with doctest, Google Benchmark
+# and nlohmann/json from build/gpu-deps (tools/gpu_deps.sh; carry it along: that machine cannot
+# download). NCCL comes from CMake's search or PyTorch's nvidia-nccl wheel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
@@ -41,89 +41,123 @@ fi
 log "NCCL_ROOT=${NCCL_ROOT:-<cmake search>}"
 if [[ -n "${NCCL_ROOT:-}" && -d "$NCCL_ROOT/lib" ]]; then export LD_LIBRARY_PATH="$NCCL_ROOT/lib:${LD_LIBRARY_PATH:-}"; fi
 
-BUILD=build/gpu
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
-  -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
-  -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" \
-  -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
-  ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
-targets=""
-if run_phase test || run_phase memcheck; then targets="$TESTS"; fi
-if run_phase bench; then targets="$targets $BENCHES"; fi
-# shellcheck disable=SC2086  # a list of targets
-cmake --build "$BUILD" -j 16 --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
-log "build ok ($targets)"
-
-status=0
-if run_phase test; then
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) > "$OUT/ctest_gpu.log" 2>&1 || status=1
-  log "ctest -L gpu: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log")"
-  grep -E "Test +#" "$OUT/ctest_gpu.log" | tee -a "$OUT/summary.txt"
+if [[ -n "${ZP_GPU_BIN:-}" ]]; then
+  # Prebuilt: the CUDA runtime and Google Benchmark from its lib/, NCCL and cuBLAS from this
+  # machine (PyTorch's wheels, else its toolkit).
+  BUILD=$ZP_GPU_BIN
+  CUBLAS_LIB=$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$PWD/$BUILD/lib:${CUBLAS_LIB:+$CUBLAS_LIB:}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  missing=$(ldd "$BUILD"/tests/* "$BUILD"/bench/* "$BUILD"/examples/* 2>&1 | grep "not found" | sort -u)
+  if [[ -z $missing ]]; then log "prebuilt binaries from $BUILD"; else
+    log "prebuilt binaries miss libraries here, building instead:"; echo "$missing" | tee -a "$OUT/summary.txt"
+    unset ZP_GPU_BIN
+  fi
 fi
-if run_phase memcheck; then
-  # A sanitizer report counts unless it is NCCL probing its own kernels: NCCL calls
-  # cudaFuncGetAttributes on kernels built for other architectures and handles the
-  # cudaErrorNoKernelImageForDevice it gets (32 such reports per engine test on an H100).
-  # zp checks every CUDA call's return itself, so API errors of its own still fail the test.
-  real_errors() {
-    awk 'function keep(r) { return !(r ~ /cudaErrorNoKernelImageForDevice/ && r ~ /cudaFuncGetAttributes/ && r ~ /libnccl/) }
-         /^========= [A-Z]/ && !/COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY/ { if (rec != "") n += keep(rec); rec = $0; next }
-         /^========= *$/ { if (rec != "") n += keep(rec); rec = ""; next }
-         rec != "" { rec = rec "\n" $0 }
-         END { if (rec != "") n += keep(rec); print n + 0 }' "$1"
-  }
-  sanitize() {  # tool test seconds
-    local tool=$1 t=$2 log="$OUT/$1_$2.log"
-    [[ -x "$BUILD/tests/zp.test.$t" ]] || return 0
-    timeout "$3" compute-sanitizer --tool "$tool" "$BUILD/tests/zp.test.$t" > "$log" 2>&1
-    local rc=$? n
-    n=$(real_errors "$log")
-    log "$tool zp.test.$t: test exit $rc, $n error(s) ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
-    [[ $rc -ne 124 ]] || log "  (stopped after $3 s: inconclusive)"
-    [[ $rc -eq 0 && $n -eq 0 ]] || status=1
-  }
-  for t in engine_device.cuda backend.cuda_threads.cuda optim.gpu.cuda; do sanitize memcheck "$t" 400; done
-  # The kernels with shared memory and block-level synchronisation: the optimizer's reductions
-  # and the cuda_threads collectives. Slower; ZP_RACE_TIMEOUT bounds each run.
-  for tool in racecheck synccheck; do
-    for t in backend.cuda_threads.cuda optim.gpu.cuda; do sanitize "$tool" "$t" "${ZP_RACE_TIMEOUT:-400}"; done
+if [[ -z "${ZP_GPU_BIN:-}" ]]; then
+  BUILD=build/gpu
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
+    -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
+    -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" \
+    -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
+    ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+  grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
+  targets=""
+  if run_phase test || run_phase memcheck; then targets="$TESTS"; fi
+  if run_phase bench; then targets="$targets $BENCHES"; fi
+  # shellcheck disable=SC2086  # a list of targets
+  cmake --build "$BUILD" -j 16 --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  log "build ok ($targets)"
+fi
+
+# One test: name, seconds, command... Exit 77 is a test's "no CUDA device": here, a failure.
+gpu_test() {
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" "$@" > "$OUT/test_$name.log" 2>&1
+  local rc=$?
+  case $rc in 0) log "PASS $name" ;; 124) log "TIMEOUT $name (stopped after $secs s)" ;; *) log "FAIL $name (exit $rc)" ;; esac
+  return $rc
+}
+test_phase() {
+  local pids=() rc=0 t secs=${ZP_TEST_TIMEOUT:-300}
+  for t in optim.gpu.cuda backend.cuda_threads.cuda backend.nccl engine_device.cuda; do
+    gpu_test "$t" "$secs" "$BUILD/tests/zp.test.$t" & pids+=($!)
   done
-fi
+  gpu_test demo_gpu "$secs" "$BUILD/examples/zp_demo_gpu" --steps 60 --log-every 20 --ranks 4 --stage 3 & pids+=($!)
+  for t in "${pids[@]}"; do wait "$t" || rc=1; done
+  return $rc
+}
 
-if run_phase bench; then
-if [[ -x "$BUILD/bench/zp_bench_optim_cuda" ]]; then
-  "$BUILD/bench/zp_bench_optim_cuda" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
-    --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json > "$OUT/optim_cuda.txt" 2>&1 || status=1
+# A sanitizer report counts unless it is NCCL probing its own kernels: NCCL calls
+# cudaFuncGetAttributes on kernels built for other architectures and handles the
+# cudaErrorNoKernelImageForDevice it gets (32 such reports per engine test on an H100).
+# zp checks every CUDA call's return itself, so API errors of its own still fail the test.
+real_errors() {
+  awk 'function keep(r) { return !(r ~ /cudaErrorNoKernelImageForDevice/ && r ~ /cudaFuncGetAttributes/ && r ~ /libnccl/) }
+       /^========= [A-Z]/ && !/COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY/ { if (rec != "") n += keep(rec); rec = $0; next }
+       /^========= *$/ { if (rec != "") n += keep(rec); rec = ""; next }
+       rec != "" { rec = rec "\n" $0 }
+       END { if (rec != "") n += keep(rec); print n + 0 }' "$1"
+}
+sanitize() {  # tool test seconds
+  local tool=$1 t=$2 log="$OUT/$1_$2.log"
+  timeout "$3" compute-sanitizer --tool "$tool" "$BUILD/tests/zp.test.$t" > "$log" 2>&1
+  local rc=$? n
+  n=$(real_errors "$log")
+  log "$tool zp.test.$t: test exit $rc, $n error(s) ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
+  [[ $rc -ne 124 ]] || log "  (stopped after $3 s: inconclusive)"
+  [[ $rc -eq 0 && $n -eq 0 ]]
+}
+memcheck_phase() {
+  local pids=() rc=0 t tool secs=${ZP_SANITIZE_TIMEOUT:-400}
+  for t in engine_device.cuda backend.cuda_threads.cuda optim.gpu.cuda; do sanitize memcheck "$t" "$secs" & pids+=($!); done
+  # The kernels with shared memory and block-level synchronisation: the optimizer's reductions
+  # and the cuda_threads collectives.
+  for tool in racecheck synccheck; do
+    for t in backend.cuda_threads.cuda optim.gpu.cuda; do sanitize "$tool" "$t" "$secs" & pids+=($!); done
+  done
+  for t in "${pids[@]}"; do wait "$t" || rc=1; done
+  return $rc
+}
+
+bench() {  # name, then the command: bounded by ZP_BENCH_TIMEOUT, output to $OUT/name.txt
+  local name=$1; shift
+  timeout "${ZP_BENCH_TIMEOUT:-300}" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  [[ $rc -eq 0 ]] || log "$name: exit $rc$([[ $rc -ne 124 ]] || echo ' (stopped by ZP_BENCH_TIMEOUT)')"
+  return $rc
+}
+bench_phase() {
+  local rc=0 args
+  bench optim_cuda "$BUILD/bench/zp_bench_optim_cuda" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$OUT/optim_cuda.json" --benchmark_out_format=json || rc=1
   log "zp_bench_optim_cuda (median of 3):"
   grep -E "median" "$OUT/optim_cuda.txt" | tee -a "$OUT/summary.txt"
-fi
-if [[ -x "$BUILD/bench/zp_bench_collectives_cuda" ]]; then
-  "$BUILD/bench/zp_bench_collectives_cuda" --benchmark_out="$OUT/collectives_cuda.json" \
-    --benchmark_out_format=json > "$OUT/collectives_cuda.txt" 2>&1 || status=1
+  bench collectives_cuda "$BUILD/bench/zp_bench_collectives_cuda" --benchmark_out="$OUT/collectives_cuda.json" \
+    --benchmark_out_format=json || rc=1
   log "zp_bench_collectives_cuda (cuda_threads busbw; copy_fraction against a device copy):"
   grep -E "^cuda_threads" "$OUT/collectives_cuda.txt" | tee -a "$OUT/summary.txt"
-fi
-if [[ -x "$BUILD/bench/zp_bench_zero_cuda" ]]; then
-  "$BUILD/bench/zp_bench_zero_cuda" --benchmark_out="$OUT/zero_cuda.json" --benchmark_out_format=json \
-    > "$OUT/zero_cuda.txt" 2>&1 || status=1
+  bench zero_cuda "$BUILD/bench/zp_bench_zero_cuda" --benchmark_out="$OUT/zero_cuda.json" --benchmark_out_format=json || rc=1
   log "zp_bench_zero_cuda (engine step vs its bare kernels; offload vs device step):"
   grep -E "^zero_" "$OUT/zero_cuda.txt" | tee -a "$OUT/summary.txt"
-fi
-if [[ -x "$BUILD/examples/zp_demo_gpu" ]]; then
   log "GPU demo (tokens/s and loss):"
   for args in "--ranks 1 --stage 0" "--ranks 4 --stage 3" "--ranks 4 --stage 3 --offload cpu" \
               "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50"; do
-    "$BUILD/examples/zp_demo_gpu" --steps 200 --log-every 100 $args > "$OUT/demo_gpu.txt" 2>&1 || status=1
+    # shellcheck disable=SC2086  # the demo's arguments
+    bench demo_gpu "$BUILD/examples/zp_demo_gpu" --steps 200 --log-every 100 $args || rc=1
     echo "zp_demo_gpu $args: $(grep -E '^summary' "$OUT/demo_gpu.txt")" | tee -a "$OUT/summary.txt"
   done
-fi
-if [[ -f bench/torch_adamw.py ]]; then
-  python3 bench/torch_adamw.py > "$OUT/torch_adamw.txt" 2>&1 || status=1
+  bench torch_adamw python3 bench/torch_adamw.py || rc=1
   log "PyTorch clip_grad_norm_ + AdamW(fused=True):"
   tee -a "$OUT/summary.txt" < "$OUT/torch_adamw.txt"
-fi
-fi
+  return $rc
+}
+
+status=0
+pids=()
+if run_phase test; then test_phase & pids+=($!); fi
+if run_phase memcheck; then memcheck_phase & pids+=($!); fi
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+if run_phase bench; then bench_phase || status=1; fi
 log "exit status $status"
 exit $status
