@@ -34,6 +34,8 @@
 // for CUDA must not be linked together.
 #pragma once
 
+#include <cstdint>
+
 #include "zp/config.hpp"
 
 #if defined(ZP_DEVICE_SIM)
@@ -44,3 +46,12 @@
 #error \
     "zp/device/runtime.hpp: no device: install the CUDA toolkit (link zp::cuda) or use the simulated device (link zp::sim)"
 #endif
+
+namespace zp::device {
+// N consecutive elements, loaded and stored as one access (16 bytes: one vector load a thread).
+template <class X, int N>
+struct alignas(sizeof(X) * N) Pack {
+  X x[N];
+};
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+}  // namespace zp::device

@@ -28,12 +28,9 @@ namespace zp::optim::gpu {
 namespace detail {
 using optim::detail::Step;
 
-template <class X, int N>
-struct alignas(sizeof(X) * N) Pack {  // N consecutive elements, loaded and stored as one access
-  X x[N];
-};
+using device::aligned16;
 template <class X>
-using Pack4 = Pack<X, 4>;
+using Pack4 = device::Pack<X, 4>;
 
 // Work item k of a step over n elements: elements [4k, min(4k + 4, n)).
 template <class O, class T, class G>
@@ -99,7 +96,7 @@ struct SquareItem {
   ZP_HOST_DEVICE double operator()(std::size_t k) const {
     double acc = 0;
     if (vectorized && w * k + w <= n) {
-      const Pack<G, w> p = reinterpret_cast<const Pack<G, w>*>(g)[k];
+      const device::Pack<G, w> p = reinterpret_cast<const device::Pack<G, w>*>(g)[k];
       for (int j = 0; j < w; ++j) {
         const double x = optim::detail::to_float(p.x[j]);
         acc += x * x;
@@ -114,7 +111,6 @@ struct SquareItem {
   }
 };
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 }  // namespace detail
 
 // Adds the squared norm of `grad` (as stored) to stats[0], in device memory; an inf or nan makes
