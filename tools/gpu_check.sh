@@ -10,30 +10,33 @@
 # it goes.
 #
 #   bash tools/gpu_check.sh [all|test|memcheck|bench]   # on the GPU machine, from the repository root
+#   bash tools/gpu_check.sh binaries                    # on the build machine: build them there
 #
 # test: the gpu tests; memcheck: them under compute-sanitizer's memcheck, racecheck, synccheck;
 # bench: the measurements; all (default): the three. test and memcheck run side by side (neither
 # is timed), every test and sanitizer run at once, each bounded (ZP_TEST_TIMEOUT,
 # ZP_SANITIZE_TIMEOUT, ZP_BENCH_TIMEOUT seconds); bench runs alone after them.
 #
-# Binaries: with ZP_GPU_BIN=build/gpu-bin, the ones tools/gpu_deps.sh --binaries built on the
-# Debian machine (carry that folder; nothing is built here). Otherwise this script configures a
-# Release build for Hopper and builds the targets its phases run, with doctest, Google Benchmark
-# and nlohmann/json from build/gpu-deps (tools/gpu_deps.sh; carry it along: that machine cannot
-# download). NCCL comes from CMake's search or PyTorch's nvidia-nccl wheel.
+# Binaries: `binaries` builds every target below on the build machine (the CUDA toolkit needs no
+# GPU) into ${ZP_GPU_BIN:-build/gpu-bin}, with the CUDA runtime and Google Benchmark beside them;
+# carry that folder and run with ZP_GPU_BIN=build/gpu-bin, and nothing is built on the GPU
+# machine (where a library they need is missing there, it builds after all). Otherwise the phases
+# configure a Release build for Hopper there and build what they run, with doctest, Google
+# Benchmark and nlohmann/json from build/gpu-deps (tools/gpu_deps.sh; carry it along: that
+# machine cannot download). NCCL comes from CMake's search or PyTorch's nvidia-nccl wheel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
 PHASE=${1:-all}
-case "$PHASE" in all|test|memcheck|bench) ;; *) echo "usage: $0 [all|test|memcheck|bench]" >&2; exit 2 ;; esac
+case "$PHASE" in all|test|memcheck|bench|binaries) ;; *) echo "usage: $0 [all|test|memcheck|bench|binaries]" >&2; exit 2 ;; esac
 run_phase() { [[ $PHASE == all || $PHASE == "$1" ]]; }
-TESTS="zp.test.optim.gpu.cuda zp.test.backend.cuda_threads.cuda zp.test.backend.nccl zp.test.engine_device.cuda zp_demo_gpu"
-BENCHES="zp_bench_optim_cuda zp_bench_collectives_cuda zp_bench_zero_cuda zp_demo_gpu"
+GPU_TESTS="optim.gpu.cuda backend.cuda_threads.cuda backend.nccl engine_device.cuda"  # zp.test.<name>
+GPU_BENCHES="zp_bench_optim_cuda zp_bench_collectives_cuda zp_bench_zero_cuda"
 mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+[[ $PHASE == binaries ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [[ -z "${NCCL_ROOT:-}" ]]; then
   NCCL_ROOT=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)
   export NCCL_ROOT
@@ -41,7 +44,7 @@ fi
 log "NCCL_ROOT=${NCCL_ROOT:-<cmake search>}"
 if [[ -n "${NCCL_ROOT:-}" && -d "$NCCL_ROOT/lib" ]]; then export LD_LIBRARY_PATH="$NCCL_ROOT/lib:${LD_LIBRARY_PATH:-}"; fi
 
-if [[ -n "${ZP_GPU_BIN:-}" ]]; then
+if [[ -n "${ZP_GPU_BIN:-}" && $PHASE != binaries ]]; then
   # Prebuilt: the CUDA runtime and Google Benchmark from its lib/, NCCL and cuBLAS from this
   # machine (PyTorch's wheels, else its toolkit).
   BUILD=$ZP_GPU_BIN
@@ -53,21 +56,39 @@ if [[ -n "${ZP_GPU_BIN:-}" ]]; then
     unset ZP_GPU_BIN
   fi
 fi
-if [[ -z "${ZP_GPU_BIN:-}" ]]; then
+if [[ -z "${ZP_GPU_BIN:-}" || $PHASE == binaries ]]; then
   BUILD=build/gpu
+  deps=()  # build/gpu-deps where tools/gpu_deps.sh filled it, else the system's packages
+  if [[ -d build/gpu-deps ]]; then
+    deps=(-Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest"
+          -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark"
+          -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json")
+  fi
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
-    -Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest" \
-    -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark" \
-    -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json" -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" "${deps[@]}" \
+    -DZP_ENABLE_MPI=OFF -DZP_BUILD_BENCH=ON -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
     ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
-  targets=""
-  if run_phase test || run_phase memcheck; then targets="$TESTS"; fi
-  if run_phase bench; then targets="$targets $BENCHES"; fi
+  targets="zp_demo_gpu"
+  if run_phase test || run_phase memcheck || run_phase binaries; then
+    for t in $GPU_TESTS; do targets="$targets zp.test.$t"; done
+  fi
+  if run_phase bench || run_phase binaries; then targets="$targets $GPU_BENCHES"; fi
   # shellcheck disable=SC2086  # a list of targets
-  cmake --build "$BUILD" -j 16 --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  cmake --build "$BUILD" --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
   log "build ok ($targets)"
+fi
+if [[ $PHASE == binaries ]]; then  # the binaries and the libraries the GPU machine's image may lack
+  G=${ZP_GPU_BIN:-build/gpu-bin}
+  rm -rf "$G" && mkdir -p "$G/tests" "$G/bench" "$G/examples" "$G/lib"
+  for t in $GPU_TESTS; do cp "$BUILD/tests/zp.test.$t" "$G/tests/"; done
+  for b in $GPU_BENCHES; do cp "$BUILD/bench/$b" "$G/bench/"; done
+  cp "$BUILD/examples/zp_demo_gpu" "$G/examples/"
+  for lib in libcudart.so.13 libbenchmark.so.1debian; do
+    cp -L "$(ldd "$G/bench/zp_bench_optim_cuda" | awk -v l="$lib" '$1 == l { print $3 }')" "$G/lib/"
+  done
+  log "binaries in $G ($(du -sh "$G" | cut -f1)): carry it and run ZP_GPU_BIN=$G bash tools/gpu_check.sh there"
+  exit 0
 fi
 
 # One test: name, seconds, command... Exit 77 is a test's "no CUDA device": here, a failure.
@@ -80,7 +101,7 @@ gpu_test() {
 }
 test_phase() {
   local pids=() rc=0 t secs=${ZP_TEST_TIMEOUT:-300}
-  for t in optim.gpu.cuda backend.cuda_threads.cuda backend.nccl engine_device.cuda; do
+  for t in $GPU_TESTS; do
     gpu_test "$t" "$secs" "$BUILD/tests/zp.test.$t" & pids+=($!)
   done
   gpu_test demo_gpu "$secs" "$BUILD/examples/zp_demo_gpu" --steps 60 --log-every 20 --ranks 4 --stage 3 & pids+=($!)
