@@ -1,19 +1,23 @@
 // zp_bench_quantize: blockwise quantization (zp/quantize.hpp, issue #22) on one CPU thread,
 // against the memory's copy limit measured in the same benchmark.
 //
-// quant/<op>/<type>/<bits>[/portable]/block:B/elems:N   op: quantize (T -> codes + fp32 scales),
-//   dequantize (codes + scales -> T) or dequantize_add (acc += codes x scales, fp32 acc).
+// quant/<op>/<type>/<bits>[/avx2|/cached|/portable]/block:B/elems:N   op: quantize (T -> codes +
+//   fp32 scales), dequantize (codes + scales -> T) or dequantize_add (acc += codes x scales, fp32
+//   acc).
 //   Counters: GBps = bytes read + bytes written per second (codes, scales, values; for
 //   dequantize_add the fp32 accumulator is read and written), copy_GBps = a streaming copy
-//   (bench/membw.hpp) of as many bytes on the same thread, timed in the same benchmark right
-//   before (the best of 5), and copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8);
-//   quantize rows also read_GBps = reading x alone on the same thread (bench/membw.hpp, the best
-//   of 5) and read_fraction = x's bytes per second over it. wrong = values
+//   (bench/membw.hpp) of as many bytes, and at least 512 MiB (out of the caches, as the row's
+//   data is), on the same thread, timed in the same benchmark right before (the best of 5), and
+//   copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8); quantize rows also read_GBps =
+//   reading x alone (at least 256 MiB) on the same thread (bench/membw.hpp, the best of 5) and
+//   read_fraction = x's bytes per second over it. wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
-//   block (any skips the benchmark with an error). Rows run the host's best path (AVX2
-//   where the CPU has it; dequantize's 16M values are past zp::detail::stream_min_bytes, so
-//   it streams its output); /portable rows force the scalar work items, the baseline, and
-//   dequantize's /cached rows the AVX2 loops with plain stores (the streaming stores' baseline).
+//   block (any skips the benchmark with an error). Rows run the host's best path (AVX-512, else
+//   AVX2, where the CPU has them; dequantize's 32M values are past
+//   zp::detail::stream_min_bytes, so it streams its output); /avx2 rows force the AVX2 loops
+//   (the AVX-512 loops' baseline), /portable rows the scalar work items, and /cached rows the
+//   best loops with plain stores (the streaming stores' baseline; quantize streams int8 codes
+//   here too, as it reads and writes more than stream_min_bytes).
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
 
@@ -110,17 +114,19 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
 
 template <class T>
 void register_type(const char* type) {
-  constexpr std::size_t n = std::size_t(1) << 24;  // 16M values: out of every cache
+  constexpr std::size_t n = std::size_t(1) << 25;  // 32M values: 64 MB or more, out of the caches
   for (Op op : {Op::quantize, Op::dequantize, Op::dequantize_add})
     for (Bits bits : {Bits::int8, Bits::int4})
-      for (auto path : {zp::quant::Path::best, zp::quant::Path::cached, zp::quant::Path::portable})
+      for (auto path : {zp::quant::Path::best, zp::quant::Path::avx2, zp::quant::Path::cached,
+                        zp::quant::Path::portable})
         for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
-          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;    // fp32 acc only
-          if (path == zp::quant::Path::cached && op != Op::dequantize) continue;  // = best there
+          if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
+          if (path == zp::quant::Path::cached && op == Op::dequantize_add) continue;  // = best
           const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +
                                    (bits == Bits::int8 ? "int8" : "int4") +
                                    (path == zp::quant::Path::portable ? "/portable"
                                     : path == zp::quant::Path::cached ? "/cached"
+                                    : path == zp::quant::Path::avx2   ? "/avx2"
                                                                       : "") +
                                    "/block:" + std::to_string(block) +
                                    "/elems:" + std::to_string(n);

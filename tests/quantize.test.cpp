@@ -265,72 +265,84 @@ TEST_CASE("qgZ's reduce_scatter: the same bits on every node layout's run, NaN w
       {"5 values in for 2 ranks (1 nodes of 2) of 2 each"});
 }
 
-TEST_CASE_TEMPLATE("the AVX2 paths (int8, int4) give the portable work items' bits", T, float,
-                   zp::bf16, zp::fp16) {
-  if (!zp::quant::detail::use_avx2(zp::quant::Path::best)) {
-    MESSAGE("no AVX2 on this CPU: only the portable path runs");
-    return;
+// The vector paths this CPU runs (Path::best is AVX-512 where the CPU has it, else AVX2).
+std::vector<zp::quant::Path> vector_paths() {
+  using zp::quant::Path;
+  namespace d = zp::quant::detail;
+  std::vector<Path> out;
+  for (Path p : {Path::best, Path::avx2})
+    if (d::isa(p) != d::Isa::portable && (p == Path::best || d::isa(p) != d::isa(Path::best)))
+      out.push_back(p);
+  if (out.empty()) MESSAGE("no AVX2 on this CPU: only the portable path runs");
+  return out;
+}
+
+TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable work items' bits", T,
+                   float, zp::bf16, zp::fp16) {
+  for (const auto vector_path : vector_paths()) {
+    CAPTURE(zp::optim::cpu::name(zp::quant::detail::isa(vector_path)));
+    std::mt19937_64 rng(zp::test::fresh_seed());
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (Bits bits : {Bits::int8, Bits::int4})
+      for (std::size_t block : {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(256),
+                                std::size_t(bits == Bits::int8 ? 19 : 18)})
+        for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
+          CAPTURE(int(bits));
+          CAPTURE(block);
+          CAPTURE(n);
+          const Format f{.bits = bits, .block = block};
+          std::vector<T> x(n);
+          std::uniform_real_distribution<double> near_scale(0.1, 10.0);
+          double c = 1;  // the scale of a block of near-ties
+          for (std::size_t i = 0; i < n; ++i) {
+            const std::size_t b = i / block;
+            if (i % block == 0) c = near_scale(rng);
+            // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
+            // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
+            // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
+            // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
+            const int qmax = f.qmax();
+            const double tie =
+                i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;
+            const double v = b % 6 == 1   ? 0.0
+                             : b % 6 == 3 ? normal(rng) * 1e-38
+                             : b % 6 == 2 ? tie
+                             : b % 6 == 4 ? tie * c
+                                          : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
+            x[i] = T(float(v));
+          }
+          if (n > 600) {
+            x[300] = T(std::numeric_limits<float>::infinity());
+            x[500] = T(std::numeric_limits<float>::quiet_NaN());
+          }
+          std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(f.code_bytes(n), 0xAA),
+                                            std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
+          std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
+                                     std::vector<float>(f.blocks(n), -2.0f)};
+          std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
+          std::vector<float> acc[2];
+          for (int k = 0; k < 2; ++k) {
+            const auto path = k ? zp::quant::Path::portable : vector_path;
+            zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
+            zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]),
+                                  std::span<const float>(s[k]), std::span(back[k]), path);
+            acc[k].assign(n, 0.25f);
+            zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
+                                      std::span<const float>(s[k]), std::span(acc[k]), path);
+          }
+          CHECK(q[0] == q[1]);
+          CHECK(
+              (n == 0 || std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
+          CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
+          for (std::size_t i = 0; i < n; ++i) {
+            const float a = float(back[0][i]), b = float(back[1][i]);
+            if (std::isnan(b))
+              REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
+            else
+              REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
+          }
+        }
   }
-  std::mt19937_64 rng(zp::test::fresh_seed());
-  std::normal_distribution<double> normal(0.0, 1.0);
-  for (Bits bits : {Bits::int8, Bits::int4})
-    for (std::size_t block : {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(256),
-                              std::size_t(bits == Bits::int8 ? 19 : 18)})
-      for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
-        CAPTURE(int(bits));
-        CAPTURE(block);
-        CAPTURE(n);
-        const Format f{.bits = bits, .block = block};
-        std::vector<T> x(n);
-        std::uniform_real_distribution<double> near_scale(0.1, 10.0);
-        double c = 1;  // the scale of a block of near-ties
-        for (std::size_t i = 0; i < n; ++i) {
-          const std::size_t b = i / block;
-          if (i % block == 0) c = near_scale(rng);
-          // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
-          // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
-          // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
-          // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
-          const int qmax = f.qmax();
-          const double tie =
-              i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;
-          const double v = b % 6 == 1   ? 0.0
-                           : b % 6 == 3 ? normal(rng) * 1e-38
-                           : b % 6 == 2 ? tie
-                           : b % 6 == 4 ? tie * c
-                                        : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
-          x[i] = T(float(v));
-        }
-        if (n > 600) {
-          x[300] = T(std::numeric_limits<float>::infinity());
-          x[500] = T(std::numeric_limits<float>::quiet_NaN());
-        }
-        std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(f.code_bytes(n), 0xAA),
-                                          std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
-        std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
-                                   std::vector<float>(f.blocks(n), -2.0f)};
-        std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
-        std::vector<float> acc[2];
-        for (int k = 0; k < 2; ++k) {
-          const auto path = k ? zp::quant::Path::portable : zp::quant::Path::best;
-          zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
-          zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]),
-                                std::span<const float>(s[k]), std::span(back[k]), path);
-          acc[k].assign(n, 0.25f);
-          zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
-                                    std::span<const float>(s[k]), std::span(acc[k]), path);
-        }
-        CHECK(q[0] == q[1]);
-        CHECK((n == 0 || std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
-        CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
-        for (std::size_t i = 0; i < n; ++i) {
-          const float a = float(back[0][i]), b = float(back[1][i]);
-          if (std::isnan(b))
-            REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
-          else
-            REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
-        }
-      }
 }
 
 // A 16-byte-aligned window of n values inside v (which holds n + 8).
@@ -341,63 +353,91 @@ std::span<T> aligned_window(std::vector<T>& v, std::size_t n) {
   return std::span<T>(v).subspan(at, n);
 }
 
-TEST_CASE_TEMPLATE("dequantize's streaming stores write the bits plain stores do", T, float,
-                   zp::bf16, zp::fp16) {
+TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits plain stores do", T,
+                   float, zp::bf16, zp::fp16) {
   namespace d = zp::quant::detail;
-  if (!d::use_avx2(zp::quant::Path::best)) {
-    MESSAGE("no AVX2 on this CPU: only the portable path runs");
-    return;
-  }
   using zp::quant::Path;
+  const auto paths = vector_paths();
+  if (paths.empty()) return;
   const std::uint64_t seed = zp::test::fresh_seed();
   // When: Path::best, a large enough, 16-byte-aligned output, blocks that keep the alignment.
   constexpr std::size_t big = zp::detail::stream_min_bytes / sizeof(T);
   std::vector<T> room(big + 8);
   const std::span<T> out = aligned_window(room, big);
   CHECK(d::streams(Path::best, out.data(), big, 256));
+  CHECK(d::streams(Path::avx2, out.data(), big, 256));
   CHECK_FALSE(d::streams(Path::cached, out.data(), big, 256));
   CHECK_FALSE(d::streams(Path::best, out.data(), big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data() + 1, big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data(), big, 26));  // 26 x 2 bytes: blocks misaligned
+  // quantize: int8 codes, when it reads and writes stream_min_bytes, aligned as dequantize's.
+  const Format int8{.bits = Bits::int8, .block = 256}, int4{.bits = Bits::int4, .block = 256};
+  std::vector<std::uint8_t> code_room(big + 16);
+  const std::span<std::uint8_t> codes = aligned_window(code_room, big);
+  const std::size_t least = zp::detail::stream_min_bytes / (sizeof(T) + 1) + 1;
+  CHECK(d::streams_codes<T>(Path::best, codes.data(), least, int8));
+  CHECK(d::streams_codes<T>(Path::avx2, codes.data(), least, int8));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least - 2, int8));
+  CHECK_FALSE(d::streams_codes<T>(Path::cached, codes.data(), least, int8));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least, int4));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data() + 1, least, int8));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least, Format{.block = 24}));
 #if ZP_OPTIM_X86
   // The streaming loop against the portable work items, bitwise, on small outputs (a NaN block,
   // short last blocks included).
-  for (Bits bits : {Bits::int8, Bits::int4})
-    for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(256)})
-      for (std::size_t n : {std::size_t(8), std::size_t(1001), std::size_t(4099)}) {
-        CAPTURE(int(bits));
-        CAPTURE(block);
-        CAPTURE(n);
-        const Format f{.bits = bits, .block = block};
-        std::vector<T> x(n), want(n), got_room(n + 8);
-        for (std::size_t i = 0; i < n; ++i) x[i] = T(zp::test::hash_uniform(seed, i) * 100.0f);
-        if (n > 600) x[500] = T(std::numeric_limits<float>::quiet_NaN());
-        std::vector<std::uint8_t> q(f.code_bytes(n));
-        std::vector<float> s(f.blocks(n));
-        zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
-        zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
-                              std::span(want), Path::portable);
-        const std::span<T> got = aligned_window(got_room, n);
-        std::fill(got.begin(), got.end(), T(-7.0f));
-        if (bits == Bits::int8)
-          d::dequantize_avx2<Bits::int8, T, false, true>(q.data(), s.data(), n, block, got.data());
-        else
-          d::dequantize_avx2<Bits::int4, T, false, true>(q.data(), s.data(), n, block, got.data());
-        for (std::size_t i = 0; i < n; ++i) {
-          if (std::isnan(float(want[i])))
-            REQUIRE(std::isnan(float(got[i])));  // fp16 may keep another NaN payload
-          else
-            REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
+  for (const Path path : paths)
+    for (Bits bits : {Bits::int8, Bits::int4})
+      for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(256)})
+        for (std::size_t n : {std::size_t(8), std::size_t(1001), std::size_t(4099)}) {
+          CAPTURE(zp::optim::cpu::name(d::isa(path)));
+          CAPTURE(int(bits));
+          CAPTURE(block);
+          CAPTURE(n);
+          const Format f{.bits = bits, .block = block};
+          std::vector<T> x(n), want(n), got_room(n + 8);
+          for (std::size_t i = 0; i < n; ++i) x[i] = T(zp::test::hash_uniform(seed, i) * 100.0f);
+          if (n > 600) x[500] = T(std::numeric_limits<float>::quiet_NaN());
+          std::vector<std::uint8_t> q(f.code_bytes(n));
+          std::vector<float> s(f.blocks(n));
+          zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
+          zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                                std::span(want), Path::portable);
+          if (bits == Bits::int8 && block % 16 == 0) {  // quantize's streaming loop
+            std::vector<std::uint8_t> q_room(n + 16, 0xAA);
+            const std::span<std::uint8_t> q_streamed = aligned_window(q_room, n);
+            std::vector<float> s_streamed(s.size(), -1.0f), s_portable(s.size(), -2.0f);
+            std::vector<std::uint8_t> q_portable(n, 0x55);
+            d::quantize_x86<true>(d::isa(path), x.data(), n, f, q_streamed.data(),
+                                  s_streamed.data());
+            zp::quant::quantize(std::span<const T>(x), f, std::span(q_portable),
+                                std::span(s_portable), Path::portable);
+            REQUIRE(std::equal(q_streamed.begin(), q_streamed.end(), q_portable.begin()));
+            REQUIRE(std::memcmp(s_streamed.data(), s_portable.data(), s.size() * sizeof(float)) ==
+                    0);
+          }
+          const std::span<T> got = aligned_window(got_room, n);
+          std::fill(got.begin(), got.end(), T(-7.0f));
+          d::dequantize_x86<false, true>(d::isa(path), f, q.data(), s.data(), n, got.data());
+          for (std::size_t i = 0; i < n; ++i) {
+            if (std::isnan(float(want[i])))
+              REQUIRE(std::isnan(float(got[i])));  // fp16 may keep another NaN payload
+            else
+              REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
+          }
         }
-      }
 #endif
-  // And through dequantize itself at the size where it streams: best (streamed) equals cached.
+  // And through quantize and dequantize themselves at a size where they stream: best (streamed)
+  // equals cached.
   const Format f{.bits = Bits::int8, .block = 256};
   std::vector<T> x(big);
   for (std::size_t i = 0; i < big; ++i) x[i] = T(zp::test::hash_uniform(seed + 1, i));
   std::vector<std::uint8_t> q(f.code_bytes(big));
-  std::vector<float> s(f.blocks(big));
-  zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
+  std::vector<float> s(f.blocks(big)), s_cached(f.blocks(big), -1.0f);
+  std::fill(codes.begin(), codes.end(), std::uint8_t(0xAA));
+  zp::quant::quantize(std::span<const T>(x), f, codes, std::span(s));
+  zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s_cached), Path::cached);
+  CHECK(std::equal(q.begin(), q.end(), codes.begin()));
+  CHECK(std::memcmp(s.data(), s_cached.data(), s.size() * sizeof(float)) == 0);
   std::vector<T> plain(big);
   zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
                         std::span(plain), Path::cached);

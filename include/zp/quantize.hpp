@@ -16,14 +16,15 @@
 //   zp::quant::dequantize_add(f, q, s, acc);   // acc += dequant(q): fp32 accumulation
 //
 // QuantizeBlock and DequantizeBlock are the work items (one block each) that a device launches
-// with zp::device::launch; the host functions here run them in a loop, or, on a CPU with AVX2
-// (checked at run time), the same math 8 or 16 values at a time with bitwise the same results
-// (IEEE products, the conversion rounding to nearest even as rintf does; a NaN stored as fp16
-// may keep another payload). Path::portable forces the loop of work items.
+// with zp::device::launch; the host functions here run them in a loop, or, on a CPU with
+// AVX-512 or AVX2 (checked at run time), the same math 16 values at a time with bitwise the same
+// results (IEEE products, the conversion rounding to nearest even as rintf does; a NaN stored as
+// fp16 may keep another payload). Path::portable forces the loop of work items, Path::avx2 the
+// AVX2 loops.
 // dequantize writes an output of detail::stream_min_bytes or more with streaming stores (where
 // it is 16-byte aligned and blocks keep that alignment): no read of each line before it is
-// written, and the output not left in the caches; Path::cached keeps plain stores, for an
-// output read again right away.
+// written, and the output not left in the caches; quantize writes its codes so when it reads and
+// writes that much. Path::cached keeps plain stores, for an output read again right away.
 #pragma once
 
 #include <math.h>
@@ -82,6 +83,41 @@ struct Divisor {
   ZP_HOST_DEVICE int code(float x) const { return int(::rintf(divide ? x / scale : x * inverse)); }
 };
 
+// Codes of x[i, hi) of a finite block (int4: i even, so whole bytes): the work item's loop, and
+// the rest of a block after the SIMD loops.
+template <class T>
+ZP_HOST_DEVICE void write_codes(const T* x, std::size_t i, std::size_t hi, Bits bits,
+                                const Divisor& d, std::uint8_t* codes) {
+  const auto q = [&](std::size_t j) { return j < hi ? d.code(float(x[j])) : 0; };
+  if (bits == Bits::int8) {
+    for (; i < hi; ++i) codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
+  } else {
+    for (; i < hi; i += 2) codes[i / 2] = std::uint8_t((q(i) & 0xf) | ((q(i + 1) & 0xf) << 4));
+  }
+}
+
+// Zero codes for values [lo, hi) (lo even for int4): a block of zeros, or with an inf or NaN.
+ZP_HOST_DEVICE inline void zero_codes(std::uint8_t* codes, Bits bits, std::size_t lo,
+                                      std::size_t hi) {
+  const std::size_t b = bits == Bits::int8 ? lo : lo / 2,
+                    e = bits == Bits::int8 ? hi : (hi + 1) / 2;
+  for (std::size_t i = b; i < e; ++i) codes[i] = 0;
+}
+
+// Values [i, hi) from their codes and block scale into out (Accumulate: added to it): the work
+// item's loop, and the rest of a block after the SIMD loops.
+template <bool Accumulate, class T>
+ZP_HOST_DEVICE void write_values(const std::uint8_t* codes, Bits bits, std::size_t i,
+                                 std::size_t hi, float scale, T* out) {
+  for (; i < hi; ++i) {
+    const float v = float(code(codes, bits, i)) * scale;
+    if constexpr (Accumulate)
+      out[i] = T(float(out[i]) + v);
+    else
+      out[i] = T(v);
+  }
+}
+
 }  // namespace detail
 
 // Work item k: quantizes block k of x[0, n) into codes and scales[k].
@@ -104,15 +140,10 @@ struct QuantizeBlock {
     }
     const float scale = finite ? absmax / float(f.qmax()) : NAN;
     scales[k] = scale;
-    const detail::Divisor d(scale);
-    const auto q = [&](std::size_t i) { return i >= hi || !finite ? 0 : d.code(float(x[i])); };
-    if (f.bits == Bits::int8) {
-      for (std::size_t i = lo; i < hi; ++i)
-        codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
-    } else {  // lo is even: the block's bytes are its own
-      for (std::size_t i = lo; i < hi; i += 2)
-        codes[i / 2] = std::uint8_t((q(i) & 0xf) | ((q(i + 1) & 0xf) << 4));
-    }
+    if (finite)
+      detail::write_codes(x, lo, hi, f.bits, detail::Divisor(scale), codes);
+    else
+      detail::zero_codes(codes, f.bits, lo, hi);
   }
 };
 
@@ -127,33 +158,32 @@ struct DequantizeBlock {
 
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     const std::size_t lo = k * f.block, hi = lo + f.block < n ? lo + f.block : n;
-    const float scale = scales[k];
-    for (std::size_t i = lo; i < hi; ++i) {
-      const float v = float(detail::code(codes, f.bits, i)) * scale;
-      if constexpr (Accumulate)
-        out[i] = T(float(out[i]) + v);
-      else
-        out[i] = T(v);
-    }
+    detail::write_values<Accumulate>(codes, f.bits, lo, hi, scales[k], out);
   }
 };
 
-// Which host code runs: the best the CPU supports, the same with plain stores only (cached),
-// or the portable work items.
-enum class Path { best, portable, cached };
+// Which host code runs: the best the CPU supports (AVX-512, else AVX2, else the work items),
+// the same with plain stores only (cached), the AVX2 loops where AVX-512 is there too (avx2: the
+// AVX-512 loops' baseline), or the portable work items.
+enum class Path { best, portable, cached, avx2 };
 
 namespace detail {
+using zp::optim::cpu::Isa;
+
+// The loops a call on this path runs on this CPU (portable: the work items).
+inline Isa isa(Path p) noexcept {
+  using zp::optim::cpu::supported;
+  if (p == Path::portable || !supported(Isa::avx2)) return Isa::portable;
+  return p != Path::avx2 && supported(Isa::avx512) ? Isa::avx512 : Isa::avx2;
+}
+
 #if ZP_OPTIM_X86
 namespace simd = zp::optim::detail::simd;
 
-inline bool avx2() noexcept {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
+// GCC 12 warns of its own AVX-512 headers' _mm512_undefined_* operands (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // |v|'s bits, which order as the magnitudes do, with inf and NaN above every finite value.
 template <class T>
 std::uint32_t magnitude_bits(T v) {
@@ -181,69 +211,6 @@ template <class T>
   }
 }
 
-// QuantizeBlock, 16 values at a time (the tail of each block as the work item does it). The
-// absmax pass takes the largest magnitude's bits, 32 bytes of x at a time with no conversion.
-template <Bits B, class T>
-[[ZP_TARGET_AVX2, gnu::flatten]] void quantize_avx2(const T* x, std::size_t n, std::size_t block,
-                                                    std::uint8_t* codes, float* scales) {
-  constexpr std::type_identity<simd::V8> as{};
-  constexpr int qmax = B == Bits::int8 ? 127 : 7;
-  constexpr std::size_t per = 32 / sizeof(T);
-  const __m256i mask = sizeof(T) == 4 ? _mm256_set1_epi32(0x7fffffff) : _mm256_set1_epi16(0x7fff);
-  for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
-    const std::size_t hi = std::min(n, lo + block);
-    __m256i top = _mm256_setzero_si256();
-    std::size_t i = lo;
-    for (; i + per <= hi; i += per) {
-      const __m256i b =
-          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
-      top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
-    }
-    std::uint32_t m = largest(top, std::type_identity<T>{});
-    for (std::size_t j = i; j < hi; ++j) m = std::max(m, magnitude_bits(x[j]));
-    const bool finite = m < inf_bits<T>;
-    T big;
-    if constexpr (std::is_same_v<T, float>)
-      big = zp::detail::bits_float(m);
-    else
-      big = T::from_bits(std::uint16_t(m));
-    const float scale = finite ? float(big) / float(qmax) : NAN;
-    scales[k] = scale;
-    std::uint8_t* out = codes + (B == Bits::int8 ? lo : lo / 2);
-    const Divisor d(scale);
-    if (!finite || scale == 0) {
-      std::memset(out, 0, B == Bits::int8 ? hi - lo : (hi - lo + 1) / 2);
-      continue;
-    }
-    const __m256 s = _mm256_set1_ps(scale), inv = _mm256_set1_ps(d.inverse);
-    for (i = lo; i + 16 <= hi; i += 16) {
-      const __m256 v0 = simd::load(x + i, as).v, v1 = simd::load(x + i + 8, as).v;
-      const __m256i q0 = _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v0, s)
-                                                     : _mm256_mul_ps(v0, inv)),
-                    q1 = _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v1, s)
-                                                     : _mm256_mul_ps(v1, inv));
-      const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order
-          _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
-          _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
-      if constexpr (B == Bits::int8) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c);
-      } else {  // 16-bit lane j holds codes 2j, 2j+1: low nibble of each into one byte
-        const __m128i nib =
-            _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000f)),
-                         _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00f0)));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(nib, nib));
-      }
-    }
-    const auto q = [&](std::size_t j) { return j < hi ? d.code(float(x[j])) : 0; };
-    for (; i < hi; i += B == Bits::int8 ? 1 : 2) {
-      if constexpr (B == Bits::int8)
-        codes[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q(i)));
-      else
-        codes[i / 2] = std::uint8_t((q(i) & 0xf) | ((q(i + 1) & 0xf) << 4));
-    }
-  }
-}
-
 // Codes i .. i + 15 as bytes (int4: unpacked in order, low nibble first, and sign-extended).
 template <Bits B>
 [[ZP_TARGET_AVX2]] inline __m128i codes16(const std::uint8_t* codes, std::size_t i) {
@@ -258,89 +225,351 @@ template <Bits B>
   }
 }
 
-// Values [i, i + 8) of dequantize_avx2's output in fp32, from the 8 codes in c's low bytes and
-// their block's scale s (Accumulate: plus out's values).
-template <class T, bool Accumulate>
-[[ZP_TARGET_AVX2]] inline simd::V8 values8(__m128i c, __m256 s, const T* out, std::size_t i) {
-  simd::V8 v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
-  if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<simd::V8>{}) + v;
-  return v;
+// Asks for the line prefetch_bytes past p. quantize reads each block twice, from memory and
+// then from L1, and the hardware's prefetcher alone leaves the memory idle in the second pass:
+// prefetching 8 KB ahead in both gained 1.1-1.5x (f32 to f16, int8 and int4, block 2048) over
+// none and over 4 or 16 KB (bench/RESULTS.md).
+inline constexpr std::size_t prefetch_bytes = 8192;
+[[ZP_TARGET_AVX2]] inline void prefetch(const void* p) {  // past the end too: it never faults
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_bytes),
+               _MM_HINT_T0);
 }
 
-// Values [i, i + 16) of dequantize_avx2's output from the 16 codes in c (MayBeNaN: a NaN scale,
-// so NaN values; bf16 skips the quieting otherwise, and packs the 16 at once).
-template <class T, bool Accumulate, bool Stream, bool MayBeNaN>
-[[ZP_TARGET_AVX2]] inline void dequantize16(__m128i c, __m256 s, T* out, std::size_t i) {
-  const simd::V8 a = values8<T, Accumulate>(c, s, out, i),
-                 b = values8<T, Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
-  if constexpr (std::is_same_v<T, bf16>) {
-    const __m256i h = simd::to_bf16<MayBeNaN>(a, b);
-    if constexpr (Stream) {  // out + i: 16-byte aligned only
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(h));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i + 8), _mm256_extracti128_si256(h, 1));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+// Stores 16 codes' bytes (int4: the low 8 bytes of c, two codes a byte) at `at` (Stream, int8
+// only: non-temporal, at 16-byte aligned).
+template <Bits B, bool Stream>
+[[ZP_TARGET_AVX2]] inline void store_code_bytes(__m128i c, std::uint8_t* at) {
+  static_assert(B == Bits::int8 || !Stream, "int4 codes are stored plainly");
+  if constexpr (Stream)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(at), c);
+  else if constexpr (B == Bits::int8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), c);
+  else
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(at), c);
+}
+
+// The vector halves of quantize and dequantize, one struct per instruction set, each member
+// carrying its target (the entry points inline them into one loop per block):
+//   absmax_bits(x, lo, hi)    the largest magnitude's bits in x[lo, hi) (Avx2's from `top`);
+//   codes<B, Stream>(x, lo, hi, d, c)  a finite block's codes, 16 at a time (Stream: streaming
+//                             stores);
+//   values<B, T, Accumulate, Stream, MayBeNaN>(c, lo, hi, scale, out)  a block's values, 16 at a
+//                             time (Stream: streaming stores; MayBeNaN: a NaN scale);
+// codes and values return where the rest of the block (under 16 values) starts.
+struct Avx2 {
+  using V = simd::V8;
+
+  template <class T>
+  [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi) {
+    return absmax_bits(x, lo, hi, _mm256_setzero_si256());
+  }
+  template <class T>
+  [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi,
+                                                      __m256i top) {
+    constexpr std::size_t per = 32 / sizeof(T);
+    const __m256i mask = sizeof(T) == 4 ? _mm256_set1_epi32(0x7fffffff) : _mm256_set1_epi16(0x7fff);
+    std::size_t i = lo;
+    for (; i + per <= hi; i += per) {
+      prefetch(x + i);
+      const __m256i b =
+          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
+      top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
     }
-  } else if constexpr (Stream) {
-    simd::stream(out + i, a);
-    simd::stream(out + i + 8, b);
-  } else {
-    simd::store(out + i, a);
-    simd::store(out + i + 8, b);
+    std::uint32_t m = largest(top, std::type_identity<T>{});
+    for (; i < hi; ++i) m = std::max(m, magnitude_bits(x[i]));
+    return m;
   }
-}
 
-// Values [lo, hi) of a block, 16 at a time, then the tail as the work item does it.
-template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
-[[ZP_TARGET_AVX2]] inline void dequantize_block(const std::uint8_t* codes, std::size_t lo,
-                                                std::size_t hi, float scale, T* out) {
-  const __m256 s = _mm256_set1_ps(scale);
-  std::size_t i = lo;
-  for (; i + 16 <= hi; i += 16)
-    dequantize16<T, Accumulate, Stream, MayBeNaN>(codes16<B>(codes, i), s, out, i);
-  for (; i < hi; ++i) {
-    const float v = float(code(codes, B, i)) * scale;
-    if constexpr (Accumulate)
-      out[i] = T(float(out[i]) + v);
+  // 8 codes of x[i, i + 8), as int32 lanes.
+  template <class T>
+  [[ZP_TARGET_AVX2]] static __m256i code8(const T* x, const Divisor& d, __m256 s, __m256 inv) {
+    const __m256 v = simd::load(x, std::type_identity<V>{}).v;
+    return _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v, s) : _mm256_mul_ps(v, inv));
+  }
+
+  template <Bits B, bool Stream, class T>
+  [[ZP_TARGET_AVX2]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
+                                              const Divisor& d, std::uint8_t* out) {
+    const __m256 s = _mm256_set1_ps(d.scale), inv = _mm256_set1_ps(d.inverse);
+    std::size_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      prefetch(x + i);
+      const __m256i q0 = code8(x + i, d, s, inv), q1 = code8(x + i + 8, d, s, inv);
+      const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order (saturated as vpmovsdb does)
+          _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
+          _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
+      if constexpr (B == Bits::int8) {
+        store_code_bytes<B, Stream>(c, out + i);
+      } else {  // 16-bit lane j holds codes 2j, 2j+1: low nibble of each into one byte
+        const __m128i nib =
+            _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000f)),
+                         _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00f0)));
+        store_code_bytes<B, Stream>(_mm_packus_epi16(nib, nib), out + i / 2);
+      }
+    }
+    return i;
+  }
+
+  // Values [i, i + 8) in fp32 from the 8 codes in c's low bytes (Accumulate: plus out's).
+  template <bool Accumulate, class T>
+  [[ZP_TARGET_AVX2]] static V value8(__m128i c, __m256 s, const T* out, std::size_t i) {
+    V v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
+    if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + v;
+    return v;
+  }
+
+  template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
+  [[ZP_TARGET_AVX2]] static std::size_t values(const std::uint8_t* codes, std::size_t lo,
+                                               std::size_t hi, float scale, T* out) {
+    const __m256 s = _mm256_set1_ps(scale);
+    std::size_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      const __m128i c = codes16<B>(codes, i);
+      const V a = value8<Accumulate>(c, s, out, i),
+              b = value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
+      if constexpr (std::is_same_v<T, bf16>) {  // the 16 rounded and packed at once
+        const __m256i h = simd::to_bf16<MayBeNaN>(a, b);
+        if constexpr (Stream)
+          simd::stream(out + i, h);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+      } else if constexpr (Stream) {
+        simd::stream(out + i, a);
+        simd::stream(out + i + 8, b);
+      } else {
+        simd::store(out + i, a);
+        simd::store(out + i + 8, b);
+      }
+    }
+    return i;
+  }
+};
+
+struct Avx512 {
+  using V = simd::V16;
+
+  // 64 bytes of x a step, then Avx2's loop on what is left.
+  template <class T>
+  [[ZP_TARGET_AVX512]] static std::uint32_t absmax_bits(const T* x, std::size_t lo,
+                                                        std::size_t hi) {
+    constexpr std::size_t per = 64 / sizeof(T);
+    const __m512i mask = sizeof(T) == 4 ? _mm512_set1_epi32(0x7fffffff) : _mm512_set1_epi16(0x7fff);
+    __m512i top = _mm512_setzero_si512();
+    std::size_t i = lo;
+    for (; i + per <= hi; i += per) {
+      prefetch(x + i);
+      const __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
+      top = sizeof(T) == 4 ? _mm512_max_epu32(top, b) : _mm512_max_epu16(top, b);
+    }
+    const __m256i a = _mm512_castsi512_si256(top), b = _mm512_extracti64x4_epi64(top, 1);
+    return Avx2::absmax_bits(x, i, hi,
+                             sizeof(T) == 4 ? _mm256_max_epu32(a, b) : _mm256_max_epu16(a, b));
+  }
+
+  template <Bits B, bool Stream, class T>
+  [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
+                                                const Divisor& d, std::uint8_t* out) {
+    const __m512 s = _mm512_set1_ps(d.scale), inv = _mm512_set1_ps(d.inverse);
+    std::size_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      prefetch(x + i);
+      const __m512 v = simd::load(x + i, std::type_identity<V>{}).v;
+      const __m512i q = _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v, s) : _mm512_mul_ps(v, inv));
+      if constexpr (B == Bits::int8) {
+        store_code_bytes<B, Stream>(_mm512_cvtsepi32_epi8(q), out + i);
+      } else {  // 64-bit lane j holds codes 2j, 2j+1 (in [-7, 7]): their nibbles into byte j
+        const __m512i t = _mm512_and_si512(q, _mm512_set1_epi32(0xf));
+        store_code_bytes<B, Stream>(
+            _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28))), out + i / 2);
+      }
+    }
+    return i;
+  }
+
+  // Codes i .. i + 15 in int32 lanes (int4: each byte in two lanes, shifted so that one nibble
+  // is on top, and shifted back down with its sign).
+  [[ZP_TARGET_AVX512]] static __m512i code16(const std::uint8_t* codes, std::size_t i,
+                                             std::integral_constant<Bits, Bits::int8>) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+  }
+  [[ZP_TARGET_AVX512]] static __m512i code16(const std::uint8_t* codes, std::size_t i,
+                                             std::integral_constant<Bits, Bits::int4>) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    return _mm512_srai_epi32(_mm512_sllv_epi32(w, _mm512_set1_epi64(0x000000180000001c)), 28);
+  }
+
+  // Whether the CPU has AVX-512 BF16's conversion (two vectors of fp32 to 32 bf16, rounded to
+  // nearest even, subnormal inputs flushed to zero).
+  static bool has_bf16_conversion() noexcept {
+    static const bool ok = __builtin_cpu_supports("avx512bf16");
+    return ok;
+  }
+
+  // bf16 values [lo, hi) of a block with a normal scale, 32 at a time through that conversion:
+  // each product of a code and the scale is zero or normal, so it rounds as to_bf16 does.
+  template <Bits B, bool Stream>
+  [[ZP_TARGET_AVX512_BF16]] static std::size_t bf16_values(const std::uint8_t* codes,
+                                                           std::size_t lo, std::size_t hi,
+                                                           float scale, bf16* out) {
+    const __m512 s = _mm512_set1_ps(scale);
+    constexpr std::integral_constant<Bits, B> bits{};
+    std::size_t i = lo;
+    for (; i + 32 <= hi; i += 32) {
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i, bits)), s),
+                   b = _mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i + 16, bits)), s);
+      const auto h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+      if constexpr (Stream) {
+        simd::stream(out + i, _mm512_castsi512_si256(h));
+        simd::stream(out + i + 16, _mm512_extracti64x4_epi64(h, 1));
+      } else {
+        _mm512_storeu_si512(out + i, h);
+      }
+    }
+    return i;
+  }
+
+  template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
+  [[ZP_TARGET_AVX512]] static std::size_t values(const std::uint8_t* codes, std::size_t lo,
+                                                 std::size_t hi, float scale, T* out) {
+    const __m512 s = _mm512_set1_ps(scale);
+    std::size_t i = lo;
+    if constexpr (std::is_same_v<T, bf16> && !MayBeNaN)
+      if (scale >= 0x1p-126f && scale < INFINITY && has_bf16_conversion())
+        i = bf16_values<B, Stream>(codes, lo, hi, scale, out);
+    for (; i + 16 <= hi; i += 16) {
+      V v(_mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i, std::integral_constant<Bits, B>{})),
+                        s));
+      if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + v;
+      if constexpr (std::is_same_v<T, bf16>) {
+        const __m256i h = simd::to_bf16<MayBeNaN>(v);
+        if constexpr (Stream)
+          simd::stream(out + i, h);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+      } else if constexpr (Stream) {
+        simd::stream(out + i, v);
+      } else {
+        simd::store(out + i, v);
+      }
+    }
+    return i;
+  }
+};
+
+// QuantizeBlock over every block with Simd's loops (bitwise the same codes and scales; Stream:
+// the codes with streaming stores, codes and every block's first 16-byte aligned).
+template <class Simd, Bits B, bool Stream, class T>
+void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t* codes,
+                     float* scales) {
+  constexpr int qmax = B == Bits::int8 ? 127 : 7;
+  for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
+    const std::size_t hi = std::min(n, lo + block);
+    const std::uint32_t m = Simd::absmax_bits(x, lo, hi);
+    T big;
+    if constexpr (std::is_same_v<T, float>)
+      big = zp::detail::bits_float(m);
     else
-      out[i] = T(v);
+      big = T::from_bits(std::uint16_t(m));
+    const float scale = m < inf_bits<T> ? float(big) / float(qmax) : NAN;
+    scales[k] = scale;
+    if (!(scale > 0)) {  // every x zero, or an inf or NaN
+      zero_codes(codes, B, lo, hi);
+      continue;
+    }
+    const Divisor d(scale);
+    write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes), hi, B, d, codes);
   }
+  if constexpr (Stream) _mm_sfence();
 }
 
-// DequantizeBlock<T, Accumulate>, 16 values at a time (Stream: with streaming stores; out and
-// every block start 16-byte aligned).
-template <Bits B, class T, bool Accumulate, bool Stream = false>
-[[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_avx2(const std::uint8_t* codes,
-                                                      const float* scales, std::size_t n,
-                                                      std::size_t block, T* out) {
+// DequantizeBlock<T, Accumulate> over every block with Simd's loops (Stream: streaming stores;
+// out and every block start 16-byte aligned).
+template <class Simd, Bits B, class T, bool Accumulate, bool Stream>
+void dequantize_blocks(const std::uint8_t* codes, const float* scales, std::size_t n,
+                       std::size_t block, T* out) {
   static_assert(!(Accumulate && Stream), "an accumulator was just read: it is in the cache");
   for (std::size_t k = 0, lo = 0; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
-    if (scales[k] != scales[k])  // a NaN scale: every value NaN
-      dequantize_block<B, T, Accumulate, Stream, true>(codes, lo, hi, scales[k], out);
-    else
-      dequantize_block<B, T, Accumulate, Stream, false>(codes, lo, hi, scales[k], out);
+    const float scale = scales[k];
+    const std::size_t i =
+        scale != scale  // a NaN scale: every value NaN
+            ? Simd::template values<B, T, Accumulate, Stream, true>(codes, lo, hi, scale, out)
+            : Simd::template values<B, T, Accumulate, Stream, false>(codes, lo, hi, scale, out);
+    write_values<Accumulate>(codes, B, i, hi, scale, out);
   }
   if constexpr (Stream) _mm_sfence();
+}
+
+// The entry points, one per instruction set: each inlines its struct's loops into the blocks'.
+template <Bits B, bool Stream, class T>
+[[ZP_TARGET_AVX2, gnu::flatten]] void quantize_avx2(const T* x, std::size_t n, std::size_t block,
+                                                    std::uint8_t* codes, float* scales) {
+  quantize_blocks<Avx2, B, Stream>(x, n, block, codes, scales);
+}
+template <Bits B, bool Stream, class T>
+[[ZP_TARGET_AVX512, gnu::flatten]] void quantize_avx512(const T* x, std::size_t n,
+                                                        std::size_t block, std::uint8_t* codes,
+                                                        float* scales) {
+  quantize_blocks<Avx512, B, Stream>(x, n, block, codes, scales);
+}
+template <Bits B, class T, bool Accumulate, bool Stream>
+[[ZP_TARGET_AVX2, gnu::flatten]] void dequantize_avx2(const std::uint8_t* codes,
+                                                      const float* scales, std::size_t n,
+                                                      std::size_t block, T* out) {
+  dequantize_blocks<Avx2, B, T, Accumulate, Stream>(codes, scales, n, block, out);
+}
+template <Bits B, class T, bool Accumulate, bool Stream>
+[[ZP_TARGET_AVX512, gnu::flatten]] void dequantize_avx512(const std::uint8_t* codes,
+                                                          const float* scales, std::size_t n,
+                                                          std::size_t block, T* out) {
+  dequantize_blocks<Avx512, B, T, Accumulate, Stream>(codes, scales, n, block, out);
+}
+
+// Quantizes x (n values) on instruction set `isa` (avx2 or avx512; Stream: int8 codes streamed).
+template <bool Stream, class T>
+void quantize_x86(Isa isa, const T* x, std::size_t n, const Format& f, std::uint8_t* codes,
+                  float* scales) {
+  const bool wide = isa == Isa::avx512, int8 = f.bits == Bits::int8;
+  if (wide)
+    int8 ? quantize_avx512<Bits::int8, Stream>(x, n, f.block, codes, scales)
+         : quantize_avx512<Bits::int4, false>(x, n, f.block, codes, scales);
+  else
+    int8 ? quantize_avx2<Bits::int8, Stream>(x, n, f.block, codes, scales)
+         : quantize_avx2<Bits::int4, false>(x, n, f.block, codes, scales);
+}
+
+// Dequantizes n values into out (Accumulate: adds to it) on instruction set `isa`.
+template <bool Accumulate, bool Stream, class T>
+void dequantize_x86(Isa isa, const Format& f, const std::uint8_t* codes, const float* scales,
+                    std::size_t n, T* out) {
+  const bool wide = isa == Isa::avx512, int8 = f.bits == Bits::int8;
+  if (wide)
+    int8 ? dequantize_avx512<Bits::int8, T, Accumulate, Stream>(codes, scales, n, f.block, out)
+         : dequantize_avx512<Bits::int4, T, Accumulate, Stream>(codes, scales, n, f.block, out);
+  else
+    int8 ? dequantize_avx2<Bits::int8, T, Accumulate, Stream>(codes, scales, n, f.block, out)
+         : dequantize_avx2<Bits::int4, T, Accumulate, Stream>(codes, scales, n, f.block, out);
 }
 #pragma GCC diagnostic pop
 #endif  // ZP_OPTIM_X86
 
-// Whether the AVX2 loops serve this call on this CPU.
-inline bool use_avx2(Path p) noexcept {
-#if ZP_OPTIM_X86
-  return p != Path::portable && avx2();
-#else
-  (void)p;
-  return false;
-#endif
-}
-
 // Whether dequantize writes n values of T in blocks of `block` at out with streaming stores.
 template <class T>
 bool streams(Path p, const T* out, std::size_t n, std::size_t block) noexcept {
-  return p == Path::best && n * sizeof(T) >= zp::detail::stream_min_bytes &&
+  return (p == Path::best || p == Path::avx2) && n * sizeof(T) >= zp::detail::stream_min_bytes &&
          reinterpret_cast<std::uintptr_t>(out) % 16 == 0 && block * sizeof(T) % 16 == 0;
+}
+
+// Whether quantize writes the int8 codes of n values of T at `codes` with streaming stores: when
+// the call reads and writes stream_min_bytes or more (by its end its first codes have left the
+// cache anyway), and every block's codes start 16-byte aligned. (int4's 8-byte non-temporal
+// stores measured slower than plain ones.)
+template <class T>
+bool streams_codes(Path p, const std::uint8_t* codes, std::size_t n, const Format& f) noexcept {
+  return (p == Path::best || p == Path::avx2) && f.bits == Bits::int8 &&
+         n * sizeof(T) + n >= zp::detail::stream_min_bytes &&
+         reinterpret_cast<std::uintptr_t>(codes) % 16 == 0 && f.block % 16 == 0;
 }
 
 inline void check_sizes(const Format& f, std::size_t n, std::size_t code_bytes, std::size_t scales,
@@ -358,11 +587,11 @@ void quantize(std::span<const T> x, const Format& f, std::span<std::uint8_t> cod
               std::span<float> scales, Path path = Path::best) {
   detail::check_sizes(f, x.size(), codes.size(), scales.size(), "quantize");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(path))
-    return f.bits == Bits::int8 ? detail::quantize_avx2<Bits::int8>(x.data(), x.size(), f.block,
-                                                                    codes.data(), scales.data())
-                                : detail::quantize_avx2<Bits::int4>(x.data(), x.size(), f.block,
-                                                                    codes.data(), scales.data());
+  if (const auto isa = detail::isa(path); isa != detail::Isa::portable)
+    return detail::streams_codes<T>(path, codes.data(), x.size(), f)
+               ? detail::quantize_x86<true>(isa, x.data(), x.size(), f, codes.data(), scales.data())
+               : detail::quantize_x86<false>(isa, x.data(), x.size(), f, codes.data(),
+                                             scales.data());
 #endif
   (void)path;
   const QuantizeBlock<T> item{x.data(), x.size(), f, codes.data(), scales.data()};
@@ -375,16 +604,12 @@ void dequantize(const Format& f, std::span<const std::uint8_t> codes, std::span<
                 std::span<T> out, Path path = Path::best) {
   detail::check_sizes(f, out.size(), codes.size(), scales.size(), "dequantize");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(path)) {
-    const auto run = [&]<bool Stream>(std::bool_constant<Stream>) {
-      return f.bits == Bits::int8
-                 ? detail::dequantize_avx2<Bits::int8, T, false, Stream>(
-                       codes.data(), scales.data(), out.size(), f.block, out.data())
-                 : detail::dequantize_avx2<Bits::int4, T, false, Stream>(
-                       codes.data(), scales.data(), out.size(), f.block, out.data());
-    };
-    return detail::streams(path, out.data(), out.size(), f.block) ? run(std::true_type{})
-                                                                  : run(std::false_type{});
+  if (const auto isa = detail::isa(path); isa != detail::Isa::portable) {
+    return detail::streams(path, out.data(), out.size(), f.block)
+               ? detail::dequantize_x86<false, true>(isa, f, codes.data(), scales.data(),
+                                                     out.size(), out.data())
+               : detail::dequantize_x86<false, false>(isa, f, codes.data(), scales.data(),
+                                                      out.size(), out.data());
   }
 #endif
   (void)path;
@@ -398,11 +623,9 @@ inline void dequantize_add(const Format& f, std::span<const std::uint8_t> codes,
                            Path path = Path::best) {
   detail::check_sizes(f, acc.size(), codes.size(), scales.size(), "dequantize_add");
 #if ZP_OPTIM_X86
-  if (detail::use_avx2(path))
-    return f.bits == Bits::int8 ? detail::dequantize_avx2<Bits::int8, float, true>(
-                                      codes.data(), scales.data(), acc.size(), f.block, acc.data())
-                                : detail::dequantize_avx2<Bits::int4, float, true>(
-                                      codes.data(), scales.data(), acc.size(), f.block, acc.data());
+  if (const auto isa = detail::isa(path); isa != detail::Isa::portable)
+    return detail::dequantize_x86<true, false>(isa, f, codes.data(), scales.data(), acc.size(),
+                                               acc.data());
 #endif
   (void)path;
   const DequantizeBlock<float, true> item{codes.data(), scales.data(), acc.size(), f, acc.data()};

@@ -2,7 +2,7 @@
 // path). One pass over a shard reads master, gradient and state and writes master, state and the
 // model copy: 28 bytes per parameter for fp32 AdamW, memory-bandwidth bound.
 //
-// The instruction set is chosen at run time from the CPU's features (AVX-512F, else
+// The instruction set is chosen at run time from the CPU's features (AVX-512F+BW, else
 // AVX2+FMA+F16C, else portable C++), never from compile flags; Options::isa forces a level (tests
 // compare the levels with each other: they give bitwise identical steps). Options::threads
 // splits the shard into one contiguous tile per thread.
@@ -26,53 +26,6 @@
 #include "zp/optim/optimizer.hpp"
 
 namespace zp::optim::cpu {
-
-// Instruction-set levels of the CPU path. `best` picks the widest the running CPU supports.
-enum class Isa { best, portable, avx2, avx512 };
-
-inline const char* name(Isa isa) noexcept {
-  switch (isa) {
-    case Isa::best: return "best";
-    case Isa::portable: return "portable";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-  }
-  return "unknown";  // a value cast from an integer outside the enum
-}
-
-// Whether this CPU (and OS) can run a level. avx2 means AVX2 with FMA and F16C.
-inline bool supported(Isa isa) noexcept {
-  switch (isa) {
-    case Isa::best:
-    case Isa::portable: return true;
-#if ZP_OPTIM_X86
-    case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-    case Isa::avx512: return __builtin_cpu_supports("avx512f") && supported(Isa::avx2);
-#else
-    case Isa::avx2:
-    case Isa::avx512: return false;
-#endif
-  }
-  return false;
-}
-
-// The widest supported level.
-inline Isa best_isa() noexcept {
-  static const Isa best = supported(Isa::avx512) ? Isa::avx512
-                          : supported(Isa::avx2) ? Isa::avx2
-                                                 : Isa::portable;
-  return best;
-}
-
-// The levels this CPU supports, narrowest first.
-inline std::vector<Isa> supported_isas() {
-  std::vector<Isa> out;
-  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512})
-    if (supported(i)) out.push_back(i);
-  return out;
-}
 
 struct Options {
   int threads = 1;      // threads for this call (the calling thread is one of them)

@@ -1,9 +1,10 @@
-// zp/optim/detail/simd.hpp: the x86 vector types the CPU optimizer path runs its element math on.
+// zp/optim/detail/simd.hpp: the instruction-set levels of zp's CPU paths, and the x86 vector types
+// the CPU optimizer and quantization run their element math on.
 //
 // Each ISA level gets a float vector type with the operators the element math uses (+ - * /,
 // fma, sqrt, sign) and loads/stores that convert from and to the storage types. Every function
 // carries its own target attribute, so this header compiles with any -m flags and the code is
-// only run after a run-time CPU check (cpu.hpp). Loops calling these are marked
+// only run after a run-time CPU check (supported(), below). Loops calling these are marked
 // [[gnu::flatten]] with the same target, which inlines the (target-less) element templates of
 // optimizer.hpp and these operators into one vectorised loop body.
 //
@@ -24,14 +25,71 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "zp/dtype.hpp"
+
+namespace zp::optim::cpu {
+
+// Instruction-set levels of the CPU paths (the optimizer, zp/quantize.hpp). `best` picks the
+// widest the running CPU supports.
+enum class Isa { best, portable, avx2, avx512 };
+
+inline const char* name(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::best: return "best";
+    case Isa::portable: return "portable";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "unknown";  // a value cast from an integer outside the enum
+}
+
+// Whether this CPU (and OS) can run a level. avx2 means AVX2 with FMA and F16C; avx512 adds
+// AVX-512F and BW (16-bit lanes).
+inline bool supported(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::best:
+    case Isa::portable: return true;
+#if ZP_OPTIM_X86
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             supported(Isa::avx2);
+#else
+    case Isa::avx2:
+    case Isa::avx512: return false;
+#endif
+  }
+  return false;
+}
+
+// The widest supported level.
+inline Isa best_isa() noexcept {
+  static const Isa best = supported(Isa::avx512) ? Isa::avx512
+                          : supported(Isa::avx2) ? Isa::avx2
+                                                 : Isa::portable;
+  return best;
+}
+
+// The levels this CPU supports, narrowest first.
+inline std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512})
+    if (supported(i)) out.push_back(i);
+  return out;
+}
+
+}  // namespace zp::optim::cpu
 
 #if ZP_OPTIM_X86
 namespace zp::optim::detail::simd {
 
 #define ZP_TARGET_AVX2 gnu::target("avx2,fma,f16c")
-#define ZP_TARGET_AVX512 gnu::target("avx512f,avx2,fma,f16c")
+#define ZP_TARGET_AVX512 gnu::target("avx512f,avx512bw,avx2,fma,f16c")
+#define ZP_TARGET_AVX512_BF16 gnu::target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
 
 // ---- AVX2 + FMA + F16C: 8 floats ----
 struct V8 {
@@ -130,6 +188,11 @@ template <bool MayBeNaN = true>
 [[ZP_TARGET_AVX2]] inline void stream(fp16* p, const V8& x) {
   _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x));
 }
+// 32 bytes of bits, streamed as two 16-byte halves.
+[[ZP_TARGET_AVX2]] inline void stream(void* p, __m256i bits) {
+  _mm_stream_si128(static_cast<__m128i*>(p), _mm256_castsi256_si128(bits));
+  _mm_stream_si128(static_cast<__m128i*>(p) + 1, _mm256_extracti128_si256(bits, 1));
+}
 
 // Sum of squares of 8 floats into two double accumulators (4 lanes each).
 [[ZP_TARGET_AVX2]] inline void add_squares(const V8& x, __m256d& lo, __m256d& hi) {
@@ -196,20 +259,34 @@ struct V16 {
   return V16(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 }
 [[ZP_TARGET_AVX512]] inline void store(float* p, const V16& x) { _mm512_storeu_ps(p, x.v); }
-[[ZP_TARGET_AVX512]] inline void store(bf16* p, const V16& x) {
+// x's 16 values as bf16 bits, in order (MayBeNaN: as bf16_lanes).
+template <bool MayBeNaN = true>
+[[ZP_TARGET_AVX512]] inline __m256i to_bf16(const V16& x) {
   const __m512i u = _mm512_castps_si512(x.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
+  __m512i r =
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __m512i r =
-      _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), rounded, quiet);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  if constexpr (MayBeNaN)
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), r,
+                                _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+[[ZP_TARGET_AVX512]] inline __m256i to_fp16(const V16& x) {
+  return _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT);
+}
+[[ZP_TARGET_AVX512]] inline void store(bf16* p, const V16& x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
 }
 [[ZP_TARGET_AVX512]] inline void store(fp16* p, const V16& x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_fp16(x));
 }
+// store's non-temporal forms, with V8's contract (p 16-byte aligned, the caller fences).
+[[ZP_TARGET_AVX512]] inline void stream(float* p, const V16& x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  stream(p, _mm512_castsi512_si256(u));
+  stream(p + 8, _mm512_extracti64x4_epi64(u, 1));
+}
+[[ZP_TARGET_AVX512]] inline void stream(fp16* p, const V16& x) { stream(p, to_fp16(x)); }
 
 [[ZP_TARGET_AVX512]] inline void add_squares(const V16& x, __m512d& lo, __m512d& hi) {
   const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(x.v));
