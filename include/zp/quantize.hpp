@@ -371,6 +371,24 @@ struct Avx512 {
                                                 const Divisor& d, std::uint8_t* out) {
     const __m512 s = _mm512_set1_ps(d.scale), inv = _mm512_set1_ps(d.inverse);
     std::size_t i = lo;
+    if constexpr (B == Bits::int4) {
+      // 32 codes a step: packed to 16-bit lanes (in-lane order), each 32-bit lane's two nibbles
+      // into its low byte, 16 bytes narrowed and put in order.
+      const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+      for (; i + 32 <= hi; i += 32) {
+        prefetch(x + i);
+        if constexpr (sizeof(T) == 4) prefetch(x + i + 16);
+        const __m512 v0 = simd::load(x + i, std::type_identity<V>{}).v,
+                     v1 = simd::load(x + i + 16, std::type_identity<V>{}).v;
+        const __m512i w = _mm512_packs_epi32(
+            _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v0, s) : _mm512_mul_ps(v0, inv)),
+            _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v1, s) : _mm512_mul_ps(v1, inv)));
+        const __m512i b =
+            _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0f), w, _mm512_srli_epi32(w, 12), 0xca);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2),
+                         _mm_shuffle_epi8(_mm512_cvtepi32_epi8(b), order));
+      }
+    }
     for (; i + 16 <= hi; i += 16) {
       prefetch(x + i);
       const __m512 v = simd::load(x + i, std::type_identity<V>{}).v;
