@@ -366,6 +366,13 @@ struct Avx512 {
                              sizeof(T) == 4 ? _mm256_max_epu32(a, b) : _mm256_max_epu16(a, b));
   }
 
+  // 16 codes of x[i, i + 16), as int32 lanes.
+  template <class T>
+  [[ZP_TARGET_AVX512]] static __m512i code16(const T* x, const Divisor& d, __m512 s, __m512 inv) {
+    const __m512 v = simd::load(x, std::type_identity<V>{}).v;
+    return _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v, s) : _mm512_mul_ps(v, inv));
+  }
+
   template <Bits B, bool Stream, class T>
   [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
                                                 const Divisor& d, std::uint8_t* out) {
@@ -378,11 +385,8 @@ struct Avx512 {
       for (; i + 32 <= hi; i += 32) {
         prefetch(x + i);
         if constexpr (sizeof(T) == 4) prefetch(x + i + 16);
-        const __m512 v0 = simd::load(x + i, std::type_identity<V>{}).v,
-                     v1 = simd::load(x + i + 16, std::type_identity<V>{}).v;
-        const __m512i w = _mm512_packs_epi32(
-            _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v0, s) : _mm512_mul_ps(v0, inv)),
-            _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v1, s) : _mm512_mul_ps(v1, inv)));
+        const __m512i w =
+            _mm512_packs_epi32(code16(x + i, d, s, inv), code16(x + i + 16, d, s, inv));
         const __m512i b =
             _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0f), w, _mm512_srli_epi32(w, 12), 0xca);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2),
@@ -391,8 +395,7 @@ struct Avx512 {
     }
     for (; i + 16 <= hi; i += 16) {
       prefetch(x + i);
-      const __m512 v = simd::load(x + i, std::type_identity<V>{}).v;
-      const __m512i q = _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v, s) : _mm512_mul_ps(v, inv));
+      const __m512i q = code16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
         store_code_bytes<B, Stream>(_mm512_cvtsepi32_epi8(q), out + i);
       } else {  // 64-bit lane j holds codes 2j, 2j+1 (in [-7, 7]): their nibbles into byte j
@@ -406,12 +409,12 @@ struct Avx512 {
 
   // Codes i .. i + 15 in int32 lanes (int4: each byte in two lanes, shifted so that one nibble
   // is on top, and shifted back down with its sign).
-  [[ZP_TARGET_AVX512]] static __m512i code16(const std::uint8_t* codes, std::size_t i,
-                                             std::integral_constant<Bits, Bits::int8>) {
+  [[ZP_TARGET_AVX512]] static __m512i load_codes16(const std::uint8_t* codes, std::size_t i,
+                                                   std::integral_constant<Bits, Bits::int8>) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
   }
-  [[ZP_TARGET_AVX512]] static __m512i code16(const std::uint8_t* codes, std::size_t i,
-                                             std::integral_constant<Bits, Bits::int4>) {
+  [[ZP_TARGET_AVX512]] static __m512i load_codes16(const std::uint8_t* codes, std::size_t i,
+                                                   std::integral_constant<Bits, Bits::int4>) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
     const __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
     return _mm512_srai_epi32(_mm512_sllv_epi32(w, _mm512_set1_epi64(0x000000180000001c)), 28);
@@ -434,8 +437,8 @@ struct Avx512 {
     constexpr std::integral_constant<Bits, B> bits{};
     std::size_t i = lo;
     for (; i + 32 <= hi; i += 32) {
-      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i, bits)), s),
-                   b = _mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i + 16, bits)), s);
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(load_codes16(codes, i, bits)), s),
+                   b = _mm512_mul_ps(_mm512_cvtepi32_ps(load_codes16(codes, i + 16, bits)), s);
       const auto h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
       if constexpr (Stream) {
         simd::stream(out + i, _mm512_castsi512_si256(h));
@@ -456,8 +459,8 @@ struct Avx512 {
       if (scale >= 0x1p-126f && scale < INFINITY && has_bf16_conversion())
         i = bf16_values<B, Stream>(codes, lo, hi, scale, out);
     for (; i + 16 <= hi; i += 16) {
-      V v(_mm512_mul_ps(_mm512_cvtepi32_ps(code16(codes, i, std::integral_constant<Bits, B>{})),
-                        s));
+      V v(_mm512_mul_ps(
+          _mm512_cvtepi32_ps(load_codes16(codes, i, std::integral_constant<Bits, B>{})), s));
       if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + v;
       if constexpr (std::is_same_v<T, bf16>) {
         const __m256i h = simd::to_bf16<MayBeNaN>(v);
