@@ -148,12 +148,13 @@ void clip_adamw(benchmark::State& state) {
   const ShardView<float, float> shard{
       {master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {master, n}};
   zp::StepStatistics<zp::MemorySpace::device> stats;
+  const std::span<const float> grads[] = {{grad, n}};
   std::int64_t t = 0;
   double seconds = 0;
   for (auto _ : state) {
     seconds = timed([&] {
       stats.begin(0);
-      stats.add(std::span<const float>(grad, n), cpu::Options{});
+      stats.add(std::span<const std::span<const float>>(grads), cpu::Options{});
       stats.decide(1.0, 1.0f, 1.0f);
       zp::optim::gpu::step(AdamW{}, StepScalars{++t, 1.0f}, shard, stats.gate(), nullptr);
     });

@@ -130,7 +130,8 @@ struct Bare {
     constexpr std::size_t k = zp::detail::StepGate::statistics;
     double host[k + 2] = {};
     Dev::from_host(stats.span(), std::span<const double>(host));
-    DevStep::statistics(std::span<const bf16>(g), stats.data(), {});
+    const std::span<const bf16> grads[] = {g};
+    DevStep::statistics(std::span<const std::span<const bf16>>(grads), stats.data(), {});
     comm.all_reduce(stats.span(0, k), zp::ReduceOp::sum);
     Dev::invoke(zp::detail::StepGate{double(n), 0, 0, 1.0f, 0.0f}, stats.data());
     zp::optim::ShardView<bf16, bf16> view;
@@ -140,7 +141,8 @@ struct Bare {
         Stage == 0 || Stage == 3 ? params.span() : params.span(std::size_t(rank) * shard, shard);
     view.state[0] = m.span();
     view.state[1] = v.span();
-    DevStep::update(opt, zp::optim::StepScalars{t, 1.0f}, view, {}, stats.data() + k);
+    DevStep::update(opt, zp::optim::StepScalars{t, 1.0f}, std::span(&std::as_const(view), 1), {},
+                    stats.data() + k);
     if constexpr (Stage == 1 || Stage == 2) comm.all_gather(params.span());
     Dev::to_host(std::span<double>(host),
                  std::span<const double>(stats.span()));  // the step's one sync

@@ -9,13 +9,15 @@
 # on the same sizes). Logs and JSON go to $OUT (default build/gpu-out); a summary is printed as
 # it goes.
 #
-#   bash tools/gpu_check.sh [all|test|memcheck|bench]   # on the GPU machine, from the repository root
-#   bash tools/gpu_check.sh binaries                    # on the build machine: build them there
+#   bash tools/gpu_check.sh [all|PHASE[,PHASE...]]   # on the GPU machine, from the repository root
+#   [ZP_GPU_BASE=REV] bash tools/gpu_check.sh binaries  # on the build machine: build them there
 #
 # test: the gpu tests; memcheck: them under compute-sanitizer's memcheck, racecheck, synccheck;
-# bench: the measurements; all (default): the three. test and memcheck run side by side (neither
-# is timed), every test and sanitizer run at once, each bounded (ZP_TEST_TIMEOUT,
-# ZP_SANITIZE_TIMEOUT, ZP_BENCH_TIMEOUT seconds); bench runs alone after them.
+# bench: the measurements; all (default): the three. ab: the benchmarks against their build at
+# ZP_GPU_BASE (in $ZP_GPU_BIN/base), alternating, by tools/bench_ab.py (ZP_AB_ROUNDS rounds,
+# every run's JSON kept): before/after figures from one machine. test and memcheck run side by
+# side (neither is timed), every test and sanitizer run at once, each bounded (ZP_TEST_TIMEOUT,
+# ZP_SANITIZE_TIMEOUT, ZP_BENCH_TIMEOUT seconds); ab and bench run alone after them.
 #
 # Binaries: `binaries` builds every target below on the build machine (the CUDA toolkit needs no
 # GPU) into ${ZP_GPU_BIN:-build/gpu-bin}, with the CUDA runtime and Google Benchmark beside them;
@@ -28,8 +30,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
 PHASE=${1:-all}
-case "$PHASE" in all|test|memcheck|bench|binaries) ;; *) echo "usage: $0 [all|test|memcheck|bench|binaries]" >&2; exit 2 ;; esac
-run_phase() { [[ $PHASE == all || $PHASE == "$1" ]]; }
+[[ $PHASE != all ]] || PHASE=test,memcheck,bench
+for p in ${PHASE//,/ }; do
+  case "$p" in test|memcheck|bench|ab|binaries) ;; *) echo "usage: $0 [all|test|memcheck|bench|ab|binaries] (phases joined by commas)" >&2; exit 2 ;; esac
+done
+run_phase() { [[ ,$PHASE, == *,$1,* ]]; }
 GPU_TESTS="optim.gpu.cuda backend.cuda_threads.cuda backend.nccl engine_device.cuda"  # zp.test.<name>
 GPU_BENCHES="zp_bench_optim_cuda zp_bench_collectives_cuda zp_bench_zero_cuda"
 mkdir -p "$OUT"
@@ -56,27 +61,31 @@ if [[ -n "${ZP_GPU_BIN:-}" && $PHASE != binaries ]]; then
     unset ZP_GPU_BIN
   fi
 fi
-if [[ -z "${ZP_GPU_BIN:-}" || $PHASE == binaries ]]; then
-  BUILD=build/gpu
-  deps=()  # build/gpu-deps where tools/gpu_deps.sh filled it, else the system's packages
-  if [[ -d build/gpu-deps ]]; then
+# build_tree SOURCE BUILD_DIR TARGETS...: a Release build for Hopper of the tree at SOURCE.
+build_tree() {
+  local src=$1 dir=$2 deps=(); shift 2
+  if [[ -d build/gpu-deps ]]; then  # where tools/gpu_deps.sh filled it, else the system's packages
     deps=(-Ddoctest_DIR="$PWD/build/gpu-deps/lib/cmake/doctest"
           -Dbenchmark_DIR="$PWD/build/gpu-deps/lib/x86_64-linux-gnu/cmake/benchmark"
           -Dnlohmann_json_DIR="$PWD/build/gpu-deps/share/cmake/nlohmann_json")
   fi
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" "${deps[@]}" \
     -DZP_ENABLE_MPI=OFF -DZP_BUILD_BENCH=ON -DZP_BUILD_EXAMPLES=ON -DZP_BUILD_TOOLS=OFF \
-    ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+    ${NCCL_ROOT:+-DNCCL_ROOT="$NCCL_ROOT"} > "$OUT/configure.log" 2>&1 || { log "configure of $src FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
   grep -E "zp::(cuda|nccl)|NCCL|CUDA" "$OUT/configure.log" | head -5
+  cmake --build "$dir" --target "$@" > "$OUT/build.log" 2>&1 || { log "build of $src FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  log "build of $src ok ($*)"
+}
+if [[ -z "${ZP_GPU_BIN:-}" || $PHASE == binaries ]]; then
+  BUILD=build/gpu
   targets="zp_demo_gpu"
   if run_phase test || run_phase memcheck || run_phase binaries; then
     for t in $GPU_TESTS; do targets="$targets zp.test.$t"; done
   fi
   if run_phase bench || run_phase binaries; then targets="$targets $GPU_BENCHES"; fi
   # shellcheck disable=SC2086  # a list of targets
-  cmake --build "$BUILD" --target $targets > "$OUT/build.log" 2>&1 || { log "build FAILED"; grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
-  log "build ok ($targets)"
+  build_tree . "$BUILD" $targets
 fi
 if [[ $PHASE == binaries ]]; then  # the binaries and the libraries the GPU machine's image may lack
   G=${ZP_GPU_BIN:-build/gpu-bin}
@@ -87,6 +96,15 @@ if [[ $PHASE == binaries ]]; then  # the binaries and the libraries the GPU mach
   for lib in libcudart.so.13 libbenchmark.so.1debian; do
     cp -L "$(ldd "$G/bench/zp_bench_optim_cuda" | awk -v l="$lib" '$1 == l { print $3 }')" "$G/lib/"
   done
+  if [[ -n "${ZP_GPU_BASE:-}" ]]; then  # the benchmarks as they were at that revision, for ab
+    base=$(mktemp -d)
+    git worktree add -q --detach "$base/src" "$ZP_GPU_BASE" || { log "no revision $ZP_GPU_BASE"; exit 1; }
+    # shellcheck disable=SC2086  # a list of targets
+    (build_tree "$base/src" "$base/build" $GPU_BENCHES) || exit 1
+    mkdir -p "$G/base" && for b in $GPU_BENCHES; do cp "$base/build/bench/$b" "$G/base/"; done
+    git worktree remove --force "$base/src" && rm -rf "$base"
+    echo "$ZP_GPU_BASE $(git rev-parse "$ZP_GPU_BASE")" > "$G/base/REVISION"
+  fi
   log "binaries in $G ($(du -sh "$G" | cut -f1)): carry it and run ZP_GPU_BIN=$G bash tools/gpu_check.sh there"
   exit 0
 fi
@@ -174,11 +192,35 @@ bench_phase() {
   return $rc
 }
 
+# Each benchmark against its build in $BUILD/base (binaries with ZP_GPU_BASE), alternating: the
+# ratio table, then the counters of the new build's first round.
+ab_phase() {
+  local rc=0 b e
+  [[ -d $BUILD/base ]] || { log "ab: no $BUILD/base (build it: ZP_GPU_BASE=REV tools/gpu_check.sh binaries)"; return 1; }
+  log "ab: new/old times against $(cat "$BUILD/base/REVISION"), ${ZP_AB_ROUNDS:-2} rounds (> 1: the new build is slower)"
+  for b in $GPU_BENCHES; do
+    timeout "${ZP_BENCH_TIMEOUT:-300}" python3 tools/bench_ab.py "$BUILD/base/$b" "$BUILD/bench/$b" --filter . \
+      --rounds "${ZP_AB_ROUNDS:-2}" --reps 1 --save "$OUT/ab_$b" > "$OUT/ab_$b.txt" 2>&1
+    e=$?
+    [[ $e -eq 0 ]] || { rc=1; log "ab $b: exit $e$([[ $e -ne 124 ]] || echo ' (stopped by ZP_BENCH_TIMEOUT)')"; }
+    grep -v "^bench_ab: round" "$OUT/ab_$b.txt" | tee -a "$OUT/summary.txt"
+    python3 - "$OUT/ab_$b/new.1.json" <<'PY' 2>/dev/null | tee -a "$OUT/summary.txt"
+import json, sys
+skip = {"family_index", "per_family_instance_index", "run_name", "run_type", "repetitions", "repetition_index",
+        "threads", "iterations", "real_time", "cpu_time", "time_unit", "name", "label"}
+for r in json.load(open(sys.argv[1]))["benchmarks"]:
+    print(r["name"], " ".join(f"{k}={v:.4g}" for k, v in r.items() if k not in skip and isinstance(v, (int, float))))
+PY
+  done
+  return $rc
+}
+
 status=0
 pids=()
 if run_phase test; then test_phase & pids+=($!); fi
 if run_phase memcheck; then memcheck_phase & pids+=($!); fi
 for p in "${pids[@]}"; do wait "$p" || status=1; done
+if run_phase ab; then ab_phase || status=1; fi
 if run_phase bench; then bench_phase || status=1; fi
 log "exit status $status"
 exit $status

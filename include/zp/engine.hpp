@@ -415,19 +415,25 @@ class Engine {
   float reduce_statistics() {
     optim::validate(opt_);
     stats_.begin(optim::fingerprint(opt_));
-    const auto& o = config_.optimizer_options;
-    auto add = [&]<class G>(int s, Owned<G> piece) {
-      const std::span<const G> g(piece.span);
-      if (!mp_ || coords_.tp == 0) return stats_.add(g, o);
-      stats_.add(part_.layout(), s, piece.offset, g, o,
-                 [&](int p) { return bound_.params[std::size_t(p)].tp == TensorParallel::split; });
+    const auto add = [&]<Field F>() {  // every segment's piece in one call
+      using G = typename Part::template elem<F>;
+      std::vector<std::span<const G>> grads;
+      for (int s = 0; s < part_.layout().segment_count(); ++s) {
+        const Owned<G> piece = part_.template owned<F>(s, Extent::piece);
+        if (!mp_ || coords_.tp == 0)
+          grads.emplace_back(piece.span);
+        else
+          stats_.select(
+              part_.layout(), s, piece.offset, std::span<const G>(piece.span),
+              [&](int p) { return bound_.params[std::size_t(p)].tp == TensorParallel::split; },
+              grads);
+      }
+      stats_.add(std::span(std::as_const(grads)), config_.optimizer_options);
     };
-    for (int s = 0; s < part_.layout().segment_count(); ++s) {
-      if (precision_.f32_result(Stage))
-        add(s, part_.template owned<Field::grad_f32>(s, Extent::piece));
-      else
-        add(s, part_.template owned<Field::grad>(s, Extent::piece));
-    }
+    if (precision_.f32_result(Stage))
+      add.template operator()<Field::grad_f32>();
+    else
+      add.template operator()<Field::grad>();
     // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
     // with the same sums (each DP group's are equal, and the second sum runs in one order).
     in_context("step()", [&] {

@@ -228,7 +228,8 @@ template <Bits B>
 // Asks for the line prefetch_bytes past p. quantize reads each block twice, from memory and
 // then from L1, and the hardware's prefetcher alone leaves the memory idle in the second pass:
 // prefetching 8 KB ahead in both gained 1.1-1.5x (f32 to f16, int8 and int4, block 2048) over
-// none and over 4 or 16 KB (bench/RESULTS.md).
+// none and over 4 or 16 KB (bench/RESULTS.md; measured once, with builds of each distance: no
+// benchmark row repeats it).
 inline constexpr std::size_t prefetch_bytes = 8192;
 [[ZP_TARGET_AVX2]] inline void prefetch(const void* p) {  // past the end too: it never faults
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_bytes),

@@ -17,23 +17,27 @@ struct ShardStep;
 
 template <>
 struct ShardStep<MemorySpace::host> {
-  // stats[0] += the squared L2 norm of g (as stored), stats[1] += 1 if any value is inf or nan;
-  // stats: 2 doubles in this space.
+  // stats[0] += the squared L2 norm of each of `grads` (as stored), stats[1] += 1 for each with
+  // an inf or nan; stats: 2 doubles in this space.
   template <class G>
-  static void statistics(std::span<const G> g, double* stats, const optim::cpu::Options& o) {
-    const optim::GradStats st = optim::cpu::grad_stats(g, o);
-    stats[0] += st.sumsq;
-    if (!st.finite) stats[1] += 1;
+  static void statistics(std::span<const std::span<const G>> grads, double* stats,
+                         const optim::cpu::Options& o) {
+    for (const std::span<const G> g : grads) {
+      const optim::GradStats st = optim::cpu::grad_stats(g, o);
+      stats[0] += st.sumsq;
+      if (!st.finite) stats[1] += 1;
+    }
   }
-  // One optimizer step over a shard, gated by two doubles in this space (the engine's step gate,
-  // computed where the statistics are): gate[1] nonzero skips it, gate[0] multiplies
-  // s.grad_mul.
+  // One optimizer step over shards (a rank's segments), gated by two doubles in this space (the
+  // engine's step gate, computed where the statistics are): gate[1] nonzero skips it, gate[0]
+  // multiplies s.grad_mul.
   template <class Opt, class T, class G>
-  static void update(const Opt& opt, optim::StepScalars s, const optim::ShardView<T, G>& shard,
-                     const optim::cpu::Options& o, const double* gate) {
+  static void update(const Opt& opt, optim::StepScalars s,
+                     std::span<const optim::ShardView<T, G>> shards, const optim::cpu::Options& o,
+                     const double* gate) {
     if (gate[1] != 0) return;
     s.grad_mul *= float(gate[0]);
-    optim::cpu::step(opt, s, shard, o);
+    for (const auto& shard : shards) optim::cpu::step(opt, s, shard, o);
   }
 };
 

@@ -11,10 +11,12 @@
 // unscale and clip), so a device runs the whole step, gathers included, without the host.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "zp/layout.hpp"
@@ -66,21 +68,21 @@ class StepStatistics {
     const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0, 0.0};
     Memory<S>::from_host(buf_.span(), std::span<const double>(init));
   }
-  // Adds the squared norm and non-finite count of `g` (in S).
+  // Adds the squared norms and non-finite counts of `grads` (in S).
   template <class G>
-  void add(std::span<const G> g, const optim::cpu::Options& o) {
-    ShardStep<S>::statistics(g, buf_.data(), o);
+  void add(std::span<const std::span<const G>> grads, const optim::cpu::Options& o) {
+    ShardStep<S>::statistics(grads, buf_.data(), o);
   }
-  // Adds those of the parameters of segment s of L in `piece` (its elements, from full-layout
-  // index `first`) for which counted(p) holds, p a parameter index.
+  // Appends to `out` the parts of `piece` (segment s of L, its elements from full-layout index
+  // `first`) that hold the parameters p for which counted(p) holds.
   template <class G, class Counted>
-  void add(const Layout& L, int s, std::size_t first, std::span<const G> piece,
-           const optim::cpu::Options& o, Counted&& counted) {
+  static void select(const Layout& L, int s, std::size_t first, std::span<const G> piece,
+                     Counted&& counted, std::vector<std::span<const G>>& out) {
     const std::size_t end = first + piece.size();
     for (int p : L.segment(s).params) {
       const auto& lp = L.params()[std::size_t(p)];
       const std::size_t b = std::max(first, lp.offset), e = std::min(end, lp.offset + lp.size);
-      if (b < e && counted(p)) add(piece.subspan(b - first, e - b), o);
+      if (b < e && counted(p)) out.push_back(piece.subspan(b - first, e - b));
     }
   }
   std::span<double> sums() { return buf_.span(0, count); }
@@ -113,13 +115,15 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
   const int segments = part.layout().segment_count();
   const bool swapped = part.swap() || part.param_swap();
   if (!part.offloaded() && !swapped) {
-    for (int s = 0; s < segments; ++s)
-      ShardStep<P::memory_space>::update(opt, scalars, part.template update_view<F32>(s), o, gate);
+    std::vector<decltype(part.template update_view<F32>(0))> views;
+    views.reserve(std::size_t(segments));
+    for (int s = 0; s < segments; ++s) views.push_back(part.template update_view<F32>(s));
+    ShardStep<P::memory_space>::update(opt, scalars, std::span(std::as_const(views)), o, gate);
     return;
   }
   if (gate[1] != 0) return;
   const auto step = [&](const auto& v) {
-    ShardStep<MemorySpace::host>::update(opt, scalars, v, o, gate);
+    ShardStep<MemorySpace::host>::update(opt, scalars, std::span(&v, 1), o, gate);
   };
   if (!swapped)
     return offload.run(

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../expect_error.hpp"
+#include "../random.hpp"
 #include "zp/device/memory.hpp"
 
 namespace dev = zp::device;
@@ -216,4 +217,65 @@ TEST_CASE("copies past their block and allocations past the memory limit are err
         {"too big: cannot allocate 300000 elements (1200000 bytes) in device memory"});
   }
   dev::sim::configure(dev::sim::options_from_env());
+}
+
+TEST_CASE("Divisor: quotient and remainder as / and % give them, in 32 and 64 bits") {
+  const std::uint64_t seed = zp::test::run_seed("zp.test.device.sim");
+  struct Range {
+    std::size_t limit, d_max;
+  };
+  // narrow (both fit 32 bits), the limit at the edge, and wide (dividends past 2^32)
+  for (const Range g : {Range{1000, 40}, Range{0xFFFFFFFFu, 0xFFFFFFFFu},
+                        Range{std::size_t(1) << 40, std::size_t(1) << 20}}) {
+    for (std::uint64_t i = 0; i < 2000; ++i) {
+      const std::size_t d = 1 + zp::test::mix(seed + 2 * i) % g.d_max;
+      const std::size_t e = i < 2 ? g.limit - i : zp::test::mix(seed + 2 * i + 1) % (g.limit + 1);
+      const dev::Divisor div(d, g.limit);
+      CHECK(div.narrow == (g.limit <= 0xFFFFFFFFu));
+      const auto [q, r] = div(e);
+      CHECK_MESSAGE((q == e / d && r == e % d), "e ", e, " d ", d);
+    }
+  }
+}
+
+TEST_CASE(
+    "batched: every item of every range runs once, as its own functor's item, in one "
+    "launch per Batch") {
+  const std::uint64_t seed = zp::test::run_seed("zp.test.device.sim");
+  struct Mark {  // item i of range `id` writes id * 1000 + i at out[i]
+    int* out = nullptr;
+    int id = 0;
+    void operator()(std::size_t i) const { out[i] = id * 1000 + int(i); }
+  };
+  constexpr int N = dev::Batch<Mark>::N, ranges = 3 * N;
+  std::vector<std::size_t> sizes(ranges), at(ranges);
+  std::size_t total = 0;
+  int nonempty = 0;  // ranges of no items are left out of the batches
+  for (int j = 0; j < ranges; ++j) {
+    sizes[std::size_t(j)] = j % 7 == 3 ? 0 : zp::test::mix(seed + std::uint64_t(j)) % 40;
+    at[std::size_t(j)] = total;
+    total += sizes[std::size_t(j)];
+    nonempty += sizes[std::size_t(j)] > 0;
+  }
+  dev::Stream s;
+  Ints out(total, s.get());
+  dev::launch(s.get(), total, Set{out.p, -1});
+  std::vector<int> ids(ranges);
+  std::iota(ids.begin(), ids.end(), 0);
+  int launches = 0;
+  dev::batched(
+      std::span<const int>(ids),
+      [&](int j) {
+        return std::pair{Mark{out.p + at[std::size_t(j)], j}, sizes[std::size_t(j)]};
+      },
+      [&](const dev::Batch<Mark>& b) {
+        ++launches;
+        dev::launch(s.get(), b.items(), b);
+      });
+  CHECK(launches == (nonempty + N - 1) / N);
+  CHECK(launches >= 3);
+  const std::vector<int> got = out.read();
+  for (int j = 0; j < ranges; ++j)
+    for (std::size_t i = 0; i < sizes[std::size_t(j)]; ++i)
+      REQUIRE_MESSAGE(got[at[std::size_t(j)] + i] == j * 1000 + int(i), "range ", j, " item ", i);
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 using namespace zp::optim;
@@ -158,5 +159,78 @@ TEST_CASE("unaligned shards take the element-wise path and still match") {
                              zp::device::current_stream());
   double want = 0;
   for (std::size_t i = 1; i <= n; ++i) want += double(grad[i]) * double(grad[i]);
+  CHECK(stats.get()[0] == doctest::Approx(want).epsilon(1e-12));
+}
+
+TEST_CASE(
+    "a step and the statistics over many shards (a rank's segments) match the CPU per "
+    "shard, in batches; a bad shard anywhere enqueues nothing") {
+  using Item = zp::optim::gpu::detail::StepItem<AdamW, bf16, bf16>;
+  constexpr int shards = 2 * zp::device::Batch<Item>::N + 3;  // three batches
+  const std::uint64_t seed = std::random_device{}();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Disjoint shards of 0-300 elements in one buffer, each after a gap of 0-3 (unaligned ones
+  // take the element-wise path); the gaps must stay as they were.
+  std::vector<std::size_t> at(shards), size(shards);
+  std::size_t total = 0;
+  for (int j = 0; j < shards; ++j) {
+    total += rng() % 4;
+    at[std::size_t(j)] = total;
+    size[std::size_t(j)] = j % 9 == 4 ? 0 : rng() % 301;
+    total += size[std::size_t(j)];
+  }
+  std::vector<float> master(total), s0(total), s1(total, 0.25f);
+  std::vector<bf16> grad(total), param(total, bf16(-3.0f));
+  for (auto& x : master) x = normal(rng);
+  for (auto& x : s0) x = normal(rng) * 1e-2f;
+  for (auto& g : grad) g = bf16(normal(rng));
+  DeviceArray<float> dm(master), d0(s0), d1(s1);
+  DeviceArray<bf16> dg(grad), dp(param);
+  DeviceArray<double> gate(std::vector<double>{0.5, 0.0}), stats(std::vector<double>{0.0});
+  const auto views = [&](float* m, const bf16* g, float* a, float* b, bf16* p) {
+    std::vector<ShardView<bf16, bf16>> v;
+    for (int j = 0; j < shards; ++j) {
+      const std::size_t o = at[std::size_t(j)], n = size[std::size_t(j)];
+      v.push_back({{m + o, n}, {g + o, n}, {std::span(a + o, n), std::span(b + o, n)}, {p + o, n}});
+    }
+    return v;
+  };
+  auto dv = views(dm.ptr(), dg.ptr(), d0.ptr(), d1.ptr(), dp.ptr());
+  const StepScalars s{3, 0.75f};
+
+  // A shard whose sizes differ, last: an error, and no shard before it was stepped.
+  auto bad = dv;
+  bad.back().param = bad.back().param.first(bad.back().param.size() / 2);
+  if (!bad.back().master.empty()) {
+    CHECK_THROWS_AS(zp::optim::gpu::step(AdamW{}, s, std::span(std::as_const(bad)), gate.ptr(),
+                                         zp::device::current_stream()),
+                    zp::Error);
+    CHECK(same_bytes(master, dm.get()));
+  }
+
+  zp::optim::gpu::step(AdamW{}, s, std::span(std::as_const(dv)), gate.ptr(),
+                       zp::device::current_stream());
+  StepScalars hs = s;
+  hs.grad_mul *= 0.5f;  // gate[0]
+  for (const auto& v : views(master.data(), grad.data(), s0.data(), s1.data(), param.data()))
+    cpu::step(AdamW{}, hs, v);
+  CHECK(same_bytes(master, dm.get()));
+  CHECK(same_bytes(s0, d0.get()));
+  CHECK(same_bytes(s1, d1.get()));
+  CHECK(same_bytes(param, dp.get()));
+
+  std::vector<std::span<const bf16>> gs;
+  double want = 0;
+  for (int j = 0; j < shards; ++j) {
+    gs.emplace_back(dg.ptr() + at[std::size_t(j)], size[std::size_t(j)]);
+    for (std::size_t i = 0; i < size[std::size_t(j)]; ++i) {
+      const double x = double(float(grad[at[std::size_t(j)] + i]));
+      want += x * x;
+    }
+  }
+  zp::optim::gpu::grad_stats(std::span(std::as_const(gs)), stats.ptr(),
+                             zp::device::current_stream());
   CHECK(stats.get()[0] == doctest::Approx(want).epsilon(1e-12));
 }

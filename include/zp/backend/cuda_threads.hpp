@@ -61,15 +61,18 @@ struct Reduce {
   static constexpr int w = int(16 / sizeof(T));
   Pointers<T> p;
   int ranks;
-  std::size_t n, block;
+  std::size_t n;
+  zp::device::Divisor block;  // d == 0: all_reduce
   ReduceOp op;
   bool vectorized;
   template <class X>
   ZP_HOST_DEVICE void put(std::size_t e, const X& v) const {
-    if (block == 0)
+    if (block.d == 0) {
       for (int q = 0; q < ranks; ++q) *reinterpret_cast<X*>(p.out[q] + e) = v;
-    else
-      *reinterpret_cast<X*>(p.out[e / block] + e % block) = v;
+    } else {
+      const auto [q, r] = block(e);
+      *reinterpret_cast<X*>(p.out[q] + r) = v;
+    }
   }
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     using A = typename detail::accum<T>::type;
@@ -103,20 +106,22 @@ struct Gather {
   const unsigned char* in[max_ranks];
   unsigned char* out[max_ranks];
   int ranks;
-  std::size_t bytes;
+  zp::device::Divisor bytes;  // each input's
   bool vectorized;
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     using V = zp::device::Pack<std::uint32_t, 4>;
-    const std::size_t at = 16 * k, total = bytes * std::size_t(ranks);
+    const std::size_t at = 16 * k, total = bytes.d * std::size_t(ranks);
     if (vectorized && at + 16 <= total) {
-      const unsigned char* src = in[at / bytes] + at % bytes;
+      const auto [q, r] = bytes(at);
+      const unsigned char* src = in[q] + r;
       const V v = *reinterpret_cast<const V*>(src);
       for (int q = 0; q < ranks; ++q)
         if (out[q] + at != src) *reinterpret_cast<V*>(out[q] + at) = v;
       return;
     }
     for (std::size_t e = at; e < total && e < at + 16; ++e) {
-      const unsigned char* src = in[e / bytes] + e % bytes;
+      const auto [q, r] = bytes(e);
+      const unsigned char* src = in[q] + r;
       for (int q = 0; q < ranks; ++q)
         if (out[q] + e != src) out[q][e] = *src;
     }
@@ -222,14 +227,15 @@ class CudaThreads {
   }
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch) {
     return collective({CollOp::all_gather, src, dst, n, t}, [&](const Calls& calls, stream_t s) {
-      cuda_threads_detail::Gather g{{}, {}, size(), n * size_of(t), (n * size_of(t)) % 16 == 0};
+      const std::size_t bytes = n * size_of(t), total = bytes * std::size_t(size());
+      cuda_threads_detail::Gather g{{}, {}, size(), {bytes, total}, bytes % 16 == 0};
       for (int r = 0; r < size(); ++r) {
         g.in[r] = static_cast<const unsigned char*>(calls[std::size_t(r)].src);
         g.out[r] = static_cast<unsigned char*>(calls[std::size_t(r)].dst);
         g.vectorized =
             g.vectorized && zp::device::aligned16(g.in[r]) && zp::device::aligned16(g.out[r]);
       }
-      zp::device::launch(s, (g.bytes * std::size_t(size()) + 15) / 16, g);
+      zp::device::launch(s, (total + 15) / 16, g);
     });
   }
   Work all_to_all(const void* src, void* dst, std::size_t n, DType t, Launch) {
@@ -310,7 +316,7 @@ class CudaThreads {
     auto run = [&](auto kind) {
       using R = cuda_threads_detail::Reduce<T, decltype(kind)::value>;
       zp::device::launch(s, (n + R::w - 1) / R::w,
-                         R{p, int(calls.size()), n, block, op, vectorized});
+                         R{p, int(calls.size()), n, zp::device::Divisor(block, n), op, vectorized});
     };
     switch (op) {
       case ReduceOp::sum:

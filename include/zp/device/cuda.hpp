@@ -137,12 +137,21 @@ inline std::int64_t memory_in_use() {
 namespace cuda_detail {
 inline constexpr int block = 256;
 
-// Blocks that fill the device: a few resident blocks per SM (the grid-stride loop covers the rest).
-inline int grid_for(std::size_t n) {
+// Blocks that fill the device in one wave: as many as are resident on every SM at once, by the
+// kernel's registers and shared memory (the grid-stride loop covers the rest). A fixed 8 a SM
+// ran AdamW (5 resident) in 1.6 waves, at 0.88 of a device copy on an H200; one wave: 0.92.
+template <auto kernel>
+int grid_for(std::size_t n) {
+  static const int per_sm = [] {  // one GPU model per process
+    int b = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, block, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return b < 1 ? 1 : b;
+  }();
   int d = 0, sms = 0;
   check(cudaGetDevice(&d), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), "cudaDeviceGetAttribute");
-  const std::size_t want = (n + block - 1) / block, most = std::size_t(sms) * 8;
+  const std::size_t want = (n + block - 1) / block, most = std::size_t(sms) * std::size_t(per_sm);
   return int(want < 1 ? 1 : want < most ? want : most);
 }
 
@@ -168,7 +177,9 @@ __global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* 
 template <class F>
 void launch(stream_t s, std::size_t n, const F& f) {
   if (n == 0) return;
-  cuda_detail::for_each_kernel<F><<<cuda_detail::grid_for(n), cuda_detail::block, 0, s>>>(f, n);
+  cuda_detail::for_each_kernel<F>
+      <<<cuda_detail::grid_for<cuda_detail::for_each_kernel<F>>(n), cuda_detail::block, 0, s>>>(f,
+                                                                                                n);
   check(cudaGetLastError(), "kernel launch");
 }
 
@@ -176,7 +187,9 @@ void launch(stream_t s, std::size_t n, const F& f) {
 template <class F>
 void sum(stream_t s, std::size_t n, const F& f, double* acc) {
   if (n == 0) return;
-  cuda_detail::sum_kernel<F><<<cuda_detail::grid_for(n), cuda_detail::block, 0, s>>>(f, n, acc);
+  cuda_detail::sum_kernel<F>
+      <<<cuda_detail::grid_for<cuda_detail::sum_kernel<F>>(n), cuda_detail::block, 0, s>>>(f, n,
+                                                                                           acc);
   check(cudaGetLastError(), "reduction launch");
 }
 #endif

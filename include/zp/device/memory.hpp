@@ -116,18 +116,20 @@ struct Memory<MemorySpace::device> {
   }
 };
 
-// The optimizer's shard operations on the rank's compute stream (optim/gpu.hpp).
+// The optimizer's shard operations on the rank's compute stream (optim/gpu.hpp), each in one
+// launch for all of a rank's segments where they fit.
 template <>
 struct ShardStep<MemorySpace::device> {
   template <class G>
-  static void statistics(std::span<const G> g, double* stats, const optim::cpu::Options&) {
-    optim::gpu::grad_stats(g, stats, device::detail::compute_stream());
+  static void statistics(std::span<const std::span<const G>> grads, double* stats,
+                         const optim::cpu::Options&) {
+    optim::gpu::grad_stats(grads, stats, device::detail::compute_stream());
   }
   template <class Opt, class T, class G>
   static void update(const Opt& opt, const optim::StepScalars& s,
-                     const optim::ShardView<T, G>& shard, const optim::cpu::Options&,
+                     std::span<const optim::ShardView<T, G>> shards, const optim::cpu::Options&,
                      const double* gate) {
-    optim::gpu::step(opt, s, shard, gate, device::detail::compute_stream());
+    optim::gpu::step(opt, s, shards, gate, device::detail::compute_stream());
   }
 };
 

@@ -23,6 +23,7 @@
 //   zero(p, bytes, s)
 //   launch(s, n, f)                           f(i) for i in [0, n): f a ZP_HOST_DEVICE functor
 //   sum(s, n, f, acc)                         *acc += the sum of f(i) (double), acc device memory
+//   Batch<F>, batched(xs, make, run)          many functors' items as one launch or sum (below)
 //   delay(s, us)                              test mode: s idles `us` before its next work
 //   set_device(d), device_count(), memory_in_use()
 //   check the `site` names (the mutation table, tests/device/mutations.cmake): a simulated
@@ -34,7 +35,11 @@
 // for CUDA must not be linked together.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <type_traits>
 
 #include "zp/config.hpp"
 
@@ -54,4 +59,66 @@ struct alignas(sizeof(X) * N) Pack {
   X x[N];
 };
 inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// Quotient and remainder by d of indices below `limit`, in 32-bit arithmetic where both fit: on
+// a GPU a 64-bit division is a subroutine of about a hundred instructions, a 32-bit one a few.
+struct Divisor {
+  std::size_t d;
+  bool narrow;
+  Divisor(std::size_t divisor, std::size_t limit)
+      : d(divisor), narrow(limit <= 0xFFFFFFFFu && divisor <= 0xFFFFFFFFu) {}
+  struct Split {
+    std::size_t q, r;
+  };
+  ZP_HOST_DEVICE Split operator()(std::size_t e) const {
+    if (narrow) {
+      const auto e32 = std::uint32_t(e), d32 = std::uint32_t(d), q = e32 / d32;
+      return {q, e32 - q * d32};
+    }
+    return {e / d, e % d};
+  }
+};
+// Work items of up to N functors as one range, in their order: item k is item k - end[j-1] of
+// f[j], j the functor whose range holds k. One launch for many ranges (a shard's segments): a
+// GPU launch costs a few microseconds of ramp and tail however few its items. N fills the 4 KB
+// that a kernel's parameters may take on any CUDA GPU.
+template <class F>
+struct Batch {
+  static constexpr int N = int(std::min<std::size_t>(64, (4096 - 64) / (sizeof(F) + 8)));
+  static_assert(N >= 2, "a batch's functor is too large for a kernel's parameters");
+  F f[N];
+  std::size_t end[N] = {};
+  int count = 0;
+  std::size_t items() const { return count == 0 ? 0 : end[count - 1]; }
+  ZP_HOST_DEVICE auto operator()(std::size_t k) const {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (k < end[mid])
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    return f[lo](k - (lo == 0 ? 0 : end[lo - 1]));
+  }
+};
+
+// run(batch) for the Batches of make(x) = {functor, its item count} over xs, in order, N at a
+// time; functors of no items are left out.
+template <class X, class Make, class Run>
+void batched(std::span<const X> xs, Make&& make, Run&& run) {
+  using F = std::remove_cvref_t<decltype(make(xs[0]).first)>;
+  Batch<F> b;
+  for (const X& x : xs) {
+    const auto [f, n] = make(x);
+    if (n == 0) continue;
+    b.f[b.count] = f;
+    b.end[b.count] = b.items() + n;
+    if (++b.count == Batch<F>::N) {
+      run(b);
+      b = {};
+    }
+  }
+  if (b.count > 0) run(b);
+}
 }  // namespace zp::device
