@@ -228,6 +228,7 @@ class CudaThreads {
   Work all_gather(const void* src, void* dst, std::size_t n, DType t, Launch) {
     return collective({CollOp::all_gather, src, dst, n, t}, [&](const Calls& calls, stream_t s) {
       const std::size_t bytes = n * size_of(t), total = bytes * std::size_t(size());
+      if (alone(calls, total, s)) return;
       cuda_threads_detail::Gather g{{}, {}, size(), {bytes, total}, bytes % 16 == 0};
       for (int r = 0; r < size(); ++r) {
         g.in[r] = static_cast<const unsigned char*>(calls[std::size_t(r)].src);
@@ -300,12 +301,22 @@ class CudaThreads {
   using Calls = std::vector<threads_detail::Call>;
   using stream_t = zp::device::stream_t;
 
+  // One rank: a reduction or gather of one input is that input, so nothing runs in place and
+  // out of place it is a copy (a kernel reading and rewriting the buffer in place took ~0.45 ms
+  // of kernel time in a ~2 ms step at stage 2 on one rank: bench/RESULTS.md's ncu figures).
+  static bool alone(const Calls& calls, std::size_t bytes, stream_t s) {
+    if (calls.size() != 1) return false;
+    if (bytes && calls[0].src != calls[0].dst)
+      zp::device::copy(calls[0].dst, calls[0].src, bytes, s);
+    return true;
+  }
+
   // Every rank's part of a reduction over n elements in one launch (cuda_threads_detail::Reduce;
   // block 0: all_reduce, else reduce_scatter's block per rank).
   template <class T>
   static void reduce(const Calls& calls, std::size_t n, std::size_t block, ReduceOp op,
                      stream_t s) {
-    if (n == 0) return;
+    if (n == 0 || alone(calls, n * sizeof(T), s)) return;
     cuda_threads_detail::Pointers<T> p{};
     bool vectorized = (block * sizeof(T)) % 16 == 0;
     for (std::size_t r = 0; r < calls.size(); ++r) {
