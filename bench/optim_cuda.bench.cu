@@ -108,7 +108,28 @@ bool same_as_cpu() {
          std::memcmp(gp.data(), param.data(), n * sizeof(T)) == 0;
 }
 
-// fp32 layout: the model copy is the master itself (T = float, param aliases master).
+// A shard of n parameters in device memory, for AdamW; fp32 layout: the model copy is the
+// master itself (T = float, param aliases master).
+template <class T, class G>
+struct DeviceShard {
+  std::size_t n;
+  float* master = device_array<float>(n, 1.0f);
+  float* m = device_array<float>(n, 1e-3f);
+  float* v = device_array<float>(n, 1e-4f);
+  G* grad = device_array<G>(n, 0.0f);
+  T* param = std::is_same_v<T, float> ? reinterpret_cast<T*>(master) : device_array<T>(n, 1.0f);
+  explicit DeviceShard(std::size_t elems) : n(elems) {}
+  DeviceShard(const DeviceShard&) = delete;
+  DeviceShard& operator=(const DeviceShard&) = delete;
+  ~DeviceShard() {
+    for (void* p : {(void*)master, (void*)m, (void*)v, (void*)grad}) cudaFree(p);
+    if (!std::is_same_v<T, float>) cudaFree(param);
+  }
+  ShardView<T, G> view() const {
+    return {{master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {param, n}};
+  }
+};
+
 template <class T, class G>
 void adamw(benchmark::State& state) {
   if (!same_as_cpu<T, G>()) {
@@ -116,13 +137,8 @@ void adamw(benchmark::State& state) {
     return;
   }
   const std::size_t n = std::size_t(state.range(0));
-  float* master = device_array<float>(n, 1.0f);
-  float* m = device_array<float>(n, 1e-3f);
-  float* v = device_array<float>(n, 1e-4f);
-  G* grad = device_array<G>(n, 0.0f);
-  T* param = std::is_same_v<T, float> ? reinterpret_cast<T*>(master) : device_array<T>(n, 1.0f);
-  const ShardView<T, G> shard{
-      {master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {param, n}};
+  const DeviceShard<T, G> d(n);
+  const ShardView<T, G> shard = d.view();
   std::int64_t t = 0;
   double seconds = 0;
   for (auto _ : state) {
@@ -135,20 +151,14 @@ void adamw(benchmark::State& state) {
   state.counters["GBps"] = gbps;
   state.counters["params_per_s"] = double(n) / seconds;
   state.counters["copy_fraction"] = gbps / copy_gbps(std::size_t(bytes_per_param / 2 * double(n)));
-  for (void* p : {(void*)master, (void*)m, (void*)v, (void*)grad}) cudaFree(p);
-  if (!std::is_same_v<T, float>) cudaFree(param);
 }
 
 void clip_adamw(benchmark::State& state) {
   const std::size_t n = std::size_t(state.range(0));
-  float* master = device_array<float>(n, 1.0f);
-  float* m = device_array<float>(n, 1e-3f);
-  float* v = device_array<float>(n, 1e-4f);
-  float* grad = device_array<float>(n, 0.0f);
-  const ShardView<float, float> shard{
-      {master, n}, {grad, n}, {std::span<float>(m, n), std::span<float>(v, n)}, {master, n}};
+  const DeviceShard<float, float> d(n);
+  const ShardView<float, float> shard = d.view();
   zp::StepStatistics<zp::MemorySpace::device> stats;
-  const std::span<const float> grads[] = {{grad, n}};
+  const std::span<const float> grads[] = {shard.grad};
   std::int64_t t = 0;
   double seconds = 0;
   for (auto _ : state) {
@@ -165,7 +175,6 @@ void clip_adamw(benchmark::State& state) {
       outcome[zp::detail::StepGate::statistics + 1] != zp::detail::StepGate::apply)
     state.SkipWithError("the gate did not clip and apply");
   state.counters["GBps"] = 32.0 * double(n) / seconds / 1e9;
-  for (void* p : {(void*)master, (void*)m, (void*)v, (void*)grad}) cudaFree(p);
 }
 
 template <class G>
