@@ -219,7 +219,7 @@ TEST_CASE("copies past their block and allocations past the memory limit are err
   dev::sim::configure(dev::sim::options_from_env());
 }
 
-TEST_CASE("Divisor: quotient and remainder as / and % give them, in 32 and 64 bits") {
+TEST_CASE("DivMod: quotient and remainder as / and % give them, in 32 and 64 bits") {
   const std::uint64_t seed = zp::test::run_seed("zp.test.device.sim");
   struct Range {
     std::size_t limit, d_max;
@@ -230,7 +230,7 @@ TEST_CASE("Divisor: quotient and remainder as / and % give them, in 32 and 64 bi
     for (std::uint64_t i = 0; i < 2000; ++i) {
       const std::size_t d = 1 + zp::test::mix(seed + 2 * i) % g.d_max;
       const std::size_t e = i < 2 ? g.limit - i : zp::test::mix(seed + 2 * i + 1) % (g.limit + 1);
-      const dev::Divisor div(d, g.limit);
+      const dev::DivMod div(d, g.limit);
       CHECK(div.narrow == (g.limit <= 0xFFFFFFFFu));
       const auto [q, r] = div(e);
       CHECK_MESSAGE((q == e / d && r == e % d), "e ", e, " d ", d);

@@ -62,7 +62,7 @@ struct Reduce {
   Pointers<T> p;
   int ranks;
   std::size_t n;
-  zp::device::Divisor block;  // d == 0: all_reduce
+  zp::device::DivMod block;  // d == 0: all_reduce
   ReduceOp op;
   bool vectorized;
   template <class X>
@@ -106,7 +106,7 @@ struct Gather {
   const unsigned char* in[max_ranks];
   unsigned char* out[max_ranks];
   int ranks;
-  zp::device::Divisor bytes;  // each input's
+  zp::device::DivMod bytes;  // each input's
   bool vectorized;
   ZP_HOST_DEVICE void operator()(std::size_t k) const {
     using V = zp::device::Pack<std::uint32_t, 4>;
@@ -327,7 +327,7 @@ class CudaThreads {
     auto run = [&](auto kind) {
       using R = cuda_threads_detail::Reduce<T, decltype(kind)::value>;
       zp::device::launch(s, (n + R::w - 1) / R::w,
-                         R{p, int(calls.size()), n, zp::device::Divisor(block, n), op, vectorized});
+                         R{p, int(calls.size()), n, zp::device::DivMod(block, n), op, vectorized});
     };
     switch (op) {
       case ReduceOp::sum:

@@ -62,10 +62,10 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 
 // Quotient and remainder by d of indices below `limit`, in 32-bit arithmetic where both fit: on
 // a GPU a 64-bit division is a subroutine of about a hundred instructions, a 32-bit one a few.
-struct Divisor {
+struct DivMod {
   std::size_t d;
   bool narrow;
-  Divisor(std::size_t divisor, std::size_t limit)
+  DivMod(std::size_t divisor, std::size_t limit)
       : d(divisor), narrow(limit <= 0xFFFFFFFFu && divisor <= 0xFFFFFFFFu) {}
   struct Split {
     std::size_t q, r;

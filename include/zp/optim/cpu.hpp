@@ -262,20 +262,14 @@ GradStats grad_stats(std::span<G> grad, const Options& options = {}) {
 template <Optimizer Opt, class T, class G>
 void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard,
           const Options& options = {}) {
+  optim::detail::check_step(opt, s, shard);
   const std::size_t n = shard.master.size();
-  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n,
-            "optimizer step: sizes differ: master ", n, ", grad ", shard.grad.size(), ", param ",
-            shard.param.size());
-  detail::Buffers<T, G> b{
-      shard.master.data(), shard.grad.data(), {nullptr, nullptr}, shard.param.data(), 0};
-  for (int k = 0; k < 2; ++k) {
-    if (!optim::detail::uses_slot(opt, k)) break;
-    ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",
-              shard.state[std::size_t(k)].size(), " elements, master has ", n);
-    b.state[k] = shard.state[std::size_t(k)].data();
-    b.slots = k + 1;
-  }
-  ZP_EXPECT(s.step >= 1, "optimizer step: step must count from 1, got ", s.step);
+  detail::Buffers<T, G> b{shard.master.data(),
+                          shard.grad.data(),
+                          {nullptr, nullptr},
+                          shard.param.data(),
+                          optim::detail::used_slots(opt)};
+  for (int k = 0; k < b.slots; ++k) b.state[k] = shard.state[std::size_t(k)].data();
   const Isa isa = detail::resolve(options.isa);
   const auto c = optim::detail::prepare(opt, s);
   detail::parallel_tiles(n, options.threads, [&](std::size_t begin, std::size_t end, std::size_t) {

@@ -140,18 +140,9 @@ void grad_stats(std::span<const G> grad, double* stats, device::stream_t stream)
 template <Optimizer Opt, class T, class G>
 void step(const Opt& opt, const StepScalars& s, std::span<const ShardView<T, G>> shards,
           const double* gate, device::stream_t stream) {
-  ZP_EXPECT(s.step >= 1, "optimizer step: step must count from 1, got ", s.step);
-  int slots = 0;  // state arrays used: the first `slots` of shard.state
-  while (slots < 2 && optim::detail::uses_slot(opt, slots)) ++slots;
-  for (const ShardView<T, G>& shard : shards) {  // all checked before any is enqueued
-    const std::size_t n = shard.master.size();
-    ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n,
-              "optimizer step: sizes differ: master ", n, ", grad ", shard.grad.size(), ", param ",
-              shard.param.size());
-    for (int k = 0; k < slots; ++k)
-      ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",
-                shard.state[std::size_t(k)].size(), " elements, master has ", n);
-  }
+  for (const ShardView<T, G>& shard : shards)  // all checked before any is enqueued
+    optim::detail::check_step(opt, s, shard);
+  const int slots = optim::detail::used_slots(opt);
   const auto c = optim::detail::prepare(opt, s);
   const auto item = [&](const ShardView<T, G>& v) {
     detail::StepItem<Opt, T, G> f{c,

@@ -381,6 +381,27 @@ inline bool uses_slot(const O&, int slot) {
   return slot < state_slots<O>;
 }
 inline bool uses_slot(const Sgd& o, int slot) { return slot < 1 && o.momentum != 0.0f; }
+// How many state slots a step of `opt` uses: the first used_slots(opt) of ShardView::state.
+template <class O>
+int used_slots(const O& opt) {
+  int k = 0;
+  while (k < 2 && uses_slot(opt, k)) ++k;
+  return k;
+}
+
+// The checks of a step over `shard` (the CPU's and a device's): Errc::invalid_argument naming
+// the step count below 1, or the array whose length differs from the master's.
+template <class O, class T, class G>
+void check_step(const O& opt, const StepScalars& s, const ShardView<T, G>& shard) {
+  const std::size_t n = shard.master.size();
+  ZP_EXPECT(shard.grad.size() == n && shard.param.size() == n,
+            "optimizer step: sizes differ: master ", n, ", grad ", shard.grad.size(), ", param ",
+            shard.param.size());
+  for (int k = 0; k < used_slots(opt); ++k)
+    ZP_EXPECT(shard.state[std::size_t(k)].size() == n, "optimizer step: state[", k, "] has ",
+              shard.state[std::size_t(k)].size(), " elements, master has ", n);
+  ZP_EXPECT(s.step >= 1, "optimizer step: step must count from 1, got ", s.step);
+}
 
 // Conversions between storage types and float (round to nearest even for 16-bit types).
 template <class T>
