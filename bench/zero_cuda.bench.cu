@@ -18,6 +18,10 @@
 // zero_offload_gpu/stage:S/ranks:N  the same step with ZeRO-Offload (fp32 master and AdamW state
 //   in host memory, updated by the CPU step); vs_gpu_step is its time over the device step's,
 //   measured in the same run.
+// zero_offload_param_gpu/stage:3/ranks:2/optimizer:O  the same step with the parameter shard in
+//   page-locked host memory (offload_param: cpu; copied up for each gather, written by the
+//   device's AdamW kernel through the mapping, or with O = 1 by the CPU step of ZeRO-Offload);
+//   vs_gpu_step as above, device_bytes_per_rank 2 Psi/N bytes under the device step's.
 // Times: rank 0's host clock around a step, between barriers, after its compute stream drained
 // (manual time); each configuration first checks that the step applies and that its memory and
 // bus bytes follow the ZeRO formulas.
@@ -172,13 +176,14 @@ double timed(Collective<CudaThreads>& comm, int iterations, F&& f) {
 }
 
 template <int Stage>
-Measured measure(int ranks, int iterations, bool offload) {
+Measured measure(int ranks, int iterations, bool offload, bool offload_param = false) {
   Measured out;
   zp::backend::run_cuda_threads(ranks, [&](Collective<CudaThreads>& comm) {
     const std::int64_t base = zp::memory_use<zp::MemorySpace::device>().current;
     Synthetic model;
     zp::EngineConfig cfg;  // default buckets (16 MiB), no clipping, no persistence
     cfg.offload_optimizer = offload;
+    cfg.offload_param = offload_param;
     const std::int64_t model_bytes = zp::memory_use<zp::MemorySpace::device>().current - base;
     std::string err;
     double seconds = 0, bus = 0, psi = 0, state = 0, held = 0;
@@ -196,7 +201,7 @@ Measured measure(int ranks, int iterations, bool offload) {
       held = double(zp::memory_use<zp::MemorySpace::device>().current - base - model_bytes);
     }
     double kernels = 0;
-    if (!offload) {
+    if (!offload && !offload_param) {
       Bare<Stage> bare(total, comm.size(), comm.rank());
       std::int64_t t = 0;
       bare.step(comm, model, {}, ++t);
@@ -247,6 +252,20 @@ void zero_offload_gpu(benchmark::State& state) {
   state.counters["device_bytes_per_rank"] = off.device_bytes;
 }
 
+void zero_offload_param_gpu(benchmark::State& state) {
+  const int ranks = int(state.range(0));
+  const bool optimizer = state.range(1) != 0;
+  Measured gpu, off;
+  if (!guarded(state, [&] {
+        gpu = measure<3>(ranks, 5, false), off = measure<3>(ranks, 5, optimizer, true);
+      }))
+    return;
+  if (!off.error.empty()) return state.SkipWithError(off.error.c_str());
+  for (auto _ : state) state.SetIterationTime(off.seconds);
+  state.counters["vs_gpu_step"] = off.seconds / gpu.seconds;
+  state.counters["device_bytes_per_rank"] = off.device_bytes;
+}
+
 const bool registered = [] {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -275,6 +294,13 @@ const bool registered = [] {
   benchmark::RegisterBenchmark("zero_offload_gpu/stage:3", &zero_offload_gpu<3>)
       ->ArgName("ranks")
       ->Arg(2)
+      ->Iterations(1)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("zero_offload_param_gpu/stage:3", &zero_offload_param_gpu)
+      ->ArgNames({"ranks", "optimizer"})
+      ->Args({2, 0})
+      ->Args({2, 1})
       ->Iterations(1)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

@@ -6,7 +6,8 @@
 // against zp::sim it is zp_demo_sim and runs on the simulated device.
 //
 //   zp_demo_gpu [--backend cuda_threads|nccl] [--ranks N] [--stage 0-3] [--precision fp32|bf16]
-//               [--offload-optimizer none|cpu|nvme:DIR] [--accum N] [--steps N] [--micro-batch N] [--lr X]
+//               [--offload-optimizer none|cpu|nvme:DIR] [--offload-param none|cpu|nvme:DIR]
+//               [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
@@ -253,6 +254,10 @@ const char* usage =
     "  --offload-optimizer none|cpu|nvme:DIR\n"
     "                     fp32 master weights and optimizer state in host memory (ZeRO-Offload)\n"
     "                     or in a swap file under DIR (ZeRO-Infinity) (default none)\n"
+    "  --offload-param none|cpu|nvme:DIR\n"
+    "                     stage 3: each rank's 16-bit parameter shard in page-locked host memory\n"
+    "                     or in a swap file under DIR (nvme needs --offload-optimizer) (default "
+    "none)\n"
     "  --accum N          gradient accumulation steps (default 1)\n"
     "  --steps N          optimizer steps (default 600)\n"
     "  --micro-batch N    sequences per rank per micro-step (default 32)\n"
@@ -300,6 +305,8 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   ec.max_grad_norm = 1.0f;
   ec.offload_optimizer = o.offload;
   if (!o.nvme.empty()) ec.optimizer_nvme = zp::NvmeOptions{.path = o.nvme};
+  ec.offload_param = o.offload_param;
+  if (!o.param_nvme.empty()) ec.param_nvme = zp::NvmeOptions{.path = o.param_nvme};
   E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr});
   const zp::schedule::Any schedule =
       zp::schedule::WarmupCosineLR{.base_lr = o.lr,
@@ -311,9 +318,10 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
     std::printf(ZP_DEMO_NAME
                 ": char-level LM on %zu characters (vocabulary %d), %zu parameters; ZeRO stage %d, "
                 "backend %s, "
-                "%d ranks, %s%s\n",
+                "%d ranks, %s%s%s\n",
                 corpus.ids.size(), dims.vocab, engine.layout().used(), E::stage, B::name, n,
-                zp::name(zp::dtype_of<T>), o.offload ? ", optimizer offloaded to the CPU" : "");
+                zp::name(zp::dtype_of<T>), o.offload ? ", optimizer offloaded to the CPU" : "",
+                o.offload_param ? ", parameters offloaded" : "");
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   std::vector<int> c(std::size_t(o.micro_batch) * dims.context), t(std::size_t(o.micro_batch));

@@ -279,7 +279,7 @@ inline void print_memory(const zp::MemoryReport& m) {
       mib(m.params), mib(m.grads), mib(m.master), mib(m.optimizer_state), mib(m.model_states()),
       mib(m.buckets), mib(m.gathered_peak));
   if (m.offloaded)
-    std::printf("        of which in host memory (ZeRO-Offload): %.3f MiB\n", mib(m.offloaded));
+    std::printf("        of which offloaded to host memory: %.3f MiB\n", mib(m.offloaded));
   if (m.nvme)
     std::printf(
         "        of which on NVMe (ZeRO-Infinity): %.3f MiB, through %.3f MiB of host buffers\n",

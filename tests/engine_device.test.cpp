@@ -123,7 +123,9 @@ struct Fed {
 };
 
 // offload: 0 none, 1 the optimizer state in host memory (ZeRO-Offload), 2 in swap files
-// (ZeRO-Infinity; programs with zp::aio), sub-groups of 2048 elements, pipelined.
+// (ZeRO-Infinity; programs with zp::aio), sub-groups of 2048 elements, pipelined; plus
+// params_offloaded (stage 3): the parameter shard in host memory too, or, with 2, in a swap file.
+constexpr int params_offloaded = 4;
 // ZeRO++ (stage 3): hpz, the secondary partition over groups of that many ranks; qwz, the
 // gathers quantized (int8 in blocks of 64, so pieces hold several blocks and a short one).
 struct ZeroPP {
@@ -140,10 +142,12 @@ zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {
     c.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 64};
     c.ranks_per_node = 2;
   }
-  c.offload_optimizer = offload > 0;
-  if (offload == 2)
+  c.offload_optimizer = (offload & 3) > 0;
+  if ((offload & 3) == 2)
     c.optimizer_nvme = zp::NvmeOptions{
         .path = swap.path, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
+  c.offload_param = (offload & params_offloaded) != 0;
+  if (c.offload_param && c.optimizer_nvme) c.param_nvme = zp::NvmeOptions{.path = swap.path};
   c.max_grad_norm = max_grad_norm;
   c.batch = {.micro_batch_per_rank = 1, .gradient_accumulation_steps = 2};
   c.bucket_bytes = 8192;
@@ -175,8 +179,15 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
   const std::uint64_t grads =
       seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   const zp::test::MeasuredMemory<S> measured;
+  const std::int64_t pinned = zp::memory_use<zp::MemorySpace::pinned>().current;
   zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm, zpp),
                                  zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
+  if (S == zp::MemorySpace::device && (offload & params_offloaded) && (offload & 3) != 2) {
+    // the parameter shard page-locked in host memory, and reported so
+    const std::size_t shard = engine.layout().shard() * sizeof(T);
+    CHECK(zp::memory_use<zp::MemorySpace::pinned>().current - pinned == std::int64_t(shard));
+    CHECK(engine.memory().offloaded == shard + (offload & 3 ? 3 * 4 * shard / sizeof(T) : 0));
+  }
   measured.start();
   Out out;
   int first = 0;
@@ -295,12 +306,14 @@ void check_ranks(std::uint64_t seed) {
     }
     // ZeRO-Offload: master and state on the host, the CPU step; ZeRO-Infinity (stages 1 and 3,
     // to keep the sanitizer runs short): in swap files, stepped sub-group by sub-group through
-    // pinned staging; the same bits again.
-    for (int offload : {1, 2}) {
+    // pinned staging; the same bits again. Stage 3 also with the parameter shard offloaded:
+    // page-locked, stepped there by the device (4) or the CPU (5), or in a swap file (6).
+    for (int offload : {1, 2, 4, 5, 6}) {
 #if !defined(ZP_WITH_AIO)
-      if (offload == 2) continue;
+      if ((offload & 3) == 2) continue;
 #endif
       if (offload == 2 && Stage % 2 == 0) continue;
+      if ((offload & params_offloaded) && Stage != 3) continue;
       CAPTURE(offload);
       const Out off = on_gpu<T, Stage>(n, seed, offload);
       CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
@@ -395,8 +408,8 @@ std::vector<char> file_bytes(const std::filesystem::path& p) {
 }
 
 // A device engine's checkpoint loads into the CPU engine and the reverse (offloaded, so master
-// and state pass through host memory on the device side too); training goes on to the same
-// bits, and the two sides export the same safetensors bytes.
+// and state, and at stage 3 the parameters, pass through host memory on the device side too);
+// training goes on to the same bits, and the two sides export the same safetensors bytes.
 template <class T, int Stage>
 void check_checkpoints(std::uint64_t seed) {
   CAPTURE(Stage);
@@ -417,7 +430,10 @@ void check_checkpoints(std::uint64_t seed) {
     });
     return o;
   };
-  const Out a = gpu({dir.path / "from_gpu", false, dir.path / "gpu_params"}, 0);
+  // Stage 3 with the parameter shard offloaded on the device side: saved from and loaded into
+  // host memory (or a swap file).
+  const int params = Stage == 3 ? params_offloaded : 0;
+  const Out a = gpu({dir.path / "from_gpu", false, dir.path / "gpu_params"}, params);
   const Out b = cpu({dir.path / "from_gpu", true, dir.path / "cpu_params"});
   CHECK(a.params == b.params);
   CHECK(std::memcmp(a.master.data(), b.master.data(), a.master.size() * sizeof(float)) == 0);
@@ -429,7 +445,7 @@ void check_checkpoints(std::uint64_t seed) {
 #else
   constexpr int offload = 1;
 #endif
-  const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, offload);
+  const Out d = gpu({dir.path / "from_cpu", true, dir.path / "gpu_master", true}, offload | params);
   CHECK(c.params == d.params);
   CHECK(std::memcmp(c.master.data(), d.master.data(), c.master.size() * sizeof(float)) == 0);
   CHECK(file_bytes(dir.path / "gpu_master" / "model.safetensors") ==

@@ -40,8 +40,9 @@ struct MeasuredMemory {
     const MemoryUse use = memory_use<S>();
     const std::int64_t stats =
         std::int64_t(E::stats_slots * sizeof(double));  // statistics and step gate
-    // offloaded master and optimizer state live in host memory, whatever S is, or on NVMe; the
-    // swap's buffers are its own (aligned for O_DIRECT), not the allocator's
+    // offloaded model states (master and optimizer state; stage 3's parameters) live in host
+    // memory, whatever S is, or on NVMe; the swap's buffers are its own (aligned for O_DIRECT),
+    // not the allocator's
     const std::int64_t offloaded =
         (S == MemorySpace::host ? 0 : std::int64_t(mem.offloaded)) + std::int64_t(mem.nvme);
     const std::int64_t held = use.current - base, peak = use.peak - base;

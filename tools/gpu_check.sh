@@ -181,6 +181,7 @@ bench_phase() {
   grep -E "^zero_" "$OUT/zero_cuda.txt" | tee -a "$OUT/summary.txt"
   log "GPU demo (tokens/s and loss):"
   for args in "--ranks 1 --stage 0" "--ranks 4 --stage 3" "--ranks 4 --stage 3 --offload cpu" \
+              "--ranks 4 --stage 3 --offload-param cpu" \
               "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50"; do
     # shellcheck disable=SC2086  # the demo's arguments
     bench demo_gpu "$BUILD/examples/zp_demo_gpu" --steps 200 --log-every 100 $args || rc=1

@@ -89,7 +89,10 @@ constexpr const char* name(CollOp op) noexcept {
   return detail::coll_op_values[std::uint8_t(op)];
 }
 
-enum class MemorySpace : std::uint8_t { host, device };
+// Where a buffer lives. A backend's memory is host or device; pinned is page-locked host memory
+// beside a device (the host reads and writes it, the device's copies and kernels reach it too):
+// where a device backend keeps what is offloaded to the host.
+enum class MemorySpace : std::uint8_t { host, device, pinned };
 
 // Whether a backend call returns after the operation completed (blocking) or as soon as it is
 // enqueued (async; completion through the returned work handle).

@@ -105,7 +105,7 @@ class Engine {
         part_(Layout(bound_.params, comm.size(), layout_options(config_, sizeof(T))), comm.rank(),
               optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer,
               config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr,
-              config_.param_nvme ? &*config_.param_nvme : nullptr),
+              config_.param_nvme ? &*config_.param_nvme : nullptr, config_.offload_param),
         buckets_(comm, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
@@ -124,9 +124,13 @@ class Engine {
               "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
               "it no parameters are gathered), got stage ",
               Stage);
-    ZP_EXPECT(!config_.offload_param || S == MemorySpace::host,
-              "engine: offload_param to cpu is not implemented for device backends yet (the "
-              "host backends keep the parameters in host memory anyway)");
+    // On a device the swapped shard is stepped by the CPU, so the master weights and state must
+    // be in host memory too.
+    ZP_EXPECT(!config_.param_nvme || S == MemorySpace::host || config_.offload_optimizer ||
+                  config_.optimizer_nvme,
+              "engine: parameters on NVMe (offload_param: nvme) on a device backend need the "
+              "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
+              "swapped shard");
     optim::validate(opt_);
     // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
     // failed to open on one rank is an error on all.

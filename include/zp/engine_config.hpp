@@ -175,11 +175,14 @@ struct EngineConfig {
   // MemoryReport::nvme says how many bytes are there. Results equal offload to host memory.
   std::optional<NvmeOptions> optimizer_nvme = std::nullopt;
   // DeepSpeed's offload_param: cpu (stage 3): the 16-bit parameter shard in host memory, where
-  // the host backends keep it anyway (device backends: not implemented yet, an error).
+  // the host backends keep it anyway; a device backend keeps it page-locked, copies a module's
+  // pieces up before its gathers and steps it in place (the device's kernels write it there, or
+  // the CPU with offload_optimizer). Results equal stage 3 on the device.
   bool offload_param = false;
-  // ZeRO-Infinity's offload_param (nvme, stage 3, host backends): each rank's 16-bit parameter
-  // shard in a swap file, read for each module's gather and written by the optimizer step (in
-  // the optimizer swap's sub-groups when both are on NVMe). Results equal stage 3 in memory.
+  // ZeRO-Infinity's offload_param (nvme, stage 3; on a device backend with the optimizer
+  // offloaded too): each rank's 16-bit parameter shard in a swap file, read for each module's
+  // gather and written by the optimizer step (in the optimizer swap's sub-groups when both are
+  // on NVMe). Results equal stage 3 in memory.
   std::optional<NvmeOptions> param_nvme = std::nullopt;
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;

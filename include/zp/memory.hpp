@@ -30,6 +30,13 @@ namespace zp {
 template <MemorySpace S>
 struct Allocator;
 
+// The host memory a backend of memory space S offloads to: plain host memory for the host
+// backends, page-locked beside a device (Allocator<pinned>: zp/device/memory.hpp), which the
+// device's copies move asynchronously and its kernels read and write in place.
+template <MemorySpace S>
+inline constexpr MemorySpace offload_space =
+    S == MemorySpace::host ? MemorySpace::host : MemorySpace::pinned;
+
 // Host memory, 64-byte aligned (a cache line; also the widest SIMD load).
 template <>
 struct Allocator<MemorySpace::host> {
@@ -88,7 +95,10 @@ class Buffer {
     } catch (const std::bad_alloc&) {
       throw Error(Errc::out_of_memory,
                   detail::cat(what, ": cannot allocate ", n, " elements (", bytes, " bytes) in ",
-                              S == MemorySpace::host ? "host" : "device", " memory"));
+                              S == MemorySpace::host     ? "host"
+                              : S == MemorySpace::device ? "device"
+                                                         : "pinned host",
+                              " memory"));
     }
   }
   Buffer(Buffer&& o) noexcept
@@ -225,9 +235,10 @@ void fill_via_host(std::span<U> dst, bool host, Fill&& fill) {
 // ZeRO-Offload's transfers for one optimizer step: piece by piece (a segment's shard, or a
 // part of one), the gradient to host memory, the CPU step there (optim/cpu.hpp) on the
 // host-resident master weights and state, and the new T values back. view_of(s) is piece s
-// where the engine keeps it (gradient and T values in space S, master and state in host
-// memory); step(s, v) runs the CPU step on piece s's view whose arrays are all in host memory,
-// pieces in order. Here (S = host) that is the view itself;
+// where the engine keeps it (gradient and T values in space S, or the T values in host memory
+// where param_host says so; master and state in host memory); step(s, v) runs the CPU step on
+// piece s's view whose arrays are all in host memory, pieces in order. Here (S = host) that is
+// the view itself;
 // zp/device/memory.hpp's specialisation pipelines the copies through pinned double buffers, so segment
 // s+1's gradient travels while the CPU updates segment s.
 template <MemorySpace S>
@@ -237,7 +248,7 @@ template <>
 class OffloadStaging<MemorySpace::host> {
  public:
   template <class ViewOf, class Step>
-  void run(int segments, ViewOf&& view_of, Step&& step) {
+  void run(int segments, ViewOf&& view_of, Step&& step, bool /*param_host*/ = false) {
     for (int s = 0; s < segments; ++s) step(s, view_of(s));
   }
 };

@@ -6,7 +6,9 @@
 //
 // Parameters on NVMe (offload_param: nvme): a module's pieces are read from the swap file before
 // its gathers; the read of the module after the prefetched one starts with the prefetch, so it
-// runs while the module before it computes (aio transfers move without the caller).
+// runs while the module before it computes (aio transfers move without the caller). On a device
+// backend, pieces in host memory (read, or offloaded: offload_param: cpu) are copied up on the
+// compute stream into their place in the gather's buffer, which is then gathered in place.
 //
 // Budget: at most max_live_params elements of non-persistent modules are gathered at once
 // (default twice the largest module, so one module can run while the next is prefetched). A
@@ -224,19 +226,29 @@ class ParamCoordinator {
       if (!st.read) start_read(m);
       staged = sw->finish(*st.read);
     }
+    // A device gathers from device memory: pieces in host memory (offloaded or read) are copied
+    // up into their place in the buffer, and gathered there.
+    const bool upload =
+        S != MemorySpace::host && (part_->param_swap() || part_->on_host(Field::param));
     const std::size_t ranks = std::size_t(comm_->size()), mine = quant_ ? records_words(m) : 0;
     if (quant_) st.packed = take(packed_spare_, (ranks + 1) * mine, "engine: quantized gathers");
     std::size_t local = 0, gathered = mine;  // qwZ: where the segment's records go
     for (int s = mod.first_segment; s < mod.end_segment; ++s) {
       const auto& g = layout().segment(s);
-      const std::span<const T> piece =
+      std::span<const T> piece =
           part_->param_swap()
               ? staged.subspan(g.shard_offset - layout().segment(mod.first_segment).shard_offset,
                                g.piece)
               : std::span<const T>(part_->template owned<Field::param>(s, Extent::piece).span);
+      const std::span<T> out = st.buffer.span(g.offset - mod.offset, g.size);
+      if (upload) {
+        const std::span<T> place = out.subspan(std::size_t(comm_->rank()) * g.piece, g.piece);
+        Memory<S>::from_host(place, piece);
+        piece = place;
+      }
       if (!quant_) {
-        st.works.push_back(
-            comm_->all_gather_async(piece, st.buffer.span(g.offset - mod.offset, g.size)));
+        st.works.push_back(upload ? comm_->all_gather_async(out)
+                                  : comm_->all_gather_async(piece, out));
         continue;
       }
       const std::size_t words = record_words(g.piece);

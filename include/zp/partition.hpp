@@ -45,8 +45,8 @@ struct MemoryReport {
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather and qwZ buffers kept
   std::size_t secondary = 0;        // stage 3 with hpZ: the secondary shards of the modules
-  std::size_t offloaded =
-      0;  // of master + optimizer_state, the bytes in host memory (ZeRO-Offload)
+  std::size_t offloaded = 0;        // of the model states, the bytes a device backend keeps in host
+      // memory (ZeRO-Offload's master and state, offload_param's params)
   std::size_t nvme =
       0;  // of params + master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
   std::size_t swap_buffers = 0;  // host memory the swaps move them through (swap.hpp; stage 3's
@@ -115,26 +115,31 @@ class Partitioned {
   // reduction of 16-bit gradients, bucket.hpp). offload: the fp32 master weights and optimizer
   // state in host memory whatever S is (ZeRO-Offload: the CPU updates them); nvme: in a swap
   // file there instead (ZeRO-Infinity; the CPU updates them through swap.hpp's buffers);
-  // param_nvme (stage 3, host memory spaces): the 16-bit parameter shard in a swap file too,
-  // in the optimizer swap's sub-groups when both are swapped.
+  // param_nvme (stage 3): the 16-bit parameter shard in a swap file too, in the optimizer
+  // swap's sub-groups when both are swapped; else param_host (stage 3): the shard in host memory
+  // whatever S is (offload_param: cpu; page-locked beside a device, offload_space<S>).
   Partitioned(Layout layout, int rank, int state_slots, bool grads_f32 = false,
               bool offload = false, const NvmeOptions* nvme = nullptr,
-              const NvmeOptions* param_nvme = nullptr)
-      : layout_(std::move(layout)), rank_(rank), slots_(state_slots), offload_(offload || nvme) {
-    ZP_EXPECT(!param_nvme || Stage == 3,
-              "partition: parameters offloaded to NVMe need ZeRO stage "
-              "3 (each rank keeps only its shard of them), got stage ",
+              const NvmeOptions* param_nvme = nullptr, bool param_host = false)
+      : layout_(std::move(layout)),
+        rank_(rank),
+        slots_(state_slots),
+        offload_(offload || nvme),
+        param_host_(param_host && !param_nvme && S != MemorySpace::host) {
+    ZP_EXPECT((!param_nvme && !param_host) || Stage == 3,
+              "partition: parameters offloaded to NVMe or host memory need ZeRO stage 3 (each "
+              "rank keeps only its shard of them), got stage ",
               Stage);
-    ZP_EXPECT(!param_nvme || S == MemorySpace::host,
-              "partition: parameters offloaded to NVMe are not implemented for device memory yet; "
-              "use a host backend (threads, mpi) or keep the parameters on the device");
     ZP_EXPECT(rank >= 0 && rank < layout_.ranks(), "partition: rank ", rank, " not in [0, ",
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ",
               state_slots);
     const std::size_t full = layout_.total(), shard = layout_.shard();
     try {
-      if (!param_nvme)
+      if (param_host_)
+        params_host_ =
+            Buffer<T, offload_space<S>>(shard, "partition: parameters (host, offloaded)");
+      else if (!param_nvme)
         params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
       grads_ = Buffer<T, S>(whole(Field::grad) ? full : shard, "partition: gradients");
       if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
@@ -177,6 +182,7 @@ class Partitioned {
                       " ranks); the largest is '", big->name, "' with ", big->size, " elements"));
     }
     Memory<S>::zero(params_.span());
+    Memory<MemorySpace::host>::zero(params_host_.span());
     Memory<S>::zero(grads_.span());
     Memory<S>::zero(grads32_.span());
     Memory<S>::zero(master_.span());
@@ -189,10 +195,10 @@ class Partitioned {
 
   // Master weights and state are in host memory or on NVMe (whatever S is), stepped by the CPU.
   bool offloaded() const noexcept { return offload_; }
-  // Whether field f lives in host memory whatever S is (offloaded master weights and state;
-  // swapped ones are accessed through host memory).
+  // Whether field f lives in host memory whatever S is (offloaded master weights and state, or
+  // parameters; swapped ones are accessed through host memory).
   bool on_host(Field f) const noexcept {
-    return offload_ && (f == Field::master || f == Field::state);
+    return f == Field::param ? param_host_ : offload_ && (f == Field::master || f == Field::state);
   }
   // The NVMe swap of the master weights and state, or null when they are in memory; of the
   // parameter shard (stage 3), or null.
@@ -231,7 +237,7 @@ class Partitioned {
   template <Field F>
   std::span<elem<F>> buffer(int k = 0) const {
     if constexpr (F == Field::param)
-      return params_.span();
+      return param_host_ ? params_host_.span() : params_.span();
     else if constexpr (F == Field::grad)
       return grads_.span();
     else if constexpr (F == Field::grad_f32)
@@ -348,7 +354,8 @@ class Partitioned {
   // Model-state bytes by category (buckets and gathered parameters are the engine's).
   MemoryReport memory() const {
     MemoryReport r;
-    r.params = params_.bytes();
+    r.params = params_.bytes() + params_host_.bytes();
+    r.offloaded = params_host_.bytes();
     r.grads = grads_.bytes() + grads32_.bytes();
     r.master = master_elements() * sizeof(float);
     r.optimizer_state = std::size_t(slots_) * r.master;
@@ -361,7 +368,7 @@ class Partitioned {
       r.nvme += r.master + r.optimizer_state;
       r.swap_buffers += swap_->host_bytes();
     } else if (offload_) {
-      r.offloaded = r.master + r.optimizer_state;
+      r.offloaded += r.master + r.optimizer_state;
     }
     return r;
   }
@@ -398,6 +405,8 @@ class Partitioned {
   Buffer<T, S> params_, grads_;
   Buffer<float, S> grads32_;
   bool offload_;
+  bool param_host_;
+  Buffer<T, offload_space<S>> params_host_;  // offloaded parameters (params_ empty then)
   Buffer<float, S> master_;
   std::array<Buffer<float, S>, 2> state_;
   // Offloaded (host) master and state; the S ones above stay empty then.

@@ -125,10 +125,13 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
   const auto step = [&](const auto& v) {
     ShardStep<MemorySpace::host>::update(opt, scalars, std::span(&v, 1), o, gate);
   };
+  // The new T values go where the view's param is: to the device, or, offloaded or swapped,
+  // straight into host memory.
+  const bool param_host = part.on_host(Field::param) || part.param_swap();
   if (!swapped)
     return offload.run(
         segments, [&](int s) { return part.template update_view<F32>(s); },
-        [&](int, const auto& v) { step(v); });
+        [&](int, const auto& v) { step(v); }, param_host);
   // On NVMe: the pieces of each sub-group between the swaps' enter and leave (the optimizer
   // state's swap, the parameters', or both: they have the same sub-groups).
   const auto each = [&](auto&& f) {
@@ -148,7 +151,8 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
           step(v);
           if (j + 1 == n || pieces[std::size_t(j) + 1].sub_group != c)
             each([&](auto& sw) { sw.leave(c); });
-        });
+        },
+        param_host);
     each([](auto& sw) { sw.end_step(); });
   } catch (...) {
     each([](auto& sw) { sw.abandon(); });

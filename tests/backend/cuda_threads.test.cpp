@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "../device_or_skip.hpp"
+#include "../expect_error.hpp"
 #include "../random.hpp"
 #include "zp/backend/cuda_threads.hpp"
+#include "zp/device/memory.hpp"
 
 using zp::Collective;
 using zp::CollOp;
@@ -169,3 +171,25 @@ TEST_CASE(
     zp::device::delay_streams(role, {});
   }
 }
+
+#if defined(ZP_DEVICE_SIM)
+// The simulated device refuses a collective on host memory, as nccl does: cuda_threads' kernels
+// reach page-locked memory, so without this a gather that skipped its upload (offloaded
+// parameters) would pass here and fail on nccl.
+TEST_CASE("on the simulated device a cuda_threads collective on host memory is an error") {
+  zp::backend::run_cuda_threads(2, [&](Collective<CudaThreads>& comm) {
+    zp::Buffer<float, zp::MemorySpace::device> out(4);
+    const zp::Buffer<float, zp::MemorySpace::pinned> pinned(2);
+    const std::vector<float> pageable(2);
+    for (const float* in : {static_cast<const float*>(pinned.data()), pageable.data()})
+      zp::test::expect_invalid([&] { comm.all_gather(std::span<const float>(in, 2), out.span()); },
+                               {"cuda_threads: a collective's input is in host memory"});
+    zp::test::expect_invalid(
+        [&] {
+          comm.all_gather(std::span<const float>(out.span(0, 2)),
+                          std::span<float>(pinned.data(), 2 * 2));
+        },
+        {"cuda_threads: a collective's output is in host memory"});
+  });
+}
+#endif

@@ -2,7 +2,8 @@
 // besides the engine's (tests/engine_device.test.cpp): Memory::to_host into page-locked memory (an
 // asynchronous copy) returns with the values there; ZeRO-Offload's staging uploads every
 // segment's new values and, when it grows or is destroyed, waits for uploads still in flight
-// from its page-locked buffers. Each case delays the stream so that a missing wait shows as
+// from its page-locked buffers; freeing a page-locked Buffer waits for the stream that uses it.
+// Each case delays the stream so that a missing wait shows as
 // wrong values, a crash, or an ASan/TSan report (tests/device/mutations.cmake).
 #include <doctest/doctest.h>
 
@@ -101,4 +102,18 @@ TEST_CASE(
     small.run(staging);  // the last upload is in flight when the staging is destroyed
   }
   small.check();
+}
+
+TEST_CASE("freeing a pinned buffer waits for the stream's copies into it") {
+  dev::Stream s;
+  dev::StreamScope on(s.get());
+  const std::size_t n = 1 << 16;  // mapped on its own: a copy into it once freed faults
+  zp::Buffer<float, zp::MemorySpace::device> d(n);
+  Dev::zero(d.span());
+  {
+    zp::Buffer<float, zp::MemorySpace::pinned> p(n);
+    dev::delay(s.get(), 50ms);
+    dev::copy(p.data(), d.data(), n * sizeof(float), s.get());  // in flight at the free
+  }
+  CHECK(dev::stream_done(s.get()));
 }

@@ -16,6 +16,7 @@ set(ZP_MUTATIONS
   "offload.up.record|device.memory|offload*|1"                              # grow and free wait for no upload: wrong values copied from freed memory
   "offload.grow.sync|device.memory|offload*|1"                              # buffers freed under an upload: wrong values
   "offload.free.sync|device.memory|offload*|1"                              # the same at destruction
+  "pinned.free.sync|device.memory|*pinned*|1"                               # a copy into freed page-locked memory: the stream still runs, or a crash
   "cuda_threads.ready.record|backend.cuda_threads|*delayed*|1"              # peers read inputs not yet written
   "cuda_threads.ready.wait|backend.cuda_threads|*delayed*|1"                # the same
   "cuda_threads.done.record|backend.cuda_threads|*delayed*|1"               # outputs read before peers wrote them

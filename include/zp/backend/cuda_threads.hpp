@@ -340,6 +340,8 @@ class CudaThreads {
   // Steps 1-3 of the file comment: rank 0 enqueues every rank's part, `enqueue(calls, stream)`.
   template <class Enqueue>
   Work collective(threads_detail::Call c, Enqueue&& enqueue) {
+    zp::device::expect_device_memory(c.src, "cuda_threads: a collective's input");
+    zp::device::expect_device_memory(c.dst, "cuda_threads: a collective's output");
     const stream_t s = zp::device::current_stream(), cs = stream();
     zp::device::record(shared_->ready.get(), s, "cuda_threads.ready.record");
     c.ext = &shared_;

@@ -64,6 +64,23 @@ struct Allocator<MemorySpace::device> {
   }
 };
 
+// Page-locked host memory (offload_space<device>, memory.hpp). A free does not wait for the
+// device, so it first waits for the current stream, the one whose copies and kernels use the
+// memory (an offloaded parameter shard: its uploads and its step).
+template <>
+struct Allocator<MemorySpace::pinned> {
+  static void* allocate(std::size_t bytes) { return device::allocate_pinned(bytes); }
+  static void deallocate(void* p) noexcept {
+    if (!p) return;
+    try {
+      device::synchronize(device::current_stream(), "pinned.free.sync");
+    } catch (const Error& e) {  // a failed device: nothing runs any more
+      zp::detail::log_dropped("freeing pinned memory", e.what());
+    }
+    device::deallocate_pinned(p);
+  }
+};
+
 template <>
 struct Memory<MemorySpace::device> {
   template <class T>
@@ -159,14 +176,17 @@ class OffloadStaging<MemorySpace::device> {
     }
   }
 
+  // param_host: the views' T values are in host memory (offloaded parameters): the CPU step
+  // writes them there. The stream's earlier copies of them (a gather's upload) ran before the
+  // gradient copy that step waits for.
   template <class ViewOf, class Step>
-  void run(int segments, ViewOf&& view_of, Step&& step) {
+  void run(int segments, ViewOf&& view_of, Step&& step, bool param_host = false) {
     using V = std::decay_t<decltype(view_of(0))>;
     using G = std::remove_const_t<typename decltype(V::grad)::element_type>;
     using T = typename decltype(V::param)::element_type;
     std::size_t most = 0;
     for (int s = 0; s < segments; ++s) most = std::max(most, view_of(s).grad.size());
-    reserve(most * sizeof(G), most * sizeof(T));
+    reserve(most * sizeof(G), param_host ? 0 : most * sizeof(T));
     const device::stream_t st = device::current_stream();
     auto fetch = [&](int s) {
       const auto v = view_of(s);
@@ -180,8 +200,12 @@ class OffloadStaging<MemorySpace::device> {
       device::synchronize(down_[k].get(),
                           "offload.down.sync");  // and segment s - 2's upload left param_[k]
       V v = view_of(s);
-      const std::span<T> device_param = v.param;
       v.grad = std::span<const G>(static_cast<const G*>(grad_[k]), v.grad.size());
+      if (param_host) {
+        step(s, v);
+        continue;
+      }
+      const std::span<T> device_param = v.param;
       v.param = std::span<T>(static_cast<T*>(param_[k]), device_param.size());
       step(s, v);
       device::copy(device_param.data(), param_[k], device_param.size_bytes(), st);

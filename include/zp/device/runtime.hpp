@@ -25,6 +25,8 @@
 //   sum(s, n, f, acc)                         *acc += the sum of f(i) (double), acc device memory
 //   Batch<F>, batched(xs, make, run)          many functors' items as one launch or sum (below)
 //   delay(s, us)                              test mode: s idles `us` before its next work
+//   expect_device_memory(p, what)             the simulator: an error unless p is device memory
+//                                             (a collective's buffers); CUDA: no check
 //   set_device(d), device_count(), memory_in_use()
 //   check the `site` names (the mutation table, tests/device/mutations.cmake): a simulated
 //   device can be told to drop one site's ordering, to prove a test catches its absence.

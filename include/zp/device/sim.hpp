@@ -599,6 +599,14 @@ inline void zero(void* p, std::size_t bytes, stream_t s) {
   sim_detail::Device::get().classify(p, bytes, "zero");
   sim_detail::at(s).enqueue([p, bytes] { std::memset(p, 0, bytes); }, "zero", true);
 }
+inline void expect_device_memory(const void* p, const char* what) {
+  using K = sim_detail::Device::Kind;
+  if (p && sim_detail::Device::get().classify(p, 1, what) != K::device)
+    throw Error(Errc::invalid_argument,
+                detail::cat("simulated device: ", what,
+                            " is in host memory; a device collective's buffers must be in device "
+                            "memory (nccl refuses host memory)"));
+}
 inline void delay(stream_t s, std::chrono::microseconds us) {
   sim_detail::at(s).enqueue([us] { std::this_thread::sleep_for(us); }, "delay", false);
 }
