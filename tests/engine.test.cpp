@@ -298,6 +298,16 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
       },
       {"parameters offloaded to NVMe or host memory need ZeRO stage 3", "got stage 2"});
 #endif
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(1, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          EngineConfig cfg = test_config(2, 1);
+          cfg.offload_param = true;
+          zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+        });
+      },
+      {"parameters offloaded to NVMe or host memory need ZeRO stage 3", "got stage 2"});
 }
 
 // A single rank on the same global batch sums each gradient over the whole batch in one pass,

@@ -109,10 +109,6 @@ class Engine {
         buckets_(comm, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
-    ZP_EXPECT(!config_.offload_param || Stage == 3,
-              "engine: offloading the parameters needs ZeRO stage 3 (below it every rank keeps "
-              "all of them), got stage ",
-              Stage);
     ZP_EXPECT(config_.hpz_partition_size == 1 || Stage == 3,
               "engine: a secondary partition (zero_hpz_partition_size ", config_.hpz_partition_size,
               ") needs ZeRO stage 3 (below it no parameters are gathered), got stage ", Stage);

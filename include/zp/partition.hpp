@@ -45,8 +45,9 @@ struct MemoryReport {
   std::size_t persistent = 0;       // stage 3: gathered modules kept across uses (<= threshold)
   std::size_t gather_cache = 0;     // stage 3: released gather and qwZ buffers kept
   std::size_t secondary = 0;        // stage 3 with hpZ: the secondary shards of the modules
-  std::size_t offloaded = 0;        // of the model states, the bytes a device backend keeps in host
-      // memory (ZeRO-Offload's master and state, offload_param's params)
+  // Of the model states, the bytes offloaded to host memory: ZeRO-Offload's master and state;
+  // on a device backend, offload_param's parameters too.
+  std::size_t offloaded = 0;
   std::size_t nvme =
       0;  // of params + master + optimizer_state, the bytes in swap files (ZeRO-Infinity)
   std::size_t swap_buffers = 0;  // host memory the swaps move them through (swap.hpp; stage 3's
