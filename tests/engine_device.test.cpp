@@ -293,6 +293,10 @@ void check_ranks(std::uint64_t seed) {
       });
       CHECK(quantized.params != cpu.params);  // the quantization shows
       expect_equal(on_gpu<T, Stage>(n, seed, 0, all), quantized);
+      if (Stage == 3 && n == 2) {  // the quantized gathers of offloaded (copied up) pieces
+        CAPTURE("zero++, parameters offloaded");
+        expect_equal(on_gpu<T, Stage>(n, seed, params_offloaded, all), quantized);
+      }
       if (n == 2)
         for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
           CAPTURE(int(role));
