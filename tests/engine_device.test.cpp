@@ -234,12 +234,14 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
   return out;
 }
 
-void expect_equal(const Out& gpu, const Out& cpu) {
+// offloaded: the step may wait for the device more than once (the CPU step waits for each
+// piece's gradient), the micro-steps still never.
+void expect_equal(const Out& gpu, const Out& cpu, bool offloaded = false) {
   REQUIRE(gpu.master.size() == cpu.master.size());
   CHECK(std::memcmp(gpu.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
   CHECK(gpu.params == cpu.params);
   CHECK(gpu.syncs_in_micro_steps == 0);
-  CHECK(gpu.syncs_per_step_max == 1);
+  if (!offloaded) CHECK(gpu.syncs_per_step_max == 1);
 }
 
 // Runs fn with every stream of role r idle for `late` before each enqueue there.
@@ -321,11 +323,7 @@ void check_ranks(std::uint64_t seed) {
       if (offload == 2 && Stage % 2 == 0) continue;
       if ((offload & params_offloaded) && Stage != 3) continue;
       CAPTURE(offload);
-      const Out off = on_gpu<T, Stage>(n, seed, offload);
-      CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
-            0);
-      CHECK(off.params == cpu.params);
-      CHECK(off.syncs_in_micro_steps == 0);
+      expect_equal(on_gpu<T, Stage>(n, seed, offload), cpu, true);
     }
   }
 }
@@ -397,11 +395,7 @@ void check_stage(std::uint64_t seed) {
   for (int offload : {1, 4, 5}) {
     if ((offload & params_offloaded) && Stage != 3) continue;
     CAPTURE(offload);
-    const Out off = on_nccl<T, Stage>(comm, seed, offload);
-    CHECK(std::memcmp(off.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) ==
-          0);
-    CHECK(off.params == cpu.params);
-    CHECK(off.syncs_in_micro_steps == 0);
+    expect_equal(on_nccl<T, Stage>(comm, seed, offload), cpu, true);
   }
   check_ranks<T, Stage>(seed);
 }
