@@ -21,7 +21,8 @@
 // zero_offload_param_gpu/stage:3/ranks:2/optimizer:O  the same step with the parameter shard in
 //   page-locked host memory (offload_param: cpu; copied up for each gather, written by the
 //   device's AdamW kernel through the mapping, or with O = 1 by the CPU step of ZeRO-Offload);
-//   vs_gpu_step as above, device_bytes_per_rank 2 Psi/N bytes under the device step's.
+//   vs_gpu_step as above; device_bytes_per_rank should come out 2 Psi/N bytes (the bf16 shard)
+//   under the device step's (not yet run).
 // Times: rank 0's host clock around a step, between barriers, after its compute stream drained
 // (manual time); each configuration first checks that the step applies and that its memory and
 // bus bytes follow the ZeRO formulas.
@@ -238,12 +239,13 @@ void zero_step_gpu(benchmark::State& state) {
   state.counters["device_bytes_per_rank"] = m.device_bytes;
 }
 
+// The step offloaded as `optimizer` and `params` say, against the device step in the same run.
 template <int Stage>
-void zero_offload_gpu(benchmark::State& state) {
+void offloaded_step(benchmark::State& state, bool optimizer, bool params) {
   const int ranks = int(state.range(0));
   Measured gpu, off;
   if (!guarded(state, [&] {
-        gpu = measure<Stage>(ranks, 5, false), off = measure<Stage>(ranks, 5, true);
+        gpu = measure<Stage>(ranks, 5, false), off = measure<Stage>(ranks, 5, optimizer, params);
       }))
     return;
   if (!off.error.empty()) return state.SkipWithError(off.error.c_str());
@@ -252,18 +254,13 @@ void zero_offload_gpu(benchmark::State& state) {
   state.counters["device_bytes_per_rank"] = off.device_bytes;
 }
 
+template <int Stage>
+void zero_offload_gpu(benchmark::State& state) {
+  offloaded_step<Stage>(state, true, false);
+}
+
 void zero_offload_param_gpu(benchmark::State& state) {
-  const int ranks = int(state.range(0));
-  const bool optimizer = state.range(1) != 0;
-  Measured gpu, off;
-  if (!guarded(state, [&] {
-        gpu = measure<3>(ranks, 5, false), off = measure<3>(ranks, 5, optimizer, true);
-      }))
-    return;
-  if (!off.error.empty()) return state.SkipWithError(off.error.c_str());
-  for (auto _ : state) state.SetIterationTime(off.seconds);
-  state.counters["vs_gpu_step"] = off.seconds / gpu.seconds;
-  state.counters["device_bytes_per_rank"] = off.device_bytes;
+  offloaded_step<3>(state, state.range(1) != 0, true);
 }
 
 const bool registered = [] {
