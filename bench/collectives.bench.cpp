@@ -9,7 +9,9 @@
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
 //   on), mpi_unchecked (check_calls = false), mpi_plain_stores (all_gather only: the node path's
 //   outputs written with plain stores at every size, MpiOptions::node_stream_bytes's baseline),
-//   mpi_raw (the bare MPI call: the baseline),
+//   mpi_staged (all_reduce, reduce_scatter, all_gather: the node path copying every byte
+//   through its segment, MpiOptions::node_direct_bytes = 0, the baseline of reading the peers'
+//   buffers in place), mpi_raw (the bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
@@ -53,6 +55,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -63,6 +66,7 @@
 
 #if ZP_BENCH_MPI
 #include <zp/backend/mpi.hpp>
+#include <zp/memory.hpp>
 #endif
 #if ZP_BENCH_NCCL
 #include <cuda_runtime_api.h>
@@ -92,7 +96,7 @@ inline float value(int rank, std::size_t i) {
 constexpr float poison = -1000.0f;
 
 // Fills this rank's buffer of `elems` floats for an in-place `op` over N ranks.
-void fill(std::vector<float>& buf, CollOp op, int rank, int N) {
+void fill(std::span<float> buf, CollOp op, int rank, int N) {
   const std::size_t n = buf.size() / std::size_t(N);
   for (std::size_t i = 0; i < buf.size(); ++i) {
     switch (op) {
@@ -106,7 +110,7 @@ void fill(std::vector<float>& buf, CollOp op, int rank, int N) {
 // Elements of this rank's result (all_to_all's: its output) that differ from the exact one.
 // shard_at_start: the raw MPI_Reduce_scatter_block in place leaves the shard at the start of the
 // buffer.
-std::uint64_t wrong(const std::vector<float>& buf, CollOp op, int rank, int N,
+std::uint64_t wrong(std::span<const float> buf, CollOp op, int rank, int N,
                     bool shard_at_start = false) {
   const std::size_t n = buf.size() / std::size_t(N);
   auto sum = [&](std::size_t i) {
@@ -169,8 +173,7 @@ void run_op(zp::Collective<B>& comm, CollOp op, std::span<float> buf, std::span<
 std::vector<float> output_of(CollOp op, std::size_t elems) {
   return std::vector<float>(op == CollOp::all_to_all ? elems : 0, poison);
 }
-const std::vector<float>& result(CollOp op, const std::vector<float>& buf,
-                                 const std::vector<float>& out) {
+std::span<const float> result(CollOp op, std::span<const float> buf, std::span<const float> out) {
   return op == CollOp::all_to_all ? out : buf;
 }
 
@@ -202,7 +205,7 @@ struct Counts {
 
 // Elements of rank r's all_to_all_v output that differ from the exact one: the block from rank q
 // is q's input (value(q, i)) from where q's block for r starts.
-std::uint64_t wrong_v(const std::vector<float>& out, Split v, int r, int N, std::size_t n) {
+std::uint64_t wrong_v(std::span<const float> out, Split v, int r, int N, std::size_t n) {
   std::uint64_t w = 0;
   std::size_t at = 0;
   for (int q = 0; q < N; ++q) {
@@ -221,8 +224,8 @@ void run_row(zp::Collective<B>& comm, CollOp op, const Counts& c, std::span<floa
   comm.all_to_all_v(std::span<const float>(buf), std::span<const std::size_t>(c.send), out,
                     std::span<const std::size_t>(c.recv));
 }
-std::uint64_t wrong_row(CollOp op, const Counts& c, const std::vector<float>& buf,
-                        const std::vector<float>& out, int r, int N, bool shard_at_start = false) {
+std::uint64_t wrong_row(CollOp op, const Counts& c, std::span<const float> buf,
+                        std::span<const float> out, int r, int N, bool shard_at_start = false) {
   return c.split == Split::none ? wrong(result(op, buf, out), op, r, N, shard_at_start)
                                 : wrong_v(out, c.split, r, N, c.n);
 }
@@ -456,12 +459,17 @@ void set_limit_fraction(benchmark::State& state, CollOp op, int N, std::size_t b
   state.counters["limit_fraction"] = busbw / limit;
 }
 
+// zp's buffers for the mpi rows: from zp's host allocator, as an engine's are, so the node path
+// reads the peers' in place (MpiOptions::node_direct_bytes; the mpi_staged rows turn it off).
+using Floats = std::vector<float, zp::HostAllocator<float>>;
+
 // split: an all_to_all_v row (op all_to_all).
 void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes,
                const zp::backend::Mpi::Options& opt, Split split = Split::none) {
   zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
   const int N = comm.size(), r = comm.rank();
-  std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
+  Floats buf(bytes / sizeof(float));
+  auto out = output_of(op, buf.size());
   const Counts counts(split, r, N, buf.size());
   auto once = [&] { run_row(comm, op, counts, std::span<float>(buf), std::span<float>(out)); };
   fill(buf, op, r, N);
@@ -578,7 +586,8 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
   MPI_Comm raw;
   MPI_Comm_dup(MPI_COMM_WORLD, &raw);
   const int N = comm.size(), r = comm.rank();
-  std::vector<float> buf(bytes / sizeof(float)), out = output_of(op, buf.size());
+  Floats buf(bytes / sizeof(float));
+  auto out = output_of(op, buf.size());
   fill(buf, op, r, N);
   run_op(comm, op, std::span<float>(buf), std::span<float>(out));
   const auto bad = mpi_total(wrong(result(op, buf, out), op, r, N), raw);
@@ -635,9 +644,10 @@ void register_mpi(int N) {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   };
-  zp::backend::Mpi::Options checked, unchecked, plain_stores;
+  zp::backend::Mpi::Options checked, unchecked, plain_stores, staged;
   unchecked.check_calls = false;
   plain_stores.node_stream_bytes = SIZE_MAX;  // the node path before streaming stores
+  staged.node_direct_bytes = 0;               // the node path before reading peers in place
   for (CollOp op : ops)
     for (std::size_t bytes : sizes) {
       const auto row = [&](const char* backend) { return bench_name(backend, op, N, bytes); };
@@ -648,6 +658,9 @@ void register_mpi(int N) {
       if (op == CollOp::all_gather)  // the only operation that streams its output
         reg(row("mpi_plain_stores"), bytes,
             [=](benchmark::State& s) { bench_mpi(s, op, bytes, plain_stores); });
+      if (op == CollOp::all_reduce || op == CollOp::reduce_scatter || op == CollOp::all_gather)
+        reg(row("mpi_staged"), bytes,
+            [=](benchmark::State& s) { bench_mpi(s, op, bytes, staged); });
       benchmark::RegisterBenchmark(row("mpi_paired").c_str(),
                                    [=](benchmark::State& s) { bench_mpi_paired(s, op, bytes); })
           ->Iterations(iterations(bytes))

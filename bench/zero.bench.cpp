@@ -77,7 +77,8 @@ struct Synthetic : zp::bench::SyntheticParams<modules> {
 struct Measured {
   std::vector<double> seconds;
   double psi = 0, state_bytes = 0, bus_bytes = 0, bucket_bytes = 0, gathered_bytes = 0;
-  double untracked = 0;  // the share of step time no StepTimes phase accounts for
+  double untracked = 0;     // the share of step time no StepTimes phase accounts for
+  double direct_calls = 0;  // mpi: node-path collectives per step that read peers in place
   std::string error;
 };
 
@@ -93,7 +94,14 @@ Measured measure(Collective<B>& comm, int iterations) {
   const auto mem = engine.memory();
   const std::string err = zp::bench::check_first_step(engine, first, comm.size());
   const double bus = engine.last_step_comm().total().bus_bytes;
+  const auto direct = [&] {
+    if constexpr (requires { comm.backend().node_direct_calls(); })
+      return double(comm.backend().node_direct_calls());
+    return 0.0;
+  };
+  const double direct0 = direct();
   const auto timed = zp::bench::timed_steps(engine, model, comm, iterations);
+  out.direct_calls = (direct() - direct0) / (iterations + 1);  // (timed_steps' warm-up step too)
   if (comm.rank() == 0) {
     out.seconds = timed.seconds;
     out.untracked = timed.untracked;
@@ -142,17 +150,25 @@ void zero_step(benchmark::State& state) {
 }
 
 #if ZP_BENCH_MPI
-// zero_step_mpi/stage:S/ranks:N (under mpirun -n N): the same step with one process per rank,
-// then, in the same run, the step with every collective one MPI call (shared_memory off:
-// one_call_ms, vs_one_call = this step's mean time over that one's) and the threads step with as
-// many ranks on rank 0 while the other processes sleep (threads_ms, vs_threads).
+// zero_step_mpi/stage:S/ranks:N (under mpirun -n N): the same step with one process per rank
+// (direct_calls_per_step: its node-path collectives that read the peers' buffers in place),
+// then, in the same run, the step with the node path staging every byte through its segment
+// (node_direct_bytes = 0: staged_ms, vs_staged = this step's mean time over that one's), with
+// every collective one MPI call (shared_memory off: one_call_ms, vs_one_call) and the threads
+// step with as many ranks on rank 0 while the other processes sleep (threads_ms, vs_threads).
 template <int Stage>
 void zero_step_mpi(benchmark::State& state) {
   const int iterations = int(state.max_iterations);
-  Measured m, one_call;
+  Measured m, staged, one_call;
   {
     Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD)};
     m = measure<Stage>(comm, iterations);
+  }
+  {
+    zp::backend::Mpi::Options opt;
+    opt.node_direct_bytes = 0;
+    Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
+    staged = measure<Stage>(comm, iterations);
   }
   zp::backend::Mpi::Options plain;
   plain.shared_memory = false;
@@ -174,6 +190,9 @@ void zero_step_mpi(benchmark::State& state) {
   report(state, m);
   state.counters["threads_ms"] = mean(t.seconds) * 1e3;
   state.counters["vs_threads"] = mean(m.seconds) / mean(t.seconds);
+  state.counters["direct_calls_per_step"] = m.direct_calls;
+  state.counters["staged_ms"] = mean(staged.seconds) * 1e3;
+  state.counters["vs_staged"] = mean(m.seconds) / mean(staged.seconds);
   state.counters["one_call_ms"] = mean(one_call.seconds) * 1e3;
   state.counters["vs_one_call"] = mean(m.seconds) / mean(one_call.seconds);
 }

@@ -355,6 +355,31 @@ TEST_CASE("on mpi a checkpoint resumes exactly at every stage and loads at anoth
 }
 #endif
 
+// Last in the file: from here on every host allocation of the process is a NodeHeap one.
+TEST_CASE_TEMPLATE(
+    "on mpi an engine whose buffers the node's peers read in place trains bitwise "
+    "as through the staging segment",
+    T, float, zp::bf16) {
+  Collective<Mpi> staged{
+      Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60), .node_direct_bytes = 0})};
+  Collective<Mpi> direct{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60),
+                                              .node_direct_bytes = 1})};  // every buffer
+  const bool segment = direct.backend().node_layout().per_node > 1;
+  const auto check = [&](auto stage) {
+    constexpr int S = decltype(stage)::value;
+    CAPTURE(S);
+    const std::uint64_t before = direct.backend().node_direct_calls();
+    const auto a = train<T, S>(direct, close_steps, 2, 3, nullptr, true);
+    CHECK((direct.backend().node_direct_calls() > before) == segment);
+    CHECK(a == train<T, S>(staged, close_steps, 2, 3, nullptr, true));
+    CHECK(staged.backend().node_direct_calls() == 0);
+  };
+  check(std::integral_constant<int, 0>{});
+  check(std::integral_constant<int, 1>{});
+  check(std::integral_constant<int, 2>{});
+  check(std::integral_constant<int, 3>{});
+}
+
 int main(int argc, char** argv) {
   zp::backend::MpiEnvironment env(&argc, &argv);
   std::uint64_t seed = zp::test::mlp_seed();  // every process trains on rank 0's data

@@ -23,6 +23,7 @@
 
 #include "zp/collective.hpp"
 #include "zp/config.hpp"
+#include "zp/detail/host_arena.hpp"
 #include "zp/error.hpp"
 
 namespace zp {
@@ -37,16 +38,42 @@ template <MemorySpace S>
 inline constexpr MemorySpace offload_space =
     S == MemorySpace::host ? MemorySpace::host : MemorySpace::pinned;
 
-// Host memory, 64-byte aligned (a cache line; also the widest SIMD load).
+// Host memory, 64-byte aligned (a cache line; also the widest SIMD load), from the installed
+// HostArena where it takes the request.
 template <>
 struct Allocator<MemorySpace::host> {
   static constexpr std::size_t alignment = 64;
   static void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
+    if (auto* a = detail::host_arena().load(std::memory_order_acquire))
+      if (void* p = a->allocate(bytes)) return p;
     return ::operator new(bytes, std::align_val_t(alignment));
   }
   static void deallocate(void* p) noexcept {
-    if (p) ::operator delete(p, std::align_val_t(alignment));
+    if (!p) return;
+    if (auto* a = detail::host_arena().load(std::memory_order_acquire))
+      if (a->deallocate(p)) return;
+    ::operator delete(p, std::align_val_t(alignment));
+  }
+};
+
+// Allocator<host> for standard containers: a user's own buffers allocated with it are what
+// zp's buffers are, e.g. readable in place by the mpi backend's node peers
+// (std::vector<float, zp::HostAllocator<float>>).
+template <class T>
+struct HostAllocator {
+  using value_type = T;
+  HostAllocator() = default;
+  template <class U>
+  HostAllocator(const HostAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n > std::size_t(-1) / sizeof(T)) throw std::bad_array_new_length();
+    return static_cast<T*>(Allocator<MemorySpace::host>::allocate(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t) noexcept { Allocator<MemorySpace::host>::deallocate(p); }
+  template <class U>
+  bool operator==(const HostAllocator<U>&) const noexcept {
+    return true;
   }
 };
 

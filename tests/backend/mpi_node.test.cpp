@@ -6,11 +6,13 @@
 // many ranks, in process, and compares its own output bit for bit. Outputs are poisoned first.
 #include "zp/backend/mpi.hpp"
 #include "zp/backend/threads.hpp"
+#include "zp/memory.hpp"
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -81,13 +83,15 @@ std::size_t out_elems(const Case& c, int n) {
   return c.op == CollOp::all_gather ? c.count * std::size_t(n) : c.count;
 }
 
-// Runs c on `comm` over rank r's input; returns the output buffer.
-template <class B>
+// Runs c on `comm` over rank r's input; returns the output buffer. Vec: the buffers' container
+// (with zp::HostAllocator, memory the node's peers can map).
+template <class Vec = std::vector<std::byte>, class B>
 std::vector<std::byte> run(Collective<B>& comm, const Case& c, std::uint64_t seed, Launch l) {
   const int n = comm.size(), r = comm.rank();
   const std::size_t es = zp::size_of(c.t);
-  const auto in = input(c.t, seed, r, in_elems(c, n));
-  std::vector<std::byte> buf(std::max(in.size(), out_elems(c, n) * es), std::byte{0xA5});
+  const auto generated = input(c.t, seed, r, in_elems(c, n));
+  const Vec in(generated.begin(), generated.end());
+  Vec buf(std::max(in.size(), out_elems(c, n) * es), std::byte{0xA5});
   auto& b = comm.backend();
   void* dst = buf.data();
   const void* src = in.data();
@@ -211,6 +215,97 @@ TEST_CASE("async operations queue in issue order and a 256 MiB all_reduce is the
     bad += x[i] != acc;
   }
   CHECK(bad == 0);
+}
+
+using SharedVec = std::vector<std::byte, zp::HostAllocator<std::byte>>;
+
+// This process's mappings of NodeHeap allocations (its own and its peers'), and the kB of
+// memory they hold (/proc/self/smaps).
+struct HeapMaps {
+  int count = 0;
+  long rss_kb = 0;
+};
+HeapMaps heap_maps() {
+  std::ifstream smaps("/proc/self/smaps");
+  HeapMaps h;
+  bool in = false;
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.find(':') != std::string::npos && line.find('-') < line.find(' ') &&
+        std::isxdigit(static_cast<unsigned char>(line[0]))) {  // a mapping's header line
+      in = line.find("/memfd:zp-buffer") != std::string::npos;
+      h.count += in;
+    } else if (in && line.rfind("Rss:", 0) == 0) {
+      h.rss_kb += std::atol(line.c_str() + 4);
+    }
+  }
+  return h;
+}
+
+TEST_CASE("buffers the node's peers can map are read in place, bitwise the threads backend's") {
+  Mpi::Options opt = options();
+  opt.node_direct_bytes = 1;  // every allocation mappable, every call direct
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, opt));
+  const int n = comm.size(), r = comm.rank();
+  const bool segment = comm.backend().node_layout().per_node > 1;
+  const std::uint64_t seed = zp::test::mpi_seed() + 13;
+  std::size_t cases = 0, wrong = 0, direct = 0;
+  for (std::size_t count : {std::size_t(1), std::size_t(61), std::size_t(4099), largest_count}) {
+    for (DType t : {DType::f32, DType::bf16, DType::f64, DType::i32}) {
+      for (CollOp op : {CollOp::all_reduce, CollOp::reduce_scatter, CollOp::all_gather}) {
+        for (ReduceOp rop : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+          if (op == CollOp::all_gather && rop != ReduceOp::sum) continue;
+          for (bool in_place : {false, true}) {
+            const Case c{op, t, rop, count, in_place};
+            const std::uint64_t s = seed + cases;
+            const Launch l = cases % 2 ? Launch::async : Launch::blocking;
+            const std::uint64_t before = comm.backend().node_direct_calls();
+            const auto got = run<SharedVec>(comm, c, s, l);
+            direct += comm.backend().node_direct_calls() - before;
+            ++cases;
+            if (got != threads_output(c, n, r, s) && ++wrong < 5)
+              FAIL_CHECK(zp::detail::cat("rank ", r, ": ", describe(c),
+                                         " differs from the threads backend"));
+          }
+        }
+      }
+    }
+  }
+  CHECK(wrong == 0);
+  CHECK(direct == (segment ? cases : 0));  // (without a second local rank: no segment)
+  // Every buffer of those calls is freed: a peer keeps at most NodeMappings::per_peer mappings
+  // per local rank (these calls made more), and they hold no memory.
+  comm.barrier();
+  const HeapMaps left = heap_maps();
+  CHECK(left.count <= int(zp::backend::mpi_detail::NodeMappings::per_peer) *
+                          comm.backend().node_layout().per_node);
+  CHECK((!segment || left.count > 0));
+  CHECK(left.rss_kb == 0);
+
+  // A rank whose buffer is not mappable sends every rank of its node down the staging path,
+  // same results.
+  const Case c{CollOp::reduce_scatter, DType::bf16, ReduceOp::sum, 4099, false};
+  const std::uint64_t before = comm.backend().node_direct_calls();
+  const auto got = r == n - 1 ? run(comm, c, seed, Launch::blocking)
+                              : run<SharedVec>(comm, c, seed, Launch::blocking);
+  CHECK(got == threads_output(c, n, r, seed));
+  const auto layout = comm.backend().node_layout();
+  if (layout.node == layout.nodes - 1) CHECK(comm.backend().node_direct_calls() == before);
+}
+
+TEST_CASE("node_direct_bytes that differ between ranks are an error on every rank") {
+  Mpi::Options opt = options();
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  opt.node_direct_bytes = r == 0 ? 4096 : 8192;
+  std::string what;
+  try {
+    Mpi m(MPI_COMM_WORLD, opt);
+  } catch (const zp::Error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  CHECK(what.find("node_direct_bytes is") != std::string::npos);
+  CHECK(what.find("from 4096 to 8192") != std::string::npos);
 }
 
 TEST_CASE("sub-groups from split run the node path over their own layout") {

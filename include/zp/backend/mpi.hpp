@@ -106,6 +106,12 @@ struct MpiOptions {
   // (no read for ownership: 2 bytes of memory traffic per byte instead of 3, the output not
   // cached). SIZE_MAX: never.
   std::size_t node_stream_bytes = detail::stream_min_bytes;
+  // Host allocations of at least this many bytes (zp's Buffers, and a user's through
+  // zp::HostAllocator) are made mappable by the node's other processes, and node-path calls of
+  // at least this many bytes whose buffers all are read their peers' buffers in place: one copy
+  // per byte instead of two through the segment (mpi_node.hpp, node_memory.hpp). The same on
+  // every rank; 0: never.
+  std::size_t node_direct_bytes = std::size_t(1) << 20;
 };
 
 namespace mpi_detail {
@@ -391,6 +397,9 @@ class Mpi {
   NodeLayout node_layout() const {
     return ctx_->node ? ctx_->node->layout() : NodeLayout{1, ctx_->size, 0, ctx_->rank};
   }
+  // Node-path operations of this communicator that read the node peers' buffers in place
+  // (Options::node_direct_bytes); the others staged through the segment or ran one MPI call.
+  std::uint64_t node_direct_calls() const { return ctx_->node ? ctx_->node->direct_calls() : 0; }
   const Options& options() const { return ctx_->opt; }
 
   Work all_reduce(const void* src, void* dst, std::size_t n, DType t, ReduceOp op, Launch l) {
@@ -516,7 +525,7 @@ class Mpi {
     if (opt.shared_memory) {
       c->node = std::make_unique<mpi_detail::NodeComm>(
           comm, mpi_detail::requested_ranks_per_node(opt.ranks_per_node), opt.node_chunk_bytes,
-          opt.node_stream_bytes);
+          opt.node_stream_bytes, opt.node_direct_bytes);
       int level = MPI_THREAD_SINGLE;
       MPI_Query_thread(&level);
       c->node_async = level == MPI_THREAD_MULTIPLE;

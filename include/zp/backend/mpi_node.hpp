@@ -22,6 +22,14 @@
 // 16-bit bytes. all_gather writes outputs of MpiOptions::node_stream_bytes or more with
 // streaming stores (zp/detail/copy.hpp).
 //
+// Reading peers in place (MpiOptions::node_direct_bytes): where every local rank's buffers of a
+// call are NodeHeap allocations (node_memory.hpp: zp's Buffers are, from that size up), the
+// ranks publish where they lie, map each other's, and skip the staging: reduce_scatter reduces
+// its column straight from the peers' inputs, all_gather copies the peers' blocks from their
+// outputs, all_reduce does both round by round (a barrier a round, so a peer's result is read
+// while it is still in cache). Each byte is then copied once, not twice. Two barriers decide
+// it (every rank's buffers mappable, every rank's mappings made), so a node takes one path.
+//
 // Across nodes: rank (node k, local index l) continues the rank-order reduction of its slice:
 // it receives from node k-1's rank l the accumulator of ranks 0 .. kL-1 (in the accumulation
 // type, fp32 for 16-bit types), adds its node's L inputs in rank order, and sends the
@@ -66,6 +74,7 @@
 #include <vector>
 
 #include "zp/backend/mpi_watchdog.hpp"
+#include "zp/backend/node_memory.hpp"
 #include "zp/collective.hpp"
 #include "zp/detail/copy.hpp"
 #include "zp/detail/reduce.hpp"
@@ -215,6 +224,21 @@ class NodeSegment final : public PeerCheck {
   std::byte* stage(int q) const { return base_ + header_ + std::size_t(q) * 2 * area_; }
   std::byte* result(int q) const { return stage(q) + area_; }
 
+  // The direct path's exchange (NodeComm::go_direct): where this rank's buffers of the call lie
+  // (which 0: input, 1: output), local rank q's, q's mapped here, and whether q mapped every
+  // peer buffer it reads.
+  void publish(const SharedRef& src, const SharedRef& dst) {
+    peer(local_)->ref[0] = src;
+    peer(local_)->ref[1] = dst;
+  }
+  const SharedRef& ref(int q, int which) const { return peer(q)->ref[which]; }
+  std::byte* map(int q, int which) {
+    return mappings_.map(q, peer(q)->pid.load(std::memory_order_relaxed), peer(q)->ref[which],
+                         std::size_t(size_));
+  }
+  void set_mapped(bool ok) { peer(local_)->mapped = ok ? 1 : 0; }
+  bool mapped(int q) const { return peer(q)->mapped != 0; }
+
   // Waits until every local rank has arrived here as often as this one.
   void barrier(const Blocked& info) {
     const std::uint64_t e = ++arrivals_;
@@ -241,6 +265,9 @@ class NodeSegment final : public PeerCheck {
   struct alignas(64) Peer {
     std::atomic<std::uint64_t> arrived{0};
     std::atomic<std::int32_t> pid{0};
+    // Written before a barrier, read after it (the barrier's release and acquire order them).
+    SharedRef ref[2];
+    std::int32_t mapped = 0;
   };
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 
@@ -268,15 +295,18 @@ class NodeSegment final : public PeerCheck {
   int first_rank_ = 0, local_ = 0, size_ = 1;
   std::byte* base_ = nullptr;
   std::uint64_t arrivals_ = 0;
+  NodeMappings mappings_;
 };
 
 // The node-local path of one communicator: its layout, segment and the communicator among the
 // ranks of one local index (across nodes).
 class NodeComm {
  public:
-  // Collective over comm. ranks_per_node: as requested_ranks_per_node returned it.
-  NodeComm(MPI_Comm comm, int ranks_per_node, std::size_t chunk_bytes, std::size_t stream_bytes)
-      : stream_bytes_(stream_bytes) {
+  // Collective over comm. ranks_per_node: as requested_ranks_per_node returned it; the rest:
+  // MpiOptions' node_chunk_bytes, node_stream_bytes and node_direct_bytes.
+  NodeComm(MPI_Comm comm, int ranks_per_node, std::size_t chunk_bytes, std::size_t stream_bytes,
+           std::size_t direct_bytes)
+      : stream_bytes_(stream_bytes), direct_bytes_(direct_bytes) {
     int rank = 0, n = 1, world = 0;
     check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", rank);
     check(MPI_Comm_size(comm, &n), "MPI_Comm_size", rank);
@@ -328,10 +358,25 @@ class NodeComm {
       local = 0;
     }
     layout_ = {n / per_node, per_node, rank / per_node, local};
+    // Every rank must take the direct path for the same calls.
+    std::int64_t direct[2] = {std::int64_t(direct_bytes), -std::int64_t(direct_bytes)};
+    check(MPI_Allreduce(MPI_IN_PLACE, direct, 2, MPI_INT64_T, MPI_MIN, comm),
+          "MPI_Allreduce (node_direct_bytes)", rank);
+    if (direct[0] != -direct[1]) {
+      if (per_node > 1) MPI_Comm_free(&node);
+      throw Error(Errc::invalid_argument,
+                  detail::cat("mpi backend: MpiOptions::node_direct_bytes is ", direct_bytes,
+                              " on rank ", rank, " but ranges from ", direct[0], " to ", -direct[1],
+                              " over the communicator; it must be the same on every "
+                              "rank"));
+    }
     if (per_node > 1) {
       segment_ = std::make_unique<NodeSegment>(node, std::max(chunk_bytes, std::size_t(n) * 64),
                                                rank - local, rank);
       MPI_Comm_free(&node);
+      if (direct_bytes_ > 0) heap_ = &NodeHeap::install(direct_bytes_);
+      peer_in_.resize(std::size_t(per_node));
+      peer_out_.resize(std::size_t(per_node));
     }
     if (layout_.nodes > 1) {
       check(MPI_Comm_split(comm, layout_.local, layout_.node, &cross_), "MPI_Comm_split (cross)",
@@ -348,6 +393,8 @@ class NodeComm {
   NodeComm& operator=(const NodeComm&) = delete;
 
   const NodeLayout& layout() const { return layout_; }
+  // Operations that read the node peers' buffers in place (go_direct).
+  std::uint64_t direct_calls() const { return direct_calls_.load(std::memory_order_relaxed); }
   // The other local ranks' processes, for the watchdog (null without a segment).
   const PeerCheck* peers() const { return segment_.get(); }
 
@@ -381,6 +428,51 @@ class NodeComm {
 
   void barrier(const Blocked& info) {
     if (segment_) segment_->barrier(info);
+  }
+  // The direct path (MpiOptions::node_direct_bytes): each local rank publishes where its input
+  // (in: true) and output (out: true) lie in its process's NodeHeap; where every rank's do, each
+  // maps its peers' (peer_in_, peer_out_; its own are the pointers) and they agree that all
+  // could, and the operation reads the peers' buffers in place, copying each byte once. It
+  // costs two barriers more than staging, so it is taken from node_direct_bytes up; the test is
+  // the same on every rank (count and type agree, and the threshold: the constructor). false:
+  // the staging path, on every rank.
+  bool go_direct(const void* src, std::size_t src_bytes, bool in, void* dst, std::size_t dst_bytes,
+                 bool out, const Blocked& info) {
+    if (!heap_ || std::max(src_bytes, dst_bytes) < direct_bytes_) return false;
+    const int me = layout_.local;
+    segment_->publish(in ? heap_->find(src, src_bytes) : SharedRef{},
+                      out ? heap_->find(dst, dst_bytes) : SharedRef{});
+    barrier(info);
+    for (int q = 0; q < L(); ++q)
+      if ((in && segment_->ref(q, 0).id == 0) || (out && segment_->ref(q, 1).id == 0)) return false;
+    bool ok = true;
+    for (int q = 0; q < L(); ++q) {
+      const auto i = std::size_t(q);
+      peer_in_[i] = !in       ? nullptr
+                    : q == me ? static_cast<std::byte*>(const_cast<void*>(src))
+                              : segment_->map(q, 0);
+      peer_out_[i] = !out ? nullptr : q == me ? static_cast<std::byte*>(dst) : segment_->map(q, 1);
+      ok = ok && (!in || peer_in_[i]) && (!out || peer_out_[i]);
+    }
+    segment_->set_mapped(ok);
+    barrier(info);
+    for (int q = 0; q < L(); ++q)
+      if (!segment_->mapped(q)) return false;
+    direct_calls_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  // The end of a direct operation: no peer reads this rank's buffers (or staging areas) after.
+  void end_direct(const Blocked& info) {
+    barrier(info);
+    busy_ = -1;
+  }
+  template <class T>
+  const T* peer_in(int q) const {
+    return reinterpret_cast<const T*>(peer_in_[std::size_t(q)]);
+  }
+  template <class T>
+  const T* peer_out(int q) const {
+    return reinterpret_cast<const T*>(peer_out_[std::size_t(q)]);
   }
   // Elements of T per block per round when `blocks` blocks of a round share one area.
   template <class T>
@@ -472,36 +564,47 @@ class NodeComm {
       longest = std::max(longest, cols[std::size_t(q)].second - cols[std::size_t(q)].first);
     }
     auto& in = inputs<T>(std::size_t(l));
-    if (busy_ == 0) barrier(info);  // the stage area a peer may still read
-    busy_ = 1;                      // the last round's results are read after its second barrier
+    // Direct: each round reduces this rank's piece from every local rank's input, and copies
+    // the others' pieces from their outputs while they are still in cache.
+    const bool direct = go_direct(src, count * sizeof(T), true, dst, count * sizeof(T), true, info);
+    if (!direct) {
+      if (busy_ == 0) barrier(info);  // the stage area a peer may still read
+      busy_ = 1;                      // the last round's results are read after its second barrier
+    }
+    const bool publish = segment_ && !direct;  // results go through the segment
     for (std::size_t lo = 0; lo < longest; lo += c) {
       const auto piece = [&](int q) {  // column q's part in this round: {begin, length}
         const auto [b, e] = cols[std::size_t(q)];
         const std::size_t at = std::min(b + lo, e);
         return std::pair{at, std::min(c, e - at)};
       };
-      for (int q = 0; q < l; ++q)
-        if (q != me && piece(q).second)
-          std::memcpy(stage<T>(me) + std::size_t(q) * c, src + piece(q).first,
-                      piece(q).second * sizeof(T));
-      barrier(info);
+      if (!direct) {
+        for (int q = 0; q < l; ++q)
+          if (q != me && piece(q).second)
+            std::memcpy(stage<T>(me) + std::size_t(q) * c, src + piece(q).first,
+                        piece(q).second * sizeof(T));
+        barrier(info);
+      }
       const auto [at, m] = piece(me);
       for (int q = 0; q < l; ++q)
-        in[std::size_t(q)] = q == me ? src + at : stage<T>(q) + std::size_t(me) * c;
-      T* outs[2] = {dst + at, segment_ ? result<T>(me) : nullptr};
+        in[std::size_t(q)] = direct    ? peer_in<T>(q) + at
+                             : q == me ? src + at
+                                       : stage<T>(q) + std::size_t(me) * c;
+      T* outs[2] = {dst + at, publish ? result<T>(me) : nullptr};
       if (m) {
-        chain<T>(in, 1, m, outs, segment_ && N() == 1 ? 2 : 1, op);
+        chain<T>(in, 1, m, outs, publish && N() == 1 ? 2 : 1, op);
         if (N() > 1) {
           check(MPI_Bcast(dst + at, int(m * sizeof(T)), MPI_BYTE, N() - 1, cross_),
                 "MPI_Bcast (across nodes)", rank_);
-          if (segment_) std::memcpy(result<T>(me), dst + at, m * sizeof(T));
+          if (publish) std::memcpy(result<T>(me), dst + at, m * sizeof(T));
         }
       }
       barrier(info);
       for (int q = 0; q < l; ++q)
-        if (q != me && piece(q).second)
-          std::memcpy(dst + piece(q).first, result<T>(q), piece(q).second * sizeof(T));
+        if (const auto [qa, qm] = piece(q); q != me && qm)
+          std::memcpy(dst + qa, direct ? peer_out<T>(q) + qa : result<T>(q), qm * sizeof(T));
     }
+    if (direct) end_direct(info);
   }
 
   template <class T>
@@ -509,15 +612,17 @@ class NodeComm {
                             const Blocked& info) {
     if (count == 0) return;
     const int l = L(), me = layout_.local, nodes = N();
-    const std::size_t c = round_elems<T>(std::size_t(size_));
     const auto block = [&](int b) { return src + std::size_t(b) * count; };
     auto& in = inputs<T>(std::size_t(nodes) * std::size_t(l));
     auto& outs = outputs<T>(std::size_t(nodes));
     auto& sent = sent_;
+    const bool direct =
+        go_direct(src, std::size_t(size_) * count * sizeof(T), true, dst, 0, false, info);
+    const std::size_t c = direct && nodes == 1 ? count : round_elems<T>(std::size_t(size_));
     for (std::size_t lo = 0, a = std::size_t(first_area()); lo < count; lo += c, a ^= 1) {
       const std::size_t m = std::min(c, count - lo);
       // Blocks of the other local ranks' columns (block b is reduced by local rank b % L).
-      if (segment_) {
+      if (segment_ && !direct) {
         for (int b = 0; b < size_; ++b)
           if (b % l != me)
             std::memcpy(area<T>(me, int(a)) + std::size_t(b) * c, block(b) + lo, m * sizeof(T));
@@ -527,8 +632,9 @@ class NodeComm {
       for (int k = 0; k < nodes; ++k) {
         const int b = k * l + me;  // the column: this local index's block on every node
         for (int q = 0; q < l; ++q)
-          in[std::size_t(k * l + q)] =
-              q == me ? block(b) + lo : area<T>(q, int(a)) + std::size_t(b) * c;
+          in[std::size_t(k * l + q)] = direct    ? peer_in<T>(q) + std::size_t(b) * count + lo
+                                       : q == me ? block(b) + lo
+                                                 : area<T>(q, int(a)) + std::size_t(b) * c;
       }
       if (nodes == 1) {
         T* out = dst + lo;
@@ -554,6 +660,7 @@ class NodeComm {
         }
       }
     }
+    if (direct) end_direct(info);
   }
 
   template <class T>
@@ -579,8 +686,16 @@ class NodeComm {
       put(own, src, count * sizeof(T), total);
     }
     if (!segment_) return;
-    const std::size_t c = round_elems<T>(std::size_t(nodes));
     const auto block = [&](int b) { return dst + std::size_t(b) * count; };
+    if (go_direct(src, 0, false, dst, total, true, info)) {  // the peers' blocks from their outputs
+      for (int q = 0; q < l; ++q)
+        for (int k = 0; q != me && k < nodes; ++k) {
+          const std::size_t at = std::size_t(k * l + q) * count;
+          put(dst + at, peer_out<T>(q) + at, count * sizeof(T), total);
+        }
+      return end_direct(info);
+    }
+    const std::size_t c = round_elems<T>(std::size_t(nodes));
     for (std::size_t lo = 0, a = std::size_t(first_area()); lo < count; lo += c, a ^= 1) {
       const std::size_t m = std::min(c, count - lo);
       for (int k = 0; k < nodes; ++k)
@@ -604,7 +719,10 @@ class NodeComm {
   // Per-call tables, kept so that a call allocates nothing (calls run one at a time).
   std::vector<std::pair<std::size_t, std::size_t>> cols_;
   std::vector<MPI_Request> sent_;
-  std::size_t stream_bytes_;
+  std::size_t stream_bytes_, direct_bytes_;
+  NodeHeap* heap_ = nullptr;  // the direct path's (with a segment and node_direct_bytes)
+  std::vector<std::byte*> peer_in_, peer_out_;  // per local rank: go_direct's mappings
+  std::atomic<std::uint64_t> direct_calls_{0};  // (async calls count on the progress thread)
   int busy_ = -1;  // the area of this rank's that peers may still read (-1: none)
 };
 
