@@ -62,6 +62,7 @@ struct Allocator<MemorySpace::host> {
 // (std::vector<float, zp::HostAllocator<float>>).
 template <class T>
 struct HostAllocator {
+  static_assert(alignof(T) <= Allocator<MemorySpace::host>::alignment);
   using value_type = T;
   HostAllocator() = default;
   template <class U>

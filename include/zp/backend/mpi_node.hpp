@@ -232,7 +232,7 @@ class NodeSegment final : public PeerCheck {
     peer(local_)->ref[1] = dst;
   }
   const SharedRef& ref(int q, int which) const { return peer(q)->ref[which]; }
-  std::byte* map(int q, int which) {
+  const std::byte* map(int q, int which) {
     return mappings_.map(q, peer(q)->pid.load(std::memory_order_relaxed), peer(q)->ref[which],
                          std::size_t(size_));
   }
@@ -449,9 +449,11 @@ class NodeComm {
     for (int q = 0; q < L(); ++q) {
       const auto i = std::size_t(q);
       peer_in_[i] = !in       ? nullptr
-                    : q == me ? static_cast<std::byte*>(const_cast<void*>(src))
+                    : q == me ? static_cast<const std::byte*>(src)
                               : segment_->map(q, 0);
-      peer_out_[i] = !out ? nullptr : q == me ? static_cast<std::byte*>(dst) : segment_->map(q, 1);
+      peer_out_[i] = !out      ? nullptr
+                     : q == me ? static_cast<const std::byte*>(dst)
+                               : segment_->map(q, 1);
       ok = ok && (!in || peer_in_[i]) && (!out || peer_out_[i]);
     }
     segment_->set_mapped(ok);
@@ -721,8 +723,8 @@ class NodeComm {
   std::vector<MPI_Request> sent_;
   std::size_t stream_bytes_, direct_bytes_;
   NodeHeap* heap_ = nullptr;  // the direct path's (with a segment and node_direct_bytes)
-  std::vector<std::byte*> peer_in_, peer_out_;  // per local rank: go_direct's mappings
-  std::atomic<std::uint64_t> direct_calls_{0};  // (async calls count on the progress thread)
+  std::vector<const std::byte*> peer_in_, peer_out_;  // per local rank: go_direct's mappings
+  std::atomic<std::uint64_t> direct_calls_{0};        // (async calls count on the progress thread)
   int busy_ = -1;  // the area of this rank's that peers may still read (-1: none)
 };
 

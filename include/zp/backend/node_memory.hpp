@@ -140,28 +140,28 @@ class NodeMappings {
   NodeMappings(const NodeMappings&) = delete;
   NodeMappings& operator=(const NodeMappings&) = delete;
   ~NodeMappings() {
-    for (const Map& m : maps_) munmap(m.base, m.bytes);
+    for (const Map& m : maps_) munmap(const_cast<std::byte*>(m.base), m.bytes);
   }
 
-  // Local rank q's (process `pid`) buffer `r`, mapped here; nullptr where it cannot be (the
+  // Local rank q's (process `pid`) buffer `r`, mapped here read-only; nullptr where it cannot be (the
   // call then takes the staging path on every rank).
-  std::byte* map(int q, std::int32_t pid, const SharedRef& r, std::size_t peers) {
+  const std::byte* map(int q, std::int32_t pid, const SharedRef& r, std::size_t peers) {
     for (Map& m : maps_)
       if (m.q == q && m.pid == pid && m.id == r.id) return m.base + r.offset;
     const std::string path = detail::cat("/proc/", pid, "/fd/", r.fd);
-    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);  // peers' buffers are only read
     if (fd < 0) return nullptr;
     struct stat st {};
     void* p = fstat(fd, &st) == 0 && std::uint64_t(st.st_size) >= r.bytes
-                  ? mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  ? mmap(nullptr, r.bytes, PROT_READ, MAP_SHARED, fd, 0)
                   : MAP_FAILED;
     close(fd);
     if (p == MAP_FAILED) return nullptr;
     if (maps_.size() >= per_peer * peers) {
-      munmap(maps_.front().base, maps_.front().bytes);
+      munmap(const_cast<std::byte*>(maps_.front().base), maps_.front().bytes);
       maps_.erase(maps_.begin());
     }
-    maps_.push_back({q, pid, r.id, static_cast<std::byte*>(p), r.bytes});
+    maps_.push_back({q, pid, r.id, static_cast<const std::byte*>(p), r.bytes});
     return maps_.back().base + r.offset;
   }
 
@@ -170,7 +170,7 @@ class NodeMappings {
     int q;
     std::int32_t pid;
     std::uint64_t id;
-    std::byte* base;
+    const std::byte* base;
     std::size_t bytes;
   };
   std::vector<Map> maps_;
