@@ -38,8 +38,10 @@
 // local index l (all_reduce), which share it inside their node. all_gather gathers across
 // nodes among the ranks of one local index, then inside the node. Every byte of a rank's slice
 // crosses the network once per node boundary; the results are bitwise those of the threads
-// backend with as many ranks, on any layout. (The chain runs its rounds one after another: a
-// pipelined ring across nodes would be faster at many nodes and is not built yet.)
+// backend with as many ranks, on any layout. reduce_scatter's ranks receive their finished
+// pieces without waiting for them round by round, so the first node starts the next round's
+// accumulator while the last finishes this one's. (A pipelined ring across nodes would be faster
+// at many nodes and is not built yet.)
 //
 // Failure: the segment is a memfd of local rank 0, which the others open through /proc: it never
 // has a name, so the kernel frees it when the node's last process that maps it ends, whatever
@@ -618,6 +620,8 @@ class NodeComm {
     auto& in = inputs<T>(std::size_t(nodes) * std::size_t(l));
     auto& outs = outputs<T>(std::size_t(nodes));
     auto& sent = sent_;
+    auto& finals_in = finals_in_;  // the rounds' finished pieces, received as they come
+    finals_in.clear();
     const bool direct =
         go_direct(src, std::size_t(size_) * count * sizeof(T), true, dst, 0, false, info);
     const std::size_t c = direct && nodes == 1 ? count : round_elems<T>(std::size_t(size_));
@@ -657,11 +661,16 @@ class NodeComm {
                   "MPI_Isend (across nodes)", rank_);
           check(MPI_Waitall(nodes - 1, sent.data(), MPI_STATUSES_IGNORE),
                 "MPI_Waitall (across nodes)", rank_);
-        } else {
-          recv(dst + lo, m * sizeof(T), nodes - 1, tag_final);
+        } else {  // (so the chain's next round starts without waiting for this one's end)
+          check(MPI_Irecv(dst + lo, int(m * sizeof(T)), MPI_BYTE, nodes - 1, tag_final, cross_,
+                          &finals_in.emplace_back()),
+                "MPI_Irecv (across nodes)", rank_);
         }
       }
     }
+    if (!finals_in.empty())
+      check(MPI_Waitall(int(finals_in.size()), finals_in.data(), MPI_STATUSES_IGNORE),
+            "MPI_Waitall (across nodes)", rank_);
     if (direct) end_direct(info);
   }
 
@@ -720,7 +729,7 @@ class NodeComm {
   std::vector<std::byte> acc_, finals_;  // the chain's accumulator; the last node's results
   // Per-call tables, kept so that a call allocates nothing (calls run one at a time).
   std::vector<std::pair<std::size_t, std::size_t>> cols_;
-  std::vector<MPI_Request> sent_;
+  std::vector<MPI_Request> sent_, finals_in_;
   std::size_t stream_bytes_, direct_bytes_;
   NodeHeap* heap_ = nullptr;  // the direct path's (with a segment and node_direct_bytes)
   std::vector<const std::byte*> peer_in_, peer_out_;  // per local rank: go_direct's mappings
