@@ -1,8 +1,9 @@
 // zp/backend/mpi.hpp: ranks are MPI processes, buffers are host memory (multi-node CPU).
 //
 // Speed: all_reduce, reduce_scatter and all_gather take the node path (Options::shared_memory,
-// mpi_node.hpp): through a shared segment inside each node (bench/RESULTS.md has its speed
-// against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads backend's
+// mpi_node.hpp): through a shared segment inside each node, or reading the node peers' buffers
+// in place where they are zp allocations (Options::node_direct_bytes; bench/RESULTS.md has the
+// speed against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads backend's
 // results; async ones run in issue order on a progress thread. Everything else (and those three with shared_memory off) is exactly one MPI
 // call on the caller's buffers (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
 // MPI_Alltoall, MPI_Alltoallv, MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
