@@ -9,9 +9,10 @@
 //   backends: threads (ranks are threads of this process), mpi (zp's mpi backend, call check
 //   on), mpi_unchecked (check_calls = false), mpi_plain_stores (all_gather only: the node path's
 //   outputs written with plain stores at every size, MpiOptions::node_stream_bytes's baseline),
-//   mpi_staged (all_reduce, reduce_scatter, all_gather: the node path copying every byte
-//   through its segment, MpiOptions::node_direct_bytes = 0, the baseline of reading the peers'
-//   buffers in place), mpi_raw (the bare MPI call: the baseline),
+//   mpi_staged (all_reduce, reduce_scatter, all_gather on a plain std::vector, which the node's
+//   peers cannot map: the node path copying every byte through its segment, the baseline of
+//   the mpi rows, whose buffers come from zp::HostAllocator and are read in place),
+//   mpi_raw (the bare MPI call: the baseline),
 //   nccl (one process, one GPU per rank; only when built with NCCL and a device is present).
 // mpi_paired/<op>/ranks:N/bytes:S  the bare MPI call and zp's mpi backend alternately, each
 //   timed on its own; time and busbw_GBps are zp's, raw_busbw_GBps the bare call's, and
@@ -459,16 +460,17 @@ void set_limit_fraction(benchmark::State& state, CollOp op, int N, std::size_t b
   state.counters["limit_fraction"] = busbw / limit;
 }
 
-// zp's buffers for the mpi rows: from zp's host allocator, as an engine's are, so the node path
-// reads the peers' in place (MpiOptions::node_direct_bytes; the mpi_staged rows turn it off).
+// The mpi rows' buffers: from zp's host allocator, as an engine's are, so the node path reads
+// the peers' in place (MpiOptions::node_direct_bytes); the mpi_staged rows' a plain vector.
 using Floats = std::vector<float, zp::HostAllocator<float>>;
 
-// split: an all_to_all_v row (op all_to_all).
+// split: an all_to_all_v row (op all_to_all). Vec: the buffer's type.
+template <class Vec = Floats>
 void bench_mpi(benchmark::State& state, CollOp op, std::size_t bytes,
                const zp::backend::Mpi::Options& opt, Split split = Split::none) {
   zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
   const int N = comm.size(), r = comm.rank();
-  Floats buf(bytes / sizeof(float));
+  Vec buf(bytes / sizeof(float));
   auto out = output_of(op, buf.size());
   const Counts counts(split, r, N, buf.size());
   auto once = [&] { run_row(comm, op, counts, std::span<float>(buf), std::span<float>(out)); };
@@ -586,7 +588,7 @@ void bench_mpi_paired(benchmark::State& state, CollOp op, std::size_t bytes) {
   MPI_Comm raw;
   MPI_Comm_dup(MPI_COMM_WORLD, &raw);
   const int N = comm.size(), r = comm.rank();
-  Floats buf(bytes / sizeof(float));
+  std::vector<float> buf(bytes / sizeof(float));  // (the user's own memory: zp stages it)
   auto out = output_of(op, buf.size());
   fill(buf, op, r, N);
   run_op(comm, op, std::span<float>(buf), std::span<float>(out));
@@ -644,10 +646,9 @@ void register_mpi(int N) {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   };
-  zp::backend::Mpi::Options checked, unchecked, plain_stores, staged;
+  zp::backend::Mpi::Options checked, unchecked, plain_stores;
   unchecked.check_calls = false;
   plain_stores.node_stream_bytes = SIZE_MAX;  // the node path before streaming stores
-  staged.node_direct_bytes = 0;               // the node path before reading peers in place
   for (CollOp op : ops)
     for (std::size_t bytes : sizes) {
       const auto row = [&](const char* backend) { return bench_name(backend, op, N, bytes); };
@@ -660,7 +661,7 @@ void register_mpi(int N) {
             [=](benchmark::State& s) { bench_mpi(s, op, bytes, plain_stores); });
       if (op == CollOp::all_reduce || op == CollOp::reduce_scatter || op == CollOp::all_gather)
         reg(row("mpi_staged"), bytes,
-            [=](benchmark::State& s) { bench_mpi(s, op, bytes, staged); });
+            [=](benchmark::State& s) { bench_mpi<std::vector<float>>(s, op, bytes, checked); });
       benchmark::RegisterBenchmark(row("mpi_paired").c_str(),
                                    [=](benchmark::State& s) { bench_mpi_paired(s, op, bytes); })
           ->Iterations(iterations(bytes))

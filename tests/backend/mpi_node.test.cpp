@@ -281,6 +281,41 @@ TEST_CASE("buffers the node's peers can map are read in place, bitwise the threa
   CHECK((!segment || left.count > 0));
   CHECK(left.rss_kb == 0);
 
+  // A long-lived input beside a new output each call, more calls than the mappings kept, and a
+  // staged call (plain buffers) every 5th: the input's mapping, used every call, is never the one
+  // unmapped, and the paths alternate.
+  {
+    const std::size_t m = 1000;
+    SharedVec in(m * sizeof(float));
+    for (std::size_t i = 0; i < m; ++i) {
+      const float v = float(r + 1) * float(i % 7 + 1);
+      std::memcpy(in.data() + i * sizeof(float), &v, sizeof v);
+    }
+    const int calls = int(zp::backend::mpi_detail::NodeMappings::per_peer) * n + 8;
+    std::size_t bad = 0, staged_calls = 0;
+    const std::uint64_t before = comm.backend().node_direct_calls();
+    for (int k = 0; k < calls; ++k) {
+      SharedVec out(m * sizeof(float), std::byte{0xA5});
+      std::vector<std::byte> plain(in.begin(), in.end()), plain_out(out.size());
+      const bool staged = k % 5 == 4;
+      staged_calls += staged;
+      comm.backend()
+          .all_reduce(staged ? static_cast<const void*>(plain.data()) : in.data(),
+                      staged ? static_cast<void*>(plain_out.data()) : out.data(), m, DType::f32,
+                      ReduceOp::sum, Launch::blocking)
+          .wait();
+      const std::byte* got = staged ? plain_out.data() : out.data();
+      for (std::size_t i = 0; i < m; ++i) {
+        float v = 0;
+        std::memcpy(&v, got + i * sizeof(float), sizeof v);
+        bad += v != float(n * (n + 1) / 2) * float(i % 7 + 1);
+      }
+    }
+    CHECK(bad == 0);
+    CHECK(comm.backend().node_direct_calls() - before ==
+          (segment ? std::size_t(calls) - staged_calls : 0));
+  }
+
   // A rank whose buffer is not mappable sends every rank of its node down the staging path,
   // same results.
   const Case c{CollOp::reduce_scatter, DType::bf16, ReduceOp::sum, 4099, false};

@@ -3,10 +3,11 @@
 // Speed: all_reduce, reduce_scatter and all_gather take the node path (Options::shared_memory,
 // mpi_node.hpp): through a shared segment inside each node, or reading the node peers' buffers
 // in place where they are zp allocations (Options::node_direct_bytes; bench/RESULTS.md has the
-// speed against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads backend's
-// results; async ones run in issue order on a progress thread. Everything else (and those three with shared_memory off) is exactly one MPI
-// call on the caller's buffers (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
-// MPI_Alltoall, MPI_Alltoallv, MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
+// speed against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads
+// backend's results; async ones run in issue order on a progress thread. Everything else (and
+// those three with shared_memory off) is exactly one MPI call on the caller's buffers
+// (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Alltoall, MPI_Alltoallv,
+// MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
 // library; async ones use the MPI-3 nonblocking collectives (MPI_Iallreduce, ...), whose
 // post-step (avg division, the conversion of a 16-bit result) runs when the work handle
 // completes. Everything is standard MPI-3: OpenMPI, MPICH and their derivatives work.
@@ -107,11 +108,12 @@ struct MpiOptions {
   // (no read for ownership: 2 bytes of memory traffic per byte instead of 3, the output not
   // cached). SIZE_MAX: never.
   std::size_t node_stream_bytes = detail::stream_min_bytes;
-  // Host allocations of at least this many bytes (zp's Buffers, and a user's through
-  // zp::HostAllocator) are made mappable by the node's other processes, and node-path calls of
-  // at least this many bytes whose buffers all are read their peers' buffers in place: one copy
-  // per byte instead of two through the segment (mpi_node.hpp, node_memory.hpp). The same on
-  // every rank; 0: never.
+  // With two or more ranks on a node: host allocations of at least this many bytes made from
+  // then on (zp's Buffers, and a user's through zp::HostAllocator) are memfds the node's other
+  // processes can map (node_memory.hpp: process-wide, and it stays), and a node-path call of at
+  // least this many bytes reads the peers' buffers in place where every rank's are such: one
+  // copy per byte instead of two through the segment. Other buffers stage as before. The same
+  // on every rank; 0: never.
   std::size_t node_direct_bytes = std::size_t(1) << 20;
 };
 

@@ -360,15 +360,16 @@ class NodeComm {
       local = 0;
     }
     layout_ = {n / per_node, per_node, rank / per_node, local};
-    // Every rank must take the direct path for the same calls.
-    std::int64_t direct[2] = {std::int64_t(direct_bytes), -std::int64_t(direct_bytes)};
+    // Every rank must take the direct path for the same calls. (Clamped: the negation.)
+    const auto mine = std::int64_t(std::min<std::size_t>(direct_bytes, INT64_MAX));
+    std::int64_t direct[2] = {mine, -mine};
     check(MPI_Allreduce(MPI_IN_PLACE, direct, 2, MPI_INT64_T, MPI_MIN, comm),
           "MPI_Allreduce (node_direct_bytes)", rank);
     if (direct[0] != -direct[1]) {
       if (per_node > 1) MPI_Comm_free(&node);
       throw Error(Errc::invalid_argument,
-                  detail::cat("mpi backend: MpiOptions::node_direct_bytes is ", direct_bytes,
-                              " on rank ", rank, " but ranges from ", direct[0], " to ", -direct[1],
+                  detail::cat("mpi backend: MpiOptions::node_direct_bytes is ", mine, " on rank ",
+                              rank, " but ranges from ", direct[0], " to ", -direct[1],
                               " over the communicator; it must be the same on every "
                               "rank"));
     }
@@ -434,10 +435,11 @@ class NodeComm {
   // The direct path (MpiOptions::node_direct_bytes): each local rank publishes where its input
   // (in: true) and output (out: true) lie in its process's NodeHeap; where every rank's do, each
   // maps its peers' (peer_in_, peer_out_; its own are the pointers) and they agree that all
-  // could, and the operation reads the peers' buffers in place, copying each byte once. It
-  // costs two barriers more than staging, so it is taken from node_direct_bytes up; the test is
-  // the same on every rank (count and type agree, and the threshold: the constructor). false:
-  // the staging path, on every rank.
+  // could, and the operation reads the peers' buffers in place, copying each byte once. Its
+  // two barriers to decide and one at the end cost more than the copies they save on small
+  // calls, so it is tried from node_direct_bytes up; the test is the same on every rank (count
+  // and type agree, and the threshold: the constructor). false: the staging path, on every rank
+  // (after one or both of those barriers).
   bool go_direct(const void* src, std::size_t src_bytes, bool in, void* dst, std::size_t dst_bytes,
                  bool out, const Blocked& info) {
     if (!heap_ || std::max(src_bytes, dst_bytes) < direct_bytes_) return false;
@@ -445,6 +447,7 @@ class NodeComm {
     segment_->publish(in ? heap_->find(src, src_bytes) : SharedRef{},
                       out ? heap_->find(dst, dst_bytes) : SharedRef{});
     barrier(info);
+    busy_ = -1;  // every peer has left the last call: the staging needs no barrier for that
     for (int q = 0; q < L(); ++q)
       if ((in && segment_->ref(q, 0).id == 0) || (out && segment_->ref(q, 1).id == 0)) return false;
     bool ok = true;
@@ -622,6 +625,17 @@ class NodeComm {
     auto& sent = sent_;
     auto& finals_in = finals_in_;  // the rounds' finished pieces, received as they come
     finals_in.clear();
+    // Where a call across nodes throws, no receive is left to write into dst after it.
+    struct Outstanding {
+      std::vector<MPI_Request>& r;
+      ~Outstanding() {
+        for (MPI_Request& q : r)
+          if (q != MPI_REQUEST_NULL) {
+            MPI_Cancel(&q);
+            MPI_Wait(&q, MPI_STATUS_IGNORE);
+          }
+      }
+    } outstanding{finals_in};
     const bool direct =
         go_direct(src, std::size_t(size_) * count * sizeof(T), true, dst, 0, false, info);
     const std::size_t c = direct && nodes == 1 ? count : round_elems<T>(std::size_t(size_));

@@ -6,11 +6,17 @@
 //
 // Each allocation of at least the heap's threshold is a memfd of its own, kept open while the
 // allocation lives so that a peer can open it through /proc/<pid>/fd (as the segment is opened).
-// It never has a name, so nothing outlives the job. Freeing truncates it first: a peer's mapping
-// of it (NodeMappings keeps a few) then holds no memory, only addresses. (Not while an exception
-// unwinds: a peer may still be inside the collective this rank left, reading the buffer, and
-// the job is ending.) A descriptor per allocation: at most a quarter of the process's
-// descriptor limit (and 4096) are taken, the rest are plain memory.
+// It never has a name, so nothing outlives the job. Its memory is reserved when it is made
+// (posix_fallocate: too little memory gives a plain allocation, or bad_alloc, never a SIGBUS on
+// first touch). Freeing truncates it first: a peer's mapping of it (NodeMappings keeps some)
+// then holds no memory, only addresses. Not while an exception unwinds: a node-path call that
+// fails on one rank ends the job (its peers are mid-call, maybe reading this buffer), and a
+// peer's read of a truncated buffer would end it with a SIGBUS instead of the error. (A buffer
+// freed after such an exception was caught can still do that.) A descriptor per allocation: at
+// most a quarter of the process's descriptor limit (and 4096) are taken, the rest are plain
+// memory. The heap is process-wide and stays once installed: the threads backend's buffers in
+// that process are such memfds too, a forked child shares their pages instead of copying them,
+// and they get no transparent huge pages.
 #pragma once
 
 #include <fcntl.h>
@@ -39,6 +45,7 @@ struct SharedRef {
   std::uint64_t id = 0;      // the allocation (unique in its process); 0: not a heap allocation
   std::uint64_t bytes = 0;   // its length
   std::uint64_t offset = 0;  // the buffer's offset in it
+  std::uint64_t inode = 0;   // the memfd's (what a peer opens must be this one)
   std::int32_t fd = -1;      // its descriptor in the owning process
 };
 
@@ -64,7 +71,8 @@ class NodeHeap final : public detail::HostArena {
     const std::size_t len = (bytes + 4095) / 4096 * 4096;
     const int fd = memfd_create("zp-buffer", MFD_CLOEXEC);
     if (fd < 0) return nullptr;  // (the plain allocation serves it; its calls take the staging)
-    void* p = ftruncate(fd, off_t(len)) == 0
+    struct stat st {};
+    void* p = posix_fallocate(fd, 0, off_t(len)) == 0 && fstat(fd, &st) == 0
                   ? mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                   : MAP_FAILED;
     if (p == MAP_FAILED) {
@@ -73,7 +81,8 @@ class NodeHeap final : public detail::HostArena {
     }
     try {
       const std::lock_guard lock(m_);
-      blocks_.emplace(reinterpret_cast<std::uintptr_t>(p), Block{len, next_id_++, fd});
+      blocks_.emplace(reinterpret_cast<std::uintptr_t>(p),
+                      Block{len, next_id_++, std::uint64_t(st.st_ino), fd});
     } catch (...) {
       munmap(p, len);
       close(fd);
@@ -106,13 +115,14 @@ class NodeHeap final : public detail::HostArena {
     if (it == blocks_.begin()) return {};
     --it;
     if (at + bytes > it->first + it->second.bytes) return {};
-    return {it->second.id, it->second.bytes, at - it->first, it->second.fd};
+    const Block& b = it->second;
+    return {b.id, b.bytes, at - it->first, b.inode, b.fd};
   }
 
  private:
   struct Block {
     std::size_t bytes = 0;
-    std::uint64_t id = 0;
+    std::uint64_t id = 0, inode = 0;
     int fd = -1;
   };
   NodeHeap() {
@@ -129,9 +139,10 @@ class NodeHeap final : public detail::HostArena {
 };
 
 // One process's mappings of its node peers' heap allocations, kept for reuse (a training step
-// passes the same buffers every time: a new mapping costs a page fault per page read); the
-// oldest are unmapped past `per_peer` per local rank. A freed one's pages are gone already
-// (NodeHeap truncates), so a kept mapping costs addresses only.
+// passes the same buffers every time: a new mapping costs a page fault per page read); past
+// `per_peer` times the local ranks in all, the least recently used is unmapped. One call uses
+// at most two per peer, so it never unmaps what it mapped itself. A freed one's pages are gone
+// already (NodeHeap truncates), so a kept mapping costs addresses only.
 class NodeMappings {
  public:
   static constexpr std::size_t per_peer = 64;
@@ -143,16 +154,20 @@ class NodeMappings {
     for (const Map& m : maps_) munmap(const_cast<std::byte*>(m.base), m.bytes);
   }
 
-  // Local rank q's (process `pid`) buffer `r`, mapped here read-only; nullptr where it cannot be (the
-  // call then takes the staging path on every rank).
+  // Local rank q's (process `pid`) buffer `r`, mapped here read-only; nullptr where it cannot
+  // be (the call then takes the staging path on every rank).
   const std::byte* map(int q, std::int32_t pid, const SharedRef& r, std::size_t peers) {
-    for (Map& m : maps_)
-      if (m.q == q && m.pid == pid && m.id == r.id) return m.base + r.offset;
+    for (auto it = maps_.begin(); it != maps_.end(); ++it)
+      if (it->q == q && it->pid == pid && it->id == r.id) {
+        std::rotate(it, it + 1, maps_.end());  // now the most recently used
+        return maps_.back().base + r.offset;
+      }
     const std::string path = detail::cat("/proc/", pid, "/fd/", r.fd);
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);  // peers' buffers are only read
     if (fd < 0) return nullptr;
     struct stat st {};
-    void* p = fstat(fd, &st) == 0 && std::uint64_t(st.st_size) >= r.bytes
+    void* p = fstat(fd, &st) == 0 && std::uint64_t(st.st_ino) == r.inode &&
+                      std::uint64_t(st.st_size) >= r.bytes
                   ? mmap(nullptr, r.bytes, PROT_READ, MAP_SHARED, fd, 0)
                   : MAP_FAILED;
     close(fd);
