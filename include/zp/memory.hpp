@@ -68,8 +68,8 @@ struct HostAllocator {
   template <class U>
   HostAllocator(const HostAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
-    if (n > std::size_t(-1) / sizeof(T)) throw std::bad_array_new_length();
-    return static_cast<T*>(Allocator<MemorySpace::host>::allocate(n * sizeof(T)));
+    return static_cast<T*>(Allocator<MemorySpace::host>::allocate(detail::checked_mul(
+        n, sizeof(T), "HostAllocator: ", n, " elements of ", sizeof(T), " bytes")));
   }
   void deallocate(T* p, std::size_t) noexcept { Allocator<MemorySpace::host>::deallocate(p); }
   template <class U>
