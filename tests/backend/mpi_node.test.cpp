@@ -8,6 +8,10 @@
 #include "zp/backend/threads.hpp"
 #include "zp/memory.hpp"
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -17,7 +21,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -325,6 +331,114 @@ TEST_CASE("buffers the node's peers can map are read in place, bitwise the threa
   CHECK(got == threads_output(c, n, r, seed));
   const auto layout = comm.backend().node_layout();
   if (layout.node == layout.nodes - 1) CHECK(comm.backend().node_direct_calls() == before);
+}
+
+// This process's soft limit on descriptors, lowered for a scope.
+class FileLimit {
+ public:
+  explicit FileLimit(rlim_t soft) {
+    REQUIRE(getrlimit(RLIMIT_NOFILE, &old_) == 0);
+    rlimit l = old_;
+    l.rlim_cur = soft;
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &l) == 0);
+  }
+  ~FileLimit() { setrlimit(RLIMIT_NOFILE, &old_); }
+  FileLimit(const FileLimit&) = delete;
+  FileLimit& operator=(const FileLimit&) = delete;
+
+ private:
+  rlimit old_{};
+};
+
+int highest_open_fd() {
+  int top = 2;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
+    top = std::max(top, std::stoi(e.path().filename().string()));
+  return top;
+}
+
+// The descriptor the next open would get: with the limit at it, every open fails (EMFILE).
+int lowest_free_fd() {
+  const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  close(fd);
+  return fd;
+}
+
+TEST_CASE(
+    "out of descriptors: the heap serves plain memory, a rank that cannot map stages its node") {
+  Mpi::Options opt = options();
+  opt.node_direct_bytes = 1;
+  Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, opt));
+  const int n = comm.size(), r = comm.rank();
+  const auto layout = comm.backend().node_layout();
+  if (layout.per_node < 2) return;  // no heap without a second local rank
+  auto& heap = zp::backend::mpi_detail::NodeHeap::install(1);
+
+  // The heap takes at most a quarter of the limit as it is now: past that, allocations are plain
+  // memory while descriptors are still free.
+  {
+    const int soft = highest_open_fd() + 1 + 64;
+    const FileLimit limit{rlim_t(soft)};
+    std::vector<SharedVec> held;
+    std::size_t taken = 0;
+    for (;;) {
+      held.emplace_back(4096);
+      if (heap.find(held.back().data(), 4096).id == 0) break;
+      REQUIRE(++taken <= std::size_t(soft) / 4);
+    }
+    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    CHECK(fd >= 0);  // the cap made it plain, not the limit
+    if (fd >= 0) close(fd);
+  }
+
+  // The node's last local rank cannot open its peers' buffers (its limit at the next free
+  // descriptor): every rank of the node stages, same results; with descriptors again, the same
+  // buffers go in place (a failed mapping is not remembered).
+  const std::size_t m = 3001;
+  for (CollOp op : {CollOp::all_reduce, CollOp::all_gather}) {
+    // (new buffers for each: a peer's buffer mapped already needs no descriptor)
+    SharedVec in(m * sizeof(float)), out(std::size_t(n) * m * sizeof(float));
+    for (std::size_t i = 0; i < m; ++i) {
+      const float v = float(r + 1) * float(i % 7 + 1);
+      std::memcpy(in.data() + i * sizeof(float), &v, sizeof v);
+    }
+    const auto call = [&](const void* src, void* dst) {
+      auto& b = comm.backend();
+      (op == CollOp::all_reduce
+           ? b.all_reduce(src, dst, m, DType::f32, ReduceOp::sum, Launch::blocking)
+           : b.all_gather(src, dst, m, DType::f32, Launch::blocking))
+          .wait();
+    };
+    const auto wrong = [&] {
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < (op == CollOp::all_reduce ? m : std::size_t(n) * m); ++i) {
+        float v = 0;
+        std::memcpy(&v, out.data() + i * sizeof(float), sizeof v);
+        const float want = op == CollOp::all_reduce ? float(n * (n + 1) / 2) * float(i % 7 + 1)
+                                                    : float(i / m + 1) * float(i % m % 7 + 1);
+        bad += v != want;
+      }
+      return bad;
+    };
+    {  // (connections MPI makes on first use are made before a limit is lowered)
+      std::vector<std::byte> plain(in.begin(), in.end()), plain_out(out.size());
+      call(plain.data(), plain_out.data());
+    }
+    for (const bool starved : {true, false}) {
+      CAPTURE(std::string(zp::name(op)));
+      CAPTURE(starved);
+      std::fill(out.begin(), out.end(), std::byte{0xA5});
+      const std::uint64_t before = comm.backend().node_direct_calls();
+      {
+        std::optional<FileLimit> limit;
+        if (starved && layout.local == layout.per_node - 1) limit.emplace(rlim_t(lowest_free_fd()));
+        call(in.data(), out.data());
+      }
+      CHECK(wrong() == 0);
+      CHECK(comm.backend().node_direct_calls() - before == (starved ? 0u : 1u));
+    }
+  }
 }
 
 TEST_CASE("node_direct_bytes that differ between ranks are an error on every rank") {

@@ -13,8 +13,8 @@
 // fails on one rank ends the job (its peers are mid-call, maybe reading this buffer), and a
 // peer's read of a truncated buffer would end it with a SIGBUS instead of the error. (A buffer
 // freed after such an exception was caught can still do that.) A descriptor per allocation: at
-// most a quarter of the process's descriptor limit (and 4096) are taken, the rest are plain
-// memory. The heap is process-wide and stays once installed: the threads backend's buffers in
+// most a quarter of the process's descriptor limit as it is at the allocation (and 4096) are
+// taken, the rest are plain memory. The heap is process-wide and stays once installed: the threads backend's buffers in
 // that process are such memfds too, a forked child shares their pages instead of copying them,
 // and they get no transparent huge pages.
 #pragma once
@@ -66,7 +66,7 @@ class NodeHeap final : public detail::HostArena {
     if (bytes < min_bytes_.load(std::memory_order_relaxed)) return nullptr;
     {
       const std::lock_guard lock(m_);
-      if (blocks_.size() >= max_blocks_) return nullptr;
+      if (blocks_.size() >= max_blocks()) return nullptr;
     }
     const std::size_t len = (bytes + 4095) / 4096 * 4096;
     const int fd = memfd_create("zp-buffer", MFD_CLOEXEC);
@@ -125,17 +125,18 @@ class NodeHeap final : public detail::HostArena {
     std::uint64_t id = 0, inode = 0;
     int fd = -1;
   };
-  NodeHeap() {
+  NodeHeap() = default;
+  // Read at each allocation: the rest of the limit is the program's and MPI's, whatever it is now.
+  static std::size_t max_blocks() noexcept {
     rlimit files{};
-    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY)
-      max_blocks_ = std::min<std::size_t>(max_blocks_, std::size_t(files.rlim_cur) / 4);
+    if (getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur == RLIM_INFINITY) return 4096;
+    return std::min<std::size_t>(4096, std::size_t(files.rlim_cur) / 4);
   }
 
   std::atomic<std::size_t> min_bytes_{std::size_t(-1)};
   mutable std::mutex m_;
   std::map<std::uintptr_t, Block> blocks_;  // by address
   std::uint64_t next_id_ = 1;
-  std::size_t max_blocks_ = 4096;
 };
 
 // One process's mappings of its node peers' heap allocations, kept for reuse (a training step
