@@ -8,8 +8,8 @@
 # uninterrupted run's with its state in memory.
 #   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)] [nvme]
 set -euo pipefail
-# shellcheck source=checkpoint_retention.sh
-source "$(dirname "$0")/checkpoint_retention.sh"
+# shellcheck source=kill_helpers.sh
+source "$(dirname "$0")/kill_helpers.sh"
 demo=$1 work=$2/demo-kill-loop${4:+-$4} kills=${3:-30}
 rm -rf "$work"
 mkdir -p "$work"

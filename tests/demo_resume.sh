@@ -4,6 +4,8 @@
 # on the threads backend and, given mpiexec, once as a 2-process MPI job (every process killed).
 #   demo_resume.sh <zp_demo> <work dir> [mpiexec]
 set -euo pipefail
+# shellcheck source=kill_helpers.sh
+source "$(dirname "$0")/kill_helpers.sh"
 demo=$1 work=$2 mpiexec=${3:-}
 steps=150
 
@@ -24,10 +26,7 @@ kill_and_resume() {
   done
   sleep 0.0$((RANDOM % 10))
   kill -0 "$pid" 2>/dev/null || { echo "zp_demo ($name) ended before it could be killed"; cat "$dir/first.log"; exit 1; }
-  # Every process of the run (mpiexec and its ranks too): their command lines name $dir.
-  for p in /proc/[0-9]*; do
-    if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "--checkpoint-dir $dir/ckpt"; then kill -9 "${p#/proc/}" 2>/dev/null || true; fi
-  done
+  kill_naming "--checkpoint-dir $dir/ckpt"  # every process of the run
   wait "$pid" 2>/dev/null || true
   local latest
   latest=$(cat "$dir/ckpt/latest")

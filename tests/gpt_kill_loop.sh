@@ -7,8 +7,8 @@
 # and the run must finish at the last step with the loss lower than where it began.
 #   gpt_kill_loop.sh <zp_gpt> <work dir> [mpiexec]
 set -euo pipefail
-# shellcheck source=checkpoint_retention.sh
-source "$(dirname "$0")/checkpoint_retention.sh"
+# shellcheck source=kill_helpers.sh
+source "$(dirname "$0")/kill_helpers.sh"
 gpt=$1 mpiexec=${3:-}
 if [ -z "$mpiexec" ]; then
   work=$2/gpt-kill-loop kills=6 steps=600 launch=("$gpt")
@@ -25,15 +25,6 @@ mkdir -p "$work"
 args=(--layers 2 --d-model 32 --heads 4 --context 16 --micro-batch 4 --log-every 1
   --steps "$steps" --save-every 1 --checkpoint-dir "$work/ckpt" --resume)
 
-# Every process of the run (mpiexec and its ranks too): their command lines name the directory.
-kill_run() {
-  for p in /proc/[0-9]*; do
-    if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "--checkpoint-dir $work/ckpt"; then
-      kill -9 "${p#/proc/}" 2>/dev/null || true
-    fi
-  done
-}
-
 killed=0 runs=0
 while :; do
   # shellcheck disable=SC2206  # the grid's flags split into words on purpose
@@ -43,7 +34,7 @@ while :; do
   pid=$!
   if [ "$killed" -lt "$kills" ]; then
     sleep "$((RANDOM % 2)).$(printf '%03d' $((RANDOM % 1000)))"
-    kill_run
+    kill_naming "--checkpoint-dir $work/ckpt"  # every process of the run
   fi
   rc=0
   { wait "$pid"; } 2>/dev/null || rc=$?
