@@ -3,7 +3,7 @@
 //
 // quant/<op>/<type>/<bits>[/avx2|/cached|/portable]/block:B/elems:N   op: quantize (T -> codes +
 //   fp32 scales), dequantize (codes + scales -> T) or dequantize_add (acc += codes x scales, fp32
-//   acc).
+//   acc); B: 64, 512 (zp's qgZ default) and 2048 (its qwZ default).
 //   Counters: GBps = bytes read + bytes written per second (codes, scales, values; for
 //   dequantize_add the fp32 accumulator is read and written), copy_GBps = a streaming copy
 //   (bench/membw.hpp) of as many bytes, and at least 512 MiB (out of the caches, as the row's
@@ -119,7 +119,7 @@ void register_type(const char* type) {
     for (Bits bits : {Bits::int8, Bits::int4})
       for (auto path : {zp::quant::Path::best, zp::quant::Path::avx2, zp::quant::Path::cached,
                         zp::quant::Path::portable})
-        for (std::size_t block : {std::size_t(64), std::size_t(2048)}) {
+        for (std::size_t block : {std::size_t(64), std::size_t(512), std::size_t(2048)}) {
           if (op == Op::dequantize_add && !std::is_same_v<T, float>) continue;  // fp32 acc only
           if (path == zp::quant::Path::cached && op == Op::dequantize_add) continue;  // = best
           const std::string name = std::string("quant/") + op_name(op) + "/" + type + "/" +

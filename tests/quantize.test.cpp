@@ -284,9 +284,11 @@ TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable wo
     std::mt19937_64 rng(zp::test::fresh_seed());
     std::normal_distribution<double> normal(0.0, 1.0);
     for (Bits bits : {Bits::int8, Bits::int4})
-      for (std::size_t block : {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(256),
-                                std::size_t(bits == Bits::int8 ? 19 : 18)})
-        for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001)}) {
+      for (std::size_t block :
+           {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(32), std::size_t(64),
+            std::size_t(256), std::size_t(bits == Bits::int8 ? 19 : 18)})
+        for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001),
+                              std::size_t(2085)}) {
           CAPTURE(int(bits));
           CAPTURE(block);
           CAPTURE(n);
