@@ -14,9 +14,9 @@
 // peer's read of a truncated buffer would end it with a SIGBUS instead of the error. (A buffer
 // freed after such an exception was caught can still do that.) A descriptor per allocation: at
 // most a quarter of the process's descriptor limit as it is at the allocation (and 4096) are
-// taken, the rest are plain memory. The heap is process-wide and stays once installed: the threads backend's buffers in
-// that process are such memfds too, a forked child shares their pages instead of copying them,
-// and they get no transparent huge pages.
+// taken, the rest are plain memory. The heap is process-wide and stays once installed: the
+// threads backend's buffers in that process are such memfds too, a forked child shares their
+// pages instead of copying them, and they get no transparent huge pages.
 #pragma once
 
 #include <fcntl.h>
