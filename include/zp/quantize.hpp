@@ -440,8 +440,9 @@ struct Avx512 {
       // 32 values a load: a bf16 with 16 zero bits below is its fp32, so interleaving zeros in
       // gives each 128-bit lane's first four values, then its last four, and packing the two
       // halves' codes to 16 bits puts all 32 in order, each 32-bit lane's two nibbles then into
-      // its low byte (fewer instructions than widening each 16: at small blocks these loops, not
-      // the memory, set the pace; int8 codes measured slower so, narrowed from 16 bits).
+      // its low byte. Fewer instructions than widening 16 at a time, which matters where these
+      // loops and not the memory set the pace (small blocks). int8 codes made so (narrowed from
+      // 16 bits) measured slower, so int8 keeps the loop below (bench/RESULTS.md).
       const __m512i z = _mm512_setzero_si512();
       for (; i + 32 <= hi; i += 32) {
         prefetch(x + i);
@@ -569,8 +570,9 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   };
   std::size_t k = 0, lo = 0;
   // Blocks of two lines or less sixteen at a time: their scales first (the sixteen blocks stay
-  // in L1), then their codes. (Blocks of 1 KB measured 1.1-1.5x slower so: the memory idles
-  // while the codes are made.)
+  // in L1), then their codes. Measured at 16-bit block 64 (0.75-0.87 of the time); blocks of
+  // 1 KB measured 1.1-1.5x slower so (the memory idles while the codes are made), and fp32
+  // block 64 (256 bytes) 0.88-1.16 (bench/RESULTS.md).
   if constexpr (std::is_same_v<Simd, Avx512>)
     if (block % (64 / sizeof(T)) == 0 && block * sizeof(T) <= 128)
       for (; n - lo >= 16 * block; k += 16, lo += 16 * block) {

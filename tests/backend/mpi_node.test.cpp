@@ -225,6 +225,31 @@ TEST_CASE("async operations queue in issue order and a 256 MiB all_reduce is the
 
 using SharedVec = std::vector<std::byte, zp::HostAllocator<std::byte>>;
 
+// Inputs whose results have a closed form: rank r's value i is (r + 1) (i % 7 + 1), exact in
+// fp32 at these sizes.
+float closed_form(int r, std::size_t i) { return float(r + 1) * float(i % 7 + 1); }
+SharedVec closed_form_input(int r, std::size_t m) {
+  SharedVec in(m * sizeof(float));
+  for (std::size_t i = 0; i < m; ++i) {
+    const float v = closed_form(r, i);
+    std::memcpy(in.data() + i * sizeof(float), &v, sizeof v);
+  }
+  return in;
+}
+// How many of the first `count` floats at `got` differ from their closed-form result: the sum
+// over n ranks (all_reduce), or rank i / m's block (all_gather of m values each).
+std::size_t closed_form_wrong(const std::byte* got, std::size_t count, CollOp op, int n,
+                              std::size_t m) {
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    float v = 0;
+    std::memcpy(&v, got + i * sizeof(float), sizeof v);
+    bad += v != (op == CollOp::all_reduce ? float(n * (n + 1) / 2) * float(i % 7 + 1)
+                                          : closed_form(int(i / m), i % m));
+  }
+  return bad;
+}
+
 // This process's mappings of NodeHeap allocations (its own and its peers'), and the kB of
 // memory they hold (/proc/self/smaps).
 struct HeapMaps {
@@ -292,11 +317,7 @@ TEST_CASE("buffers the node's peers can map are read in place, bitwise the threa
   // unmapped, and the paths alternate.
   {
     const std::size_t m = 1000;
-    SharedVec in(m * sizeof(float));
-    for (std::size_t i = 0; i < m; ++i) {
-      const float v = float(r + 1) * float(i % 7 + 1);
-      std::memcpy(in.data() + i * sizeof(float), &v, sizeof v);
-    }
+    const SharedVec in = closed_form_input(r, m);
     const int calls = int(zp::backend::mpi_detail::NodeMappings::per_peer) * n + 8;
     std::size_t bad = 0, staged_calls = 0;
     const std::uint64_t before = comm.backend().node_direct_calls();
@@ -310,12 +331,7 @@ TEST_CASE("buffers the node's peers can map are read in place, bitwise the threa
                       staged ? static_cast<void*>(plain_out.data()) : out.data(), m, DType::f32,
                       ReduceOp::sum, Launch::blocking)
           .wait();
-      const std::byte* got = staged ? plain_out.data() : out.data();
-      for (std::size_t i = 0; i < m; ++i) {
-        float v = 0;
-        std::memcpy(&v, got + i * sizeof(float), sizeof v);
-        bad += v != float(n * (n + 1) / 2) * float(i % 7 + 1);
-      }
+      bad += closed_form_wrong(staged ? plain_out.data() : out.data(), m, CollOp::all_reduce, n, m);
     }
     CHECK(bad == 0);
     CHECK(comm.backend().node_direct_calls() - before ==
@@ -398,28 +414,14 @@ TEST_CASE(
   const std::size_t m = 3001;
   for (CollOp op : {CollOp::all_reduce, CollOp::all_gather}) {
     // (new buffers for each: a peer's buffer mapped already needs no descriptor)
-    SharedVec in(m * sizeof(float)), out(std::size_t(n) * m * sizeof(float));
-    for (std::size_t i = 0; i < m; ++i) {
-      const float v = float(r + 1) * float(i % 7 + 1);
-      std::memcpy(in.data() + i * sizeof(float), &v, sizeof v);
-    }
+    const SharedVec in = closed_form_input(r, m);
+    SharedVec out(std::size_t(n) * m * sizeof(float));
     const auto call = [&](const void* src, void* dst) {
       auto& b = comm.backend();
       (op == CollOp::all_reduce
            ? b.all_reduce(src, dst, m, DType::f32, ReduceOp::sum, Launch::blocking)
            : b.all_gather(src, dst, m, DType::f32, Launch::blocking))
           .wait();
-    };
-    const auto wrong = [&] {
-      std::size_t bad = 0;
-      for (std::size_t i = 0; i < (op == CollOp::all_reduce ? m : std::size_t(n) * m); ++i) {
-        float v = 0;
-        std::memcpy(&v, out.data() + i * sizeof(float), sizeof v);
-        const float want = op == CollOp::all_reduce ? float(n * (n + 1) / 2) * float(i % 7 + 1)
-                                                    : float(i / m + 1) * float(i % m % 7 + 1);
-        bad += v != want;
-      }
-      return bad;
     };
     {  // (connections MPI makes on first use are made before a limit is lowered)
       std::vector<std::byte> plain(in.begin(), in.end()), plain_out(out.size());
@@ -435,7 +437,8 @@ TEST_CASE(
         if (starved && layout.local == layout.per_node - 1) limit.emplace(rlim_t(lowest_free_fd()));
         call(in.data(), out.data());
       }
-      CHECK(wrong() == 0);
+      CHECK(closed_form_wrong(out.data(), op == CollOp::all_reduce ? m : std::size_t(n) * m, op, n,
+                              m) == 0);
       CHECK(comm.backend().node_direct_calls() - before == (starved ? 0u : 1u));
     }
   }

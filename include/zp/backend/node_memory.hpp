@@ -64,9 +64,10 @@ class NodeHeap final : public detail::HostArena {
 
   void* allocate(std::size_t bytes) noexcept override {
     if (bytes < min_bytes_.load(std::memory_order_relaxed)) return nullptr;
+    const std::size_t cap = max_blocks();  // (a system call: not under the lock)
     {
       const std::lock_guard lock(m_);
-      if (blocks_.size() >= max_blocks()) return nullptr;
+      if (blocks_.size() >= cap) return nullptr;
     }
     const std::size_t len = (bytes + 4095) / 4096 * 4096;
     const int fd = memfd_create("zp-buffer", MFD_CLOEXEC);
