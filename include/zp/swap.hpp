@@ -8,11 +8,12 @@
 //   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * 4
 //
 // The optimizer step walks the sub-groups in order through buffer_count host buffers
-// (enter/leave): with pipeline_read, the next sub-groups are read while one is stepped; with
-// pipeline_write, a stepped sub-group is written back while the next one is stepped; with
-// both the step costs about max(I/O, compute). Other accesses (initial values, checkpoints,
-// whole-model copies) read() and write() element ranges through one bounce buffer of a
-// sub-group's field, a one-entry write-back cache, so no access holds more than that.
+// (enter/leave): with pipeline_read, the next sub-groups are read while one is stepped, and the
+// next step's first ones from the end of a step on; with pipeline_write, a stepped sub-group is
+// written back while the next one is stepped; with both the step costs about max(I/O, compute).
+// Other accesses (initial values, checkpoints, whole-model copies) read() and write() element
+// ranges through one bounce buffer of a sub-group's field, a one-entry write-back cache, so no
+// access holds more than that.
 //
 // The swap file is scratch, never a checkpoint: named for the process and engine, locked
 // (flock) while in use, removed by the destructor; a swap file left by a process that died is
@@ -151,6 +152,7 @@ class Swap {
   }
   // Writes field f's elements [at, at + in.size()) (held in the cache until flush()).
   void write(int f, std::size_t at, std::span<const U> in) {
+    abandon();  // the sub-groups end_step read ahead may be the ones that change
     for (std::size_t done = 0; done < in.size();) {
       const std::size_t c = (at + done) / chunk_, i = (at + done) % chunk_;
       const std::size_t n = std::min(chunk_ - i, in.size() - done);
@@ -219,10 +221,8 @@ class Swap {
     const std::size_t b = c % buffers_.size();
     if (holds_[b] != c) fetch(c);
     finish(b);
-    // Read ahead into the buffers not needed for this sub-group or (write-behind) the last one.
-    const std::size_t keep = opt_.pipeline_write ? 2 : 1;
-    if (!opt_.pipeline_read || buffers_.size() <= keep) return;
-    for (std::size_t n = c + 1; n < c + 1 + buffers_.size() - keep && n < chunks_; ++n)
+    if (!opt_.pipeline_read) return;
+    for (std::size_t n = c + 1; n < c + ahead() && n < chunks_; ++n)
       if (holds_[n % buffers_.size()] != n) fetch(n);
   }
   // Sub-group c is stepped: it goes back to the file (waited for now unless pipeline_write).
@@ -231,13 +231,18 @@ class Swap {
     io_[b] = file_->write_async(record(b), c * record_bytes());
     if (!opt_.pipeline_write) finish(b);
   }
-  // Every write of the step is done; the buffers hold nothing for the next step.
+  // Every write of the step is done. With pipeline_read, the next step's first sub-groups are
+  // read now, behind whatever runs until that step (a trainer's forward and backward); their
+  // errors come at that step's enter. A write() before then drops them.
   void end_step() {
     for (std::size_t b = 0; b < buffers_.size(); ++b) finish(b);
     std::fill(holds_.begin(), holds_.end(), none);
+    if (opt_.pipeline_read)
+      for (std::size_t c = 0; c < std::min(chunks_, ahead()); ++c) fetch(c);
   }
-  // After a failure in the middle of a step: every transfer finished (the buffers may be
-  // freed), errors dropped (the first one is on its way up).
+  // After a failure in the middle of a step, or before the file changes: every transfer
+  // finished (the buffers may be freed), errors dropped (the first one is on its way up, or
+  // was of a read nobody needs), the buffers holding nothing.
   void abandon() noexcept {
     for (std::size_t b = 0; b < buffers_.size(); ++b) try {
         finish(b);
@@ -249,6 +254,12 @@ class Swap {
  private:
   static constexpr std::size_t none = std::size_t(-1);
 
+  // With pipeline_read, enter(c) has sub-groups c .. c + ahead() - 1 read or reading: the
+  // buffers but the one written behind (pipeline_write), and at least c itself.
+  std::size_t ahead() const noexcept {
+    const std::size_t keep = opt_.pipeline_write ? 1 : 0;
+    return std::max<std::size_t>(1, buffers_.size() - keep);
+  }
   std::size_t record_bytes() const noexcept { return fields_ * chunk_ * sizeof(U); }
   std::span<std::byte> record(std::size_t b) const noexcept {
     return buffers_[b].span().first(record_bytes());
