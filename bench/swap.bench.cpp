@@ -217,7 +217,7 @@ void BM_overlap(benchmark::State& state) {
   // Each iteration times the I/O alone and the compute alone too, so that all three see the
   // same minutes of this disk, whose rate drifts. The compute runs right after the step, as a
   // trainer's forward and backward would, behind the next step's first reads (next_step: 1), or
-  // with nothing read ahead across steps (0: the reads dropped, the step before this change).
+  // with nothing read ahead across steps (0: those reads dropped, so the step starts cold).
   double io_ms = 0, compute_ms = 0, total = 0;
   for (auto _ : state) {
     const double t = ms([&] { both(passes); });
