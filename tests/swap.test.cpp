@@ -1,6 +1,7 @@
 // zp/swap.hpp: the optimizer state on NVMe. The swap against a plain array (element ranges
 // written and read at random, steps over every sub-group, each buffer count and pipeline, every
-// element read back checked), and the faults an engine meets: nvme_path missing, not a
+// element read back checked), a checkpoint loaded over what a step's end read ahead (against a
+// fresh engine loading it), and the faults an engine meets: nvme_path missing, not a
 // directory or not writable on one rank, a file system too small for the swap, a swap file
 // (the optimizer state's or stage 3's parameters') truncated under a running job (an error
 // naming the path on every rank, the engine unusable after a failed optimizer step, the last
@@ -285,6 +286,38 @@ TEST_CASE(
     CHECK(loaded.v == saved.v);
     CHECK(swap_files(drive.path).empty());
   }
+}
+
+// A step's end reads the next step's first sub-groups ahead (pipeline_read); a checkpoint loaded
+// before that step changes them in the file, and the step must see the loaded state.
+TEST_CASE("a checkpoint loaded into a running job replaces what the last step read ahead") {
+  TempDir drive("swap"), ckpt("ckpt");
+  for (const bool params : {false, true}) {
+    CAPTURE(params);
+    EngineConfig cfg = nvme_config(drive.path);
+    if (params) cfg.param_nvme = cfg.optimizer_nvme;
+    const std::string tag = params ? "with-params" : "state";
+    std::vector<float> resumed, fresh;
+    for (const bool running : {true, false})
+      run_threads(2, [&](Collective<Threads>& comm) {
+        Mlp<float> model;
+        zp::Engine<Threads, float, 3> e(comm, model, cfg);
+        if (running) {
+          train(e, model, 0, 1);
+          zp::save_checkpoint(e, ckpt.path, tag);
+          train(e, model, 1, 3);  // state in the swap and read ahead: that of step 3
+        }
+        zp::load_checkpoint(e, ckpt.path, tag);
+        train(e, model, 1, 3);
+        auto m = e.gather_master(), v = e.gather_state(1), p = e.gather_params();
+        m.insert(m.end(), v.begin(), v.end());
+        m.insert(m.end(), p.begin(), p.end());
+        if (comm.rank() == 0) (running ? resumed : fresh) = std::move(m);
+      });
+    CHECK(!fresh.empty());
+    CHECK(resumed == fresh);
+  }
+  CHECK(swap_files(drive.path).empty());
 }
 
 // Unlinked, a file lives on while it is open: the job keeps its state and trains on unchanged.
