@@ -17,7 +17,9 @@
 //                      overlap with. io_ms and compute_ms, each alone, in the same iterations;
 //                      hidden as above. The compute alone runs right after the step, where a
 //                      trainer's forward and backward would: N = 1 leaves the next step's first
-//                      sub-groups reading behind it (end_step's read-ahead), N = 0 drops them
+//                      sub-groups reading behind it (end_step's read-ahead), N = 0 drops them.
+//                      wait_ms: the step's time waiting for the swap (first_wait_ms: for
+//                      sub-group 0); compute_in_step: the rest of the step over compute_ms
 // P = 1: pipeline_read and pipeline_write, P = 0: neither (each sub-group read, stepped and
 // written in turn); D: the I/O queue depth (requests of 1 MiB).
 #include <benchmark/benchmark.h>
@@ -60,12 +62,15 @@ zp::Layout layout() {
   return zp::Layout(ps, 1, {.bucket_elems = std::size_t(1) << 22});
 }
 
-zp::NvmeOptions nvme_options(const benchmark::State& state) {
+zp::NvmeOptions nvme_options(bool pipelined, unsigned depth) {
   return {.path = swap_dir(),
-          .pipeline_read = state.range(0) != 0,
-          .pipeline_write = state.range(0) != 0,
+          .pipeline_read = pipelined,
+          .pipeline_write = pipelined,
           .sub_group_size = std::size_t(4) << 20,
-          .queue_depth = unsigned(state.range(1))};
+          .queue_depth = depth};
+}
+zp::NvmeOptions nvme_options(const benchmark::State& state) {
+  return nvme_options(state.range(0) != 0, unsigned(state.range(1)));
 }
 std::string key(const char* what, const benchmark::State& state) {
   return zp::detail::cat(what, state.range(0), "/", state.range(1));
@@ -172,8 +177,7 @@ void stepped(std::size_t subs, int passes, std::span<const zp::bf16> grad,
 }
 
 void BM_overlap(benchmark::State& state) {
-  zp::NvmeOptions o = nvme_options(state);
-  o.queue_depth = 8;
+  const zp::NvmeOptions o = nvme_options(state.range(0) != 0, 8);
   // The step's swap, and one for the I/O alone (same options, its own file).
   zp::Swap<float> swap(o, elements(), 3, "zp_bench_swap"), alone(o, elements(), 3, "zp_bench_swap");
   const std::size_t sub = swap.sub_group(), subs = swap.sub_groups();
@@ -186,17 +190,25 @@ void BM_overlap(benchmark::State& state) {
         subs, passes, grad, param,
         [&](std::size_t, int f) { return memory.data() + std::size_t(f) * sub; }, nothing, nothing);
   };
-  const auto both = [&](int passes) {
-    swap.begin_step();
-    stepped(
-        subs, passes, grad, param, [&](std::size_t c, int f) { return swap.slot(c, f); },
-        [&](std::size_t c) { swap.enter(c); }, [&](std::size_t c) { swap.leave(c); });
-    swap.end_step();
-  };
   const auto ms = [](auto&& f) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
     return ms_since(t0);
+  };
+  // The step, adding the time it waits for the swap (in enter, leave and end_step) to `waited`,
+  // and its first enter's (sub-group 0's read) to `first`.
+  double waited = 0, first = 0;
+  const auto both = [&](int passes) {
+    swap.begin_step();
+    stepped(
+        subs, passes, grad, param, [&](std::size_t c, int f) { return swap.slot(c, f); },
+        [&](std::size_t c) {
+          const double t = ms([&] { swap.enter(c); });
+          waited += t;
+          if (c == 0) first += t;
+        },
+        [&](std::size_t c) { waited += ms([&] { swap.leave(c); }); });
+    waited += ms([&] { swap.end_step(); });
   };
   // One step's reads and writes: the second of two passes, which waits for the reads the first
   // started at its end and starts its own (then waited for and dropped, so that nothing runs on).
@@ -230,6 +242,9 @@ void BM_overlap(benchmark::State& state) {
   const double k = double(state.iterations());
   io_ms /= k, compute_ms /= k, total /= k;
   state.counters["passes"] = passes;
+  state.counters["first_wait_ms"] = first / k;
+  state.counters["wait_ms"] = waited / k;
+  state.counters["compute_in_step"] = (total - waited / k) / compute_ms;
   state.counters["io_ms"] = io_ms;
   state.counters["compute_ms"] = compute_ms;
   state.counters["step_ms"] = total;
