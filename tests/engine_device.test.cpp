@@ -164,8 +164,8 @@ struct Out {
 
 // The steps of a run: every step after the first meets the state the ones before it left (Adam's
 // moments and bias corrections, reused buffers), and more steps rerun the same code. 12 rather
-// than 20 took this test, CI's costliest (some 150 trainings a seed, three seeds, three builds),
-// from 20.5 to 11.6 s a seed in the dev build.
+// than 20 about halves this test, CI's costliest (some 150 trainings a seed, three seeds, three
+// builds).
 constexpr int steps = 12;
 
 // A checkpoint in the middle of training: saved as "mid" before step steps / 2, or loaded from
