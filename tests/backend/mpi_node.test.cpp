@@ -97,7 +97,8 @@ std::vector<std::byte> run(Collective<B>& comm, const Case& c, std::uint64_t see
   const std::size_t es = zp::size_of(c.t);
   const auto generated = input(c.t, seed, r, in_elems(c, n));
   const Vec in(generated.begin(), generated.end());
-  Vec buf(std::max(in.size(), out_elems(c, n) * es), std::byte{0xA5});
+  const std::size_t used = std::max(in.size(), out_elems(c, n) * es);
+  Vec buf(used + 64, std::byte{0xA5});  // 64 bytes past the end: no rank may write there
   auto& b = comm.backend();
   void* dst = buf.data();
   const void* src = in.data();
@@ -115,6 +116,8 @@ std::vector<std::byte> run(Collective<B>& comm, const Case& c, std::uint64_t see
            : c.op == CollOp::reduce_scatter ? b.reduce_scatter(src, dst, c.count, c.t, c.rop, l)
                                             : b.all_gather(src, dst, c.count, c.t, l);
   w.wait();
+  CHECK(std::all_of(buf.begin() + std::ptrdiff_t(used), buf.end(),
+                    [](std::byte x) { return x == std::byte{0xA5}; }));
   const std::byte* out = static_cast<const std::byte*>(dst);
   return {out, out + out_elems(c, n) * es};
 }

@@ -26,9 +26,11 @@
 // call are NodeHeap allocations (node_memory.hpp: zp's Buffers are, from that size up), the
 // ranks publish where they lie, map each other's, and skip the staging: reduce_scatter reduces
 // its column straight from the peers' inputs, all_gather copies the peers' blocks from their
-// outputs, all_reduce does both round by round (a barrier a round, so a peer's result is read
-// while it is still in cache). Each byte is then copied once, not twice. Two barriers decide
-// it (every rank's buffers mappable, every rank's mappings made), so a node takes one path.
+// outputs, all_reduce reduces its slice from the peers' inputs and stores the result into every
+// local rank's output (as the threads backend does: in place, each line it writes it has just
+// read, and no rank touches another's slice, so no barrier until the end). Each byte is then
+// copied once, not twice. Two barriers decide it (every rank's buffers mappable, every rank's
+// mappings made), so a node takes one path.
 //
 // Across nodes: rank (node k, local index l) continues the rank-order reduction of its slice:
 // it receives from node k-1's rank l the accumulator of ranks 0 .. kL-1 (in the accumulation
@@ -234,7 +236,7 @@ class NodeSegment final : public PeerCheck {
     peer(local_)->ref[1] = dst;
   }
   const SharedRef& ref(int q, int which) const { return peer(q)->ref[which]; }
-  const std::byte* map(int q, int which) {
+  std::byte* map(int q, int which) {
     return mappings_.map(q, peer(q)->pid.load(std::memory_order_relaxed), peer(q)->ref[which],
                          std::size_t(size_));
   }
@@ -456,9 +458,7 @@ class NodeComm {
       peer_in_[i] = !in       ? nullptr
                     : q == me ? static_cast<const std::byte*>(src)
                               : segment_->map(q, 0);
-      peer_out_[i] = !out      ? nullptr
-                     : q == me ? static_cast<const std::byte*>(dst)
-                               : segment_->map(q, 1);
+      peer_out_[i] = !out ? nullptr : q == me ? static_cast<std::byte*>(dst) : segment_->map(q, 1);
       ok = ok && (!in || peer_in_[i]) && (!out || peer_out_[i]);
     }
     segment_->set_mapped(ok);
@@ -478,8 +478,8 @@ class NodeComm {
     return reinterpret_cast<const T*>(peer_in_[std::size_t(q)]);
   }
   template <class T>
-  const T* peer_out(int q) const {
-    return reinterpret_cast<const T*>(peer_out_[std::size_t(q)]);
+  T* peer_out(int q) const {
+    return reinterpret_cast<T*>(peer_out_[std::size_t(q)]);
   }
   // Elements of T per block per round when `blocks` blocks of a round share one area.
   template <class T>
@@ -562,7 +562,6 @@ class NodeComm {
   void all_reduce_typed(const T* src, T* dst, std::size_t count, ReduceOp op, const Blocked& info) {
     if (count == 0) return;
     const int l = L(), me = layout_.local;
-    const std::size_t c = round_elems<T>(std::size_t(l));
     auto& cols = cols_;
     cols.resize(std::size_t(l));
     std::size_t longest = 0;
@@ -571,14 +570,16 @@ class NodeComm {
       longest = std::max(longest, cols[std::size_t(q)].second - cols[std::size_t(q)].first);
     }
     auto& in = inputs<T>(std::size_t(l));
-    // Direct: each round reduces this rank's piece from every local rank's input, and copies
-    // the others' pieces from their outputs while they are still in cache.
+    auto& outs = outputs<T>(std::size_t(std::max(l, 2)));
     const bool direct = go_direct(src, count * sizeof(T), true, dst, count * sizeof(T), true, info);
     if (!direct) {
       if (busy_ == 0) barrier(info);  // the stage area a peer may still read
       busy_ = 1;                      // the last round's results are read after its second barrier
     }
     const bool publish = segment_ && !direct;  // results go through the segment
+    // Rounds keep the staged pieces in cache (staging) and pipeline the chain across nodes; a
+    // direct call inside one node reduces its whole slice at once.
+    const std::size_t c = direct && N() == 1 ? longest : round_elems<T>(std::size_t(l));
     for (std::size_t lo = 0; lo < longest; lo += c) {
       const auto piece = [&](int q) {  // column q's part in this round: {begin, length}
         const auto [b, e] = cols[std::size_t(q)];
@@ -597,19 +598,32 @@ class NodeComm {
         in[std::size_t(q)] = direct    ? peer_in<T>(q) + at
                              : q == me ? src + at
                                        : stage<T>(q) + std::size_t(me) * c;
-      T* outs[2] = {dst + at, publish ? result<T>(me) : nullptr};
+      // Direct inside one node: the result goes into every local rank's output at once.
+      int n_out = 1;
+      outs[0] = dst + at;
+      if (direct && N() == 1) {
+        for (int q = 0; q < l; ++q) outs[std::size_t(q)] = peer_out<T>(q) + at;
+        n_out = l;
+      } else if (publish && N() == 1) {
+        outs[1] = result<T>(me);
+        n_out = 2;
+      }
       if (m) {
-        chain<T>(in, 1, m, outs, publish && N() == 1 ? 2 : 1, op);
+        chain<T>(in, 1, m, outs.data(), n_out, op);
         if (N() > 1) {
           check(MPI_Bcast(dst + at, int(m * sizeof(T)), MPI_BYTE, N() - 1, cross_),
                 "MPI_Bcast (across nodes)", rank_);
           if (publish) std::memcpy(result<T>(me), dst + at, m * sizeof(T));
+          for (int q = 0; direct && q < l; ++q)
+            if (q != me) std::memcpy(peer_out<T>(q) + at, dst + at, m * sizeof(T));
         }
       }
-      barrier(info);
-      for (int q = 0; q < l; ++q)
-        if (const auto [qa, qm] = piece(q); q != me && qm)
-          std::memcpy(dst + qa, direct ? peer_out<T>(q) + qa : result<T>(q), qm * sizeof(T));
+      if (!direct) {
+        barrier(info);
+        for (int q = 0; q < l; ++q)
+          if (const auto [qa, qm] = piece(q); q != me && qm)
+            std::memcpy(dst + qa, result<T>(q), qm * sizeof(T));
+      }
     }
     if (direct) end_direct(info);
   }
@@ -746,8 +760,9 @@ class NodeComm {
   std::vector<MPI_Request> sent_, finals_in_;
   std::size_t stream_bytes_, direct_bytes_;
   NodeHeap* heap_ = nullptr;  // the direct path's (with a segment and node_direct_bytes)
-  std::vector<const std::byte*> peer_in_, peer_out_;  // per local rank: go_direct's mappings
-  std::atomic<std::uint64_t> direct_calls_{0};        // (async calls count on the progress thread)
+  std::vector<const std::byte*> peer_in_;  // per local rank: go_direct's mappings
+  std::vector<std::byte*> peer_out_;
+  std::atomic<std::uint64_t> direct_calls_{0};  // (async calls count on the progress thread)
   int busy_ = -1;  // the area of this rank's that peers may still read (-1: none)
 };
 

@@ -1,8 +1,8 @@
 // zp/backend/node_memory.hpp: host memory that the other processes of a node can map, and
 // their mappings of it. The mpi backend's node path (mpi_node.hpp) installs NodeHeap as
 // Allocator<host>'s arena (zp/memory.hpp), so zp's large buffers (and a user's, through
-// zp::HostAllocator) can be read in place by the node's peers: a collective then copies each
-// byte once instead of twice through the staging segment.
+// zp::HostAllocator) can be read and written in place by the node's peers: a collective then
+// copies each byte once instead of twice through the staging segment.
 //
 // Each allocation of at least the heap's threshold is a memfd of its own, kept open while the
 // allocation lives so that a peer can open it through /proc/<pid>/fd (as the segment is opened).
@@ -11,7 +11,7 @@
 // first touch). Freeing truncates it first: a peer's mapping of it (NodeMappings keeps some)
 // then holds no memory, only addresses. Not while an exception unwinds: a node-path call that
 // fails on one rank ends the job (its peers are mid-call, maybe reading this buffer), and a
-// peer's read of a truncated buffer would end it with a SIGBUS instead of the error. (A buffer
+// peer's access to a truncated buffer would end it with a SIGBUS instead of the error. (A buffer
 // freed after such an exception was caught can still do that.) A descriptor per allocation: at
 // most a quarter of the process's descriptor limit as it is at the allocation (and 4096) are
 // taken, the rest are plain memory. The heap is process-wide and stays once installed: the
@@ -153,32 +153,33 @@ class NodeMappings {
   NodeMappings(const NodeMappings&) = delete;
   NodeMappings& operator=(const NodeMappings&) = delete;
   ~NodeMappings() {
-    for (const Map& m : maps_) munmap(const_cast<std::byte*>(m.base), m.bytes);
+    for (const Map& m : maps_) munmap(m.base, m.bytes);
   }
 
-  // Local rank q's (process `pid`) buffer `r`, mapped here read-only; nullptr where it cannot
-  // be (the call then takes the staging path on every rank).
-  const std::byte* map(int q, std::int32_t pid, const SharedRef& r, std::size_t peers) {
+  // Local rank q's (process `pid`) buffer `r`, mapped here for reading and writing (all_reduce
+  // writes its slice's result into every peer's output); nullptr where it cannot be (the call
+  // then takes the staging path on every rank).
+  std::byte* map(int q, std::int32_t pid, const SharedRef& r, std::size_t peers) {
     for (auto it = maps_.begin(); it != maps_.end(); ++it)
       if (it->q == q && it->pid == pid && it->id == r.id) {
         std::rotate(it, it + 1, maps_.end());  // now the most recently used
         return maps_.back().base + r.offset;
       }
     const std::string path = detail::cat("/proc/", pid, "/fd/", r.fd);
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);  // peers' buffers are only read
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return nullptr;
     struct stat st {};
     void* p = fstat(fd, &st) == 0 && std::uint64_t(st.st_ino) == r.inode &&
                       std::uint64_t(st.st_size) >= r.bytes
-                  ? mmap(nullptr, r.bytes, PROT_READ, MAP_SHARED, fd, 0)
+                  ? mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                   : MAP_FAILED;
     close(fd);
     if (p == MAP_FAILED) return nullptr;
     if (maps_.size() >= per_peer * peers) {
-      munmap(const_cast<std::byte*>(maps_.front().base), maps_.front().bytes);
+      munmap(maps_.front().base, maps_.front().bytes);
       maps_.erase(maps_.begin());
     }
-    maps_.push_back({q, pid, r.id, static_cast<const std::byte*>(p), r.bytes});
+    maps_.push_back({q, pid, r.id, static_cast<std::byte*>(p), r.bytes});
     return maps_.back().base + r.offset;
   }
 
@@ -187,7 +188,7 @@ class NodeMappings {
     int q;
     std::int32_t pid;
     std::uint64_t id;
-    const std::byte* base;
+    std::byte* base;
     std::size_t bytes;
   };
   std::vector<Map> maps_;
