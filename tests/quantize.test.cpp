@@ -6,7 +6,8 @@
 // value; every code byte and scale is written (poisoned first); a block with an inf or NaN
 // dequantizes to NaN and leaves the other blocks exact; bad formats and sizes are errors. qgZ's
 // two-hop reduce_scatter (quantized_collectives.hpp) on several node layouts against the float64
-// sum within its quantization bounds. The AVX2 paths (int8, int4) against the portable one, bit for bit.
+// sum within its quantization bounds. The AVX-512 and AVX2 paths (int8, int4) against the portable
+// one, bit for bit; codes under a subnormal scale rounded below absmax / qmax clamped on each.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <limits>
 #include <random>
 #include <utility>
@@ -288,63 +290,102 @@ TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable wo
            {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(32), std::size_t(64),
             std::size_t(256), std::size_t(bits == Bits::int8 ? 19 : 18)})
         for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001),
-                              std::size_t(2085)}) {
-          CAPTURE(int(bits));
-          CAPTURE(block);
-          CAPTURE(n);
-          const Format f{.bits = bits, .block = block};
-          std::vector<T> x(n);
-          std::uniform_real_distribution<double> near_scale(0.1, 10.0);
-          double c = 1;  // the scale of a block of near-ties
-          for (std::size_t i = 0; i < n; ++i) {
-            const std::size_t b = i / block;
-            if (i % block == 0) c = near_scale(rng);
-            // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
-            // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
-            // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
-            // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
-            const int qmax = f.qmax();
-            const double tie =
-                i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;
-            const double v = b % 6 == 1   ? 0.0
-                             : b % 6 == 3 ? normal(rng) * 1e-38
-                             : b % 6 == 2 ? tie
-                             : b % 6 == 4 ? tie * c
-                                          : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
-            x[i] = T(float(v));
+                              std::size_t(2085)})
+          // special: zeros, subnormal scales, an inf and a NaN among the blocks; else every
+          // scale normal, so that sixteen blocks in a row take AVX-512's path for small blocks.
+          for (bool special : {true, false}) {
+            CAPTURE(int(bits));
+            CAPTURE(block);
+            CAPTURE(n);
+            CAPTURE(special);
+            const Format f{.bits = bits, .block = block};
+            std::vector<T> x(n);
+            std::uniform_real_distribution<double> near_scale(0.1, 10.0);
+            double c = 1;  // the scale of a block of near-ties
+            for (std::size_t i = 0; i < n; ++i) {
+              const std::size_t b = i / block;
+              if (i % block == 0) c = near_scale(rng);
+              // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
+              // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
+              // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
+              // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
+              const int qmax = f.qmax();
+              const double tie =
+                  i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;
+              const double v = special && b % 6 == 1   ? 0.0
+                               : special && b % 6 == 3 ? normal(rng) * 1e-38
+                               : b % 6 == 2            ? tie
+                               : b % 6 == 4            ? tie * c
+                                            : normal(rng) * std::pow(10.0, double(int(b % 7) - 3));
+              x[i] = T(float(v));
+            }
+            if (special && n > 600) {
+              x[300] = T(std::numeric_limits<float>::infinity());
+              x[500] = T(std::numeric_limits<float>::quiet_NaN());
+            }
+            std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(f.code_bytes(n), 0xAA),
+                                              std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
+            std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
+                                       std::vector<float>(f.blocks(n), -2.0f)};
+            std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
+            std::vector<float> acc[2];
+            for (int k = 0; k < 2; ++k) {
+              const auto path = k ? zp::quant::Path::portable : vector_path;
+              zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
+              zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]),
+                                    std::span<const float>(s[k]), std::span(back[k]), path);
+              acc[k].assign(n, 0.25f);
+              zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
+                                        std::span<const float>(s[k]), std::span(acc[k]), path);
+            }
+            CHECK(q[0] == q[1]);
+            CHECK((n == 0 ||
+                   std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
+            CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
+            for (std::size_t i = 0; i < n; ++i) {
+              const float a = float(back[0][i]), b = float(back[1][i]);
+              if (std::isnan(b))
+                REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
+              else
+                REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
+            }
           }
-          if (n > 600) {
-            x[300] = T(std::numeric_limits<float>::infinity());
-            x[500] = T(std::numeric_limits<float>::quiet_NaN());
-          }
-          std::vector<std::uint8_t> q[2] = {std::vector<std::uint8_t>(f.code_bytes(n), 0xAA),
-                                            std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
-          std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
-                                     std::vector<float>(f.blocks(n), -2.0f)};
-          std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
-          std::vector<float> acc[2];
-          for (int k = 0; k < 2; ++k) {
-            const auto path = k ? zp::quant::Path::portable : vector_path;
-            zp::quant::quantize(std::span<const T>(x), f, std::span(q[k]), std::span(s[k]), path);
-            zp::quant::dequantize(f, std::span<const std::uint8_t>(q[k]),
-                                  std::span<const float>(s[k]), std::span(back[k]), path);
-            acc[k].assign(n, 0.25f);
-            zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q[k]),
-                                      std::span<const float>(s[k]), std::span(acc[k]), path);
-          }
-          CHECK(q[0] == q[1]);
-          CHECK(
-              (n == 0 || std::memcmp(s[0].data(), s[1].data(), s[0].size() * sizeof(float)) == 0));
-          CHECK((n == 0 || std::memcmp(acc[0].data(), acc[1].data(), n * sizeof(float)) == 0));
-          for (std::size_t i = 0; i < n; ++i) {
-            const float a = float(back[0][i]), b = float(back[1][i]);
-            if (std::isnan(b))
-              REQUIRE(std::isnan(a));  // fp16 may keep another NaN payload
-            else
-              REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
-          }
-        }
   }
+}
+
+TEST_CASE("a subnormal scale rounded far below absmax / qmax clamps its codes on every path") {
+  // fp32 values k x 2^-149 with |k| up to K, qmax < K < 1.5 qmax: the scale K / qmax x 2^-149
+  // rounds to 2^-149, so x / scale = k, past qmax where |k| > qmax. Such codes are qmax with
+  // x's sign (not wrapped, not the other path's saturation), and every path agrees.
+  std::mt19937_64 rng(zp::test::fresh_seed());
+  std::vector<zp::quant::Path> paths = vector_paths();
+  paths.push_back(zp::quant::Path::portable);
+  for (Bits bits : {Bits::int8, Bits::int4})
+    for (const auto path : paths) {
+      CAPTURE(int(bits));
+      CAPTURE(std::string(zp::optim::cpu::name(zp::quant::detail::isa(path))));
+      const Format f{.bits = bits, .block = 64};
+      const int qmax = f.qmax();
+      std::uniform_int_distribution<int> big(qmax + 1, qmax + qmax / 2);
+      const std::size_t n = 5 * f.block + 3;
+      std::vector<float> x(n);
+      std::vector<int> k(n);
+      for (std::size_t b = 0; b < f.blocks(n); ++b) {
+        const int top = big(rng);
+        std::uniform_int_distribution<int> any(-top, top);
+        for (std::size_t i = b * f.block; i < std::min(n, (b + 1) * f.block); ++i)
+          k[i] = i == b * f.block ? (b % 2 ? -top : top) : any(rng);
+      }
+      for (std::size_t i = 0; i < n; ++i) x[i] = float(std::ldexp(double(k[i]), -149));
+      std::vector<std::uint8_t> q(f.code_bytes(n), 0xAA);
+      std::vector<float> s(f.blocks(n), -1.0f);
+      zp::quant::quantize(std::span<const float>(x), f, std::span(q), std::span(s), path);
+      for (std::size_t b = 0; b < f.blocks(n); ++b) REQUIRE(s[b] == 0x1p-149f);
+      for (std::size_t i = 0; i < n; ++i) {
+        CAPTURE(k[i]);
+        REQUIRE(code_of(q, bits, i) == std::clamp(k[i], -qmax, qmax));
+      }
+    }
 }
 
 // A 16-byte-aligned window of n values inside v (which holds n + 8).

@@ -3,8 +3,9 @@
 //
 // A tensor of n values (float, bf16 or fp16) is cut into blocks of `block` values (the last one
 // short). Block k has one fp32 scale, its largest |x| over qmax (127 for int8, 7 for int4), and
-// each value becomes q = x * (1 / scale) rounded to the nearest integer, ties to even, so that
-// |x - q * scale| <= absmax / (2 qmax) up to fp32 rounding. int8 codes take a byte each; int4
+// each value becomes q = x * (1 / scale), the exact product rounded to the nearest integer, ties
+// to even (one fused multiply-add), so that |x - q * scale| <= absmax / (2 qmax) up to fp32
+// rounding. int8 codes take a byte each; int4
 // codes two per byte, the lower nibble first (two's complement), and `block` must then be even so
 // that every block starts on a byte. A block with an inf or NaN gets a NaN scale and dequantizes
 // to NaN throughout: the overflow the loss scaler sees, never finite garbage.
@@ -18,8 +19,8 @@
 // QuantizeBlock and DequantizeBlock are the work items (one block each) that a device launches
 // with zp::device::launch; the host functions here run them in a loop, or, on a CPU with
 // AVX-512 or AVX2 (checked at run time), the same math 16 values at a time with bitwise the same
-// results (IEEE products, the conversion rounding to nearest even as rintf does; a NaN stored as
-// fp16 may keep another payload). Path::portable forces the loop of work items, Path::avx2 the
+// results (IEEE fused multiply-adds and products; a NaN stored as fp16 may keep another
+// payload). Path::portable forces the loop of work items, Path::avx2 the
 // AVX2 loops.
 // dequantize writes an output of detail::stream_min_bytes or more with streaming stores (where
 // it is 16-byte aligned and blocks keep that alignment): no read of each line before it is
@@ -71,16 +72,36 @@ ZP_HOST_DEVICE inline int code(const std::uint8_t* q, Bits bits, std::size_t i) 
   return nib >= 8 ? nib - 16 : nib;
 }
 
-// x / scale rounded to the nearest integer, ties to even (rintf in the default rounding mode),
-// as x times 1 / scale: one division per block, not per value. The product is within 2^-16 of
-// the quotient (|x / scale| <= qmax <= 127, two roundings of 2^-24). A scale under 2^-128,
-// whose reciprocal overflows, divides; a zero scale (every x zero) multiplies by zero.
+// x / scale rounded to the nearest integer, ties to even, as the exact product x * (1 / scale)
+// so rounded: one division per block, not per value, and one fused multiply-add per value. The
+// product is within 2^-16 of the quotient (|x / scale| <= qmax <= 127, the reciprocal's
+// rounding of 2^-24). The sum with `magic`, an fp32 whose ulp is 1, rounds it to that integer
+// and keeps it in its low bits (two's complement modulo 2^22), which the SIMD loops narrow with
+// no conversion. A scale under 2^-128, whose reciprocal overflows, divides, and its quotient is
+// clamped to [-qmax, qmax]: such a scale may be a subnormal rounded far below absmax / qmax. A
+// zero scale (every x zero) multiplies by zero.
 struct Divisor {
-  float scale, inverse;
+  static constexpr float magic = 0x1.8p23f;
+  float scale, inverse, qmax;
   bool divide;
-  ZP_HOST_DEVICE explicit Divisor(float s)
-      : scale(s), inverse(s == 0 ? 0.0f : 1.0f / s), divide(!(inverse < INFINITY)) {}
-  ZP_HOST_DEVICE int code(float x) const { return int(::rintf(divide ? x / scale : x * inverse)); }
+  ZP_HOST_DEVICE Divisor(float s, int q)
+      : scale(s),
+        inverse(s == 0 ? 0.0f : 1.0f / s),
+        qmax(float(q)),
+        divide(!(inverse < INFINITY)) {}
+  // A scale whose reciprocal inv = 1 / s is known to be finite (no branch on it where inlined).
+  static Divisor multiplying(float s, float inv, int q) {
+    Divisor d(0, q);
+    d.scale = s;
+    d.inverse = inv;
+    return d;
+  }
+  ZP_HOST_DEVICE float biased(float x) const {  // magic + the code, exactly
+    if (!divide) return ::fmaf(x, inverse, magic);
+    const float t = x / scale;  // finite: x and scale are
+    return (t < -qmax ? -qmax : t > qmax ? qmax : t) + magic;
+  }
+  ZP_HOST_DEVICE int code(float x) const { return int(biased(x) - magic); }
 };
 
 // Codes of x[i, hi) of a finite block (int4: i even, so whole bytes): the work item's loop, and
@@ -141,7 +162,7 @@ struct QuantizeBlock {
     const float scale = finite ? absmax / float(f.qmax()) : NAN;
     scales[k] = scale;
     if (finite)
-      detail::write_codes(x, lo, hi, f.bits, detail::Divisor(scale), codes);
+      detail::write_codes(x, lo, hi, f.bits, detail::Divisor(scale, f.qmax()), codes);
     else
       detail::zero_codes(codes, f.bits, lo, hi);
   }
@@ -281,11 +302,18 @@ struct Avx2 {
     return m;
   }
 
-  // 8 codes of x[i, i + 8), as int32 lanes.
+  // 8 codes of x[i, i + 8), as int32 lanes (Divisor::biased, less its magic).
   template <class T>
   [[ZP_TARGET_AVX2]] static __m256i code8(const T* x, const Divisor& d, __m256 s, __m256 inv) {
-    const __m256 v = simd::load(x, std::type_identity<V>{}).v;
-    return _mm256_cvtps_epi32(d.divide ? _mm256_div_ps(v, s) : _mm256_mul_ps(v, inv));
+    const __m256 v = simd::load(x, std::type_identity<V>{}).v, magic = _mm256_set1_ps(d.magic);
+    __m256 b;
+    if (d.divide) {
+      const __m256 q = _mm256_set1_ps(d.qmax);
+      b = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v, s), -q), q), magic);
+    } else {
+      b = _mm256_fmadd_ps(v, inv, magic);
+    }
+    return _mm256_sub_epi32(_mm256_castps_si256(b), _mm256_castps_si256(magic));
   }
 
   template <Bits B, bool Stream, class T>
@@ -421,61 +449,82 @@ struct Avx512 {
         scales, _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, big, _mm512_set1_ps(float(qmax))));
   }
 
-  // The codes of 16 values, as int32 lanes.
-  [[ZP_TARGET_AVX512]] static __m512i code16(__m512 v, const Divisor& d, __m512 s, __m512 inv) {
-    return _mm512_cvtps_epi32(d.divide ? _mm512_div_ps(v, s) : _mm512_mul_ps(v, inv));
+  // The codes of sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T),
+  // which codes() takes whole) with scales[0, 16), if every one multiplies (no zero, NaN or
+  // tiny scale; else false, and nothing written): one vector division for their reciprocals,
+  // and no branch per block.
+  template <Bits B, bool Stream, class T>
+  [[ZP_TARGET_AVX512]] static bool codes16_blocks(const T* x, std::size_t lo, std::size_t block,
+                                                  int qmax, const float* scales,
+                                                  std::uint8_t* out) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(scales));
+    if (_mm512_cmp_ps_mask(inv, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) != 0xffff) return false;
+    alignas(64) float r[16];
+    _mm512_store_ps(r, inv);
+    for (std::size_t j = 0; j < 16; ++j)
+      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block,
+                       Divisor::multiplying(scales[j], r[j], qmax), out);
+    return true;
   }
-  // 16 codes of x[i, i + 16), as int32 lanes.
+
+  // Divisor::biased of 16 values: each lane's low 16 bits are its code (two's complement).
+  [[ZP_TARGET_AVX512]] static __m512i biased16(__m512 v, const Divisor& d, __m512 s, __m512 inv) {
+    const __m512 magic = _mm512_set1_ps(d.magic);
+    if (d.divide) {
+      const __m512 q = _mm512_set1_ps(d.qmax);
+      return _mm512_castps_si512(
+          _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, s), -q), q), magic));
+    }
+    return _mm512_castps_si512(_mm512_fmadd_ps(v, inv, magic));
+  }
   template <class T>
-  [[ZP_TARGET_AVX512]] static __m512i code16(const T* x, const Divisor& d, __m512 s, __m512 inv) {
-    return code16(simd::load(x, std::type_identity<V>{}).v, d, s, inv);
+  [[ZP_TARGET_AVX512]] static __m512i biased16(const T* x, const Divisor& d, __m512 s, __m512 inv) {
+    return biased16(simd::load(x, std::type_identity<V>{}).v, d, s, inv);
   }
 
   template <Bits B, bool Stream, class T>
   [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
                                                 const Divisor& d, std::uint8_t* out) {
     const __m512 s = _mm512_set1_ps(d.scale), inv = _mm512_set1_ps(d.inverse);
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
     std::size_t i = lo;
+    // int4, 32 codes a step: each 32-bit lane's low byte gets two codes' nibbles (by one
+    // ternary-logic select), then 16 lanes narrow to 16 bytes.
     if constexpr (std::is_same_v<T, bf16> && B == Bits::int4) {
-      // 32 values a load: a bf16 with 16 zero bits below is its fp32, so interleaving zeros in
-      // gives each 128-bit lane's first four values, then its last four, and packing the two
-      // halves' codes to 16 bits puts all 32 in order, each 32-bit lane's two nibbles then into
-      // its low byte. Fewer instructions than widening 16 at a time, which matters where these
-      // loops and not the memory set the pace (small blocks). int8 codes made so (narrowed from
-      // 16 bits) measured slower, so int8 keeps the loop below (bench/RESULTS.md).
-      const __m512i z = _mm512_setzero_si512();
+      // A bf16 is the upper half of its fp32: each 32-bit lane of a load holds code 2j's value
+      // in its lower half and 2j + 1's in its upper half, so shifting and masking widen them in
+      // place, with no reordering.
       for (; i + 32 <= hi; i += 32) {
         prefetch(x + i);
         const __m512i v = _mm512_loadu_si512(x + i);
-        const __m512i w =
-            _mm512_packs_epi32(code16(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v)), d, s, inv),
-                               code16(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v)), d, s, inv));
-        const __m512i b =
-            _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0f), w, _mm512_srli_epi32(w, 12), 0xca);
+        const __m512i even = biased16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, s, inv),
+                      odd = biased16(
+                          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))), d, s,
+                          inv);
+        const __m512i b = _mm512_ternarylogic_epi32(nibble, even, _mm512_slli_epi32(odd, 4), 0xca);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(b));
       }
     } else if constexpr (B == Bits::int4) {
-      // 32 codes a step: packed to 16-bit lanes (in-lane order), each 32-bit lane's two nibbles
-      // into its low byte, 16 bytes narrowed and put in order.
-      const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+      // The two vectors' low 16 bits, in order, then each 32-bit lane's upper code shifted down.
+      const __m512i low_halves =
+          _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
+                           26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
       for (; i + 32 <= hi; i += 32) {
         prefetch(x + i);
         if constexpr (sizeof(T) == 4) prefetch(x + i + 16);
-        const __m512i w =
-            _mm512_packs_epi32(code16(x + i, d, s, inv), code16(x + i + 16, d, s, inv));
-        const __m512i b =
-            _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0f), w, _mm512_srli_epi32(w, 12), 0xca);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2),
-                         _mm_shuffle_epi8(_mm512_cvtepi32_epi8(b), order));
+        const __m512i w = _mm512_permutex2var_epi16(biased16(x + i, d, s, inv), low_halves,
+                                                    biased16(x + i + 16, d, s, inv));
+        const __m512i b = _mm512_ternarylogic_epi32(nibble, w, _mm512_srli_epi32(w, 12), 0xca);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(b));
       }
     }
     for (; i + 16 <= hi; i += 16) {
       prefetch(x + i);
-      const __m512i q = code16(x + i, d, s, inv);
+      const __m512i q = biased16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
-        store_code_bytes<B, Stream>(_mm512_cvtsepi32_epi8(q), out + i);
-      } else {  // 64-bit lane j holds codes 2j, 2j+1 (in [-7, 7]): their nibbles into byte j
-        const __m512i t = _mm512_and_si512(q, _mm512_set1_epi32(0xf));
+        store_code_bytes<B, Stream>(_mm512_cvtepi32_epi8(q), out + i);
+      } else {  // 64-bit lane j holds codes 2j, 2j+1: their nibbles into byte j
+        const __m512i t = _mm512_and_si512(q, nibble);
         store_code_bytes<B, Stream>(
             _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28))), out + i / 2);
       }
@@ -565,7 +614,7 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
       zero_codes(codes, B, lo, hi);
       return;
     }
-    const Divisor d(scale);
+    const Divisor d(scale, qmax);
     write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes), hi, B, d, codes);
   };
   std::size_t k = 0, lo = 0;
@@ -577,8 +626,9 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
     if (block % (64 / sizeof(T)) == 0 && block * sizeof(T) <= 128)
       for (; n - lo >= 16 * block; k += 16, lo += 16 * block) {
         Simd::scales16(x, lo, block, qmax, scales + k);
-        for (std::size_t j = 0; j < 16; ++j)
-          write(lo + j * block, lo + (j + 1) * block, scales[k + j]);
+        if (!Simd::template codes16_blocks<B, Stream>(x, lo, block, qmax, scales + k, codes))
+          for (std::size_t j = 0; j < 16; ++j)
+            write(lo + j * block, lo + (j + 1) * block, scales[k + j]);
       }
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
