@@ -5,10 +5,10 @@
 // short). Block k has one fp32 scale, its largest |x| over qmax (127 for int8, 7 for int4), and
 // each value becomes q = x * (1 / scale), the exact product rounded to the nearest integer, ties
 // to even (one fused multiply-add), so that |x - q * scale| <= absmax / (2 qmax) up to fp32
-// rounding. int8 codes take a byte each; int4
-// codes two per byte, the lower nibble first (two's complement), and `block` must then be even so
-// that every block starts on a byte. A block with an inf or NaN gets a NaN scale and dequantizes
-// to NaN throughout: the overflow the loss scaler sees, never finite garbage.
+// rounding. int8 codes take a byte each; int4 codes two per byte, the lower nibble first (two's
+// complement), and `block` must then be even so that every block starts on a byte. A block with
+// an inf or NaN gets a NaN scale and dequantizes to NaN throughout: the overflow the loss scaler
+// sees, never finite garbage.
 //
 //   zp::quant::Format f{.bits = zp::quant::Bits::int8, .block = 256};
 //   std::vector<std::uint8_t> q(f.code_bytes(n));  std::vector<float> s(f.blocks(n));
@@ -20,8 +20,7 @@
 // with zp::device::launch; the host functions here run them in a loop, or, on a CPU with
 // AVX-512 or AVX2 (checked at run time), the same math 16 values at a time with bitwise the same
 // results (IEEE fused multiply-adds and products; a NaN stored as fp16 may keep another
-// payload). Path::portable forces the loop of work items, Path::avx2 the
-// AVX2 loops.
+// payload). Path::portable forces the loop of work items, Path::avx2 the AVX2 loops.
 // dequantize writes an output of detail::stream_min_bytes or more with streaming stores (where
 // it is 16-byte aligned and blocks keep that alignment): no read of each line before it is
 // written, and the output not left in the caches; quantize writes its codes so when it reads and
@@ -97,9 +96,19 @@ struct Divisor {
     return d;
   }
   ZP_HOST_DEVICE float biased(float x) const {  // magic + the code, exactly
-    if (!divide) return ::fmaf(x, inverse, magic);
-    const float t = x / scale;  // finite: x and scale are
-    return (t < -qmax ? -qmax : t > qmax ? qmax : t) + magic;
+    if (divide) {
+      const float t = x / scale;  // finite: x and scale are
+      return (t < -qmax ? -qmax : t > qmax ? qmax : t) + magic;
+    }
+#ifdef __CUDA_ARCH__
+    return ::fmaf(x, inverse, magic);
+#else
+    // The same rounding where fmaf may be a library call (x86-64's baseline has no fma): the
+    // product is exact in double, and adding 1.5 x 2^52 (ulp 1) rounds it to an integer once,
+    // fused into an fma or not.
+    const double p = double(x) * double(inverse) + 0x1.8p52;
+    return float(p - 0x1.8p52) + magic;
+#endif
   }
   ZP_HOST_DEVICE int code(float x) const { return int(biased(x) - magic); }
 };
