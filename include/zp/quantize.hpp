@@ -89,12 +89,8 @@ struct Divisor {
         qmax(float(q)),
         divide(!(inverse < INFINITY)) {}
   // A scale whose reciprocal inv = 1 / s is known to be finite (no branch on it where inlined).
-  static Divisor multiplying(float s, float inv, int q) {
-    Divisor d(0, q);
-    d.scale = s;
-    d.inverse = inv;
-    return d;
-  }
+  ZP_HOST_DEVICE Divisor(float s, float inv, int q)
+      : scale(s), inverse(inv), qmax(float(q)), divide(false) {}
   ZP_HOST_DEVICE float biased(float x) const {  // magic + the code, exactly
     if (divide) {
       const float t = x / scale;  // finite: x and scale are
@@ -471,8 +467,8 @@ struct Avx512 {
     alignas(64) float r[16];
     _mm512_store_ps(r, inv);
     for (std::size_t j = 0; j < 16; ++j)
-      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block,
-                       Divisor::multiplying(scales[j], r[j], qmax), out);
+      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block, Divisor(scales[j], r[j], qmax),
+                       out);
     return true;
   }
 
@@ -733,8 +729,8 @@ bool streams(Path p, const T* out, std::size_t n, std::size_t block) noexcept {
 
 // Whether quantize writes the int8 codes of n values of T at `codes` with streaming stores: when
 // the call reads and writes stream_min_bytes or more (by its end its first codes have left the
-// cache anyway), and every block's codes start 16-byte aligned. (int4's 8-byte non-temporal
-// stores measured slower than plain ones.)
+// cache anyway), and every block's codes start 16-byte aligned. (int4's non-temporal stores
+// measured slower than plain ones: 8 bytes a store, and 16 no faster; bench/RESULTS.md.)
 template <class T>
 bool streams_codes(Path p, const std::uint8_t* codes, std::size_t n, const Format& f) noexcept {
   return (p == Path::best || p == Path::avx2) && f.bits == Bits::int8 &&
