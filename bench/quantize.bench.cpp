@@ -18,6 +18,11 @@
 //   (the AVX-512 loops' baseline), /portable rows the scalar work items, and /cached rows the
 //   best loops with plain stores (the streaming stores' baseline; quantize streams int8 codes
 //   here too, as it reads and writes more than stream_min_bytes).
+// quant/pass/absmax/<type>/block:B and quant/pass/codes_from_l1/<type>/<bits>/block:B (AVX-512
+//   only): quantize's two passes apart, the time of a quantize row split. absmax: the first pass
+//   alone over the row's 32M values from memory (GBps = x's bytes per second, read_fraction
+//   against read_GBps); codes_from_l1: the second pass over 16 KB of x, repeated for as many
+//   values (ms per 32M values, with one fixed normal scale): the codes' own work, no memory.
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
 
@@ -112,6 +117,82 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   state.counters["wrong"] = double(wrong);
 }
 
+#if ZP_OPTIM_X86
+namespace qd = zp::quant::detail;
+
+template <class T>
+[[ZP_TARGET_AVX512, gnu::flatten]] std::uint32_t absmax_pass(const T* x, std::size_t n,
+                                                             std::size_t block) {
+  std::uint32_t m = 0;
+  for (std::size_t lo = 0; lo < n; lo += block)
+    m = std::max(m, qd::Avx512::absmax_bits(x, lo, std::min(n, lo + block)));
+  return m;
+}
+
+template <Bits B, class T>
+[[ZP_TARGET_AVX512, gnu::flatten]] void codes_pass(const T* x, std::size_t n, std::size_t block,
+                                                   std::uint8_t* codes) {
+  const qd::Divisor d(0.25f, B == Bits::int8 ? 127 : 7);
+  for (std::size_t lo = 0; lo < n; lo += block)
+    qd::Avx512::codes<B, false>(x, lo, std::min(n, lo + block), d, codes);
+}
+
+template <class T>
+void bench_pass(benchmark::State& state, bool absmax, Bits bits, std::size_t block, std::size_t n) {
+  if (!zp::optim::cpu::supported(qd::Isa::avx512)) {
+    state.SkipWithError("this CPU has no AVX-512");
+    return;
+  }
+  const std::size_t l1 = 16384 / sizeof(T);  // values whose x stays in L1
+  std::mt19937_64 rng(n * 37 + block);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<T> x(absmax ? n : l1);
+  for (auto& v : x) v = T(normal(rng));
+  std::vector<std::uint8_t> codes(x.size());
+  const double read_limit = absmax ? zp::bench::read_gbps(n * sizeof(T)) : 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    if (absmax) {
+      benchmark::DoNotOptimize(absmax_pass(x.data(), n, block));
+    } else {
+      for (std::size_t r = 0; r < n / l1; ++r)
+        bits == Bits::int8 ? codes_pass<Bits::int8>(x.data(), l1, block, codes.data())
+                           : codes_pass<Bits::int4>(x.data(), l1, block, codes.data());
+      benchmark::DoNotOptimize(codes.data());
+    }
+    benchmark::ClobberMemory();
+  }
+  if (absmax) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double gb = double(n * sizeof(T)) * double(state.iterations()) * 1e-9;
+    state.counters["GBps"] = benchmark::Counter(gb, benchmark::Counter::kIsRate);
+    state.counters["read_GBps"] = read_limit;
+    state.counters["read_fraction"] = gb / seconds / read_limit;
+  }
+}
+
+template <class T>
+void register_passes(const char* type, std::size_t n) {
+  for (std::size_t block : {std::size_t(64), std::size_t(512), std::size_t(2048)}) {
+    const std::string tail = "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
+    benchmark::RegisterBenchmark(
+        (std::string("quant/pass/absmax/") + type + tail).c_str(),
+        [=](benchmark::State& s) { bench_pass<T>(s, true, Bits::int8, block, n); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    for (Bits bits : {Bits::int8, Bits::int4})
+      benchmark::RegisterBenchmark(
+          (std::string("quant/pass/codes_from_l1/") + type +
+           (bits == Bits::int8 ? "/int8" : "/int4") + tail)
+              .c_str(),
+          [=](benchmark::State& s) { bench_pass<T>(s, false, bits, block, n); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+  }
+}
+#endif
+
 template <class T>
 void register_type(const char* type) {
   constexpr std::size_t n = std::size_t(1) << 25;  // 32M values: 64 MB or more, out of the caches
@@ -135,6 +216,9 @@ void register_type(const char* type) {
               ->UseRealTime()
               ->Unit(benchmark::kMillisecond);
         }
+#if ZP_OPTIM_X86
+  register_passes<T>(type, n);
+#endif
 }
 
 }  // namespace

@@ -3,12 +3,11 @@
 //
 // A tensor of n values (float, bf16 or fp16) is cut into blocks of `block` values (the last one
 // short). Block k has one fp32 scale, its largest |x| over qmax (127 for int8, 7 for int4), and
-// each value becomes q = x * (1 / scale), the exact product rounded to the nearest integer, ties
-// to even (one fused multiply-add), so that |x - q * scale| <= absmax / (2 qmax) up to fp32
-// rounding. int8 codes take a byte each; int4 codes two per byte, the lower nibble first (two's
-// complement), and `block` must then be even so that every block starts on a byte. A block with
-// an inf or NaN gets a NaN scale and dequantizes to NaN throughout: the overflow the loss scaler
-// sees, never finite garbage.
+// each value becomes q = x * (1 / scale), the exact product rounded to the nearest integer, ties to
+// even (Divisor), so that |x - q * scale| <= absmax / (2 qmax) up to fp32 rounding. int8 codes take
+// a byte each; int4 codes two per byte, the lower nibble first (two's complement), and `block` must
+// then be even so that every block starts on a byte. A block with an inf or NaN gets a NaN scale
+// and dequantizes to NaN throughout: the overflow the loss scaler sees, never finite garbage.
 //
 //   zp::quant::Format f{.bits = zp::quant::Bits::int8, .block = 256};
 //   std::vector<std::uint8_t> q(f.code_bytes(n));  std::vector<float> s(f.blocks(n));
