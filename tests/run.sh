@@ -4,8 +4,9 @@
 #         present) and every test: cpu, mpi (under mpiexec), package, sim (the device code on
 #         the simulated device, several scheduler seeds, and the mutation table), gpu (skipped
 #         without one)
-#   asan  ASan + UBSan build of the tests labelled 'sanitize' (host and simulated device)
-#   tsan  TSan build of the same tests
+#   asan  ASan + UBSan build of the tests labelled 'sanitize' (host and simulated device) or 'asan'
+#         (programs that start no thread)
+#   tsan  TSan build of those labelled 'sanitize'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash cmake/install-deps.sh tests

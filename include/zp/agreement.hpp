@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/function_ref.hpp"
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
 
@@ -95,9 +96,11 @@ bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
 // rank throws: a failing rank its own error, the others one naming the first failing rank, its
 // error's category and (at most 4 KiB of) its message. f must not communicate. word: one element
 // of the backend's memory for the check that runs every time, so that the call allocates
-// nothing unless a rank failed (empty: staged through a fresh buffer).
-template <Backend B, class F>
-void on_every_rank(Collective<B>& comm, F&& f, std::span<double> word = {}) {
+// nothing unless a rank failed (empty: staged through a fresh buffer). Compiled once per
+// backend, not per caller's f (a FunctionRef).
+template <Backend B>
+void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
+                   std::span<double> word = {}) {
   std::exception_ptr err;
   std::string msg;
   Errc category = Errc::io;
@@ -139,8 +142,8 @@ void on_every_rank(Collective<B>& comm, F&& f, std::span<double> word = {}) {
 
 // on_every_rank over an engine's grid (its data-parallel group, then its model-parallel one):
 // a failure on any rank of the grid is an error on every rank.
-template <class E, class F>
-void on_every_grid_rank(E& engine, F&& f, std::span<double> word = {}) {
+template <class E>
+void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<double> word = {}) {
   auto* mp = engine.model_parallel();
   if (!mp) return on_every_rank(engine.comm(), f, word);
   std::exception_ptr err;

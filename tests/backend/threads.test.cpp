@@ -19,7 +19,10 @@ using zp::backend::World;
 
 using zp::test::fresh_seed;
 
-TEST_CASE("every operation and element type matches the serial reference at every world size") {
+// The suite "bulk": long, and no clock in them, so ctest runs them beside other tests (the rest of
+// this file bounds wall-clock times and runs alone: tests/CMakeLists.txt).
+TEST_CASE("every operation and element type matches the serial reference at every world size" *
+          doctest::test_suite("bulk")) {
   for (int ranks : {1, 2, 3, 4, 8}) {
     for (std::size_t n : {0, 1, 7, 64, 1000, 4099}) {
       const auto seed = fresh_seed();
@@ -29,7 +32,8 @@ TEST_CASE("every operation and element type matches the serial reference at ever
   }
 }
 
-TEST_CASE("a million-element operation with a count not divisible by the world size is exact") {
+TEST_CASE("a million-element operation with a count not divisible by the world size is exact" *
+          doctest::test_suite("bulk")) {
   for (int ranks : {3, 4}) {
     const auto seed = fresh_seed();
     const std::size_t n = 1000003;

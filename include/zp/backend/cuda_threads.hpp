@@ -382,8 +382,8 @@ static_assert(Backend<CudaThreads>);
 // Runs fn(Collective<CudaThreads>&) on `ranks` threads driving `device`, each rank with its own
 // compute stream as its current stream (zp::device::StreamScope), and joins them; failures as
 // run_threads.
-template <class F>
-void run_cuda_threads(int ranks, F&& fn, int device = 0, ThreadsOptions opt = {}) {
+inline void run_cuda_threads(int ranks, detail::FunctionRef<void(Collective<CudaThreads>&)> fn,
+                             int device = 0, ThreadsOptions opt = {}) {
   run_threads(
       ranks,
       [&](Collective<Threads>& host) {

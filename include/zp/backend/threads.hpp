@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/function_ref.hpp"
 #include "zp/detail/progress.hpp"
 #include "zp/detail/reduce.hpp"
 #include "zp/detail/spin.hpp"
@@ -572,10 +573,9 @@ struct Op {
     }
   }
 };
-}  // namespace threads_detail
 
-template <class F>
-void run_threads(int ranks, F&& fn, World::Options opt = {});
+struct Finish;  // lets run_threads end a rank (Threads::finish is private)
+}  // namespace threads_detail
 
 // The backend. One per rank; move-only. Destroying it while it is still a member (not moved
 // from) tells the other ranks it has left: any of them still inside, or later entering, a
@@ -704,8 +704,7 @@ class Threads {
   // blocking call runs on the caller's thread once the earlier async ones are done, so the order
   // every rank sees is the order it issued.
 
-  template <class F>
-  friend void run_threads(int ranks, F&& fn, World::Options opt);
+  friend struct threads_detail::Finish;
 
   // run_threads' last rendezvous: every rank's function returned.
   void finish() {
@@ -947,11 +946,17 @@ class Threads {
 
 static_assert(Backend<Threads>);
 
+namespace threads_detail {
+struct Finish {
+  static void of(Threads& rank) { rank.finish(); }
+};
+}  // namespace threads_detail
+
 // Runs fn(Collective<Threads>&) on `ranks` threads and joins them. If any rank throws, the
 // communicator is poisoned so the others fail fast, and the first failure (not the aborts it
 // caused) is rethrown here.
-template <class F>
-void run_threads(int ranks, F&& fn, World::Options opt) {
+inline void run_threads(int ranks, detail::FunctionRef<void(Collective<Threads>&)> fn,
+                        World::Options opt = {}) {
   auto world = World::create(ranks, opt);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
   std::atomic<int> first{-1};
@@ -966,7 +971,7 @@ void run_threads(int ranks, F&& fn, World::Options opt) {
         fn(comm);
         // Leaving normally is not a failure: wait for every rank to finish before the
         // communicator is torn down.
-        comm.backend().finish();
+        threads_detail::Finish::of(comm.backend());
       } catch (const std::exception& e) {
         errors[std::size_t(r)] = std::current_exception();
         const auto* ze = dynamic_cast<const Error*>(&e);
