@@ -5,16 +5,17 @@
 
 #include <initializer_list>
 #include <string>
-#include <utility>
 
+#include "zp/detail/function_ref.hpp"
 #include "zp/error.hpp"
 
 namespace zp::test {
 
 // Runs f, which must throw zp::Error of category `c` whose what() contains every needle (the
-// value and the parameter or file it names); a call that does not throw fails the check.
-template <class F>
-void expect_error(Errc c, F&& f, std::initializer_list<std::string> needles) {
+// value and the parameter or file it names); a call that does not throw fails the check. (f by
+// FunctionRef: this body is compiled once per test file, not once per call.)
+inline void expect_error(Errc c, detail::FunctionRef<void()> f,
+                         std::initializer_list<std::string> needles) {
   try {
     f();
   } catch (const Error& e) {
@@ -29,9 +30,9 @@ void expect_error(Errc c, F&& f, std::initializer_list<std::string> needles) {
 }
 
 // The commonest case: a user mistake (Errc::invalid_argument).
-template <class F>
-void expect_invalid(F&& f, std::initializer_list<std::string> needles) {
-  expect_error(Errc::invalid_argument, std::forward<F>(f), needles);
+inline void expect_invalid(detail::FunctionRef<void()> f,
+                           std::initializer_list<std::string> needles) {
+  expect_error(Errc::invalid_argument, f, needles);
 }
 
 }  // namespace zp::test

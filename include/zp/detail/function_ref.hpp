@@ -16,28 +16,46 @@ class FunctionRef;
 
 template <class R, class... Args>
 class FunctionRef<R(Args...)> {
+  union Target {
+    void* object;
+    void (*function)();  // a function's address, cast back to its own type before the call
+  };
+
+  template <class T, class... A>
+  static R invoke(T& f, A&&... args) {
+    if constexpr (std::is_void_v<R>)
+      std::invoke(f, std::forward<A>(args)...);
+    else
+      return std::invoke(f, std::forward<A>(args)...);
+  }
+
  public:
-  // f must outlive the FunctionRef (a parameter's does: the call it is passed to).
+  // Any callable with this signature (a lambda, a function object, a function); it must outlive
+  // the FunctionRef (a parameter's argument does: the call it is passed to).
   template <class F>
     requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
-             std::is_object_v<std::remove_reference_t<F>> &&
              std::is_invocable_r_v<R, std::remove_reference_t<F>&, Args...>)
   FunctionRef(F&& f)
-  noexcept  // NOLINT: converts implicitly, as a callable parameter would
-      : object_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
-        call_([](void* o, Args... args) -> R {
-          auto& fn = *static_cast<std::remove_reference_t<F>*>(o);
-          if constexpr (std::is_void_v<R>)
-            std::invoke(fn, std::forward<Args>(args)...);
-          else
-            return std::invoke(fn, std::forward<Args>(args)...);
-        }) {}
+  noexcept {  // NOLINT: converts implicitly, as a callable parameter would
+    using T = std::remove_reference_t<F>;
+    if constexpr (std::is_function_v<T>) {
+      target_.function = reinterpret_cast<void (*)()>(&f);
+      call_ = [](Target t, Args... args) -> R {
+        return invoke(*reinterpret_cast<T*>(t.function), std::forward<Args>(args)...);
+      };
+    } else {
+      target_.object = const_cast<void*>(static_cast<const void*>(std::addressof(f)));
+      call_ = [](Target t, Args... args) -> R {
+        return invoke(*static_cast<T*>(t.object), std::forward<Args>(args)...);
+      };
+    }
+  }
 
-  R operator()(Args... args) const { return call_(object_, std::forward<Args>(args)...); }
+  R operator()(Args... args) const { return call_(target_, std::forward<Args>(args)...); }
 
  private:
-  void* object_;
-  R (*call_)(void*, Args...);
+  Target target_;
+  R (*call_)(Target, Args...);
 };
 
 }  // namespace zp::detail
