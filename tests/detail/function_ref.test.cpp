@@ -43,7 +43,8 @@ TEST_CASE("a FunctionRef calls the callable it was made from, with its arguments
   copy(s, 3);
   CHECK(s == std::to_string(x) + "3");
 
-  FunctionRef<void()> discards = [&] { return ++calls; };  // a result a void signature drops
+  auto count = [&] { return ++calls; };
+  FunctionRef<void()> discards = count;  // the result, which a void signature drops
   discards();
   discards();
   CHECK(calls == 3);
