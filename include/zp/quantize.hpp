@@ -250,17 +250,6 @@ template <Bits B>
   }
 }
 
-// Asks for the line prefetch_bytes past p. quantize reads each block twice, from memory and
-// then from L1, and the hardware's prefetcher alone leaves the memory idle in the second pass:
-// prefetching 8 KB ahead in both gained 1.1-1.5x (f32 to f16, int8 and int4, block 2048) over
-// none and over 4 or 16 KB (bench/RESULTS.md; measured once, with builds of each distance: no
-// benchmark row repeats it).
-inline constexpr std::size_t prefetch_bytes = 8192;
-[[ZP_TARGET_AVX2]] inline void prefetch(const void* p) {  // past the end too: it never faults
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_bytes),
-               _MM_HINT_T0);
-}
-
 // Stores 16 codes' bytes (int4: the low 8 bytes of c, two codes a byte) at `at` (Stream, int8
 // only: non-temporal, at 16-byte aligned).
 template <Bits B, bool Stream>
@@ -296,7 +285,6 @@ struct Avx2 {
     const __m256i mask = sizeof(T) == 4 ? _mm256_set1_epi32(0x7fffffff) : _mm256_set1_epi16(0x7fff);
     std::size_t i = lo;
     for (; i + per <= hi; i += per) {
-      prefetch(x + i);
       const __m256i b =
           _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
       top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
@@ -326,7 +314,6 @@ struct Avx2 {
     const __m256 s = _mm256_set1_ps(d.scale), inv = _mm256_set1_ps(d.inverse);
     std::size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
-      prefetch(x + i);
       const __m256i q0 = code8(x + i, d, s, inv), q1 = code8(x + i + 8, d, s, inv);
       const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order (saturated as vpmovsdb does)
           _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
@@ -390,7 +377,6 @@ struct Avx512 {
     __m512i top = _mm512_setzero_si512();
     std::size_t i = lo;
     for (; i + per <= hi; i += per) {
-      prefetch(x + i);
       const __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
       top = sizeof(T) == 4 ? _mm512_max_epu32(top, b) : _mm512_max_epu16(top, b);
     }
@@ -413,7 +399,6 @@ struct Avx512 {
     for (std::size_t j = 0; j < 16; ++j) {
       __m512i top = _mm512_setzero_si512();
       for (std::size_t i = lo + j * block, end = i + block; i < end; i += per) {
-        prefetch(x + i);
         const __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
         top = sizeof(T) == 4 ? _mm512_max_epu32(top, b) : _mm512_max_epu16(top, b);
       }
@@ -499,7 +484,6 @@ struct Avx512 {
       // in its lower half and 2j + 1's in its upper half, so shifting and masking widen them in
       // place, with no reordering.
       for (; i + 32 <= hi; i += 32) {
-        prefetch(x + i);
         const __m512i v = _mm512_loadu_si512(x + i);
         const __m512i even = biased16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, s, inv),
                       odd = biased16(
@@ -514,8 +498,6 @@ struct Avx512 {
           _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
                            26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
       for (; i + 32 <= hi; i += 32) {
-        prefetch(x + i);
-        if constexpr (sizeof(T) == 4) prefetch(x + i + 16);
         const __m512i w = _mm512_permutex2var_epi16(biased16(x + i, d, s, inv), low_halves,
                                                     biased16(x + i + 16, d, s, inv));
         const __m512i b = _mm512_ternarylogic_epi32(nibble, w, _mm512_srli_epi32(w, 12), 0xca);
@@ -523,7 +505,6 @@ struct Avx512 {
       }
     }
     for (; i + 16 <= hi; i += 16) {
-      prefetch(x + i);
       const __m512i q = biased16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
         store_code_bytes<B, Stream>(_mm512_cvtepi32_epi8(q), out + i);
@@ -621,6 +602,9 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
     const Divisor d(scale, qmax);
     write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes), hi, B, d, codes);
   };
+  // Each block is read twice, from memory for its absmax, then from L1 for its codes, with no
+  // software prefetch: the hardware's alone measured 0.76-0.89 of the time of an 8 KB-ahead
+  // prefetch in both passes at block 2048, and 0.83-1.01 at 512 (bench/RESULTS.md, 2026-11-29).
   std::size_t k = 0, lo = 0;
   // Blocks of two lines or less sixteen at a time: their scales first (the sixteen blocks stay
   // in L1), then their codes. Measured at 16-bit block 64 (0.75-0.87 of the time); blocks of
