@@ -31,12 +31,12 @@ class FunctionRef<R(Args...)> {
 
  public:
   // Any callable with this signature (a lambda, a function object, a function); it must outlive
-  // the FunctionRef (a parameter's argument does: the call it is passed to).
+  // the FunctionRef (a parameter's argument does: the call it is passed to). Not explicit: it
+  // converts implicitly, as a callable parameter would.
   template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
-             std::is_invocable_r_v<R, std::remove_reference_t<F>&, Args...>)
-  FunctionRef(F&& f)
-  noexcept {  // NOLINT: converts implicitly, as a callable parameter would
+  FunctionRef(F&& f) noexcept
+      requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
+               std::is_invocable_r_v<R, std::remove_reference_t<F>&, Args...>) {
     using T = std::remove_reference_t<F>;
     if constexpr (std::is_function_v<T>) {
       target_.function = reinterpret_cast<void (*)()>(&f);
