@@ -111,7 +111,17 @@ TEST_CASE("a committed AtomicFile holds exactly the bytes written") {
   in.read_at(0, back);
   CHECK(back == data);
   CHECK(in.crc32c_of_all() == crc32c(all));
-  CHECK(in.crc32c_of_all(7) == crc32c(all));
+  // Buffers of one byte (0 asks for one), 7, around the file's size, and larger.
+  for (const std::size_t b : {std::size_t(0), std::size_t(1), std::size_t(7), data.size() - 1,
+                              data.size(), data.size() + 1, std::size_t(1) << 20})
+    CHECK(in.crc32c_of_all(b) == crc32c(all));
+  {
+    zp::detail::AtomicFile empty(dir.path / "empty.bin");
+    empty.commit();
+  }
+  CHECK(zp::detail::InputFile(dir.path / "empty.bin").crc32c_of_all() ==
+        crc32c(std::span<const std::byte>{}));
+  fs::remove(dir.path / "empty.bin");
 
   SUBCASE("write_file_atomic replaces a file") {
     zp::detail::write_file_atomic(p, bytes_of("new"));
