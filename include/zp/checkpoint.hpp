@@ -217,8 +217,9 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 // engine's grid (every DP, TP and PP rank); only at an accumulation boundary. A tag that already
 // exists is an error (checkpoints are never overwritten in place). Each rank writes its own part
 // of the model (a tensor-parallel slice with its Placement, a pipeline stage's modules), so the
-// checkpoint loads at any grid. Extra memory: none for a host engine (files are written straight
-// from its buffers); a device engine's pieces pass through host memory one at a time.
+// checkpoint loads at any grid. Extra memory: none for a host engine's fields in memory (files are
+// written straight from its buffers); swapped fields and a device engine's pieces pass through
+// host memory one piece at a time.
 template <class E>
 void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::string& tag,
                      std::span<const std::byte> user = {}) {
@@ -245,8 +246,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     if (w == 0) pub.emplace(dir, tag);
   });
 
-  // Every rank writes its pieces straight from the engine's buffers (a device engine's through
-  // a host copy of the piece being written, field by field and segment by segment).
+  // Every rank writes its pieces straight from the engine's buffers (a swapped field's and a
+  // device engine's through a host copy of the piece being written, field by field and segment
+  // by segment).
   safetensors::Summary mine{};
   std::vector<std::byte> copy;
   std::span<const std::byte> viewed;  // the current piece in host memory

@@ -132,8 +132,8 @@ constexpr std::pair<std::size_t, std::size_t> even_part(std::size_t n, int parts
 // the backend): a known element type and reduction, no null buffer with a nonzero count, sizes
 // that do not wrap, a root inside the communicator, and input/output buffers either identical
 // (or at the in-place ZeRO offset) or disjoint. Returns "" when the call is well-formed, else
-// what is wrong, naming the argument and its value. mpi exchanges the verdict so every rank
-// throws together; threads throws and poisons the communicator.
+// what is wrong, naming the argument and its value. mpi and threads exchange the verdict so every
+// rank throws together; the communicator stays usable.
 inline std::string check_call(CollOp op, const void* src, const void* dst, std::size_t n, DType t,
                               ReduceOp rop, int root, int rank, int ranks) {
   const char* what = name(op);

@@ -18,8 +18,9 @@
 //
 // step(), called after every micro-step's backward, at the accumulation boundary: waits for the
 // buckets, one all_reduce of the step's statistics (step_gate.hpp: the squared gradient norm,
-// the count of non-finite pieces, the cross-rank hyper-parameter check), unscale + clip + optimizer update of this rank's shard (Memory<S>::step), writes the
-// T shard, then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
+// the count of non-finite pieces, the cross-rank hyper-parameter check), unscale + clip +
+// optimizer update of this rank's shard (apply_update: ShardStep<S>::update), writes the T shard,
+// then stage 1/2 all_gather the parameters (stage 3 gathers lazily in the next forward).
 // An overflow anywhere skips the update on every rank and changes nothing but the loss scaler.
 // Built from a ProcessGrid, the engine shards over the DP group and sums the statistics over
 // the replica's TP x PP ranks as well (the norm of the whole model, replicated parameters once).

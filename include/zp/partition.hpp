@@ -1,12 +1,13 @@
 // zp/partition.hpp: the buffers each ZeRO stage keeps on one rank for a model's layout
 // (Partitioned<T, Stage>, over Layout from layout.hpp), and the ZeRO memory formulas.
 //
-// What each stage keeps per rank (P = padded total, N = ranks, K = 4 * state slots):
+// What each stage keeps per rank (P = padded total, N = ranks, K = 4 + 4 * state slots: the
+// bytes of fp32 master and state per element):
 //   stage | 16-bit params | gradients (T)      | fp32 master | optimizer state
-//   0     | P             | P                  | P           | K/4 * P
-//   1     | P             | P                  | P/N         | K/4 * P/N
-//   2     | P             | P/N (+ buckets)    | P/N         | K/4 * P/N
-//   3     | P/N (+ gathered modules) | P/N (+ buckets) | P/N | K/4 * P/N
+//   0     | P             | P                  | P           | (K-4)/4 * P
+//   1     | P             | P                  | P/N         | (K-4)/4 * P/N
+//   2     | P             | P/N (+ buckets)    | P/N         | (K-4)/4 * P/N
+//   3     | P/N (+ gathered modules) | P/N (+ buckets) | P/N | (K-4)/4 * P/N
 // which is the ZeRO paper's (Rajbhandari et al., SC 2020, Figure 1) (2 + 2 + K)Psi,
 // 4Psi + KPsi/N, 2Psi + (2 + K)Psi/N, (2 + 2 + K)Psi/N for 16-bit T with Psi replaced by the
 // padded P.
@@ -255,7 +256,8 @@ class Partitioned {
   // The ownership query: field F's elements of segment s that `e` names, and where the first
   // of them sits in the full (padded) layout. Every stage-dependent choice of which span of
   // which buffer a rank reads or writes comes from here.
-  // Swapped fields (master and state on NVMe) have no span: access() reaches them.
+  // Swapped fields (master and state, and stage 3's parameters, on NVMe) have no span: access()
+  // reaches them.
   template <Field F>
   Owned<elem<F>> owned(int s, Extent e, int k = 0) const {
     ZP_ASSERT(!swapped(F), "partition: field ", int(F), " is on NVMe; use access()");

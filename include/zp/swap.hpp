@@ -1,11 +1,11 @@
 // zp/swap.hpp: ZeRO-Infinity's swap files (DeepSpeed's offload_optimizer and offload_param:
 // nvme). An offloaded optimizer's fp32 master weights and state arrays, and at stage 3 the 16-bit
 // parameter shard, live in swap files per rank under NvmeOptions::path instead of host memory,
-// cut into sub-groups of C elements (sub_group_size, rounded up to 2048: whole 4 KiB pages of
-// 16-bit values). Sub-group c's record holds every field's c-th run side by side, so one aligned
+// cut into sub-groups of C elements (sub_group_size, at most the shard's size, rounded up to 2048:
+// whole 4 KiB pages of 16-bit values). Sub-group c's record holds every field's c-th run side by side, so one aligned
 // transfer moves all the state a step of it needs:
 //
-//   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * 4
+//   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * sizeof(U)
 //
 // The optimizer step walks the sub-groups in order through buffer_count host buffers
 // (enter/leave): with pipeline_read, the next sub-groups are read while one is stepped, and the

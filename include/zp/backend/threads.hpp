@@ -746,7 +746,7 @@ class Threads {
       } catch (...) {
         err = std::current_exception();
       }
-      state->complete(std::move(err));  // the waiter then holds the only reference (see wait)
+      state->complete(std::move(err));  // the waiter alone releases the exception (Op::finish)
     });
     return Work(threads_detail::Op{std::move(state)});
   }
@@ -905,7 +905,8 @@ class Threads {
     }
   }
 
-  // Each rank copies its block from every rank's input (the buffers never overlap: check_call).
+  // Each rank copies its block from every rank's input (the buffers never overlap: check_call,
+  // check_disjoint).
   template <class T>
   static void all_to_all_into(const Calls& calls, const threads_detail::Call& c, int rank, int n) {
     if (!c.count) return;
