@@ -578,7 +578,6 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
 // from whichever rank files hold it.
 class Reader {
  public:
-  // tag "latest" follows <dir>/latest.
   // tag "latest" follows <dir>/latest. Tags follow check_tag, so a load never leaves `dir`.
   Reader(std::filesystem::path dir, std::string tag = "latest") {
     if (tag == "latest") tag = read_latest(dir);
@@ -727,7 +726,6 @@ class Reader {
     }
   }
 
-  // The user blob saved with the checkpoint.
   // The user blob saved with the checkpoint: rank 0's "user/blob" tensor (U8), whose size must
   // be the manifest's user_bytes.
   std::vector<std::byte> user_blob() {

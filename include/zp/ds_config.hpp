@@ -13,9 +13,10 @@
 // What is read (DeepSpeed's configuration JSON, deepspeed.ai/docs/config-json; defaults are DeepSpeed's, which
 // differ from zp's own struct defaults in places, e.g. AdamW's weight_decay 0 rather than 0.01):
 // the batch triad, fp16 (with its loss scaler) / bf16 / fp32, zero_optimization (stage, bucket
-// and stage 3 sizes, offload_optimizer), optimizer (Adam, AdamW, SGD, Lion), scheduler (WarmupLR,
-// WarmupDecayLR, WarmupCosineLR, OneCycle), gradient_clipping, steps_per_print,
-// wall_clock_breakdown, communication_data_type, data_types.grad_accum_dtype, checkpoint.
+// and stage 3 sizes, offload_optimizer, offload_param, sub_group_size, ZeRO++'s hpZ, qwZ and
+// qgZ), aio, optimizer (Adam, AdamW, SGD, Lion), scheduler (WarmupLR, WarmupDecayLR,
+// WarmupCosineLR, OneCycle), gradient_clipping, steps_per_print, wall_clock_breakdown,
+// communication_data_type, data_types.grad_accum_dtype, checkpoint.
 //
 // Strictness. zp is deliberately stricter than DeepSpeed, which ignores unknown top-level keys
 // (a typo such as "zero_optimisation" there silently trains without ZeRO): every key at every
@@ -157,12 +158,12 @@ struct Config {
 
   std::int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
-  // null = the model's element type (DeepSpeed's default); other values are rejected by with_engine.
+  // null = the model's element type (DeepSpeed's default); with_engine rejects all but fp32 and it.
   std::optional<DType> grad_accum_dtype;         // data_types.grad_accum_dtype
   std::optional<DType> communication_data_type;  // communication_data_type
   TagValidation tag_validation = TagValidation::warn;
 
-  // Paths of the keys written as "auto", in document order, e.g. "optimizer.params.lr".
+  // Paths of the keys written as "auto", in the key tables' order, e.g. "optimizer.params.lr".
   std::vector<std::string> auto_keys;
 
   // The element type the precision selects: f32, bf16 or f16.
@@ -1133,6 +1134,9 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                    .block_size = std::size_t(c.aio.block_size)};
   e.offload_param = c.offload_param.device != OffloadDevice::none;
   if (c.offload_param.device == OffloadDevice::nvme)
+    // DeepSpeed's offload_param has no pipeline keys: its swap is read and written in the
+    // optimizer step's walk (beside the optimizer's swap when both are on NVMe), so it takes
+    // offload_optimizer's.
     e.param_nvme = NvmeOptions{.path = c.offload_param.nvme_path,
                                .buffer_count = c.offload_param.buffer_count,
                                .pipeline_read = c.offload_optimizer.pipeline_read,

@@ -154,12 +154,6 @@ struct EngineConfig {
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
-  // Gradient precision for 16-bit T (DeepSpeed's data_types.grad_accum_dtype and
-  // communication_data_type; f32 or T's dtype). Accumulation over micro-steps, by default in T
-  // except bf16 at stage 0, which accumulates in fp32 (as DeepSpeed); the reduction across
-  // ranks, by default in T. fp32 keeps one fp32 gradient buffer (stage 0/1: full; stage 2/3: the
-  // shard) and fp32 reductions move twice the bytes. Without accumulation (one micro-step per
-  // step) the accumulation dtype changes nothing and costs nothing.
   // ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): the fp32 master weights and optimizer
   // state live in host memory and the CPU step (optim/cpu.hpp) updates them, segment by segment,
   // from the gradient shard copied to the host, copying the updated T shard back. A device
@@ -184,6 +178,12 @@ struct EngineConfig {
   // gather and written by the optimizer step (in the optimizer swap's sub-groups when both are
   // on NVMe). Results equal stage 3 in memory.
   std::optional<NvmeOptions> param_nvme = std::nullopt;
+  // Gradient precision for 16-bit T (DeepSpeed's data_types.grad_accum_dtype and
+  // communication_data_type; f32 or T's dtype). Accumulation over micro-steps, by default in T
+  // except bf16 at stage 0, which accumulates in fp32 (as DeepSpeed); the reduction across
+  // ranks, by default in T. fp32 keeps one fp32 gradient buffer (stage 0/1: full; stage 2/3: the
+  // shard) and fp32 reductions move twice the bytes. Without accumulation (one micro-step per
+  // step) the accumulation dtype changes nothing and costs nothing.
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
@@ -199,7 +199,8 @@ struct EngineConfig {
     ZP_EXPECT(steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", steps_per_print);
     ZP_EXPECT(hpz_partition_size >= 1, "engine: hpz_partition_size must be >= 1, got ",
               hpz_partition_size);
-    ZP_EXPECT(ranks_per_node >= 0, "engine: ranks_per_node must be >= 0 (0: one node), got ",
+    ZP_EXPECT(ranks_per_node >= 0,
+              "engine: ranks_per_node must be >= 0 (0: the backend's node layout), got ",
               ranks_per_node);
   }
 };

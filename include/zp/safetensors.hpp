@@ -149,6 +149,10 @@ inline json parse_json(const std::filesystem::path& file, std::string_view text,
 }
 }  // namespace detail
 
+// What the typed write() takes: anything that is its bytes.
+template <class T>
+concept Plain = std::is_trivially_copyable_v<T>;
+
 // ---- Writer ------------------------------------------------------------------------------------
 
 // Writes one file, streaming: the constructor lays the tensors out in the order given and writes
@@ -156,10 +160,6 @@ inline json parse_json(const std::filesystem::path& file, std::string_view text,
 // atomically and durably (zp::detail::AtomicFile). Destroyed before commit(), it leaves nothing
 // under `path`. Memory: the header only, never the data. Put larger elements first (F64, F32,
 // then 16-bit) to keep every tensor aligned to its element size; the format does not require it.
-// What the untyped write() takes: anything that is its bytes.
-template <class T>
-concept Plain = std::is_trivially_copyable_v<T>;
-
 class Writer {
  public:
   // `tensors` give name, dtype and shape; their offsets are computed here. Checks that names are

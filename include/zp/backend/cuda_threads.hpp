@@ -1,6 +1,6 @@
 // zp/backend/cuda_threads.hpp: N ranks on one device. Ranks are threads of one process sharing
-// a device; buffers are device memory; collectives are kernels on each rank's communication
-// stream, written on the device primitives (zp/device/runtime.hpp), so the backend builds with
+// a device; buffers are device memory; collectives are kernels that rank 0 enqueues, for every
+// rank, on its communication stream, written on the device primitives (zp/device/runtime.hpp), so the backend builds with
 // nvcc for a GPU or with any C++ compiler for the simulated device. NCCL refuses two ranks on one
 // device, so this is how a multi-rank device engine runs on one GPU: to test it, and to rehearse
 // an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
@@ -24,7 +24,8 @@
 // One rank enqueuing the whole operation makes about 5N runtime calls in all where every rank
 // enqueuing its own part made N (2N + 6), and the device runs one kernel where it ran N: a fixed
 // cost per operation that grows as N^2 was what stages 2 and 3 lost on a GPU (bench/RESULTS.md).
-// Events are re-recorded only after the next first meeting, when every wait on them is enqueued.
+// An event is re-recorded only once every wait on it is enqueued: `ready` after the previous
+// operation's second meeting, `done` after the next first meeting.
 // send/recv are not supported (pipeline parallelism on one GPU is not implemented yet).
 // The `site` names of its waits are the mutation table's (tests/device/mutations.cmake).
 #pragma once

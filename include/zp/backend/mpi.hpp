@@ -4,7 +4,9 @@
 // mpi_node.hpp): through a shared segment inside each node, or reading the node peers' buffers
 // in place where they are zp allocations (Options::node_direct_bytes; bench/RESULTS.md has the
 // speed against the copy limit and OpenMPI), in rank order across nodes, bitwise the threads
-// backend's results; async ones run in issue order on a progress thread. Everything else (and
+// backend's results; async ones run in issue order on a progress thread (with
+// MPI_THREAD_MULTIPLE, which MpiEnvironment asks for; else at issue, on the caller's thread).
+// Everything else (and
 // those three with shared_memory off) is exactly one MPI call on the caller's buffers
 // (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Alltoall, MPI_Alltoallv,
 // MPI_Bcast; MPI_IN_PLACE for the in-place ZeRO layouts), at the speed of the MPI
@@ -25,7 +27,8 @@
 //    MPI_Allreduce(MAX) over {s, -s}; if any field differs, every rank throws
 //    zp::Error(Errc::invalid_argument) naming the first rank whose call differs from rank 0's,
 //    and the communicator stays usable (the data operation was never issued). Cost: one
-//    96-byte allreduce per operation, a few microseconds (bench/RESULTS.md has the numbers);
+//    96-byte allreduce per operation (all_to_all_v: two, and the counts' exchange), a few
+//    microseconds (bench/RESULTS.md has the numbers);
 //    an async launch waits for that exchange, so it synchronises with the peers' launch of the
 //    same operation. Turn it off to shave that latency; then a mismatch is undefined behaviour
 //    of the MPI library (usually an MPI error or a watchdog abort).

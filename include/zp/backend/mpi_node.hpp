@@ -138,7 +138,7 @@ class Backoff {
       nanosleep(&ts, nullptr);
     }
   }
-  // Every 256 pauses (a few ms once sleeping): time to look at the peers' processes.
+  // Every 256 pauses (12.8 ms or more once sleeping): time to look at the peers' processes.
   bool due() const { return n_ % 256 == 0; }
 
  private:

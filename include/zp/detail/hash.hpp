@@ -1,5 +1,6 @@
 // zp/detail/hash.hpp: FNV-1a, the fingerprint zp compares across ranks (layouts, configurations,
-// optimizer hyper-parameters) and stores in checkpoints. Not cryptographic: it catches mistakes.
+// optimizer hyper-parameters, a checkpoint's tag and manifest). Not cryptographic: it catches
+// mistakes.
 #pragma once
 
 #include <cstddef>

@@ -24,7 +24,7 @@
 
 namespace zp::detail {
 
-// Deeper than any file zp reads (a ds_config is 4 levels, a manifest 4, a safetensors header 3).
+// Deeper than any file zp reads (a ds_config is 4 levels, a manifest 5, a safetensors header 3).
 inline constexpr std::size_t json_max_depth = 32;
 
 // A key or value for a message: at most 60 characters, so a hostile multi-MiB key stays short.

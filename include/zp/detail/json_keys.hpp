@@ -45,9 +45,9 @@ inline std::string lower(std::string_view s) {
   return r;
 }
 
-// Levenshtein distance, case-insensitive (for "did you mean"). The lengths differ by at least
-// the distance, so a pair whose lengths differ by more than `limit` is not compared: its
-// distance is reported as limit + 1 (a hostile multi-MiB key costs nothing).
+// Levenshtein distance, case-insensitive (for "did you mean"). It is at least the lengths'
+// difference, so a pair whose lengths differ by more than `limit` is not compared: its distance
+// is reported as limit + 1 (a hostile multi-MiB key costs nothing).
 inline std::size_t edit_distance(std::string_view a0, std::string_view b0, std::size_t limit = 3) {
   if ((a0.size() > b0.size() ? a0.size() - b0.size() : b0.size() - a0.size()) > limit)
     return limit + 1;

@@ -1,8 +1,8 @@
 // zp/device/memory.hpp: zp's buffers and operations in device memory: Allocator, Memory,
-// ShardStep and OffloadStaging for MemorySpace::device, the specialisations memory.hpp names, so engine.hpp
-// runs unchanged on a device backend (nccl, cuda_threads) with this header included. Written on
-// the primitives of zp/device/runtime.hpp only: it builds with nvcc for a GPU, or with any C++
-// compiler for the simulated device (ZP_DEVICE_SIM).
+// ShardStep and OffloadStaging for MemorySpace::device, specialising what memory.hpp and
+// shard_step.hpp declare, so engine.hpp runs unchanged on a device backend (nccl, cuda_threads)
+// with this header included. Written on the primitives of zp/device/runtime.hpp only: it builds
+// with nvcc for a GPU, or with any C++ compiler for the simulated device (ZP_DEVICE_SIM).
 //
 // Streams (zp/device/stream.hpp): every allocation, free and operation is enqueued on the
 // calling thread's current stream, the rank's compute stream, where the model's kernels run too;

@@ -7,8 +7,9 @@
 // compare the levels with each other: they give bitwise identical steps). Options::threads
 // splits the shard into one contiguous tile per thread.
 //
-// Order of a step on a rank (see the engine): grad_stats of the local gradient, all_reduce of
-// sumsq (SUM) and of the overflow flag (MAX), then either skip (overflow) or step with
+// Order of a step on a rank (the engine, step_gate.hpp): grad_stats of the local gradient, one
+// all_reduce (SUM) of sumsq, the non-finite count and the hyper-parameters' fingerprint, then
+// either skip (overflow, or hyper-parameters that differ) or step with
 // grad_mul = 1/(loss_scale*clip_coef). The statistics cannot be fused into the update: an
 // inf/nan anywhere in any rank's gradients must leave every output untouched, and clipping needs
 // the global norm before the first element is updated.
