@@ -6,9 +6,9 @@
 //
 // Streams (zp/device/stream.hpp): every allocation, free and operation is enqueued on the
 // calling thread's current stream, the rank's compute stream, where the model's kernels run too;
-// the backends order their communication streams against it with events. Nothing waits for the
-// device except Memory::to_host (synchronize), the engine's one synchronisation per optimizer step,
-// and ZeRO-Offload's copies.
+// the backends order their communication streams against it with events. Nothing in a step waits
+// for the device except Memory::to_host (synchronize), the engine's one synchronisation per
+// optimizer step, and ZeRO-Offload's copies.
 //
 //   zp::device::Stream compute;                          // the rank's compute stream
 //   zp::device::StreamScope on(compute.get());           // the model's kernels run there too

@@ -8,11 +8,12 @@
 // inputs are complete), and its Work::wait() makes the compute stream wait for its completion
 // event: communication overlaps computation, and no host thread waits for either.
 //
-// The host waits for the device in one place, synchronize() (Memory<device>::to_host: the engine's
-// one synchronisation per optimizer step; ZeRO-Offload's copies), counted per thread
+// In training the host waits for the device in one place, synchronize() (Memory<device>::to_host:
+// the engine's one synchronisation per optimizer step; ZeRO-Offload's copies), counted per thread
 // (sync_count()). It polls the communicators this thread used (watch()), so an asynchronous
 // error or a hung peer becomes an error there, within the communicator's timeout, instead of a
-// wait that never ends.
+// wait that never ends. Outside the steps a Stream's destructor, freeing pinned memory and nccl's
+// barrier and split wait too.
 //
 // Test mode: delay_streams() makes every stream of one role idle before each enqueue there
 // (before_enqueue()), so a test can prove that results do not depend on timing; on the simulated
