@@ -2,8 +2,8 @@
 // nvme). An offloaded optimizer's fp32 master weights and state arrays, and at stage 3 the 16-bit
 // parameter shard, live in swap files per rank under NvmeOptions::path instead of host memory,
 // cut into sub-groups of C elements (sub_group_size, at most the shard's size, rounded up to 2048:
-// whole 4 KiB pages of 16-bit values). Sub-group c's record holds every field's c-th run side by side, so one aligned
-// transfer moves all the state a step of it needs:
+// whole 4 KiB pages of 16-bit values). Sub-group c's record holds every field's c-th run side by
+// side, so one aligned transfer moves all the state a step of it needs:
 //
 //   record c = [ master c | state 0 c | state 1 c ]   at byte c * fields * C * sizeof(U)
 //

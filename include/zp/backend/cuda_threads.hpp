@@ -1,9 +1,9 @@
 // zp/backend/cuda_threads.hpp: N ranks on one device. Ranks are threads of one process sharing
 // a device; buffers are device memory; collectives are kernels that rank 0 enqueues, for every
-// rank, on its communication stream, written on the device primitives (zp/device/runtime.hpp), so the backend builds with
-// nvcc for a GPU or with any C++ compiler for the simulated device. NCCL refuses two ranks on one
-// device, so this is how a multi-rank device engine runs on one GPU: to test it, and to rehearse
-// an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
+// rank, on its communication stream, written on the device primitives (zp/device/runtime.hpp),
+// so the backend builds with nvcc for a GPU or with any C++ compiler for the simulated device.
+// NCCL refuses two ranks on one device, so this is how a multi-rank device engine runs on one
+// GPU: to test it, and to rehearse an 8-GPU ZeRO-3 job (its memory and its traffic) on one.
 //
 // Each rank has a communication stream of its own besides its compute stream (the calling
 // thread's current stream, zp/device/stream.hpp). Each operation meets the other ranks on the host
