@@ -195,14 +195,14 @@ const examples::Program program{"zp_demo", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(
+  const std::vector<std::string> given = examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
         return examples::parse_train_flag(program, o, a, v) ||
                examples::parse_run_flag(program, o, a, v);
       },
       examples::run_switches);
-  examples::check_run_flags(program, o);
+  examples::check_run_flags(program, o, given);
   examples::default_text(program, o.text);
   return o;
 }
@@ -289,7 +289,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
   const auto& c = engine.last_step_comm();
   const double f = n > 1 ? double(n - 1) / n : 0.0;
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
-  if (lead) {
+  if (lead && first_step < o.steps) {  // a checkpoint at or past --steps: nothing trained
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n",
                 progress.first_loss(), progress.last_loss(), o.steps - first_step,
                 static_cast<long long>(engine.steps()),

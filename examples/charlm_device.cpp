@@ -19,9 +19,12 @@
 // progress line is printed. Every sum is in a fixed order, so a run is deterministic.
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "charlm_params.hpp"
@@ -290,6 +293,15 @@ Options parse(int argc, char** argv) {
       return false;
     return true;
   });
+  // cuBLAS takes int dimensions, and the first layer's input and a batch's positions are counted
+  // in int.
+  const std::pair<const char*, std::int64_t> sizes[] = {
+      {"--context x --embed", std::int64_t(o.context) * o.embed},
+      {"--micro-batch x --context", std::int64_t(o.micro_batch) * o.context}};
+  for (const auto& [what, n] : sizes)
+    if (n > std::numeric_limits<int>::max())
+      examples::bad(program, std::string(what) + " is " + std::to_string(n) + ", more than " +
+                                 std::to_string(std::numeric_limits<int>::max()));
   examples::default_text(program, o.text);
   return o;
 }

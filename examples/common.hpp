@@ -53,15 +53,22 @@ struct Corpus {
   }
 };
 
+// The whole of the file at `path`; `what` names it in errors ("cannot read <what> '<path>'").
+inline std::string read_text(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw zp::Error(zp::Errc::io, what + " '" + path + "' is a directory, not a file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw zp::Error(zp::Errc::io, "cannot read " + what + " '" + path + "'");
+  std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  if (f.bad()) throw zp::Error(zp::Errc::io, "reading " + what + " '" + path + "' failed");
+  return text;
+}
+
 // The files concatenated, each followed by a newline.
 inline Corpus load_corpus(const std::vector<std::string>& paths) {
   std::string text;
-  for (const auto& p : paths) {
-    std::ifstream f(p, std::ios::binary);
-    if (!f) throw zp::Error(zp::Errc::io, "cannot read text file '" + p + "'");
-    text.append(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    text.push_back('\n');
-  }
+  for (const auto& p : paths) text += read_text(p, "text file") + '\n';
   int map[256];
   std::fill(std::begin(map), std::end(map), -1);
   Corpus c;
@@ -92,10 +99,13 @@ struct Program {
 
 // Walks argv: --help prints the usage and exits 0; a flag in `switches` (no value) and every
 // other "--flag value" pair go to on_flag(flag, value) (value "" for a switch), which returns
-// false for a flag it does not know: an error naming it, as is a flag without its value.
+// false for a flag it does not know: an error naming it, as is a flag without its value, an
+// empty value, a value that is another flag ("--export --resume": the path forgotten) and a flag
+// given twice (only --text repeats). Returns the flags given, in order.
 template <class OnFlag>
-void parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
-                std::initializer_list<const char*> switches = {}) {
+std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
+                                    std::initializer_list<const char*> switches = {}) {
+  std::vector<std::string> given;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -108,7 +118,13 @@ void parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
     if (!is_switch && i + 1 >= argc) bad(p, "unknown flag or missing value: '" + a + "'");
     const std::string v = is_switch ? std::string() : std::string(argv[++i]);
     if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");
+    if (!is_switch && (v.empty() || v.starts_with("--")))
+      bad(p, a + " expects a value, got " + (v.empty() ? "an empty one" : "the flag '" + v + "'"));
+    if (a != "--text" && std::find(given.begin(), given.end(), a) != given.end())
+      bad(p, a + " is given twice");
+    given.push_back(a);
   }
+  return given;
 }
 
 inline int to_int(const Program& p, const std::string& flag, const std::string& v, int lo, int hi) {
@@ -141,8 +157,8 @@ struct TrainFlags {
 };
 
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
-// --micro-batch, --log-every, --backend, --precision, --lr, --init-seed, --offload-optimizer (or
-// --offload), --offload-param, --text); false if not.
+// --micro-batch, --log-every, --backend, --precision, --lr, --init-seed, --offload-optimizer,
+// --offload-param, --text); false if not.
 inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string& a,
                              const std::string& v) {
   if (a == "--stage")
@@ -169,7 +185,7 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
       bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
-  } else if (a == "--offload-optimizer" || a == "--offload" || a == "--offload-param") {
+  } else if (a == "--offload-optimizer" || a == "--offload-param") {
     const bool nvme = v.starts_with("nvme:") && v.size() > 5;
     if (v != "cpu" && v != "none" && !nvme)
       bad(p, a + " expects none, cpu or nvme:PATH (a directory on the drive), got '" + v + "'");

@@ -30,8 +30,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
-#include <iterator>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -109,7 +107,7 @@ const examples::Program program{"zp_gpt", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(
+  const std::vector<std::string> given = examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
         if (a == "--steps") {  // 0: nothing to train (sample or export what was loaded)
@@ -161,7 +159,11 @@ Options parse(int argc, char** argv) {
         return true;
       },
       examples::run_switches);
-  examples::check_run_flags(program, o);
+  examples::check_run_flags(program, o, given);
+  if (!o.sampling.count)
+    for (const char* f : {"--prompt", "--temperature", "--top-k", "--seed"})
+      if (std::find(given.begin(), given.end(), f) != given.end())
+        examples::bad(program, std::string(f) + " without --sample N: nothing is sampled");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -192,28 +194,34 @@ void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Optio
 #endif
 }
 
+// The texts the trained model reads as token ids (--prompt with --sample, --eval), encoded
+// before any rank starts, so a character outside the vocabulary stops the run before training.
+struct Texts {
+  std::vector<int> prompt, eval;  // empty: no --sample, no --eval
+};
+
 // --sample: `model` (the whole model, holding the trained values) continues --prompt.
 template <class T>
-void print_sample(gpt::Model<T>& model, const Options& o, const examples::Corpus& corpus) {
+void print_sample(gpt::Model<T>& model, const Options& o, const examples::Corpus& corpus,
+                  const Texts& texts) {
   std::string text = o.prompt;
-  for (int id : gpt::sample(model, corpus.encode(o.prompt, "--prompt"), o.sampling))
-    text += corpus.chars[std::size_t(id)];
+  for (int id : gpt::sample(model, texts.prompt, o.sampling)) text += corpus.chars[std::size_t(id)];
   std::printf("sample (temperature %g, top-k %d, seed %llu):\n%s\n", o.sampling.temperature,
               o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed), text.c_str());
 }
 
-// --eval's text as token ids, read before any rank starts.
-std::vector<int> eval_ids(const Options& o, const examples::Corpus& corpus) {
-  if (o.eval.empty()) return {};
+Texts read_texts(const Options& o, const examples::Corpus& corpus) {
+  Texts t;
   try {
-    std::ifstream f(o.eval, std::ios::binary);
-    if (!f) throw zp::Error(zp::Errc::io, "cannot read --eval text '" + o.eval + "'");
-    const std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+    if (o.sampling.count) t.prompt = corpus.encode(o.prompt, "--prompt");
+    if (o.eval.empty()) return t;
+    const std::string text = examples::read_text(o.eval, "--eval text");
     if (text.size() < 2)
       throw zp::Error(zp::Errc::invalid_argument,
                       "--eval " + o.eval + " is too short: " + std::to_string(text.size()) +
                           " character(s), at least 2 needed (one prediction)");
-    return corpus.encode(text, "--eval " + o.eval);
+    t.eval = corpus.encode(text, "--eval " + o.eval);
+    return t;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", program.name, e.what());
     std::exit(1);
@@ -222,10 +230,10 @@ std::vector<int> eval_ids(const Options& o, const examples::Corpus& corpus) {
 
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config (examples::with_engine), as are ec, opt and the schedule.
-// `eval`: --eval's text as ids (empty: none).
+// `texts`: --prompt's and --eval's ids.
 template <class E, class B>
 void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
-           const examples::Corpus& corpus, std::span<const int> eval, const zp::EngineConfig& ec,
+           const examples::Corpus& corpus, const Texts& texts, const zp::EngineConfig& ec,
            typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
@@ -319,6 +327,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
     examples::save_if_due(engine, o, step + 1, corpus, lead);
   }
+  const std::vector<int>& eval = texts.eval;
   if (!o.export_dir.empty() || o.sampling.count || !eval.empty()) {  // one gather for all three
     std::vector<T> whole = engine.gather_params();                   // this rank's part
     if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
@@ -331,7 +340,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
         at += value.size();
       });
       if (!o.export_dir.empty()) export_hf(full, std::span<const T>(whole), o, corpus);
-      if (o.sampling.count) print_sample(full, o, corpus);
+      if (o.sampling.count) print_sample(full, o, corpus, texts);
       if (!eval.empty())
         std::printf("eval: loss %.7f over the %zu next characters of %s\n",
                     gpt::evaluate(full, eval, micro_batch), eval.size() - 1, o.eval.c_str());
@@ -351,7 +360,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
 
 template <class B>
 void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus& c,
-              std::span<const int> eval) {
+              const Texts& texts) {
   const int n = world.size();
   if (n % (o.tp * o.pp) != 0)
     throw zp::Error(zp::Errc::invalid_argument,
@@ -362,7 +371,7 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
       program, o, o, grid.shape().dp, world.rank() == 0,
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) {
-        train<E>(world, grid, o, c, eval, ec, opt, sched);
+        train<E>(world, grid, o, c, texts, ec, opt, sched);
       });
 }
 
@@ -372,7 +381,7 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const examples::Corpus corpus =
       examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
-  const std::vector<int> eval = eval_ids(o, corpus);
+  const Texts texts = read_texts(o, corpus);
   return examples::launch(program, argc, argv, o.backend, o.ranks,
-                          [&](auto& comm) { dispatch(comm, o, corpus, eval); });
+                          [&](auto& comm) { dispatch(comm, o, corpus, texts); });
 }

@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -63,10 +64,9 @@ inline constexpr const char* run_usage =
     "                     (tools/plot_timers.py)\n"
     "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
     "optimizer\n"
-    "                     (AdamW only here), scheduler, clipping, loss scaling and buckets,\n"
-    "                     replacing --stage/--precision/--accum/--micro-batch/--lr; its \"auto\" "
-    "batch\n"
-    "                     keys are filled from --micro-batch and --accum\n"
+    "                     (AdamW only here), scheduler, clipping, loss scaling, buckets, offload\n"
+    "                     and ZeRO++ (--stage, --precision, --offload-* and --zero-* with it are\n"
+    "                     errors); its \"auto\" keys are filled from --micro-batch, --accum, --lr\n"
     "  --zero-quantized-weights  stage 3: gather the parameters as int8 with a scale per 2048\n"
     "                     (ZeRO++'s qwZ; in a --config: zero_quantized_weights)\n"
     "  --zero-hpz-partition-size N  stage 3: also keep 1/N of each gathered module, so gathers\n"
@@ -109,14 +109,24 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
   return true;
 }
 
-inline void check_run_flags(const Program& p, const RunFlags& o) {
+// `given`: the flags on the command line (parse_args). A flag for what --config sets is an error,
+// not dropped in silence.
+inline void check_run_flags(const Program& p, const RunFlags& o,
+                            const std::vector<std::string>& given) {
   if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
     bad(p, "--save-every and --resume need --checkpoint-dir");
-  if ((o.quantized_weights || o.hpz > 1 || o.quantized_gradients) && !o.config.empty())
-    bad(p,
-        "--zero-quantized-weights, --zero-hpz-partition-size and --zero-quantized-gradients "
-        "with --config: set zero_quantized_weights, zero_hpz_partition_size and "
-        "zero_quantized_gradients in the config");
+  static constexpr std::pair<const char*, const char*> config_sets[] = {
+      {"--stage", "zero_optimization.stage"},
+      {"--precision", "bf16.enabled or fp16.enabled"},
+      {"--offload-optimizer", "zero_optimization.offload_optimizer"},
+      {"--offload-param", "zero_optimization.offload_param"},
+      {"--zero-quantized-weights", "zero_optimization.zero_quantized_weights"},
+      {"--zero-hpz-partition-size", "zero_optimization.zero_hpz_partition_size"},
+      {"--zero-quantized-gradients", "zero_optimization.zero_quantized_gradients"}};
+  if (!o.config.empty())
+    for (const auto& [flag, key] : config_sets)
+      if (std::find(given.begin(), given.end(), flag) != given.end())
+        bad(p, std::string(flag) + " with --config: the config sets it (" + key + ")");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
     bad(p, std::string("this ") + p.name +

@@ -11,13 +11,14 @@
 set -euo pipefail
 gpt=$1 dir=$2/gpt-resume
 rm -rf "$dir" && mkdir -p "$dir"
-args=(--layers 2 --d-model 32 --heads 4 --context 16 --micro-batch 4 --log-every 10 --steps 20)
+args=(--layers 2 --d-model 32 --heads 4 --context 16 --micro-batch 4 --log-every 10)
+args20=("${args[@]}" --steps 20)
 
-"$gpt" "${args[@]}" --ranks 2 --stage 3 --checkpoint-dir "$dir/ckpt" --save-every 10 \
+"$gpt" "${args20[@]}" --ranks 2 --stage 3 --checkpoint-dir "$dir/ckpt" --save-every 10 \
   --export "$dir/full" --log-json "$dir/full.jsonl" > "$dir/full.log"
 cp -r "$dir/ckpt" "$dir/ckpt10"
 printf step10 > "$dir/ckpt10/latest"
-"$gpt" "${args[@]}" --ranks 2 --stage 3 --checkpoint-dir "$dir/ckpt10" --resume \
+"$gpt" "${args20[@]}" --ranks 2 --stage 3 --checkpoint-dir "$dir/ckpt10" --resume \
   --export "$dir/resumed" --log-json "$dir/resumed.jsonl" > "$dir/resumed.log"
 grep -q "resumed from $dir/ckpt10/step10 at step 10 (10 updates applied)" "$dir/resumed.log"
 cmp "$dir/full/model.safetensors" "$dir/resumed/model.safetensors"
@@ -33,22 +34,22 @@ n=$(grep -Eo 'vocabulary [0-9]+' "$dir/full.log" | grep -Eo '[0-9]+')
 [ "$(grep -o ',' "$dir/full/vocab.json" | wc -l)" -eq $((n - 1)) ]
 echo "same grid: resume from step 10 equals the uninterrupted run bit for bit"
 
-"$gpt" "${args[@]}" --ranks 4 --stage 1 --checkpoint-dir "$dir/ckpt10" --resume > "$dir/other.log"
+"$gpt" "${args20[@]}" --ranks 4 --stage 1 --checkpoint-dir "$dir/ckpt10" --resume > "$dir/other.log"
 grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 10 steps" "$dir/other.log"
 echo "another grid: resumed at 4 ranks, stage 1, and finished"
 
 # A 2 x 2 x 2 grid: resume at the same grid logs the same losses; at tp 1 pp 1 and at tp 4 it
 # trains on from the grid's checkpoint (the loss falls) and exports.
 grid=(--ranks 8 --tp 2 --pp 2 --stage 2)
-"$gpt" "${args[@]}" "${grid[@]}" --checkpoint-dir "$dir/g" --save-every 10 \
+"$gpt" "${args20[@]}" "${grid[@]}" --checkpoint-dir "$dir/g" --save-every 10 \
   --log-json "$dir/g.jsonl" --export "$dir/g-grid" --sample 40 > "$dir/g.log"
 cp -r "$dir/g" "$dir/g10"
 printf step10 > "$dir/g10/latest"
-"$gpt" "${args[@]}" "${grid[@]}" --checkpoint-dir "$dir/g10" --resume \
+"$gpt" "${args20[@]}" "${grid[@]}" --checkpoint-dir "$dir/g10" --resume \
   --log-json "$dir/g-resumed.jsonl" > "$dir/g-resumed.log"
 diff <(losses "$dir/g.jsonl") <(losses "$dir/g-resumed.jsonl")
 echo "2 x 2 x 2 grid: resume from step 10 logs the uninterrupted run's losses"
-"$gpt" "${args[@]}" --ranks 1 --stage 0 --checkpoint-dir "$dir/g" --resume \
+"$gpt" "${args20[@]}" --ranks 1 --stage 0 --checkpoint-dir "$dir/g" --resume \
   --export "$dir/g-one" --sample 40 > "$dir/g-one.log"
 cmp "$dir/g-grid/model.safetensors" "$dir/g-one/model.safetensors"
 sample() { sed -n '/^sample (/,$p' "$1" | sed '/^summary/,$d' | sed '/^$/d'; }
@@ -72,11 +73,11 @@ for log in "$dir/g-dp.log" "$dir/g-tp4.log"; do
 done
 echo "the grid's checkpoint resumed at dp 2 and at tp 4: the loss falls"
 
-"$gpt" "${args[@]}" --ranks 2 --checkpoint-dir "$dir/fresh" --resume > "$dir/fresh.log"
+"$gpt" "${args20[@]}" --ranks 2 --checkpoint-dir "$dir/fresh" --resume > "$dir/fresh.log"
 grep -q "no checkpoint in $dir/fresh yet: starting at step 0" "$dir/fresh.log"
 
 printf 'abcabcabcabc%.0s' $(seq 100) > "$dir/other.txt"
-if "$gpt" "${args[@]}" --ranks 2 --checkpoint-dir "$dir/ckpt10" --resume --text "$dir/other.txt" \
+if "$gpt" "${args20[@]}" --ranks 2 --checkpoint-dir "$dir/ckpt10" --resume --text "$dir/other.txt" \
   > "$dir/vocab.log" 2>&1; then
   echo "a checkpoint of another vocabulary was loaded"
   exit 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # zp_ckpt on a checkpoint of zp_demo: info, verify, export, reshard (the demo then resumes from
-# the resharded copy), and verify naming a corrupted file.
+# the resharded copy), verify naming a corrupted file, and usage mistakes refused.
 #   tool_ckpt.sh <zp_ckpt> <zp_demo> <work dir>
 set -euo pipefail
 tool=$1 demo=$2
@@ -35,5 +35,21 @@ for bad in 4294967297 0 -1 3x 99999999999999999999; do
   if "$tool" reshard "$dir/ckpt" --ranks "$bad" 2> "$dir.err"; then echo "reshard took --ranks $bad"; exit 1; fi
   grep -q -- "--ranks expects an integer in \[1, 16777216\], got '$bad'" "$dir.err"
 done
+# Usage mistakes: status 2 and what was wrong; --help: status 0.
+usage_error() {  # <message> <arguments...>
+  local msg=$1 rc=0
+  shift
+  "$tool" "$@" 2> "$dir.err" || rc=$?
+  [ "$rc" = 2 ] || { echo "zp_ckpt $*: exit status $rc, expected 2"; exit 1; }
+  grep -qF -- "$msg" "$dir.err" || { echo "zp_ckpt $*: no '$msg' in:"; cat "$dir.err"; exit 1; }
+}
+usage_error "verify does not take --ranks" verify "$dir/ckpt" --ranks 2
+usage_error "info does not take --master" info "$dir/ckpt" --master
+usage_error "--tag is given twice" info "$dir/ckpt" --tag step3 --tag step6
+usage_error "--tag expects a value, got an empty one" info "$dir/ckpt" --tag ""
+usage_error "--out-tag expects a value, got the flag '--ranks'" reshard "$dir/ckpt" --out-tag --ranks 2
+usage_error "unknown command 'bogus'" bogus "$dir/ckpt"
+usage_error "no checkpoint directory" info
+"$tool" --help | grep -q "usage: zp_ckpt info"
 rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo" "$dir.err"
 echo "zp_ckpt: ok"

@@ -180,11 +180,13 @@ bench_phase() {
   log "zp_bench_zero_cuda (engine step vs its bare kernels; offload vs device step):"
   grep -E "^zero_" "$OUT/zero_cuda.txt" | tee -a "$OUT/summary.txt"
   log "GPU demo (tokens/s and loss):"
-  for args in "--ranks 1 --stage 0" "--ranks 4 --stage 3" "--ranks 4 --stage 3 --offload cpu" \
-              "--ranks 4 --stage 3 --offload-param cpu" \
+  local steps="--steps 200 --log-every 100"
+  for args in "--ranks 1 --stage 0 $steps" "--ranks 4 --stage 3 $steps" \
+              "--ranks 4 --stage 3 --offload-optimizer cpu $steps" \
+              "--ranks 4 --stage 3 --offload-param cpu $steps" \
               "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50"; do
     # shellcheck disable=SC2086  # the demo's arguments
-    bench demo_gpu "$BUILD/examples/zp_demo_gpu" --steps 200 --log-every 100 $args || rc=1
+    bench demo_gpu "$BUILD/examples/zp_demo_gpu" $args || rc=1
     echo "zp_demo_gpu $args: $(grep -E '^summary' "$OUT/demo_gpu.txt")" | tee -a "$OUT/summary.txt"
   done
   bench torch_adamw python3 bench/torch_adamw.py || rc=1

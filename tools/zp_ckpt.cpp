@@ -6,13 +6,18 @@
 //   zp_ckpt export  DIR OUT [--tag T] [--master] [--max-file-bytes N]
 //   zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]
 //
-// Exit status: 0 success, 1 a failed check or I/O error (the message names the file), 2 usage.
+// Exit status: 0 success (and --help), 1 a failed check or I/O error (the message names the
+// file), 2 usage (an unknown command or flag, a flag the command does not take or given twice).
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <limits>
+#include <iterator>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "zp/checkpoint_format.hpp"
@@ -30,6 +35,10 @@ const char* usage =
     "           into model-0000k-of-n files with an index above --max-file-bytes\n"
     "  reshard  writes DIR/<out-tag> (default <tag>-<M>ranks) laid out for M ranks\n";
 
+// Every option of every command.
+constexpr std::string_view options[] = {"--tag", "--out-tag", "--ranks", "--master",
+                                        "--max-file-bytes"};
+
 [[noreturn]] void bad(const std::string& msg) {
   std::fprintf(stderr, "zp_ckpt: %s\n\n%s", msg.c_str(), usage);
   std::exit(2);
@@ -45,6 +54,14 @@ long long to_number(const std::string& flag, const std::string& v, long long lo,
     bad(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
         "], got '" + v + "'");
   return x;
+}
+
+// The options `cmd` takes; an unknown command is a usage error.
+std::vector<std::string_view> options_of(const std::string& cmd) {
+  if (cmd == "info" || cmd == "verify") return {"--tag"};
+  if (cmd == "export") return {"--tag", "--master", "--max-file-bytes"};
+  if (cmd == "reshard") return {"--tag", "--ranks", "--out-tag"};
+  bad("unknown command '" + cmd + "'");
 }
 
 int info(zp::ckpt::Reader& rd) {
@@ -88,17 +105,36 @@ int verify(zp::ckpt::Reader& rd) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3) bad(argc < 2 ? "no command" : "no checkpoint directory");
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::fputs(usage, stdout);
+      return 0;
+    }
+  if (argc < 2) bad("no command");
   const std::string cmd = argv[1];
-  std::vector<std::string> pos;
+  const std::vector<std::string_view> takes = options_of(cmd);
+  std::vector<std::string> pos, given;
   std::string tag = "latest", out_tag;
   int ranks = 0;
   zp::ExportOptions eo;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
+    if (!a.starts_with("--")) {
+      pos.push_back(a);
+      continue;
+    }
+    if (std::find(takes.begin(), takes.end(), a) == takes.end())
+      bad(std::find(std::begin(options), std::end(options), a) == std::end(options)
+              ? "unknown flag '" + a + "'"
+              : cmd + " does not take " + a);
+    if (std::find(given.begin(), given.end(), a) != given.end()) bad(a + " is given twice");
+    given.push_back(a);
     auto value = [&] {
       if (i + 1 >= argc) bad(a + " needs a value");
-      return std::string(argv[++i]);
+      const std::string v = argv[++i];
+      if (v.empty() || v.starts_with("--"))
+        bad(a + " expects a value, got " + (v.empty() ? "an empty one" : "the flag '" + v + "'"));
+      return v;
     };
     if (a == "--tag")
       tag = value();
@@ -108,14 +144,11 @@ int main(int argc, char** argv) {
       ranks = int(to_number(a, value(), 1, zp::ckpt::max_ranks));
     else if (a == "--master")
       eo.master = true;
-    else if (a == "--max-file-bytes")
+    else  // --max-file-bytes
       eo.max_file_bytes =
           std::uint64_t(to_number(a, value(), 1, std::numeric_limits<long long>::max()));
-    else if (a.rfind("--", 0) == 0)
-      bad("unknown flag '" + a + "'");
-    else
-      pos.push_back(a);
   }
+  if (pos.empty()) bad("no checkpoint directory");
   try {
     if (cmd == "info" || cmd == "verify") {
       if (pos.size() != 1) bad(cmd + " takes one directory");
@@ -140,7 +173,6 @@ int main(int argc, char** argv) {
                   pos[0].c_str(), out_tag.c_str());
       return 0;
     }
-    bad("unknown command '" + cmd + "'");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zp_ckpt: %s\n", e.what());
     return 1;

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# zp_demo's and zp_gpt's command lines: each mistake is refused before any training, with exit
+# status 2 (a file that cannot be read: 1) and a message naming the flag and what was wrong.
+#   trainer_flags.sh <zp_demo> <zp_gpt> <work dir>
+set -euo pipefail
+demo=$1 gpt=$2 dir=$3/trainer-flags
+rm -rf "$dir" && mkdir -p "$dir"
+echo '{"zero_optimization": {"stage": 1}}' > "$dir/ds.json"
+
+# refused <status> <message> <program> <flags...>: the run fails with that status and message.
+refused() {
+  local want=$1 msg=$2 prog=$3 rc=0
+  shift 3
+  timeout 60 "$prog" "$@" > "$dir/out.log" 2>&1 || rc=$?
+  if [ "$rc" != "$want" ]; then
+    echo "$(basename "$prog") $*: exit status $rc, expected $want"; cat "$dir/out.log"; exit 1
+  fi
+  if ! grep -qF -- "$msg" "$dir/out.log"; then
+    echo "$(basename "$prog") $*: no '$msg' in:"; cat "$dir/out.log"; exit 1
+  fi
+  if grep -q "^step\|summary:" "$dir/out.log"; then
+    echo "$(basename "$prog") $*: trained before refusing"; exit 1
+  fi
+}
+
+for prog in "$demo" "$gpt"; do
+  refused 2 "--micro-batch expects an integer in [1, 65536], got '10abc'" "$prog" --micro-batch 10abc
+  refused 2 "--stage is given twice" "$prog" --stage 1 --stage 3
+  refused 2 "--offload-optimizer is given twice" "$prog" --offload-optimizer cpu --offload-optimizer none
+  refused 2 "--export expects a value, got the flag '--resume'" "$prog" --export --resume
+  refused 2 "--log-json expects a value, got an empty one" "$prog" --log-json ""
+  refused 2 "unknown flag '--offload'" "$prog" --offload cpu  # --offload-optimizer's old alias
+  refused 2 "--stage with --config: the config sets it (zero_optimization.stage)" \
+    "$prog" --config "$dir/ds.json" --stage 2
+  refused 2 "--offload-param with --config: the config sets it (zero_optimization.offload_param)" \
+    "$prog" --config "$dir/ds.json" --offload-param cpu
+  refused 1 "text file '$dir' is a directory, not a file" "$prog" --text "$dir"
+done
+refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
+rm -rf "$dir"
+echo "trainer flags: every mistake refused before training"
