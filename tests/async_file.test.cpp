@@ -146,6 +146,14 @@ TEST_CASE("failures are errors naming the file, the call, the offset and the val
       {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
   // The file is still usable after an error.
   f.read(buf.span().first(zp::aio::alignment), zp::aio::alignment);
+  // A file whose size is no multiple of the alignment: the read stops short there, and the rest
+  // (from an offset O_DIRECT could not start a read at) is named as past the file's end.
+  const auto odd = dir.path / "odd.bin";
+  std::filesystem::copy_file(path, odd);
+  std::filesystem::resize_file(odd, 2 * zp::aio::alignment + 100);
+  zp::test::expect_error(
+      zp::Errc::io, [&] { File(odd, Mode::read).read(buf.span(), 0); },
+      {"aio: read of '", "odd.bin' at offset 8292 (8092 bytes)", "the file ends there"});
   zp::test::expect_error(zp::Errc::io,
                          [&] { File(dir.path / "missing" / "x.bin", Mode::read_write); },
                          {"aio: open of '", "missing/x.bin'", "No such file or directory"});

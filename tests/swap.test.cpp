@@ -4,9 +4,9 @@
 // fresh engine loading it), and the faults an engine meets: nvme_path missing, not a
 // directory or not writable on one rank, a file system too small for the swap, a swap file
 // (the optimizer state's or stage 3's parameters') truncated under a running job (an error
-// naming the path on every rank, the engine unusable after a failed optimizer step, the last
-// checkpoint loading bitwise) or deleted under it (nothing lost), and the swap files of
-// a process that died.
+// naming the path on every rank, the engine unusable after a failed optimizer step or gather,
+// the last checkpoint loading bitwise) or deleted under it (nothing lost), a checkpoint load
+// failing halfway (the engine unusable), and the swap files of a process that died.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -215,7 +215,7 @@ TEST_CASE("a file system too small for the swap is an error naming the path at c
 }
 
 // The optimizer state's swap (its step fails) and stage 3's parameter swap (a module's gather,
-// read ahead or not, fails): the engine unusable after a failed optimizer step.
+// read ahead or not, fails): the engine unusable after either.
 TEST_CASE(
     "a swap file truncated under a running job: an error on every rank, the checkpoint loads") {
   for (const bool params : {false, true}) {
@@ -257,21 +257,22 @@ TEST_CASE(
         train(e, model, 2, 3);
       } catch (const zp::Error& x) {
         errors[std::size_t(comm.rank())] = x.what();
-        if (params) throw;
       }
-      try {
+      try {  // a failed step, or a module's failed gathers: the engine says why it is unusable
         train(e, model, 3, 4);
       } catch (const zp::Error& x) {
         unusable[std::size_t(comm.rank())] =
-            std::string(x.what()).find("unusable since the optimizer step on NVMe failed") !=
-            std::string::npos;
+            std::string(x.what()).find(
+                params ? "unusable since the gathers of forward() for module"
+                       : "unusable since the optimizer step on NVMe failed") != std::string::npos;
+        if (params) throw;
       }
     });
     for (std::size_t r = 0; r < 2; ++r) {
       INFO(errors[r]);
       CHECK(errors[r].find(".swap'") != std::string::npos);  // the file, as the reader saw it
       CHECK(errors[r].find(drive.path.string()) != std::string::npos);
-      CHECK(unusable[r] == !params);
+      CHECK(unusable[r]);
     }
     run_threads(2, [&](Collective<Threads>& comm) {
       Mlp<float> model;
@@ -320,6 +321,54 @@ TEST_CASE("a checkpoint loaded into a running job replaces what the last step re
   CHECK(swap_files(drive.path).empty());
 }
 
+// A load writes the swapped state through the swap, which reads a sub-group's record before it
+// writes part of it: with the swap files truncated, the load fails after it began to write, and
+// the half-loaded engine refuses to go on (on every rank); a new engine loads the checkpoint.
+TEST_CASE("a checkpoint load that fails halfway leaves the engine unusable on every rank") {
+  TempDir drive("swap"), ckpt("ckpt");
+  std::vector<std::string> failed(2), after(2);
+  std::vector<float> saved, loaded;
+  run_threads(2, [&](Collective<Threads>& comm) {
+    const std::size_t r = std::size_t(comm.rank());
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> e(comm, model, nvme_config(drive.path));
+    train(e, model, 0, 2);
+    zp::save_checkpoint(e, ckpt.path, "good");
+    auto m = e.gather_master();
+    if (r == 0) saved = std::move(m);
+    comm.barrier();
+    if (r == 0)
+      for (const auto& f : swap_files(drive.path)) fs::resize_file(f, 4096);
+    comm.barrier();
+    try {
+      zp::load_checkpoint(e, ckpt.path);
+    } catch (const zp::Error& x) {
+      failed[r] = x.what();
+    }
+    try {
+      train(e, model, 2, 3);
+    } catch (const zp::Error& x) {
+      after[r] = x.what();
+    }
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    INFO(failed[r]);
+    INFO(after[r]);
+    CHECK(failed[r].find(".swap'") != std::string::npos);
+    CHECK(after[r].find("unusable since load_checkpoint() of " + (ckpt.path / "good").string() +
+                        " failed after it began to write the state") != std::string::npos);
+  }
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> e(comm, model, nvme_config(drive.path));
+    zp::load_checkpoint(e, ckpt.path);
+    auto m = e.gather_master();
+    if (comm.rank() == 0) loaded = std::move(m);
+  });
+  CHECK(!saved.empty());
+  CHECK(loaded == saved);
+}
+
 // Unlinked, a file lives on while it is open: the job keeps its state and trains on unchanged.
 TEST_CASE("a swap file deleted under a running job loses nothing") {
   TempDir drive("swap");
@@ -344,9 +393,12 @@ TEST_CASE("a swap file deleted under a running job loses nothing") {
 
 TEST_CASE("swap files of a process that died are removed; those in use are not") {
   TempDir dir("swap");
+  // `starting`: another live process's (pid 1's) file, created and not yet locked.
   const fs::path dead = dir.path / "zp-swap-999999-0.swap",
-                 alive = dir.path / "zp-swap-999998-0.swap", other = dir.path / "notes.swap";
-  for (const auto& p : {dead, alive, other}) {
+                 alive = dir.path / "zp-swap-999998-0.swap", other = dir.path / "notes.swap",
+                 starting = dir.path / "zp-swap-1-0.swap";
+  REQUIRE(::kill(999999, 0) != 0);
+  for (const auto& p : {dead, alive, other, starting}) {
     std::FILE* f = std::fopen(p.c_str(), "w");
     REQUIRE(f);
     std::fputs("x", f);
@@ -360,9 +412,10 @@ TEST_CASE("swap files of a process that died are removed; those in use are not")
     CHECK_FALSE(fs::exists(dead));
     CHECK(fs::exists(alive));
     CHECK(fs::exists(other));
+    CHECK(fs::exists(starting));
     CHECK(fs::exists(swap.path()));
   }
   ::close(held);
   CHECK(fs::exists(alive));
-  CHECK(swap_files(dir.path).size() == 2);  // alive and other
+  CHECK(swap_files(dir.path).size() == 3);  // alive, other and starting
 }

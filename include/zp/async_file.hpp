@@ -210,29 +210,36 @@ class File {
   // Hands the pending requests (as many as the rings hold) to the kernel as up to queue_depth
   // chains: request i in chain i % depth, so the requests in flight stay near each other in the
   // file. Hard links: a short or failed request does not cancel the rest of its chain (a short
-  // one's remainder comes back to pending_ in reap_one).
+  // one's remainder comes back to pending_ in reap_one). Throws nothing once a request is in the
+  // ring: its transfer is the caller's to wait for, so its buffer lives until then.
   void launch() {
     const std::size_t n = std::min({pending_.size(), std::size_t(io_uring_sq_space_left(&ring_)),
                                     std::size_t(ring_.cq.ring_entries) -
                                         std::min<std::size_t>(in_flight_, ring_.cq.ring_entries)});
-    if (n == 0) return;
-    const std::size_t chains = std::min<std::size_t>(opt_.queue_depth, n);
-    for (std::size_t c = 0; c < chains; ++c)
-      for (std::size_t i = c; i < n; i += chains) {
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-        auto slot = std::make_unique<Request>(pending_[i]);
-        Request& r = *slot;
-        if (r.write)
-          io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
-                              r.offset + r.done);
-        else
-          io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done), r.offset + r.done);
-        if (i + chains < n) sqe->flags |= IOSQE_IO_HARDLINK;
-        io_uring_sqe_set_data(sqe, slot.release());
-        ++in_flight_;
-      }
-    pending_.erase(pending_.begin(), pending_.begin() + std::ptrdiff_t(n));
-    if (const int e = io_uring_submit(&ring_); e < 0) throw io_error("io_uring_submit", 0, 0, -e);
+    if (n > 0) {
+      std::vector<std::unique_ptr<Request>> slots;  // allocated before any entry is taken
+      slots.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) slots.push_back(std::make_unique<Request>(pending_[i]));
+      const std::size_t chains = std::min<std::size_t>(opt_.queue_depth, n);
+      for (std::size_t c = 0; c < chains; ++c)
+        for (std::size_t i = c; i < n; i += chains) {
+          io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+          Request& r = *slots[i];
+          if (r.write)
+            io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
+                                r.offset + r.done);
+          else
+            io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
+                               r.offset + r.done);
+          if (i + chains < n) sqe->flags |= IOSQE_IO_HARDLINK;
+          io_uring_sqe_set_data(sqe, slots[i].release());
+          ++in_flight_;
+        }
+      pending_.erase(pending_.begin(), pending_.begin() + std::ptrdiff_t(n));
+    }
+    // A submit that fails or stops short leaves entries in the ring: reap_one hands them over
+    // (and throws its error there, from a wait).
+    if (io_uring_sq_ready(&ring_) > 0) (void)io_uring_submit(&ring_);
   }
 
   // Hands over what is pending, then reaps one completion.
@@ -243,10 +250,10 @@ class File {
 
   void reap_one() {
     io_uring_cqe* cqe = nullptr;
-    int e;
-    while ((e = io_uring_wait_cqe(&ring_, &cqe)) == -EINTR) {
+    while (io_uring_peek_cqe(&ring_, &cqe) != 0) {  // none yet: submit what the ring holds, wait
+      const int e = io_uring_submit_and_wait(&ring_, 1);
+      if (e < 0 && e != -EINTR) throw io_error("io_uring_submit_and_wait", 0, 0, -e);
     }
-    if (e < 0) throw io_error("io_uring_wait_cqe", 0, 0, -e);
     std::unique_ptr<Request> r(static_cast<Request*>(io_uring_cqe_get_data(cqe)));
     const int res = cqe->res;
     io_uring_cqe_seen(&ring_, cqe);
@@ -257,10 +264,11 @@ class File {
       --st.requests_left;
     };
     const char* call = r->write ? "write" : "read";
-    if (res < 0) return fail(io_message(call, r->offset, r->len, std::strerror(-res)), -res);
+    const std::uint64_t at = r->offset + r->done;  // the part this completion was for
+    const std::size_t left = r->len - r->done;
+    if (res < 0) return fail(io_message(call, at, left, std::strerror(-res)), -res);
     if (res == 0)
-      return fail(io_message(call, r->offset + r->done, r->len - r->done,
-                             r->write ? "no bytes written" : "the file ends there"),
+      return fail(io_message(call, at, left, r->write ? "no bytes written" : "the file ends there"),
                   0);
     r->done += std::size_t(res);
     if (r->done < r->len)

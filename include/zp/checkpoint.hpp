@@ -185,6 +185,21 @@ void verify_everywhere(E& engine, const Reader& rd) {
   });
 }
 
+// Runs f, which writes the engine's buffers (a load, after its checks passed), on every rank of
+// the grid. A failure on any rank leaves the state half written: it makes the engine unusable
+// on every rank as it is thrown there.
+template <class E>
+void writing(E& engine, const char* call, const std::filesystem::path& from,
+             detail::FunctionRef<void()> f) {
+  try {
+    on_every_grid_rank(engine, f);
+  } catch (const std::exception& e) {
+    engine.mark_unusable(detail::cat(call, " of ", from.string(),
+                                     " failed after it began to write the state (", e.what(), ")"));
+    throw;
+  }
+}
+
 // What save_checkpoint writes into manifest.json for the engine's state now.
 template <class E>
 Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) {
@@ -396,7 +411,8 @@ void load_hyper(O& o, const Manifest& m, const std::string& where) {
 // over the engine's grid; only at an accumulation boundary.
 // Every file is verified (size and CRC-32C) before anything is read; a mismatch between the
 // checkpoint and the model (parameter names or sizes, element type, optimizer) is an error
-// naming both values, and leaves the engine's state as it was.
+// naming both values, and leaves the engine's state as it was. A failure after the writing began
+// (a file that changed since it was verified, a swap file's I/O) leaves the engine unusable.
 template <class E>
 std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& dir,
                                        std::string tag = "latest") {
@@ -441,7 +457,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   // Read this rank's ranges, field by field, in the engine's layout.
   const auto& part = engine.partition();
   std::vector<std::byte> user;
-  on_every_grid_rank(engine, [&] {
+  ckpt::writing(engine, "load_checkpoint()", rd->path(), [&] {
     for (int s = 0; s < L.segment_count(); ++s)
       for (std::size_t f = 0; f < m.fields.size(); ++f)
         ckpt::with_field(
@@ -513,7 +529,9 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
 // Sets the engine's parameters and fp32 master weights, by name, from safetensors weights (a
 // file, an index JSON, or a directory holding model.safetensors or an index), stored as the
 // engine's T or as F32 (rounded to T for the parameters). Optimizer state and counters are left
-// alone. Collective; every rank reads only its own ranges.
+// alone. Collective; every rank reads only its own ranges. A missing or mismatched tensor on any
+// rank is an error on all that changes nothing; a failure after the writing began leaves the
+// engine unusable.
 template <class E>
 void load_safetensors(E& engine, const std::filesystem::path& path) {
   using T = typename E::value_type;
@@ -522,10 +540,10 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
   ckpt::expect_data_parallel(engine, "load_safetensors()");
   const Layout& L = engine.layout();
   const auto& part = engine.partition();
-  on_every_rank(comm, [&] {
+  std::map<std::filesystem::path, safetensors::Reader> open;
+  std::vector<std::pair<safetensors::Reader*, const safetensors::TensorInfo*>> src;
+  on_every_rank(comm, [&] {  // every rank's checks pass before any rank writes
     const auto files = ckpt::safetensors_files(path);
-    std::map<std::filesystem::path, safetensors::Reader> open;
-    std::vector<std::pair<safetensors::Reader*, const safetensors::TensorInfo*>> src;
     for (const auto& p : L.params()) {
       const auto it = files.find(p.name);
       ZP_EXPECT(it != files.end(), "load_safetensors: ", path.string(), " has no tensor '", p.name,
@@ -541,6 +559,8 @@ void load_safetensors(E& engine, const std::filesystem::path& path) {
                 "; expected F32 or ", safetensors::dtype_name(dtype_of<T>));
       src.emplace_back(&r->second, &t);
     }
+  });
+  ckpt::writing(engine, "load_safetensors()", path, [&] {
     // Reads elements of parameter p as U, converting from the stored type.
     auto read = [&]<class U>(std::size_t p, std::size_t first, std::span<U> out) {
       auto& [file, t] = src[p];

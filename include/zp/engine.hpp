@@ -288,6 +288,11 @@ class Engine {
     step_ = p.step;
     if constexpr (Stage == 3) params_->release_all();
   }
+  // Makes every later call throw, naming `why`: for a caller that failed halfway through
+  // writing partition()'s buffers (load_checkpoint, load_safetensors), leaving no whole state.
+  void mark_unusable(std::string why) {
+    if (broken_.empty()) broken_ = std::move(why);
+  }
   // Throws unless the engine is usable, at an accumulation boundary and outside every guard:
   // the only moment its buffers hold a complete training state.
   void expect_at_boundary(const char* what) {
@@ -354,12 +359,21 @@ class Engine {
   }
   // A guard's start (m already checked): stage 3 gathers module m (waiting for its prefetch) and
   // prefetches the module that runs next (m + 1 in forward, m - 1 in backward).
+  // A failure here (a collective, a swap file's read, the live-parameter cap, which may have
+  // released modules) leaves the gathers half done: the engine unusable.
   void enter(int m, int next) {
     if constexpr (Stage == 3) {
-      in_context(next > m ? "forward()" : "backward()", [&] {
-        timer_.add_gather_wait(params_->use(m));
-        if (config_.prefetch) params_->prefetch(next, next + (next - m));
-      });
+      const char* call = next > m ? "forward()" : "backward()";
+      try {
+        in_context(call, [&] {
+          timer_.add_gather_wait(params_->use(m));
+          if (config_.prefetch) params_->prefetch(next, next + (next - m));
+        });
+      } catch (const std::exception& e) {
+        mark_unusable(
+            detail::cat("the gathers of ", call, " for module ", m, " failed (", e.what(), ")"));
+        throw;
+      }
     }
   }
 
@@ -389,9 +403,8 @@ class Engine {
         for (int s = mod.first_segment; s < mod.end_segment; ++s)
           bind_segment<T>(L, s, bound_.grads, nullptr);
       if (by_exception) {
-        if (broken_.empty())
-          broken_ = detail::cat("an exception ended the backward guard of module ", m, " in ",
-                                where(), ", so that micro-step's gradients are incomplete");
+        mark_unusable(detail::cat("an exception ended the backward guard of module ", m, " in ",
+                                  where(), ", so that micro-step's gradients are incomplete"));
         return;
       }
       for (int s = mod.first_segment; s < mod.end_segment; ++s) buckets_.ready(s);
@@ -475,7 +488,7 @@ class Engine {
       try {
         in_context("step()", [&] { on_every_grid_rank(*this, update, stats_.word()); });
       } catch (const Error& e) {
-        broken_ = detail::cat("the optimizer step on NVMe failed (", e.message(), ")");
+        mark_unusable(detail::cat("the optimizer step on NVMe failed (", e.message(), ")"));
         throw;
       }
     }

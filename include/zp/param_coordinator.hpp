@@ -92,7 +92,10 @@ class ParamCoordinator {
   ParamCoordinator(const ParamCoordinator&) = delete;
   ParamCoordinator& operator=(const ParamCoordinator&) = delete;
   ~ParamCoordinator() {
-    for (auto& st : mods_) drop_read(st);  // the kernel must not write into freed buffers
+    for (auto& st : mods_) {
+      st.works.clear();  // gathers in flight read st.read's pieces: they end first
+      drop_read(st);     // (which may free its buffer); the kernel must not write into freed ones
+    }
   }
 
   // A guard on module m begins: its parameters gathered (waiting for a prefetch in flight) and

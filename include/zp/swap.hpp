@@ -22,13 +22,16 @@
 // zp::aio, whose target defines ZP_WITH_AIO; without it opening a swap is an error saying so.
 #pragma once
 
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -287,15 +290,20 @@ class Swap {
     cached_c_ = c, cached_f_ = f;
     return b;
   }
-  // Removes the swap files of processes that died (their lock is free) in `dir`.
+  // Removes the swap files of processes that died in `dir`: their lock is free and, where the
+  // name's pid is another process's, no such process runs here (a live one may have created its
+  // file and not yet locked it: the mutex of the constructor covers only this process's).
   static void remove_abandoned(const std::filesystem::path& dir) {
     std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-      const std::string name = e.path().filename().string();
+    for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
       if (!name.starts_with("zp-swap-") || !name.ends_with(".swap")) continue;
-      const int fd = ::open(e.path().c_str(), O_RDWR | O_CLOEXEC);
+      const long pid = std::strtol(name.c_str() + 8, nullptr, 10);
+      if (pid > 0 && pid != ::getpid() && (::kill(pid_t(pid), 0) == 0 || errno == EPERM)) continue;
+      const int fd = ::open(it->path().c_str(), O_RDWR | O_CLOEXEC);
       if (fd < 0) continue;
-      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove(e.path(), ec);
+      std::error_code gone;
+      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) std::filesystem::remove(it->path(), gone);
       ::close(fd);
     }
   }
