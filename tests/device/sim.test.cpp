@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
@@ -278,4 +279,21 @@ TEST_CASE(
   for (int j = 0; j < ranges; ++j)
     for (std::size_t i = 0; i < sizes[std::size_t(j)]; ++i)
       REQUIRE_MESSAGE(got[at[std::size_t(j)] + i] == j * 1000 + int(i), "range ", j, " item ", i);
+}
+
+TEST_CASE("the simulator's environment variables take digits in range, nothing else") {
+  const char* name = "ZP_SIM_DELAY_US";
+  const std::string before = std::getenv(name) ? std::getenv(name) : "";
+  for (const char* v : {"-1", "+5", " 5", "5x", "10000001", "99999999999999999999"}) {
+    CAPTURE(v);
+    ::setenv(name, v, 1);
+    zp::test::expect_invalid([] { zp::device::sim::options_from_env(); },
+                             {"ZP_SIM_DELAY_US=", v, "is not an integer in [0, 10000000]"});
+  }
+  ::setenv(name, "10000000", 1);
+  CHECK(zp::device::sim::options_from_env().max_delay == 10s);
+  if (before.empty())
+    ::unsetenv(name);
+  else
+    ::setenv(name, before.c_str(), 1);
 }

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -79,21 +81,27 @@ struct Options {
   std::string drop;
 };
 
-// The defaults, from the environment: ZP_SIM_SEED (1), ZP_SIM_DELAY_US (50), ZP_SIM_MEMORY
-// (bytes, 0: unlimited), ZP_SIM_DROP (a site name).
+// The defaults, from the environment: ZP_SIM_SEED (1), ZP_SIM_DELAY_US (50, at most 10 s),
+// ZP_SIM_MEMORY (bytes, 0: unlimited), ZP_SIM_DROP (a site name).
 inline Options options_from_env() {
-  auto num = [](const char* name, unsigned long long fallback) {
+  auto num = [](const char* name, unsigned long long fallback, unsigned long long most) {
     const char* v = std::getenv(name);
     if (!v || !*v) return fallback;
     char* end = nullptr;
+    errno = 0;
     const unsigned long long x = std::strtoull(v, &end, 10);
-    ZP_EXPECT(*end == '\0', "simulated device: ", name, "=", v, " is not a non-negative integer");
+    // strtoull takes a sign and wraps "-1" to the largest value: digits only.
+    ZP_EXPECT(*end == '\0' && errno != ERANGE && x <= most &&
+                  std::all_of(v, const_cast<const char*>(end),
+                              [](char c) { return c >= '0' && c <= '9'; }),
+              "simulated device: ", name, "=", v, " is not an integer in [0, ", most, "]");
     return x;
   };
+  constexpr auto any = std::numeric_limits<unsigned long long>::max();
   Options o;
-  o.seed = num("ZP_SIM_SEED", 1);
-  o.max_delay = std::chrono::microseconds(num("ZP_SIM_DELAY_US", 50));
-  o.memory_limit = std::size_t(num("ZP_SIM_MEMORY", 0));
+  o.seed = num("ZP_SIM_SEED", 1, any);
+  o.max_delay = std::chrono::microseconds(num("ZP_SIM_DELAY_US", 50, 10'000'000));
+  o.memory_limit = std::size_t(num("ZP_SIM_MEMORY", 0, std::numeric_limits<std::size_t>::max()));
   if (const char* d = std::getenv("ZP_SIM_DROP")) o.drop = d;
   return o;
 }
