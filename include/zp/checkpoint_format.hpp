@@ -229,8 +229,10 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // A table per JSON object of the manifest, walked by detail/json_keys.hpp (types, ranges,
 // "missing", the key path in every message); the functions here read the arrays and check what
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
-// key is required; keys no table declares (zp_version, or one a newer zp adds) are skipped. The
-// integers are JSON integers (zp writes no others), each in the range of the member it lands in.
+// key is required but those version 1 lacks (grid, parts, a parameter's shape), which the readers
+// require for version 2 once the tables are read; keys no table declares (zp_version, or one a
+// newer zp adds) are skipped. The integers are JSON integers (zp writes no others), each in the
+// range of the member it lands in.
 namespace schema {
 
 using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...
