@@ -1015,6 +1015,27 @@ TEST_CASE("settings that must agree across ranks are checked, naming what differ
       same_opt, "the parameters agree but their bucket layout does not");
 }
 
+TEST_CASE("a rank whose model lacks initial values is an error naming them on every rank") {
+  std::mutex m;
+  std::vector<std::string> errors;
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    if (comm.rank() == 1) model.layers[0].b.value.rebind(nullptr);
+    auto cfg = test_config(2, 1);
+    cfg.broadcast_initial_params = false;  // every rank's own values
+    try {
+      zp::Engine<Threads, float, 1> engine(comm, model, cfg);
+    } catch (const zp::Error& e) {
+      std::lock_guard lk(m);
+      errors.push_back(e.what());
+    }
+  });
+  REQUIRE(errors.size() == 3);
+  for (const auto& e : errors)
+    CHECK_MESSAGE(
+        e.find("parameter 'layer0.bias' has no initial values on rank 1") != std::string::npos, e);
+}
+
 TEST_CASE("a learning rate that differs between ranks at a step is an error on every rank") {
   std::atomic<int> named{0};
   run_threads(3, [&](Collective<Threads>& comm) {

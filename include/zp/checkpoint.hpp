@@ -195,7 +195,8 @@ void writing(E& engine, const char* call, const std::filesystem::path& from,
     on_every_grid_rank(engine, f);
   } catch (const std::exception& e) {
     engine.mark_unusable(detail::cat(call, " of ", from.string(),
-                                     " failed after it began to write the state (", e.what(), ")"));
+                                     " failed after it began to write the state (",
+                                     detail::message_of(e), ")"));
     throw;
   }
 }

@@ -370,8 +370,8 @@ class Engine {
           if (config_.prefetch) params_->prefetch(next, next + (next - m));
         });
       } catch (const std::exception& e) {
-        mark_unusable(
-            detail::cat("the gathers of ", call, " for module ", m, " failed (", e.what(), ")"));
+        mark_unusable(detail::cat("the gathers of ", call, " for module ", m, " failed (",
+                                  detail::message_of(e), ")"));
         throw;
       }
     }
@@ -487,8 +487,9 @@ class Engine {
     } else {  // an I/O failure on one rank leaves that shard half updated: every rank stops
       try {
         in_context("step()", [&] { on_every_grid_rank(*this, update, stats_.word()); });
-      } catch (const Error& e) {
-        mark_unusable(detail::cat("the optimizer step on NVMe failed (", e.message(), ")"));
+      } catch (const std::exception& e) {  // a std::bad_alloc too: the shard is half updated
+        mark_unusable(
+            detail::cat("the optimizer step on NVMe failed (", detail::message_of(e), ")"));
         throw;
       }
     }

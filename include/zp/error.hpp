@@ -110,6 +110,12 @@ decltype(auto) with_context(F&& f, Wrap&& wrap) {
   }
 }
 
+// What `e` says: a zp::Error's message (its what() adds the category and source location).
+inline std::string message_of(const std::exception& e) {
+  const auto* z = dynamic_cast<const Error*>(&e);
+  return z ? z->message() : std::string(e.what());
+}
+
 // A destructor (or another path that cannot throw) met an error it has to drop: it says so on
 // stderr instead of losing it silently. `where` names the code that dropped it.
 inline void log_dropped(const char* where, const char* what) noexcept {

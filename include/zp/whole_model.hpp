@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "zp/agreement.hpp"
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
@@ -28,36 +29,40 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
   Buffer<T, S> init(L.total(), "engine: initial parameter values");
   Memory<S>::zero(init.span());
   const auto& ps = L.params();
-  for (std::size_t p = 0; p < ps.size(); ++p) {
-    const View<T>& v = *values[p];
-    if (v.bound())
-      Memory<S>::from_host(init.span(ps[p].offset, ps[p].size),
-                           std::span<const T>(v.span()));  // the model's own memory
-    else
-      ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name,
-                "' has no initial values on rank ", comm.rank(),
-                " (its value view is unbound); point it at the model's initial weights");
-  }
+  on_every_rank(comm, [&] {  // a rank without values: an error on every rank, not a hang
+    for (std::size_t p = 0; p < ps.size(); ++p) {
+      const View<T>& v = *values[p];
+      if (v.bound())
+        Memory<S>::from_host(init.span(ps[p].offset, ps[p].size),
+                             std::span<const T>(v.span()));  // the model's own memory
+      else
+        ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name,
+                  "' has no initial values on rank ", comm.rank(),
+                  " (its value view is unbound); point it at the model's initial weights");
+    }
+  });
   if (broadcast && comm.size() > 1) comm.broadcast(init.span(), 0);
   std::vector<T> staged, staged_t;
-  for (int s = 0; s < L.segment_count(); ++s) {
-    part.template access<Field::param>(
-        s, Extent::kept, 0, Access::write, [&](Owned<T> param, bool host) {
-          const std::span<const T> from = init.span(param.offset, param.span.size());
-          if (host)
-            std::ranges::copy(host_view<S>(from, false, staged_t), param.span.begin());
-          else
-            Memory<S>::copy(param.span, from);
-        });
-    part.template access<Field::master>(
-        s, Extent::kept, 0, Access::write, [&](Owned<float> master, bool host) {
-          const std::span<const T> from = init.span(master.offset, master.span.size());
-          if (host)
-            Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
-          else
-            Memory<S>::convert(master.span, from);
-        });
-  }
+  on_every_rank(comm, [&] {  // ... and a swap file that fails here too
+    for (int s = 0; s < L.segment_count(); ++s) {
+      part.template access<Field::param>(
+          s, Extent::kept, 0, Access::write, [&](Owned<T> param, bool host) {
+            const std::span<const T> from = init.span(param.offset, param.span.size());
+            if (host)
+              std::ranges::copy(host_view<S>(from, false, staged_t), param.span.begin());
+            else
+              Memory<S>::copy(param.span, from);
+          });
+      part.template access<Field::master>(
+          s, Extent::kept, 0, Access::write, [&](Owned<float> master, bool host) {
+            const std::span<const T> from = init.span(master.offset, master.span.size());
+            if (host)
+              Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
+            else
+              Memory<S>::convert(master.span, from);
+          });
+    }
+  });
 }
 
 // Points the views of segment s's parameters (views: by parameter index) into memory holding
