@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -298,8 +299,10 @@ class Swap {
     for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();
       if (!name.starts_with("zp-swap-") || !name.ends_with(".swap")) continue;
-      const long pid = std::strtol(name.c_str() + 8, nullptr, 10);
-      if (pid > 0 && pid != ::getpid() && (::kill(pid_t(pid), 0) == 0 || errno == EPERM)) continue;
+      const long pid = std::strtol(name.c_str() + 8, nullptr, 10);  // LONG_MAX where too long
+      if (pid > 0 && pid <= std::numeric_limits<pid_t>::max() && pid != ::getpid() &&
+          (::kill(pid_t(pid), 0) == 0 || errno == EPERM))
+        continue;
       const int fd = ::open(it->path().c_str(), O_RDWR | O_CLOEXEC);
       if (fd < 0) continue;
       std::error_code gone;
