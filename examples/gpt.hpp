@@ -825,6 +825,17 @@ StepOut train_step(E& engine, Model<T, F>& model, zp::pipeline::Runner<B, F>& ru
   ZP_EXPECT(slots.size() >= std::size_t(runner.slots()), "gpt: ", slots.size(),
             " activation sets for ", runner.slots(), " pipeline slots");
   const int first = model.first_module(), end = model.end_module();
+  // The boundaries copy one micro-batch's residual stream; stage 0 embeds, the last has the loss.
+  for (const Activations<F>& a : slots)
+    ZP_EXPECT(a.x.front().size() == runner.activation_elems(),
+              "gpt: the pipeline's boundary holds ", runner.activation_elems(),
+              " elements, a micro-batch's residual stream ", a.x.front().size(),
+              " (micro_batch x context x d_model)");
+  const bool last = runner.stage() == runner.stages() - 1;
+  ZP_EXPECT((first == 0) == (runner.stage() == 0) && model.has_loss() == last, "gpt: modules [",
+            first, ", ", end, ") of ", model.config().layers + 2, " on pipeline stage ",
+            runner.stage(), " of ", runner.stages(),
+            ": the first stage must hold module 0 and the last the head (gpt::pipeline_stage)");
   StepOut out;
   int backwards = 0;
   runner.run(

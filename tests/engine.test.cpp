@@ -1015,6 +1015,32 @@ TEST_CASE("settings that must agree across ranks are checked, naming what differ
       same_opt, "the parameters agree but their bucket layout does not");
 }
 
+// On a grid the replica's TP x PP ranks hold different parts (here: Mlps of different widths),
+// but step together: clipping differing between pipeline stages is an error on every rank.
+TEST_CASE("settings that differ across a replica's pipeline stages are an error on every rank") {
+  for (const bool differ : {false, true}) {
+    CAPTURE(differ);
+    std::mutex m;
+    std::vector<std::string> errors;
+    run_threads(4, [&](Collective<Threads>& world) {
+      zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 1, .pp = 2});
+      const int stage = grid.coords().pp;
+      Mlp<float> model(stage == 0 ? std::vector<int>{8, 16, 8} : std::vector<int>{8, 4});
+      auto cfg = test_config(2, 1);
+      cfg.max_grad_norm = differ && stage == 1 ? 0.0f : 1.0f;
+      try {
+        zp::Engine<Threads, float, 2> engine(grid, model, cfg);
+      } catch (const zp::Error& e) {
+        std::lock_guard lk(m);
+        errors.push_back(e.what());
+      }
+    });
+    REQUIRE(errors.size() == (differ ? 4 : 0));
+    for (const auto& e : errors)
+      CHECK_MESSAGE(e.find("differ in their clipping or loss scaling") != std::string::npos, e);
+  }
+}
+
 TEST_CASE("a rank whose model lacks initial values is an error naming them on every rank") {
   std::mutex m;
   std::vector<std::string> errors;

@@ -83,6 +83,7 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   std::vector<gpt::Activations<float>> slots;
   for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch);
   zp::CommStats dp = grid.dp().stats();  // after the engine's set-up collectives
+  const zp::OpStats mp0 = grid.model_parallel().stats()[zp::CollOp::all_reduce];
   RankResult out;
   for (int step = 0; step < steps; ++step) {
     const auto r =
@@ -145,7 +146,8 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
     if (Stage == 1 || Stage == 2)
       CHECK(dp[zp::CollOp::all_gather].bytes == std::uint64_t(steps) * P);
   }
-  const auto& mp = grid.model_parallel().stats()[zp::CollOp::all_reduce];
+  zp::OpStats mp = grid.model_parallel().stats()[zp::CollOp::all_reduce];
+  mp -= mp0;
   CHECK(mp.calls == (run.shape.tp * run.shape.pp > 1 ? std::uint64_t(steps) : 0));
   CHECK(mp.bytes == mp.calls * stats);
   return out;

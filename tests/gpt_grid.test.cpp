@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "expect_error.hpp"
 #include "gpt_grid.hpp"
 
 using zp::Collective;
@@ -106,4 +107,38 @@ TEST_CASE("GPT on every DP x TP x PP grid of up to 8 ranks agrees with one rank:
 TEST_CASE("4 pipeline stages and 4 tensor-parallel ranks (one module, one head each)") {
   check_grid<1>({.dp = 1, .tp = 1, .pp = 4}, zp::pipeline::Schedule::one_f_one_b);
   check_grid<3>({.dp = 1, .tp = 4, .pp = 1}, zp::pipeline::Schedule::one_f_one_b);
+}
+
+// gpt::train_step copies the pipeline's boundaries into the model's residual stream: a runner
+// whose boundary is not one micro-batch's stream, or a stage holding another stage's modules,
+// is an error on each rank before any boundary moves (it overran the buffer or ran a module
+// nowhere before).
+TEST_CASE("train_step refuses a runner whose boundary or stages do not fit the model's part") {
+  for (const bool swapped : {false, true}) {
+    CAPTURE(swapped);
+    zp::backend::run_threads(2, [&](Collective<Threads>& world) {
+      zp::ProcessGrid<Threads> grid(world, {.dp = 1, .tp = 1, .pp = 2});
+      const int stage = swapped ? 1 - grid.coords().pp : grid.coords().pp;
+      const auto [first, end] = gpt::pipeline_stage(g::cfg, 2, stage);
+      gpt::Model<float> model(g::cfg, 1, zp::tp::Group<float>(grid.tp()), {first, end});
+      zp::EngineConfig ec;
+      ec.batch = {.micro_batch_per_rank = g::micro_batch,
+                  .gradient_accumulation_steps = g::micro_batches};
+      zp::Engine<Threads, float, 1> engine(grid, model, ec);
+      const std::size_t elems =
+          std::size_t(g::micro_batch) * std::size_t(g::cfg.context) * std::size_t(g::cfg.d_model);
+      zp::pipeline::Runner<Threads, float> runner(grid.pp(), zp::pipeline::Schedule::one_f_one_b,
+                                                  g::micro_batches, elems + !swapped);
+      std::vector<gpt::Activations<float>> slots;
+      for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(g::cfg, g::micro_batch);
+      zp::test::expect_invalid(
+          [&] {
+            gpt::train_step(engine, model, runner, slots, [](int, gpt::Activations<float>&) {});
+          },
+          swapped ? std::initializer_list<std::string>{"gpt: modules [", "on pipeline stage",
+                                                       "the first stage must hold module 0"}
+                  : std::initializer_list<std::string>{"the pipeline's boundary holds 193 elements",
+                                                       "stream 192"});
+    });
+  }
 }

@@ -178,6 +178,9 @@ class Engine {
       mp_ = &grid.model_parallel();
       grid_ = grid.shape();
       coords_ = grid.coords();
+      // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
+      expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
+                                    precision_, opt_, true);
     }
   }
 

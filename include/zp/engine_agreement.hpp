@@ -59,11 +59,15 @@ template <Backend B>
 }  // namespace detail
 
 // Everything that must agree across ranks, as fingerprints compared in one all_reduce
-// (first_difference), so a difference names what differs, on every rank.
+// (first_difference), so a difference names what differs, on every rank. `model_parallel`: comm
+// is a replica's TP x PP group, whose ranks hold different parts of the model, each gathered
+// and reduced over its own data-parallel group: their layouts and stage 3 and bucket settings
+// are not compared, the rest (stepped together: one norm, one skip) is.
 template <Backend B, class Opt>
 void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype,
                                    const EngineConfig& c, const BatchConfig& batch,
-                                   const GradPrecision& precision, const Opt& opt) {
+                                   const GradPrecision& precision, const Opt& opt,
+                                   bool model_parallel = false) {
   const LossScaler& ls = c.loss_scaler;
   const DynamicScale& d = ls.config();
   const std::string parts[] = {
@@ -89,7 +93,7 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   c.optimizer_nvme ? "state" : "no state", ", ",
                   c.param_nvme ? "params" : "no params", ")")};
   const std::uint64_t h[] = {
-      L.hash(),
+      model_parallel ? 0 : L.hash(),
       detail::Fnv1a().all(stage, dtype).value(),
       detail::Fnv1a()
           .all(batch.micro_batch_per_rank, batch.gradient_accumulation_steps,
@@ -100,14 +104,16 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
                d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
           .value(),
-      detail::Fnv1a()
-          .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
-               c.broadcast_initial_params,
-               c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
-               c.hpz_partition_size,
-               c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
-               c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
-          .value(),
+      model_parallel
+          ? 0
+          : detail::Fnv1a()
+                .all(c.max_live_params, c.persist_threshold, c.prefetch, c.bucket_slots,
+                     c.broadcast_initial_params,
+                     c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
+                     c.hpz_partition_size,
+                     c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
+                     c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
+                .value(),
       detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value()};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
   if (k == 0) detail::throw_layout_difference(comm, L, c);

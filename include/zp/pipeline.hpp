@@ -115,7 +115,7 @@ inline std::vector<Op> schedule(Schedule s, int stages, int stage, int micro_bat
 // micro_batches < 1.
 constexpr double bubble_fraction(int stages, int micro_batches) noexcept {
   if (stages < 1 || micro_batches < 1) return std::numeric_limits<double>::quiet_NaN();
-  return double(stages - 1) / double(micro_batches + stages - 1);
+  return double(stages - 1) / (double(micro_batches) + double(stages - 1));  // no int overflow
 }
 
 // The most micro-batches stage `stage` holds forwarded but not yet backwarded (its activation
@@ -181,6 +181,7 @@ class Runner {
 
   // The activation sets this stage's user needs: max_in_flight for this stage.
   int slots() const noexcept { return slots_; }
+  std::size_t activation_elems() const noexcept { return n_; }
   int stage() const noexcept { return stage_; }
   int stages() const noexcept { return stages_; }
   int micro_batches() const noexcept { return m_; }
