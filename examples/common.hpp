@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -129,8 +130,9 @@ std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnF
 
 inline int to_int(const Program& p, const std::string& flag, const std::string& v, int lo, int hi) {
   char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < lo || x > hi)
+  const long x = std::strtol(v.c_str(), &end, 10);  // which skips spaces and takes a '+'
+  const bool digits = !v.empty() && (std::isdigit(static_cast<unsigned char>(v[0])) || v[0] == '-');
+  if (!digits || *end != '\0' || x < lo || x > hi)
     bad(p, flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
                "], got '" + v + "'");
   return int(x);

@@ -25,6 +25,8 @@ refused() {
 
 for prog in "$demo" "$gpt"; do
   refused 2 "--micro-batch expects an integer in [1, 65536], got '10abc'" "$prog" --micro-batch 10abc
+  refused 2 "--ranks expects an integer in [1, 256], got ' 2'" "$prog" --ranks " 2"
+  refused 2 "--ranks expects an integer in [1, 256], got '+2'" "$prog" --ranks +2
   refused 2 "--stage is given twice" "$prog" --stage 1 --stage 3
   refused 2 "--offload-optimizer is given twice" "$prog" --offload-optimizer cpu --offload-optimizer none
   refused 2 "--export expects a value, got the flag '--resume'" "$prog" --export --resume
