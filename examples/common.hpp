@@ -98,6 +98,11 @@ struct Program {
   std::exit(2);
 }
 
+// Whether `flag` is among the flags given (parse_args' result).
+inline bool gave(const std::vector<std::string>& given, std::string_view flag) {
+  return std::find(given.begin(), given.end(), flag) != given.end();
+}
+
 // Walks argv: --help prints the usage and exits 0; a flag in `switches` (no value) and every
 // other "--flag value" pair go to on_flag(flag, value) (value "" for a switch), which returns
 // false for a flag it does not know: an error naming it, as is a flag without its value, an
@@ -121,8 +126,7 @@ std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnF
     if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");
     if (!is_switch && (v.empty() || v.starts_with("--")))
       bad(p, a + " expects a value, got " + (v.empty() ? "an empty one" : "the flag '" + v + "'"));
-    if (a != "--text" && std::find(given.begin(), given.end(), a) != given.end())
-      bad(p, a + " is given twice");
+    if (a != "--text" && gave(given, a)) bad(p, a + " is given twice");
     given.push_back(a);
   }
   return given;

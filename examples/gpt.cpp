@@ -162,7 +162,7 @@ Options parse(int argc, char** argv) {
   examples::check_run_flags(program, o, given);
   if (!o.sampling.count)
     for (const char* f : {"--prompt", "--temperature", "--top-k", "--seed"})
-      if (std::find(given.begin(), given.end(), f) != given.end())
+      if (examples::gave(given, f))
         examples::bad(program, std::string(f) + " without --sample N: nothing is sampled");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +

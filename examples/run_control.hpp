@@ -125,7 +125,7 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
       {"--zero-quantized-gradients", "zero_optimization.zero_quantized_gradients"}};
   if (!o.config.empty())
     for (const auto& [flag, key] : config_sets)
-      if (std::find(given.begin(), given.end(), flag) != given.end())
+      if (gave(given, flag))
         bad(p, std::string(flag) + " with --config: the config sets it (" + key + ")");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())

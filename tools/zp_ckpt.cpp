@@ -35,9 +35,15 @@ const char* usage =
     "           into model-0000k-of-n files with an index above --max-file-bytes\n"
     "  reshard  writes DIR/<out-tag> (default <tag>-<M>ranks) laid out for M ranks\n";
 
-// Every option of every command.
-constexpr std::string_view options[] = {"--tag", "--out-tag", "--ranks", "--master",
-                                        "--max-file-bytes"};
+// The commands and the options each takes.
+struct Command {
+  std::string_view name;
+  std::vector<std::string_view> options;
+};
+const Command commands[] = {{"info", {"--tag"}},
+                            {"verify", {"--tag"}},
+                            {"export", {"--tag", "--master", "--max-file-bytes"}},
+                            {"reshard", {"--tag", "--ranks", "--out-tag"}}};
 
 [[noreturn]] void bad(const std::string& msg) {
   std::fprintf(stderr, "zp_ckpt: %s\n\n%s", msg.c_str(), usage);
@@ -56,12 +62,8 @@ long long to_number(const std::string& flag, const std::string& v, long long lo,
   return x;
 }
 
-// The options `cmd` takes; an unknown command is a usage error.
-std::vector<std::string_view> options_of(const std::string& cmd) {
-  if (cmd == "info" || cmd == "verify") return {"--tag"};
-  if (cmd == "export") return {"--tag", "--master", "--max-file-bytes"};
-  if (cmd == "reshard") return {"--tag", "--ranks", "--out-tag"};
-  bad("unknown command '" + cmd + "'");
+bool takes(const Command& c, std::string_view option) {
+  return std::find(c.options.begin(), c.options.end(), option) != c.options.end();
 }
 
 int info(zp::ckpt::Reader& rd) {
@@ -112,7 +114,9 @@ int main(int argc, char** argv) {
     }
   if (argc < 2) bad("no command");
   const std::string cmd = argv[1];
-  const std::vector<std::string_view> takes = options_of(cmd);
+  const auto* command = std::find_if(std::begin(commands), std::end(commands),
+                                     [&](const Command& c) { return c.name == cmd; });
+  if (command == std::end(commands)) bad("unknown command '" + cmd + "'");
   std::vector<std::string> pos, given;
   std::string tag = "latest", out_tag;
   int ranks = 0;
@@ -123,8 +127,9 @@ int main(int argc, char** argv) {
       pos.push_back(a);
       continue;
     }
-    if (std::find(takes.begin(), takes.end(), a) == takes.end())
-      bad(std::find(std::begin(options), std::end(options), a) == std::end(options)
+    if (!takes(*command, a))
+      bad(std::none_of(std::begin(commands), std::end(commands),
+                       [&](const Command& c) { return takes(c, a); })
               ? "unknown flag '" + a + "'"
               : cmd + " does not take " + a);
     if (std::find(given.begin(), given.end(), a) != given.end()) bad(a + " is given twice");
