@@ -197,14 +197,16 @@ class Swap {
   }
   // The elements of `a` once its read is done (throws its error).
   std::span<const U> finish(Ahead& a) {
-    file_->wait(std::exchange(a.transfer, {}));
+    file_->wait(a.transfer);  // kept until it returns: a failed wait leaves the read in flight
+    a.transfer = {};
     return {reinterpret_cast<const U*>(a.buffer.span().data() + a.skip), a.n};
   }
   // Waits for `a`'s read, whose elements nobody needs now: its errors are dropped (a read that
   // needs them meets them again).
   void drop(Ahead& a) noexcept {
     try {
-      file_->wait(std::exchange(a.transfer, {}));
+      file_->wait(a.transfer);
+      a.transfer = {};
     } catch (...) {
     }
   }
@@ -278,8 +280,12 @@ class Swap {
     holds_[b] = c;
     io_[b] = file_->read_async(record(b), c * record_bytes());
   }
+  // io_[b] is kept until a wait on it returns: one that threw the transfer's error has ended it
+  // (the next wait returns at once), one that failed itself has not, and the buffer stays busy.
   void finish(std::size_t b) {
-    if (auto t = std::exchange(io_[b], std::nullopt)) file_->wait(*t);
+    if (!io_[b]) return;
+    file_->wait(*io_[b]);
+    io_[b].reset();
   }
   // The bounce buffer holding field f's run of sub-group c (read from the file if `load`).
   U* cached(int f, std::size_t c, bool load) {
