@@ -11,7 +11,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "zp/backend/threads.hpp"
@@ -379,7 +378,10 @@ zp::pipeline::Stats run_stage(Collective<Threads>& pp, Schedule sched, const Toy
     CHECK(cs[op].calls == msgs * std::uint64_t(runs));
     CHECK(cs[op].bytes == msgs * std::uint64_t(runs) * n * sizeof(A));
   }
-  CHECK(cs.total().calls == 2 * msgs * std::uint64_t(runs));  // nothing but the transfers
+  // Nothing but the transfers and the constructor's two agreements (its set-up on every rank,
+  // the settings' spread)
+  CHECK(cs[zp::CollOp::all_reduce].calls == 2);
+  CHECK(cs.total().calls == 2 * msgs * std::uint64_t(runs) + 2);
   return st;
 }
 
@@ -452,22 +454,18 @@ struct Ending {
   std::string kind, what;
 };
 
-// Runs a pipeline of ends.size() ranks where stage s has micro_batches[s] and elems[s], with
-// callbacks that call hook(stage, micro, backward) first; after run(), after_run(stage), then a
-// barrier (what a training step's next collective would be). Records each rank's ending in
-// `ends` and rethrows as run_threads does.
-void run_failing(Schedule sched, std::vector<Ending>& ends, const std::vector<int>& micro_batches,
-                 const std::vector<std::size_t>& elems, ThreadsOptions opt,
-                 const std::function<void(int, int, bool)>& hook,
-                 const std::function<void(int)>& after_run = {}) {
+// Runs a pipeline of ends.size() ranks (5 micro-batches of 64 elements) with callbacks that
+// call hook(stage, micro, backward) first; after run(), a barrier (what a training step's next
+// collective would be). Records each rank's ending in `ends` and rethrows as run_threads does.
+void run_failing(Schedule sched, std::vector<Ending>& ends, ThreadsOptions opt,
+                 const std::function<void(int, int, bool)>& hook) {
   run_threads(
       int(ends.size()),
       [&](Collective<Threads>& pp) {
         const int s = pp.rank();
         auto& mine = ends[std::size_t(s)];
         try {
-          Runner<Threads, float> pipe(pp, sched, micro_batches[std::size_t(s)],
-                                      elems[std::size_t(s)]);
+          Runner<Threads, float> pipe(pp, sched, 5, 64);
           pipe.run(
               [&](int k, int, std::span<const float>, std::span<float> out) {
                 hook(s, k, false);
@@ -477,7 +475,6 @@ void run_failing(Schedule sched, std::vector<Ending>& ends, const std::vector<in
                 hook(s, k, true);
                 std::fill(in_grad.begin(), in_grad.end(), 1.0f);
               });
-          if (after_run) after_run(s);
           pp.barrier();
           mine.kind = "ok";
         } catch (const zp::Error& e) {
@@ -512,9 +509,8 @@ TEST_CASE(
             std::vector<Ending> ends(static_cast<std::size_t>(p));
             const auto t0 = std::chrono::steady_clock::now();
             try {
-              run_failing(sched, ends, std::vector<int>(std::size_t(p), 5),
-                          std::vector<std::size_t>(std::size_t(p), 64),
-                          ThreadsOptions{.timeout = 5s}, [&](int s, int k, bool backward) {
+              run_failing(sched, ends, ThreadsOptions{.timeout = 5s},
+                          [&](int s, int k, bool backward) {
                             if (s == bad && k == bad_micro && backward == in_backward)
                               throw std::runtime_error(msg);
                           });
@@ -537,67 +533,50 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "a stage configured with more micro-batches than its neighbour times out in the recv that has "
-    "no send") {
-  const auto timeout = 250ms;
-  for (Schedule sched : both) {
-    CAPTURE(zp::pipeline::name(sched));
-    std::vector<Ending> ends(2);
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-      // Under 1F1B stage 0 (3 micro-batches) finishes its flush; it then stays away from the
-      // barrier past the timeout, so that what times out is stage 1's recv, not the barrier.
-      run_failing(
-          sched, ends, {3, 4}, {16, 16}, ThreadsOptions{.timeout = timeout}, [](int, int, bool) {},
-          [&](int s) {
-            if (s == 0) std::this_thread::sleep_for(3 * timeout);
-          });
-      FAIL("run_threads should have thrown");
-    } catch (const zp::Error& e) {
-      INFO(e.what());
-      CHECK(e.category() == Errc::timeout);
-      if (sched == Schedule::one_f_one_b) {
-        CHECK(std::string(e.what()).find(
-                  "rank 1 timed out after 250 ms in recv from rank 0 (call #") !=
-              std::string::npos);
-        CHECK(ends[0].kind == "aborted");
-      } else {
-        // gpipe: stage 1 waits for activation 3 while stage 0 waits for gradient 0, two recvs no
-        // send will match; either may expire first, and the other rank sees the abort.
-        CHECK(std::string(e.what()).find("timed out after 250 ms in recv from rank") !=
-              std::string::npos);
-      }
-    }
-    CHECK(ends[0].kind != "ok");
-    CHECK(ends[1].kind != "ok");
-    CHECK(elapsed(t0) < 3.0);
-  }
-}
-
-TEST_CASE(
-    "neighbours with different activation_elems fail on both sides of the boundary with "
-    "invalid_argument") {
-  for (Schedule sched : both)
+    "stages built with different schedules, micro-batch counts, activation sizes or element types "
+    "fail at construction, on every stage, naming the setting") {
+  struct Case {
+    int bad_field;  // 0 schedule, 1 micro_batches, 2 activation_elems, 3 element type
+    const char* name;
+  };
+  for (const Case c : {Case{0, "the same schedule (0: gpipe, 1: 1f1b); it ranges over [0, 1]"},
+                       Case{1, "the same micro_batches; it ranges over [3, 4]"},
+                       Case{2, "the same activation_elems; it ranges over [64, 65]"},
+                       Case{3, "the same sizeof(activation element); it ranges over [4, 8]"}})
     for (int p : {2, 3}) {
-      CAPTURE(zp::pipeline::name(sched));
+      CAPTURE(c.bad_field);
       CAPTURE(p);
-      // The last boundary is mismatched: the last stage expects one element more.
-      std::vector<std::size_t> elems(std::size_t(p), 64);
-      elems.back() = 65;
-      std::vector<Ending> ends(static_cast<std::size_t>(p));
+      const int bad = p - 1;  // the last stage differs
+      std::vector<std::string> got(static_cast<std::size_t>(p));
       const auto t0 = std::chrono::steady_clock::now();
-      zp::test::expect_invalid(
-          [&] {
-            run_failing(sched, ends, std::vector<int>(std::size_t(p), 3), elems,
-                        ThreadsOptions{.timeout = 5s}, [](int, int, bool) {});
+      run_threads(
+          p,
+          [&](Collective<Threads>& pp) {
+            const int s = pp.rank();
+            const bool odd = s == bad;
+            const Schedule sched =
+                odd && c.bad_field == 0 ? Schedule::one_f_one_b : Schedule::gpipe;
+            const int m = odd && c.bad_field == 1 ? 4 : 3;
+            const std::size_t n = odd && c.bad_field == 2 ? 65 : 64;
+            try {
+              if (odd && c.bad_field == 3)
+                Runner<Threads, double> r(pp, sched, m, n);
+              else
+                Runner<Threads, float> r(pp, sched, m, n);
+              got[std::size_t(s)] = "constructed";
+            } catch (const zp::Error& e) {
+              got[std::size_t(s)] = std::string(zp::to_string(e.category())) + ": " + e.what();
+            }
           },
-          {"mismatched send/recv", "count=64", "count=65"});
-      CHECK(elapsed(t0) < 2.0);
+          ThreadsOptions{.timeout = 5s});
+      CHECK(elapsed(t0) < 2.0);  // an agreement, not a timeout
       for (int s = 0; s < p; ++s) {
         CAPTURE(s);
-        INFO("ended with: ", ends[std::size_t(s)].what);
-        // The two ranks of the boundary name the mismatch; the others see the abort it caused.
-        CHECK(ends[std::size_t(s)].kind == (s >= p - 2 ? "invalid argument" : "aborted"));
+        const std::string& e = got[std::size_t(s)];
+        INFO(e);
+        CHECK(e.starts_with("invalid argument: "));
+        CHECK(e.find(c.name) != std::string::npos);
+        CHECK(e.find("stage " + std::to_string(s) + " has ") != std::string::npos);
       }
     }
 }

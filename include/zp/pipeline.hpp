@@ -45,6 +45,7 @@
 #include <span>
 #include <vector>
 
+#include "zp/agreement.hpp"
 #include "zp/collective.hpp"
 #include "zp/error.hpp"
 
@@ -136,10 +137,8 @@ struct Stats {
 
 // One stage of a pipeline over the group `pp` (rank = stage, size = stages), which must outlive
 // it. Every stage must construct its Runner with the same schedule, micro_batches and
-// activation_elems, and call run() the same number of times. A mismatch is an error, not a hang:
-// another activation_elems an invalid_argument on both ranks of the boundary (from the backend's
-// send/recv check), another micro_batches the backend's timeout in a recv with no send (as does
-// a schedule mismatch that deadlocks).
+// activation_elems (the constructor is collective over pp and checks that, an invalid_argument
+// on every stage), and call run() the same number of times.
 //
 // Memory, allocated once here: slots() x activation_elems elements each for the received inputs
 // and the sent gradients (not on stage 0) and for the outputs (not on the last stage), plus one
@@ -158,25 +157,28 @@ class Runner {
   // boundary, e.g. micro_batch * seq * hidden).
   Runner(Collective<B>& pp, Schedule s, int micro_batches, std::size_t activation_elems)
       : pp_(pp),
-        ops_(pipeline::schedule(s, pp.size(), pp.rank(), micro_batches)),
         schedule_(s),
         stages_(pp.size()),
         stage_(pp.rank()),
         m_(micro_batches),
-        slots_(max_in_flight(s, stages_, stage_, micro_batches)),
         n_(activation_elems) {
-    const std::size_t per = zp::detail::checked_mul(std::size_t(slots_), n_, "pipeline: ", slots_,
-                                                    " slots of activation_elems");
-    if (!first()) {
-      in_.resize(per);
-      in_grad_.resize(per);
-      grad_sends_.resize(std::size_t(slots_));
-    }
-    if (!last()) {
-      out_.resize(per);
-      out_grad_.resize(n_);
-      act_sends_.resize(std::size_t(slots_));
-    }
+    on_every_rank(pp, [&] {
+      ops_ = pipeline::schedule(s, stages_, stage_, micro_batches);
+      slots_ = max_in_flight(s, stages_, stage_, micro_batches);
+      const std::size_t per = zp::detail::checked_mul(std::size_t(slots_), n_, "pipeline: ", slots_,
+                                                      " slots of activation_elems");
+      if (!first()) {
+        in_.resize(per);
+        in_grad_.resize(per);
+        grad_sends_.resize(std::size_t(slots_));
+      }
+      if (!last()) {
+        out_.resize(per);
+        out_grad_.resize(n_);
+        act_sends_.resize(std::size_t(slots_));
+      }
+    });
+    expect_same_everywhere();
   }
 
   // The activation sets this stage's user needs: max_in_flight for this stage.
@@ -314,10 +316,26 @@ class Runner {
     return first_error;
   }
 
+  // What every stage must have the same of: a stage that differs would wait in a recv with no
+  // send (micro_batches, schedule) or fail in its neighbours' send/recv check (the sizes).
+  void expect_same_everywhere() {
+    const std::int64_t mine[] = {
+        std::int64_t(schedule_), m_,
+        std::int64_t(std::min<std::size_t>(n_, std::numeric_limits<std::int64_t>::max())),
+        std::int64_t(sizeof(A))};
+    const std::vector<Spread> got = spread(pp_, std::span<const std::int64_t>(mine));
+    static constexpr const char* what[] = {"schedule (0: gpipe, 1: 1f1b)", "micro_batches",
+                                           "activation_elems", "sizeof(activation element)"};
+    for (std::size_t i = 0; i < got.size(); ++i)
+      ZP_EXPECT(got[i].same(), "pipeline: every stage must build its Runner with the same ",
+                what[i], "; it ranges over [", got[i].lo, ", ", got[i].hi,
+                "] on the pipeline group, stage ", stage_, " has ", mine[i]);
+  }
+
   Collective<B>& pp_;
   std::vector<Op> ops_;
   Schedule schedule_;
-  int stages_, stage_, m_, slots_;
+  int stages_, stage_, m_, slots_ = 0;
   std::size_t n_;
   std::vector<A> in_, out_, out_grad_, in_grad_;
   std::vector<Work> act_sends_, grad_sends_;  // the pending send of each slot's out / in_grad
