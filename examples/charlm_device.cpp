@@ -16,7 +16,8 @@
 // Every launch runs on the rank's compute stream (zp::device::current_stream()), the engine's;
 // the collectives run on the backend's communication stream, ordered by events, so gradient
 // reductions overlap the rest of backward. The loss stays on the device and is read only when a
-// progress line is printed. Every sum is in a fixed order, so a run is deterministic.
+// progress line is printed. Every sum is in a fixed order, so a run on a given GPU repeats bit
+// for bit.
 #include <chrono>
 #include <cmath>
 #include <cstdint>

@@ -129,13 +129,24 @@ ZP_HOST_DEVICE inline void zero_codes(std::uint8_t* codes, Bits bits, std::size_
   for (std::size_t i = b; i < e; ++i) codes[i] = 0;
 }
 
+// code x scale rounded to fp32 on its own, as the SIMD loops do: never fused with a following add
+// into one fma (nvcc's default, and GCC's where the target has fma). The product is exact in
+// double (a code has at most 8 bits), so converting it rounds once.
+ZP_HOST_DEVICE inline float times_scale(int c, float scale) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(float(c), scale);
+#else
+  return float(double(c) * double(scale));
+#endif
+}
+
 // Values [i, hi) from their codes and block scale into out (Accumulate: added to it): the work
 // item's loop, and the rest of a block after the SIMD loops.
 template <bool Accumulate, class T>
 ZP_HOST_DEVICE void write_values(const std::uint8_t* codes, Bits bits, std::size_t i,
                                  std::size_t hi, float scale, T* out) {
   for (; i < hi; ++i) {
-    const float v = float(code(codes, bits, i)) * scale;
+    const float v = times_scale(code(codes, bits, i), scale);
     if constexpr (Accumulate)
       out[i] = T(float(out[i]) + v);
     else

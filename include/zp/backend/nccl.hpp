@@ -8,8 +8,9 @@
 //    MPI_Bcasts it; each process takes the GPU numbered by its rank among the processes of its
 //    node (MPI_Comm_split_type SHARED), modulo the GPUs it sees.
 //  - one process driving several GPUs: Nccl::create_local({0, 1, ...}) (ncclCommInitAll),
-//    one backend per device, rank i on devices[i]. Issue a collective on every one of them
-//    (from one thread, async, or one thread per device) before waiting on any.
+//    one backend per device, rank i on devices[i], each driven by its own host thread: a
+//    collective on one of them may block until its peers join it (NCCL sets up connections on
+//    first use), so one thread issuing on each in turn would deadlock.
 //  - any other bootstrap: Nccl::create(id, rank, size, device) with an ncclUniqueId you
 //    distributed yourself.
 //
@@ -469,7 +470,10 @@ class Nccl {
   }
 
   // ncclCommSplit: ranks with the same colour form a group ordered by (key, rank); the new
-  // backend has its own stream on the same device. Collective over this communicator.
+  // backend has its own stream on the same device. Collective over this communicator. Its
+  // kernels and the parent's may then run at once, and two ranks may start them in different
+  // orders, each waiting for a peer busy in the other: where both are used in one step (hpZ,
+  // qgZ), set NCCL_LAUNCH_ORDER_IMPLICIT=1 (NCCL 2.26+), which launches them in host order.
   Nccl split(int color, int key) {
     auto& c = live();
     nccl_detail::DeviceScope dev(c.device);

@@ -165,8 +165,9 @@ __global__ void __launch_bounds__(block) for_each_kernel(F f, std::size_t n) {
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
 }
 
+// Block b's sum of f(i) into partial[b].
 template <class F>
-__global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* acc) {
+__global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* partial) {
   using Reduce = cub::BlockReduce<double, block>;
   __shared__ typename Reduce::TempStorage tmp;
   const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
@@ -174,7 +175,19 @@ __global__ void __launch_bounds__(block) sum_kernel(F f, std::size_t n, double* 
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     part += double(f(i));
   const double total = Reduce(tmp).Sum(part);
-  if (threadIdx.x == 0) atomicAdd(acc, total);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+// One block: *acc += the sum of partial[0, count). A template: a header's kernel, defined in
+// every translation unit that includes it.
+template <int Block = block>
+__global__ void __launch_bounds__(Block)
+    add_partials(const double* partial, int count, double* acc) {
+  using Reduce = cub::BlockReduce<double, Block>;
+  __shared__ typename Reduce::TempStorage tmp;
+  double part = 0;
+  for (int i = int(threadIdx.x); i < count; i += Block) part += partial[i];
+  const double total = Reduce(tmp).Sum(part);
+  if (threadIdx.x == 0) *acc += total;
 }
 }  // namespace cuda_detail
 
@@ -187,14 +200,21 @@ void launch(stream_t s, std::size_t n, const F& f) {
   check(cudaGetLastError(), "kernel launch");
 }
 
-// Blocks add their partial sums atomically: the order, and so the last bits, vary run to run.
+// In a fixed order on a given GPU (blocks' partial sums, then one block adds those), so a run
+// repeats bit for bit; atomically added partials would vary in their last bits.
 template <class F>
 void sum(stream_t s, std::size_t n, const F& f, double* acc) {
   if (n == 0) return;
-  cuda_detail::sum_kernel<F>
-      <<<cuda_detail::grid_for<cuda_detail::sum_kernel<F>>(n), cuda_detail::block, 0, s>>>(f, n,
-                                                                                           acc);
-  check(cudaGetLastError(), "reduction launch");
+  const int grid = cuda_detail::grid_for<cuda_detail::sum_kernel<F>>(n);
+  auto* partial = static_cast<double*>(allocate(std::size_t(grid) * sizeof(double), s));
+  cuda_detail::sum_kernel<F><<<grid, cuda_detail::block, 0, s>>>(f, n, partial);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) {
+    cuda_detail::add_partials<><<<1, cuda_detail::block, 0, s>>>(partial, grid, acc);
+    e = cudaGetLastError();
+  }
+  deallocate(partial, s, "sum.partials");  // stream-ordered: after the kernels
+  check(e, "reduction launch");
 }
 #endif
 

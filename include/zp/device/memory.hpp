@@ -108,9 +108,14 @@ struct Memory<MemorySpace::device> {
   static void from_host(std::span<T> dst, std::span<const T> src) {
     copy_async(dst, src, "from_host");
   }
-  // Waits for the current stream: the one synchronisation (device::synchronize, counted).
+  // Waits for the current stream: the one synchronisation (device::synchronize, counted). Into
+  // pageable memory the copy call itself waits for the stream's earlier work, and nothing polls
+  // the communicators there (a hung peer would hang it): the host waits for that work first,
+  // polling, then for the copy.
   template <class T>
   static void to_host(std::span<T> dst, std::span<const T> src) {
+    const device::stream_t s = device::current_stream();
+    device::detail::host_wait([s] { return device::stream_done(s); });
     device::synchronize(copy_async(dst, src, "to_host"), "to_host.sync");
   }
   template <class F, class X>

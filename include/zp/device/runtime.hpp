@@ -1,7 +1,8 @@
 // zp/device/runtime.hpp: the stream-ordered primitives every device operation of zp goes
 // through. Two implementations with one interface, chosen per program:
 //   zp/device/cuda.hpp  the CUDA runtime (streams, events, cudaMallocAsync, cudaMemcpyAsync);
-//                       under nvcc also launch() and sum() as one grid-stride kernel and CUB
+//                       under nvcc also launch() as one grid-stride kernel, sum() as one more
+//                       (CUB block sums) and a one-block kernel adding them in order
 //   zp/device/sim.hpp   a simulated device built with any C++ compiler (define ZP_DEVICE_SIM,
 //                       or link zp::sim): each stream a worker thread, device memory host memory
 //                       from a checked pool, timing perturbed by a seeded adversarial scheduler

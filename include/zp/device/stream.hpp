@@ -91,10 +91,9 @@ inline void watch(const std::shared_ptr<Watched>& w) {
 }
 
 namespace detail {
-// The host waits until done() holds, polling the watched communicators; counted.
+// The host waits until done() holds, polling the watched communicators.
 template <class Done>
 void host_wait(Done&& done) {
-  ++syncs();
   const auto start = std::chrono::steady_clock::now();
   for (int spins = 0; !done(); ++spins) {
     const auto waited = std::chrono::steady_clock::now() - start;
@@ -112,11 +111,13 @@ void host_wait(Done&& done) {
 // top of this file), polling the watched communicators meanwhile. `site` names it (runtime.hpp).
 inline void synchronize(stream_t s, const char* site) {
   if (dropped(site)) return;
+  ++detail::syncs();
   detail::host_wait([s] { return stream_done(s); });
 }
 // The same for the work before an event's last record (ZeRO-Offload's per-segment copies).
 inline void synchronize(event_t e, const char* site) {
   if (dropped(site)) return;
+  ++detail::syncs();
   detail::host_wait([e] { return event_done(e); });
 }
 
