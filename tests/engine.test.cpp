@@ -3,8 +3,10 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <chrono>
 #include <mutex>
 #include <optional>
@@ -883,7 +885,11 @@ void exception_in_backward(int reps) {
     run_threads(2, [&](Collective<Threads>& comm) {
       Mlp<float> model;
       zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, 1));
-      const auto before = engine.gather_params();
+      const auto params = [&] {  // read where they are (stage 3: this rank's shard)
+        const auto p = engine.partition().template buffer<zp::Field::param>();
+        return std::vector<float>(p.begin(), p.end());
+      };
+      const auto before = params();
       try {
         forward_backward(engine, model, comm.rank() * 2, 2);
       } catch (const std::runtime_error&) {
@@ -893,7 +899,8 @@ void exception_in_backward(int reps) {
           {"engine: unusable since an exception ended the backward guard of module 2"});
       zp::test::expect_invalid([&] { (void)engine.forward(0); }, {"unusable"});
       CHECK(engine.steps() == 0);
-      if constexpr (Stage < 3) CHECK(engine.gather_params() == before);
+      zp::test::expect_invalid([&] { (void)engine.gather_params(); }, {"unusable"});
+      CHECK(params() == before);  // nothing was applied
     });
     // Only rank 0 fails: the others get an error in bounded time, and nothing leaks or races.
     CHECK_THROWS_WITH_AS(
@@ -1062,25 +1069,121 @@ TEST_CASE("a rank whose model lacks initial values is an error naming them on ev
         e.find("parameter 'layer0.bias' has no initial values on rank 1") != std::string::npos, e);
 }
 
-TEST_CASE("a learning rate that differs between ranks at a step is an error on every rank") {
+namespace {
+// Stage's engine refuses a step whose learning rate differs between ranks, on every rank; with
+// the rate agreed again, the next window trains exactly as if the refused one had never run.
+template <int Stage>
+void continue_after_a_refused_step() {
+  constexpr int gas = 2;
   std::atomic<int> named{0};
   run_threads(3, [&](Collective<Threads>& comm) {
-    Mlp<float> model;
-    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
-    zp::test::micro_step(engine, model, comm.rank() * 2, 2);
-    engine.optimizer().lr = comm.rank() == 1 ? 2e-3f : 1e-3f;  // a schedule evaluated differently
+    Mlp<float> model, clean_model;
+    zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, gas));
+    zp::Engine<Threads, float, Stage> clean(comm, clean_model, test_config(2, gas));
+    const auto window = [&](auto& e, Mlp<float>& m, std::int64_t first) {
+      zp::StepResult r;
+      for (int i = 0; i < gas; ++i)
+        r = zp::test::micro_step(e, m, first + 2 * (i + gas * comm.rank()), 2);
+      return r;
+    };
+    const float lr = engine.optimizer().lr;
+    window(engine, model, 0);
+    window(clean, clean_model, 0);
+    engine.optimizer().lr = comm.rank() == 1 ? 2 * lr : lr;  // a schedule evaluated differently
     const auto before = engine.gather_master();
     try {
-      zp::test::micro_step(engine, model, 6 + comm.rank() * 2, 2);
+      window(engine, model, 100);
     } catch (const zp::Error& e) {
       named +=
           std::string(e.what()).find("hyper-parameters differ between ranks at optimizer step 2") !=
           std::string::npos;
     }
-    engine.optimizer().lr = 1e-3f;
     CHECK(engine.gather_master() == before);  // nothing was applied
+    engine.optimizer().lr = lr;
+    CHECK(window(engine, model, 200).applied);
+    window(clean, clean_model, 200);
+    CHECK(engine.steps() == 2);
+    CHECK(engine.gather_master() == clean.gather_master());
+    CHECK(engine.gather_params() == clean.gather_params());
   });
   CHECK(named == 3);
+}
+
+// An engine built on a model whose old engine still lives (`e = std::make_unique<E>(...)`)
+// keeps its views when the old one goes, and trains as a first engine does.
+template <int Stage>
+void replace_engine() {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    using E = zp::Engine<Threads, float, Stage>;
+    Mlp<float> model, first_model;
+    auto engine = std::make_unique<E>(comm, model, test_config(2, 1));
+    zp::test::micro_step(*engine, model, comm.rank() * 2, 2);
+    for (auto& l : model.layers) {  // back to the initial weights, for the new engine to copy
+      l.w.value.rebind(l.w0.data());
+      l.b.value.rebind(l.b0.data());
+    }
+    engine = std::make_unique<E>(comm, model, test_config(2, 1));  // the old one goes after
+    if constexpr (Stage < 3) CHECK(model.layers[0].w.value.bound());
+    zp::test::micro_step(*engine, model, 10 + comm.rank() * 2, 2);
+    E first(comm, first_model, test_config(2, 1));
+    zp::test::micro_step(first, first_model, 10 + comm.rank() * 2, 2);
+    CHECK(engine->gather_params() == first.gather_params());
+  });
+}
+}  // namespace
+
+TEST_CASE(
+    "a learning rate that differs between ranks at a step is an error on every rank, and the "
+    "next window starts clean") {
+  continue_after_a_refused_step<0>();
+  continue_after_a_refused_step<1>();
+  continue_after_a_refused_step<2>();
+  continue_after_a_refused_step<3>();
+}
+
+TEST_CASE("an engine replacing one that still lives keeps the model's views and trains the same") {
+  replace_engine<0>();
+  replace_engine<1>();
+  replace_engine<2>();
+  replace_engine<3>();
+}
+
+TEST_CASE(
+    "backward guards in forward order hold every scratch bucket: an error saying so, and the "
+    "engine refuses to go on") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    forward_all(engine, model, comm.rank() * 2);
+    std::string error;
+    for (int l = 0; l < model.modules() && error.empty(); ++l) try {
+        auto g = engine.backward(l);  // module 0 first: its buckets cannot reduce yet
+        std::ranges::fill(model.layers[std::size_t(l)].w.grad.span(), 0.0f);
+        std::ranges::fill(model.layers[std::size_t(l)].b.grad.span(), 0.0f);
+      } catch (const zp::Error& e) {
+        error = e.what();
+      }
+    INFO(error);
+    CHECK(error.find("run backward from the last module to the first") != std::string::npos);
+    zp::test::expect_invalid([&] { engine.step(); }, {"unusable since backward(", "failed"});
+  });
+}
+
+TEST_CASE(
+    "gather_state of a state array the optimizer lacks, and buckets under one element, are "
+    "errors naming them") {
+  run_threads(1, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    zp::Engine<Threads, float, 1> engine(comm, model, test_config(2, 1));
+    zp::test::expect_invalid([&] { (void)engine.gather_state(2); },
+                             {"gather_state(2)", "state arrays [0, 2)"});
+    zp::test::expect_invalid([&] { (void)engine.gather_state(-1); }, {"gather_state(-1)"});
+    CHECK(engine.gather_state(1).size() == engine.layout().used());
+    auto c = test_config(2, 1);
+    c.bucket_bytes = 3;
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
+                             {"bucket_bytes (3)", "at least one element (4 bytes)"});
+  });
 }
 
 TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at construction") {

@@ -230,7 +230,10 @@ class GradBuckets {
     if (b.state == Bucket::State::idle) {
       while (free_.empty()) {
         ZP_EXPECT(!inflight_.empty(), "buckets: no free scratch bucket for segment ", s, " (",
-                  slots_.size(), " slots, all filling): enter fewer backward guards at once");
+                  slots_.size(),
+                  " slots, all filling): buckets reduce from the last segment down, so backward "
+                  "guards out of that order (run backward from the last module to the first) or "
+                  "too many open at once hold them; or raise bucket_slots");
         complete(inflight_.front());
       }
       b.slot = free_.back();

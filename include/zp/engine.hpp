@@ -188,12 +188,13 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Completes every reduction and gather still in flight before any memory goes (also while an
-  // exception unwinds the training loop), then leaves the model's views pointing at nothing
-  // rather than at freed memory.
+  // exception unwinds the training loop), then leaves the model's views that point into this
+  // engine's memory pointing at nothing rather than at freed memory (views a newer engine on the
+  // model has bound stay: `engine = std::make_unique<E>(...)` builds the new one first).
   ~Engine() {
     buckets_.wait_all_quietly();
     params_.reset();  // waits for gathers in flight
-    bind_views(part_, bound_, false);
+    unbind_views(part_, bound_);
   }
 
   // ---- the training loop ----------------------------------------------------------------------
@@ -218,10 +219,15 @@ class Engine {
     if constexpr (!Part::whole(Field::grad)) {  // the module's gradients go to bucket memory
       const Layout& L = part_.layout();
       const auto& mod = L.module(m);
-      for (int s = mod.first_segment; s < mod.end_segment; ++s) {
-        std::span<T> mem;
-        in_context("backward()", [&] { mem = buckets_.acquire(s); });
-        bind_segment<T>(L, s, bound_.grads, mem.data());
+      try {
+        for (int s = mod.first_segment; s < mod.end_segment; ++s) {
+          std::span<T> mem;
+          in_context("backward()", [&] { mem = buckets_.acquire(s); });
+          bind_segment<T>(L, s, bound_.grads, mem.data());
+        }
+      } catch (const std::exception& e) {  // the module is entered and its backward counted
+        mark_unusable(detail::cat("backward(", m, ") failed (", detail::message_of(e), ")"));
+        throw;
       }
     }
     timer_.open(StepTimer::backward, t);
@@ -248,9 +254,19 @@ class Engine {
       return r;
     }
     micro_ = 0;
-    const float unscale = reduce_statistics();
-    timer_.phase(&StepTimes::statistics);
-    return end_step(update_shards(), unscale);
+    try {
+      const float unscale = reduce_statistics();
+      timer_.phase(&StepTimes::statistics);
+      return end_step(update_shards(), unscale);
+    } catch (...) {
+      // The window ends either way, so a caller that goes on after an error that skipped the
+      // step everywhere (hyper-parameters that differ) accumulates the next one from zero.
+      try {
+        begin_window();
+      } catch (...) {  // the first error is the one to report
+      }
+      throw;
+    }
   }
 
   // ---- state and accounting ----------------------------------------------------------------
@@ -330,9 +346,20 @@ class Engine {
 
   // The parameters (T), fp32 master weights or optimizer state array k (AdamW: 0 = m, 1 = v) of
   // the whole model, unpadded, in forward order (whole_model.hpp). Collective for sharded buffers.
-  std::vector<T> gather_params() { return gather_whole<Field::param>(*comm_, part_); }
-  std::vector<float> gather_master() { return gather_whole<Field::master>(*comm_, part_); }
-  std::vector<float> gather_state(int k) { return gather_whole<Field::state>(*comm_, part_, k); }
+  std::vector<T> gather_params() {
+    rethrow_pending();  // an engine whose state is half written has no model to give
+    return gather_whole<Field::param>(*comm_, part_);
+  }
+  std::vector<float> gather_master() {
+    rethrow_pending();
+    return gather_whole<Field::master>(*comm_, part_);
+  }
+  std::vector<float> gather_state(int k) {
+    rethrow_pending();
+    ZP_EXPECT(k >= 0 && k < part_.state_slots(), "engine: gather_state(", k,
+              "): the optimizer has state arrays [0, ", part_.state_slots(), ")");
+    return gather_whole<Field::state>(*comm_, part_, k);
+  }
 
  private:
   friend ModuleGuard;
@@ -529,22 +556,25 @@ class Engine {
     r.loss_scale = config_.loss_scaler.scale();
     if (r.applied) ++step_;
     r.step = step_;
-    if constexpr (
-        Part::whole(
-            Field::grad)) {  // the full gradient buffers accumulate the next window from zero
-      Memory<S>::zero(part_.template buffer<Field::grad>());
-      Memory<S>::zero(part_.template buffer<Field::grad_f32>());
-    }
     const CommStats now = comm_->stats();
     for (std::size_t i = 0; i < coll_op_count; ++i) (last_.ops[i] = now.ops[i]) -= mark_.ops[i];
     mark_ = now;
-    buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
+    begin_window();
     timer_.phase(&StepTimes::optimizer);
     r.times = timer_.end_window();
     if (config_.wall_clock_breakdown && comm_->rank() == 0 &&
         step_ % config_.steps_per_print == 0 && r.applied)
       std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
     return r;
+  }
+
+  // The next accumulation window starts from zero gradients.
+  void begin_window() {
+    if constexpr (Part::whole(Field::grad)) {
+      Memory<S>::zero(part_.template buffer<Field::grad>());
+      Memory<S>::zero(part_.template buffer<Field::grad_f32>());
+    }
+    buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
   }
 
   Collective<B>* comm_;

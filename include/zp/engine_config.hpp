@@ -207,8 +207,11 @@ struct EngineConfig {
 
 // The layout an engine's config asks for, for elements of `elem_bytes` bytes.
 inline LayoutOptions layout_options(const EngineConfig& c, std::size_t elem_bytes) {
-  return {.bucket_elems = std::max<std::size_t>(1, c.bucket_bytes / elem_bytes),
-          .first_bucket_elems = std::max<std::size_t>(1, c.first_bucket_bytes / elem_bytes),
+  ZP_EXPECT(c.bucket_bytes >= elem_bytes && c.first_bucket_bytes >= elem_bytes,
+            "engine: bucket_bytes (", c.bucket_bytes, ") and first_bucket_bytes (",
+            c.first_bucket_bytes, ") must each hold at least one element (", elem_bytes, " bytes)");
+  return {.bucket_elems = c.bucket_bytes / elem_bytes,
+          .first_bucket_elems = c.first_bucket_bytes / elem_bytes,
           .align = c.align};
 }
 

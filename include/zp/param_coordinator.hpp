@@ -92,9 +92,11 @@ class ParamCoordinator {
   ParamCoordinator(const ParamCoordinator&) = delete;
   ParamCoordinator& operator=(const ParamCoordinator&) = delete;
   ~ParamCoordinator() {
-    for (auto& st : mods_) {
+    for (int m = 0; m < int(mods_.size()); ++m) {
+      Module& st = mods_[std::size_t(m)];
       st.works.clear();  // gathers in flight read st.read's pieces: they end first
       drop_read(st);     // (which may free its buffer); the kernel must not write into freed ones
+      if (T* const base = st.buffer.data()) bind(m, base, nullptr);
     }
   }
 
@@ -365,13 +367,18 @@ class ParamCoordinator {
     return Buffer<U, S>(n, what);
   }
 
-  void bind(int m, T* base) {
+  void bind(int m, T* base) { bind(m, nullptr, base); }
+  // Points module m's views into `base` (a gathered copy, or nothing); with `only_from`, only
+  // the views that point into that copy now (another engine's binding stays).
+  void bind(int m, const T* only_from, T* base) {
     const Layout& L = layout();
     const auto& mod = L.module(m);
     for (int s = mod.first_segment; s < mod.end_segment; ++s)
-      for (int p : L.segment(s).params)
-        values_[std::size_t(p)]->rebind(
-            base ? base + (L.params()[std::size_t(p)].offset - mod.offset) : nullptr);
+      for (int p : L.segment(s).params) {
+        const std::size_t at = L.params()[std::size_t(p)].offset - mod.offset;
+        View<T>& v = *values_[std::size_t(p)];
+        if (!only_from || v.data() == only_from + at) v.rebind(base ? base + at : nullptr);
+      }
   }
 
   Collective<B>* comm_;

@@ -76,21 +76,32 @@ void bind_segment(const Layout& L, int s, std::span<View<T>* const> views, T* ba
 }
 
 // Points the model's value and gradient views at the partition's parameters and gradients where
-// the stage keeps them whole, else (and when !bind) at nothing: stage 3's gathers and stage 2/3's
-// buckets point them while a module runs.
+// the stage keeps them whole, else at nothing: stage 3's gathers and stage 2/3's buckets point
+// them while a module runs.
 template <class T, int Stage, MemorySpace S>
-void bind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& bound,
-                bool bind = true) {
+void bind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& bound) {
   const Layout& L = part.layout();
   for (int s = 0; s < L.segment_count(); ++s) {
     const std::size_t at = L.segment(s).offset;
-    T* values = bind && part.whole(Field::param) ? part.template buffer<Field::param>().data() + at
-                                                 : nullptr;
-    T* grads =
-        bind && part.whole(Field::grad) ? part.template buffer<Field::grad>().data() + at : nullptr;
+    T* values =
+        part.whole(Field::param) ? part.template buffer<Field::param>().data() + at : nullptr;
+    T* grads = part.whole(Field::grad) ? part.template buffer<Field::grad>().data() + at : nullptr;
     bind_segment<T>(L, s, bound.values, values);
     bind_segment<T>(L, s, bound.grads, grads);
   }
+}
+
+// Points at nothing the views that still point where bind_views put them (an engine going away):
+// one that an engine built on the model since has pointed into its own memory stays there.
+template <class T, int Stage, MemorySpace S>
+void unbind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>& bound) {
+  const Layout& L = part.layout();
+  const auto unbind = [&](std::span<View<T>* const> views, std::span<const T> whole) {
+    for (std::size_t p = 0; p < L.params().size(); ++p)
+      if (views[p]->data() == whole.data() + L.params()[p].offset) views[p]->rebind(nullptr);
+  };
+  if (part.whole(Field::param)) unbind(bound.values, part.template buffer<Field::param>());
+  if (part.whole(Field::grad)) unbind(bound.grads, part.template buffer<Field::grad>());
 }
 
 // Visits field F (k: the optimizer state array) of the whole model one segment at a time, in
