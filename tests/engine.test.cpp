@@ -1169,6 +1169,19 @@ TEST_CASE(
   });
 }
 
+TEST_CASE("a loss scale that, times the accumulation steps, is past fp32 is an error naming both") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto c = test_config(2, 4);
+    c.loss_scaler = zp::LossScaler::fixed(1e38f);
+    zp::Engine<Threads, float, 2> engine(comm, model, c);
+    for (int i = 0; i < 3; ++i) zp::test::micro_step(engine, model, 8 * comm.rank() + 2 * i, 2);
+    zp::test::expect_invalid(
+        [&] { zp::test::micro_step(engine, model, 8 * comm.rank() + 6, 2); },
+        {"the loss scale 9.99999968", "x gradient_accumulation_steps 4 is past fp32's range"});
+  });
+}
+
 TEST_CASE(
     "gather_state of a state array the optimizer lacks, and buckets under one element, are "
     "errors naming them") {

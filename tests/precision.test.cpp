@@ -76,6 +76,25 @@ TEST_CASE("consecutive hysteresis refills on every clean step") {
                  {false, true, 8}});
 }
 
+TEST_CASE("a scale that grows without overflows stops at 2^64") {
+  for (float factor : {2.0f, 3.0f, 1.5f}) {
+    CAPTURE(factor);
+    auto s = zp::LossScaler::dynamic({.window = 1, .hysteresis = 1, .factor = factor});
+    float last = s.scale();
+    for (int i = 0; i < 400; ++i) {  // gradients that never overflow (bf16, fp32)
+      CHECK(s.update(false));
+      REQUIRE(std::isfinite(s.scale()));
+      CHECK(s.scale() >= last);
+      last = s.scale();
+    }
+    CHECK(double(s.scale()) <= 0x1p64);
+    CHECK(double(s.scale()) * factor > 0x1p64);  // as far as it goes
+    s.load(s.state());                           // a checkpoint holds it
+    CHECK_FALSE(s.update(true));
+    CHECK(s.scale() == last / factor);
+  }
+}
+
 TEST_CASE("DeepSpeed's defaults: 2^16, doubling after 1000 clean steps, hysteresis 2, minimum 1") {
   auto s = zp::LossScaler::dynamic();
   CHECK(s.scale() == 65536.0f);

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -457,6 +458,11 @@ class Engine {
   // factor. Under tensor parallelism, TP ranks other than 0 leave out their replicated
   // parameters: TP rank 0 counts them (norm and overflow) for the group, whose copies are equal.
   float reduce_statistics() {
+    const double scale = config_.loss_scaler.scale(),
+                 unscale = scale * double(batch_.gradient_accumulation_steps);
+    ZP_EXPECT(unscale <= std::numeric_limits<float>::max(), "engine: the loss scale ", scale,
+              " x gradient_accumulation_steps ", batch_.gradient_accumulation_steps,
+              " is past fp32's range: the gradients cannot be unscaled; use a smaller scale");
     optim::validate(opt_);
     stats_.begin(optim::fingerprint(opt_));
     const auto add = [&]<Field F>() {  // every segment's piece in one call
@@ -484,12 +490,9 @@ class Engine {
       comm_->all_reduce(stats_.sums(), ReduceOp::sum);
       if (mp_) mp_->all_reduce(stats_.sums(), ReduceOp::sum);
     });
-    const float unscale =
-        float(double(config_.loss_scaler.scale()) *
-              double(batch_.gradient_accumulation_steps));  // exact for powers of two
-    stats_.decide(double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0), unscale,
-                  config_.max_grad_norm);
-    return unscale;
+    stats_.decide(double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0), float(unscale),
+                  config_.max_grad_norm);  // exact for powers of two
+    return float(unscale);
   }
 
   // The optimizer update of this rank's shard as the gate says, then stage 1/2's all_gather of

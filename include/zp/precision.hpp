@@ -67,6 +67,11 @@ class LossScaler {
     return LossScaler(Kind::dynamic, config);
   }
 
+  // How far a dynamic scale grows (from a lower initial_scale): fp16 gradients scaled past it
+  // overflow unless under 2^-48, and times any gradient_accumulation_steps (< 2^63) it stays
+  // finite in fp32.
+  static constexpr double max_growth = 0x1p64;
+
   Kind kind() const noexcept { return kind_; }
   const DynamicScale& config() const noexcept { return config_; }
   // Multiply the loss by this before backward.
@@ -98,7 +103,10 @@ class LossScaler {
         if (config_.consecutive_hysteresis) state_.hysteresis = config_.hysteresis;
         if ((state_.iter - state_.last_overflow) % config_.window == 0) {
           if (!config_.consecutive_hysteresis) state_.hysteresis = config_.hysteresis;
-          state_.scale *= config_.factor;
+          // Never past max_growth: gradients that cannot overflow (bf16, fp32) would grow it to
+          // inf, which unscales every gradient to 0.
+          const double next = double(state_.scale) * double(config_.factor);
+          if (next <= max_growth) state_.scale = float(next);
         }
       }
     }
