@@ -280,9 +280,20 @@ template <class E, class Comm>
 int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Corpus& corpus) {
   if (!o.resume) return 0;
 #if ZP_DEMO_IO
-  std::int64_t saved = std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest");
-  comm.all_reduce(std::span<std::int64_t>(&saved, 1), zp::ReduceOp::min);  // all ranks alike
-  if (!saved) {
+  std::error_code ec;  // an error (EACCES, ESTALE) counts as not seeing it
+  const std::int64_t here =
+      std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest", ec) ? 1 : 0;
+  std::int64_t seen[2] = {here, -here};  // max: whether any rank sees it, and whether all do
+  comm.all_reduce(std::span<std::int64_t>(seen), zp::ReduceOp::max);
+  if (seen[0] != -seen[1])  // a start from step 0 here would drop the checkpoint the others see
+    throw zp::Error(zp::Errc::invalid_argument,
+                    zp::detail::cat("--resume: ", o.checkpoint_dir,
+                                    "/latest is seen by some ranks "
+                                    "and not by others (rank ",
+                                    comm.rank(), ": ", here ? "seen" : "not seen",
+                                    "); the checkpoint directory must be one file system that "
+                                    "every rank sees"));
+  if (!here) {
     if (comm.rank() == 0)
       std::printf("%s: no checkpoint in %s yet: starting at step 0\n", p.name,
                   o.checkpoint_dir.c_str());

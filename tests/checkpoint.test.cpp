@@ -354,6 +354,33 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "what a killed save left (temporaries named for this pid, a staging directory) blocks no "
+    "later save, which removes it") {
+  TempDir dir("leftovers");
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 1);
+    zp::save_checkpoint(e, dir.path, "a");
+  });
+  // Saves killed by SIGKILL in a process with this pid (a container's pid 1 restarted): the
+  // temporaries of `latest` and of the publish note, and another tag's staging directory.
+  const std::string pid = std::to_string(::getpid());
+  for (int k = 0; k < 4096; ++k)
+    for (const char* f : {"latest", ".zp-publishing"})
+      std::ofstream(dir.path / (std::string(f) + ".tmp." + pid + "." + std::to_string(k)));
+  fs::create_directory(dir.path / ".c.partial");
+  std::ofstream(dir.path / ".c.partial" / "rank-00000-of-00002.safetensors") << "half";
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    zp::load_checkpoint(e, dir.path);
+    train(e, m, e.steps(), 2);
+    zp::save_checkpoint(e, dir.path, "b");
+  });
+  CHECK(zp::ckpt::Reader::read_latest(dir.path) == "b");
+  auto names = dir.entries();
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{".zp-save.lock", "a", "b", "latest"});
+}
+
+TEST_CASE(
     "a corrupt, truncated, missing or foreign checkpoint is an error naming the file or "
     "parameter") {
   TempDir dir("corrupt");

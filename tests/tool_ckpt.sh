@@ -14,7 +14,15 @@ grep -q "step 6" "$dir.info"
 test "$(grep -c "^ok" "$dir.verify")" = 2
 "$tool" export "$dir/ckpt" "$dir/export" --master --max-file-bytes 200000
 test -s "$dir/export/model.safetensors.index.json"
+# Again as one file into the same folder: the split files go (their index would shadow it).
+"$tool" export "$dir/ckpt" "$dir/export" --master
+test -s "$dir/export/model.safetensors" && test ! -e "$dir/export/model.safetensors.index.json"
+if ls "$dir/export"/model-*-of-*.safetensors 2> /dev/null; then echo "an earlier export's shards stayed"; exit 1; fi
 "$tool" reshard "$dir/ckpt" --ranks 3
+test "$(cat "$dir/ckpt/latest")" = step6-3ranks
+# A copy of an older checkpoint does not move latest back to it.
+"$tool" reshard "$dir/ckpt" --tag step3 --ranks 3 | tee "$dir.reshard"
+grep -q "latest names a newer checkpoint and stays" "$dir.reshard"
 test "$(cat "$dir/ckpt/latest")" = step6-3ranks
 "$tool" info "$dir/ckpt" > "$dir.info"
 grep -q "saved by 3 ranks" "$dir.info"

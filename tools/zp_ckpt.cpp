@@ -173,9 +173,10 @@ int main(int argc, char** argv) {
       zp::ckpt::Reader rd(pos[0], tag);
       if (verify(rd)) return 1;
       if (out_tag.empty()) out_tag = rd.manifest().tag + "-" + std::to_string(ranks) + "ranks";
-      zp::ckpt::reshard(rd, pos[0], out_tag, ranks);
-      std::printf("resharded %s for %d ranks as %s/%s (now latest)\n", rd.path().c_str(), ranks,
-                  pos[0].c_str(), out_tag.c_str());
+      const bool latest = zp::ckpt::reshard(rd, pos[0], out_tag, ranks);
+      std::printf("resharded %s for %d ranks as %s/%s (%s)\n", rd.path().c_str(), ranks,
+                  pos[0].c_str(), out_tag.c_str(),
+                  latest ? "now latest" : "latest names a newer checkpoint and stays");
       return 0;
     }
   } catch (const std::exception& e) {

@@ -863,11 +863,11 @@ class Publisher {
                   detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
     lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
     roll_back_unnamed();
+    remove_leftovers();
     ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)),
               "checkpoint: ", (dir_ / tag).string(),
               " already exists; save under a new tag (checkpoints are never overwritten)");
     staging_ = staging_dir(dir_, tag);
-    remove(staging_);  // a crashed earlier save of this tag may have left it
     fs::create_directory(staging_, ec);
     if (ec)
       throw Error(Errc::io,
@@ -877,8 +877,11 @@ class Publisher {
   const std::filesystem::path& staging() const noexcept { return staging_; }
 
   // The last act of a save: the manifest into the staging directory, the intent noted, the
-  // directory renamed to its tag, `latest` pointed at it, the intent removed.
-  void publish(const Manifest& m) {
+  // directory renamed to its tag, `latest` pointed at it, the intent removed. With `if_latest`
+  // (a copy of that tag), `latest` moves only if it still names that tag (read under the lock):
+  // a copy of an older checkpoint, or one made while a newer was saved, never moves it back.
+  // Returns whether `latest` names the new tag.
+  bool publish(const Manifest& m, const std::optional<std::string>& if_latest = std::nullopt) {
     const std::string text = to_json(m).dump(1);
     detail::write_file_atomic(staging_ / "manifest.json",
                               std::as_bytes(std::span<const char>(text)));
@@ -888,10 +891,16 @@ class Publisher {
     detail::rename_no_replace(staging_, final);
     detail::io_step("directory fsync", final);
     detail::sync_directory(dir_);
-    const std::string latest = tag_ + "\n";
-    detail::write_file_atomic(dir_ / "latest", std::as_bytes(std::span<const char>(latest)));
+    std::error_code ec;
+    const bool move = !if_latest || (std::filesystem::exists(dir_ / "latest", ec) &&
+                                     Reader::read_latest(dir_) == *if_latest);
+    if (move) {
+      const std::string latest = tag_ + "\n";
+      detail::write_file_atomic(dir_ / "latest", std::as_bytes(std::span<const char>(latest)));
+    }
     detail::io_step("remove", intent());
     remove(intent());
+    return move;
   }
 
  private:
@@ -903,6 +912,24 @@ class Publisher {
     if (ec)
       throw Error(Errc::io,
                   detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+  }
+
+  // What crashed saves left (the lock says no save runs): staging directories (`.<tag>.partial`)
+  // and the temporaries of `latest` and of the intent. Tags are never touched.
+  void remove_leftovers() {
+    std::error_code ec;
+    std::vector<std::filesystem::path> gone;
+    for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if ((name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
+          name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing.tmp."))
+        gone.push_back(it->path());
+    }
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("checkpoint: cannot list ", dir_.string(), ": ", ec.message()));
+    for (const auto& p : gone) remove(p);
   }
 
   // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
@@ -932,10 +959,11 @@ class Publisher {
 };
 
 // Writes a copy of a checkpoint laid out for `ranks` data-parallel ranks (of any grid: the
-// whole model on each) as <dir>/<tag> (offline: no engine, no communicator), reading one rank
+// whole model on each) as <dir>/<tag>, returning whether `latest` names it (offline: no engine,
+// no communicator), reading one rank
 // slice at a time. Loading it needs no resharding, so it
 // suits tools that expect one file per rank; zp itself loads the original at any rank count.
-inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag,
+inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag,
                     int ranks) {
   check_tag(tag);
   ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks,
@@ -964,7 +992,11 @@ inline void reshard(Reader& rd, const std::filesystem::path& dir, const std::str
         });
     m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
   }
-  pub.publish(m);
+  // Into the source's directory, `latest` moves only from the source (never back to an older
+  // step); into another, it names the copy.
+  std::error_code ec;
+  const bool same = std::filesystem::equivalent(rd.path().parent_path(), dir, ec);
+  return pub.publish(m, same ? std::optional<std::string>(rd.manifest().tag) : std::nullopt);
 }
 
 }  // namespace ckpt
@@ -1006,6 +1038,7 @@ class ConsolidatedWriter {
       total_ += b;
     }
     first_.push_back(tensors_.size());
+    remove_earlier_export(first_.size() > 2);
   }
 
   // The next tensor's bytes (whole tensor, or consecutive pieces of it).
@@ -1045,6 +1078,30 @@ class ConsolidatedWriter {
   }
   std::uint64_t tensor_bytes(std::size_t i) const {
     return tensors_[i].elements() * *safetensors::element_size(tensors_[i].dtype);
+  }
+  // An earlier export's split files go first (durably): its index would name its own shards over
+  // a new single file, and a crash halfway through a new split export would leave it naming a
+  // mix of both. Before a split export its single file goes too (readers that look for
+  // model.safetensors first would take it); a single file is replaced atomically.
+  void remove_earlier_export(bool split) {
+    std::error_code ec;
+    std::vector<std::filesystem::path> gone;
+    for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      int i = 0, n = 0;
+      char rest = 0;
+      if (name == "model.safetensors.index.json" || (split && name == "model.safetensors") ||
+          (std::sscanf(name.c_str(), "model-%5d-of-%5d.safetensor%c", &i, &n, &rest) == 3 &&
+           rest == 's' && 1 <= i && i <= n && name == safetensors::shard_file_name(i, n)))
+        gone.push_back(it->path());
+    }
+    for (const auto& p : gone)
+      if (!ec) std::filesystem::remove(p, ec);
+    if (ec)
+      throw Error(Errc::io, detail::cat("export: cannot remove the earlier export in ",
+                                        dir_.string(), ": ", ec.message()));
+    if (!gone.empty()) detail::sync_directory(dir_);
   }
   void next_tensor() {
     ++tensor_;
