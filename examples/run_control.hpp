@@ -288,8 +288,7 @@ int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Cor
   if (seen[0] != -seen[1])  // a start from step 0 here would drop the checkpoint the others see
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat("--resume: ", o.checkpoint_dir,
-                                    "/latest is seen by some ranks "
-                                    "and not by others (rank ",
+                                    "/latest is seen by some ranks and not by others (rank ",
                                     comm.rank(), ": ", here ? "seen" : "not seen",
                                     "); the checkpoint directory must be one file system that "
                                     "every rank sees"));

@@ -362,9 +362,11 @@ TEST_CASE(
     zp::save_checkpoint(e, dir.path, "a");
   });
   // Saves killed by SIGKILL in a process with this pid (a container's pid 1 restarted): the
-  // temporaries of `latest` and of the publish note, and another tag's staging directory.
+  // temporaries of `latest` and of the publish note under the names the next save takes, and
+  // another tag's staging directory.
   const std::string pid = std::to_string(::getpid());
-  for (int k = 0; k < 4096; ++k)
+  const std::uint64_t next = zp::detail::AtomicFile::serial().load();
+  for (std::uint64_t k = next; k < next + 64; ++k)
     for (const char* f : {"latest", ".zp-publishing"})
       std::ofstream(dir.path / (std::string(f) + ".tmp." + pid + "." + std::to_string(k)));
   fs::create_directory(dir.path / ".c.partial");

@@ -581,9 +581,13 @@ TEST_CASE(
     }
 }
 
-TEST_CASE("a Runner with a bad micro-batch count is an error naming it") {
+TEST_CASE("a Runner with a bad micro-batch count is an error naming it, on every stage") {
   run_threads(2, [&](Collective<Threads>& pp) {
     zp::test::expect_invalid([&] { Runner<Threads, float> r(pp, Schedule::gpipe, 0, 8); },
                              {"micro_batches must be >= 1, got 0"});
+    // Only stage 1's: stage 0 names it and the stage.
+    zp::test::expect_invalid(
+        [&] { Runner<Threads, float> r(pp, Schedule::gpipe, pp.rank() == 1 ? 0 : 3, 8); },
+        {pp.rank() == 0 ? "rank 1 failed: " : "", "micro_batches must be >= 1, got 0"});
   });
 }

@@ -107,13 +107,18 @@ inline void sync_directory(std::filesystem::path dir) {
 // deletes the temporary. Memory: none beyond the object; each write() is one or more write(2).
 class AtomicFile {
  public:
+  // The n of the process's next temporary name.
+  static std::atomic<std::uint64_t>& serial() noexcept {
+    static std::atomic<std::uint64_t> n{0};
+    return n;
+  }
+
   explicit AtomicFile(std::filesystem::path final_path) : final_(std::move(final_path)) {
-    static std::atomic<std::uint64_t> counter{0};
     // A process killed while writing leaves its temporary; one restarted with its pid (pid 1 in
     // a container) takes the next name rather than failing on it.
     for (int tries = 0; fd_ < 0; ++tries) {
       tmp_ = final_;
-      tmp_ += cat(".tmp.", ::getpid(), ".", counter.fetch_add(1));
+      tmp_ += cat(".tmp.", ::getpid(), ".", serial().fetch_add(1));
       fd_ = ::open(tmp_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
       if (fd_ < 0 && (errno != EEXIST || tries == 1 << 16)) throw_io("create", tmp_, errno);
     }
