@@ -704,8 +704,8 @@ void check_overflow_skip(int ranks) {
       return std::vector<std::remove_cv_t<typename decltype(span)::element_type>>(span.begin(),
                                                                                   span.end());
     };
-    const auto params = copy(P.template buffer<zp::Field::param>()),
-               master = copy(P.template buffer<zp::Field::master>()),
+    const auto params = copy(P.template buffer<zp::Field::param>());
+    const auto master = copy(P.template buffer<zp::Field::master>()),
                m = copy(P.template buffer<zp::Field::state>(0)),
                v = copy(P.template buffer<zp::Field::state>(1));
     model.poison = r == n - 1;  // only the last rank sees an inf

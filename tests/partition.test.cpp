@@ -256,7 +256,7 @@ TEST_CASE("sizes that would wrap around are errors naming the values, never a sm
   // An allocation that cannot succeed names what and how much, and the largest parameter. The
   // sanitizers' operator new aborts on such a request instead of throwing bad_alloc, so this
   // part runs in the plain builds only.
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !ZP_ASAN && !ZP_TSAN
   const std::vector<zp::ParamInfo> big = {{"small", 0, 10},
                                           {"enormous.weight", 1, std::size_t(1) << 60}};
   try {

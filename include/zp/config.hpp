@@ -23,6 +23,29 @@
 #define ZP_HAS_CUDA_HEADERS 0
 #endif
 
+// 1 where this translation unit is built with AddressSanitizer (ZP_ASAN) or ThreadSanitizer
+// (ZP_TSAN): GCC defines __SANITIZE_*__, Clang 16 answers only __has_feature.
+#if defined(__SANITIZE_ADDRESS__)
+#define ZP_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ZP_ASAN 1
+#endif
+#endif
+#ifndef ZP_ASAN
+#define ZP_ASAN 0
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define ZP_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define ZP_TSAN 1
+#endif
+#endif
+#ifndef ZP_TSAN
+#define ZP_TSAN 0
+#endif
+
 #define ZP_VERSION_MAJOR 0
 #define ZP_VERSION_MINOR 1
 #define ZP_VERSION_PATCH 0

@@ -219,7 +219,9 @@ namespace simd = zp::optim::detail::simd;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 // GCC 12 warns of its own AVX-512 headers' _mm512_undefined_* operands (GCC bug 105593).
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 // |v|'s bits, which order as the magnitudes do, with inf and NaN above every finite value.
 template <class T>
 std::uint32_t magnitude_bits(T v) {

@@ -40,7 +40,7 @@ using zp::backend::Mpi;
 namespace {
 
 // Under the sanitizers (5-20x slower) the largest sizes shrink; the layouts and cases stay.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if ZP_ASAN || ZP_TSAN
 constexpr std::size_t largest_count = 4099, big_bytes = std::size_t(16) << 20;
 #else
 constexpr std::size_t largest_count = 40009, big_bytes = std::size_t(256) << 20;

@@ -40,9 +40,10 @@
 #include <thread>
 #include <vector>
 
+#include "zp/config.hpp"
 #include "zp/error.hpp"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if ZP_ASAN
 #include <sanitizer/asan_interface.h>
 #define ZP_SIM_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
 #define ZP_SIM_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
@@ -51,8 +52,7 @@
 #define ZP_SIM_UNPOISON(p, n) ((void)(p), (void)(n))
 #endif
 
-#if defined(__SANITIZE_THREAD__)
-#define ZP_SIM_TSAN 1
+#if ZP_TSAN
 extern "C" {
 void AnnotateIgnoreSyncBegin(const char*, int);
 void AnnotateIgnoreSyncEnd(const char*, int);
@@ -63,8 +63,6 @@ void AnnotateIgnoreWritesEnd(const char*, int);
 void __tsan_acquire(void*);
 void __tsan_release(void*);
 }
-#else
-#define ZP_SIM_TSAN 0
 #endif
 
 namespace zp::device {
@@ -115,14 +113,14 @@ namespace sim_detail {
 class Quiet {
  public:
   Quiet() {
-#if ZP_SIM_TSAN
+#if ZP_TSAN
     AnnotateIgnoreSyncBegin(__FILE__, __LINE__);
     AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
     AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
 #endif
   }
   ~Quiet() {
-#if ZP_SIM_TSAN
+#if ZP_TSAN
     AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
     AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
     AnnotateIgnoreSyncEnd(__FILE__, __LINE__);
@@ -132,12 +130,12 @@ class Quiet {
   Quiet& operator=(const Quiet&) = delete;
 };
 inline void release([[maybe_unused]] const void* edge) {
-#if ZP_SIM_TSAN
+#if ZP_TSAN
   __tsan_release(const_cast<void*>(edge));
 #endif
 }
 inline void acquire([[maybe_unused]] const void* edge) {
-#if ZP_SIM_TSAN
+#if ZP_TSAN
   __tsan_acquire(const_cast<void*>(edge));
 #endif
 }

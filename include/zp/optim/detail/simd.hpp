@@ -18,6 +18,7 @@
 // __host__ __device__ and must not be instantiated for the device with x86 vector types.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDA_ARCH__)
 #define ZP_OPTIM_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define ZP_OPTIM_X86 0
@@ -45,6 +46,14 @@ inline const char* name(Isa isa) noexcept {
   return "unknown";  // a value cast from an integer outside the enum
 }
 
+#if ZP_OPTIM_X86
+// F16C (CPUID leaf 1, ECX): Clang's __builtin_cpu_supports does not know it, GCC's does.
+inline bool has_f16c() noexcept {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 // Whether this CPU (and OS) can run a level. avx2 means AVX2 with FMA and F16C; avx512 adds
 // AVX-512F and BW (16-bit lanes).
 inline bool supported(Isa isa) noexcept {
@@ -53,8 +62,7 @@ inline bool supported(Isa isa) noexcept {
     case Isa::portable: return true;
 #if ZP_OPTIM_X86
     case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     case Isa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              supported(Isa::avx2);
