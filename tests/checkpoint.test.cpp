@@ -382,6 +382,40 @@ TEST_CASE(
   CHECK(names == std::vector<std::string>{".zp-save.lock", "a", "b", "latest"});
 }
 
+TEST_CASE("a save makes the directories it needs durable: each new one synced into its parent") {
+  TempDir base("made");
+  const fs::path dir = base.path / "new" / "deeper";
+  // The first durable steps of a save into missing directories, deepest first: "deeper" synced
+  // into "new", then "new" into base. A fault at either is an error on every rank.
+  for (std::int64_t k : {1, 2}) {
+    CAPTURE(k);
+    std::string errors[2];
+    on_two_ranks([&](E2& e, Mlp<float>& m) {
+      train(e, m, 0, 1);
+      e.comm().barrier();
+      if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
+      e.comm().barrier();
+      try {
+        zp::save_checkpoint(e, dir, "a");
+      } catch (const zp::Error& err) {
+        errors[e.comm().rank()] = err.what();
+      }
+    });
+    zp::detail::io_fault_countdown() = -1;
+    const fs::path synced = k == 1 ? base.path / "new" : base.path;
+    CHECK_MESSAGE(errors[0].find("injected fault before directory fsync of " + synced.string()) !=
+                      std::string::npos,
+                  errors[0]);
+    CHECK(!errors[1].empty());
+    fs::remove_all(base.path / "new");
+  }
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 1);
+    zp::save_checkpoint(e, dir, "a");
+  });
+  CHECK(zp::ckpt::Reader::read_latest(dir) == "a");
+}
+
 TEST_CASE(
     "a corrupt, truncated, missing or foreign checkpoint is an error naming the file or "
     "parameter") {

@@ -837,6 +837,46 @@ safetensors::Summary write_rank_file(const std::filesystem::path& path, const Ma
   return out.commit();
 }
 
+// Creates `dir` and its missing parents, each new entry made durable in its parent: a checkpoint
+// published into a directory made for it survives a power cut with that directory.
+inline void create_directories_durably(const std::filesystem::path& dir, const char* what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = dir.lexically_normal();
+  if (p.has_parent_path() && !p.has_filename()) p = p.parent_path();  // "a/b/": "a/b"
+  std::vector<fs::path> made;
+  for (fs::path q = p; !q.empty() && !fs::exists(fs::symlink_status(q, ec)); q = q.parent_path()) {
+    made.push_back(q);
+    if (q == q.parent_path()) break;
+  }
+  fs::create_directories(p, ec);
+  if (ec)
+    throw Error(Errc::io, detail::cat(what, ": cannot create ", dir.string(), ": ", ec.message()));
+  for (const auto& q : made) {  // the deepest first: each parent then holds a durable child
+    detail::io_step("directory fsync", q.parent_path());
+    detail::sync_directory(q.parent_path());
+  }
+}
+
+// Removes every entry of `dir` whose file name `match` accepts (a directory with what it holds),
+// durably; `what` begins the error messages.
+template <class Match>
+void remove_matching(const std::filesystem::path& dir, Match match, const char* what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<fs::path> gone;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (match(it->path().filename().string())) gone.push_back(it->path());
+  if (ec)
+    throw Error(Errc::io, detail::cat(what, ": cannot list ", dir.string(), ": ", ec.message()));
+  for (const auto& p : gone) {
+    fs::remove_all(p, ec);
+    if (ec)
+      throw Error(Errc::io, detail::cat(what, ": cannot remove ", p.string(), ": ", ec.message()));
+  }
+  if (!gone.empty()) detail::sync_directory(dir);
+}
+
 // Where the files of a save of <dir>/<tag> are written until it is published.
 inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const std::string& tag) {
   return dir / ("." + tag + ".partial");
@@ -857,10 +897,7 @@ class Publisher {
   Publisher(std::filesystem::path dir, const std::string& tag) : dir_(std::move(dir)), tag_(tag) {
     namespace fs = std::filesystem;
     std::error_code ec;
-    fs::create_directories(dir_, ec);
-    if (ec)
-      throw Error(Errc::io,
-                  detail::cat("checkpoint: cannot create ", dir_.string(), ": ", ec.message()));
+    create_directories_durably(dir_, "checkpoint");
     lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
     roll_back_unnamed();
     remove_leftovers();
@@ -917,19 +954,13 @@ class Publisher {
   // What crashed saves left (the lock says no save runs): staging directories (`.<tag>.partial`)
   // and the temporaries of `latest` and of the intent. Tags are never touched.
   void remove_leftovers() {
-    std::error_code ec;
-    std::vector<std::filesystem::path> gone;
-    for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end;
-         it.increment(ec)) {
-      const std::string name = it->path().filename().string();
-      if ((name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
-          name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing.tmp."))
-        gone.push_back(it->path());
-    }
-    if (ec)
-      throw Error(Errc::io,
-                  detail::cat("checkpoint: cannot list ", dir_.string(), ": ", ec.message()));
-    for (const auto& p : gone) remove(p);
+    remove_matching(
+        dir_,
+        [](const std::string& name) {
+          return (name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
+                 name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing.tmp.");
+        },
+        "checkpoint");
   }
 
   // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
@@ -1021,11 +1052,7 @@ class ConsolidatedWriter {
   ConsolidatedWriter(std::filesystem::path dir, std::vector<safetensors::TensorInfo> tensors,
                      std::uint64_t max_file_bytes)
       : dir_(std::move(dir)), tensors_(std::move(tensors)) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir_, ec);
-    if (ec)
-      throw Error(Errc::io,
-                  detail::cat("export: cannot create ", dir_.string(), ": ", ec.message()));
+    create_directories_durably(dir_, "export");
     std::uint64_t in_file = 0;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const std::uint64_t b =
@@ -1084,24 +1111,16 @@ class ConsolidatedWriter {
   // mix of both. Before a split export its single file goes too (readers that look for
   // model.safetensors first would take it); a single file is replaced atomically.
   void remove_earlier_export(bool split) {
-    std::error_code ec;
-    std::vector<std::filesystem::path> gone;
-    for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end;
-         it.increment(ec)) {
-      const std::string name = it->path().filename().string();
-      int i = 0, n = 0;
-      char rest = 0;
-      if (name == "model.safetensors.index.json" || (split && name == "model.safetensors") ||
-          (std::sscanf(name.c_str(), "model-%5d-of-%5d.safetensor%c", &i, &n, &rest) == 3 &&
-           rest == 's' && 1 <= i && i <= n && name == safetensors::shard_file_name(i, n)))
-        gone.push_back(it->path());
-    }
-    for (const auto& p : gone)
-      if (!ec) std::filesystem::remove(p, ec);
-    if (ec)
-      throw Error(Errc::io, detail::cat("export: cannot remove the earlier export in ",
-                                        dir_.string(), ": ", ec.message()));
-    if (!gone.empty()) detail::sync_directory(dir_);
+    remove_matching(
+        dir_,
+        [split](const std::string& name) {
+          int i = 0, n = 0;
+          char rest = 0;
+          return name == "model.safetensors.index.json" || (split && name == "model.safetensors") ||
+                 (std::sscanf(name.c_str(), "model-%5d-of-%5d.safetensor%c", &i, &n, &rest) == 3 &&
+                  rest == 's' && 1 <= i && i <= n && name == safetensors::shard_file_name(i, n));
+        },
+        "export");
   }
   void next_tensor() {
     ++tensor_;
