@@ -1,6 +1,6 @@
 // The engine on device memory (zp/device/memory.hpp), on a GPU (built as engine_gpu.test.cu with
 // nvcc, label gpu) or on the simulated device (this file with g++, label sim, several scheduler
-// seeds, also under ASan and TSan). A model whose backward is a device launch trains 8 steps
+// seeds, also under ASan and TSan). A model whose backward is a device launch trains 4 steps
 // (2 micro-steps each) at every stage, in fp32 and bf16, with 1, 2 and 4 cuda_threads ranks (and
 // on a GPU the nccl backend at world size 1); its parameters and fp32 master weights equal bit for
 // bit those of the threads backend on the CPU with as many ranks fed the same gradients (the same
@@ -164,9 +164,9 @@ struct Out {
 
 // The steps of a run: every step after the first meets the state the ones before it left (Adam's
 // moments and bias corrections, reused buffers), and more steps rerun the same code. This test
-// is CI's costliest (some 150 trainings a seed, three seeds, three builds): 12 steps took half
-// the time of 20, and 8 about 0.72 of 12.
-constexpr int steps = 8;
+// is CI's costliest (some 150 trainings a seed, three runs): 12 steps took half the time of 20,
+// 8 about 0.72 of 12, and 4 under TSan about 0.45 of 8.
+constexpr int steps = 4;
 
 // A checkpoint in the middle of training: saved as "mid" before step steps / 2, or loaded from
 // it (training then runs the rest), and an export of the result (parameters or master).

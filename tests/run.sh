@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# zp's whole test suite, exactly as README's quick start and CI (.ci/run) run it:
-#   dev   Debug build of everything (tests, examples, benchmarks; CUDA sources with nvcc when
-#         present) and every test: cpu, mpi (under mpiexec), package, sim (the device code on
-#         the simulated device, several scheduler seeds, and the mutation table), gpu (skipped
-#         without one)
-#   asan  ASan + UBSan build of the tests labelled 'sanitize' (host and simulated device) or 'asan'
-#         (programs that start no thread)
-#   tsan  TSan build of those labelled 'sanitize'
+# zp's whole test suite, exactly as README's quick start and CI (.ci/run) run it; every test
+# runs in one build at least:
+#   unsanitized  Debug build of everything (examples, benchmarks; CUDA sources with nvcc when
+#                present) but the tests the sanitizer builds run, and those: cpu, mpi (under
+#                mpiexec), package, gpu (skipped without one)
+#   asan         ASan + UBSan build (Clang) of the tests labelled 'sanitize' (host and simulated
+#                device) or 'asan' (no threads of their own), and the mutation table
+#   tsan         TSan build of those labelled 'sanitize'
+# Each simulated-device scheduler seed runs once among the two: TSan the last, ASan the others.
+# (`cmake --workflow --preset dev` builds and runs every test in one Debug build.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash cmake/install-deps.sh tests
@@ -15,7 +17,7 @@ bash cmake/install-deps.sh tests
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # One test per core: an mpi test counts its processes, tests that time wall clocks run alone.
 export CTEST_PARALLEL_LEVEL=${CTEST_PARALLEL_LEVEL:-$(nproc)}
-for preset in dev asan tsan; do
+for preset in unsanitized asan tsan; do
   echo "=== zp tests: preset $preset"
   cmake --workflow --preset "$preset"
 done

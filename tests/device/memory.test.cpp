@@ -77,8 +77,11 @@ TEST_CASE("to_host into page-locked memory returns with the values there") {
   Dev::from_host(d.span(), std::span<const float>(want));
   float* pinned = static_cast<float*>(dev::allocate_pinned(n * sizeof(float)));
   std::fill(pinned, pinned + n, -1.0f);
-  dev::delay(s.get(), 50ms);
+  // The copy itself comes late (to_host's first wait for the stream returns at once): without
+  // its synchronisation the host reads the -1s.
+  dev::delay_streams(dev::Role::compute, 50ms);
   Dev::to_host(std::span<float>(pinned, n), std::span<const float>(d.span()));
+  dev::delay_streams(dev::Role::compute, {});
   CHECK(std::vector<float>(pinned, pinned + n) == want);
   dev::synchronize(s.get(), "test");  // so that a missing wait above shows as wrong values only
   dev::deallocate_pinned(pinned);
