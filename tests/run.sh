@@ -4,9 +4,9 @@
 #   unsanitized  Debug build of everything (examples, benchmarks; CUDA sources with nvcc when
 #                present) but the tests the sanitizer builds run, and those: cpu, mpi (under
 #                mpiexec), package, gpu (skipped without one)
-#   asan         ASan + UBSan build (Clang) of the tests labelled 'sanitize' (host and simulated
-#                device) or 'asan' (no threads of their own), and the mutation table
-#   tsan         TSan build of those labelled 'sanitize'
+#   asan         ASan + UBSan build (Clang 16) of the tests labelled 'sanitize' (host and
+#                simulated device) or 'asan' (no threads of their own), and the mutation table
+#   tsan         TSan build (Clang 16) of those labelled 'sanitize'
 # Each simulated-device scheduler seed runs once among the two: TSan the last, ASan the others.
 # (`cmake --workflow --preset dev` builds and runs every test in one Debug build.)
 set -euo pipefail
