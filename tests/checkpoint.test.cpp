@@ -265,6 +265,22 @@ void on_two_ranks(F&& f, EngineConfig cfg = config(1)) {
   });
 }
 
+// save_checkpoint with the k-th durable file step from here failing (k > 0; every rank calls
+// it): the error's message on this rank, "" if the save succeeded. The caller resets the
+// countdown once every rank is done.
+std::string save_with_fault(E2& e, const fs::path& dir, const std::string& tag, std::int64_t k) {
+  e.comm().barrier();
+  if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
+  e.comm().barrier();
+  try {
+    zp::save_checkpoint(e, dir, tag);
+  } catch (const zp::Error& err) {
+    CHECK(err.category() == zp::Errc::io);
+    return err.what();
+  }
+  return {};
+}
+
 void flip_byte(const fs::path& p, std::uintmax_t at) {
   std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(std::streamoff(at));
@@ -304,15 +320,7 @@ TEST_CASE(
       if (e.comm().rank() == 0) check_same(e.steps() == 2 ? first : second, s);
       train(e, m, e.steps(), 3);
       if (e.steps() == 3 && zp::ckpt::Reader::read_latest(dir) == "b") return;  // already saved
-      e.comm().barrier();
-      if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
-      e.comm().barrier();
-      try {
-        zp::save_checkpoint(e, dir, "b");
-      } catch (const zp::Error& err) {
-        ++failed;
-        CHECK(err.category() == zp::Errc::io);
-      }
+      if (!save_with_fault(e, dir, "b", k).empty()) ++failed;
     });
     zp::detail::io_fault_countdown() = -1;
     return failed.load();
@@ -392,14 +400,7 @@ TEST_CASE("a save makes the directories it needs durable: each new one synced in
     std::string errors[2];
     on_two_ranks([&](E2& e, Mlp<float>& m) {
       train(e, m, 0, 1);
-      e.comm().barrier();
-      if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
-      e.comm().barrier();
-      try {
-        zp::save_checkpoint(e, dir, "a");
-      } catch (const zp::Error& err) {
-        errors[e.comm().rank()] = err.what();
-      }
+      errors[e.comm().rank()] = save_with_fault(e, dir, "a", k);
     });
     zp::detail::io_fault_countdown() = -1;
     const fs::path synced = k == 1 ? base.path / "new" : base.path;
