@@ -941,6 +941,8 @@ TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> model;
     E engine(comm, model, test_config(2, 1));
+    if constexpr (E::stage >= 2)  // the gradients need the guards: none ran
+      zp::test::expect_invalid([&] { engine.step(); }, {"no backward guard ran"});
     forward_all(engine, model, comm.rank() * 2);
     {
       auto open = engine.forward(1);
@@ -964,6 +966,31 @@ TEST_CASE_TEMPLATE("wrong call sequences are errors naming the module, the guard
       model.backward(0);
     }
     CHECK(engine.step().applied);
+    // A window with no backward: refused with nothing changed, and the window goes on.
+    const auto before = engine.gather_master();
+    forward_all(engine, model, 4 + comm.rank() * 2);
+    zp::test::expect_invalid([&] { engine.step(); },
+                             {"step() ends optimizer step 2", "no backward guard ran"});
+    CHECK(engine.gather_master() == before);
+    for (int l = model.modules() - 1; l >= 0; --l) {
+      auto g = engine.backward(l);
+      model.backward(l);
+    }
+    CHECK(engine.step().applied);
+    CHECK(engine.gather_master() != before);
+  });
+}
+
+TEST_CASE_TEMPLATE("a guard that outlives its engine ends doing nothing", E,
+                   zp::Engine<Threads, float, 0>, zp::Engine<Threads, float, 3>) {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto engine = std::make_unique<E>(comm, model, test_config(2, 1));
+    forward_all(*engine, model, comm.rank() * 2);
+    auto g = engine->backward(model.modules() - 1);
+    auto f = engine->forward(0);
+    engine.reset();  // ASan: the guards' ends must not touch it
+    CHECK(!model.layers[0].w.value.bound());
   });
 }
 
@@ -1070,13 +1097,15 @@ TEST_CASE("a rank whose model lacks initial values is an error naming them on ev
 }
 
 namespace {
-// Stage's engine refuses a step whose learning rate differs between ranks, on every rank; with
-// the rate agreed again, the next window trains exactly as if the refused one had never run.
+// Stage's engine refuses a step whose learning rate differs between ranks, or is invalid on one
+// rank or on all, on every rank and without waiting for a timeout; with the rate agreed again,
+// the next window trains exactly as if the refused ones had never run.
 template <int Stage>
 void continue_after_a_refused_step() {
   constexpr int gas = 2;
+  constexpr int ranks = 3;
   std::atomic<int> named{0};
-  run_threads(3, [&](Collective<Threads>& comm) {
+  run_threads(ranks, [&](Collective<Threads>& comm) {
     Mlp<float> model, clean_model;
     zp::Engine<Threads, float, Stage> engine(comm, model, test_config(2, gas));
     zp::Engine<Threads, float, Stage> clean(comm, clean_model, test_config(2, gas));
@@ -1089,16 +1118,22 @@ void continue_after_a_refused_step() {
     const float lr = engine.optimizer().lr;
     window(engine, model, 0);
     window(clean, clean_model, 0);
-    engine.optimizer().lr = comm.rank() == 1 ? 2 * lr : lr;  // a schedule evaluated differently
     const auto before = engine.gather_master();
-    try {
-      window(engine, model, 100);
-    } catch (const zp::Error& e) {
-      named +=
-          std::string(e.what()).find("hyper-parameters differ between ranks at optimizer step 2") !=
-          std::string::npos;
-    }
-    CHECK(engine.gather_master() == before);  // nothing was applied
+    // This rank's lr in the refused window, and what its error must say.
+    const auto refused = [&](float rank_lr, const char* expected) {
+      engine.optimizer().lr = rank_lr;
+      try {
+        window(engine, model, 100);
+      } catch (const zp::Error& e) {
+        named += std::string(e.what()).find(expected) != std::string::npos;
+      }
+      CHECK(engine.gather_master() == before);  // nothing was applied
+    };
+    constexpr const char* differ = "hyper-parameters differ between ranks at optimizer step 2";
+    constexpr const char* invalid = "lr must be";
+    refused(comm.rank() == 1 ? 2 * lr : lr, differ);  // a schedule evaluated differently
+    refused(comm.rank() == 1 ? -lr : lr, comm.rank() == 1 ? invalid : differ);
+    refused(std::nanf(""), invalid);
     engine.optimizer().lr = lr;
     CHECK(window(engine, model, 200).applied);
     window(clean, clean_model, 200);
@@ -1106,7 +1141,7 @@ void continue_after_a_refused_step() {
     CHECK(engine.gather_master() == clean.gather_master());
     CHECK(engine.gather_params() == clean.gather_params());
   });
-  CHECK(named == 3);
+  CHECK(named == 3 * ranks);
 }
 
 // An engine built on a model whose old engine still lives (`e = std::make_unique<E>(...)`)
@@ -1133,8 +1168,8 @@ void replace_engine() {
 }  // namespace
 
 TEST_CASE(
-    "a learning rate that differs between ranks at a step is an error on every rank, and the "
-    "next window starts clean") {
+    "a learning rate that differs between ranks at a step, or is invalid on some, is an error on "
+    "every rank, and the next window starts clean") {
   continue_after_a_refused_step<0>();
   continue_after_a_refused_step<1>();
   continue_after_a_refused_step<2>();

@@ -193,6 +193,7 @@ class Engine {
   // engine's memory pointing at nothing rather than at freed memory (views a newer engine on the
   // model has bound stay: `engine = std::make_unique<E>(...)` builds the new one first).
   ~Engine() {
+    *self_ = nullptr;  // guards still open end doing nothing
     buckets_.wait_all_quietly();
     params_.reset();  // waits for gathers in flight
     unbind_views(part_, bound_);
@@ -207,7 +208,7 @@ class Engine {
     enter(m, m + 1);
     timer_.open(StepTimer::forward, t);
     mods_.opened(m, false);
-    return ModuleGuard(this, m, false);
+    return ModuleGuard(self_, m, false);
   }
 
   ModuleGuard backward(int m) {
@@ -233,14 +234,15 @@ class Engine {
     }
     timer_.open(StepTimer::backward, t);
     mods_.opened(m, true);
-    return ModuleGuard(this, m, true);
+    return ModuleGuard(self_, m, true);
   }
 
   // Ends a micro-step (call it after every backward). At the accumulation boundary it runs the
   // optimizer step described at the top of this file. Collective.
   StepResult step() {
     rethrow_pending();
-    mods_.end_micro_step([&] { return where(); });
+    mods_.end_micro_step([&] { return where(); }, micro_ + 1 == batch_.gradient_accumulation_steps,
+                         !Part::whole(Field::grad));
     timer_.begin_step();
     finish_reductions();
     timer_.phase(&StepTimes::reduce_wait);
@@ -463,8 +465,15 @@ class Engine {
     ZP_EXPECT(unscale <= std::numeric_limits<float>::max(), "engine: the loss scale ", scale,
               " x gradient_accumulation_steps ", batch_.gradient_accumulation_steps,
               " is past fp32's range: the gradients cannot be unscaled; use a smaller scale");
-    optim::validate(opt_);
-    stats_.begin(optim::fingerprint(opt_));
+    // A hyper-parameter invalid on some ranks only must not leave the others waiting in the
+    // all_reduce: the gate makes every rank skip the step, and end_step() throws everywhere.
+    invalid_.clear();
+    try {
+      optim::validate(opt_);
+    } catch (const Error& e) {
+      invalid_ = e.what();
+    }
+    stats_.begin(optim::fingerprint(opt_), !invalid_.empty());
     const auto add = [&]<Field F>() {  // every segment's piece in one call
       using G = typename Part::template elem<F>;
       std::vector<std::span<const G>> grads;
@@ -510,6 +519,7 @@ class Engine {
     const optim::StepScalars scalars{step_ + 1, 1.0f};
     const auto& o = config_.optimizer_options;
     const auto update = [&] {
+      if (!invalid_.empty()) return;  // the gate skips the step: nothing to validate again
       if (precision_.f32_result(Stage))
         apply_update<true>(part_, opt_, scalars, o, gate, offload_);
       else
@@ -546,10 +556,13 @@ class Engine {
   // The outcome on the host: the loss scaler, the counters, the result, the next window.
   StepResult end_step(const std::array<double, stats_slots>& host, float unscale) {
     const double gate = host[statistics_count + 1];
+    if (!invalid_.empty())
+      throw Error(Errc::invalid_argument,
+                  detail::cat(invalid_, " (at ", where(), "; the step was skipped on every rank)"));
     ZP_EXPECT(gate != detail::StepGate::differ,
               "engine: the optimizer's hyper-parameters differ between ranks at ", where(),
               " (rank ", comm_->rank(), " has ", optim::describe(opt_),
-              "); every rank must set them "
+              "; a rank whose values are invalid names them); every rank must set them "
               "identically, e.g. from the same schedule (the step was skipped everywhere)");
     StepResult r;
     r.boundary = true;
@@ -599,10 +612,12 @@ class Engine {
   StepStatistics<S> stats_;                       // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)
   std::int64_t micro_ = 0, step_ = 0;
-  std::string broken_;  // why the engine refuses further calls ("" while usable)
+  std::string broken_;   // why the engine refuses further calls ("" while usable)
+  std::string invalid_;  // this step's hyper-parameter error on this rank ("" if valid)
   StepTimer timer_;
   CommStats mark_{}, last_{};
   std::exception_ptr pending_;
+  std::shared_ptr<Engine*> self_ = std::make_shared<Engine*>(this);  // shared with the guards
 };
 
 }  // namespace zp

@@ -62,10 +62,13 @@ class StepStatistics {
   // (on_every_rank's, when the optimizer state is on NVMe).
   static constexpr std::size_t slots = count + 3;
 
-  void begin(std::uint64_t fingerprint) {
+  // invalid: this rank's hyper-parameters failed validation. Its sum of squares is then off by
+  // one, which no set of halves matches: every rank's gate says differ, and no rank updates.
+  void begin(std::uint64_t fingerprint, bool invalid = false) {
     h0_ = double(fingerprint & 0xffffu);
     h1_ = double((fingerprint >> 16) & 0xffffu);
-    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_, h1_, h1_ * h1_, 0.0, 0.0, 0.0};
+    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_ + (invalid ? 1 : 0), h1_, h1_ * h1_,
+                                0.0, 0.0, 0.0};
     Memory<S>::from_host(buf_.span(), std::span<const double>(init));
   }
   // Adds the squared norms and non-finite counts of `grads` (in S).
