@@ -7,7 +7,7 @@
 #   asan         ASan + UBSan build (Clang 16) of the tests labelled 'sanitize' (host and
 #                simulated device) or 'asan' (no threads of their own), and the mutation table
 #   tsan         TSan build (Clang 16) of those labelled 'sanitize'
-# Each simulated-device scheduler seed runs once among the two: TSan the last, ASan the others.
+# Each simulated-device scheduler seed runs once among the two: ASan the first, TSan the others.
 # (`cmake --workflow --preset dev` builds and runs every test in one Debug build.)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,8 +25,9 @@
 // Durability: every file is written under a temporary name, fsynced and renamed; the rank files
 // and the manifest go into <dir>/.<tag>.partial, which is renamed to <dir>/<tag> only after
 // every rank file is complete; `latest` changes last. A crash at any moment therefore leaves the
-// previous checkpoint complete and `latest` pointing at it. Reading verifies every file's size
-// and CRC-32C against the manifest before using it.
+// previous checkpoint complete and `latest` pointing at it. Reading verifies the manifest against
+// its own checksum (manifest_crc32c), and every file's size and CRC-32C against the manifest
+// before using it.
 #pragma once
 
 #include <algorithm>
@@ -64,7 +65,8 @@ namespace zp {
 
 namespace ckpt {
 
-inline constexpr int format_version = 2;  // and version 1 is read
+// Version 3 added the manifest's own checksum; 2 (without it) and 1 (no grid either) are read.
+inline constexpr int format_version = 3;
 inline constexpr const char* format_name = "zp-checkpoint";
 
 inline std::string rank_file_name(int rank, int ranks) {
@@ -147,6 +149,15 @@ inline std::vector<std::vector<ParamInfo>> data_parallel_parts(const std::vector
   return {std::move(all)};
 }
 
+// The manifest's own checksum (format version 3): CRC-32C of its compact JSON without this key.
+// The files' sizes and checksums are in the manifest, so a value changed there (a step counter, a
+// hyper-parameter) would otherwise load unnoticed; a manifest only reformatted keeps its values.
+inline std::uint32_t manifest_crc32c(nlohmann::json j) {
+  j.erase("manifest_crc32c");
+  const std::string text = j.dump();
+  return detail::crc32c(std::as_bytes(std::span<const char>(text)));
+}
+
 inline nlohmann::json to_json(const Manifest& m) {
   using nlohmann::json;
   json j;
@@ -194,6 +205,7 @@ inline nlohmann::json to_json(const Manifest& m) {
     fs.push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
   j["files"] = std::move(fs);
   j["user_bytes"] = m.user_bytes;
+  j["manifest_crc32c"] = manifest_crc32c(j);
   return j;
 }
 
@@ -230,8 +242,8 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // "missing", the key path in every message); the functions here read the arrays and check what
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
 // key is required but those version 1 lacks (grid, parts, a parameter's shape), which the readers
-// require for version 2 once the tables are read; keys no table declares (zp_version, or one a
-// newer zp adds) are skipped. The integers are JSON integers (zp writes no others), each in the
+// require from version 2 on once the tables are read; keys no table declares (zp_version, or one
+// a newer zp adds) are skipped, and manifest_crc32c (version 3) is checked last. The integers are JSON integers (zp writes no others), each in the
 // range of the member it lands in.
 namespace schema {
 
@@ -560,7 +572,7 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
   const schema::Ctx c = schema::context(source);
   schema::Header h;
   schema::read_object(c, j, "", schema::header_keys, h);
-  if (h.version != 1 && h.version != format_version)
+  if (h.version > format_version)
     c.fail("version", "format version ", h.version, "; this zp reads versions 1 to ",
            format_version);
   Manifest m;
@@ -572,6 +584,14 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
     m.grid = {m.world_size, 1, 1};
   }
   schema::check_sizes(c, m);
+  if (m.version >= 3) {  // last: a value out of range is named as such, not as a checksum
+    const auto it = j.find("manifest_crc32c");
+    if (it == j.end()) c.fail("manifest_crc32c", "missing");
+    const std::uint32_t crc = manifest_crc32c(j);
+    if (!it->is_number_unsigned() || it->get<std::uint64_t>() != crc)
+      c.fail("manifest_crc32c", "the manifest's checksum is ", crc, ", the key says ", it->dump(),
+             " (the manifest is corrupt)");
+  }
   return m;
 }
 

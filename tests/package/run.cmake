@@ -60,15 +60,27 @@ if(EXISTS ${WORK}/zp/tools/cmake_install.cmake)
   endif()
 endif()
 
+# Each install holds every header of the source tree, and nothing else under include/zp.
+file(GLOB_RECURSE headers RELATIVE ${ZP_SOURCE_DIR}/include ${ZP_SOURCE_DIR}/include/zp/*)
+foreach(prefix ${WORK}/prefix ${WORK}/prefix-unbuilt)
+  file(GLOB_RECURSE installed RELATIVE ${prefix}/include ${prefix}/include/zp/*)
+  if(NOT installed STREQUAL headers)
+    message(FATAL_ERROR "${prefix}/include holds\n  ${installed}\nnot zp's headers\n  ${headers}")
+  endif()
+endforeach()
+
 consumer(subdir all -DZP_VIA=subdir)
 consumer(fetch all -DZP_VIA=fetch)
 consumer(find all -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix)
-consumer(find-unbuilt consumer -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix-unbuilt)
-consumer(find-build-tree consumer -DZP_VIA=find -Dzp_DIR=${ZP_BUILD_DIR})
+# These three differ from the above in where the package comes from, not in the target: the
+# light consumer is enough.
+consumer(find-unbuilt consumer -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix-unbuilt
+         -DCONSUMER_LIGHT=ON)
+consumer(find-build-tree consumer -DZP_VIA=find -Dzp_DIR=${ZP_BUILD_DIR} -DCONSUMER_LIGHT=ON)
 
 # A consumer with its own export set: its install has its package and not zp's, which the
 # component zp adds.
-consumer(fetch-install consumer -DZP_VIA=fetch -DCONSUMER_INSTALL=ON)
+consumer(fetch-install consumer -DZP_VIA=fetch -DCONSUMER_INSTALL=ON -DCONSUMER_LIGHT=ON)
 set(p ${WORK}/consumer-prefix)
 zp_run("cmake --install of the consumer"
        COMMAND ${CMAKE_COMMAND} --install ${WORK}/fetch-install --prefix ${p})
