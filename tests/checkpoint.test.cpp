@@ -456,6 +456,31 @@ TEST_CASE(
 
   expect_load_error("absent", {"absent"}, zp::Errc::invalid_argument);
 
+  // A corrupt `latest` names the checkpoints that could be loaded instead (those with a
+  // manifest); a tag asked for by name does not.
+  const auto load_says = [&](const std::string& tag) {
+    std::string said;
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      try {
+        zp::load_checkpoint(e, dir.path, tag);
+      } catch (const zp::Error& x) {
+        if (e.comm().rank() == 0) said = x.what();
+      }
+    });
+    CHECK(said.find("CRC-32C") != std::string::npos);
+    return said;
+  };
+  std::ofstream(dir.path / "latest", std::ios::trunc) << "flipped\n";
+  const std::string said = load_says("latest");
+  const auto others = said.find("the other checkpoints in " + dir.path.string());
+  REQUIRE(others != std::string::npos);
+  for (const char* t : {"good", "truncated", "missing"})
+    CHECK(said.find(t, others) != std::string::npos);
+  CHECK(said.find("no-manifest", others) == std::string::npos);
+  CHECK(said.find("flipped", others) == std::string::npos);
+  CHECK(load_says("flipped").find("the other checkpoints") == std::string::npos);
+  std::ofstream(dir.path / "latest", std::ios::trunc) << "good\n";
+
   // Another model's checkpoint: a layer of another width.
   run_threads(2, [&](Collective<Threads>& comm) {
     Mlp<float> other({Mlp<float>::inputs, 61, 60, 53, Mlp<float>::classes});

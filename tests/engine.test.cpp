@@ -172,12 +172,14 @@ void check_close(const Diff& d) {
 }  // namespace
 
 TEST_CASE_TEMPLATE(
-    "stages 0-3 give bitwise identical parameters after 20 steps without accumulation", T, float,
-    zp::bf16) {
+    "stages 0-3 give bitwise identical parameters after 10 steps (20 at 4 ranks, where it must "
+    "learn) without accumulation",
+    T, float, zp::bf16) {
   for (int ranks : {1, 2, 3, 4}) {
     CAPTURE(ranks);
-    const auto s0 = train_stage<T>(0, ranks, 20, 1, 3);
-    REQUIRE(s0.losses.size() == 20);
+    const int steps = ranks == 4 ? 20 : 10;
+    const auto s0 = train_stage<T>(0, ranks, steps, 1, 3);
+    REQUIRE(s0.losses.size() == std::size_t(steps));
     if (ranks == 4) {  // it learns: with 12 samples a step, the loss on unseen samples falls
       const double before = held_out_loss<T>({}), after = held_out_loss(s0.params);
       INFO("held-out loss ", before, " -> ", after);
@@ -185,7 +187,7 @@ TEST_CASE_TEMPLATE(
     }
     for (int stage : {1, 2, 3}) {
       CAPTURE(stage);
-      const auto s = train_stage<T>(stage, ranks, 20, 1, 3);
+      const auto s = train_stage<T>(stage, ranks, steps, 1, 3);
       CHECK(bitwise_equal(s.params, s0.params));
       CHECK(bitwise_equal(s.master, s0.master));
       CHECK(bitwise_equal(s.losses, s0.losses));

@@ -424,35 +424,42 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
   std::optional<ckpt::Reader> rd;
   std::vector<ckpt::Match> idx;
   Opt opt = engine.optimizer();
-  on_every_grid_rank(engine, [&] {
-    rd.emplace(dir, tag);
-    const auto& m = rd->manifest();
-    const std::string where = rd->path().string();
-    ZP_EXPECT(m.dtype == dtype_of<T>, "checkpoint ", where, " holds ", name(m.dtype),
-              " parameters, the engine's are ", name(dtype_of<T>));
-    ZP_EXPECT(m.micro_step == 0, "checkpoint ", where, " was saved inside an accumulation window");
-    ZP_EXPECT(m.scaler_kind == int(engine.loss_scaler().kind()), "checkpoint ", where,
-              " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ",
-              int(engine.loss_scaler().kind()), " (0 none, 1 fixed, 2 dynamic)");
-    ckpt::load_hyper(opt, m, where);
-    ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where,
-              " has ", m.fields.size() - 2, " optimizer state arrays, ",
-              optim::detail::type_name(opt), " needs ", optim::state_slots<Opt>);
-    idx = ckpt::match_params(engine.params(), *rd);
-  });
-  // Every rank must read the same checkpoint: a `latest` local to each node, or tags passed
-  // differently per rank, would leave the replicas different without any error.
-  const std::string tag_read = rd->path().filename().string();
-  ZP_EXPECT(
-      ckpt::same_over_grid(
-          engine, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
-      "checkpoint: the ranks are loading different checkpoints (rank ", ckpt::grid_rank_of(engine),
-      ": ", rd->path().string(), ", step ", rd->manifest().step,
-      "); every rank must load the same tag of the same directory (is `latest` "
-      "local to each node?)");
+  // A `latest` whose files are corrupt or missing names the checkpoints that could be loaded.
+  try {
+    on_every_grid_rank(engine, [&] {
+      rd.emplace(dir, tag);
+      const auto& m = rd->manifest();
+      const std::string where = rd->path().string();
+      ZP_EXPECT(m.dtype == dtype_of<T>, "checkpoint ", where, " holds ", name(m.dtype),
+                " parameters, the engine's are ", name(dtype_of<T>));
+      ZP_EXPECT(m.micro_step == 0, "checkpoint ", where,
+                " was saved inside an accumulation window");
+      ZP_EXPECT(m.scaler_kind == int(engine.loss_scaler().kind()), "checkpoint ", where,
+                " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ",
+                int(engine.loss_scaler().kind()), " (0 none, 1 fixed, 2 dynamic)");
+      ckpt::load_hyper(opt, m, where);
+      ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where,
+                " has ", m.fields.size() - 2, " optimizer state arrays, ",
+                optim::detail::type_name(opt), " needs ", optim::state_slots<Opt>);
+      idx = ckpt::match_params(engine.params(), *rd);
+    });
+    // Every rank must read the same checkpoint: a `latest` local to each node, or tags passed
+    // differently per rank, would leave the replicas different without any error.
+    const std::string tag_read = rd->path().filename().string();
+    ZP_EXPECT(
+        ckpt::same_over_grid(
+            engine, detail::Fnv1a().all(rd->manifest_hash(), std::string_view(tag_read)).value()),
+        "checkpoint: the ranks are loading different checkpoints (rank ",
+        ckpt::grid_rank_of(engine), ": ", rd->path().string(), ", step ", rd->manifest().step,
+        "); every rank must load the same tag of the same directory (is `latest` "
+        "local to each node?)");
 
-  ckpt::expect_every_param_loaded(engine, *rd, idx);
-  ckpt::verify_everywhere(engine, *rd);
+    ckpt::expect_every_param_loaded(engine, *rd, idx);
+    ckpt::verify_everywhere(engine, *rd);
+  } catch (const Error& e) {
+    if (tag != "latest" || e.category() != Errc::io) throw;
+    throw Error(Errc::io, e.message() + ckpt::other_checkpoints(dir), e.native_code(), e.where());
+  }
   const auto& m = rd->manifest();
 
   // Read this rank's ranges, field by field, in the engine's layout.

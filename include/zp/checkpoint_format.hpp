@@ -45,6 +45,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -876,6 +877,41 @@ inline void create_directories_durably(const std::filesystem::path& dir, const c
     detail::io_step("directory fsync", q.parent_path());
     detail::sync_directory(q.parent_path());
   }
+}
+
+// For the error of a load of `latest` that failed on a corrupt or missing file: the other
+// checkpoints of `dir` (directories with a manifest.json, named as tags), newest manifest first,
+// at most `most`; "" when there are none. Listing errors leave names out: this only adds to a
+// message. Which older step to resume from is the caller's choice, never made silently.
+inline std::string other_checkpoints(const std::filesystem::path& dir, std::size_t most = 5) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::string latest;
+  try {
+    latest = Reader::read_latest(dir);
+  } catch (const Error&) {
+  }
+  std::vector<std::pair<fs::file_time_type, std::string>> found;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string tag = it->path().filename().string();
+    std::error_code e2;
+    const auto when = fs::last_write_time(it->path() / "manifest.json", e2);
+    if (e2 || tag == latest || !fs::is_directory(it->path(), e2)) continue;
+    try {
+      check_tag(tag);
+    } catch (const Error&) {
+      continue;
+    }
+    found.emplace_back(when, std::move(tag));
+  }
+  if (found.empty()) return "";
+  std::sort(found.begin(), found.end(), std::greater<>());
+  std::string out = detail::cat("; the other checkpoints in ", dir.string(), ", newest first: ");
+  for (std::size_t i = 0; i < std::min(most, found.size()); ++i)
+    out += (i ? ", " : "") + found[i].second;
+  if (found.size() > most) out += detail::cat(" (and ", found.size() - most, " more)");
+  return out + " (load one by its tag, or write its tag into " + (dir / "latest").string() +
+         " to resume from it)";
 }
 
 // Removes every entry of `dir` whose file name `match` accepts (a directory with what it holds),

@@ -70,7 +70,7 @@ foreach(prefix ${WORK}/prefix ${WORK}/prefix-unbuilt)
 endforeach()
 
 consumer(subdir all -DZP_VIA=subdir)
-consumer(fetch all -DZP_VIA=fetch)
+consumer(fetch consumer -DZP_VIA=fetch)  # zp::mpi and zp::aio: as add_subdirectory's
 consumer(find all -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix)
 # These three differ from the above in where the package comes from, not in the target: the
 # light consumer is enough.
