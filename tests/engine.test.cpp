@@ -1127,7 +1127,9 @@ void continue_after_a_refused_step() {
       try {
         window(engine, model, 100);
       } catch (const zp::Error& e) {
-        named += std::string(e.what()).find(expected) != std::string::npos;
+        const std::string said = e.what();
+        named += said.find(expected) != std::string::npos;
+        CHECK(said.find("zp: ", 1) == std::string::npos);  // one category prefix, not two
       }
       CHECK(engine.gather_master() == before);  // nothing was applied
     };

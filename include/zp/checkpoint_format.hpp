@@ -244,8 +244,8 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
 // key is required but those version 1 lacks (grid, parts, a parameter's shape), which the readers
 // require from version 2 on once the tables are read; keys no table declares (zp_version, or one
-// a newer zp adds) are skipped, and manifest_crc32c (version 3) is checked last. The integers are JSON integers (zp writes no others), each in the
-// range of the member it lands in.
+// a newer zp adds) are skipped, and manifest_crc32c (version 3) is checked last. The integers
+// are JSON integers (zp writes no others), each in the range of the member it lands in.
 namespace schema {
 
 using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...

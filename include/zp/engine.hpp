@@ -471,7 +471,7 @@ class Engine {
     try {
       optim::validate(opt_);
     } catch (const Error& e) {
-      invalid_ = e.what();
+      invalid_ = e.message();
     }
     stats_.begin(optim::fingerprint(opt_), !invalid_.empty());
     const auto add = [&]<Field F>() {  // every segment's piece in one call
