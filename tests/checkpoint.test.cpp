@@ -296,6 +296,36 @@ void flip_byte(const fs::path& p, std::uintmax_t at) {
 
 }  // namespace
 
+// The count of overflowing steps in a row is training state: a run that saves in the middle of a
+// run of overflows stops where the uninterrupted run would.
+TEST_CASE("overflows in a row before a save count on after the load") {
+  TempDir dir("in-row");
+  const EngineConfig cfg = config(1, zp::LossScaler::none(4));
+  auto overflowing_step = [](E2& e, Mlp<float>& m, std::int64_t t) {
+    m.poison = e.comm().rank() == 1;
+    zp::test::micro_step(e, m, (t * 2 + e.comm().rank()) * 2, 2);
+    m.poison = false;
+  };
+  on_two_ranks(
+      [&](E2& e, Mlp<float>& m) {
+        train(e, m, 0, 1);
+        overflowing_step(e, m, 1);
+        overflowing_step(e, m, 2);
+        zp::save_checkpoint(e, dir.path, "two-skipped");
+      },
+      cfg);
+  CHECK(zp::ckpt::Reader(dir.path).manifest().scaler.skipped_in_row == 2);
+  on_two_ranks(
+      [&](E2& e, Mlp<float>& m) {
+        zp::load_checkpoint(e, dir.path);
+        CHECK(e.loss_scaler().state().skipped_in_row == 2);
+        overflowing_step(e, m, 3);
+        zp::test::expect_invalid([&] { overflowing_step(e, m, 4); },
+                                 {"loss scaler: 4 steps in a row had inf/nan gradients"});
+      },
+      cfg);
+}
+
 TEST_CASE(
     "a save that fails after any file operation leaves a directory the same command line resumes "
     "from") {
@@ -703,6 +733,35 @@ TEST_CASE("a FIFO or directory where a checkpoint file should be is an error, ne
                          {"manifest.json", "a FIFO"});
 }
 
+// A link inside a hostile checkpoint would make the load read a file outside it: a link is
+// refused even where it points at the very file it replaces. The tag's directory may be a link.
+TEST_CASE("a symbolic link among a checkpoint's files is refused; a linked tag directory loads") {
+  Saved s;
+  const fs::path tag = s.dir.path / "good";
+  const std::string file1 = "rank-00001-of-00002.safetensors";
+  fs::rename(tag / file1, s.dir.path / "saved-file");
+  fs::create_symlink(s.dir.path / "saved-file", tag / file1);
+  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader r(s.dir.path); },
+                         {(tag / file1).string(), "is a symbolic link"});
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_error(zp::Errc::io, [&] { zp::load_checkpoint(e, s.dir.path); },
+                           {file1, "is a symbolic link"});
+  });
+  fs::remove(tag / file1);
+  fs::rename(s.dir.path / "saved-file", tag / file1);
+  fs::rename(tag / "manifest.json", s.dir.path / "saved-manifest");
+  fs::create_symlink(s.dir.path / "saved-manifest", tag / "manifest.json");
+  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader r(s.dir.path); },
+                         {"manifest.json is a symbolic link"});
+  fs::remove(tag / "manifest.json");
+  fs::rename(s.dir.path / "saved-manifest", tag / "manifest.json");
+  TempDir elsewhere("linked");
+  fs::create_directory_symlink(tag, elsewhere.path / "good");
+  put_text(elsewhere.path / "latest", "good");
+  zp::ckpt::Reader(elsewhere.path).verify();
+  on_two_ranks([&](E2& e, Mlp<float>&) { zp::load_checkpoint(e, elsewhere.path); });
+}
+
 TEST_CASE(
     "two jobs saving into one directory at once: one saves, the other fails and publishes "
     "nothing") {
@@ -943,6 +1002,7 @@ TEST_CASE("a manifest whose values changed is refused by its own checksum") {
   auto v2 = j;
   v2["version"] = 2;
   v2.erase("manifest_crc32c");
+  v2["progress"]["loss_scaler"].erase("skipped_in_row");
   put_text(manifest, v2.dump());
   on_two_ranks([&](E2& e, Mlp<float>&) { zp::load_checkpoint(e, s.dir.path); });
 }
@@ -1103,6 +1163,7 @@ TEST_CASE(
       {"/progress/loss_scaler/hysteresis", 0, "progress.loss_scaler.hysteresis"},
       {"/progress/loss_scaler/hysteresis", 2147483648LL, "progress.loss_scaler.hysteresis"},
       {"/progress/loss_scaler/skipped", -1, "progress.loss_scaler.skipped"},
+      {"/progress/loss_scaler/skipped_in_row", -1, "progress.loss_scaler.skipped_in_row"},
       {"/batch/train_batch_size", -1, "batch.train_batch_size"},
       {"/batch/micro_batch_per_rank", -1, "batch.micro_batch_per_rank"},
       {"/batch/gradient_accumulation_steps", -1, "batch.gradient_accumulation_steps"},
@@ -1127,7 +1188,7 @@ TEST_CASE(
     return m;
   };
   rejects(with("/world_size", 2.0), {"world_size: expected an integer in [1, 16777216], got 2.0"});
-  rejects(with("/version", 4), {"version: format version 4; this zp reads versions 1 to 3"});
+  rejects(with("/version", 5), {"version: format version 5; this zp reads versions 1 to 4"});
   rejects(with("/grid/dp", 1), {"grid: dp x tp x pp = 1 x 1 x 1 is not world_size 2"});
   rejects(with("/parts/0/0/end", json::array({11})),
           {"parts[0][0]: the part: dimension 0 of the Placement is [0, 11), not a non-empty range "
@@ -1137,6 +1198,7 @@ TEST_CASE(
   v1.erase("grid");
   v1.erase("parts");
   for (auto& p : v1["params"]) p.erase("shape");
+  v1["progress"]["loss_scaler"].erase("skipped_in_row");
   CHECK(zp::ckpt::to_json(zp::ckpt::manifest_from_json(v1, src)) == j);
   rejects(with("/format", "pt"), {"format: expected \"zp-checkpoint\"", "got \"pt\""});
   rejects(with("/params/1/module", 2), {"params[1].module: expected an integer in [0, 1], got 2"});

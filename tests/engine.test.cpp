@@ -739,6 +739,62 @@ TEST_CASE("an inf in one rank's gradient skips the step on every rank and halves
   }
 }
 
+namespace {
+
+// With a constant scale (none: bf16/fp32; fixed), overflowing steps in a row end training at
+// max_skipped_in_row, on every rank, before anything changes; an applied step restarts the count.
+template <class T, int Stage>
+void check_skipped_in_row(int ranks, zp::LossScaler scaler) {
+  run_threads(ranks, [&](Collective<Threads>& comm) {
+    const int n = comm.size(), r = comm.rank();
+    Mlp<T> model;
+    auto cfg = test_config(2, 1);
+    cfg.loss_scaler = scaler;
+    zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
+    int t = 0;
+    auto step = [&](bool poison) {
+      model.poison = poison && r == (t % n);  // the rank that overflows moves around
+      const auto res = zp::test::micro_step(engine, model, (t++ * n + r) * 2, 2);
+      model.poison = false;
+      CHECK(res.applied == !poison);
+      CHECK(res.overflow == poison);
+      return res;
+    };
+    step(false);
+    for (int k = 0; k < 4; ++k) step(true);
+    CHECK(engine.loss_scaler().state().skipped_in_row == 4);
+    step(false);  // applied: the count starts again
+    CHECK(engine.loss_scaler().state().skipped_in_row == 0);
+    for (int k = 0; k < 4; ++k) step(true);
+    const auto params = engine.gather_params();
+    const auto state = engine.loss_scaler().state();
+    model.poison = r == 0;
+    zp::test::expect_invalid([&] { (void)zp::test::micro_step(engine, model, (t * n + r) * 2, 2); },
+                             {"loss scaler: 5 steps in a row had inf/nan gradients and were "
+                              "skipped (9 of 11 steps skipped, loss scale ",
+                              "max_skipped_in_row (now 5"});
+    model.poison = false;
+    CHECK(engine.loss_scaler().state() == state);  // refused before the count changed
+    CHECK(state.skipped == 8);
+    CHECK(bitwise_equal(engine.gather_params(), params));
+    CHECK(engine.steps() == 2);
+    step(false);  // a clean step after the error trains on
+    CHECK(engine.steps() == 3);
+    CHECK_FALSE(bitwise_equal(engine.gather_params(), params));
+  });
+}
+
+}  // namespace
+
+TEST_CASE("overflowing steps in a row under a constant scale end training with an error") {
+  check_skipped_in_row<float, 0>(2, zp::LossScaler::none(5));
+  check_skipped_in_row<zp::bf16, 3>(3, zp::LossScaler::none(5));
+  check_skipped_in_row<zp::fp16, 2>(2, zp::LossScaler::fixed(8.0f, 5));
+  CHECK(zp::LossScaler::none().max_skipped_in_row() == 100);
+  CHECK(zp::LossScaler::fixed(2.0f).max_skipped_in_row() == 100);
+  CHECK(zp::LossScaler::dynamic().max_skipped_in_row() == 0);  // it stops at min_scale
+}
+
 TEST_CASE("fp16 with dynamic loss scaling backs off from overflow and learns") {
   // From 2^16 the first steps overflow: they are skipped and the scale falls until steps apply.
   std::vector<zp::fp16> params;

@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "expect_error.hpp"
+#include "random.hpp"
 
 namespace {
 
@@ -113,17 +115,59 @@ TEST_CASE("an overflow at the minimum scale is an error instead of an endless lo
   auto s = zp::LossScaler::dynamic({.initial_scale = 4.0f, .hysteresis = 1, .min_scale = 2.0f});
   CHECK_FALSE(s.update(true));
   CHECK(s.scale() == 2.0f);
-  try {
-    s.update(true);
-    FAIL("no error at the minimum scale");
-  } catch (const zp::Error& e) {
-    CHECK(std::string(e.what()).find("minimum loss scale 2") != std::string::npos);
-  }
+  const auto before = s.state();
+  zp::test::expect_invalid([&] { s.update(true); },
+                           {"minimum loss scale 2 (2 of 2 steps skipped)"});
+  CHECK(s.state() == before);  // refused before anything changed: the state still loads
+  CHECK_NOTHROW(zp::LossScaler::dynamic({.initial_scale = 4.0f, .min_scale = 2.0f}).load(before));
   auto lenient = zp::LossScaler::dynamic(
       {.initial_scale = 4.0f, .hysteresis = 1, .min_scale = 2.0f, .error_at_min_scale = false});
   lenient.update(true);
   lenient.update(true);
   CHECK(lenient.scale() == 2.0f);
+}
+
+// A serial reference: the count of overflows since the last clean step, and the error at the
+// limit, on random overflow patterns (none, fixed), with the state saved and reloaded halfway.
+TEST_CASE("a constant scale throws at max_skipped_in_row overflows in a row, changing nothing") {
+  std::mt19937_64 rng(zp::test::run_seed("precision.test"));
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t limit = std::int64_t(rng() % 6);  // 0: no limit
+    const double p = double(rng() % 100) / 100.0;
+    auto s = trial % 2 ? zp::LossScaler::none(limit) : zp::LossScaler::fixed(64.0f, limit);
+    std::int64_t in_row = 0, skipped = 0, steps = 0;
+    for (int i = 0; i < 60; ++i) {
+      CAPTURE(trial);
+      CAPTURE(limit);
+      CAPTURE(i);
+      if (i == 30) {  // a checkpoint round trip keeps the count
+        auto t = trial % 2 ? zp::LossScaler::none(limit) : zp::LossScaler::fixed(64.0f, limit);
+        t.load(s.state());
+        s = t;
+      }
+      const bool overflow = std::uniform_real_distribution<>(0, 1)(rng) < p;
+      if (overflow && limit > 0 && in_row + 1 >= limit) {
+        const auto before = s.state();
+        zp::test::expect_invalid(
+            [&] { s.update(true); },
+            {zp::detail::cat("loss scaler: ", limit, " steps in a row had inf/nan gradients"),
+             zp::detail::cat("(", skipped + 1, " of ", steps + 1, " steps skipped")});
+        CHECK(s.state() == before);
+        continue;
+      }
+      CHECK(s.update(overflow) == !overflow);
+      ++steps;
+      skipped += overflow;
+      in_row = overflow ? in_row + 1 : 0;
+      CHECK(s.state().skipped_in_row == in_row);
+      CHECK(s.state().skipped == skipped);
+      CHECK(s.state().iter == steps);
+    }
+  }
+  zp::test::expect_invalid([] { zp::LossScaler::none(-1); },
+                           {"loss scaler: max_skipped_in_row must be >= 0", "got -1"});
+  zp::test::expect_invalid([] { zp::LossScaler::fixed(2.0f, -3); },
+                           {"max_skipped_in_row", "got -3"});
 }
 
 TEST_CASE("the scaler's state survives a checkpoint round trip") {
@@ -218,6 +262,10 @@ TEST_CASE("loading a saved scaler state rejects every impossible value and keeps
                            {"loss scaler: saved last_overflow", "got -2"});
   zp::test::expect_invalid([&] { load_with([](State& st) { st.last_overflow = 3; }); },
                            {"saved last_overflow must be in [-1, iter = 3)", "got 3"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped_in_row = -1; }); },
+                           {"loss scaler: saved skipped_in_row", "got -1"});
+  zp::test::expect_invalid([&] { load_with([](State& st) { st.skipped_in_row = 2; }); },
+                           {"saved skipped_in_row must be in [0, skipped = 1]", "got 2"});
   zp::test::expect_invalid([&] { load_with([](State& st) { st.hysteresis = 0; }); },
                            {"loss scaler: saved hysteresis", "got 0"});
   zp::test::expect_invalid(

@@ -79,10 +79,12 @@ int info(zp::ckpt::Reader& rd) {
   std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
               m.params.back().module + 1);
   for (const auto& f : m.fields) std::printf(" %s", f.c_str());
-  std::printf("\n  step %lld, loss scale %g (%lld skipped), user data %llu bytes\n",
-              static_cast<long long>(m.step), double(m.scaler.scale),
-              static_cast<long long>(m.scaler.skipped),
-              static_cast<unsigned long long>(m.user_bytes));
+  std::printf(
+      "\n  step %lld, loss scale %g (%lld skipped, %lld of them in a row), user data %llu "
+      "bytes\n",
+      static_cast<long long>(m.step), double(m.scaler.scale),
+      static_cast<long long>(m.scaler.skipped), static_cast<long long>(m.scaler.skipped_in_row),
+      static_cast<unsigned long long>(m.user_bytes));
   for (const auto& f : m.files)
     std::printf("  %s  %llu bytes  crc32c %08x\n", f.name.c_str(),
                 static_cast<unsigned long long>(f.bytes), f.crc32c);

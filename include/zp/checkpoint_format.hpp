@@ -66,8 +66,9 @@ namespace zp {
 
 namespace ckpt {
 
-// Version 3 added the manifest's own checksum; 2 (without it) and 1 (no grid either) are read.
-inline constexpr int format_version = 3;
+// Version 4 added the loss scaler's skipped_in_row, 3 the manifest's own checksum; 3, 2 (without
+// it) and 1 (no grid either) are read.
+inline constexpr int format_version = 4;
 inline constexpr const char* format_name = "zp-checkpoint";
 
 inline std::string rank_file_name(int rank, int ranks) {
@@ -197,7 +198,8 @@ inline nlohmann::json to_json(const Manifest& m) {
                      {"iter", m.scaler.iter},
                      {"last_overflow", m.scaler.last_overflow},
                      {"hysteresis", m.scaler.hysteresis},
-                     {"skipped", m.scaler.skipped}}}};
+                     {"skipped", m.scaler.skipped},
+                     {"skipped_in_row", m.scaler.skipped_in_row}}}};
   j["batch"] = {{"train_batch_size", m.batch.train_batch_size},
                 {"micro_batch_per_rank", m.batch.micro_batch_per_rank},
                 {"gradient_accumulation_steps", m.batch.gradient_accumulation_steps}};
@@ -242,10 +244,11 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // A table per JSON object of the manifest, walked by detail/json_keys.hpp (types, ranges,
 // "missing", the key path in every message); the functions here read the arrays and check what
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
-// key is required but those version 1 lacks (grid, parts, a parameter's shape), which the readers
-// require from version 2 on once the tables are read; keys no table declares (zp_version, or one
-// a newer zp adds) are skipped, and manifest_crc32c (version 3) is checked last. The integers
-// are JSON integers (zp writes no others), each in the range of the member it lands in.
+// key is required but those version 1 lacks (grid, parts, a parameter's shape) and versions 1-3
+// lack (skipped_in_row), which the readers require from the version that added them once the
+// tables are read; keys no table declares (zp_version, or one a newer zp adds) are skipped, and
+// manifest_crc32c (version 3) is checked last. The integers are JSON integers (zp writes no
+// others), each in the range of the member it lands in.
 namespace schema {
 
 using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...
@@ -503,7 +506,10 @@ inline constexpr ManifestKey loss_scaler_keys[] = {
     ManifestKey::read(
         "hysteresis", whole(1, int_max), [](auto& m) -> auto& { return m.scaler.hysteresis; }),
     ManifestKey::read(
-        "skipped", whole(0), [](auto& m) -> auto& { return m.scaler.skipped; })};
+        "skipped", whole(0), [](auto& m) -> auto& { return m.scaler.skipped; }),
+    ManifestKey::read(  // -1: absent, which only versions before 4 may be (manifest_from_json)
+        "skipped_in_row", integer(-1, 0, i64_max, {}),
+        [](auto& m) -> auto& { return m.scaler.skipped_in_row; })};
 inline constexpr ManifestKey progress_keys[] = {
     ManifestKey::read(
         "step", whole(0), [](auto& m) -> auto& { return m.step; }),
@@ -584,6 +590,10 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
     if (m.version >= 2) c.fail("grid", "missing");
     m.grid = {m.world_size, 1, 1};
   }
+  if (m.scaler.skipped_in_row < 0) {
+    if (m.version >= 4) c.fail("progress.loss_scaler.skipped_in_row", "missing");
+    m.scaler.skipped_in_row = 0;  // not counted before version 4
+  }
   schema::check_sizes(c, m);
   if (m.version >= 3) {  // last: a value out of range is named as such, not as a checksum
     const auto it = j.find("manifest_crc32c");
@@ -610,12 +620,14 @@ class Reader {
     std::error_code ec;
     ZP_EXPECT(std::filesystem::is_directory(path_, ec), "checkpoint: ", path_.string(),
               " is not a directory (no checkpoint with tag '", tag, "' in ", dir.string(), ")");
+    expect_no_link(manifest);
     const std::string text = detail::read_whole_file(manifest, std::uint64_t(1) << 28);
     manifest_hash_ = detail::Fnv1a().all(std::string_view(text)).value();
     m_ = manifest_from_json(
         detail::parse_json(text, "checkpoint manifest " + manifest.string(), Errc::io),
         manifest.string());
     for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
+    for (const auto& f : m_.files) expect_no_link(path_ / f.name);
     files_.resize(m_.files.size());
     // Which file holds which elements: every rank's slices of its group's layout.
     sources_.resize(m_.params.size());
@@ -631,6 +643,16 @@ class Reader {
                 {grid_rank(m_.grid, {dp, at.tp, at.pp}), g, j, sl});
       }
     }
+  }
+
+  // A checkpoint's files are the ones its save wrote, never links: a link in a hostile
+  // checkpoint would make the load read a file outside it. (The tag's directory may be a link.)
+  static void expect_no_link(const std::filesystem::path& p) {
+    std::error_code ec;
+    if (std::filesystem::is_symlink(std::filesystem::symlink_status(p, ec)))
+      throw Error(Errc::io, detail::cat("checkpoint file ", p.string(),
+                                        " is a symbolic link; a checkpoint's files are the ones "
+                                        "its save wrote, never links"));
   }
 
   // The tag <dir>/latest names: a regular file holding a tag (check_tag), optionally followed by

@@ -102,7 +102,8 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
       optim::fingerprint(opt),
       detail::Fnv1a()
           .all(c.max_grad_norm, ls.kind(), ls.scale(), d.initial_scale, d.window, d.hysteresis,
-               d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale)
+               d.consecutive_hysteresis, d.min_scale, d.factor, d.error_at_min_scale,
+               ls.max_skipped_in_row())
           .value(),
       model_parallel
           ? 0

@@ -5,6 +5,8 @@
 // DeepSpeed/Megatron algorithm: on an overflowing step (any inf/nan in any rank's gradients) the
 // step is skipped and, after `hysteresis` overflows, the scale halves; after `window` clean steps
 // since the last overflow it doubles. bf16 and fp32 training need no scaling: LossScaler::none().
+// Neither kind loops forever on gradients that always overflow: a dynamic scale throws at its
+// minimum, a constant one (none, fixed) after `max_skipped_in_row` overflowing steps in a row.
 //
 // Every rank must call update() with the same (all-reduced) overflow flag, so all ranks hold
 // the same scale. The whole state is a small value (State) that checkpoints save and restore.
@@ -40,16 +42,25 @@ class LossScaler {
     std::int64_t last_overflow = -1;  // iter of the most recent overflow, -1 if none
     int hysteresis = 1;               // overflows left before the next shrink
     std::int64_t skipped = 0;         // steps skipped for overflow
+    std::int64_t skipped_in_row = 0;  // of those, the ones since the last applied step
     friend bool operator==(const State&, const State&) = default;
   };
 
+  // A constant scale cannot adapt, and a skipped step leaves the weights as they were: gradients
+  // that overflow because of the weights overflow on every later step. update() throws at this
+  // many overflowing steps in a row (0: never); the weights stay those before the first of them.
+  static constexpr std::int64_t default_max_skipped_in_row = 100;
+
   // bf16 / fp32: scale 1 forever; an overflow still skips the step.
-  static LossScaler none() { return LossScaler(Kind::none, DynamicScale{.initial_scale = 1.0f}); }
+  static LossScaler none(std::int64_t max_skipped_in_row = default_max_skipped_in_row) {
+    return LossScaler(Kind::none, DynamicScale{.initial_scale = 1.0f}, max_skipped_in_row);
+  }
   // A constant scale (DeepSpeed's "loss_scale": value > 0).
-  static LossScaler fixed(float scale) {
+  static LossScaler fixed(float scale,
+                          std::int64_t max_skipped_in_row = default_max_skipped_in_row) {
     ZP_EXPECT(scale > 0 && scale < 3.0e38f,
               "loss scaler: a fixed scale must be positive and finite, got ", scale);
-    return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale});
+    return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale}, max_skipped_in_row);
   }
   static LossScaler dynamic(const DynamicScale& config = {}) {
     // Every float test is written so that NaN fails it; the upper bounds reject inf.
@@ -64,7 +75,7 @@ class LossScaler {
               config.hysteresis);
     ZP_EXPECT(config.factor > 1 && config.factor <= most,
               "loss scaler: factor must be finite and > 1, got ", config.factor);
-    return LossScaler(Kind::dynamic, config);
+    return LossScaler(Kind::dynamic, config, 0);
   }
 
   // How far a dynamic scale grows (from a lower initial_scale): fp16 gradients scaled past it
@@ -74,6 +85,8 @@ class LossScaler {
 
   Kind kind() const noexcept { return kind_; }
   const DynamicScale& config() const noexcept { return config_; }
+  // none and fixed: the overflowing steps in a row that throw (0: no limit); dynamic: 0.
+  std::int64_t max_skipped_in_row() const noexcept { return max_in_row_; }
   // Multiply the loss by this before backward.
   float scale() const noexcept { return state_.scale; }
   // 1/scale, the factor that unscales the gradients (fold a clip coefficient in with
@@ -81,18 +94,20 @@ class LossScaler {
   float inv_scale() const noexcept { return float(1.0 / double(state_.scale)); }
 
   // Records one step's global overflow flag and adjusts the scale. Returns true when the step
-  // must be applied, false when it must be skipped. Throws zp::Error when a dynamic scale
-  // overflows while already at min_scale (training has diverged; looping would never end).
+  // must be applied, false when it must be skipped. Throws zp::Error, changing nothing, where
+  // training has diverged and looping would never end: a dynamic scale that overflows while
+  // already at min_scale, a constant one at max_skipped_in_row() overflows in a row.
   bool update(bool overflow) {
-    if (overflow) ++state_.skipped;
+    if (overflow) {
+      expect_progress();
+      ++state_.skipped;
+      ++state_.skipped_in_row;
+    } else {
+      state_.skipped_in_row = 0;
+    }
     if (kind_ == Kind::dynamic) {
       if (overflow) {
         if (config_.hysteresis == 1 || state_.hysteresis == 1) {
-          if (config_.error_at_min_scale && state_.scale <= config_.min_scale)
-            throw Error(Errc::invalid_argument,
-                        detail::cat("loss scaler: gradients overflow at the minimum loss scale ",
-                                    config_.min_scale, " (step ", state_.iter, ", ", state_.skipped,
-                                    " steps skipped); lower the learning rate or min_scale"));
           const float next = state_.scale / config_.factor;
           state_.scale = next > config_.min_scale ? next : config_.min_scale;
         } else {
@@ -124,6 +139,9 @@ class LossScaler {
     ZP_EXPECT(s.iter >= 0, "loss scaler: saved iter must be >= 0, got ", s.iter);
     ZP_EXPECT(s.skipped >= 0 && s.skipped <= s.iter,
               "loss scaler: saved skipped must be in [0, iter = ", s.iter, "], got ", s.skipped);
+    ZP_EXPECT(s.skipped_in_row >= 0 && s.skipped_in_row <= s.skipped,
+              "loss scaler: saved skipped_in_row must be in [0, skipped = ", s.skipped, "], got ",
+              s.skipped_in_row);
     // update() records an overflow at iter, then counts that iter: a saved one is always older.
     ZP_EXPECT(s.last_overflow >= -1 && s.last_overflow < s.iter,
               "loss scaler: saved last_overflow must be in [-1, iter = ", s.iter, "), got ",
@@ -134,13 +152,41 @@ class LossScaler {
   }
 
  private:
-  LossScaler(Kind kind, const DynamicScale& config) : kind_(kind), config_(config) {
+  LossScaler(Kind kind, const DynamicScale& config, std::int64_t max_skipped_in_row)
+      : kind_(kind), config_(config), max_in_row_(max_skipped_in_row) {
+    ZP_EXPECT(max_skipped_in_row >= 0,
+              "loss scaler: max_skipped_in_row must be >= 0 (0: no limit), got ",
+              max_skipped_in_row);
     state_.scale = config.initial_scale;
     state_.hysteresis = config.hysteresis;
   }
 
+  // The overflow about to be recorded ends training (see update()).
+  void expect_progress() const {
+    const std::int64_t steps = state_.iter + 1, skipped = state_.skipped + 1,
+                       in_row = state_.skipped_in_row + 1;
+    if (kind_ == Kind::dynamic) {
+      if (config_.error_at_min_scale && state_.scale <= config_.min_scale &&
+          (config_.hysteresis == 1 || state_.hysteresis == 1))
+        throw Error(Errc::invalid_argument,
+                    detail::cat("loss scaler: gradients overflow at the minimum loss scale ",
+                                config_.min_scale, " (", skipped, " of ", steps,
+                                " steps skipped); lower the learning rate or min_scale"));
+    } else if (max_in_row_ > 0 && in_row >= max_in_row_) {
+      throw Error(Errc::invalid_argument,
+                  detail::cat("loss scaler: ", in_row,
+                              " steps in a row had inf/nan gradients and were skipped (", skipped,
+                              " of ", steps, " steps skipped, loss scale ", state_.scale,
+                              "); a skipped step leaves the weights unchanged, so "
+                              "this would repeat: check the data and lower the learning rate, "
+                              "or allow more with max_skipped_in_row (now ",
+                              max_in_row_, ", 0: no limit)"));
+    }
+  }
+
   Kind kind_;
   DynamicScale config_;
+  std::int64_t max_in_row_;
   State state_;
 };
 
