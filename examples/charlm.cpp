@@ -261,7 +261,10 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
   zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
   examples::Progress progress(o.log_every, first_step, o.steps);
-  for (int step = first_step; step < o.steps; ++step) {
+  examples::stop_signal::install();
+  int done = first_step;  // steps done: o.steps, or fewer where a signal stopped the run
+  bool stopped = false;
+  for (int step = first_step; step < o.steps && !stopped; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     double loss = 0;
     zp::StepResult res;
@@ -282,23 +285,24 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
     // The log's loss is the global batch's, as the progress line's (same flags on every rank).
     if (!o.log_json.empty()) json.line(step + 1, examples::mean_over_ranks(comm, loss), res);
     progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
-    examples::save_if_due(engine, o, step + 1, corpus, lead);
+    done = step + 1;
+    stopped = examples::end_step(engine, comm, program, o, done, corpus, lead);
   }
-  examples::export_model(engine, o, corpus, lead);
+  if (!stopped) examples::export_model(engine, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const auto& c = engine.last_step_comm();
   const double f = n > 1 ? double(n - 1) / n : 0.0;
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
-  if (lead && first_step < o.steps) {  // a checkpoint at or past --steps: nothing trained
+  if (lead && first_step < done) {  // a checkpoint at or past --steps: nothing trained
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n",
-                progress.first_loss(), progress.last_loss(), o.steps - first_step,
+                progress.first_loss(), progress.last_loss(), done - first_step,
                 static_cast<long long>(engine.steps()),
                 static_cast<unsigned long long>(progress.skipped()), secs);
     examples::print_memory(engine.memory());
-    if (o.steps - first_step > 1)
+    if (done - first_step > 1)
       std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n",
-                  o.steps - first_step - 1,
-                  (zp::StepTimes(sum) *= 1.0 / double(o.steps - first_step - 1)).describe().c_str(),
+                  done - first_step - 1,
+                  (zp::StepTimes(sum) *= 1.0 / double(done - first_step - 1)).describe().c_str(),
                   100.0 * sum.untracked() / sum.total);
     std::printf(
         "communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f "

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -13,12 +15,15 @@
 #include <fstream>
 #include <initializer_list>
 #include <iterator>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <vector>
+
+#include <signal.h>  // sigaction
 
 #include "zp/backend/threads.hpp"
 #include "zp/dispatch.hpp"
@@ -333,11 +338,39 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
   return c;
 }
 
+// ---- stopping on a signal ---------------------------------------------------------------------
+
+// SIGTERM (a scheduler's notice before it ends a job, `kill`) and SIGINT (Ctrl-C) ask a trainer
+// to stop after the step in flight: its ranks agree on the step (run_control.hpp: end_step), save
+// it where --checkpoint-dir is given, and the process exits with 128 + the signal's number. The
+// handler gives the signal back its default action, so a second one ends the process at once.
+namespace stop_signal {
+inline volatile std::sig_atomic_t received = 0;
+inline std::atomic<int> stopped_for{0};  // the signal a trainer stopped for: launch's status
+inline void on_signal(int sig) { received = sig; }
+// From here on the signals stop the run (once per process; the trainers call it before their
+// first step, so a signal during start-up still ends the process at once).
+inline void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;  // no EINTR in the I/O; the next signal is fatal
+    for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &sa, nullptr);
+  });
+}
+inline const char* name(int sig) {
+  return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "a signal";
+}
+}  // namespace stop_signal
+
 // ---- launching ------------------------------------------------------------------------------
 
 // Runs train(comm) on every rank: one MPI process per rank (backend "mpi", under mpirun) or
-// `ranks` threads. Returns the exit status; errors are printed, on MPI by each rank before its
-// exception leaves the communicator (that aborts the job, and the abort cannot see the text).
+// `ranks` threads. Returns the exit status (128 + the signal's number for a run stopped by one);
+// errors are printed, on MPI by each rank before its exception leaves the communicator (that
+// aborts the job, and the abort cannot see the text).
 template <class Train>
 int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks,
            Train&& train) {
@@ -365,7 +398,8 @@ int launch(const Program& p, int& argc, char**& argv, const std::string& backend
     std::fprintf(stderr, "%s: %s\n", p.name, e.what());
     return 1;
   }
-  return 0;
+  const int sig = stop_signal::stopped_for;
+  return sig ? 128 + sig : 0;
 }
 
 }  // namespace examples

@@ -317,7 +317,10 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   examples::JsonLog json(o, lead);
   const auto t0 = std::chrono::steady_clock::now();
   examples::Progress progress(o.log_every, first_step, o.steps);
-  for (step = first_step; step < o.steps; ++step) {
+  examples::stop_signal::install();
+  int done = first_step;  // steps done: o.steps, or fewer where a signal stopped the run
+  bool stopped = false;
+  for (step = first_step; step < o.steps && !stopped; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     const gpt::StepOut r = gpt::train_step(engine, model, runner, slots, fill);
     // The loss lives on the last stage (once per TP group): its mean over the replicas.
@@ -325,11 +328,13 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     world.all_reduce(std::span<double>(&loss, 1));
     json.line(step + 1, loss, r.result);
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
-    examples::save_if_due(engine, o, step + 1, corpus, lead);
+    done = step + 1;
+    stopped = examples::end_step(engine, world, program, o, done, corpus, lead);
   }
   const std::vector<int>& eval = texts.eval;
-  if (!o.export_dir.empty() || o.sampling.count || !eval.empty()) {  // one gather for all three
-    std::vector<T> whole = engine.gather_params();                   // this rank's part
+  // One gather for all three; a stopped run does none of them (it goes on from its checkpoint).
+  if (!stopped && (!o.export_dir.empty() || o.sampling.count || !eval.empty())) {
+    std::vector<T> whole = engine.gather_params();  // this rank's part
     if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
       whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
     if (lead) {  // one whole model of the trained values (the run's own views are the engine's)
@@ -347,13 +352,13 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (lead && first_step < o.steps) {
+  if (lead && first_step < done) {
     std::printf(
         "\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f "
         "tokens/s\n",
-        progress.first_loss(), progress.last_loss(), o.steps - first_step,
+        progress.first_loss(), progress.last_loss(), done - first_step,
         static_cast<long long>(engine.steps()), static_cast<unsigned long long>(progress.skipped()),
-        secs, double(o.steps - first_step) * double(rows) * accum * dp / secs);
+        secs, double(done - first_step) * double(rows) * accum * dp / secs);
     examples::print_memory(engine.memory());
   }
 }

@@ -50,7 +50,8 @@ inline constexpr std::initializer_list<const char*> run_switches = {
 
 // The usage lines of RunFlags' flags (Program::more).
 inline constexpr const char* run_usage =
-    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest)\n"
+    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest); on\n"
+    "                     SIGTERM or SIGINT the run saves the step in flight there and stops\n"
     "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
     "never)\n"
     "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "
@@ -348,6 +349,34 @@ void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
 #else
   (void)engine, (void)c, (void)lead;
 #endif
+}
+
+// After step `steps_done`, on every rank: the checkpoint --save-every asks for, then whether a
+// stop signal (common.hpp: stop_signal) reached any rank. The ranks agree on that in one
+// all_reduce, so all of them stop after the same step; they save it (unless just saved; with
+// --checkpoint-dir) and return true. Collective.
+template <class E, class Comm>
+bool end_step(E& engine, Comm& comm, const Program& p, const RunFlags& o, int steps_done,
+              const Corpus& c, bool lead) {
+  save_if_due(engine, o, steps_done, c, lead);
+  std::int64_t sig = stop_signal::received;
+  comm.all_reduce(std::span<std::int64_t>(&sig, 1), zp::ReduceOp::max);
+  if (!sig) return false;
+  std::string saved = "nothing saved (no --checkpoint-dir)";
+  if (!o.checkpoint_dir.empty()) {
+    const std::string tag = "step" + std::to_string(steps_done);
+#if ZP_DEMO_IO
+    if (!o.save_every || steps_done % o.save_every != 0)
+      zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c));
+#endif
+    saved = "saved " + o.checkpoint_dir + "/" + tag;
+    saved += ": the same command line with --resume continues from it";
+  }
+  if (lead)
+    std::printf("%s: %s: stopped after step %d; %s\n", p.name, stop_signal::name(int(sig)),
+                steps_done, saved.c_str());
+  stop_signal::stopped_for = int(sig);
+  return true;
 }
 
 // DIR/vocab.json: {"byte_of_id": [...]}, the byte each token id stands for.
