@@ -37,6 +37,7 @@ namespace examples {
 struct RunFlags {
   std::string checkpoint_dir, export_dir, log_json, config;
   int save_every = 0;
+  int keep_checkpoints = 0;  // --keep-checkpoints (SaveOptions::keep_last; 0: all)
   bool resume = false, breakdown = false;
   bool quantized_weights = false;    // --zero-quantized-weights (EngineConfig::quantized_weights)
   int hpz = 1;                       // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
@@ -54,6 +55,8 @@ inline constexpr const char* run_usage =
     "                     SIGTERM or SIGINT the run saves the step in flight there and stops\n"
     "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
     "never)\n"
+    "  --keep-checkpoints N  after each save keep the N newest checkpoints in D, removing older\n"
+    "                     ones (default: keep all)\n"
     "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "
     "one\n"
     "                     yet starts at step 0 and says so\n"
@@ -97,6 +100,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--save-every")
     o.save_every = to_int(p, a, v, 1, 10000000);
+  else if (a == "--keep-checkpoints")
+    o.keep_checkpoints = to_int(p, a, v, 1, 10000000);
   else if (a == "--checkpoint-dir")
     o.checkpoint_dir = v;
   else if (a == "--export")
@@ -114,8 +119,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
 // not dropped in silence.
 inline void check_run_flags(const Program& p, const RunFlags& o,
                             const std::vector<std::string>& given) {
-  if ((o.save_every || o.resume) && o.checkpoint_dir.empty())
-    bad(p, "--save-every and --resume need --checkpoint-dir");
+  if ((o.save_every || o.resume || o.keep_checkpoints) && o.checkpoint_dir.empty())
+    bad(p, "--save-every, --keep-checkpoints and --resume need --checkpoint-dir");
   static constexpr std::pair<const char*, const char*> config_sets[] = {
       {"--stage", "zero_optimization.stage"},
       {"--precision", "bf16.enabled or fp16.enabled"},
@@ -344,7 +349,8 @@ void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
   if (!o.save_every || steps_done % o.save_every != 0) return;
 #if ZP_DEMO_IO
   const std::string tag = "step" + std::to_string(steps_done);
-  zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c));
+  zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c),
+                      {.keep_last = std::size_t(o.keep_checkpoints)});
   if (lead) std::printf("saved %s/%s\n", o.checkpoint_dir.c_str(), tag.c_str());
 #else
   (void)engine, (void)c, (void)lead;
@@ -367,7 +373,8 @@ bool end_step(E& engine, Comm& comm, const Program& p, const RunFlags& o, int st
     const std::string tag = "step" + std::to_string(steps_done);
 #if ZP_DEMO_IO
     if (!o.save_every || steps_done % o.save_every != 0)
-      zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c));
+      zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c),
+                          {.keep_last = std::size_t(o.keep_checkpoints)});
 #endif
     saved = "saved " + o.checkpoint_dir + "/" + tag;
     saved += ": the same command line with --resume continues from it";

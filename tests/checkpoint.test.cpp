@@ -271,12 +271,13 @@ void on_two_ranks(F&& f, EngineConfig cfg = config(1)) {
 // save_checkpoint with the k-th durable file step from here failing (k > 0; every rank calls
 // it): the error's message on this rank, "" if the save succeeded. The caller resets the
 // countdown once every rank is done.
-std::string save_with_fault(E2& e, const fs::path& dir, const std::string& tag, std::int64_t k) {
+std::string save_with_fault(E2& e, const fs::path& dir, const std::string& tag, std::int64_t k,
+                            const zp::SaveOptions& options = {}) {
   e.comm().barrier();
   if (e.comm().rank() == 0) zp::detail::io_fault_countdown() = k;
   e.comm().barrier();
   try {
-    zp::save_checkpoint(e, dir, tag);
+    zp::save_checkpoint(e, dir, tag, {}, options);
   } catch (const zp::Error& err) {
     CHECK(err.category() == zp::Errc::io);
     return err.what();
@@ -421,6 +422,126 @@ TEST_CASE(
   auto names = dir.entries();
   std::sort(names.begin(), names.end());
   CHECK(names == std::vector<std::string>{".zp-save.lock", "a", "b", "latest"});
+}
+
+namespace {
+
+// The checkpoints of `dir`, sorted: every entry but the lock and `latest`.
+std::vector<std::string> tags_in(const TempDir& dir) {
+  auto names = dir.entries();
+  std::erase_if(names, [](const std::string& n) { return n == ".zp-save.lock" || n == "latest"; });
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("keep_last keeps the newest checkpoints before the new one and removes the older") {
+  TempDir dir("keep");
+  using Tags = std::vector<std::string>;
+  const zp::SaveOptions keep2{.keep_last = 2};
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    for (int t = 1; t <= 4; ++t) {
+      train(e, m, t - 1, t);
+      zp::save_checkpoint(e, dir.path, "s" + std::to_string(t), {}, keep2);
+    }
+  });
+  CHECK(tags_in(dir) == Tags{"s3", "s4"});
+  // A save at an earlier step (a run resumed from s3) keeps s4, which is past it, and does not
+  // count it; a directory whose manifest does not read is never removed.
+  fs::create_directory(dir.path / "junk");
+  std::ofstream(dir.path / "junk" / "manifest.json") << "{";
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::load_checkpoint(e, dir.path, "s3");
+    zp::save_checkpoint(e, dir.path, "r3", {}, {.keep_last = 1});  // s3: the same step, kept
+  });
+  CHECK(tags_in(dir) == Tags{"junk", "r3", "s3", "s4"});
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    zp::load_checkpoint(e, dir.path);  // r3
+    train(e, m, 3, 4);
+    zp::save_checkpoint(e, dir.path, "r4", {}, keep2);  // r3 the newer of r3 and s3 (equal steps)
+  });
+  CHECK(tags_in(dir) == Tags{"junk", "r3", "r4", "s4"});
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    zp::load_checkpoint(e, dir.path);
+    train(e, m, 4, 5);
+    zp::save_checkpoint(e, dir.path, "r5", {}, keep2);
+  });
+  CHECK(tags_in(dir) == Tags{"junk", "r4", "r5"});
+  // keep_last 0 (the default) keeps everything.
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    zp::load_checkpoint(e, dir.path);
+    train(e, m, 5, 6);
+    zp::save_checkpoint(e, dir.path, "r6");
+  });
+  CHECK(tags_in(dir) == Tags{"junk", "r4", "r5", "r6"});
+}
+
+// A fault at the last steps of a save that prunes, and at each step of the pruning (a crash
+// there): the save fails on every rank or is complete, no tag is ever half removed, and the next
+// save leaves exactly the checkpoints it keeps.
+TEST_CASE("a save with keep_last that fails while it prunes leaves a loadable directory") {
+  TempDir base("keep-crash");
+  const zp::SaveOptions keep2{.keep_last = 2};
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    for (int t = 1; t <= 2; ++t) {
+      train(e, m, t - 1, t);
+      zp::save_checkpoint(e, base.path, "s" + std::to_string(t), {}, keep2);
+    }
+  });
+  // The save's own steps are faulted one by one in the test above: count them (a save that keeps
+  // everything), then fault the last two and every step of the pruning after them.
+  std::int64_t save_steps = 0;
+  {
+    TempDir dir("keep-count");
+    fs::copy(base.path, dir.path, fs::copy_options::recursive);
+    constexpr std::int64_t many = 1'000'000;
+    on_two_ranks([&](E2& e, Mlp<float>& m) {
+      zp::load_checkpoint(e, dir.path);
+      train(e, m, 2, 3);
+      CHECK(save_with_fault(e, dir.path, "s3", many).empty());
+    });
+    save_steps = many - zp::detail::io_fault_countdown();
+    zp::detail::io_fault_countdown() = -1;
+    REQUIRE(save_steps > 8);
+  }
+  int in_prune = 0;
+  for (std::int64_t k = save_steps - 1;; ++k) {
+    CAPTURE(k);
+    TempDir dir("keep-crash-k");
+    fs::copy(base.path, dir.path, fs::copy_options::recursive);
+    std::atomic<int> failed{0};
+    on_two_ranks([&](E2& e, Mlp<float>& m) {
+      zp::load_checkpoint(e, dir.path);
+      train(e, m, 2, 3);
+      if (!save_with_fault(e, dir.path, "s3", k, keep2).empty()) ++failed;
+    });
+    const bool fired = zp::detail::io_fault_countdown() == 0;
+    zp::detail::io_fault_countdown() = -1;
+    CHECK((failed == 0 || failed == 2));
+    if (!fired) break;
+    // Every tag left reads, and `latest` names one.
+    for (const auto& t : tags_in(dir))
+      if (!t.starts_with(".")) CHECK_NOTHROW(zp::ckpt::Reader(dir.path, t).verify());
+    const std::string latest = zp::ckpt::Reader::read_latest(dir.path);
+    if (failed == 0) {  // the fault hit the removal of s1: s1 whole or aside, the save complete
+      CHECK(latest == "s3");
+      ++in_prune;
+    }
+    // The same program again, then one more step: what is left is exactly s3 and s4.
+    on_two_ranks([&](E2& e, Mlp<float>& m) {
+      zp::load_checkpoint(e, dir.path);
+      if (e.steps() == 2) {
+        train(e, m, 2, 3);
+        zp::save_checkpoint(e, dir.path, "s3", {}, keep2);
+      }
+      train(e, m, 3, 4);
+      zp::save_checkpoint(e, dir.path, "s4", {}, keep2);
+    });
+    CHECK(tags_in(dir) == std::vector<std::string>{"s3", "s4"});
+    REQUIRE(k < 1000);
+  }
+  CHECK(in_prune == 3);  // before the rename of s1, the directory's fsync, the removal
 }
 
 TEST_CASE("a save makes the directories it needs durable: each new one synced into its parent") {

@@ -2,14 +2,13 @@
 # zp_demo saving a checkpoint every step is killed with SIGKILL at random moments, again and
 # again, each time restarted with the very same command line (--resume: from `latest`, or from
 # step 0 when there is none yet). Whatever the moments, every restart must start, the run must
-# finish, and its final model must equal, bit for bit, that of a run never killed. With `nvme`,
+# finish, and its final model must equal, bit for bit, that of a run never killed; it keeps two
+# checkpoints (--keep-checkpoints 2), so kills also land inside removals. With `nvme`,
 # the killed runs keep their optimizer state on NVMe (--offload-optimizer nvme:DIR): each kill
 # leaves a swap file behind, the next run removes it, and the model still equals the
 # uninterrupted run's with its state in memory.
 #   demo_kill_loop.sh <zp_demo> <work dir> [kills (default 30)] [nvme]
 set -euo pipefail
-# shellcheck source=kill_helpers.sh
-source "$(dirname "$0")/kill_helpers.sh"
 demo=$1 work=$2/demo-kill-loop${4:+-$4} kills=${3:-30}
 rm -rf "$work"
 mkdir -p "$work"
@@ -21,8 +20,8 @@ fi
 args=(--ranks 2 --stage 2 --steps 200 --micro-batch 4 --log-every 1000)
 "$demo" "${args[@]}" --export "$work/straight" > "$work/straight.log"
 
-cmd=("$demo" "${args[@]}" "${offload[@]}" --save-every 1 --checkpoint-dir "$work/ckpt" --resume
-     --export "$work/killed")
+cmd=("$demo" "${args[@]}" "${offload[@]}" --save-every 1 --keep-checkpoints 2
+     --checkpoint-dir "$work/ckpt" --resume --export "$work/killed")
 killed=0 runs=0 left=0
 while :; do
   runs=$((runs + 1))
@@ -43,10 +42,13 @@ while :; do
   else
     echo "restart $runs (after $killed kills) failed with exit code $rc:"; cat "$work/run.log"; exit 1
   fi
-  keep_latest_tags "$work/ckpt"
 done
 grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
 [ "$(cat "$work/ckpt/latest")" = step200 ]
+# --keep-checkpoints 2, whatever the kills interrupted: the last two steps and nothing else.
+kept=$(cd "$work/ckpt" && shopt -s dotglob && printf '%s ' *)
+[ "$kept" = ".zp-save.lock latest step199 step200 " ] ||
+  { echo "left in the checkpoint directory: $kept"; exit 1; }
 cmp "$work/straight/model.safetensors" "$work/killed/model.safetensors"
 if [ ${#offload[@]} -gt 0 ] && [ -n "$(ls "$work/swap")" ]; then
   echo "swap files outlived the job: $(ls "$work/swap")"; exit 1

@@ -23,7 +23,7 @@ fi
 rm -rf "$work"
 mkdir -p "$work"
 args=(--layers 2 --d-model 32 --heads 4 --context 16 --micro-batch 4 --log-every 1
-  --steps "$steps" --save-every 1 --checkpoint-dir "$work/ckpt" --resume)
+  --steps "$steps" --save-every 1 --keep-checkpoints 3 --checkpoint-dir "$work/ckpt" --resume)
 
 killed=0 runs=0
 while :; do
@@ -48,10 +48,12 @@ while :; do
     cat "$work/run.log"
     exit 1
   fi
-  keep_latest_tags "$work/ckpt"
 done
 grep -q "summary" "$work/run.log" || { cat "$work/run.log"; exit 1; }
 [ "$killed" -ge 3 ] || { echo "only $killed kills landed: lengthen the run"; exit 1; }
+kept=$(cd "$work/ckpt" && shopt -s dotglob && printf '%s ' *)
+[ "$kept" = ".zp-save.lock latest step$((steps - 2)) step$((steps - 1)) step$steps " ] ||
+  { echo "left in the checkpoint directory (--keep-checkpoints 3): $kept"; exit 1; }
 # It learned across the grids: the last step's loss (the global batch's mean) below the first's.
 loss_at() { grep -E "^step +$1 +loss" "$work/all.log" | tail -1 | awk '{print $4}'; }
 first=$(loss_at 1) last=$(loss_at "$steps")

@@ -37,6 +37,8 @@ for prog in "$demo" "$gpt"; do
   refused 2 "--offload-param with --config: the config sets it (zero_optimization.offload_param)" \
     "$prog" --config "$dir/ds.json" --offload-param cpu
   refused 1 "text file '$dir' is a directory, not a file" "$prog" --text "$dir"
+  refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
+  refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 rm -rf "$dir"

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -228,6 +229,15 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 }
 }  // namespace ckpt
 
+// What a save does besides writing the checkpoint.
+struct SaveOptions {
+  // Retention: after the save, keep this many checkpoints in the directory, the new one and the
+  // newest before it (by position in training), and remove the older ones (ckpt::Publisher::
+  // prune: never one at or past the new one's step, nor one whose manifest does not read). A
+  // removal that fails is a warning on stderr, not an error: the save is complete. 0: keep all.
+  std::size_t keep_last = 0;
+};
+
 // Saves the engine's complete training state under <dir>/<tag> (checkpoint_format.hpp), with
 // an opaque user blob (data position, RNG, schedule state; rank 0's is kept). Collective over the
 // engine's grid (every DP, TP and PP rank); only at an accumulation boundary. A tag that already
@@ -238,7 +248,7 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 // host memory one piece at a time.
 template <class E>
 void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::string& tag,
-                     std::span<const std::byte> user = {}) {
+                     std::span<const std::byte> user = {}, const SaveOptions& options = {}) {
   using T = typename E::value_type;
   engine.expect_at_boundary("save_checkpoint()");
   const auto& part = engine.partition();
@@ -304,6 +314,11 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   on_every_grid_rank(engine, [&] {
     if (w == 0) pub->publish(m);
   });
+  if (w == 0)
+    for (const std::string& why : pub->prune(options.keep_last))
+      std::fprintf(stderr,
+                   "zp: checkpoint: saved %s, but an older checkpoint stays (keep_last %zu): %s\n",
+                   (dir / tag).c_str(), options.keep_last, why.c_str());
 }
 
 namespace ckpt {

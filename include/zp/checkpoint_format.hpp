@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -1018,6 +1019,57 @@ class Publisher {
     return move;
   }
 
+  // After publish(): keeps `keep` checkpoints, the one `latest` names and the newest of those
+  // before it, and removes the older ones (each renamed to its staging name first, so a crash
+  // leaves what the next save removes). Older means an earlier position in training (the loss
+  // scaler's count of optimizer steps; the manifest's time between equals). A checkpoint at or
+  // past `latest`'s position (a copy of it, a run abandoned for an earlier step), one whose
+  // manifest does not read, and a link are never removed, nor counted. Returns what could not be
+  // removed ("path: why"), for a warning: the save before it is complete either way.
+  std::vector<std::string> prune(std::size_t keep) {
+    namespace fs = std::filesystem;
+    std::vector<std::string> failed;
+    if (keep == 0) return failed;
+    struct Entry {
+      std::int64_t iter;
+      fs::file_time_type when;
+      std::string tag;
+      auto operator<=>(const Entry&) const = default;
+    };
+    auto entry = [&](const std::string& tag) -> std::optional<Entry> {
+      std::error_code ec;
+      try {
+        check_tag(tag);
+        if (!fs::is_directory(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
+        const Reader rd(dir_, tag);
+        return Entry{rd.manifest().scaler.iter,
+                     fs::last_write_time(dir_ / tag / "manifest.json", ec), tag};
+      } catch (const Error&) {
+        return std::nullopt;
+      }
+    };
+    std::vector<Entry> older;
+    try {
+      const auto latest = entry(Reader::read_latest(dir_));
+      if (!latest) return failed;
+      std::error_code ec;
+      for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec))
+        if (const auto e = entry(it->path().filename().string()); e && e->iter < latest->iter)
+          older.push_back(*e);
+      if (ec) failed.push_back(detail::cat(dir_.string(), ": cannot list: ", ec.message()));
+    } catch (const Error& e) {
+      failed.push_back(e.message());
+      return failed;
+    }
+    std::sort(older.begin(), older.end(), std::greater<>());
+    for (std::size_t i = keep - 1; i < older.size(); ++i) try {
+        remove_tag(older[i].tag);
+      } catch (const Error& e) {
+        failed.push_back(e.message());
+      }
+    return failed;
+  }
+
  private:
   std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
 
@@ -1050,15 +1102,21 @@ class Publisher {
     check_tag(tag, intent().string() + " holds");
     const bool named =
         fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
-    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
-      const auto aside =
-          staging_dir(dir_, tag);  // renamed first, so a crash here leaves only staging
-      remove(aside);
-      detail::rename_no_replace(dir_ / tag, aside);
-      detail::sync_directory(dir_);
-      remove(aside);
-    }
+    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) remove_tag(tag);
     remove(intent());
+  }
+
+  // Removes <dir>/<tag>, renamed to its staging name first, so a crash leaves only what the next
+  // save removes (remove_leftovers), never a tag half removed.
+  void remove_tag(const std::string& tag) {
+    const auto aside = staging_dir(dir_, tag);
+    remove(aside);
+    detail::io_step("rename", dir_ / tag);
+    detail::rename_no_replace(dir_ / tag, aside);
+    detail::io_step("directory fsync", dir_);
+    detail::sync_directory(dir_);
+    detail::io_step("remove", aside);
+    remove(aside);
   }
 
   std::filesystem::path dir_;
