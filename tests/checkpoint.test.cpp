@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -345,21 +346,33 @@ TEST_CASE(
     if (e.comm().rank() == 0) second = std::move(s);
   });
   // The training program: resume from `latest` (step 2 or 3), train to step 3, save "b" (with
-  // the k-th durable file step failing when k > 0). Returns how many ranks failed.
+  // the k-th durable file step failing when k > 0). Returns how many ranks failed; `place` gets
+  // where the fault hit ("write of <dir>/.b.partial/rank-00001-of-00002.safetensors").
+  std::string place;
   auto run = [&](const fs::path& dir, std::int64_t k) {
     std::atomic<int> failed{0};
+    std::string errors[2];
+    place.clear();
     on_two_ranks([&](E2& e, Mlp<float>& m) {
       zp::load_checkpoint(e, dir);
       auto s = snapshot(e);
       if (e.comm().rank() == 0) check_same(e.steps() == 2 ? first : second, s);
       train(e, m, e.steps(), 3);
       if (e.steps() == 3 && zp::ckpt::Reader::read_latest(dir) == "b") return;  // already saved
-      if (!save_with_fault(e, dir, "b", k).empty()) ++failed;
+      errors[e.comm().rank()] = save_with_fault(e, dir, "b", k);
+      if (!errors[e.comm().rank()].empty()) ++failed;
     });
     zp::detail::io_fault_countdown() = -1;
+    const std::string at = "injected fault before ";
+    for (const std::string& e : errors)
+      if (const auto i = e.find(at); i != std::string::npos) {
+        place = e.substr(i + at.size());
+        place = place.substr(0, place.find(' ', place.find(" of ") + 4));
+      }
     return failed.load();
   };
   int faults = 0;
+  std::set<std::string> places;  // with the directory's name left out
   for (std::int64_t k = 1;; ++k) {
     CAPTURE(k);
     TempDir dir("crash-k");
@@ -371,6 +384,11 @@ TEST_CASE(
     // The previous checkpoint, or (a fault after `latest` was renamed) the complete new one.
     const std::string latest = zp::ckpt::Reader::read_latest(dir.path);
     CHECK((latest == "a" || latest == "b"));
+    // A step of an operation an earlier k faulted already (the 7th write of a rank file after its
+    // 6th) leaves what that one left, and that one was resumed from below.
+    const auto name_at = place.find(dir.path.string());
+    REQUIRE_MESSAGE(name_at != std::string::npos, "the fault hit: ", place);
+    if (!places.insert(place.replace(name_at, dir.path.string().size(), "DIR")).second) continue;
     // The same program again, with no fault: it resumes, and its save of "b" succeeds (removing
     // a "b" that the crash published but never named in `latest`).
     CHECK(run(dir.path, 0) == 0);
@@ -393,6 +411,7 @@ TEST_CASE(
   // At least: the staging directory, two rank files' steps, the manifest, the intent, the
   // rename, `latest` and the intent's removal.
   CHECK(faults >= 8);
+  CHECK(places.size() >= 8);
 }
 
 TEST_CASE(

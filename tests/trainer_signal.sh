@@ -49,11 +49,11 @@ stop_and_resume() {
   echo "$name: SIG$sig stopped the run after step $step of $steps (exit code $rc); resumed, bitwise equal to a run never stopped"
 }
 
-stop_and_resume demo TERM run 120 "$demo" --ranks 2 --stage 2 --micro-batch 4 --log-every 1000
-stop_and_resume gpt INT run 100 "$gpt" --ranks 4 --pp 2 --stage 1 --layers 2 --d-model 32 \
+stop_and_resume demo TERM run 80 "$demo" --ranks 2 --stage 2 --micro-batch 4 --log-every 1000
+stop_and_resume gpt INT run 60 "$gpt" --ranks 4 --pp 2 --stage 1 --layers 2 --d-model 32 \
   --heads 4 --context 16 --micro-batch 4 --log-every 1000
 if [ -n "$mpiexec" ]; then
-  stop_and_resume mpi TERM one-rank 120 "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi \
+  stop_and_resume mpi TERM one-rank 80 "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi \
     --stage 3 --micro-batch 4 --log-every 1000
 fi
 rm -rf "$work"
