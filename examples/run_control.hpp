@@ -343,10 +343,11 @@ int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Cor
 #endif
 }
 
-// Saves the checkpoint "step<N>" when --save-every divides the steps done. Collective.
+// Saves the checkpoint "step<N>" when --save-every divides the steps done; returns whether it
+// did. Collective.
 template <class E>
-void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, bool lead) {
-  if (!o.save_every || steps_done % o.save_every != 0) return;
+bool save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, bool lead) {
+  if (!o.save_every || steps_done % o.save_every != 0) return false;
 #if ZP_DEMO_IO
   const std::string tag = "step" + std::to_string(steps_done);
   zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c),
@@ -355,6 +356,7 @@ void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
 #else
   (void)engine, (void)c, (void)lead;
 #endif
+  return true;
 }
 
 // After step `steps_done`, on every rank: the checkpoint --save-every asks for, then whether a
@@ -364,24 +366,26 @@ void save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
 template <class E, class Comm>
 bool end_step(E& engine, Comm& comm, const Program& p, const RunFlags& o, int steps_done,
               const Corpus& c, bool lead) {
-  save_if_due(engine, o, steps_done, c, lead);
+  const bool saved = save_if_due(engine, o, steps_done, c, lead);
   std::int64_t sig = stop_signal::received;
   comm.all_reduce(std::span<std::int64_t>(&sig, 1), zp::ReduceOp::max);
   if (!sig) return false;
-  std::string saved = "nothing saved (no --checkpoint-dir)";
+  std::string said = "nothing saved (no --checkpoint-dir)";
   if (!o.checkpoint_dir.empty()) {
     const std::string tag = "step" + std::to_string(steps_done);
 #if ZP_DEMO_IO
-    if (!o.save_every || steps_done % o.save_every != 0)
+    if (!saved)
       zp::save_checkpoint(engine, o.checkpoint_dir, tag, run_state(steps_done, c),
                           {.keep_last = std::size_t(o.keep_checkpoints)});
+#else
+    (void)saved;
 #endif
-    saved = "saved " + o.checkpoint_dir + "/" + tag;
-    saved += ": the same command line with --resume continues from it";
+    said = "saved " + o.checkpoint_dir + "/" + tag;
+    said += ": the same command line with --resume continues from it";
   }
   if (lead)
     std::printf("%s: %s: stopped after step %d; %s\n", p.name, stop_signal::name(int(sig)),
-                steps_done, saved.c_str());
+                steps_done, said.c_str());
   stop_signal::stopped_for = int(sig);
   return true;
 }

@@ -229,7 +229,7 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 }
 }  // namespace ckpt
 
-// What a save does besides writing the checkpoint.
+// What a save does besides writing the checkpoint (rank 0's options are the ones that count).
 struct SaveOptions {
   // Retention: after the save, keep this many checkpoints in the directory, the new one and the
   // newest before it (by position in training), and remove the older ones (ckpt::Publisher::
