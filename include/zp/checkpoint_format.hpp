@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -46,6 +45,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -902,24 +902,18 @@ inline void create_directories_durably(const std::filesystem::path& dir, const c
   }
 }
 
-// For the error of a load of `latest` that failed on a corrupt or missing file: the other
-// checkpoints of `dir` (directories with a manifest.json, named as tags), newest manifest first,
-// at most `most`; "" when there are none. Listing errors leave names out: this only adds to a
-// message. Which older step to resume from is the caller's choice, never made silently.
-inline std::string other_checkpoints(const std::filesystem::path& dir, std::size_t most = 5) {
+// The directories of `dir` named as tags that hold a manifest.json, with that file's time, newest
+// first. Listing errors leave names out (the callers only add to a message or remove less).
+inline std::vector<std::pair<std::filesystem::file_time_type, std::string>> checkpoint_tags(
+    const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  std::string latest;
-  try {
-    latest = Reader::read_latest(dir);
-  } catch (const Error&) {
-  }
   std::vector<std::pair<fs::file_time_type, std::string>> found;
+  std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::string tag = it->path().filename().string();
     std::error_code e2;
     const auto when = fs::last_write_time(it->path() / "manifest.json", e2);
-    if (e2 || tag == latest || !fs::is_directory(it->path(), e2)) continue;
+    if (e2 || !fs::is_directory(it->path(), e2)) continue;
     try {
       check_tag(tag);
     } catch (const Error&) {
@@ -927,8 +921,22 @@ inline std::string other_checkpoints(const std::filesystem::path& dir, std::size
     }
     found.emplace_back(when, std::move(tag));
   }
-  if (found.empty()) return "";
   std::sort(found.begin(), found.end(), std::greater<>());
+  return found;
+}
+
+// For the error of a load of `latest` that failed on a corrupt or missing file: the other
+// checkpoints of `dir` (checkpoint_tags), newest manifest first, at most `most`; "" when there
+// are none. Which older step to resume from is the caller's choice, never made silently.
+inline std::string other_checkpoints(const std::filesystem::path& dir, std::size_t most = 5) {
+  std::string latest;
+  try {
+    latest = Reader::read_latest(dir);
+  } catch (const Error&) {
+  }
+  auto found = checkpoint_tags(dir);
+  std::erase_if(found, [&](const auto& f) { return f.second == latest; });
+  if (found.empty()) return "";
   std::string out = detail::cat("; the other checkpoints in ", dir.string(), ", newest first: ");
   for (std::size_t i = 0; i < std::min(most, found.size()); ++i)
     out += (i ? ", " : "") + found[i].second;
@@ -1030,40 +1038,31 @@ class Publisher {
     namespace fs = std::filesystem;
     std::vector<std::string> failed;
     if (keep == 0) return failed;
-    struct Entry {
-      std::int64_t iter;
-      fs::file_time_type when;
-      std::string tag;
-      auto operator<=>(const Entry&) const = default;
-    };
-    auto entry = [&](const std::string& tag) -> std::optional<Entry> {
+    // (position, manifest time, tag) of each checkpoint whose manifest reads, links left out.
+    using Entry = std::tuple<std::int64_t, fs::file_time_type, std::string>;
+    auto position = [&](const std::string& tag) -> std::optional<std::int64_t> {
       std::error_code ec;
       try {
-        check_tag(tag);
-        if (!fs::is_directory(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
-        const Reader rd(dir_, tag);
-        return Entry{rd.manifest().scaler.iter,
-                     fs::last_write_time(dir_ / tag / "manifest.json", ec), tag};
+        if (fs::is_symlink(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
+        return Reader(dir_, tag).manifest().scaler.iter;
       } catch (const Error&) {
         return std::nullopt;
       }
     };
-    std::vector<Entry> older;
+    std::optional<std::int64_t> latest;
     try {
-      const auto latest = entry(Reader::read_latest(dir_));
-      if (!latest) return failed;
-      std::error_code ec;
-      for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec))
-        if (const auto e = entry(it->path().filename().string()); e && e->iter < latest->iter)
-          older.push_back(*e);
-      if (ec) failed.push_back(detail::cat(dir_.string(), ": cannot list: ", ec.message()));
+      latest = position(Reader::read_latest(dir_));
     } catch (const Error& e) {
       failed.push_back(e.message());
-      return failed;
     }
+    if (!latest) return failed;
+    std::vector<Entry> older;
+    for (auto& [when, tag] : checkpoint_tags(dir_))
+      if (const auto at = position(tag); at && *at < *latest)
+        older.emplace_back(*at, when, std::move(tag));
     std::sort(older.begin(), older.end(), std::greater<>());
     for (std::size_t i = keep - 1; i < older.size(); ++i) try {
-        remove_tag(older[i].tag);
+        remove_tag(std::get<2>(older[i]));
       } catch (const Error& e) {
         failed.push_back(e.message());
       }
