@@ -9,6 +9,7 @@
 //               [--offload-optimizer none|cpu|nvme:DIR] [--offload-param none|cpu|nvme:DIR]
 //               [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
+//               [--checkpoint-dir DIR] [--save-every N] [--keep-checkpoints N] [--resume] [--export DIR]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
 // --backend nccl: one process per GPU under mpirun (zp::backend::nccl_from_mpi; zp_demo_gpu only).
@@ -17,7 +18,8 @@
 // the collectives run on the backend's communication stream, ordered by events, so gradient
 // reductions overlap the rest of backward. The loss stays on the device and is read only when a
 // progress line is printed. Every sum is in a fixed order, so a run on a given GPU repeats bit
-// for bit.
+// for bit. Its checkpoints and exports are zp_demo's (examples/run_control.hpp): a run saved here
+// resumes in zp_demo and the reverse, at any --ranks and --stage.
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +32,7 @@
 
 #include "charlm_params.hpp"
 #include "common.hpp"
+#include "run_control.hpp"
 #include "zp/backend/cuda_threads.hpp"
 #include "zp/device/gemm.hpp"
 #include "zp/device/memory.hpp"
@@ -47,15 +50,14 @@
 #endif
 
 namespace examples {
-// The mean of x over a device backend's ranks (common.hpp's hook), through a device double.
-template <class Comm>
-double device_mean(Comm& comm, double x) {
-  zp::Buffer<double, zp::MemorySpace::device> d(1);
-  zp::Memory<zp::MemorySpace::device>::from_host(d.span(), std::span<const double>(&x, 1));
-  comm.all_reduce(d.span(), zp::ReduceOp::avg);
-  zp::Memory<zp::MemorySpace::device>::to_host(std::span<double>(&x, 1),
-                                               std::span<const double>(d.span()));
-  return x;
+// all_reduce of host values over a device backend's ranks (common.hpp's hook), through a device
+// buffer.
+template <class Comm, class X>
+void device_all_reduce(Comm& comm, std::span<X> x, zp::ReduceOp op) {
+  zp::Buffer<X, zp::MemorySpace::device> d(x.size());
+  zp::Memory<zp::MemorySpace::device>::from_host(d.span(), std::span<const X>(x));
+  comm.all_reduce(d.span(), op);
+  zp::Memory<zp::MemorySpace::device>::to_host(x, std::span<const X>(d.span()));
 }
 }  // namespace examples
 
@@ -242,7 +244,7 @@ struct CharLmDevice : examples::CharLmParams<T> {
 
 // ---- command line and training ----------------------------------------------------------------
 
-struct Options : examples::TrainFlags {
+struct Options : examples::TrainFlags, examples::CheckpointFlags {
   int embed = 24, context = 16, hidden = 256;
   Options() { backend = "cuda_threads"; }
 };
@@ -269,13 +271,12 @@ const char* usage =
     "  --init-seed N      the initial weights' random seed (default 1)\n"
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
-    "  --embed N --context N --hidden N   model sizes (default 24, 16, 256)\n"
-    "  --help             this text\n";
-const examples::Program program{ZP_DEMO_NAME, usage};
+    "  --embed N --context N --hidden N   model sizes (default 24, 16, 256)\n";
+const examples::Program program{ZP_DEMO_NAME, usage, examples::checkpoint_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  examples::parse_args(program, argc, argv, [&](const std::string& a, const std::string& v) {
+  const auto flag = [&](const std::string& a, const std::string& v) {
     if (a == "--backend") {
       if (v != "cuda_threads" && v != "nccl")
         examples::bad(program, "--backend expects cuda_threads or nccl, got '" + v + "'");
@@ -291,9 +292,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--hidden")
       o.hidden = examples::to_int(program, a, v, 1, 1 << 20);
     else
-      return false;
+      return examples::parse_checkpoint_flag(program, o, a, v);
     return true;
-  });
+  };
+  examples::parse_args(program, argc, argv, flag, examples::checkpoint_switches);
+  examples::check_checkpoint_flags(program, o);
   // cuBLAS takes int dimensions, and the first layer's input and a batch's positions are counted
   // in int.
   const std::pair<const char*, std::int64_t> sizes[] = {
@@ -321,12 +324,7 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   ec.offload_param = o.offload_param;
   if (!o.param_nvme.empty()) ec.param_nvme = zp::NvmeOptions{.path = o.param_nvme};
   E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr});
-  const zp::schedule::Any schedule =
-      zp::schedule::WarmupCosineLR{.base_lr = o.lr,
-                                   .total_num_steps = o.steps,
-                                   .warmup_num_steps = std::max(1, o.steps / 20),
-                                   .cos_min_ratio = 0.1,
-                                   .warmup_type = zp::schedule::Warmup::linear};
+  const zp::schedule::Any schedule = examples::flag_schedule(o);
   if (r == 0)
     std::printf(ZP_DEMO_NAME
                 ": char-level LM on %zu characters (vocabulary %d), %zu parameters; ZeRO stage %d, "
@@ -338,12 +336,18 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   std::vector<int> c(std::size_t(o.micro_batch) * dims.context), t(std::size_t(o.micro_batch));
+  const bool lead = r == 0;
+  const int first_step = examples::resume(engine, comm, program, o, corpus);
   const auto t0 = std::chrono::steady_clock::now();
-  examples::Progress progress(o.log_every, 0, o.steps);
-  for (int step = 0; step < o.steps; ++step) {
+  examples::Progress progress(o.log_every, first_step, o.steps);
+  examples::stop_signal::install();
+  int done = first_step;  // steps done: o.steps, or fewer where a signal stopped the run
+  bool stopped = false;
+  for (int step = first_step; step < o.steps && !stopped; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     zp::StepResult res;
     for (int a = 0; a < o.accum; ++a) {
+      // A micro-batch's samples depend only on (rank, step, micro-step), as zp_demo's.
       std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull +
                           std::uint64_t(r) * 7919 + 17);
       for (int b = 0; b < o.micro_batch; ++b) {
@@ -367,14 +371,17 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
     // The loss sum since the last line, read from the device only when a line is printed.
     const double loss = progress.logs(step) ? model.take_loss() / o.accum : 0.0;
     progress.step(comm, engine, step, loss, res, std::int64_t(o.micro_batch) * o.accum * n);
+    done = step + 1;
+    stopped = examples::end_step(engine, comm, program, o, done, corpus, lead);
   }
+  if (!stopped) examples::export_model(engine, o, corpus, lead);
   zp::device::synchronize(stream(), "demo end");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (r == 0) {
+  if (lead && first_step < done) {  // a checkpoint at or past --steps: nothing trained
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates), %.1f s, %.0f tokens/s\n",
-                progress.first_loss(), progress.last_loss(), o.steps,
+                progress.first_loss(), progress.last_loss(), done - first_step,
                 static_cast<long long>(engine.steps()), secs,
-                double(o.steps) * o.micro_batch * o.accum * n / secs);
+                double(done - first_step) * o.micro_batch * o.accum * n / secs);
     examples::print_memory(engine.memory());
   }
 }
@@ -422,5 +429,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, ZP_DEMO_NAME ": %s\n", e.what());
     return 1;
   }
-  return 0;
+  return examples::stop_signal::exit_status();
 }

@@ -1,4 +1,4 @@
-// examples/common.hpp: what the example trainers (zp_demo, zp_gpt) share: the training text as
+// examples/common.hpp: what the example trainers (zp_demo, zp_gpt, the device demo) share: the training text as
 // character ids, the command-line flags of the training loop with their checks, and launching
 // the ranks on the chosen backend.
 #pragma once
@@ -226,18 +226,24 @@ inline double mib(std::size_t bytes) { return double(bytes) / double(1 << 20); }
 
 // ---- progress output ------------------------------------------------------------------------
 
-// The mean of x over comm's ranks. A device backend's collectives take device memory: the GPU
-// trainer (charlm_device.cpp) defines device_mean, which stages x through a device buffer.
-template <class Comm>
-double device_mean(Comm& comm, double x);
+// all_reduce of a few host values over comm's ranks, on any backend. A device backend's
+// collectives take device memory: the device trainer (charlm_device.cpp) defines
+// device_all_reduce, which stages x through a device buffer.
+template <class Comm, class X>
+void device_all_reduce(Comm& comm, std::span<X> x, zp::ReduceOp op);
+template <class Comm, class X>
+void all_reduce_host(Comm& comm, std::span<X> x, zp::ReduceOp op) {
+  if constexpr (Comm::memory == zp::MemorySpace::host)
+    comm.all_reduce(x, op);
+  else
+    device_all_reduce(comm, x, op);
+}
+
+// The mean of x over comm's ranks.
 template <class Comm>
 double mean_over_ranks(Comm& comm, double x) {
-  if constexpr (Comm::memory == zp::MemorySpace::host) {
-    comm.all_reduce(std::span<double>(&x, 1), zp::ReduceOp::avg);
-    return x;
-  } else {
-    return device_mean(comm, x);
-  }
+  all_reduce_host(comm, std::span<double>(&x, 1), zp::ReduceOp::avg);
+  return x;
 }
 
 // The trainers' progress line every log_every steps (the global mean loss of the steps since the
@@ -346,7 +352,7 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
 // handler gives the signal back its default action, so a second one ends the process at once.
 namespace stop_signal {
 inline volatile std::sig_atomic_t received = 0;
-inline std::atomic<int> stopped_for{0};  // the signal a trainer stopped for: launch's status
+inline std::atomic<int> stopped_for{0};  // the signal a trainer stopped for (exit_status)
 inline void on_signal(int sig) { received = sig; }
 // From here on the signals stop the run (once per process; the trainers call it before their
 // first step, so a signal during start-up still ends the process at once).
@@ -362,6 +368,12 @@ inline void install() {
 }
 inline const char* name(int sig) {
   return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "a signal";
+}
+// A trainer's exit status after its ranks returned: 128 + the signal's number for a run stopped
+// by one, else 0.
+inline int exit_status() {
+  const int sig = stopped_for;
+  return sig ? 128 + sig : 0;
 }
 }  // namespace stop_signal
 
@@ -398,8 +410,7 @@ int launch(const Program& p, int& argc, char**& argv, const std::string& backend
     std::fprintf(stderr, "%s: %s\n", p.name, e.what());
     return 1;
   }
-  const int sig = stop_signal::stopped_for;
-  return sig ? 128 + sig : 0;
+  return stop_signal::exit_status();
 }
 
 }  // namespace examples

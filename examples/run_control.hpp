@@ -1,7 +1,8 @@
-// examples/run_control.hpp: what the CPU trainers (zp_demo, zp_gpt) share beyond the training
-// loop's flags: the engine the flags or a DeepSpeed --config describe, checkpoints every N steps,
-// --resume, the export at the end and the JSON log. Configs, checkpoints and exports need zp::io
-// (ZP_DEMO_IO); without it those flags are refused.
+// examples/run_control.hpp: what the trainers share beyond the training loop's flags. Every
+// trainer (zp_demo, zp_gpt, the device demo): checkpoints every N steps, --resume, the stop on a
+// signal and the export at the end (CheckpointFlags). The CPU trainers (RunFlags): also the engine
+// the flags or a DeepSpeed --config describe and the JSON log. Configs, checkpoints and exports
+// need zp::io (ZP_DEMO_IO); without it those flags are refused.
 //
 // A checkpoint's user data is the number of steps done followed by the vocabulary (the character
 // of each id), so a resumed run continues the same data stream and refuses a text whose
@@ -34,34 +35,45 @@
 
 namespace examples {
 
-struct RunFlags {
-  std::string checkpoint_dir, export_dir, log_json, config;
+// The flags of checkpoints and the export, which every trainer takes.
+struct CheckpointFlags {
+  std::string checkpoint_dir, export_dir;
   int save_every = 0;
   int keep_checkpoints = 0;  // --keep-checkpoints (SaveOptions::keep_last; 0: all)
-  bool resume = false, breakdown = false;
+  bool resume = false;
+};
+
+// The CPU trainers' flags: CheckpointFlags' and those of a config, the logs and ZeRO++.
+struct RunFlags : CheckpointFlags {
+  std::string log_json, config;
+  bool breakdown = false;
   bool quantized_weights = false;    // --zero-quantized-weights (EngineConfig::quantized_weights)
   int hpz = 1;                       // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
   bool quantized_gradients = false;  // --zero-quantized-gradients (EngineConfig's)
   int ranks_per_node = 0;            // --ranks-per-node (EngineConfig::ranks_per_node)
 };
 
-// RunFlags' flags that take no value (examples::parse_args' switches).
+// The flags that take no value (examples::parse_args' switches) of CheckpointFlags and RunFlags.
+inline constexpr std::initializer_list<const char*> checkpoint_switches = {"--resume"};
 inline constexpr std::initializer_list<const char*> run_switches = {
     "--resume", "--wall-clock-breakdown", "--zero-quantized-weights", "--zero-quantized-gradients"};
 
-// The usage lines of RunFlags' flags (Program::more).
-inline constexpr const char* run_usage =
-    "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest); on\n"
-    "                     SIGTERM or SIGINT the run saves the step in flight there and stops\n"
-    "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "
-    "never)\n"
-    "  --keep-checkpoints N  after each save keep the N newest checkpoints in D, removing older\n"
-    "                     ones (default: keep all)\n"
-    "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "
-    "one\n"
-    "                     yet starts at step 0 and says so\n"
-    "  --export DIR       at the end, write the trained model to DIR (model.safetensors; zp_gpt:\n"
-    "                     a Hugging Face GPT-2 directory) and its vocabulary as DIR/vocab.json\n"
+// The usage lines of CheckpointFlags' and RunFlags' flags (Program::more).
+#define ZP_EXAMPLES_CHECKPOINT_USAGE                                                              \
+  "  --checkpoint-dir D where checkpoints go (tags step<N>; D/latest names the newest); on\n"     \
+  "                     SIGTERM or SIGINT the run saves the step in flight there and stops\n"     \
+  "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "    \
+  "never)\n"                                                                                      \
+  "  --keep-checkpoints N  after each save keep the N newest checkpoints in D, removing older\n"  \
+  "                     ones (default: keep all)\n"                                               \
+  "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "   \
+  "one\n"                                                                                         \
+  "                     yet starts at step 0 and says so\n"                                       \
+  "  --export DIR       at the end, write the trained model to DIR (model.safetensors; zp_gpt:\n" \
+  "                     a Hugging Face GPT-2 directory) and its vocabulary as DIR/vocab.json\n"
+inline constexpr const char* checkpoint_usage =
+    ZP_EXAMPLES_CHECKPOINT_USAGE "  --help             this text\n";
+inline constexpr const char* run_usage = ZP_EXAMPLES_CHECKPOINT_USAGE
     "  --wall-clock-breakdown  print where each logged step's time went (forward, backward, ...)\n"
     "  --log-json PATH    append one JSON line per step: the global batch's mean loss and phase "
     "times\n"
@@ -82,12 +94,31 @@ inline constexpr const char* run_usage =
     "  --ranks-per-node N data-parallel ranks per node, consecutive, for qgZ's two hops (default\n"
     "                     0: the backend's nodes; mpi: the machines, or ZP_RANKS_PER_NODE)\n"
     "  --help             this text\n";
+#undef ZP_EXAMPLES_CHECKPOINT_USAGE
+
+// Takes flag a with value v if it is one of CheckpointFlags'; false if not.
+inline bool parse_checkpoint_flag(const Program& p, CheckpointFlags& o, const std::string& a,
+                                  const std::string& v) {
+  if (a == "--resume")
+    o.resume = true;
+  else if (a == "--save-every")
+    o.save_every = to_int(p, a, v, 1, 10000000);
+  else if (a == "--keep-checkpoints")
+    o.keep_checkpoints = to_int(p, a, v, 1, 10000000);
+  else if (a == "--checkpoint-dir")
+    o.checkpoint_dir = v;
+  else if (a == "--export")
+    o.export_dir = v;
+  else
+    return false;
+  return true;
+}
 
 // Takes flag a with value v if it is one of RunFlags'; false if not.
 inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
                            const std::string& v) {
-  if (a == "--resume")
-    o.resume = true;
+  if (parse_checkpoint_flag(p, o, a, v))
+    return true;
   else if (a == "--wall-clock-breakdown")
     o.breakdown = true;
   else if (a == "--zero-quantized-weights")
@@ -98,14 +129,6 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.quantized_gradients = true;
   else if (a == "--ranks-per-node")
     o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
-  else if (a == "--save-every")
-    o.save_every = to_int(p, a, v, 1, 10000000);
-  else if (a == "--keep-checkpoints")
-    o.keep_checkpoints = to_int(p, a, v, 1, 10000000);
-  else if (a == "--checkpoint-dir")
-    o.checkpoint_dir = v;
-  else if (a == "--export")
-    o.export_dir = v;
   else if (a == "--log-json")
     o.log_json = v;
   else if (a == "--config")
@@ -115,12 +138,27 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
   return true;
 }
 
+#if !ZP_DEMO_IO
+[[noreturn]] inline void refuse_io(const Program& p) {
+  bad(p, std::string("this ") + p.name +
+             " was built without zp::io (nlohmann_json was not found at configure time): no "
+             "checkpoints, exports or configs");
+}
+#endif
+
+inline void check_checkpoint_flags(const Program& p, const CheckpointFlags& o) {
+  if ((o.save_every || o.resume || o.keep_checkpoints) && o.checkpoint_dir.empty())
+    bad(p, "--save-every, --keep-checkpoints and --resume need --checkpoint-dir");
+#if !ZP_DEMO_IO
+  if (!o.checkpoint_dir.empty() || !o.export_dir.empty()) refuse_io(p);
+#endif
+}
+
 // `given`: the flags on the command line (parse_args). A flag for what --config sets is an error,
 // not dropped in silence.
 inline void check_run_flags(const Program& p, const RunFlags& o,
                             const std::vector<std::string>& given) {
-  if ((o.save_every || o.resume || o.keep_checkpoints) && o.checkpoint_dir.empty())
-    bad(p, "--save-every, --keep-checkpoints and --resume need --checkpoint-dir");
+  check_checkpoint_flags(p, o);
   static constexpr std::pair<const char*, const char*> config_sets[] = {
       {"--stage", "zero_optimization.stage"},
       {"--precision", "bf16.enabled or fp16.enabled"},
@@ -134,10 +172,7 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
       if (gave(given, flag))
         bad(p, std::string(flag) + " with --config: the config sets it (" + key + ")");
 #if !ZP_DEMO_IO
-  if (!o.checkpoint_dir.empty() || !o.export_dir.empty() || !o.config.empty())
-    bad(p, std::string("this ") + p.name +
-               " was built without zp::io (nlohmann_json was not found at configure time): no "
-               "checkpoints, exports or configs");
+  if (!o.config.empty()) refuse_io(p);
 #endif
 }
 
@@ -283,14 +318,15 @@ inline std::string vocabulary_of(std::span<const std::byte> state) {
 // checkpoint yet, so one command line serves a job's first start and every restart. A
 // checkpoint of another vocabulary is an error naming both. Collective.
 template <class E, class Comm>
-int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Corpus& corpus) {
+int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
+           const Corpus& corpus) {
   if (!o.resume) return 0;
 #if ZP_DEMO_IO
   std::error_code ec;  // an error (EACCES, ESTALE) counts as not seeing it
   const std::int64_t here =
       std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest", ec) ? 1 : 0;
   std::int64_t seen[2] = {here, -here};  // max: whether any rank sees it, and whether all do
-  comm.all_reduce(std::span<std::int64_t>(seen), zp::ReduceOp::max);
+  all_reduce_host(comm, std::span<std::int64_t>(seen), zp::ReduceOp::max);
   if (seen[0] != -seen[1])  // a start from step 0 here would drop the checkpoint the others see
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat("--resume: ", o.checkpoint_dir,
@@ -346,7 +382,7 @@ int resume(E& engine, Comm& comm, const Program& p, const RunFlags& o, const Cor
 // Saves the checkpoint "step<N>" when --save-every divides the steps done; returns whether it
 // did. Collective.
 template <class E>
-bool save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, bool lead) {
+bool save_if_due(E& engine, const CheckpointFlags& o, int steps_done, const Corpus& c, bool lead) {
   if (!o.save_every || steps_done % o.save_every != 0) return false;
 #if ZP_DEMO_IO
   const std::string tag = "step" + std::to_string(steps_done);
@@ -364,11 +400,11 @@ bool save_if_due(E& engine, const RunFlags& o, int steps_done, const Corpus& c, 
 // all_reduce, so all of them stop after the same step; they save it (unless just saved; with
 // --checkpoint-dir) and return true. Collective.
 template <class E, class Comm>
-bool end_step(E& engine, Comm& comm, const Program& p, const RunFlags& o, int steps_done,
+bool end_step(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, int steps_done,
               const Corpus& c, bool lead) {
   const bool saved = save_if_due(engine, o, steps_done, c, lead);
   std::int64_t sig = stop_signal::received;
-  comm.all_reduce(std::span<std::int64_t>(&sig, 1), zp::ReduceOp::max);
+  all_reduce_host(comm, std::span<std::int64_t>(&sig, 1), zp::ReduceOp::max);
   if (!sig) return false;
   std::string said = "nothing saved (no --checkpoint-dir)";
   if (!o.checkpoint_dir.empty()) {
@@ -406,7 +442,7 @@ inline void write_vocab(const std::string& dir, const Corpus& c) {
 
 // --export: DIR/model.safetensors (zp's names) and DIR/vocab.json. Collective.
 template <class E>
-void export_model(E& engine, const RunFlags& o, const Corpus& c, bool lead) {
+void export_model(E& engine, const CheckpointFlags& o, const Corpus& c, bool lead) {
   if (o.export_dir.empty()) return;
 #if ZP_DEMO_IO
   zp::export_safetensors(engine, o.export_dir);

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# zp_demo's and zp_gpt's command lines: each mistake is refused before any training, with exit
-# status 2 (a file that cannot be read: 1) and a message naming the flag and what was wrong.
-#   trainer_flags.sh <zp_demo> <zp_gpt> <work dir>
+# zp_demo's, zp_gpt's and the device demo's command lines: each mistake is refused before any
+# training, with exit status 2 (a file that cannot be read: 1) and a message naming the flag and
+# what was wrong.
+#   trainer_flags.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
 set -euo pipefail
-demo=$1 gpt=$2 dir=$3/trainer-flags
+demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags
 rm -rf "$dir" && mkdir -p "$dir"
 echo '{"zero_optimization": {"stage": 1}}' > "$dir/ds.json"
 
@@ -41,5 +42,12 @@ for prog in "$demo" "$gpt"; do
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
+# The device demo takes the checkpoint flags (run_control.hpp's CheckpointFlags) and not the rest.
+refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
+refused 2 "--export expects a value, got the flag '--resume'" "$sim" --export --resume
+refused 2 "--save-every expects an integer in [1, 10000000], got '0'" "$sim" --save-every 0
+refused 2 "unknown flag '--config'" "$sim" --config "$dir/ds.json"
+refused 2 "--precision fp16 is not offered by the device demo" "$sim" --precision fp16
+refused 2 "--backend expects cuda_threads or nccl, got 'threads'" "$sim" --backend threads
 rm -rf "$dir"
 echo "trainer flags: every mistake refused before training"

@@ -2,11 +2,13 @@
 # SIGTERM or SIGINT stops a trainer after the step in flight: its ranks agree on the step, save it
 # into --checkpoint-dir and exit with 128 + the signal's number, exporting nothing; the same
 # command line with --resume then finishes, and its model equals, bit for bit, that of a run never
-# stopped. zp_demo on 2 thread ranks (SIGTERM), zp_gpt on a dp 2 x pp 2 grid of threads (SIGINT)
-# and, given mpiexec, zp_demo as 2 MPI processes with SIGTERM sent to one of them only.
-#   trainer_signal.sh <zp_demo> <zp_gpt> <work dir> [mpiexec]
+# stopped. zp_demo on 2 thread ranks (SIGTERM), zp_gpt on a dp 2 x pp 2 grid of threads (SIGINT),
+# the device demo on 2 ranks of the simulated device (SIGTERM) and, given mpiexec, zp_demo as 2
+# MPI processes with SIGTERM sent to one of them only. The device demo's checkpoints are
+# zp_demo's: each resumes the other's last one at other ranks and another stage.
+#   trainer_signal.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir> [mpiexec]
 set -euo pipefail
-demo=$1 gpt=$2 work=$3/trainer-signal mpiexec=${4:-}
+demo=$1 gpt=$2 sim=$3 work=$4/trainer-signal mpiexec=${5:-}
 rm -rf "$work"
 
 # stop_and_resume <name> <signal> <whom: run | one-rank> <steps> <command...>
@@ -52,6 +54,21 @@ stop_and_resume() {
 stop_and_resume demo TERM run 80 "$demo" --ranks 2 --stage 2 --micro-batch 4 --log-every 1000
 stop_and_resume gpt INT run 60 "$gpt" --ranks 4 --pp 2 --stage 1 --layers 2 --d-model 32 \
   --heads 4 --context 16 --micro-batch 4 --log-every 1000
+stop_and_resume sim TERM run 80 "$sim" --ranks 2 --stage 3 --micro-batch 4 --log-every 1000
+
+# resume_in <name> <checkpoint dir> <trainer...>: 10 steps more from the checkpoint at step 80.
+resume_in() {
+  local name=$1 ckpt=$2
+  shift 2
+  "$@" --steps 90 --micro-batch 4 --log-every 1000 --checkpoint-dir "$ckpt" --resume \
+    > "$work/$name.log" 2>&1 || { cat "$work/$name.log"; exit 1; }
+  grep -q "resumed from $ckpt/step80 at step 80" "$work/$name.log"
+  grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 10 steps" "$work/$name.log"
+  echo "$name: resumed at step 80, trained 10 steps"
+}
+resume_in sim-in-demo "$work/sim/ckpt" "$demo" --ranks 3 --stage 1
+resume_in demo-in-sim "$work/demo/ckpt" "$sim" --ranks 1 --stage 0
+
 if [ -n "$mpiexec" ]; then
   stop_and_resume mpi TERM one-rank 80 "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi \
     --stage 3 --micro-batch 4 --log-every 1000

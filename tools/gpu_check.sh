@@ -127,12 +127,26 @@ gpu_test() {
   case $rc in 0) log "PASS $name" ;; 124) log "TIMEOUT $name (stopped after $secs s)" ;; *) log "FAIL $name (exit $rc)" ;; esac
   return $rc
 }
+# The GPU demo's checkpoints: 60 steps saved at 30 and 60, then the same 60 resumed from step 30
+# (written into `latest`, as README says to load an older tag) export the same bytes.
+demo_resume() {
+  local secs=$1 d=$OUT/demo_resume demo=$BUILD/examples/zp_demo_gpu
+  local args=(--ranks 2 --stage 3 --steps 60 --log-every 1000 --checkpoint-dir "$OUT/demo_resume/ckpt")
+  rm -rf "$d" && mkdir -p "$d"
+  timeout "$secs" "$demo" "${args[@]}" --save-every 30 --export "$d/straight" > "$d/straight.log" 2>&1 &&
+    echo step30 > "$d/ckpt/latest" &&
+    timeout "$secs" "$demo" "${args[@]}" --resume --export "$d/resumed" > "$d/resumed.log" 2>&1 &&
+    grep -q "resumed from $d/ckpt/step30 at step 30" "$d/resumed.log" &&
+    cmp "$d/straight/model.safetensors" "$d/resumed/model.safetensors"
+}
 test_phase() {
   local pids=() rc=0 t secs=${ZP_TEST_TIMEOUT:-240}
   for t in $GPU_TESTS; do
     gpu_test "$t" "$secs" "$BUILD/tests/zp.test.$t" & pids+=($!)
   done
   gpu_test demo_gpu "$secs" "$BUILD/examples/zp_demo_gpu" --steps 60 --log-every 20 --ranks 4 --stage 3 & pids+=($!)
+  ( if demo_resume "$secs"; then log "PASS demo_gpu checkpoint resume (bitwise)"
+    else log "FAIL demo_gpu checkpoint resume (logs in $OUT/demo_resume)"; exit 1; fi ) & pids+=($!)
   for t in "${pids[@]}"; do wait "$t" || rc=1; done
   return $rc
 }
