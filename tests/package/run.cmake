@@ -69,11 +69,14 @@ foreach(prefix ${WORK}/prefix ${WORK}/prefix-unbuilt)
   endif()
 endforeach()
 
-consumer(subdir all -DZP_VIA=subdir)
-consumer(fetch consumer -DZP_VIA=fetch)  # zp::mpi and zp::aio: as add_subdirectory's
+# The full program through zp's own target definitions and through the installed package;
+# zp::mpi and zp::aio through the package, whose config finds their dependencies again (zp's own
+# tests build them from the target definitions).
+consumer(subdir consumer -DZP_VIA=subdir)
 consumer(find all -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix)
-# These three differ from the above in where the package comes from, not in the target: the
-# light consumer is enough.
+# These differ from the above in where the package comes from, not in the target (FetchContent
+# adds zp as add_subdirectory does): the light consumer is enough.
+consumer(fetch consumer -DZP_VIA=fetch -DCONSUMER_LIGHT=ON)
 consumer(find-unbuilt consumer -DZP_VIA=find -DCMAKE_PREFIX_PATH=${WORK}/prefix-unbuilt
          -DCONSUMER_LIGHT=ON)
 consumer(find-build-tree consumer -DZP_VIA=find -Dzp_DIR=${ZP_BUILD_DIR} -DCONSUMER_LIGHT=ON)
