@@ -698,18 +698,77 @@ TEST_CASE(
       config(2));
 }
 
+namespace {
+
+// A Progress's calls, which must count up to the bytes written: each `done` larger than the
+// last, the same `total` in each, the last `done` equal to it.
+struct ProgressLog {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  zp::ckpt::Progress fn() {
+    return [this](std::uint64_t done, std::uint64_t total) { calls.emplace_back(done, total); };
+  }
+  void check(std::uint64_t written) const {
+    REQUIRE(!calls.empty());
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      CHECK(calls[i].second == written);
+      if (i) CHECK(calls[i].first > calls[i - 1].first);
+    }
+    CHECK(calls.back().first == written);
+  }
+};
+
+// The bytes of the tensors of the safetensors files in `files` (but the user data).
+std::uint64_t tensor_bytes(const std::vector<fs::path>& files) {
+  std::uint64_t n = 0;
+  for (const auto& f : files) {
+    const zp::safetensors::Reader r(f);
+    for (const auto& t : r.tensors())
+      if (t.name != "user/blob") n += t.bytes();
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("an offline reshard reports its progress, and a reader verifies each file once") {
+  TempDir dir("reshard-progress");
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 1);
+    zp::save_checkpoint(e, dir.path, "good");
+  });
+  zp::ckpt::Reader rd(dir.path, "good");
+  ProgressLog log;
+  zp::ckpt::reshard(rd, dir.path, "three", 3, log.fn());
+  std::vector<fs::path> files;
+  for (int r = 0; r < 3; ++r) files.push_back(dir.path / "three" / zp::ckpt::rank_file_name(r, 3));
+  log.check(tensor_bytes(files));
+  CHECK(log.calls.size() > 3);  // a call per slice, not per file
+  zp::ckpt::Reader(dir.path, "three").verify();
+
+  // Once verify_file passed, verify() (the one export and reshard call) does not read that file
+  // again: a byte changed since goes unseen by that reader, and a fresh one names it.
+  const std::string file1 = "rank-00001-of-00002.safetensors";
+  zp::ckpt::Reader once(dir.path, "good");
+  CHECK(once.verify_file(1).empty());
+  flip_byte(dir.path / "good" / file1, fs::file_size(dir.path / "good" / file1) - 3);
+  CHECK_NOTHROW(once.verify());
+  zp::test::expect_error(zp::Errc::io, [&] { zp::ckpt::Reader(dir.path, "good").verify(); },
+                         {file1, "CRC-32C"});
+}
+
 TEST_CASE(
     "safetensors export: from a live engine and offline from a checkpoint, split, and loaded back "
     "by name") {
   TempDir dir("export");
   Snapshot<zp::bf16> ref;
   std::vector<std::string> names;
+  ProgressLog live[3];  // per rank: only rank 0 writes
   with_stage(3, [&]<int S>(std::integral_constant<int, S>) {
     run_threads(3, [&](Collective<Threads>& comm) {
       Mlp<zp::bf16> model;
       zp::Engine<Threads, zp::bf16, S> e(comm, model, config(1));
       train(e, model, 0, 2);
-      zp::export_safetensors(e, dir.path / "live");
+      zp::export_safetensors(e, dir.path / "live", {.progress = live[comm.rank()].fn()});
       zp::export_safetensors(e, dir.path / "live-master", {.master = true});
       zp::export_safetensors(e, dir.path / "split", {.max_file_bytes = 8000});
       zp::save_checkpoint(e, dir.path / "ckpt", "t2");
@@ -722,8 +781,16 @@ TEST_CASE(
   });
   // Every tensor by name holds the gathered values, bitwise, in every form of the export.
   zp::ckpt::Reader ck(dir.path / "ckpt");
-  zp::export_safetensors(ck, dir.path / "offline");
+  ProgressLog offline;
+  zp::export_safetensors(ck, dir.path / "offline", {.progress = offline.fn()});
   zp::export_safetensors(ck, dir.path / "offline-master", {.master = true});
+  // The progress of an export counts its tensors' bytes, on rank 0 alone in an engine's.
+  const std::uint64_t exported = tensor_bytes({dir.path / "live" / "model.safetensors"});
+  CHECK(exported == ref.params.size() * sizeof(zp::bf16));
+  live[0].check(exported);
+  CHECK(live[1].calls.empty());
+  CHECK(live[2].calls.empty());
+  offline.check(exported);
   auto check_dir = [&]<class U>(const fs::path& d, const std::vector<U>& want) {
     const auto files = zp::ckpt::safetensors_files(d);
     CHECK(files.size() == names.size());

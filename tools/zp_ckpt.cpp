@@ -10,6 +10,7 @@
 // file), 2 usage (an unknown command or flag, a flag the command does not take or given twice).
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -91,6 +92,23 @@ int info(zp::ckpt::Reader& rd) {
   return 0;
 }
 
+// A long export or reshard says where it is: a line on stderr every 5 s (one of a few GB ends
+// before the first).
+zp::ckpt::Progress progress_lines(const char* what) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  return [what, start, next = start + std::chrono::seconds(5)](std::uint64_t done,
+                                                               std::uint64_t total) mutable {
+    const auto now = clock::now();
+    if (now < next) return;
+    next = now + std::chrono::seconds(5);
+    const double secs = std::chrono::duration<double>(now - start).count();
+    std::fprintf(stderr, "zp_ckpt: %s: %.2f of %.2f GB written (%.0f%%), %.0f MB/s\n", what,
+                 double(done) / 1e9, double(total) / 1e9,
+                 total ? 100.0 * double(done) / double(total) : 100.0, double(done) / 1e6 / secs);
+  };
+}
+
 int verify(zp::ckpt::Reader& rd) {
   int bad_files = 0;
   for (int r = 0; r < int(rd.manifest().files.size()); ++r) {
@@ -166,6 +184,7 @@ int main(int argc, char** argv) {
       if (pos.size() != 2) bad("export takes DIR OUT");
       zp::ckpt::Reader rd(pos[0], tag);
       if (verify(rd)) return 1;
+      eo.progress = progress_lines("export");
       zp::export_safetensors(rd, pos[1], eo);
       std::printf("exported %s to %s\n", rd.path().c_str(), pos[1].c_str());
       return 0;
@@ -175,7 +194,7 @@ int main(int argc, char** argv) {
       zp::ckpt::Reader rd(pos[0], tag);
       if (verify(rd)) return 1;
       if (out_tag.empty()) out_tag = rd.manifest().tag + "-" + std::to_string(ranks) + "ranks";
-      const bool latest = zp::ckpt::reshard(rd, pos[0], out_tag, ranks);
+      const bool latest = zp::ckpt::reshard(rd, pos[0], out_tag, ranks, progress_lines("reshard"));
       std::printf("resharded %s for %d ranks as %s/%s (%s)\n", rd.path().c_str(), ranks,
                   pos[0].c_str(), out_tag.c_str(),
                   latest ? "now latest" : "latest names a newer checkpoint and stays");

@@ -522,7 +522,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
         const auto& p = L.params()[std::size_t(pi)];
         tensors.push_back({p.name, dtype, ckpt::shape_of(o, p.name, p.size)});
       }
-    out.emplace(dir, std::move(tensors), o.max_file_bytes);
+    out.emplace(dir, std::move(tensors), o.max_file_bytes, o.progress);
   });
   std::exception_ptr err;  // rank 0's write failure; gathering goes on so no rank waits forever
   auto emit = [&]<class U>(int s, std::span<const U> values, bool host) {

@@ -630,6 +630,7 @@ class Reader {
     for (std::size_t i = 0; i < m_.params.size(); ++i) by_name_.emplace(m_.params[i].name, i);
     for (const auto& f : m_.files) expect_no_link(path_ / f.name);
     files_.resize(m_.files.size());
+    verified_.assign(m_.files.size(), false);
     // Which file holds which elements: every rank's slices of its group's layout.
     sources_.resize(m_.params.size());
     for (int g = 0; g < int(m_.parts.size()); ++g) {
@@ -679,7 +680,8 @@ class Reader {
   }
 
   // Checks file `rank` against the manifest: size, then CRC-32C of every byte. Returns "" or
-  // what is wrong, naming the file and both values.
+  // what is wrong, naming the file and both values. A file that passes is not read again by
+  // verify().
   std::string verify_file(int rank) const {
     const auto& f = m_.files.at(std::size_t(rank));
     const auto p = file_path(rank);
@@ -699,6 +701,7 @@ class Reader {
     } catch (const Error& e) {
       return e.message();
     }
+    verified_.at(std::size_t(rank)) = true;
     return {};
   }
 
@@ -787,10 +790,13 @@ class Reader {
     return b;
   }
 
-  // Verifies every file (verify_file); the first failure is an Errc::io.
+  // Verifies every file this reader has not yet seen pass (verify_file), so a tool that checks
+  // each file before an export or a reshard reads none twice; the first failure is an Errc::io.
   void verify() const {
-    for (int r = 0; r < int(m_.files.size()); ++r)
+    for (int r = 0; r < int(m_.files.size()); ++r) {
+      if (verified_[std::size_t(r)]) continue;
       if (std::string why = verify_file(r); !why.empty()) throw Error(Errc::io, std::move(why));
+    }
   }
 
  private:
@@ -840,6 +846,7 @@ class Reader {
   std::map<std::string, std::size_t> by_name_;
   std::vector<std::vector<Source>> sources_;  // per parameter
   std::vector<std::optional<safetensors::Reader>> files_;
+  mutable std::vector<bool> verified_;  // per file: verify_file passed
 };
 
 // Writes the file of world rank w of m's grid (L: its group's layout, m.layout_of): for every
@@ -1124,13 +1131,17 @@ class Publisher {
   std::filesystem::path staging_;
 };
 
+// What a long operation over a whole model (reshard, an export) reports as it writes: the
+// parameter bytes written so far and their total, after each piece.
+using Progress = std::function<void(std::uint64_t done, std::uint64_t total)>;
+
 // Writes a copy of a checkpoint laid out for `ranks` data-parallel ranks (of any grid: the
 // whole model on each) as <dir>/<tag>, returning whether `latest` names it (offline: no engine,
-// no communicator), reading one rank
-// slice at a time. Loading it needs no resharding, so it
-// suits tools that expect one file per rank; zp itself loads the original at any rank count.
-inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag,
-                    int ranks) {
+// no communicator), reading one rank slice at a time (`progress`: after each). Loading it needs
+// no resharding, so it suits tools that expect one file per rank; zp itself loads the original
+// at any rank count.
+inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks,
+                    const Progress& progress = {}) {
   check_tag(tag);
   ZP_EXPECT(ranks >= 1 && ranks <= max_ranks, "reshard: ranks must be in [1, ", max_ranks,
             "], got ", ranks);
@@ -1148,16 +1159,22 @@ inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::str
   std::size_t most = 0;
   for (const auto& g : L.segments()) most = std::max(most, g.piece);
   std::vector<std::byte> buf(most * sizeof(float));
+  std::uint64_t done = 0, total = 0;  // every element of every field is in one rank's slice
+  for (std::size_t f = 0; f < m.fields.size(); ++f)
+    for (const auto& p : m.params) total += p.size * size_of(m.field_dtype(f));
   for (int r = 0; r < ranks; ++r) {
     const auto sum = write_rank_file(
         staging / rank_file_name(r, ranks), m, L, r, user,
         [&](std::size_t f, std::size_t p, Slice s) -> std::span<const std::byte> {
+          if (progress && done) progress(done, total);  // the slice before this one is written
           const auto bytes = std::span<std::byte>(buf).first(s.count * size_of(m.field_dtype(f)));
           rd.read_bytes(f, p, s.first, bytes);
+          done += bytes.size();
           return bytes;
         });
     m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
   }
+  if (progress) progress(done, total);
   // Into the source's directory, `latest` moves only from the source (never back to an older
   // step); into another, it names the copy.
   std::error_code ec;
@@ -1175,6 +1192,7 @@ struct ExportOptions {
       0;  // above this, model-0000k-of-n files and an index (0: one file)
   // Each tensor's shape (default: 1-D, the parameter's size); its product must be the size.
   std::function<std::vector<std::uint64_t>(const std::string& name, std::size_t size)> shape = {};
+  ckpt::Progress progress = {};  // after each piece written (an engine's export: on rank 0)
 };
 
 namespace ckpt {
@@ -1185,8 +1203,8 @@ namespace ckpt {
 class ConsolidatedWriter {
  public:
   ConsolidatedWriter(std::filesystem::path dir, std::vector<safetensors::TensorInfo> tensors,
-                     std::uint64_t max_file_bytes)
-      : dir_(std::move(dir)), tensors_(std::move(tensors)) {
+                     std::uint64_t max_file_bytes, Progress progress = {})
+      : dir_(std::move(dir)), tensors_(std::move(tensors)), progress_(std::move(progress)) {
     create_directories_durably(dir_, "export");
     std::uint64_t in_file = 0;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
@@ -1209,6 +1227,8 @@ class ConsolidatedWriter {
     w_->write(bytes);
     left_ -= std::min<std::uint64_t>(left_, bytes.size());
     if (left_ == 0) next_tensor();
+    written_ += bytes.size();
+    if (progress_) progress_(written_, total_);
   }
 
   // Commits the last file and writes the index (split exports). Every tensor must be written.
@@ -1270,9 +1290,10 @@ class ConsolidatedWriter {
   std::filesystem::path dir_;
   std::vector<safetensors::TensorInfo> tensors_;
   std::vector<std::size_t> first_;  // first tensor of each file, then tensors_.size()
-  std::uint64_t total_ = 0, left_ = 0;
+  std::uint64_t total_ = 0, left_ = 0, written_ = 0;
   std::size_t tensor_ = 0, file_ = 0;
   std::optional<safetensors::Writer> w_;
+  Progress progress_;
 };
 
 inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::string& name,
@@ -1324,7 +1345,7 @@ inline void export_safetensors(ckpt::Reader& rd, const std::filesystem::path& di
   std::vector<safetensors::TensorInfo> tensors;
   for (const auto& p : m.params)
     tensors.push_back({p.name, safetensors::dtype_name(dt), ckpt::shape_of(o, p.name, p.size)});
-  ckpt::ConsolidatedWriter out(dir, std::move(tensors), o.max_file_bytes);
+  ckpt::ConsolidatedWriter out(dir, std::move(tensors), o.max_file_bytes, o.progress);
   constexpr std::size_t chunk = std::size_t(1) << 22;  // elements per read
   std::vector<std::byte> buf(chunk * size_of(dt));
   for (std::size_t p = 0; p < m.params.size(); ++p)
