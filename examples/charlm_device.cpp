@@ -8,8 +8,9 @@
 //   zp_demo_gpu [--backend cuda_threads|nccl] [--ranks N] [--stage 0-3] [--precision fp32|bf16]
 //               [--offload-optimizer none|cpu|nvme:DIR] [--offload-param none|cpu|nvme:DIR]
 //               [--accum N] [--steps N] [--micro-batch N] [--lr X]
-//               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N] [--hidden N]
-//               [--checkpoint-dir DIR] [--save-every N] [--keep-checkpoints N] [--resume] [--export DIR]
+//               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N]
+//               [--hidden N] [--checkpoint-dir DIR] [--save-every N] [--keep-checkpoints N]
+//               [--resume] [--export DIR]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
 // --backend nccl: one process per GPU under mpirun (zp::backend::nccl_from_mpi; zp_demo_gpu only).

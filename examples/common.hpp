@@ -1,6 +1,6 @@
-// examples/common.hpp: what the example trainers (zp_demo, zp_gpt, the device demo) share: the training text as
-// character ids, the command-line flags of the training loop with their checks, and launching
-// the ranks on the chosen backend.
+// examples/common.hpp: what the example trainers (zp_demo, zp_gpt, the device demo) share: the
+// training text as character ids, the command-line flags of the training loop with their checks,
+// and launching the ranks on the chosen backend.
 #pragma once
 
 #include <algorithm>
