@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): the gpu tests (the
-# optimizer, cuda_threads, nccl, the device engine, the GPU demo), the same tests under
-# compute-sanitizer memcheck (racecheck and synccheck too: cuda_threads and the optimizer),
-# zp_bench_optim_cuda (AdamW against a device-to-device copy), zp_bench_collectives_cuda (the
-# cuda_threads collectives' busbw against the same copy), zp_bench_zero_cuda (the device engine's
-# step per stage and rank count against its bare kernels, offload against the device step), the
-# GPU demo's tokens/s and loss, and bench/torch_adamw.py (PyTorch's clip_grad_norm_ + fused AdamW
-# on the same sizes). Logs and JSON go to $OUT (default build/gpu-out); a summary is printed as
-# it goes.
+# optimizer, cuda_threads, nccl, the device engine, the GPU demo and its resume from a checkpoint,
+# bitwise), the same tests under compute-sanitizer memcheck (racecheck and synccheck too:
+# cuda_threads and the optimizer), zp_bench_optim_cuda (AdamW against a device-to-device copy),
+# zp_bench_collectives_cuda (the cuda_threads collectives' busbw against the same copy),
+# zp_bench_zero_cuda (the device engine's step per stage and rank count against its bare kernels,
+# offload against the device step), the GPU demo's tokens/s and loss, and bench/torch_adamw.py
+# (PyTorch's clip_grad_norm_ + fused AdamW on the same sizes). Logs and JSON go to $OUT (default
+# build/gpu-out); a summary is printed as it goes.
 #
 #   bash tools/gpu_check.sh [all|PHASE[,PHASE...]]   # on the GPU machine, from the repository root
 #   [ZP_GPU_BASE=REV] bash tools/gpu_check.sh binaries  # on the build machine: build them there
@@ -137,7 +137,8 @@ demo_resume() {
     echo step30 > "$d/ckpt/latest" &&
     timeout "$secs" "$demo" "${args[@]}" --resume --export "$d/resumed" > "$d/resumed.log" 2>&1 &&
     grep -q "resumed from $d/ckpt/step30 at step 30" "$d/resumed.log" &&
-    cmp "$d/straight/model.safetensors" "$d/resumed/model.safetensors"
+    cmp "$d/straight/model.safetensors" "$d/resumed/model.safetensors" &&
+    rm -rf "$d/ckpt" "$d/straight" "$d/resumed"  # what failed stays, for the logs
 }
 test_phase() {
   local pids=() rc=0 t secs=${ZP_TEST_TIMEOUT:-240}

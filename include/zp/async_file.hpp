@@ -132,7 +132,8 @@ class File {
   Transfer write_async(std::span<const std::byte> src, std::uint64_t offset) {
     return submit(true, const_cast<std::byte*>(src.data()), src.size(), offset);
   }
-  // Runs the queue until t is finished; throws its first error. A finished or unknown t returns.
+  // Runs the queue until t is finished; throws the error of its failed request at the lowest
+  // offset, whatever order they failed in. A finished or unknown t returns.
   void wait(Transfer t) {
     auto it = transfers_.find(t.id);
     while (it != transfers_.end() && it->second.requests_left > 0) {
@@ -172,8 +173,9 @@ class File {
   };
   struct State {
     std::size_t requests_left = 0;
-    std::string error;  // the first failure
+    std::string error;  // the failure at the lowest offset (completions come in any order)
     int code = 0;
+    std::uint64_t error_at = 0;
   };
 
   std::string io_message(const char* call, std::uint64_t offset, std::size_t len,
@@ -259,13 +261,14 @@ class File {
     io_uring_cqe_seen(&ring_, cqe);
     --in_flight_;
     State& st = transfers_[r->transfer];
-    const auto fail = [&](std::string why, int code) {
-      if (st.error.empty()) st.error = std::move(why), st.code = code;
-      --st.requests_left;
-    };
     const char* call = r->write ? "write" : "read";
     const std::uint64_t at = r->offset + r->done;  // the part this completion was for
     const std::size_t left = r->len - r->done;
+    const auto fail = [&](std::string why, int code) {
+      if (st.error.empty() || at < st.error_at)
+        st.error = std::move(why), st.code = code, st.error_at = at;
+      --st.requests_left;
+    };
     if (res < 0) return fail(io_message(call, at, left, std::strerror(-res)), -res);
     if (res == 0)
       return fail(io_message(call, at, left, r->write ? "no bytes written" : "the file ends there"),
