@@ -1137,7 +1137,7 @@ using Progress = std::function<void(std::uint64_t done, std::uint64_t total)>;
 
 // Writes a copy of a checkpoint laid out for `ranks` data-parallel ranks (of any grid: the
 // whole model on each) as <dir>/<tag>, returning whether `latest` names it (offline: no engine,
-// no communicator), reading one rank slice at a time (`progress`: after each). Loading it needs
+// no communicator), copying one rank slice at a time (`progress`: after each). Loading it needs
 // no resharding, so it suits tools that expect one file per rank; zp itself loads the original
 // at any rank count.
 inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::string& tag, int ranks,
@@ -1166,15 +1166,13 @@ inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::str
     const auto sum = write_rank_file(
         staging / rank_file_name(r, ranks), m, L, r, user,
         [&](std::size_t f, std::size_t p, Slice s) -> std::span<const std::byte> {
-          if (progress && done) progress(done, total);  // the slice before this one is written
           const auto bytes = std::span<std::byte>(buf).first(s.count * size_of(m.field_dtype(f)));
           rd.read_bytes(f, p, s.first, bytes);
-          done += bytes.size();
+          if (progress) progress(done += bytes.size(), total);
           return bytes;
         });
     m.files.push_back({rank_file_name(r, ranks), sum.bytes, sum.crc32c});
   }
-  if (progress) progress(done, total);
   // Into the source's directory, `latest` moves only from the source (never back to an older
   // step); into another, it names the copy.
   std::error_code ec;
