@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# zp_ckpt on a checkpoint of zp_demo: info, verify, export, reshard (the demo then resumes from
-# the resharded copy), verify naming a corrupted file, and usage mistakes refused.
+# zp_ckpt on checkpoints of zp_demo: info, verify, export, reshard (the demo then resumes from
+# the resharded copy), verify naming a corrupted file, list, prune, and usage mistakes refused.
 #   tool_ckpt.sh <zp_ckpt> <zp_demo> <work dir>
 set -euo pipefail
 tool=$1 demo=$2
@@ -43,6 +43,39 @@ for bad in 4294967297 0 -1 3x 99999999999999999999; do
   if "$tool" reshard "$dir/ckpt" --ranks "$bad" 2> "$dir.err"; then echo "reshard took --ranks $bad"; exit 1; fi
   grep -q -- "--ranks expects an integer in \[1, 16777216\], got '$bad'" "$dir.err"
 done
+# list: by step (equal steps by time), latest marked, an unreadable manifest last, then what an
+# unfinished save left.
+p=$dir/prune
+"$demo" --steps 12 --micro-batch 4 --save-every 3 --log-every 12 --ranks 2 --stage 1 --checkpoint-dir "$p" > /dev/null
+"$tool" reshard "$p" --tag step6 --ranks 3 --out-tag copy6 > /dev/null
+mkdir "$p/.step15.partial"
+echo '{' > "$p/step3/manifest.json"
+"$tool" list "$p" | tee "$dir.list"
+test "$(awk 'NR > 1 {printf "%s ", $1}' "$dir.list")" = "step6 copy6 step9 step12 step3 .step15.partial: "
+grep -q "^5 checkpoints in $p$" "$dir.list"
+grep -q "^  copy6   step 6 .* 3 ranks  stage 1  bf16 .* UTC$" "$dir.list"
+grep -q "^  step12 .*(latest)$" "$dir.list"
+grep -q "^  step3  .*unreadable: checkpoint manifest $p/step3/manifest.json" "$dir.list"
+# prune refuses while a save holds the directory, touching nothing.
+if flock "$p/.zp-save.lock" "$tool" prune "$p" --keep 2 2> "$dir.err"; then echo "prune ran beside a save"; exit 1; fi
+grep -q "$p is locked by another checkpoint save" "$dir.err"
+test -d "$p/.step15.partial" && test -d "$p/step6"
+# It keeps the two newest up to latest, keeps the unreadable one, and removes the leftover.
+"$tool" prune "$p" --keep 2 | tee "$dir.prune"
+grep -qx "removed $p/.step15.partial (left by a save that did not finish)" "$dir.prune"
+grep -qx "removed $p/step6" "$dir.prune" && grep -qx "removed $p/copy6" "$dir.prune"
+grep -qx "pruned $p: 2 checkpoints removed" "$dir.prune"
+test "$(find "$p" -mindepth 1 -maxdepth 1 -printf '%f\n' | LC_ALL=C sort | tr '\n' ' ')" = ".zp-save.lock latest step12 step3 step9 "
+# A step past latest's stays; a latest that does not read removes nothing, with status 1.
+echo step9 > "$p/latest"
+"$tool" prune "$p" --keep 1 | grep -qx "pruned $p: 0 checkpoints removed"
+test -d "$p/step12"
+echo step3 > "$p/latest"
+if "$tool" prune "$p" --keep 1 > /dev/null 2> "$dir.err"; then echo "prune passed an unreadable latest"; exit 1; fi
+grep -q "$p/step3: .latest. names it but its manifest does not read; nothing removed" "$dir.err"
+test -d "$p/step9" && test -d "$p/step12"
+if "$tool" prune "$dir/none" --keep 1 2> "$dir.err"; then echo "prune passed a missing directory"; exit 1; fi
+grep -q "checkpoint: $dir/none is not a directory" "$dir.err"
 # Usage mistakes: status 2 and what was wrong; --help: status 0.
 usage_error() {  # <message> <arguments...>
   local msg=$1 rc=0
@@ -58,6 +91,11 @@ usage_error "--tag expects a value, got an empty one" info "$dir/ckpt" --tag ""
 usage_error "--out-tag expects a value, got the flag '--ranks'" reshard "$dir/ckpt" --out-tag --ranks 2
 usage_error "unknown command 'bogus'" bogus "$dir/ckpt"
 usage_error "no checkpoint directory" info
-"$tool" --help | grep -q "usage: zp_ckpt info"
-rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo" "$dir.err"
+usage_error "prune takes DIR and --keep N" prune "$p"
+usage_error "--keep expects an integer in [1, 2147483647], got '0'" prune "$p" --keep 0
+usage_error "list does not take --tag" list "$p" --tag step9
+usage_error "list takes one directory" list "$p" "$p"
+"$tool" --help > "$dir.err"
+grep -q "usage: zp_ckpt list    DIR" "$dir.err" && grep -q "zp_ckpt prune   DIR --keep N" "$dir.err"
+rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo" "$dir.err" "$dir.list" "$dir.prune" "$dir.reshard"
 echo "zp_ckpt: ok"

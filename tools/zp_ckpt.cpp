@@ -1,10 +1,12 @@
-// zp_ckpt: inspect, verify, export and reshard zp checkpoints offline (no GPU, no MPI, one
-// process; memory: one parameter chunk or rank slice at a time, never the model).
+// zp_ckpt: list, inspect, verify, export, reshard and prune zp checkpoints offline (no GPU, no
+// MPI, one process; memory: one parameter chunk or rank slice at a time, never the model).
 //
+//   zp_ckpt list    DIR
 //   zp_ckpt info    DIR [--tag T]
 //   zp_ckpt verify  DIR [--tag T]
 //   zp_ckpt export  DIR OUT [--tag T] [--master] [--max-file-bytes N]
 //   zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]
+//   zp_ckpt prune   DIR --keep N
 //
 // Exit status: 0 success (and --help), 1 a failed check or I/O error (the message names the
 // file), 2 usage (an unknown command or flag, a flag the command does not take or given twice).
@@ -14,11 +16,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <exception>
 #include <limits>
 #include <iterator>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "zp/checkpoint_format.hpp"
@@ -26,25 +30,33 @@
 namespace {
 
 const char* usage =
-    "usage: zp_ckpt info    DIR [--tag T]\n"
+    "usage: zp_ckpt list    DIR\n"
+    "       zp_ckpt info    DIR [--tag T]\n"
     "       zp_ckpt verify  DIR [--tag T]\n"
     "       zp_ckpt export  DIR OUT [--tag T] [--master] [--max-file-bytes N]\n"
     "       zp_ckpt reshard DIR --ranks M [--tag T] [--out-tag T2]\n"
+    "       zp_ckpt prune   DIR --keep N\n"
     "  DIR      a checkpoint directory (the one holding `latest`)\n"
     "  --tag    which checkpoint (default: the one `latest` names)\n"
     "  export   writes OUT/model.safetensors (T parameters; --master: fp32 master weights), split\n"
     "           into model-0000k-of-n files with an index above --max-file-bytes\n"
-    "  reshard  writes DIR/<out-tag> (default <tag>-<M>ranks) laid out for M ranks\n";
+    "  list     every checkpoint in DIR by step, and what unfinished saves left\n"
+    "  reshard  writes DIR/<out-tag> (default <tag>-<M>ranks) laid out for M ranks\n"
+    "  prune    keeps the N newest checkpoints up to the one `latest` names, as a save's\n"
+    "           retention does (later steps and unreadable ones stay), and removes what\n"
+    "           crashed saves left; fails while a save into DIR runs\n";
 
 // The commands and the options each takes.
 struct Command {
   std::string_view name;
   std::vector<std::string_view> options;
 };
-const Command commands[] = {{"info", {"--tag"}},
+const Command commands[] = {{"list", {}},
+                            {"info", {"--tag"}},
                             {"verify", {"--tag"}},
                             {"export", {"--tag", "--master", "--max-file-bytes"}},
-                            {"reshard", {"--tag", "--ranks", "--out-tag"}}};
+                            {"reshard", {"--tag", "--ranks", "--out-tag"}},
+                            {"prune", {"--keep"}}};
 
 [[noreturn]] void bad(const std::string& msg) {
   std::fprintf(stderr, "zp_ckpt: %s\n\n%s", msg.c_str(), usage);
@@ -109,6 +121,93 @@ zp::ckpt::Progress progress_lines(const char* what) {
   };
 }
 
+// "1.23 GB": bytes with three significant digits.
+std::string size_text(std::uint64_t bytes) {
+  const char* units[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+  double x = double(bytes);
+  int u = 0;
+  for (; x >= 999.5 && u < 5; ++u) x /= 1000;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.3g %s" : "%.0f %s", x, units[u]);
+  return buf;
+}
+
+// Every checkpoint of `dir` by position in training (the loss scaler's count of optimizer steps,
+// then the manifest's time, as prune orders them), unreadable ones last, then what unfinished
+// saves left (or a save running now: list takes no lock).
+int list(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) throw zp::Error(zp::Errc::io, "cannot list " + dir.string() + ": " + ec.message());
+  std::string latest;
+  try {
+    latest = zp::ckpt::Reader::read_latest(dir);
+  } catch (const zp::Error& e) {
+    std::printf("%s\n", e.message().c_str());
+  }
+  struct Row {
+    std::int64_t position;
+    fs::file_time_type when;
+    std::string tag, text;
+  };
+  std::vector<Row> rows, unreadable;
+  for (auto& [when, tag] : zp::ckpt::checkpoint_tags(dir)) try {
+      const zp::ckpt::Reader rd(dir, tag);
+      const auto& m = rd.manifest();
+      std::uint64_t bytes = 0;
+      for (const auto& f : m.files) bytes += f.bytes;
+      const std::time_t t =
+          std::chrono::system_clock::to_time_t(std::chrono::file_clock::to_sys(when));
+      std::tm utc{};
+      char saved[32] = "?";
+      if (gmtime_r(&t, &utc)) std::strftime(saved, sizeof saved, "%Y-%m-%d %H:%M:%S UTC", &utc);
+      char text[160];
+      std::snprintf(text, sizeof text, "step %-6lld %4d ranks  stage %d  %-4s  %9s  %s",
+                    static_cast<long long>(m.step), m.world_size, m.stage, zp::name(m.dtype),
+                    size_text(bytes).c_str(), saved);
+      rows.push_back({m.scaler.iter, when, tag, text});
+    } catch (const zp::Error& e) {
+      unreadable.push_back({0, when, tag, "unreadable: " + e.message()});
+    }
+  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    return std::tie(a.position, a.when, a.tag) < std::tie(b.position, b.when, b.tag);
+  });
+  rows.insert(rows.end(), unreadable.begin(), unreadable.end());
+  std::size_t width = 3;
+  for (const auto& r : rows) width = std::max(width, r.tag.size());
+  std::printf("%zu checkpoint%s in %s\n", rows.size(), rows.size() == 1 ? "" : "s", dir.c_str());
+  for (const auto& r : rows)
+    std::printf("  %-*s  %s%s\n", int(width), r.tag.c_str(), r.text.c_str(),
+                r.tag == latest ? "  (latest)" : "");
+  std::vector<std::string> left;
+  for (fs::directory_iterator end; !ec && it != end; it.increment(ec))
+    if (const auto name = it->path().filename().string();
+        zp::ckpt::DirectoryWriter::unfinished(name))
+      left.push_back(name);
+  std::sort(left.begin(), left.end());
+  for (const auto& name : left)
+    std::printf(
+        "  %s: left by a save that did not finish, or one running now (the next save "
+        "or prune removes it)\n",
+        name.c_str());
+  return 0;
+}
+
+// Takes the directory as its writer (failing while a save runs), which removes what crashed
+// saves left, then keeps `keep` checkpoints as a save's retention does.
+int prune(const std::filesystem::path& dir, std::size_t keep) {
+  zp::ckpt::DirectoryWriter writer(dir);
+  for (const auto& name : writer.cleaned())
+    std::printf("removed %s (left by a save that did not finish)\n", (dir / name).c_str());
+  const auto pruned = writer.prune(keep);
+  for (const auto& tag : pruned.removed) std::printf("removed %s\n", (dir / tag).c_str());
+  for (const auto& why : pruned.failed) std::fprintf(stderr, "zp_ckpt: prune: %s\n", why.c_str());
+  std::printf("pruned %s: %zu checkpoint%s removed\n", dir.c_str(), pruned.removed.size(),
+              pruned.removed.size() == 1 ? "" : "s");
+  return pruned.failed.empty() ? 0 : 1;
+}
+
 int verify(zp::ckpt::Reader& rd) {
   int bad_files = 0;
   for (int r = 0; r < int(rd.manifest().files.size()); ++r) {
@@ -140,6 +239,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> pos, given;
   std::string tag = "latest", out_tag;
   int ranks = 0;
+  std::size_t keep = 0;
   zp::ExportOptions eo;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -167,6 +267,8 @@ int main(int argc, char** argv) {
       out_tag = value();
     else if (a == "--ranks")
       ranks = int(to_number(a, value(), 1, zp::ckpt::max_ranks));
+    else if (a == "--keep")
+      keep = std::size_t(to_number(a, value(), 1, std::numeric_limits<int>::max()));
     else if (a == "--master")
       eo.master = true;
     else  // --max-file-bytes
@@ -175,6 +277,12 @@ int main(int argc, char** argv) {
   }
   if (pos.empty()) bad("no checkpoint directory");
   try {
+    if (cmd == "list" || cmd == "prune") {
+      if (pos.size() != 1) bad(cmd + " takes one directory");
+      if (cmd == "list") return list(pos[0]);
+      if (keep < 1) bad("prune takes DIR and --keep N");
+      return prune(pos[0], keep);
+    }
     if (cmd == "info" || cmd == "verify") {
       if (pos.size() != 1) bad(cmd + " takes one directory");
       zp::ckpt::Reader rd(pos[0], tag);

@@ -232,7 +232,7 @@ Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) 
 // What a save does besides writing the checkpoint (rank 0's options are the ones that count).
 struct SaveOptions {
   // Retention: after the save, keep this many checkpoints in the directory, the new one and the
-  // newest before it (by position in training), and remove the older ones (ckpt::Publisher::
+  // newest before it (by position in training), and remove the older ones (ckpt::DirectoryWriter::
   // prune: never one at or past the new one's step, nor one whose manifest does not read). A
   // removal that fails is a warning on stderr, not an error: the save is complete. 0: keep all.
   std::size_t keep_last = 0;
@@ -315,7 +315,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     if (w == 0) pub->publish(m);
   });
   if (w == 0)
-    for (const std::string& why : pub->prune(options.keep_last))
+    for (const std::string& why : pub->prune(options.keep_last).failed)
       std::fprintf(stderr,
                    "zp: checkpoint: saved %s, but an older checkpoint stays (keep_last %zu): %s\n",
                    (dir / tag).c_str(), options.keep_last, why.c_str());

@@ -1,8 +1,8 @@
 // zp/checkpoint_format.hpp: zp's checkpoint format, offline: the manifest, reading and
 // verifying a checkpoint (ckpt::Reader), writing rank files and publishing them atomically
-// (ckpt::Publisher), resharding, and exporting the weights as safetensors. No engine and no
-// communicator: the tool zp_ckpt builds on this alone; checkpoint.hpp saves and loads engines
-// with it.
+// (ckpt::Publisher), pruning old ones (ckpt::DirectoryWriter), resharding, and exporting the
+// weights as safetensors. No engine and no communicator: the tool zp_ckpt builds on this alone;
+// checkpoint.hpp saves and loads engines with it.
 //
 // Layout on disk: <dir>/<tag>/rank-00000-of-00004.safetensors ... one file per saving rank (of
 // the whole DP x TP x PP grid, Megatron's rank order, layout.hpp), and <dir>/<tag>/manifest.json;
@@ -976,29 +976,163 @@ inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const
   return dir / ("." + tag + ".partial");
 }
 
-// One save into <dir>/<tag>, from preparing its staging directory to naming it in `latest`. It
-// holds <dir>/.zp-save.lock throughout, so saves into one directory never interleave (a second
-// saver fails at once, naming the lock): one saver per checkpoint directory.
+// The one writer of a checkpoint directory (a save, a reshard, zp_ckpt's prune): it holds
+// <dir>/.zp-save.lock while it lives, so writers never interleave (a second fails at once, naming
+// the lock). Taking the directory completes what crashed writers left: a tag published but not
+// named in `latest` (see Publisher) is removed, and so are staging directories and temporaries.
+class DirectoryWriter {
+ public:
+  // `dir` must exist.
+  explicit DirectoryWriter(std::filesystem::path dir) : dir_(std::move(dir)) {
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::is_directory(dir_, ec), "checkpoint: ", dir_.string(),
+              " is not a directory");
+    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
+    roll_back_unnamed();
+    remove_leftovers();
+  }
+
+  const std::filesystem::path& dir() const noexcept { return dir_; }
+  // What taking the directory removed (file names), for a tool to report.
+  const std::vector<std::string>& cleaned() const noexcept { return cleaned_; }
+  // Whether a file name in a checkpoint directory is what a writer leaves only while it runs or
+  // when it crashed: a staging directory (`.<tag>.partial`), a temporary of `latest`, the
+  // publishing intent or its temporary.
+  static bool unfinished(std::string_view name) noexcept {
+    return (name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
+           name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing");
+  }
+
+  struct Pruned {
+    std::vector<std::string> removed;  // tags
+    std::vector<std::string> failed;   // "path: why", one per tag left in place
+  };
+  // Keeps `keep` checkpoints, the one `latest` names and the newest of those before it, and
+  // removes the older ones (each renamed to its staging name first, so a crash leaves what the
+  // next writer removes). Older means an earlier position in training (the loss scaler's count of
+  // optimizer steps; the manifest's time between equals). A checkpoint at or past `latest`'s
+  // position (a copy of it, a run abandoned for an earlier step), one whose manifest does not
+  // read, and a link are never removed, nor counted. Nothing is removed without a readable
+  // `latest` (failed says why). A failed removal leaves that tag loadable and goes on.
+  Pruned prune(std::size_t keep) {
+    namespace fs = std::filesystem;
+    Pruned out;
+    if (keep == 0) return out;
+    // (position, manifest time, tag) of each checkpoint whose manifest reads, links left out.
+    using Entry = std::tuple<std::int64_t, fs::file_time_type, std::string>;
+    auto position = [&](const std::string& tag) -> std::optional<std::int64_t> {
+      std::error_code ec;
+      try {
+        if (fs::is_symlink(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
+        return Reader(dir_, tag).manifest().scaler.iter;
+      } catch (const Error&) {
+        return std::nullopt;
+      }
+    };
+    std::optional<std::int64_t> latest;
+    try {
+      const std::string tag = Reader::read_latest(dir_);
+      latest = position(tag);
+      if (!latest)
+        out.failed.push_back(detail::cat((dir_ / tag).string(),
+                                         ": `latest` names it but its manifest does not read; "
+                                         "nothing removed"));
+    } catch (const Error& e) {
+      out.failed.push_back(e.message());
+    }
+    if (!latest) return out;
+    std::vector<Entry> older;
+    for (auto& [when, tag] : checkpoint_tags(dir_))
+      if (const auto at = position(tag); at && *at < *latest)
+        older.emplace_back(*at, when, std::move(tag));
+    std::sort(older.begin(), older.end(), std::greater<>());
+    for (std::size_t i = keep - 1; i < older.size(); ++i) try {
+        remove_tag(std::get<2>(older[i]));
+        out.removed.push_back(std::get<2>(older[i]));
+      } catch (const Error& e) {
+        out.failed.push_back(e.message());
+      }
+    return out;
+  }
+
+ protected:
+  std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
+
+  static void remove(const std::filesystem::path& p) {
+    std::error_code ec;
+    std::filesystem::remove_all(p, ec);
+    if (ec)
+      throw Error(Errc::io,
+                  detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+  }
+
+ private:
+  // What crashed writers left (the lock says none runs; roll_back_unnamed has taken the intent
+  // itself): staging directories and temporaries. Tags are never touched.
+  void remove_leftovers() {
+    remove_matching(
+        dir_,
+        [this](const std::string& name) {
+          if (!unfinished(name)) return false;
+          cleaned_.push_back(name);
+          return true;
+        },
+        "checkpoint");
+  }
+
+  // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
+  void roll_back_unnamed() {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(intent(), ec))) return;
+    const std::string tag = detail::read_whole_file(intent(), 256);
+    check_tag(tag, intent().string() + " holds");
+    const bool named =
+        fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
+    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
+      remove_tag(tag);
+      cleaned_.push_back(tag);
+    }
+    remove(intent());
+    cleaned_.push_back(intent().filename().string());
+  }
+
+  // Removes <dir>/<tag>, renamed to its staging name first, so a crash leaves only what the next
+  // writer removes (remove_leftovers), never a tag half removed.
+  void remove_tag(const std::string& tag) {
+    const auto aside = staging_dir(dir_, tag);
+    remove(aside);
+    detail::io_step("rename", dir_ / tag);
+    detail::rename_no_replace(dir_ / tag, aside);
+    detail::io_step("directory fsync", dir_);
+    detail::sync_directory(dir_);
+    detail::io_step("remove", aside);
+    remove(aside);
+  }
+
+  std::filesystem::path dir_;
+  std::optional<detail::DirectoryLock> lock_;
+  std::vector<std::string> cleaned_;
+};
+
+// One save into <dir>/<tag> (created, with its parents, if missing), from preparing its staging
+// directory to naming it in `latest`, as the directory's writer.
 //
 // A save that did not reach `latest` did not happen. Publishing writes <dir>/.zp-publishing
 // (the tag) before renaming the staging directory to the tag and removes it after `latest` names
 // the tag, so a crash between the rename and `latest` leaves a complete tag that nothing names
-// but that file. The next save into the directory removes such a tag, as it removes staging
+// but that file. The next writer of the directory removes such a tag, as it removes staging
 // directories: the run that resumed from `latest` trains to that step again and saves the same
 // tag, with the same command line.
-class Publisher {
+class Publisher : public DirectoryWriter {
  public:
-  Publisher(std::filesystem::path dir, const std::string& tag) : dir_(std::move(dir)), tag_(tag) {
+  Publisher(const std::filesystem::path& dir, const std::string& tag)
+      : DirectoryWriter(made(dir)), tag_(tag) {
     namespace fs = std::filesystem;
     std::error_code ec;
-    create_directories_durably(dir_, "checkpoint");
-    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
-    roll_back_unnamed();
-    remove_leftovers();
-    ZP_EXPECT(!fs::exists(fs::symlink_status(dir_ / tag, ec)),
-              "checkpoint: ", (dir_ / tag).string(),
+    ZP_EXPECT(!fs::exists(fs::symlink_status(dir / tag, ec)), "checkpoint: ", (dir / tag).string(),
               " already exists; save under a new tag (checkpoints are never overwritten)");
-    staging_ = staging_dir(dir_, tag);
+    staging_ = staging_dir(dir, tag);
     fs::create_directory(staging_, ec);
     if (ec)
       throw Error(Errc::io,
@@ -1017,117 +1151,30 @@ class Publisher {
     detail::write_file_atomic(staging_ / "manifest.json",
                               std::as_bytes(std::span<const char>(text)));
     detail::write_file_atomic(intent(), std::as_bytes(std::span<const char>(tag_)));
-    const auto final = dir_ / tag_;
+    const auto final = dir() / tag_;
     detail::io_step("rename", final);
     detail::rename_no_replace(staging_, final);
     detail::io_step("directory fsync", final);
-    detail::sync_directory(dir_);
+    detail::sync_directory(dir());
     std::error_code ec;
-    const bool move = !if_latest || (std::filesystem::exists(dir_ / "latest", ec) &&
-                                     Reader::read_latest(dir_) == *if_latest);
+    const bool move = !if_latest || (std::filesystem::exists(dir() / "latest", ec) &&
+                                     Reader::read_latest(dir()) == *if_latest);
     if (move) {
       const std::string latest = tag_ + "\n";
-      detail::write_file_atomic(dir_ / "latest", std::as_bytes(std::span<const char>(latest)));
+      detail::write_file_atomic(dir() / "latest", std::as_bytes(std::span<const char>(latest)));
     }
     detail::io_step("remove", intent());
     remove(intent());
     return move;
   }
 
-  // After publish(): keeps `keep` checkpoints, the one `latest` names and the newest of those
-  // before it, and removes the older ones (each renamed to its staging name first, so a crash
-  // leaves what the next save removes). Older means an earlier position in training (the loss
-  // scaler's count of optimizer steps; the manifest's time between equals). A checkpoint at or
-  // past `latest`'s position (a copy of it, a run abandoned for an earlier step), one whose
-  // manifest does not read, and a link are never removed, nor counted. Returns what could not be
-  // removed ("path: why"), for a warning: the save before it is complete either way.
-  std::vector<std::string> prune(std::size_t keep) {
-    namespace fs = std::filesystem;
-    std::vector<std::string> failed;
-    if (keep == 0) return failed;
-    // (position, manifest time, tag) of each checkpoint whose manifest reads, links left out.
-    using Entry = std::tuple<std::int64_t, fs::file_time_type, std::string>;
-    auto position = [&](const std::string& tag) -> std::optional<std::int64_t> {
-      std::error_code ec;
-      try {
-        if (fs::is_symlink(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
-        return Reader(dir_, tag).manifest().scaler.iter;
-      } catch (const Error&) {
-        return std::nullopt;
-      }
-    };
-    std::optional<std::int64_t> latest;
-    try {
-      latest = position(Reader::read_latest(dir_));
-    } catch (const Error& e) {
-      failed.push_back(e.message());
-    }
-    if (!latest) return failed;
-    std::vector<Entry> older;
-    for (auto& [when, tag] : checkpoint_tags(dir_))
-      if (const auto at = position(tag); at && *at < *latest)
-        older.emplace_back(*at, when, std::move(tag));
-    std::sort(older.begin(), older.end(), std::greater<>());
-    for (std::size_t i = keep - 1; i < older.size(); ++i) try {
-        remove_tag(std::get<2>(older[i]));
-      } catch (const Error& e) {
-        failed.push_back(e.message());
-      }
-    return failed;
-  }
-
  private:
-  std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
-
-  static void remove(const std::filesystem::path& p) {
-    std::error_code ec;
-    std::filesystem::remove_all(p, ec);
-    if (ec)
-      throw Error(Errc::io,
-                  detail::cat("checkpoint: cannot remove ", p.string(), ": ", ec.message()));
+  static std::filesystem::path made(const std::filesystem::path& dir) {
+    create_directories_durably(dir, "checkpoint");
+    return dir;
   }
 
-  // What crashed saves left (the lock says no save runs): staging directories (`.<tag>.partial`)
-  // and the temporaries of `latest` and of the intent. Tags are never touched.
-  void remove_leftovers() {
-    remove_matching(
-        dir_,
-        [](const std::string& name) {
-          return (name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
-                 name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing.tmp.");
-        },
-        "checkpoint");
-  }
-
-  // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
-  void roll_back_unnamed() {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    if (!fs::exists(fs::symlink_status(intent(), ec))) return;
-    const std::string tag = detail::read_whole_file(intent(), 256);
-    check_tag(tag, intent().string() + " holds");
-    const bool named =
-        fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
-    if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) remove_tag(tag);
-    remove(intent());
-  }
-
-  // Removes <dir>/<tag>, renamed to its staging name first, so a crash leaves only what the next
-  // save removes (remove_leftovers), never a tag half removed.
-  void remove_tag(const std::string& tag) {
-    const auto aside = staging_dir(dir_, tag);
-    remove(aside);
-    detail::io_step("rename", dir_ / tag);
-    detail::rename_no_replace(dir_ / tag, aside);
-    detail::io_step("directory fsync", dir_);
-    detail::sync_directory(dir_);
-    detail::io_step("remove", aside);
-    remove(aside);
-  }
-
-  std::filesystem::path dir_;
   std::string tag_;
-  std::optional<detail::DirectoryLock> lock_;
   std::filesystem::path staging_;
 };
 
