@@ -299,11 +299,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
                 static_cast<long long>(engine.steps()),
                 static_cast<unsigned long long>(progress.skipped()), secs);
     examples::print_memory(engine.memory());
-    if (done - first_step > 1)
-      std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n",
-                  done - first_step - 1,
-                  (zp::StepTimes(sum) *= 1.0 / double(done - first_step - 1)).describe().c_str(),
-                  100.0 * sum.untracked() / sum.total);
+    examples::print_step_times(sum, done - first_step - 1);
     std::printf(
         "communication per rank, last step: %.3f MB bus (ZeRO formula without persistence %.3f "
         "MB), "

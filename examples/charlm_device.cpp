@@ -10,7 +10,9 @@
 //               [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //               [--init-seed N] [--log-every N] [--text PATH]... [--embed N] [--context N]
 //               [--hidden N] [--checkpoint-dir DIR] [--save-every N] [--keep-checkpoints N]
-//               [--resume] [--export DIR]
+//               [--resume] [--export DIR] [--wall-clock-breakdown] [--log-json PATH]
+//               [--config ds_config.json] [--zero-quantized-weights]
+//               [--zero-hpz-partition-size N] [--zero-quantized-gradients] [--ranks-per-node N]
 //
 // --backend cuda_threads (default): N ranks as threads on one device (zp/backend/cuda_threads.hpp).
 // --backend nccl: one process per GPU under mpirun (zp::backend::nccl_from_mpi; zp_demo_gpu only).
@@ -18,9 +20,10 @@
 // Every launch runs on the rank's compute stream (zp::device::current_stream()), the engine's;
 // the collectives run on the backend's communication stream, ordered by events, so gradient
 // reductions overlap the rest of backward. The loss stays on the device and is read only when a
-// progress line is printed. Every sum is in a fixed order, so a run on a given GPU repeats bit
-// for bit. Its checkpoints and exports are zp_demo's (examples/run_control.hpp): a run saved here
-// resumes in zp_demo and the reverse, at any --ranks and --stage.
+// progress line is printed (and each step with --log-json). Every sum is in a fixed order, so a
+// run on a given GPU repeats bit for bit. Its run flags, engine settings, checkpoints and exports
+// are zp_demo's (examples/run_control.hpp): a run saved here resumes in zp_demo and the reverse,
+// at any --ranks and --stage.
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -245,7 +248,7 @@ struct CharLmDevice : examples::CharLmParams<T> {
 
 // ---- command line and training ----------------------------------------------------------------
 
-struct Options : examples::TrainFlags, examples::CheckpointFlags {
+struct Options : examples::TrainFlags, examples::RunFlags {
   int embed = 24, context = 16, hidden = 256;
   Options() { backend = "cuda_threads"; }
 };
@@ -273,7 +276,7 @@ const char* usage =
     "  --log-every N      progress line every N steps (default 50)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
     "  --embed N --context N --hidden N   model sizes (default 24, 16, 256)\n";
-const examples::Program program{ZP_DEMO_NAME, usage, examples::checkpoint_usage};
+const examples::Program program{ZP_DEMO_NAME, usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -293,52 +296,56 @@ Options parse(int argc, char** argv) {
     else if (a == "--hidden")
       o.hidden = examples::to_int(program, a, v, 1, 1 << 20);
     else
-      return examples::parse_checkpoint_flag(program, o, a, v);
+      return examples::parse_run_flag(program, o, a, v);
     return true;
   };
-  examples::parse_args(program, argc, argv, flag, examples::checkpoint_switches);
-  examples::check_checkpoint_flags(program, o);
-  // cuBLAS takes int dimensions, and the first layer's input and a batch's positions are counted
-  // in int.
-  const std::pair<const char*, std::int64_t> sizes[] = {
-      {"--context x --embed", std::int64_t(o.context) * o.embed},
-      {"--micro-batch x --context", std::int64_t(o.micro_batch) * o.context}};
-  for (const auto& [what, n] : sizes)
-    if (n > std::numeric_limits<int>::max())
-      examples::bad(program, std::string(what) + " is " + std::to_string(n) + ", more than " +
-                                 std::to_string(std::numeric_limits<int>::max()));
+  const auto given = examples::parse_args(program, argc, argv, flag, examples::run_switches);
+  examples::check_run_flags(program, o, given);
   examples::default_text(program, o.text);
   return o;
 }
 
+// cuBLAS takes int dimensions, and the first layer's input and a batch's positions are counted in
+// int (the micro-batch: the flag's or the config's).
+void check_sizes(const Options& o, std::int64_t micro_batch) {
+  const std::pair<const char*, std::int64_t> sizes[] = {
+      {"--context x --embed", std::int64_t(o.context) * o.embed},
+      {"the micro-batch x --context", micro_batch * o.context}};
+  for (const auto& [what, n] : sizes)
+    ZP_EXPECT(n <= std::numeric_limits<int>::max(), ZP_DEMO_NAME ": ", what, " is ", n,
+              ", more than ", std::numeric_limits<int>::max());
+}
+
+// E: the zp::Engine type (backend, element type, stage), chosen by the flags or by
+// zp::ds::with_engine from a config.
 template <class E, class B>
-void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
+void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus,
+           const zp::EngineConfig& cfg, const zp::optim::AdamW& opt,
+           const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   const int n = comm.size(), r = comm.rank();
+  const int micro_batch = int(cfg.batch.micro_batch_per_rank),
+            accum = int(cfg.batch.gradient_accumulation_steps);
+  check_sizes(o, micro_batch);
   const Dims dims{int(corpus.chars.size()), o.embed, o.context, o.hidden};
-  CharLmDevice<T> model(dims, o.micro_batch, o.init_seed);
-  zp::EngineConfig ec;
-  ec.batch = {.micro_batch_per_rank = o.micro_batch, .gradient_accumulation_steps = o.accum};
-  ec.max_grad_norm = 1.0f;
-  ec.offload_optimizer = o.offload;
-  if (!o.nvme.empty()) ec.optimizer_nvme = zp::NvmeOptions{.path = o.nvme};
-  ec.offload_param = o.offload_param;
-  if (!o.param_nvme.empty()) ec.param_nvme = zp::NvmeOptions{.path = o.param_nvme};
-  E engine(comm, model, ec, zp::optim::AdamW{.lr = o.lr});
-  const zp::schedule::Any schedule = examples::flag_schedule(o);
+  CharLmDevice<T> model(dims, micro_batch, o.init_seed);
+  E engine(comm, model, cfg, opt);
   if (r == 0)
     std::printf(ZP_DEMO_NAME
                 ": char-level LM on %zu characters (vocabulary %d), %zu parameters; ZeRO stage %d, "
-                "backend %s, "
-                "%d ranks, %s%s%s\n",
+                "backend %s, %d ranks, %s, micro-batch %d x accumulation %d%s%s\n",
                 corpus.ids.size(), dims.vocab, engine.layout().used(), E::stage, B::name, n,
-                zp::name(zp::dtype_of<T>), o.offload ? ", optimizer offloaded to the CPU" : "",
-                o.offload_param ? ", parameters offloaded" : "");
+                zp::name(zp::dtype_of<T>), micro_batch, accum,
+                cfg.offload_optimizer ? ", optimizer offloaded to the CPU" : "",
+                cfg.offload_param ? ", parameters offloaded" : "");
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
-  std::vector<int> c(std::size_t(o.micro_batch) * dims.context), t(std::size_t(o.micro_batch));
+  std::vector<int> c(static_cast<std::size_t>(micro_batch) * std::size_t(dims.context)),
+      t(static_cast<std::size_t>(micro_batch));
   const bool lead = r == 0;
   const int first_step = examples::resume(engine, comm, program, o, corpus);
+  examples::JsonLog json(o, lead);
+  zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
   examples::Progress progress(o.log_every, first_step, o.steps);
   examples::stop_signal::install();
@@ -347,11 +354,11 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
   for (int step = first_step; step < o.steps && !stopped; ++step) {
     engine.optimizer().lr = float(zp::schedule::lr(schedule, engine.steps()));
     zp::StepResult res;
-    for (int a = 0; a < o.accum; ++a) {
+    for (int a = 0; a < accum; ++a) {
       // A micro-batch's samples depend only on (rank, step, micro-step), as zp_demo's.
       std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(a)) * 1000003ull +
                           std::uint64_t(r) * 7919 + 17);
-      for (int b = 0; b < o.micro_batch; ++b) {
+      for (int b = 0; b < micro_batch; ++b) {
         const std::size_t s = pick(rng);
         for (int k = 0; k < dims.context; ++k)
           c[std::size_t(b * dims.context + k)] = corpus.ids[s + std::size_t(k)];
@@ -369,9 +376,13 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
       }
       res = engine.step();
     }
-    // The loss sum since the last line, read from the device only when a line is printed.
-    const double loss = progress.logs(step) ? model.take_loss() / o.accum : 0.0;
-    progress.step(comm, engine, step, loss, res, std::int64_t(o.micro_batch) * o.accum * n);
+    if (step > first_step) sum += res.times;
+    // The loss sum since it was last read, read from the device only for a progress line or
+    // (--log-json) every step.
+    const bool read = progress.logs(step) || !o.log_json.empty();
+    const double loss = read ? model.take_loss() / accum : 0.0;
+    if (!o.log_json.empty()) json.line(step + 1, examples::mean_over_ranks(comm, loss), res);
+    progress.step(comm, engine, step, loss, res, std::int64_t(micro_batch) * accum * n);
     done = step + 1;
     stopped = examples::end_step(engine, comm, program, o, done, corpus, lead);
   }
@@ -382,18 +393,27 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates), %.1f s, %.0f tokens/s\n",
                 progress.first_loss(), progress.last_loss(), done - first_step,
                 static_cast<long long>(engine.steps()), secs,
-                double(done - first_step) * o.micro_batch * o.accum * n / secs);
+                double(done - first_step) * micro_batch * accum * n / secs);
     examples::print_memory(engine.memory());
+    examples::print_step_times(sum, done - first_step - 1);
   }
 }
 
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
-  // fp16 is refused by the flags: the device demo has no loss scaling.
-  zp::dispatch<zp::Types<float, zp::bf16>>(
-      o.dtype(), o.stage,
-      [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-        train<zp::Engine<B, T, Stage>>(comm, o, corpus);
+  // fp16 (refused by the flags, an error from a config) is not compiled in: the device demo's
+  // engines are those of fp32 and bf16.
+  examples::with_engine<B, zp::Types<float, zp::bf16>>(
+      program, o, o, comm.size(), comm.rank() == 0,
+      [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, const zp::optim::AdamW& opt,
+                   const zp::schedule::Any& sched) {
+        if (o.config.empty()) {  // a model sized to fill a GPU: the engine's buckets, not zp_demo's
+          const zp::EngineConfig engine_defaults;
+          ec.bucket_bytes = engine_defaults.bucket_bytes;
+          ec.first_bucket_bytes = engine_defaults.first_bucket_bytes;
+          ec.persist_threshold = engine_defaults.persist_threshold;
+        }
+        train<E>(comm, o, corpus, ec, opt, sched);
       });
 }
 

@@ -304,6 +304,14 @@ class Progress {
   std::uint64_t skipped_ = 0;
 };
 
+// The summary's line of where a step's time went: `sum` over `steps` steps (none: no line).
+inline void print_step_times(const zp::StepTimes& sum, int steps) {
+  if (steps < 1) return;
+  std::printf("time per step (rank 0, mean of %d): %s; untracked %.1f%% of the step\n", steps,
+              (zp::StepTimes(sum) *= 1.0 / double(steps)).describe().c_str(),
+              100.0 * sum.untracked() / sum.total);
+}
+
 // The summary's memory line.
 inline void print_memory(const zp::MemoryReport& m) {
   std::printf(

@@ -219,8 +219,9 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
 
 // Calls f(std::type_identity<E>, EngineConfig, AdamW, schedule) for the engine --config describes
 // (its "auto" batch keys and learning rate filled from the flags; described on the lead rank),
-// or else the one the flags do. `dp`: the data-parallel ranks the config's batch triad spans.
-template <zp::Backend B, class F>
+// or else the one the flags do, of the element types TypeList (a config asking for another is an
+// error naming them). `dp`: the data-parallel ranks the config's batch triad spans.
+template <zp::Backend B, class TypeList = zp::AllTypes, class F>
 void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int dp, bool lead,
                  F&& f) {
 #if ZP_DEMO_IO
@@ -233,10 +234,9 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
       std::visit([&](auto& opt) { opt.lr = t.lr; }, dc.optimizer);
     if (lead) std::printf("%s: %s\n%s", p.name, r.config.c_str(), zp::ds::describe(dc).c_str());
     const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(t);
-    using Types = zp::ds::Types<float, zp::bf16, zp::fp16>;
     using Stages = zp::ds::Stages<0, 1, 2, 3>;
     using Optimizers = zp::ds::Optimizers<zp::optim::AdamW>;  // the demos'; a user lists theirs
-    zp::ds::with_engine<B, Types, Stages, Optimizers>(
+    zp::ds::with_engine<B, TypeList, Stages, Optimizers>(
         dc, dp,
         [&]<class E>(std::type_identity<E> e, zp::EngineConfig ec, typename E::optimizer_type o) {
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
@@ -260,11 +260,12 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
   if (lead && r.hpz > 1)
     std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
                 r.hpz);
-  zp::dispatch(t.dtype(), t.stage,
-               [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-                 f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),
-                   zp::optim::AdamW{.lr = t.lr, .weight_decay = 0.01f}, flag_schedule(t));
-               });
+  zp::dispatch<TypeList>(
+      t.dtype(), t.stage,
+      [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
+        f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),
+          zp::optim::AdamW{.lr = t.lr, .weight_decay = 0.01f}, flag_schedule(t));
+      });
 }
 
 // One JSON line per step on rank 0 (--log-json): the step, the loss, the gradient norm (before

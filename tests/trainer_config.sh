@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# zp_demo and zp_gpt --config (issue #20): a DeepSpeed ds_config.json sets the stage, precision,
-# batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and clipping, on a
-# dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains; a misspelt key
-# is refused naming the key it meant. Then zp_gpt resumes from a checkpoint saved with the config.
-#   trainer_config.sh <zp_demo> <zp_gpt> <work dir>
+# zp_demo, zp_gpt and the device demo --config (issue #20): a DeepSpeed ds_config.json sets the
+# stage, precision, batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and
+# clipping, on a dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains; a
+# misspelt key is refused naming the key it meant. Then zp_gpt resumes from a checkpoint saved
+# with the config.
+#   trainer_config.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
 set -euo pipefail
-demo=$1 gpt=$2 dir=$3/trainer-config
+demo=$1 gpt=$2 sim=$3 dir=$4/trainer-config
 rm -rf "$dir" && mkdir -p "$dir"
 cat > "$dir/ds.json" <<'JSON'
 {
@@ -36,8 +37,23 @@ grep -q "ZeRO stage 2, backend threads, 2 ranks, bf16, micro-batch 8 x accumulat
 grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 20 steps" "$dir/demo.log"
 echo "zp_demo --config: the same"
 
+# The device demo (simulated device) with the config, --log-json and --wall-clock-breakdown: each
+# step's JSON loss is its progress line's (the loss read from the device every step).
+"$sim" --config "$dir/ds.json" --ranks 2 --steps 10 --log-every 1 --micro-batch 4 --embed 8 \
+  --context 8 --hidden 32 --log-json "$dir/sim.json" --wall-clock-breakdown > "$dir/sim.log"
+grep -q "ZeRO stage 2, backend cuda_threads, 2 ranks, bf16, micro-batch 4 x accumulation 2" "$dir/sim.log"
+grep -q "scheduler: WarmupLR(warmup_min_lr=0, warmup_max_lr=0.002, warmup_num_steps=5" "$dir/sim.log"
+grep -q "^zp: step 10: total [0-9.]* ms | forward" "$dir/sim.log"
+grep -q "^time per step (rank 0, mean of 9): total" "$dir/sim.log"
+awk '/^step /{printf "%d %s\n", $2, $4}' "$dir/sim.log" > "$dir/sim.lines"
+sed -E 's/^\{"step":([0-9]+),"loss":([0-9.]+),"grad_norm":[0-9.e+-]+,"total_ms".*/\1 \2/' "$dir/sim.json" |
+  awk '{printf "%d %.4f\n", $1, $2}' > "$dir/sim.json.lines"
+test "$(wc -l < "$dir/sim.lines")" = 10
+cmp "$dir/sim.lines" "$dir/sim.json.lines"
+echo "the device demo --config: the same, with its per-step JSON log"
+
 sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"
-for prog in "$demo" "$gpt"; do
+for prog in "$demo" "$gpt" "$sim"; do
   if "$prog" --config "$dir/bad.json" --ranks 2 --steps 2 > "$dir/bad.log" 2>&1; then
     echo "$prog accepted a misspelt key"
     exit 1

@@ -24,7 +24,7 @@ refused() {
   fi
 }
 
-for prog in "$demo" "$gpt"; do
+for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--micro-batch expects an integer in [1, 65536], got '10abc'" "$prog" --micro-batch 10abc
   refused 2 "--ranks expects an integer in [1, 256], got ' 2'" "$prog" --ranks " 2"
   refused 2 "--ranks expects an integer in [1, 256], got '+2'" "$prog" --ranks +2
@@ -42,12 +42,13 @@ for prog in "$demo" "$gpt"; do
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
-# The device demo takes the checkpoint flags (run_control.hpp's CheckpointFlags) and not the rest.
+# The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
-refused 2 "--export expects a value, got the flag '--resume'" "$sim" --export --resume
 refused 2 "--save-every expects an integer in [1, 10000000], got '0'" "$sim" --save-every 0
-refused 2 "unknown flag '--config'" "$sim" --config "$dir/ds.json"
 refused 2 "--precision fp16 is not offered by the device demo" "$sim" --precision fp16
+echo '{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": true}}' > "$dir/fp16.json"
+refused 1 "fp16.enabled: config asks for precision fp16, this program was built with element types {fp32, bf16}" \
+  "$sim" --config "$dir/fp16.json"
 refused 2 "--backend expects cuda_threads or nccl, got 'threads'" "$sim" --backend threads
 rm -rf "$dir"
 echo "trainer flags: every mistake refused before training"
