@@ -104,19 +104,19 @@ int info(zp::ckpt::Reader& rd) {
   return 0;
 }
 
-// A long export or reshard says where it is: a line on stderr every 5 s (one of a few GB ends
-// before the first).
-zp::ckpt::Progress progress_lines(const char* what) {
+// A long verify, export or reshard says where it is: a line on stderr every 5 s (one of a few GB
+// ends before the first). `done`: what the bytes are ("read", "written").
+zp::ckpt::Progress progress_lines(const char* what, const char* done_what = "written") {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  return [what, start, next = start + std::chrono::seconds(5)](std::uint64_t done,
-                                                               std::uint64_t total) mutable {
+  return [what, done_what, start, next = start + std::chrono::seconds(5)](
+             std::uint64_t done, std::uint64_t total) mutable {
     const auto now = clock::now();
     if (now < next) return;
     next = now + std::chrono::seconds(5);
     const double secs = std::chrono::duration<double>(now - start).count();
-    std::fprintf(stderr, "zp_ckpt: %s: %.2f of %.2f GB written (%.0f%%), %.0f MB/s\n", what,
-                 double(done) / 1e9, double(total) / 1e9,
+    std::fprintf(stderr, "zp_ckpt: %s: %.2f of %.2f GB %s (%.0f%%), %.0f MB/s\n", what,
+                 double(done) / 1e9, double(total) / 1e9, done_what,
                  total ? 100.0 * double(done) / double(total) : 100.0, double(done) / 1e6 / secs);
   };
 }
@@ -210,8 +210,11 @@ int prune(const std::filesystem::path& dir, std::size_t keep) {
 
 int verify(zp::ckpt::Reader& rd) {
   int bad_files = 0;
+  std::uint64_t read = 0, total = 0;
+  for (const auto& f : rd.manifest().files) total += f.bytes;
+  auto progress = progress_lines("verify", "read");
   for (int r = 0; r < int(rd.manifest().files.size()); ++r) {
-    const std::string why = rd.verify_file(r);
+    const std::string why = rd.verify_file(r, [&](std::uint64_t n) { progress(read += n, total); });
     if (why.empty())
       std::printf("ok      %s\n", rd.file_path(r).c_str());
     else

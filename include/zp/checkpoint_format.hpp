@@ -679,10 +679,10 @@ class Reader {
     return path_ / m_.files.at(std::size_t(rank)).name;
   }
 
-  // Checks file `rank` against the manifest: size, then CRC-32C of every byte. Returns "" or
-  // what is wrong, naming the file and both values. A file that passes is not read again by
-  // verify().
-  std::string verify_file(int rank) const {
+  // Checks file `rank` against the manifest: size, then CRC-32C of every byte (`on_read(n)`
+  // after each n bytes read). Returns "" or what is wrong, naming the file and both values. A
+  // file that passes is not read again by verify().
+  std::string verify_file(int rank, const std::function<void(std::uint64_t)>& on_read = {}) const {
     const auto& f = m_.files.at(std::size_t(rank));
     const auto p = file_path(rank);
     std::error_code ec;
@@ -694,7 +694,9 @@ class Reader {
         return detail::cat("checkpoint file ", p.string(), " has ", in.size(),
                            " bytes, the manifest says ", f.bytes,
                            in.size() < f.bytes ? " (truncated)" : "");
-      const std::uint32_t crc = in.crc32c_of_all();
+      const std::uint32_t crc = in.crc32c_of_all(std::size_t(1) << 20, [&](std::size_t n) {
+        if (on_read) on_read(n);
+      });
       if (crc != f.crc32c)
         return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc,
                            ", the manifest says ", f.crc32c, " (the file is corrupt)");

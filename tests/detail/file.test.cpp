@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
@@ -112,9 +113,15 @@ TEST_CASE("a committed AtomicFile holds exactly the bytes written") {
   CHECK(back == data);
   CHECK(in.crc32c_of_all() == crc32c(all));
   // Buffers of one byte (0 asks for one), 7, around the file's size, and larger.
+  // Each reports every byte, a chunk of min(buffer, size) at a time.
   for (const std::size_t b : {std::size_t(0), std::size_t(1), std::size_t(7), data.size() - 1,
-                              data.size(), data.size() + 1, std::size_t(1) << 20})
-    CHECK(in.crc32c_of_all(b) == crc32c(all));
+                              data.size(), data.size() + 1, std::size_t(1) << 20}) {
+    std::size_t calls = 0, read = 0;
+    CHECK(in.crc32c_of_all(b, [&](std::size_t n) { ++calls, read += n; }) == crc32c(all));
+    CHECK(read == data.size());
+    const std::size_t chunk = std::min(data.size(), std::max<std::size_t>(b, 1));
+    CHECK(calls == (data.size() + chunk - 1) / chunk);
+  }
   {  // an empty file: nothing read (its own directory: the subcases below count dir's entries)
     const TempDir other;
     zp::detail::AtomicFile(other.path / "empty.bin").commit();
