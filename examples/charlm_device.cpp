@@ -307,10 +307,10 @@ Options parse(int argc, char** argv) {
 
 // cuBLAS takes int dimensions, and the first layer's input and a batch's positions are counted in
 // int (the micro-batch: the flag's or the config's).
-void check_sizes(const Options& o, std::int64_t micro_batch) {
+void check_sizes(const Options& o, int micro_batch) {
   const std::pair<const char*, std::int64_t> sizes[] = {
       {"--context x --embed", std::int64_t(o.context) * o.embed},
-      {"the micro-batch x --context", micro_batch * o.context}};
+      {"the micro-batch x --context", std::int64_t(micro_batch) * o.context}};
   for (const auto& [what, n] : sizes)
     ZP_EXPECT(n <= std::numeric_limits<int>::max(), ZP_DEMO_NAME ": ", what, " is ", n,
               ", more than ", std::numeric_limits<int>::max());

@@ -167,6 +167,10 @@ struct TrainFlags {
   }
 };
 
+// The largest --micro-batch and --accum (and the largest a config may give): the trainers count
+// sequences and micro-batches in int.
+inline constexpr int max_micro_batch = 65536, max_accum = 1024;
+
 // Takes flag a with value v if it is one of TrainFlags' (--stage, --ranks, --accum, --steps,
 // --micro-batch, --log-every, --backend, --precision, --lr, --init-seed, --offload-optimizer,
 // --offload-param, --text); false if not.
@@ -177,11 +181,11 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
   else if (a == "--ranks")
     o.ranks = to_int(p, a, v, 1, 256);
   else if (a == "--accum")
-    o.accum = to_int(p, a, v, 1, 1024);
+    o.accum = to_int(p, a, v, 1, max_accum);
   else if (a == "--steps")
     o.steps = to_int(p, a, v, 1, 10000000);
   else if (a == "--micro-batch")
-    o.micro_batch = to_int(p, a, v, 1, 65536);
+    o.micro_batch = to_int(p, a, v, 1, max_micro_batch);
   else if (a == "--log-every")
     o.log_every = to_int(p, a, v, 1, 10000000);
   else if (a == "--backend") {

@@ -239,6 +239,12 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
     zp::ds::with_engine<B, TypeList, Stages, Optimizers>(
         dc, dp,
         [&]<class E>(std::type_identity<E> e, zp::EngineConfig ec, typename E::optimizer_type o) {
+          ZP_EXPECT(ec.batch.micro_batch_per_rank <= max_micro_batch &&
+                        ec.batch.gradient_accumulation_steps <= max_accum,
+                    r.config, ": a micro-batch of ", ec.batch.micro_batch_per_rank, " x ",
+                    ec.batch.gradient_accumulation_steps, " accumulation steps; ", p.name,
+                    " takes at most ", max_micro_batch, " x ", max_accum,
+                    " (as --micro-batch and --accum)");
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
           ec.ranks_per_node = r.ranks_per_node;  // the launcher's knowledge, not the config's
           f(e, ec, o, sched);

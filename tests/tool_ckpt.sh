@@ -75,7 +75,9 @@ if "$tool" prune "$p" --keep 1 > /dev/null 2> "$dir.err"; then echo "prune passe
 grep -q "$p/step3: .latest. names it but its manifest does not read; nothing removed" "$dir.err"
 test -d "$p/step9" && test -d "$p/step12"
 if "$tool" prune "$dir/none" --keep 1 2> "$dir.err"; then echo "prune passed a missing directory"; exit 1; fi
-grep -q "checkpoint: $dir/none is not a directory" "$dir.err"
+grep -q "checkpoint: $dir/none: No such file or directory" "$dir.err"
+if "$tool" prune "$p/latest" --keep 1 2> "$dir.err"; then echo "prune passed a file"; exit 1; fi
+grep -q "checkpoint: $p/latest is not a directory" "$dir.err"
 # Usage mistakes: status 2 and what was wrong; --help: status 0.
 usage_error() {  # <message> <arguments...>
   local msg=$1 rc=0

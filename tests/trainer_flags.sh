@@ -7,6 +7,7 @@ set -euo pipefail
 demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags
 rm -rf "$dir" && mkdir -p "$dir"
 echo '{"zero_optimization": {"stage": 1}}' > "$dir/ds.json"
+echo '{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4096}' > "$dir/accum.json"
 
 # refused <status> <message> <program> <flags...>: the run fails with that status and message.
 refused() {
@@ -38,6 +39,8 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--offload-param with --config: the config sets it (zero_optimization.offload_param)" \
     "$prog" --config "$dir/ds.json" --offload-param cpu
   refused 1 "text file '$dir' is a directory, not a file" "$prog" --text "$dir"
+  refused 1 "accum.json: a micro-batch of 4 x 4096 accumulation steps; $(basename "$prog") takes at most 65536 x 1024" \
+    "$prog" --config "$dir/accum.json"
   refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done

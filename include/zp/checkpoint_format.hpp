@@ -987,8 +987,9 @@ class DirectoryWriter {
   // `dir` must exist.
   explicit DirectoryWriter(std::filesystem::path dir) : dir_(std::move(dir)) {
     std::error_code ec;
-    ZP_EXPECT(std::filesystem::is_directory(dir_, ec), "checkpoint: ", dir_.string(),
-              " is not a directory");
+    const bool is_dir = std::filesystem::is_directory(dir_, ec);
+    ZP_EXPECT(is_dir, "checkpoint: ", dir_.string(),
+              ec ? ": " + ec.message() : std::string(" is not a directory"));
     lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
     roll_back_unnamed();
     remove_leftovers();
