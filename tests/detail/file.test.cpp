@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../expect_error.hpp"
@@ -53,39 +54,58 @@ std::vector<std::byte> random_bytes(std::uint64_t seed, std::size_t n) {
   return v;
 }
 
+// Every path crc32c may take on this CPU (the dispatching one first), by name.
+using Crc = std::uint32_t (*)(std::span<const std::byte>, std::uint32_t) noexcept;
+std::vector<std::pair<const char*, Crc>> crc_paths() {
+  std::vector<std::pair<const char*, Crc>> out{{"dispatched", &zp::detail::crc32c},
+                                               {"portable", &zp::detail::crc32c_portable}};
+#if ZP_FILE_X86
+  if (zp::detail::crc32c_sse42_supported()) out.emplace_back("sse4.2", &zp::detail::crc32c_sse42);
+#endif
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("crc32c gives the published check values") {
-  CHECK(crc32c(bytes_of("123456789")) == 0xE3069283u);
-  CHECK(crc32c({}) == 0u);
-  // RFC 3720 (iSCSI), appendix B.4.
-  std::vector<std::byte> v(32, std::byte{0});
-  CHECK(crc32c(v) == 0x8A9136AAu);
-  std::fill(v.begin(), v.end(), std::byte{0xff});
-  CHECK(crc32c(v) == 0x62A8AB43u);
-  for (int i = 0; i < 32; ++i) v[i] = std::byte(i);
-  CHECK(crc32c(v) == 0x46DD794Eu);
-  for (int i = 0; i < 32; ++i) v[i] = std::byte(31 - i);
-  CHECK(crc32c(v) == 0x113FDB5Cu);
+  for (const auto& [path, crc] : crc_paths()) {
+    CAPTURE(path);
+    CHECK(crc(bytes_of("123456789"), 0) == 0xE3069283u);
+    CHECK(crc({}, 0) == 0u);
+    // RFC 3720 (iSCSI), appendix B.4.
+    std::vector<std::byte> v(32, std::byte{0});
+    CHECK(crc(v, 0) == 0x8A9136AAu);
+    std::fill(v.begin(), v.end(), std::byte{0xff});
+    CHECK(crc(v, 0) == 0x62A8AB43u);
+    for (int i = 0; i < 32; ++i) v[i] = std::byte(i);
+    CHECK(crc(v, 0) == 0x46DD794Eu);
+    for (int i = 0; i < 32; ++i) v[i] = std::byte(31 - i);
+    CHECK(crc(v, 0) == 0x113FDB5Cu);
+  }
 }
 
 TEST_CASE("crc32c continued piece by piece equals one pass and the bitwise definition") {
   const std::uint64_t seed = zp::test::fresh_seed();
   MESSAGE("seed ", seed);
+  const auto paths = crc_paths();
+  MESSAGE(paths.size(), " paths (", std::string(paths.back().first), " the last)");
   for (std::size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 1000, 4099}) {
-    CAPTURE(n);
     const auto data = random_bytes(seed + n, n);
     const std::span<const std::byte> all(data);
     const std::uint32_t want = crc32c_bitwise(all);
-    CHECK(crc32c(all) == want);
-    // Pieces of every alignment, the empty piece included.
-    std::uint32_t c = 0;
-    for (std::size_t at = 0, k = 0; at < n || k == 0; ++k) {
-      const std::size_t len = std::min<std::size_t>(n - at, zp::test::mix(seed ^ k) % 13);
-      c = crc32c(all.subspan(at, len), c);
-      at += len;
+    for (const auto& [path, crc] : paths) {
+      CAPTURE(n);
+      CAPTURE(path);
+      CHECK(crc(all, 0) == want);
+      // Pieces of every alignment, the empty piece included.
+      std::uint32_t c = 0;
+      for (std::size_t at = 0, k = 0; at < n || k == 0; ++k) {
+        const std::size_t len = std::min<std::size_t>(n - at, zp::test::mix(seed ^ k) % 13);
+        c = crc(all.subspan(at, len), c);
+        at += len;
+      }
+      CHECK(c == want);
     }
-    CHECK(c == want);
   }
 }
 

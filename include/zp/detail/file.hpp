@@ -25,12 +25,22 @@
 
 #include "zp/error.hpp"
 
+// The SSE4.2 CRC on x86 hosts (not in nvcc's device pass, which only parses this header).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDA_ARCH__)
+#define ZP_FILE_X86 1
+#include <nmmintrin.h>
+#else
+#define ZP_FILE_X86 0
+#endif
+
 namespace zp::detail {
 
 // ---- CRC-32C (Castagnoli) ----------------------------------------------------------------------
-// Slicing-by-8 (Kounavis and Berry, "A Systematic Approach to Building High Performance
-// Software-based CRC Generators", 2005): table k advances a byte k positions, so eight bytes
-// cost eight independent lookups instead of a chain of eight. Portable C++, no SSE4.2 crc32.
+// Where the CPU has SSE4.2 (checked once, at run time: nothing is compiled for the build
+// machine), its crc32 instruction, which computes exactly this CRC, 8 bytes a step. Elsewhere
+// slicing-by-8 (Kounavis and Berry, "A Systematic Approach to Building High Performance
+// Software-based CRC Generators", 2005): table k advances a byte k positions, so eight bytes cost
+// eight independent lookups instead of a chain of eight. Both give the same bits.
 
 inline constexpr std::array<std::array<std::uint32_t, 256>, 8> crc32c_tables = [] {
   std::array<std::array<std::uint32_t, 256>, 8> t{};
@@ -44,9 +54,9 @@ inline constexpr std::array<std::array<std::uint32_t, 256>, 8> crc32c_tables = [
   return t;
 }();
 
-// The CRC-32C of `data`; pass the previous result as `crc` to continue it over the next bytes
-// (crc32c(b, crc32c(a)) == crc32c(a followed by b)). About 1-2 GB/s per core.
-inline std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept {
+// crc32c's portable path (about 1-2 GB/s per core).
+inline std::uint32_t crc32c_portable(std::span<const std::byte> data,
+                                     std::uint32_t crc = 0) noexcept {
   const auto& t = crc32c_tables;
   const auto* p = reinterpret_cast<const unsigned char*>(data.data());
   std::size_t n = data.size();
@@ -60,6 +70,37 @@ inline std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc =
   }
   for (; n > 0; ++p, --n) crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xffu];
   return ~crc;
+}
+
+#if ZP_FILE_X86
+// crc32c's SSE4.2 path; call only where crc32c_sse42_supported().
+[[gnu::target("sse4.2")]] inline std::uint32_t crc32c_sse42(std::span<const std::byte> data,
+                                                            std::uint32_t crc = 0) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(data.data());
+  std::size_t n = data.size();
+  std::uint64_t c = ~crc;
+  for (; n >= 8; p += 8, n -= 8) {
+    std::uint64_t v;  // x86 is little-endian: the first byte is the lowest, as the CRC takes them
+    std::memcpy(&v, p, 8);
+    c = _mm_crc32_u64(c, v);
+  }
+  auto c32 = std::uint32_t(c);
+  for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, *p);
+  return ~c32;
+}
+inline bool crc32c_sse42_supported() noexcept {
+  static const bool yes = __builtin_cpu_supports("sse4.2");
+  return yes;
+}
+#endif
+
+// The CRC-32C of `data`; pass the previous result as `crc` to continue it over the next bytes
+// (crc32c(b, crc32c(a)) == crc32c(a followed by b)).
+inline std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept {
+#if ZP_FILE_X86
+  if (crc32c_sse42_supported()) return crc32c_sse42(data, crc);
+#endif
+  return crc32c_portable(data, crc);
 }
 
 // ---- Fault injection ---------------------------------------------------------------------------
