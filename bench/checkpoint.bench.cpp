@@ -129,7 +129,6 @@ void read_plain(const fs::path& p, std::vector<char>& into) {
 struct Times {
   std::vector<double> save, write, load, read, exp, exp_write;
   double ckpt_bytes = 0, export_bytes = 0;
-  std::string error;
 };
 
 double median(std::vector<double> x) {
@@ -144,6 +143,13 @@ Times measure(int ranks, int iterations) {
   const fs::path dir = bench_dir();
   fs::remove_all(dir);
   fs::create_directories(dir / "plain");
+  struct Cleanup {  // a gigabyte or more, also when a rank fails
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
   zp::backend::run_threads(ranks, [&](Collective<Threads>& comm) {
     using clock = std::chrono::steady_clock;
     const int r = comm.rank();
@@ -159,37 +165,31 @@ Times measure(int ranks, int iterations) {
       comm.barrier();
       return std::chrono::duration<double>(clock::now() - t0).count();
     };
-    try {
-      for (int i = -1; i < iterations; ++i) {  // round -1: untimed
-        const std::string tag = zp::detail::cat("it", i + 1);
-        if (r == 0 && i >= 0) fs::remove_all(dir / zp::detail::cat("it", i));
-        const double save = timed([&] { zp::save_checkpoint(engine, dir, tag); });
-        const zp::ckpt::Reader rd(dir, tag);
-        const auto& files = rd.manifest().files;
-        const fs::path mine = dir / "plain" / zp::detail::cat("rank", r);
-        fs::remove(mine);
-        const double write = timed([&] { write_plain(mine, buf, files.at(std::size_t(r)).bytes); });
-        const double load = timed([&] { (void)zp::load_checkpoint(engine, dir, tag); });
-        const double read = timed([&] { read_plain(mine, buf); });
-        const double exp = timed([&] { zp::export_safetensors(engine, dir / "export"); });
-        const std::uint64_t exported = fs::file_size(dir / "export" / "model.safetensors");
-        const double exp_write = timed([&] {
-          if (r == 0) write_plain(dir / "plain" / "export", buf, exported);
-        });
-        if (r == 0 && i >= 0) {
-          out.save.push_back(save), out.write.push_back(write), out.load.push_back(load);
-          out.read.push_back(read), out.exp.push_back(exp), out.exp_write.push_back(exp_write);
-          out.ckpt_bytes = 0;
-          for (const auto& f : files) out.ckpt_bytes += double(f.bytes);
-          out.export_bytes = double(exported);
-        }
+    for (int i = -1; i < iterations; ++i) {  // round -1: untimed
+      const std::string tag = zp::detail::cat("it", i + 1);
+      if (r == 0 && i >= 0) fs::remove_all(dir / zp::detail::cat("it", i));
+      const double save = timed([&] { zp::save_checkpoint(engine, dir, tag); });
+      const zp::ckpt::Reader rd(dir, tag);
+      const auto& files = rd.manifest().files;
+      const fs::path mine = dir / "plain" / zp::detail::cat("rank", r);
+      fs::remove(mine);
+      const double write = timed([&] { write_plain(mine, buf, files.at(std::size_t(r)).bytes); });
+      const double load = timed([&] { (void)zp::load_checkpoint(engine, dir, tag); });
+      const double read = timed([&] { read_plain(mine, buf); });
+      const double exp = timed([&] { zp::export_safetensors(engine, dir / "export"); });
+      const std::uint64_t exported = fs::file_size(dir / "export" / "model.safetensors");
+      const double exp_write = timed([&] {
+        if (r == 0) write_plain(dir / "plain" / "export", buf, exported);
+      });
+      if (r == 0 && i >= 0) {
+        out.save.push_back(save), out.write.push_back(write), out.load.push_back(load);
+        out.read.push_back(read), out.exp.push_back(exp), out.exp_write.push_back(exp_write);
+        out.ckpt_bytes = 0;
+        for (const auto& f : files) out.ckpt_bytes += double(f.bytes);
+        out.export_bytes = double(exported);
       }
-    } catch (const std::exception& e) {
-      if (r == 0) out.error = e.what();
-      throw;
     }
   });
-  fs::remove_all(dir);
   return out;
 }
 
@@ -199,7 +199,7 @@ void checkpoint(benchmark::State& state) {
   try {
     t = measure<Stage>(int(state.range(0)), int(state.max_iterations));
   } catch (const std::exception& e) {
-    return state.SkipWithError(t.error.empty() ? e.what() : t.error.c_str());
+    return state.SkipWithError(e.what());
   }
   std::size_t i = 0;
   for (auto _ : state) state.SetIterationTime(t.save[i++ % t.save.size()]);
