@@ -403,18 +403,11 @@ template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus& corpus) {
   // fp16 (refused by the flags, an error from a config) is not compiled in: the device demo's
   // engines are those of fp32 and bf16.
+  // A model sized to fill a GPU: the engine's buckets.
   examples::with_engine<B, zp::Types<float, zp::bf16>>(
-      program, o, o, comm.size(), comm.rank() == 0,
-      [&]<class E>(std::type_identity<E>, zp::EngineConfig ec, const zp::optim::AdamW& opt,
-                   const zp::schedule::Any& sched) {
-        if (o.config.empty()) {  // a model sized to fill a GPU: the engine's buckets, not zp_demo's
-          const zp::EngineConfig engine_defaults;
-          ec.bucket_bytes = engine_defaults.bucket_bytes;
-          ec.first_bucket_bytes = engine_defaults.first_bucket_bytes;
-          ec.persist_threshold = engine_defaults.persist_threshold;
-        }
-        train<E>(comm, o, corpus, ec, opt, sched);
-      });
+      program, o, o, comm.size(), comm.rank() == 0, zp::EngineConfig{},
+      [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
+                   const zp::schedule::Any& sched) { train<E>(comm, o, corpus, ec, opt, sched); });
 }
 
 }  // namespace demo_device

@@ -373,7 +373,7 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
                         std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
   zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   examples::with_engine<B>(
-      program, o, o, grid.shape().dp, world.rank() == 0,
+      program, o, o, grid.shape().dp, world.rank() == 0, examples::small_model_buckets(),
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) {
         train<E>(world, grid, o, c, texts, ec, opt, sched);

@@ -176,15 +176,21 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
 #endif
 }
 
-// The engine settings of the training flags (without --config): several buckets even for the
-// demos' small models, small tensors kept gathered, clipping at 1, fp16 with a dynamic scale.
-inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r) {
+// Buckets for a model of a few hundred thousand parameters (zp_demo's, zp_gpt's defaults): several
+// even so, and small tensors kept gathered. A model sized to fill a GPU keeps the engine's.
+inline zp::EngineConfig small_model_buckets() {
   zp::EngineConfig ec;
-  ec.batch = {.micro_batch_per_rank = t.micro_batch, .gradient_accumulation_steps = t.accum};
-  ec.max_grad_norm = 1.0f;
   ec.bucket_bytes = std::size_t(256) << 10;
   ec.first_bucket_bytes = std::size_t(64) << 10;
   ec.persist_threshold = 10000;
+  return ec;
+}
+
+// The engine settings of the training flags (without --config) on top of `ec` (its buckets):
+// clipping at 1, fp16 with a dynamic scale.
+inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r, zp::EngineConfig ec) {
+  ec.batch = {.micro_batch_per_rank = t.micro_batch, .gradient_accumulation_steps = t.accum};
+  ec.max_grad_norm = 1.0f;
   ec.steps_per_print = t.log_every;
   ec.wall_clock_breakdown = r.breakdown;
   ec.offload_optimizer = t.offload;
@@ -219,11 +225,12 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
 
 // Calls f(std::type_identity<E>, EngineConfig, AdamW, schedule) for the engine --config describes
 // (its "auto" batch keys and learning rate filled from the flags; described on the lead rank),
-// or else the one the flags do, of the element types TypeList (a config asking for another is an
-// error naming them). `dp`: the data-parallel ranks the config's batch triad spans.
+// or else the one the flags do (flag_config on top of `buckets`), of the element types TypeList
+// (a config asking for another is an error naming them). `dp`: the data-parallel ranks the
+// config's batch triad spans.
 template <zp::Backend B, class TypeList = zp::AllTypes, class F>
 void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int dp, bool lead,
-                 F&& f) {
+                 const zp::EngineConfig& buckets, F&& f) {
 #if ZP_DEMO_IO
   if (!r.config.empty()) {
     zp::ds::Config dc = zp::ds::load(r.config);
@@ -269,7 +276,7 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
   zp::dispatch<TypeList>(
       t.dtype(), t.stage,
       [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {
-        f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r),
+        f(std::type_identity<zp::Engine<B, T, Stage>>{}, flag_config(t, r, buckets),
           zp::optim::AdamW{.lr = t.lr, .weight_decay = 0.01f}, flag_schedule(t));
       });
 }

@@ -22,7 +22,6 @@
 #include <iterator>
 #include <string>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
 #include "zp/checkpoint_format.hpp"
@@ -132,9 +131,9 @@ std::string size_text(std::uint64_t bytes) {
   return buf;
 }
 
-// Every checkpoint of `dir` by position in training (the loss scaler's count of optimizer steps,
-// then the manifest's time, as prune orders them), unreadable ones last, then what unfinished
-// saves left (or a save running now: list takes no lock).
+// Every checkpoint of `dir` in the order of training, as prune orders them
+// (ckpt::checkpoints_in_order), unreadable ones last, then what unfinished saves left (or a save
+// running now: list takes no lock).
 int list(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -147,33 +146,28 @@ int list(const std::filesystem::path& dir) {
     std::printf("%s\n", e.message().c_str());
   }
   struct Row {
-    std::int64_t position;
-    fs::file_time_type when;
     std::string tag, text;
   };
-  std::vector<Row> rows, unreadable;
-  for (auto& [when, tag] : zp::ckpt::checkpoint_tags(dir)) try {
-      const zp::ckpt::Reader rd(dir, tag);
-      const auto& m = rd.manifest();
-      std::uint64_t bytes = 0;
-      for (const auto& f : m.files) bytes += f.bytes;
-      const std::time_t t =
-          std::chrono::system_clock::to_time_t(std::chrono::file_clock::to_sys(when));
-      std::tm utc{};
-      char saved[32] = "?";
-      if (gmtime_r(&t, &utc)) std::strftime(saved, sizeof saved, "%Y-%m-%d %H:%M:%S UTC", &utc);
-      char text[160];
-      std::snprintf(text, sizeof text, "step %-6lld %4d ranks  stage %d  %-4s  %9s  %s",
-                    static_cast<long long>(m.step), m.world_size, m.stage, zp::name(m.dtype),
-                    size_text(bytes).c_str(), saved);
-      rows.push_back({m.scaler.iter, when, tag, text});
-    } catch (const zp::Error& e) {
-      unreadable.push_back({0, when, tag, "unreadable: " + e.message()});
+  std::vector<Row> rows;
+  for (const auto& c : zp::ckpt::checkpoints_in_order(dir)) {
+    if (!c.manifest) {
+      rows.push_back({c.tag, "unreadable: " + c.error});
+      continue;
     }
-  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
-    return std::tie(a.position, a.when, a.tag) < std::tie(b.position, b.when, b.tag);
-  });
-  rows.insert(rows.end(), unreadable.begin(), unreadable.end());
+    const auto& m = *c.manifest;
+    std::uint64_t bytes = 0;
+    for (const auto& f : m.files) bytes += f.bytes;
+    const std::time_t t =
+        std::chrono::system_clock::to_time_t(std::chrono::file_clock::to_sys(c.when));
+    std::tm utc{};
+    char saved[32] = "?";
+    if (gmtime_r(&t, &utc)) std::strftime(saved, sizeof saved, "%Y-%m-%d %H:%M:%S UTC", &utc);
+    char text[160];
+    std::snprintf(text, sizeof text, "step %-6lld %4d ranks  stage %d  %-4s  %9s  %s",
+                  static_cast<long long>(m.step), m.world_size, m.stage, zp::name(m.dtype),
+                  size_text(bytes).c_str(), saved);
+    rows.push_back({c.tag, text});
+  }
   std::size_t width = 3;
   for (const auto& r : rows) width = std::max(width, r.tag.size());
   std::printf("%zu checkpoint%s in %s\n", rows.size(), rows.size() == 1 ? "" : "s", dir.c_str());

@@ -694,9 +694,7 @@ class Reader {
         return detail::cat("checkpoint file ", p.string(), " has ", in.size(),
                            " bytes, the manifest says ", f.bytes,
                            in.size() < f.bytes ? " (truncated)" : "");
-      const std::uint32_t crc = in.crc32c_of_all(std::size_t(1) << 20, [&](std::size_t n) {
-        if (on_read) on_read(n);
-      });
+      const std::uint32_t crc = in.crc32c_of_all(std::size_t(1) << 20, on_read);
       if (crc != f.crc32c)
         return detail::cat("checkpoint file ", p.string(), " has CRC-32C ", crc,
                            ", the manifest says ", f.crc32c, " (the file is corrupt)");
@@ -934,6 +932,42 @@ inline std::vector<std::pair<std::filesystem::file_time_type, std::string>> chec
   return found;
 }
 
+// A checkpoint of a directory as retention sees it: its manifest, or why that does not read.
+struct Listed {
+  std::string tag;
+  std::filesystem::file_time_type when;  // the manifest's
+  std::optional<Manifest> manifest;
+  std::string error;  // where the manifest does not read
+  bool link = false;  // the tag's directory is a symbolic link
+};
+
+// The checkpoints of `dir` (checkpoint_tags) in the order of training: by the loss scaler's count
+// of optimizer steps, then the manifest's time, then the tag; those whose manifest does not read
+// last. Retention (DirectoryWriter::prune) and zp_ckpt list both take this order.
+inline std::vector<Listed> checkpoints_in_order(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::vector<Listed> out;
+  for (auto& [when, tag] : checkpoint_tags(dir)) {
+    Listed c;
+    c.tag = std::move(tag), c.when = when;
+    std::error_code ec;
+    c.link = fs::is_symlink(fs::symlink_status(dir / c.tag, ec));
+    try {
+      c.manifest = Reader(dir, c.tag).manifest();
+    } catch (const Error& e) {
+      c.error = e.message();
+    }
+    out.push_back(std::move(c));
+  }
+  const auto key = [](const Listed& c) {
+    return std::tuple<bool, std::int64_t, fs::file_time_type, const std::string&>(
+        !c.manifest, c.manifest ? c.manifest->scaler.iter : 0, c.when, c.tag);
+  };
+  std::sort(out.begin(), out.end(),
+            [&](const Listed& a, const Listed& b) { return key(a) < key(b); });
+  return out;
+}
+
 // For the error of a load of `latest` that failed on a corrupt or missing file: the other
 // checkpoints of `dir` (checkpoint_tags), newest manifest first, at most `most`; "" when there
 // are none. Which older step to resume from is the caller's choice, never made silently.
@@ -1018,43 +1052,38 @@ class DirectoryWriter {
   // read, and a link are never removed, nor counted. Nothing is removed without a readable
   // `latest` (failed says why). A failed removal leaves that tag loadable and goes on.
   Pruned prune(std::size_t keep) {
-    namespace fs = std::filesystem;
     Pruned out;
     if (keep == 0) return out;
-    // (position, manifest time, tag) of each checkpoint whose manifest reads, links left out.
-    using Entry = std::tuple<std::int64_t, fs::file_time_type, std::string>;
-    auto position = [&](const std::string& tag) -> std::optional<std::int64_t> {
-      std::error_code ec;
-      try {
-        if (fs::is_symlink(fs::symlink_status(dir_ / tag, ec))) return std::nullopt;
-        return Reader(dir_, tag).manifest().scaler.iter;
-      } catch (const Error&) {
-        return std::nullopt;
-      }
-    };
-    std::optional<std::int64_t> latest;
+    std::string latest;
     try {
-      const std::string tag = Reader::read_latest(dir_);
-      latest = position(tag);
-      if (!latest)
-        out.failed.push_back(detail::cat((dir_ / tag).string(),
-                                         ": `latest` names it but its manifest does not read; "
-                                         "nothing removed"));
+      latest = Reader::read_latest(dir_);
     } catch (const Error& e) {
       out.failed.push_back(e.message());
+      return out;
     }
-    if (!latest) return out;
-    std::vector<Entry> older;
-    for (auto& [when, tag] : checkpoint_tags(dir_))
-      if (const auto at = position(tag); at && *at < *latest)
-        older.emplace_back(*at, when, std::move(tag));
-    std::sort(older.begin(), older.end(), std::greater<>());
-    for (std::size_t i = keep - 1; i < older.size(); ++i) try {
-        remove_tag(std::get<2>(older[i]));
-        out.removed.push_back(std::get<2>(older[i]));
+    const auto all = checkpoints_in_order(dir_);
+    const auto counted = [](const Listed& c) { return c.manifest && !c.link; };
+    const auto named =
+        std::find_if(all.begin(), all.end(), [&](const Listed& c) { return c.tag == latest; });
+    if (named == all.end() || !counted(*named)) {
+      out.failed.push_back(detail::cat((dir_ / latest).string(), ": `latest` names it but ",
+                                       named != all.end() && named->link
+                                           ? "it is a symbolic link"
+                                           : "its manifest does not read",
+                                       "; nothing removed"));
+      return out;
+    }
+    std::size_t kept = 1;                                // latest's
+    for (auto c = all.rbegin(); c != all.rend(); ++c) {  // the newest first
+      if (!counted(*c) || c->manifest->scaler.iter >= named->manifest->scaler.iter) continue;
+      if (kept++ < keep) continue;
+      try {
+        remove_tag(c->tag);
+        out.removed.push_back(c->tag);
       } catch (const Error& e) {
         out.failed.push_back(e.message());
       }
+    }
     return out;
   }
 

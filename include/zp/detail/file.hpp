@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -308,12 +309,8 @@ class InputFile {
   // on_read(n) after each n bytes (a long check's progress). The buffer is no larger than the
   // file and never zeroed: a checkpoint's many small files each paid for clearing a megabyte
   // (under TSan, a fault per page of its shadow).
-  struct Unreported {
-    void operator()(std::size_t) const noexcept {}
-  };
-  template <class OnRead = Unreported>
   std::uint32_t crc32c_of_all(std::size_t buffer_bytes = std::size_t(1) << 20,
-                              OnRead&& on_read = {}) const {
+                              const std::function<void(std::uint64_t)>& on_read = {}) const {
     const auto bytes =
         std::size_t(std::clamp<std::uint64_t>(size_, 1, std::max<std::size_t>(buffer_bytes, 1)));
     const auto buf = std::make_unique_for_overwrite<std::byte[]>(bytes);
@@ -324,7 +321,7 @@ class InputFile {
       read_at(at, chunk);
       crc = detail::crc32c(chunk, crc);
       at += n;
-      on_read(n);
+      if (on_read) on_read(n);
     }
     return crc;
   }
