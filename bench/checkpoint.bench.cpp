@@ -28,9 +28,9 @@
 // (ZP_BENCH_CKPT_DIR=/dev/shm) the rows show zp's own cost.
 //
 // crc32c/P  the CRC-32C every checkpoint byte gets, written and read, over a 256 MiB buffer on
-//   one thread: P = sse4.2 (the crc32 instruction; where the CPU has it, zp's path) or portable
-//   (slicing-by-8). GBps, and vs_read: that over one core's read bandwidth measured in
-//   the same row (membw.hpp's read_gbps).
+//   one thread: P = sse4.2 (the crc32 instruction over three streams; where the CPU has it,
+//   zp's path) or portable (slicing-by-8). GBps, and vs_read: that over one core's read
+//   bandwidth measured in the same row (membw.hpp's read_gbps).
 #include <benchmark/benchmark.h>
 
 #include <fcntl.h>
