@@ -44,11 +44,17 @@ namespace zp::detail {
 // Software-based CRC Generators", 2005): table k advances a byte k positions, so eight bytes cost
 // eight independent lookups instead of a chain of eight. Both give the same bits.
 
+// The register times x, mod the polynomial (held reflected, as the register: bit 31 is x^0): one
+// bit of the CRC's division.
+constexpr std::uint32_t crc32c_times_x(std::uint32_t a) noexcept {
+  return (a >> 1) ^ (0x82F63B78u & (0u - (a & 1u)));
+}
+
 inline constexpr std::array<std::array<std::uint32_t, 256>, 8> crc32c_tables = [] {
   std::array<std::array<std::uint32_t, 256>, 8> t{};
   for (std::uint32_t i = 0; i < 256; ++i) {
     std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));  // reflected poly
+    for (int k = 0; k < 8; ++k) c = crc32c_times_x(c);
     t[0][i] = c;
   }
   for (std::size_t k = 1; k < 8; ++k)
@@ -77,11 +83,8 @@ inline std::uint32_t crc32c_portable(std::span<const std::byte> data,
 #if ZP_FILE_X86
 // The CRC's register (before its final inversion) is linear in it and in the data: run over
 // bytes D from register r it is r x^(8|D|) + (D's from 0), mod the polynomial P. So streams
-// computed apart join as first x^(8 |bytes after it|) + second. Polynomials are held
-// reflected, as the register: bit 31 is x^0, bit 0 is x^31.
-constexpr std::uint32_t crc32c_times_x(std::uint32_t a) noexcept {
-  return (a >> 1) ^ (0x82F63B78u & (0u - (a & 1u)));
-}
+// computed apart join as first x^(8 |bytes after it|) + second.
+
 // a b mod P.
 constexpr std::uint32_t crc32c_mulmod(std::uint32_t a, std::uint32_t b) noexcept {
   std::uint32_t r = 0;
