@@ -108,14 +108,14 @@ inline bool gave(const std::vector<std::string>& given, std::string_view flag) {
   return std::find(given.begin(), given.end(), flag) != given.end();
 }
 
-// Walks argv: --help prints the usage and exits 0; a flag in `switches` (no value) and every
-// other "--flag value" pair go to on_flag(flag, value) (value "" for a switch), which returns
-// false for a flag it does not know: an error naming it, as is a flag without its value, an
-// empty value, a value that is another flag ("--export --resume": the path forgotten) and a flag
-// given twice (only --text repeats). Returns the flags given, in order.
-template <class OnFlag>
+// Walks argv: --help prints the usage and exits 0; a flag in one of the `switches` lists (no
+// value) and every other "--flag value" pair go to on_flag(flag, value) (value "" for a switch),
+// which returns false for a flag it does not know: an error naming it, as is a flag without its
+// value, an empty value, a value that is another flag ("--export --resume": the path forgotten)
+// and a flag given twice (only --text repeats). Returns the flags given, in order.
+template <class OnFlag, class... Switches>
 std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
-                                    std::initializer_list<const char*> switches = {}) {
+                                    const Switches&... switches) {
   std::vector<std::string> given;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -124,8 +124,8 @@ std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnF
       std::fputs(p.more, stdout);
       std::exit(0);
     }
-    const bool is_switch = std::find_if(switches.begin(), switches.end(),
-                                        [&](const char* s) { return a == s; }) != switches.end();
+    const bool is_switch =
+        ((std::find(switches.begin(), switches.end(), a) != switches.end()) || ...);
     if (!is_switch && i + 1 >= argc) bad(p, "unknown flag or missing value: '" + a + "'");
     const std::string v = is_switch ? std::string() : std::string(argv[++i]);
     if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");

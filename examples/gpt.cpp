@@ -7,7 +7,7 @@
 //          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //          [--init-seed N] [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N]
 //          [--context N] [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
-//          [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
+//          [--recompute] [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N] [--eval PATH]
 //
 // A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <initializer_list>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -53,6 +54,7 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
+  bool recompute = false;  // --recompute: activation checkpointing (gpt::Activations)
   std::string prompt = "\n", init_from, eval;
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
@@ -93,6 +95,10 @@ const char* usage =
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
     "  --context N        tokens per sequence, the learned positions (default 32)\n"
+    "  --recompute        keep only each block's input and run its forward again in its\n"
+    "                     backward (activation checkpointing): one block's activations in\n"
+    "                     memory instead of every block's, for one more forward; bitwise the\n"
+    "                     same training\n"
     "  --init-from DIR    start from a Hugging Face GPT-2 directory of this shape (--export's, or\n"
     "                     transformers' save_pretrained), instead of the random initial weights\n"
     "  --sample N         after training, print N characters the model generates (default 0)\n"
@@ -104,12 +110,17 @@ const char* usage =
     "                     of the text in PATH (each once, in windows of --context)\n";
 
 const examples::Program program{"zp_gpt", usage, examples::run_usage};
+constexpr std::initializer_list<const char*> gpt_switches = {"--recompute"};
 
 Options parse(int argc, char** argv) {
   Options o;
   const std::vector<std::string> given = examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
+        if (a == "--recompute") {
+          o.recompute = true;
+          return true;
+        }
         if (a == "--steps") {  // 0: nothing to train (sample or export what was loaded)
           o.steps = examples::to_int(program, a, v, 0, 10000000);
           return true;
@@ -158,7 +169,7 @@ Options parse(int argc, char** argv) {
           return false;
         return true;
       },
-      examples::run_switches);
+      examples::run_switches, gpt_switches);
   examples::check_run_flags(program, o, given);
   if (!o.sampling.count)
     for (const char* f : {"--prompt", "--temperature", "--top-k", "--seed"})
@@ -263,7 +274,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, accum,
                                         rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
-  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch);
+  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch, o.recompute);
 
   // Every rank's parameter count, summed over the replica's TP x PP ranks.
   std::int64_t params = std::int64_t(engine.layout().used());
@@ -282,12 +293,12 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
         corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context,
         static_cast<long long>(params));
     std::printf(
-        "        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0), ZeRO stage %d "
+        "        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0%s), ZeRO stage %d "
         "over dp, backend %s, %s\n"
         "        micro-batch %d x micro-batches %d x dp %d = %lld sequences/step\n",
-        dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(), Stage, B::name,
-        zp::name(zp::dtype_of<T>), micro_batch, accum, dp,
-        static_cast<long long>(engine.batch().train_batch_size));
+        dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(),
+        o.recompute ? ", blocks recomputed" : "", Stage, B::name, zp::name(zp::dtype_of<T>),
+        micro_batch, accum, dp, static_cast<long long>(engine.batch().train_batch_size));
   }
   // Windows of context + 1 characters: the first context are the input, the last context the
   // targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch), so every
@@ -360,6 +371,10 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
         static_cast<long long>(engine.steps()), static_cast<unsigned long long>(progress.skipped()),
         secs, double(done - first_step) * double(rows) * accum * dp / secs);
     examples::print_memory(engine.memory());
+    std::size_t act = 0;
+    for (const auto& a : slots) act += a.bytes();
+    std::printf("activations on rank 0 (MiB): %.3f in %zu sets%s\n", examples::mib(act),
+                slots.size(), o.recompute ? ", one block's each (--recompute)" : "");
   }
 }
 

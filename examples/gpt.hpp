@@ -222,6 +222,13 @@ struct BlockActivations {
     fc.resize(r * std::size_t(s.ff));
     act.resize(r * std::size_t(s.ff));
   }
+  std::size_t bytes() const {
+    std::size_t n = 0;
+    for (const auto* v :
+         {&ln1, &mean1, &rstd1, &qkv, &att, &heads, &mid, &ln2, &mean2, &rstd2, &fc, &act})
+      n += v->size();
+    return n * sizeof(F);
+  }
 };
 
 // y = x + attn(ln_1(x)); y = y + mlp(ln_2(y)), over `batch` sequences of `context` tokens. c_attn
@@ -345,17 +352,27 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
 
 // One micro-batch in flight: its tokens, targets and everything backward needs. The caller
 // owns it (a pipeline keeps one per micro-batch in flight); Model::forward/loss/backward fill it.
+// With `recompute` (activation checkpointing, one checkpoint a block, as Megatron-LM's full
+// recomputation and llm.c's): a block keeps only its input, the residual stream x, and its
+// backward runs its forward again into one BlockActivations all blocks share. Memory: that one
+// set instead of one a block; time: one more forward of every block; results: bitwise the same
+// (the same code on the same inputs and weights). The last block a forward ran still has its
+// set, so its backward, the first, runs no forward again.
 template <class F>
 struct Activations {
   int batch = 0;
+  bool recompute = false;
+  int held = -1;  // with `recompute`: the layer whose activations the shared set holds
   std::vector<int> tokens, targets;   // [batch, context]; targets[i] is the token after tokens[i],
                                       // or zp::tp::ignore_index to leave position i out of the loss
   std::vector<std::vector<F>> x, dx;  // residual stream [layers + 1][rows, d] and d loss / d x
-  std::vector<BlockActivations<F>> blocks;
-  std::vector<F> lnf, meanf, rstdf;  // ln_f
-  std::vector<F> logits, dlogits;    // [rows, this rank's vocabulary columns]
+  std::vector<BlockActivations<F>> blocks;  // one a layer, or the one shared with `recompute`
+  std::vector<F> y;                         // with `recompute`: a block's output, computed again
+  std::vector<F> lnf, meanf, rstdf;         // ln_f
+  std::vector<F> logits, dlogits;           // [rows, this rank's vocabulary columns]
 
-  Activations(const Config& c, int batch_) : batch(batch_) {
+  Activations(const Config& c, int batch_, bool recompute_ = false)
+      : batch(batch_), recompute(recompute_) {
     c.check();
     ZP_EXPECT(batch > 0, "gpt: batch ", batch, " must be positive");
     const std::size_t r = std::size_t(batch) * std::size_t(c.context), d = std::size_t(c.d_model);
@@ -363,12 +380,24 @@ struct Activations {
     targets.assign(r, 0);
     x.assign(std::size_t(c.layers + 1), std::vector<F>(r * d));
     dx = x;
-    blocks.resize(std::size_t(c.layers));
+    blocks.resize(recompute ? 1 : std::size_t(c.layers));
+    if (recompute) y.resize(r * d);
     lnf.resize(r * d);
     meanf.resize(r);
     rstdf.resize(r);
   }
   int rows(const Config& c) const { return batch * c.context; }
+  // What block `layer` (0-based) saves for its backward.
+  BlockActivations<F>& block(int layer) { return blocks[recompute ? 0 : std::size_t(layer)]; }
+  // The bytes this set holds (the blocks' parts once they ran).
+  std::size_t bytes() const {
+    std::size_t n = (tokens.size() + targets.size()) * sizeof(int);
+    for (const auto* vs : {&x, &dx})
+      for (const auto& v : *vs) n += v.size() * sizeof(F);
+    for (const auto& b : blocks) n += b.bytes();
+    for (const auto* v : {&y, &lnf, &meanf, &rstdf, &logits, &dlogits}) n += v->size() * sizeof(F);
+    return n;
+  }
 };
 
 namespace detail {
@@ -557,7 +586,8 @@ class Model {
           x[std::size_t(r * d + i)] += wf_[1][std::size_t((r % c.context) * d + i)];
     } else if (m <= c.layers) {
       block_forward(shape_, c.context, a.batch, weights(), a.x[std::size_t(m - 1)].data(),
-                    a.x[std::size_t(m)].data(), a.blocks[std::size_t(m - 1)], tp_);
+                    a.x[std::size_t(m)].data(), a.block(m - 1), tp_);
+      a.held = m - 1;
     } else {
       layernorm_forward(a.lnf.data(), a.meanf.data(), a.rstdf.data(),
                         a.x[std::size_t(c.layers)].data(), wf_[0].data(), wf_[1].data(), rows, d);
@@ -599,9 +629,14 @@ class Model {
     } else if (m <= c.layers) {
       BlockGrads<F> g;
       for (int t = 0; t < block_tensors; ++t) g[std::size_t(t)] = gf_[std::size_t(t)].data();
+      if (a.recompute && a.held != m - 1) {  // the forward again, with the weights just loaded
+        block_forward(shape_, c.context, a.batch, weights(), a.x[std::size_t(m - 1)].data(),
+                      a.y.data(), a.block(m - 1), tp_);
+        a.held = m - 1;
+      }
       block_backward(shape_, c.context, a.batch, weights(), g, a.x[std::size_t(m - 1)].data(),
-                     a.dx[std::size_t(m)].data(), a.dx[std::size_t(m - 1)].data(),
-                     a.blocks[std::size_t(m - 1)], tp_);
+                     a.dx[std::size_t(m)].data(), a.dx[std::size_t(m - 1)].data(), a.block(m - 1),
+                     tp_);
     } else {
       std::vector<F> dln(std::size_t(rows) * std::size_t(d));
       matmul_backward(dln.data(), gf_[2].data(), static_cast<F*>(nullptr), a.dlogits.data(),

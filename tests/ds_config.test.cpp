@@ -585,6 +585,12 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
                  "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9,
                  "stage3_gather_16bit_weights_on_model_save": true}})",
        {}},
+      // Hugging Face's template: how checkpoints are kept, none asked of zp.
+      {"{}",
+       R"({"activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
+                 "contiguous_memory_optimization": false, "number_checkpoints": null,
+                 "synchronize_checkpoint_boundary": false, "profile": false}})",
+       {}},
       {"{}",
        R"({"memory_breakdown": true, "tensorboard": {"enabled": false, "output_path": "x"}, "amp": {"enabled": false},
                  "zero_allow_untested_optimizer": false, "gradient_predivide_factor": 1.0})",
@@ -799,6 +805,11 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
        {"aio.queue_depth: expected an integer in [1, 4096], got 0"}},
       {R"({"train_batch_size": 8, "aio": {"use_gds": true}})",
        {"aio.use_gds: known DeepSpeed key that zp does not support"}},
+      {R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": true}})",
+       {"activation_checkpointing.cpu_checkpointing: known DeepSpeed key that zp does not "
+        "support"}},
+      {R"({"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": -1}})",
+       {"activation_checkpointing.number_checkpoints: expected"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage3_max_live_parameters": 1, "max_live_parameters": 2}})",
        {"zero_optimization.max_live_parameters: both stage3_max_live_parameters and its alias "
         "max_live_parameters"}},

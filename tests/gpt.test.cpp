@@ -173,6 +173,51 @@ TEST_CASE(
   }
 }
 
+// Activation checkpointing recomputes each block's forward in its backward: the same code on the
+// same inputs and weights, so every gradient is bitwise the one of keeping each block's
+// activations, and the set holds one block's activations instead of one a layer.
+TEST_CASE(
+    "recompute: bitwise the gradients of keeping every block's activations, one block's memory") {
+  const std::uint64_t seed = seed_for(6);
+  const gpt::Config c{.vocab = 11, .context = 5, .d_model = 8, .heads = 2, .layers = 4};
+  std::vector<std::vector<float>> grads[2], dx0[2];
+  std::size_t bytes[2] = {};
+  for (const bool recompute : {false, true}) {
+    gpt::Model<float> m(c, seed);
+    Storage<float> s = bind(m);
+    gpt::Activations<float> a(c, tiny_batch, recompute);
+    // Two micro-batches into the same set, gradients accumulating: the second forward must
+    // replace what the first left, the recomputed activations too.
+    for (std::uint64_t micro = 0; micro < 2; ++micro) {
+      random_tokens(a, c.vocab, seed + micro);
+      forward_loss(m, a);
+      backward_all(m, a);
+      dx0[recompute].push_back(a.dx[0]);
+    }
+    grads[recompute] = s.grad_mem;
+    bytes[recompute] = a.bytes();
+  }
+  REQUIRE(grads[0].size() == grads[1].size());
+  std::size_t differ = 0, nonzero = 0;
+  for (std::size_t k = 0; k < grads[0].size(); ++k)
+    for (std::size_t i = 0; i < grads[0][k].size(); ++i) {
+      differ += grads[0][k][i] != grads[1][k][i];
+      nonzero += grads[0][k][i] != 0;
+    }
+  CHECK(differ == 0);
+  CHECK(nonzero > 0);
+  CHECK(dx0[0] == dx0[1]);
+  // Per block: ln_1, the residual after attention and ln_2 [rows, d], four row statistics, q k v
+  // and the heads' output [rows, 4d], the attention probabilities [batch, heads, T, T], c_fc's
+  // output before and after GELU [rows, 4d]; recomputing adds one block output [rows, d].
+  const std::size_t rows = std::size_t(tiny_batch) * std::size_t(c.context),
+                    d = std::size_t(c.d_model), T = std::size_t(c.context);
+  const std::size_t block = 3 * rows * d + 4 * rows + 4 * rows * d +
+                            std::size_t(tiny_batch) * std::size_t(c.heads) * T * T +
+                            2 * rows * 4 * d;
+  CHECK(bytes[0] - bytes[1] == (std::size_t(c.layers - 1) * block - rows * d) * sizeof(float));
+}
+
 TEST_CASE("the attention is causal: a later token does not change earlier positions' logits") {
   const std::uint64_t seed = seed_for(2);
   gpt::Model<float> m(tiny, seed);

@@ -39,6 +39,14 @@ struct Run {
   // The single-rank reference: its micro-batch k is micro-batch k % micro_batches of replica
   // k / micro_batches, so it sees the global batch of every replica.
   bool reference = false;
+  bool recompute = false;  // activation checkpointing (gpt::Activations)
+  int layers = grid::cfg.layers;
+
+  gpt::Config config() const {
+    gpt::Config c = grid::cfg;
+    c.layers = layers;
+    return c;
+  }
 };
 
 // Micro-batch `micro` of replica `dp` at `step`: random tokens, the same on every rank of it.
@@ -64,6 +72,7 @@ struct RankResult {
 template <int Stage, zp::Backend B>
 RankResult train(zp::Collective<B>& world, const Run& run) {
   zp::ProcessGrid<B> grid(world, run.shape);
+  const gpt::Config cfg = run.config();
   const auto [first, end] = gpt::pipeline_stage(cfg, run.shape.pp, grid.coords().pp);
   gpt::Model<float> model(cfg, run.seed, zp::tp::Group<float>(grid.tp()), {first, end});
   zp::EngineConfig ec;
@@ -81,7 +90,7 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   zp::pipeline::Runner<B, float> runner(grid.pp(), run.schedule, run.micro_batches,
                                         rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
-  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch);
+  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch, run.recompute);
   zp::CommStats dp = grid.dp().stats();  // after the engine's set-up collectives
   const zp::OpStats mp0 = grid.model_parallel().stats()[zp::CollOp::all_reduce];
   RankResult out;
@@ -115,11 +124,13 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   if (run.shape.tp > 1) {
     // Per micro-batch: 4 all_reduces of b x s x h per block (2 forward, 2 backward), 1 for the
     // embedding's output, 1 for the head's input gradient, and the loss's 1 + 2 of b x s.
+    // Recomputing adds a block's 2 forward ones for every block of the stage but its last.
     const std::uint64_t blocks =
         std::uint64_t(std::clamp(end, 1, cfg.layers + 1) - std::clamp(first, 1, cfg.layers + 1));
+    const std::uint64_t per_mb = 4 * blocks + (run.recompute && blocks ? 2 * (blocks - 1) : 0);
     const bool embed = first == 0, head = end == cfg.layers + 2;
-    CHECK(tp.calls == mb * (4 * blocks + (embed ? 1 : 0) + (head ? 3 : 0)));
-    CHECK(tp.bytes == mb * ((4 * blocks + (embed ? 1 : 0) + (head ? 1 : 0)) * act +
+    CHECK(tp.calls == mb * (per_mb + (embed ? 1 : 0) + (head ? 3 : 0)));
+    CHECK(tp.bytes == mb * ((per_mb + (embed ? 1 : 0) + (head ? 1 : 0)) * act +
                             (head ? 3 * rows * sizeof(float) : 0)));
   } else {
     CHECK(tp.calls == 0);

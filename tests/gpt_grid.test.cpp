@@ -109,6 +109,47 @@ TEST_CASE("4 pipeline stages and 4 tensor-parallel ranks (one module, one head e
   check_grid<3>({.dp = 1, .tp = 4, .pp = 1}, zp::pipeline::Schedule::one_f_one_b);
 }
 
+// Activation checkpointing changes when a block's activations are computed, not their values:
+// every rank's parameters, gradient norms and losses are bitwise those of the same grid keeping
+// them, under tensor parallelism (its all_reduces run again), pipelines and ZeRO stage 3 (the
+// backward's gathered weights); the TP counters add the recomputed forwards (gpt_grid.hpp).
+TEST_CASE("recomputed activations train bitwise as kept ones on DP x TP x PP grids") {
+  // 4 layers: a pipeline stage of 2 blocks or more recomputes (the last block's set is kept).
+  auto same = []<int Stage>(std::integral_constant<int, Stage>, zp::GridShape shape,
+                            zp::pipeline::Schedule schedule) {
+    CAPTURE(shape.dp);
+    CAPTURE(shape.tp);
+    CAPTURE(shape.pp);
+    CAPTURE(Stage);
+    std::map<int, g::RankResult> kept;
+    std::mutex m;
+    for (const bool recompute : {false, true})
+      zp::backend::run_threads(shape.size(), [&](Collective<Threads>& world) {
+        g::RankResult r = g::train<Stage>(world, {.seed = run_seed(),
+                                                  .shape = shape,
+                                                  .schedule = schedule,
+                                                  .recompute = recompute,
+                                                  .layers = 4});
+        std::lock_guard lk(m);
+        if (!recompute) {
+          kept[world.rank()] = std::move(r);
+          return;
+        }
+        const g::RankResult& k = kept.at(world.rank());
+        CHECK(r.names == k.names);
+        CHECK(r.values == k.values);
+        CHECK(r.norms == k.norms);
+        CHECK(r.losses == k.losses);
+      });
+  };
+  same(std::integral_constant<int, 3>{}, {.dp = 2, .tp = 2, .pp = 2},
+       zp::pipeline::Schedule::one_f_one_b);
+  same(std::integral_constant<int, 1>{}, {.dp = 1, .tp = 2, .pp = 2},
+       zp::pipeline::Schedule::gpipe);
+  same(std::integral_constant<int, 3>{}, {.dp = 2, .tp = 1, .pp = 1},
+       zp::pipeline::Schedule::one_f_one_b);
+}
+
 // gpt::train_step copies the pipeline's boundaries into the model's residual stream: a runner
 // whose boundary is not one micro-batch's stream, or a stage holding another stage's modules,
 // is an error on each rank before any boundary moves (it overran the buffer or ran a module

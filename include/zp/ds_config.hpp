@@ -588,6 +588,17 @@ inline constexpr ConfigKey checkpoint_keys[] = {
     ConfigKey::unsupported("use_node_local_storage", Off::is_false),
     ConfigKey::unsupported("parallel_write")};
 
+// DeepSpeed's activation checkpointing, which a model's own code asks for (zp_gpt: --recompute,
+// recomputing each block from its input); the section only says how the checkpoints are kept.
+inline constexpr ConfigKey activation_keys[] = {
+    ConfigKey::unsupported("partition_activations", Off::is_false),
+    ConfigKey::unsupported("cpu_checkpointing", Off::is_false),
+    ConfigKey::unsupported("profile", Off::is_false),
+    // How DeepSpeed lays its checkpoint buffers out and synchronises around them.
+    ConfigKey::ignored("contiguous_memory_optimization", boolean()),
+    ConfigKey::ignored("number_checkpoints", count().or_null()),
+    ConfigKey::ignored("synchronize_checkpoint_boundary", boolean())};
+
 void read_fp16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
 void read_bf16(const Ctx& c, const json& j, const std::string& path, Config& cfg);
 void read_zero(const Ctx& c, const json& j, const std::string& path, Config& cfg);
@@ -647,7 +658,11 @@ inline constexpr ConfigKey root_keys[] = {
     ConfigKey::unsupported("dump_state", Off::is_false),
     ConfigKey::unsupported("dataloader_drop_last", Off::is_false),
     ConfigKey::unsupported("graph_harvesting", Off::is_false),
-    ConfigKey::unsupported("activation_checkpointing"),
+    ConfigKey::object<activation_keys>(
+        "activation_checkpointing", [](auto& c) -> auto& { return c; })
+        .listed(+[](const Config&, const std::string& path, Listing& out) {
+          out.push_back({path, "the model's to do (zp_gpt: --recompute); nothing asked of zp"});
+        }),
     ConfigKey::unsupported("pipeline"),
     ConfigKey::object<aio_keys>(
         "aio", [](auto& c) -> auto& { return c.aio; }),
