@@ -9,6 +9,7 @@
 //          [--context N] [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--recompute] [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N] [--eval PATH]
+//          [--eval-every N]
 //
 // A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
 // --tp, --pp), --stage or --backend: each rank saves its part of the model with where it sits
@@ -18,7 +19,7 @@
 // characters the trained model generates after --prompt; with --resume and no steps left
 // (--steps equal to the checkpoint's), it samples from the checkpoint. --eval PATH prints the
 // trained (or, with --steps 0, the loaded) model's mean loss of predicting every next character
-// of PATH.
+// of PATH; with --eval-every N, also every N steps.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
@@ -55,6 +56,7 @@ namespace {
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
   bool recompute = false;  // --recompute: activation checkpointing (gpt::Activations)
+  int eval_every = 0;      // --eval-every: --eval's loss every N steps too
   std::string prompt = "\n", init_from, eval;
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
@@ -107,7 +109,8 @@ const char* usage =
     "  --top-k N          sample among the N most likely characters; 0: all (default 0)\n"
     "  --seed N           the sampling's random seed (default 1)\n"
     "  --eval PATH        after training, print the mean loss of predicting every next character\n"
-    "                     of the text in PATH (each once, in windows of --context)\n";
+    "                     of the text in PATH (each once, in windows of --context)\n"
+    "  --eval-every N     ... and every N steps of training too (a validation loss)\n";
 
 const examples::Program program{"zp_gpt", usage, examples::run_usage};
 constexpr std::initializer_list<const char*> gpt_switches = {"--recompute"};
@@ -142,6 +145,8 @@ Options parse(int argc, char** argv) {
           o.init_from = v;
         else if (a == "--eval")
           o.eval = v;
+        else if (a == "--eval-every")
+          o.eval_every = examples::to_int(program, a, v, 1, 10000000);
         else if (a == "--prompt")
           o.prompt = v;
         else if (a == "--temperature") {
@@ -175,6 +180,8 @@ Options parse(int argc, char** argv) {
     for (const char* f : {"--prompt", "--temperature", "--top-k", "--seed"})
       if (examples::gave(given, f))
         examples::bad(program, std::string(f) + " without --sample N: nothing is sampled");
+  if (o.eval_every && o.eval.empty())
+    examples::bad(program, "--eval-every without --eval PATH: nothing to evaluate");
   if (o.d_model % o.heads != 0)
     examples::bad(program, "--heads " + std::to_string(o.heads) + " does not divide --d-model " +
                                std::to_string(o.d_model));
@@ -324,9 +331,29 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
       bytes += c->stats().total().bytes;
     return bytes;
   };
+  const std::vector<int>& eval = texts.eval;
+  // The trained values as one whole model on the lead rank, for f(full, its values) there
+  // (the run's own views are the engine's). Collective: every rank gathers its part, and DP rank
+  // 0 of each replica assembles the TP x PP parts.
+  auto with_whole = [&](auto&& f) {
+    std::vector<T> whole = engine.gather_params();  // this rank's part
+    if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
+      whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
+    if (!lead) return;
+    gpt::Model<T> full(cfg, 0);
+    std::size_t at = 0;  // gather_params' order: the whole model's, forward
+    zp::visit_parameters<T>(full, [&](std::string_view, int, zp::View<T>& value, zp::View<T>&) {
+      std::copy_n(whole.begin() + std::ptrdiff_t(at), value.size(), value.data());
+      at += value.size();
+    });
+    f(full, std::span<const T>(whole));
+  };
+  auto eval_loss = [&](gpt::Model<T>& full) { return gpt::evaluate(full, eval, micro_batch); };
+
   const int first_step = examples::resume(engine, world, program, o, corpus);
   examples::JsonLog json(o, lead);
   const auto t0 = std::chrono::steady_clock::now();
+  double eval_secs = 0;  // --eval-every's, left out of the tokens/s
   examples::Progress progress(o.log_every, first_step, o.steps);
   examples::stop_signal::install();
   int done = first_step;  // steps done: o.steps, or fewer where a signal stopped the run
@@ -340,29 +367,26 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     json.line(step + 1, loss, r.result);
     progress.step(world, engine, step, loss, r.result, std::int64_t(rows) * accum * dp, traffic());
     done = step + 1;
+    if (o.eval_every && done % o.eval_every == 0) {
+      const auto e0 = std::chrono::steady_clock::now();
+      with_whole([&](gpt::Model<T>& full, std::span<const T>) {
+        std::printf("eval: step %d loss %.7f\n", done, eval_loss(full));
+      });
+      eval_secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
+    }
     stopped = examples::end_step(engine, world, program, o, done, corpus, lead);
   }
-  const std::vector<int>& eval = texts.eval;
   // One gather for all three; a stopped run does none of them (it goes on from its checkpoint).
-  if (!stopped && (!o.export_dir.empty() || o.sampling.count || !eval.empty())) {
-    std::vector<T> whole = engine.gather_params();  // this rank's part
-    if (auto* mp = engine.model_parallel(); mp && dp_rank == 0)
-      whole = gpt::gather_whole(model, std::span<const T>(whole), *mp, grid.coords().tp);
-    if (lead) {  // one whole model of the trained values (the run's own views are the engine's)
-      gpt::Model<T> full(cfg, 0);
-      std::size_t at = 0;  // gather_params' order: the whole model's, forward
-      zp::visit_parameters<T>(full, [&](std::string_view, int, zp::View<T>& value, zp::View<T>&) {
-        std::copy_n(whole.begin() + std::ptrdiff_t(at), value.size(), value.data());
-        at += value.size();
-      });
-      if (!o.export_dir.empty()) export_hf(full, std::span<const T>(whole), o, corpus);
+  if (!stopped && (!o.export_dir.empty() || o.sampling.count || !eval.empty()))
+    with_whole([&](gpt::Model<T>& full, std::span<const T> whole) {
+      if (!o.export_dir.empty()) export_hf(full, whole, o, corpus);
       if (o.sampling.count) print_sample(full, o, corpus, texts);
       if (!eval.empty())
-        std::printf("eval: loss %.7f over the %zu next characters of %s\n",
-                    gpt::evaluate(full, eval, micro_batch), eval.size() - 1, o.eval.c_str());
-    }
-  }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("eval: loss %.7f over the %zu next characters of %s\n", eval_loss(full),
+                    eval.size() - 1, o.eval.c_str());
+    });
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_secs;
   if (lead && first_step < done) {
     std::printf(
         "\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s, %.0f "

@@ -45,6 +45,8 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
+refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10
+refused 2 "--eval-every expects an integer in [1, 10000000], got '0'" "$gpt" --eval-every 0
 # The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
 refused 2 "--save-every expects an integer in [1, 10000000], got '0'" "$sim" --save-every 0
