@@ -32,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -149,6 +150,8 @@ zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {
   c.offload_param = (offload & params_offloaded) != 0;
   if (c.offload_param && c.optimizer_nvme) c.param_nvme = zp::NvmeOptions{.path = swap.path};
   c.max_grad_norm = max_grad_norm;
+  // p1, p3 and p4 take no weight decay: each module's step has views of both kinds.
+  c.weight_decay_filter = [](std::string_view n) { return n != "p1" && n != "p3" && n != "p4"; };
   c.batch = {.micro_batch_per_rank = 1, .gradient_accumulation_steps = 2};
   c.bucket_bytes = 8192;
   c.first_bucket_bytes = 2048;

@@ -139,7 +139,13 @@ class Engine {
     if constexpr (requires { comm.backend().node_layout(); })
       if (config_.ranks_per_node == 0)
         config_.ranks_per_node = comm.backend().node_layout().per_node;
-    expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_);
+    if (config_.weight_decay_filter) {  // empty where every parameter decays
+      for (const auto& p : L.params()) decays_.push_back(config_.weight_decay_filter(p.name));
+      if (std::count(decays_.begin(), decays_.end(), 1) == std::ptrdiff_t(decays_.size()))
+        decays_.clear();
+    }
+    expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_,
+                                  std::span<const char>(decays_));
     load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params);
     bind_views(part_, bound_);
@@ -181,7 +187,7 @@ class Engine {
       coords_ = grid.coords();
       // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
       expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
-                                    precision_, opt_, true);
+                                    precision_, opt_, std::span<const char>(decays_), true);
     }
   }
 
@@ -521,9 +527,9 @@ class Engine {
     const auto update = [&] {
       if (!invalid_.empty()) return;  // the gate skips the step: nothing to validate again
       if (precision_.f32_result(Stage))
-        apply_update<true>(part_, opt_, scalars, o, gate, offload_);
+        apply_update<true>(part_, opt_, scalars, o, gate, offload_, decays_);
       else
-        apply_update<false>(part_, opt_, scalars, o, gate, offload_);
+        apply_update<false>(part_, opt_, scalars, o, gate, offload_, decays_);
     };
     if (!part_.swap() && !part_.param_swap()) {
       update();
@@ -611,6 +617,7 @@ class Engine {
   std::optional<ParamCoordinator<T, B>> params_;  // stage 3: gathers, prefetches, releases
   StepStatistics<S> stats_;                       // step()'s all_reduce and gate
   OffloadStaging<S> offload_;  // ZeRO-Offload's host copies (device: pinned, double-buffered)
+  std::vector<char> decays_;   // per parameter of the layout: takes weight decay (empty: all)
   std::int64_t micro_ = 0, step_ = 0;
   std::string broken_;   // why the engine refuses further calls ("" while usable)
   std::string invalid_;  // this step's hyper-parameter error on this rank ("" if valid)

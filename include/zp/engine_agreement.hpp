@@ -4,6 +4,7 @@
 // one differs, every rank throws an error naming it, with this rank's values.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -58,6 +59,13 @@ template <Backend B>
 }
 }  // namespace detail
 
+// The weight decay flags' fingerprint (empty: every parameter decays).
+inline std::uint64_t decay_hash(std::span<const char> decays) {
+  detail::Fnv1a h;
+  for (const char d : decays) h.add(d != 0);
+  return h.value();
+}
+
 // Everything that must agree across ranks, as fingerprints compared in one all_reduce
 // (first_difference), so a difference names what differs, on every rank. `model_parallel`: comm
 // is a replica's TP x PP group, whose ranks hold different parts of the model, each gathered
@@ -67,7 +75,7 @@ template <Backend B, class Opt>
 void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype,
                                    const EngineConfig& c, const BatchConfig& batch,
                                    const GradPrecision& precision, const Opt& opt,
-                                   bool model_parallel = false) {
+                                   std::span<const char> decays, bool model_parallel = false) {
   const LossScaler& ls = c.loss_scaler;
   const DynamicScale& d = ls.config();
   const std::string parts[] = {
@@ -91,7 +99,11 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
       // The NVMe step adds an agreement to every step: all ranks or none.
       detail::cat("optimizer state or parameters on NVMe (this rank: ",
                   c.optimizer_nvme ? "state" : "no state", ", ",
-                  c.param_nvme ? "params" : "no params", ")")};
+                  c.param_nvme ? "params" : "no params", ")"),
+      detail::cat("parameters that take weight decay (this rank: ",
+                  decays.empty() ? L.params().size()
+                                 : std::size_t(std::count(decays.begin(), decays.end(), 1)),
+                  " of ", L.params().size(), ", EngineConfig::weight_decay_filter)")};
   const std::uint64_t h[] = {
       model_parallel ? 0 : L.hash(),
       detail::Fnv1a().all(stage, dtype).value(),
@@ -115,7 +127,8 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                      c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
                      c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
                 .value(),
-      detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value()};
+      detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value(),
+      model_parallel ? 0 : decay_hash(decays)};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
   if (k == 0) detail::throw_layout_difference(comm, L, c);
   if (k < std::size(h))

@@ -9,8 +9,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
@@ -186,6 +188,13 @@ struct EngineConfig {
   // step) the accumulation dtype changes nothing and costs nothing.
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
+  // Which parameters the optimizer's weight decay applies to, by the name the model's
+  // visit_parameters gives (PyTorch's param groups with weight_decay 0 for the others;
+  // Megatron-LM's no_weight_decay_cond); empty: all of them. GPT practice (GPT-2, nanoGPT,
+  // Megatron-LM) decays the matrices, not the biases and the norms' gains. It must choose alike on
+  // every rank (the engine checks that the data-parallel ranks agree); a checkpoint does not keep
+  // it: it is the program's, as the model is.
+  std::function<bool(std::string_view name)> weight_decay_filter = nullptr;
   // DeepSpeed's: rank 0 prints StepResult::times every steps_per_print optimizer steps.
   bool wall_clock_breakdown = false;
   int steps_per_print = 10;

@@ -298,6 +298,10 @@ class Partitioned {
     param_swap_->read_ahead(at, to - at, into);
   }
 
+  // The full-layout index of the first element of segment s this rank updates.
+  std::size_t updated_offset(int s) const {
+    return place<Field::master>(s, Extent::updated).offset;
+  }
   // The optimizer's view of the elements of segment s this rank updates; F32: the gradient from
   // the fp32 gradient buffer.
   template <bool F32>

@@ -107,26 +107,58 @@ class StepStatistics {
   double h0_ = 0, h1_ = 0;
 };
 
+// Calls f(w) for each run of view v (segment s of L, its elements from full-layout index
+// `first`) whose parameters agree on weight decay (decays[p] for parameter p of L; empty: all
+// decay), w.decay set. Padding between parameters goes with the run before it.
+template <class V, class F>
+void decay_runs(const Layout& L, std::span<const char> decays, int s, std::size_t first, const V& v,
+                F&& f) {
+  if (decays.empty()) return f(v);
+  const std::size_t n = v.grad.size();
+  std::size_t begin = 0;  // the current run's first element in v
+  int decay = -1;         // the current run's flag (-1: no parameter seen yet)
+  auto emit = [&](std::size_t end) {
+    V w = v.subview(begin, end - begin);
+    w.decay = decay != 0;
+    f(w);
+    begin = end;
+  };
+  for (int p : L.segment(s).params) {
+    const auto& lp = L.params()[std::size_t(p)];
+    if (lp.size == 0 || lp.offset + lp.size <= first || lp.offset >= first + n) continue;
+    const int d = decays[std::size_t(p)] != 0;
+    if (decay >= 0 && d != decay) emit(lp.offset - first);
+    decay = d;
+  }
+  emit(n);
+}
+
 // The optimizer update of every segment this rank updates, as the gate says: in the memory space
 // where the shard lives, or, offloaded (master weights and state in host memory), by the CPU on
 // host copies of the gradient and the new T values. gate: in the memory space, or in host memory
-// when offloaded. F32: the gradient from the fp32 gradient buffer.
+// when offloaded. F32: the gradient from the fp32 gradient buffer. decays: decay_runs'.
 template <bool F32, class P, class Opt>
 void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scalars,
                   const optim::cpu::Options& o, const double* gate,
-                  OffloadStaging<P::memory_space>& offload) {
-  const int segments = part.layout().segment_count();
+                  OffloadStaging<P::memory_space>& offload, std::span<const char> decays = {}) {
+  const Layout& L = part.layout();
+  const int segments = L.segment_count();
   const bool swapped = part.swap() || part.param_swap();
   if (!part.offloaded() && !swapped) {
     std::vector<decltype(part.template update_view<F32>(0))> views;
     views.reserve(std::size_t(segments));
-    for (int s = 0; s < segments; ++s) views.push_back(part.template update_view<F32>(s));
+    for (int s = 0; s < segments; ++s)
+      decay_runs(L, decays, s, part.updated_offset(s), part.template update_view<F32>(s),
+                 [&](const auto& w) { views.push_back(w); });
     ShardStep<P::memory_space>::update(opt, scalars, std::span(std::as_const(views)), o, gate);
     return;
   }
   if (gate[1] != 0) return;
-  const auto step = [&](const auto& v) {
-    ShardStep<MemorySpace::host>::update(opt, scalars, std::span(&v, 1), o, gate);
+  // The host step of the view of segment s from full-layout index `first`.
+  const auto step = [&](int s, std::size_t first, const auto& v) {
+    decay_runs(L, decays, s, first, v, [&](const auto& w) {
+      ShardStep<MemorySpace::host>::update(opt, scalars, std::span(&w, 1), o, gate);
+    });
   };
   // The new T values go where the view's param is: to the device, or, offloaded or swapped,
   // straight into host memory.
@@ -134,7 +166,7 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
   if (!swapped)
     return offload.run(
         segments, [&](int s) { return part.template update_view<F32>(s); },
-        [&](int, const auto& v) { step(v); }, param_host);
+        [&](int s, const auto& v) { step(s, part.updated_offset(s), v); }, param_host);
   // On NVMe: the pieces of each sub-group between the swaps' enter and leave (the optimizer
   // state's swap, the parameters', or both: they have the same sub-groups).
   const auto each = [&](auto&& f) {
@@ -151,7 +183,8 @@ void apply_update(const P& part, const Opt& opt, const optim::StepScalars& scala
           const std::size_t c = pieces[std::size_t(j)].sub_group;
           if (j == 0 || pieces[std::size_t(j) - 1].sub_group != c)
             each([&](auto& sw) { sw.enter(c); });
-          step(v);
+          const SwapPiece& q = pieces[std::size_t(j)];
+          step(q.segment, part.updated_offset(q.segment) + q.first, v);
           if (j + 1 == n || pieces[std::size_t(j) + 1].sub_group != c)
             each([&](auto& sw) { sw.leave(c); });
         },

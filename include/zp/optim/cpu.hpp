@@ -274,7 +274,7 @@ void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard,
                           optim::detail::used_slots(opt)};
   for (int k = 0; k < b.slots; ++k) b.state[k] = shard.state[std::size_t(k)].data();
   const Isa isa = detail::resolve(options.isa);
-  const auto c = optim::detail::prepare(opt, s);
+  const auto c = optim::detail::prepare(optim::detail::for_view(opt, shard.decay), s);
   detail::parallel_tiles(n, options.threads, [&](std::size_t begin, std::size_t end, std::size_t) {
     detail::step_tile<Opt, T, G>(isa, c, b, begin, end);
   });

@@ -143,9 +143,10 @@ void step(const Opt& opt, const StepScalars& s, std::span<const ShardView<T, G>>
   for (const ShardView<T, G>& shard : shards)  // all checked before any is enqueued
     optim::detail::check_step(opt, s, shard);
   const int slots = optim::detail::used_slots(opt);
-  const auto c = optim::detail::prepare(opt, s);
+  const auto c = optim::detail::prepare(opt, s),
+             no_decay = optim::detail::prepare(optim::detail::for_view(opt, false), s);
   const auto item = [&](const ShardView<T, G>& v) {
-    detail::StepItem<Opt, T, G> f{c,
+    detail::StepItem<Opt, T, G> f{v.decay ? c : no_decay,
                                   v.master.data(),
                                   v.grad.data(),
                                   v.state[0].data(),

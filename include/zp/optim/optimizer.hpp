@@ -197,13 +197,21 @@ std::uint64_t fingerprint(const O& o) {
 
 // One shard's buffers, all of the same length: the fp32 master weights (updated in place), the
 // gradient in G (read only), the fp32 state (state[0..state_slots) used, updated in place) and
-// the model's copy in T (written only).
+// the model's copy in T (written only). decay false: the step runs with weight_decay 0 (the
+// parameters a model excludes from decay, as a PyTorch param group with weight_decay 0).
 template <class T, class G>
 struct ShardView {
   std::span<float> master;
   std::span<const G> grad;
   std::array<std::span<float>, 2> state;
   std::span<T> param;
+  bool decay = true;
+
+  // Elements [b, b + n) of every buffer (an empty buffer stays empty).
+  ShardView subview(std::size_t b, std::size_t n) const {
+    auto cut = [&](auto sp) { return sp.empty() ? sp : sp.subspan(b, n); };
+    return {cut(master), cut(grad), {cut(state[0]), cut(state[1])}, cut(param), decay};
+  }
 };
 
 // Values of one step, may change on every step.
@@ -248,6 +256,13 @@ ZP_HOST_DEVICE inline float fma(float a, float b, float c) { return ::fmaf(a, b,
 ZP_HOST_DEVICE inline float sqrt(float a) { return ::sqrtf(a); }
 // -1, +0 or +1, like torch.sign (nan never reaches it: overflowing steps are skipped).
 ZP_HOST_DEVICE inline float sign(float a) { return float(a > 0.0f) - float(a < 0.0f); }
+
+// The optimizer of a view's step: `o`, or `o` without weight decay (ShardView::decay).
+template <class O>
+O for_view(O o, bool decay) {
+  if (!decay) o.weight_decay = 0;
+  return o;
+}
 
 // Per-step coefficients, computed once on the host in double and rounded to float, so the
 // element loops do no transcendental work. `Step<O>` is what an element update reads.
