@@ -7,7 +7,8 @@
 //          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
 //          [--init-seed N] [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N]
 //          [--context N] [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
-//          [--recompute] [--wall-clock-breakdown] [--log-json PATH] [--config ds_config.json]
+//          [--recompute] [--decay all|matrices] [--wall-clock-breakdown] [--log-json PATH]
+//          [--config ds_config.json]
 //          [--sample N] [--prompt TEXT] [--temperature X] [--top-k N] [--seed N] [--eval PATH]
 //          [--eval-every N]
 //
@@ -55,8 +56,9 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
-  bool recompute = false;  // --recompute: activation checkpointing (gpt::Activations)
-  int eval_every = 0;      // --eval-every: --eval's loss every N steps too
+  bool recompute = false;       // --recompute: activation checkpointing (gpt::Activations)
+  int eval_every = 0;           // --eval-every: --eval's loss every N steps too
+  bool decay_matrices = false;  // --decay matrices: gpt::is_matrix as the weight decay filter
   std::string prompt = "\n", init_from, eval;
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
@@ -97,6 +99,9 @@ const char* usage =
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
     "  --context N        tokens per sequence, the learned positions (default 32)\n"
+    "  --decay all|matrices  which parameters AdamW's weight decay applies to: all, or the\n"
+    "                     matrices only (not biases, not layer norms: GPT-2's practice)\n"
+    "                     (default all)\n"
     "  --recompute        keep only each block's input and run its forward again in its\n"
     "                     backward (activation checkpointing): one block's activations in\n"
     "                     memory instead of every block's, for one more forward; bitwise the\n"
@@ -145,7 +150,11 @@ Options parse(int argc, char** argv) {
           o.init_from = v;
         else if (a == "--eval")
           o.eval = v;
-        else if (a == "--eval-every")
+        else if (a == "--decay") {
+          if (v != "all" && v != "matrices")
+            examples::bad(program, "--decay expects all or matrices, got '" + v + "'");
+          o.decay_matrices = v == "matrices";
+        } else if (a == "--eval-every")
           o.eval_every = examples::to_int(program, a, v, 1, 10000000);
         else if (a == "--prompt")
           o.prompt = v;
@@ -306,6 +315,8 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
         dp, o.tp, o.pp, zp::pipeline::name(o.schedule), runner.slots(),
         o.recompute ? ", blocks recomputed" : "", Stage, B::name, zp::name(zp::dtype_of<T>),
         micro_batch, accum, dp, static_cast<long long>(engine.batch().train_batch_size));
+    if (o.decay_matrices)
+      std::printf("        weight decay on the matrices only (not biases, not layer norms)\n");
   }
   // Windows of context + 1 characters: the first context are the input, the last context the
   // targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch), so every
@@ -415,7 +426,9 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
       program, o, o, grid.shape().dp, world.rank() == 0, examples::small_model_buckets(),
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) {
-        train<E>(world, grid, o, c, texts, ec, opt, sched);
+        zp::EngineConfig with_filter = ec;
+        if (o.decay_matrices) with_filter.weight_decay_filter = gpt::is_matrix;
+        train<E>(world, grid, o, c, texts, with_filter, opt, sched);
       });
 }
 

@@ -25,6 +25,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -349,6 +350,13 @@ void block_backward(const BlockShape& s, int context, int batch, const BlockWeig
 }
 
 // ---- the model ------------------------------------------------------------------------------
+
+// GPT-2's weight decay practice (nanoGPT's, Megatron-LM's): the matrices decay (the embeddings,
+// c_attn, the c_projs, c_fc, lm_head), the biases and the layer norms' gains do not; for
+// zp::EngineConfig::weight_decay_filter.
+inline bool is_matrix(std::string_view name) {
+  return name.ends_with(".weight") && name.find("ln_") == std::string_view::npos;
+}
 
 // One micro-batch in flight: its tokens, targets and everything backward needs. The caller
 // owns it (a pipeline keeps one per micro-batch in flight); Model::forward/loss/backward fill it.

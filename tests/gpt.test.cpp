@@ -218,6 +218,18 @@ TEST_CASE(
   CHECK(bytes[0] - bytes[1] == (std::size_t(c.layers - 1) * block - rows * d) * sizeof(float));
 }
 
+// GPT-2's weight decay rule by name picks the tensors of two dimensions (nanoGPT's rule by shape).
+TEST_CASE("is_matrix names exactly the two-dimensional tensors") {
+  const gpt::Model<float> m(tiny, 1);
+  std::size_t matrices = 0;
+  for (const auto& t : m.tensors()) {
+    CAPTURE(t.name);
+    CHECK(gpt::is_matrix(t.name) == (t.rows > 1 && t.cols > 1));
+    matrices += gpt::is_matrix(t.name);
+  }
+  CHECK(matrices == std::size_t(2 + 4 * tiny.layers + 1));  // wte, wpe, 4 a block, lm_head
+}
+
 TEST_CASE("the attention is causal: a later token does not change earlier positions' logits") {
   const std::uint64_t seed = seed_for(2);
   gpt::Model<float> m(tiny, seed);

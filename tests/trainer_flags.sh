@@ -46,6 +46,7 @@ for prog in "$demo" "$gpt" "$sim"; do
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10
+refused 2 "--decay expects all or matrices, got 'bias'" "$gpt" --decay bias
 refused 2 "--eval-every expects an integer in [1, 10000000], got '0'" "$gpt" --eval-every 0
 # The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
