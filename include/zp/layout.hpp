@@ -161,6 +161,17 @@ class Layout {
   int segment_count() const noexcept { return int(segments_.size()); }
   int module_count() const noexcept { return int(modules_.size()); }
   const Segment& segment(int s) const { return segments_.at(std::size_t(s)); }
+  // Calls f(p, b, e) for each parameter p of segment s that holds elements of the full-layout
+  // range [first, first + n), [b, e) being those elements, in layout order.
+  template <class F>
+  void for_each_param_in(int s, std::size_t first, std::size_t n, F&& f) const {
+    for (int p : segment(s).params) {
+      const Param& lp = params_[std::size_t(p)];
+      const std::size_t b = std::max(first, lp.offset),
+                        e = std::min(first + n, lp.offset + lp.size);
+      if (b < e) f(p, b, e);
+    }
+  }
   const Module& module(int m) const { return modules_.at(std::size_t(m)); }
   std::size_t largest_segment() const noexcept {
     std::size_t n = 0;

@@ -81,12 +81,9 @@ class StepStatistics {
   template <class G, class Counted>
   static void select(const Layout& L, int s, std::size_t first, std::span<const G> piece,
                      Counted&& counted, std::vector<std::span<const G>>& out) {
-    const std::size_t end = first + piece.size();
-    for (int p : L.segment(s).params) {
-      const auto& lp = L.params()[std::size_t(p)];
-      const std::size_t b = std::max(first, lp.offset), e = std::min(end, lp.offset + lp.size);
-      if (b < e && counted(p)) out.push_back(piece.subspan(b - first, e - b));
-    }
+    L.for_each_param_in(s, first, piece.size(), [&](int p, std::size_t b, std::size_t e) {
+      if (counted(p)) out.push_back(piece.subspan(b - first, e - b));
+    });
   }
   std::span<double> sums() { return buf_.span(0, count); }
   // The gate, for `ranks` ranks in all: unscale divides the gradients, max_norm clips (0: never).
@@ -123,13 +120,11 @@ void decay_runs(const Layout& L, std::span<const char> decays, int s, std::size_
     f(w);
     begin = end;
   };
-  for (int p : L.segment(s).params) {
-    const auto& lp = L.params()[std::size_t(p)];
-    if (lp.size == 0 || lp.offset + lp.size <= first || lp.offset >= first + n) continue;
+  L.for_each_param_in(s, first, n, [&](int p, std::size_t b, std::size_t) {
     const int d = decays[std::size_t(p)] != 0;
-    if (decay >= 0 && d != decay) emit(lp.offset - first);
+    if (decay >= 0 && d != decay) emit(b - first);
     decay = d;
-  }
+  });
   emit(n);
 }
 

@@ -84,7 +84,7 @@ inline std::uint32_t crc32c_portable(std::span<const std::byte> data,
 // The CRC's register (before its final inversion) is linear in it and in the data: run over
 // bytes D from register r it is r x^(8|D|) + (D's from 0), mod the polynomial P. So streams
 // computed apart join as first x^(8 |bytes after it|) + second.
-
+//
 // a b mod P.
 constexpr std::uint32_t crc32c_mulmod(std::uint32_t a, std::uint32_t b) noexcept {
   std::uint32_t r = 0;
