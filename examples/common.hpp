@@ -112,7 +112,7 @@ inline bool gave(const std::vector<std::string>& given, std::string_view flag) {
 // value) and every other "--flag value" pair go to on_flag(flag, value) (value "" for a switch),
 // which returns false for a flag it does not know: an error naming it, as is a flag without its
 // value, an empty value, a value that is another flag ("--export --resume": the path forgotten)
-// and a flag given twice (only --text repeats). Returns the flags given, in order.
+// and a flag given twice (only --text and --tokens repeat). Returns the flags given, in order.
 template <class OnFlag, class... Switches>
 std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnFlag&& on_flag,
                                     const Switches&... switches) {
@@ -131,7 +131,7 @@ std::vector<std::string> parse_args(const Program& p, int argc, char** argv, OnF
     if (!on_flag(a, v)) bad(p, "unknown flag '" + a + "'");
     if (!is_switch && (v.empty() || v.starts_with("--")))
       bad(p, a + " expects a value, got " + (v.empty() ? "an empty one" : "the flag '" + v + "'"));
-    if (a != "--text" && gave(given, a)) bad(p, a + " is given twice");
+    if (a != "--text" && a != "--tokens" && gave(given, a)) bad(p, a + " is given twice");
     given.push_back(a);
   }
   return given;

@@ -1,11 +1,12 @@
-// zp_gpt: the GPT-style transformer of examples/gpt.hpp trained on the same text as zp_demo,
-// predicting every next character of each window of --context, on a DP x TP x PP grid: ZeRO
-// over the data-parallel ranks, Megatron's tensor parallelism inside each layer, the layers cut
-// into pipeline stages run by GPipe or 1F1B.
+// zp_gpt: the GPT-style transformer of examples/gpt.hpp trained on the same text as zp_demo (or
+// on llm.c's token files, --tokens), predicting every next character (token) of each window of
+// --context, on a DP x TP x PP grid: ZeRO over the data-parallel ranks, Megatron's tensor
+// parallelism inside each layer, the layers cut into pipeline stages run by GPipe or 1F1B.
 //
 //   zp_gpt [--stage 0-3] [--backend threads|mpi] [--ranks N] [--tp N] [--pp N] [--schedule 1f1b|gpipe]
 //          [--precision fp32|bf16|fp16] [--accum N] [--steps N] [--micro-batch N] [--lr X]
-//          [--init-seed N] [--log-every N] [--text PATH]... [--layers N] [--d-model N] [--heads N]
+//          [--init-seed N] [--log-every N] [--text PATH]... [--tokens PATH]... [--vocab N]
+//          [--layers N] [--d-model N] [--heads N]
 //          [--context N] [--checkpoint-dir DIR] [--save-every N] [--resume] [--export DIR]
 //          [--recompute] [--decay all|matrices] [--wall-clock-breakdown] [--log-json PATH]
 //          [--config ds_config.json]
@@ -15,17 +16,18 @@
 // A run saved with --checkpoint-dir/--save-every resumes with --resume on any grid (--ranks,
 // --tp, --pp), --stage or --backend: each rank saves its part of the model with where it sits
 // in the full tensors, and each rank of the new grid reads its own part.
-// --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with the
-// vocabulary (vocab.json), and --init-from DIR starts from one, on any grid. --sample N prints N
-// characters the trained model generates after --prompt; with --resume and no steps left
-// (--steps equal to the checkpoint's), it samples from the checkpoint. --eval PATH prints the
-// trained (or, with --steps 0, the loaded) model's mean loss of predicting every next character
-// of PATH; with --eval-every N, also every N steps.
+// --export DIR writes a Hugging Face GPT-2 directory (config.json, model.safetensors) with a
+// text's vocabulary (vocab.json), and --init-from DIR starts from one, on any grid. --sample N
+// prints N characters (token ids) the trained model generates after --prompt; with --resume and
+// no steps left (--steps equal to the checkpoint's), it samples from the checkpoint. --eval PATH
+// prints the trained (or, with --steps 0, the loaded) model's mean loss of predicting every next
+// character (token) of PATH; with --eval-every N, also every N steps.
 //
 // The training loop is gpt::train_step: each module (the embeddings, every block, the head)
 // runs inside the engine's forward and backward guards, the progress line and summary read as
 // zp_demo's.
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -38,11 +40,13 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common.hpp"
 #include "run_control.hpp"
 #include "gpt.hpp"
+#include "tokens.hpp"
 #if ZP_DEMO_IO
 #include "gpt_hf.hpp"
 #endif
@@ -60,6 +64,8 @@ struct Options : examples::TrainFlags, examples::RunFlags {
   int eval_every = 0;           // --eval-every: --eval's loss every N steps too
   bool decay_matrices = false;  // --decay matrices: gpt::is_matrix as the weight decay filter
   std::string prompt = "\n", init_from, eval;
+  std::vector<std::string> tokens;  // --tokens: llm.c's token files, in place of --text
+  int vocab = 50257;                // --vocab: the token ids' range with --tokens (GPT-2's)
   gpt::SampleOptions sampling;
   zp::pipeline::Schedule schedule = zp::pipeline::Schedule::one_f_one_b;
   Options() {
@@ -95,6 +101,9 @@ const char* usage =
     "                     host backends keep it) or in a swap file under DIR (default none)\n"
     "  --log-every N      progress line every N steps (default 25)\n"
     "  --text PATH        training text, repeatable (default: /usr/share/common-licenses/*)\n"
+    "  --tokens PATH      train on llm.c's token file (GPT-2's token ids) instead, repeatable;\n"
+    "                     --eval is then a token file and --prompt token ids (\"464 2068\")\n"
+    "  --vocab N          with --tokens: the token ids' range [0, N) (default 50257, GPT-2's)\n"
     "  --layers N         transformer blocks (default 2)\n"
     "  --d-model N        width of the residual stream (default 64)\n"
     "  --heads N          attention heads; must divide --d-model (default 4)\n"
@@ -150,6 +159,10 @@ Options parse(int argc, char** argv) {
           o.init_from = v;
         else if (a == "--eval")
           o.eval = v;
+        else if (a == "--tokens")
+          o.tokens.push_back(v);
+        else if (a == "--vocab")
+          o.vocab = examples::to_int(program, a, v, 1, 65536);
         else if (a == "--decay") {
           if (v != "all" && v != "matrices")
             examples::bad(program, "--decay expects all or matrices, got '" + v + "'");
@@ -201,72 +214,127 @@ Options parse(int argc, char** argv) {
     examples::bad(program, "--pp " + std::to_string(o.pp) + " is more than the " +
                                std::to_string(o.layers + 2) +
                                " modules of the model (--layers + 2)");
-  examples::default_text(program, o.text);
+  if (!o.tokens.empty() && !o.text.empty())
+    examples::bad(program, "--text and --tokens: train on a text or on token files, not both");
+  if (o.tokens.empty() && examples::gave(given, "--vocab"))
+    examples::bad(program, "--vocab without --tokens: a text's vocabulary is its characters");
+  if (!o.tokens.empty() && o.sampling.count && !examples::gave(given, "--prompt"))
+    examples::bad(program, "--sample with --tokens needs --prompt: the token ids to continue");
+  if (o.tokens.empty()) examples::default_text(program, o.text);
   return o;
 }
 
-// --export: a Hugging Face GPT-2 directory (examples/gpt_hf.hpp: config.json, model.safetensors)
-// and vocab.json; `model` (a whole model) gives the tensors' names and shapes, `whole` their
-// values (Engine::gather_params, assembled over the grid).
-template <class T>
-void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Options& o,
-               const examples::Corpus& corpus) {
-#if ZP_DEMO_IO
-  gpt::write_hf(model, whole, o.export_dir);
-  examples::write_vocab(o.export_dir, corpus);
-  std::printf("exported %s: config.json and model.safetensors (Hugging Face GPT-2), vocab.json\n",
-              o.export_dir.c_str());
-#else
-  (void)model, (void)whole, (void)o, (void)corpus;
-#endif
-}
-
-// The texts the trained model reads as token ids (--prompt with --sample, --eval), encoded
-// before any rank starts, so a character outside the vocabulary stops the run before training.
-struct Texts {
-  std::vector<int> prompt, eval;  // empty: no --sample, no --eval
+// What the run reads, made before any rank starts, so that a file it cannot use, or a character
+// or token outside the vocabulary, stops it before training: the windows it trains on, the
+// vocabulary, and --prompt's and --eval's ids.
+struct Data {
+  examples::Corpus corpus;    // the text's characters (id -> byte); none with --tokens
+  examples::Windows windows;  // of --context + 1 ids
+  int vocab = 0;
+  std::vector<int> prompt{}, eval{};  // empty: no --sample, no --eval
+  bool tokens() const noexcept { return corpus.chars.empty(); }
 };
 
-// --sample: `model` (the whole model, holding the trained values) continues --prompt.
-template <class T>
-void print_sample(gpt::Model<T>& model, const Options& o, const examples::Corpus& corpus,
-                  const Texts& texts) {
-  std::string text = o.prompt;
-  for (int id : gpt::sample(model, texts.prompt, o.sampling)) text += corpus.chars[std::size_t(id)];
-  std::printf("sample (temperature %g, top-k %d, seed %llu):\n%s\n", o.sampling.temperature,
-              o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed), text.c_str());
+// --prompt with --tokens: token ids separated by spaces or commas, each below the vocabulary.
+std::vector<int> parse_token_ids(const std::string& text, int vocab) {
+  std::vector<int> ids;
+  for (std::size_t at = 0; at < text.size();) {
+    if (text[at] == ' ' || text[at] == ',') {
+      ++at;
+      continue;
+    }
+    const std::size_t end = std::min(text.find_first_of(" ,", at), text.size());
+    const std::string id = text.substr(at, end - at);
+    char* stop = nullptr;
+    const long v = std::strtol(id.c_str(), &stop, 10);
+    if (!std::isdigit(static_cast<unsigned char>(id[0])) || *stop != '\0' || v >= vocab)
+      throw zp::Error(zp::Errc::invalid_argument,
+                      zp::detail::cat("--prompt: '", id, "' is not a token id in [0, ", vocab,
+                                      ") (with --tokens the prompt is token ids)"));
+    ids.push_back(int(v));
+    at = end;
+  }
+  if (ids.empty())
+    throw zp::Error(zp::Errc::invalid_argument, "--prompt '" + text + "' holds no token id");
+  return ids;
 }
 
-Texts read_texts(const Options& o, const examples::Corpus& corpus) {
-  Texts t;
+// --text's or --tokens' data, or the exit status 1 with the error printed.
+Data load_data(const Options& o) {
+  const int window = o.context + 1;
   try {
-    if (o.sampling.count) t.prompt = corpus.encode(o.prompt, "--prompt");
-    if (o.eval.empty()) return t;
-    const std::string text = examples::read_text(o.eval, "--eval text");
-    if (text.size() < 2)
-      throw zp::Error(zp::Errc::invalid_argument,
-                      "--eval " + o.eval + " is too short: " + std::to_string(text.size()) +
-                          " character(s), at least 2 needed (one prediction)");
-    t.eval = corpus.encode(text, "--eval " + o.eval);
-    return t;
+    auto checked = [&](Data d) {
+      if (!o.eval.empty() && d.eval.size() < 2)
+        throw zp::Error(zp::Errc::invalid_argument,
+                        zp::detail::cat("--eval ", o.eval, " is too short: ", d.eval.size(),
+                                        d.tokens() ? " token(s)" : " character(s)",
+                                        ", at least 2 needed (one prediction)"));
+      return d;
+    };
+    if (o.tokens.empty()) {
+      examples::Corpus corpus =
+          examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
+      std::vector<int> ids = std::exchange(corpus.ids, {});
+      const int vocab = int(corpus.chars.size());
+      Data d{std::move(corpus), examples::Windows(std::move(ids), window), vocab};
+      if (o.sampling.count) d.prompt = d.corpus.encode(o.prompt, "--prompt");
+      if (!o.eval.empty())
+        d.eval = d.corpus.encode(examples::read_text(o.eval, "--eval text"), "--eval " + o.eval);
+      return checked(std::move(d));
+    }
+    std::vector<examples::TokenFile> files;
+    for (const std::string& path : o.tokens) files.emplace_back(path, o.vocab);
+    Data d{{}, examples::Windows(std::move(files), window), o.vocab};
+    if (o.sampling.count) d.prompt = parse_token_ids(o.prompt, o.vocab);
+    if (!o.eval.empty()) d.eval = examples::TokenFile(o.eval, o.vocab).ids();
+    return checked(std::move(d));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", program.name, e.what());
     std::exit(1);
   }
 }
 
+// --export: a Hugging Face GPT-2 directory (examples/gpt_hf.hpp: config.json, model.safetensors)
+// and, for a text's vocabulary, vocab.json; `model` (a whole model) gives the tensors' names and
+// shapes, `whole` their values (Engine::gather_params, assembled over the grid).
+template <class T>
+void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Options& o,
+               const Data& data) {
+#if ZP_DEMO_IO
+  gpt::write_hf(model, whole, o.export_dir);
+  if (!data.tokens()) examples::write_vocab(o.export_dir, data.corpus);
+  std::printf("exported %s: config.json and model.safetensors (Hugging Face GPT-2)%s\n",
+              o.export_dir.c_str(), data.tokens() ? "" : ", vocab.json");
+#else
+  (void)model, (void)whole, (void)o, (void)data;
+#endif
+}
+
+// --sample: `model` (the whole model, holding the trained values) continues --prompt: as text,
+// or with --tokens as token ids (the prompt's, a bar, the generated ones).
+template <class T>
+void print_sample(gpt::Model<T>& model, const Options& o, const Data& data) {
+  std::string text = o.prompt;
+  if (data.tokens()) text += " |";
+  for (int id : gpt::sample(model, data.prompt, o.sampling))
+    text += data.tokens() ? " " + std::to_string(id)
+                          : std::string(1, data.corpus.chars[std::size_t(id)]);
+  std::printf("sample (temperature %g, top-k %d, seed %llu%s):\n%s\n", o.sampling.temperature,
+              o.sampling.top_k, static_cast<unsigned long long>(o.sampling.seed),
+              data.tokens() ? "; token ids" : "", text.c_str());
+}
+
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config (examples::with_engine), as are ec, opt and the schedule.
-// `texts`: --prompt's and --eval's ids.
 template <class E, class B>
-void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
-           const examples::Corpus& corpus, const Texts& texts, const zp::EngineConfig& ec,
-           typename E::optimizer_type opt, const zp::schedule::Any& schedule) {
+void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o, const Data& data,
+           const zp::EngineConfig& ec, typename E::optimizer_type opt,
+           const zp::schedule::Any& schedule) {
   using T = typename E::value_type;
   constexpr int Stage = E::stage;
   const int dp = grid.shape().dp, dp_rank = grid.coords().dp;
   const bool lead = world.rank() == 0;
-  const gpt::Config cfg{.vocab = int(corpus.chars.size()),
+  const gpt::Config cfg{.vocab = data.vocab,
                         .context = o.context,
                         .d_model = o.d_model,
                         .heads = o.heads,
@@ -303,11 +371,12 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   }
   if (lead) {
     std::printf(
-        "zp_gpt: GPT on %zu characters (vocabulary %d): %d layers, d_model %d, %d heads, context "
-        "%d; "
+        "zp_gpt: GPT on %zu %s (vocabulary %d): %d layers, d_model %d, %d heads, context %d; "
         "%lld parameters\n",
-        corpus.ids.size(), cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context,
-        static_cast<long long>(params));
+        data.windows.tokens(),
+        data.tokens() ? zp::detail::cat("tokens of ", data.windows.files(), " file(s)").c_str()
+                      : "characters",
+        cfg.vocab, cfg.layers, cfg.d_model, cfg.heads, cfg.context, static_cast<long long>(params));
     std::printf(
         "        grid dp %d x tp %d x pp %d (%s, %d activation sets on stage 0%s), ZeRO stage %d "
         "over dp, backend %s, %s\n"
@@ -318,20 +387,20 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     if (o.decay_matrices)
       std::printf("        weight decay on the matrices only (not biases, not layer norms)\n");
   }
-  // Windows of context + 1 characters: the first context are the input, the last context the
-  // targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch), so every
-  // TP and PP rank of a replica sees the same data.
-  const std::size_t last_start = corpus.ids.size() - std::size_t(cfg.context) - 1;
-  std::uniform_int_distribution<std::size_t> pick(0, last_start);
+  // Windows of context + 1 ids (characters or tokens): the first context are the input, the last
+  // context the targets. Each micro-batch depends only on (data-parallel rank, step, micro-batch),
+  // so every TP and PP rank of a replica sees the same data.
+  std::uniform_int_distribution<std::size_t> pick(0, data.windows.count() - 1);
   int step = 0;
   auto fill = [&](int micro, gpt::Activations<float>& a) {
     std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull +
                         std::uint64_t(dp_rank) * 7919 + 17);
+    std::vector<int> window(data.windows.length());
     for (int b = 0; b < micro_batch; ++b) {
-      const std::size_t s = pick(rng);
+      data.windows.read(pick(rng), window);
       for (int t = 0; t < cfg.context; ++t) {
-        a.tokens[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t)];
-        a.targets[std::size_t(b * cfg.context + t)] = corpus.ids[s + std::size_t(t) + 1];
+        a.tokens[std::size_t(b * cfg.context + t)] = window[std::size_t(t)];
+        a.targets[std::size_t(b * cfg.context + t)] = window[std::size_t(t) + 1];
       }
     }
   };
@@ -342,7 +411,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
       bytes += c->stats().total().bytes;
     return bytes;
   };
-  const std::vector<int>& eval = texts.eval;
+  const std::vector<int>& eval = data.eval;
   // The trained values as one whole model on the lead rank, for f(full, its values) there
   // (the run's own views are the engine's). Collective: every rank gathers its part, and DP rank
   // 0 of each replica assembles the TP x PP parts.
@@ -361,7 +430,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   };
   auto eval_loss = [&](gpt::Model<T>& full) { return gpt::evaluate(full, eval, micro_batch); };
 
-  const int first_step = examples::resume(engine, world, program, o, corpus);
+  const int first_step = examples::resume(engine, world, program, o, data.corpus);
   examples::JsonLog json(o, lead);
   const auto t0 = std::chrono::steady_clock::now();
   double eval_secs = 0;  // --eval-every's, left out of the tokens/s
@@ -385,16 +454,16 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
       });
       eval_secs += std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
     }
-    stopped = examples::end_step(engine, world, program, o, done, corpus, lead);
+    stopped = examples::end_step(engine, world, program, o, done, data.corpus, lead);
   }
   // One gather for all three; a stopped run does none of them (it goes on from its checkpoint).
   if (!stopped && (!o.export_dir.empty() || o.sampling.count || !eval.empty()))
     with_whole([&](gpt::Model<T>& full, std::span<const T> whole) {
-      if (!o.export_dir.empty()) export_hf(full, whole, o, corpus);
-      if (o.sampling.count) print_sample(full, o, corpus, texts);
+      if (!o.export_dir.empty()) export_hf(full, whole, o, data);
+      if (o.sampling.count) print_sample(full, o, data);
       if (!eval.empty())
-        std::printf("eval: loss %.7f over the %zu next characters of %s\n", eval_loss(full),
-                    eval.size() - 1, o.eval.c_str());
+        std::printf("eval: loss %.7f over the %zu next %s of %s\n", eval_loss(full),
+                    eval.size() - 1, data.tokens() ? "tokens" : "characters", o.eval.c_str());
     });
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_secs;
@@ -414,8 +483,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
 }
 
 template <class B>
-void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus& c,
-              const Texts& texts) {
+void dispatch(zp::Collective<B>& world, const Options& o, const Data& data) {
   const int n = world.size();
   if (n % (o.tp * o.pp) != 0)
     throw zp::Error(zp::Errc::invalid_argument,
@@ -428,7 +496,7 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
                    const zp::schedule::Any& sched) {
         zp::EngineConfig with_filter = ec;
         if (o.decay_matrices) with_filter.weight_decay_filter = gpt::is_matrix;
-        train<E>(world, grid, o, c, texts, with_filter, opt, sched);
+        train<E>(world, grid, o, data, with_filter, opt, sched);
       });
 }
 
@@ -436,9 +504,7 @@ void dispatch(zp::Collective<B>& world, const Options& o, const examples::Corpus
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  const examples::Corpus corpus =
-      examples::load_corpus_or_exit(program, o.text, std::size_t(o.context) + 100);
-  const Texts texts = read_texts(o, corpus);
+  const Data data = load_data(o);
   return examples::launch(program, argc, argv, o.backend, o.ranks,
-                          [&](auto& comm) { dispatch(comm, o, corpus, texts); });
+                          [&](auto& comm) { dispatch(comm, o, data); });
 }

@@ -14,7 +14,9 @@ With argv[3], the path of zp_gpt: trains it on a repeating text and exports it (
 numpy GPT-2 on that directory, reading vocab.json, must continue the pattern greedily as zp_gpt's
 own --sample does: the whole export path (gathered parameters, names, vocabulary) end to end.
 zp_gpt --init-from a transformers-saved GPT-2 on a 2 x 2 x 2 grid then reports, with --eval, the
-loss transformers computes on the same text.
+loss transformers computes on the same text. Trained on llm.c's token files (--tokens), zp_gpt
+exports the same model as from the text of the same ids, and transformers on its export of a
+run with ids above 255 computes its --eval loss.
 """
 import json
 import os
@@ -231,10 +233,103 @@ def check_trained(gpt, work):
           "refused")
 
 
+def write_tokens(path, ids):
+    """llm.c's token file: 256 little-endian int32 (20240520, version 1, the count), uint16s."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240520, 1, len(ids)
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + np.asarray(ids, dtype="<u2").tobytes())
+
+
+def check_tokens(gpt, work):
+    """zp_gpt --tokens: training on llm.c's token files."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    shape = [gpt, "--layers", "1", "--d-model", "32", "--heads", "4", "--context", "16",
+             "--micro-batch", "4", "--ranks", "2", "--lr", "1e-2"]
+
+    # A text and a token file of the ids zp_gpt gives its characters (in order of first
+    # appearance, a newline after the file): the same training, so the same exported bytes.
+    text = bytes(rng.choice(list(b"abcdefgh \n"), size=500).tolist())
+    text_path, tokens_path = os.path.join(work, "t.txt"), os.path.join(work, "t.bin")
+    with open(text_path, "wb") as f:
+        f.write(text)
+    id_of_byte = {}
+    ids = [id_of_byte.setdefault(b, len(id_of_byte)) for b in text + b"\n"]
+    write_tokens(tokens_path, ids)
+    as_text, as_tokens = os.path.join(work, "as_text"), os.path.join(work, "as_tokens")
+    subprocess.run(shape + ["--steps", "12", "--text", text_path, "--export", as_text],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(shape + ["--steps", "12", "--tokens", tokens_path, "--vocab",
+                            str(len(id_of_byte)), "--export", as_tokens],
+                   check=True, stdout=subprocess.DEVNULL)
+    for name in ("model.safetensors", "config.json"):
+        with open(os.path.join(as_text, name), "rb") as a, \
+                open(os.path.join(as_tokens, name), "rb") as b:
+            assert a.read() == b.read(), f"{name}: --tokens trained otherwise than --text"
+    assert not os.path.exists(os.path.join(as_tokens, "vocab.json"))
+    print("a text and a token file of its ids: the same exported model, byte for byte")
+
+    # Ids above a byte's, in two training files and a validation file: transformers on the
+    # export computes zp_gpt's --eval loss, and the numpy GPT-2 continues --prompt greedily as
+    # zp_gpt's --sample does.
+    vocab = 300
+    period = rng.choice(np.arange(256, vocab), size=12, replace=False).tolist()
+    shards = []
+    for k, n in enumerate((700, 500)):
+        shards.append(os.path.join(work, f"train_{k}.bin"))
+        start = int(rng.integers(len(period)))
+        write_tokens(shards[-1], [period[(start + i) % len(period)] for i in range(n)])
+    val = [period[(5 + i) % len(period)] for i in range(40)] + rng.integers(0, vocab, 21).tolist()
+    val_path, out = os.path.join(work, "val.bin"), os.path.join(work, "tokens_trained")
+    write_tokens(val_path, val)
+    prompt = period[:3]
+    r = subprocess.run(shape + ["--steps", "60", "--tokens", shards[0], "--tokens", shards[1],
+                                "--vocab", str(vocab), "--eval", val_path, "--export", out,
+                                "--sample", "8", "--temperature", "0", "--prompt",
+                                " ".join(map(str, prompt))],
+                       check=True, capture_output=True, text=True)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["vocab_size"] == vocab, cfg
+    model = GPT2LMHeadModel.from_pretrained(out).eval()
+    loss_zp, loss_hf = zp_eval_loss(r.stdout), transformers_eval_loss(model, val, 16)
+    print(f"--tokens (vocabulary {vocab}, 2 files): eval loss {loss_zp:.7f} (zp), {loss_hf:.7f} "
+          f"(transformers on the export)")
+    assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
+    lines = r.stdout.splitlines()
+    sample = lines[lines.index(next(ln for ln in lines if ln.startswith("sample ("))) + 1]
+    said, generated = sample.split(" | ")
+    assert [int(t) for t in said.split()] == prompt, sample
+    weights, want = load_file(os.path.join(out, "model.safetensors")), list(prompt)
+    for _ in range(8):
+        want.append(int(gpt2_logits(weights, cfg, np.array([want[-16:]]))[0, -1].argmax()))
+    assert [int(t) for t in generated.split()] == want[3:], (sample, want)
+    assert want[3:] == period[3:11], f"the pattern {period} was not learned: {sample}"
+    print(f"--sample 8 --prompt '{said}': {generated}, the pattern, as the numpy GPT-2 "
+          f"continues it")
+
+    # A validation file of one token, a token outside --vocab, a prompt of another id than a
+    # token's: refused before training.
+    args = shape + ["--tokens", shards[0], "--vocab", str(vocab), "--eval", val_path]
+    for ids_, more, needle in (
+            ([7], [], f"--eval {val_path} is too short: 1 token(s)"),
+            ([1, vocab], [], f"token file {val_path} has the token {vocab} at position 1, not "
+                             f"below the vocabulary ({vocab})"),
+            ([1, 2], ["--sample", "3", "--prompt", "12, 300"],
+             f"--prompt: '300' is not a token id in [0, {vocab})")):
+        write_tokens(val_path, ids_)
+        r = subprocess.run(args + more, capture_output=True, text=True)
+        assert r.returncode == 1 and needle in r.stderr, (needle, r.returncode, r.stderr)
+        assert "step" not in r.stdout, r.stdout
+    print("--eval of one token, of a token outside the vocabulary, a prompt of another id: "
+          "refused")
+
+
 def main():
     exporter, work = sys.argv[1], sys.argv[2]
     if len(sys.argv) > 3:
         check_trained(sys.argv[3], work)
+        check_tokens(sys.argv[3], work)
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     subprocess.run([exporter, work, str(seed)], check=True)

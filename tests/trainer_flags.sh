@@ -48,6 +48,14 @@ refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temper
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10
 refused 2 "--decay expects all or matrices, got 'bias'" "$gpt" --decay bias
 refused 2 "--eval-every expects an integer in [1, 10000000], got '0'" "$gpt" --eval-every 0
+refused 2 "--text and --tokens: train on a text or on token files, not both" \
+  "$gpt" --text "$dir/ds.json" --tokens "$dir/ds.json"
+refused 2 "--vocab without --tokens: a text's vocabulary is its characters" "$gpt" --vocab 300
+refused 2 "--vocab expects an integer in [1, 65536], got '65537'" "$gpt" --vocab 65537
+refused 2 "--sample with --tokens needs --prompt: the token ids to continue" \
+  "$gpt" --tokens "$dir/ds.json" --sample 5
+refused 1 "token file $dir/ds.json is 36 bytes, shorter than the 1024-byte header" \
+  "$gpt" --tokens "$dir/ds.json"
 # The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
 refused 2 "--save-every expects an integer in [1, 10000000], got '0'" "$sim" --save-every 0
