@@ -103,6 +103,10 @@ std::int64_t int_of(const std::vector<std::byte>& b) {
   return x;
 }
 
+// Weight decay on every parameter but two, one of which starts a module and one ends one: the
+// checkpoint keeps which (and the load checks it).
+bool decays_most(std::string_view name) { return name != "layer0.bias" && name != "layer1.weight"; }
+
 // nvme: the optimizer state in swap files there (sub-groups of 2048 elements, pipelined), and at
 // stage 3 the parameter shard too.
 template <class T, int Stage>
@@ -110,6 +114,7 @@ void check_resume(zp::LossScaler scaler, const fs::path* nvme = nullptr) {
   constexpr int ranks = 2, gas = 2, k = 3;
   using E = zp::Engine<Threads, T, Stage>;
   EngineConfig cfg = config(gas, scaler);
+  cfg.weight_decay_filter = decays_most;
   if (nvme) {
     cfg.optimizer_nvme = zp::NvmeOptions{
         .path = *nvme, .pipeline_read = true, .pipeline_write = true, .sub_group_size = 1024};
@@ -866,6 +871,52 @@ struct Saved {
 
 }  // namespace
 
+// PyTorch refuses an optimizer state of other param groups; a checkpoint here refuses a filter
+// that names other parameters than the one it was trained with, before anything is read.
+TEST_CASE(
+    "a checkpoint keeps which parameters take weight decay; a load with another filter fails") {
+  TempDir dir("decay");
+  EngineConfig most = config(1), every = config(1), fewer = config(1);
+  most.weight_decay_filter = decays_most;
+  fewer.weight_decay_filter = [](std::string_view n) {
+    return decays_most(n) && n != "layer2.bias";
+  };
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    E2 e(comm, model, most, zp::optim::AdamW{.lr = 1e-2f});
+    train(e, model, 0, 2);
+    zp::save_checkpoint(e, dir.path, "most");
+  });
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 2);
+    zp::save_checkpoint(e, dir.path, "every");
+  });
+  CHECK(zp::ckpt::Reader(dir.path, "most").manifest().no_weight_decay ==
+        std::vector<std::string>{"layer0.bias", "layer1.weight"});
+  CHECK(zp::ckpt::Reader(dir.path, "every").manifest().no_weight_decay.empty());
+  CHECK(nlohmann::json::parse(zp::detail::read_whole_file(dir.path / "most" / "manifest.json",
+                                                          1 << 20))["optimizer"]["no_weight_decay"]
+            .size() == 2);
+  auto refused = [&](const EngineConfig& cfg, const std::string& tag,
+                     std::initializer_list<std::string> needles) {
+    on_two_ranks(
+        [&](E2& e, Mlp<float>& m) {
+          train(e, m, 0, 1);
+          const auto before = snapshot(e);
+          zp::test::expect_invalid([&] { zp::load_checkpoint(e, dir.path, tag); }, needles);
+          check_same(before, snapshot(e));  // nothing of the checkpoint was read into it
+        },
+        cfg);
+  };
+  refused(every, "most",
+          {"most", "trained with weight decay off for parameter 'layer0.bias'",
+           "which this engine's weight_decay_filter decays", "2 of the checkpoint's"});
+  refused(fewer, "most", {"weight decay on for parameter 'layer2.bias'", "exempts"});
+  refused(most, "every", {"weight decay on for parameter 'layer0.bias'", "exempts"});
+  on_two_ranks([&](E2& e, Mlp<float>&) { CHECK_NOTHROW(zp::load_checkpoint(e, dir.path, "most")); },
+               most);
+}
+
 TEST_CASE("tags and `latest`: only plain names, never a path out of the directory") {
   Saved s;
   const fs::path& d = s.dir.path;
@@ -1138,6 +1189,13 @@ TEST_CASE(
   rejects(with("/tag", "../evil"), {"tag", "not a checkpoint tag"});
   rejects(with("/fields/2", "master"), {"fields", "appears twice"});
   rejects(with("/params/1/name", j["params"][0]["name"]), {"params[1].name", "appears twice"});
+  rejects(with("/optimizer/no_weight_decay", 3), {"optimizer.no_weight_decay", "an array"});
+  rejects(with("/optimizer/no_weight_decay", {"layer0.bias", 5}),
+          {"optimizer.no_weight_decay[1]", "expected a parameter name, got 5"});
+  rejects(with("/optimizer/no_weight_decay", {"layer9.bias"}),
+          {"optimizer.no_weight_decay[0]", "names no parameter", "layer9.bias"});
+  rejects(with("/optimizer/no_weight_decay", {"layer0.bias", "layer0.bias"}),
+          {"optimizer.no_weight_decay[1]", "appears twice"});
   // Duplicate keys at any level, and nesting far deeper than a manifest has.
   std::string dup = original;
   dup.insert(dup.find("\"world_size\""), "\"world_size\": 1,");

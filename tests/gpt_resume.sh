@@ -6,7 +6,8 @@
 # tp 4) and trains on with the loss falling; the grid's export and sample equal those of its
 # checkpoint loaded on one rank, bit for bit, and --init-from of that export on other grids
 # exports the same bytes; a --resume into a directory with no checkpoint yet starts at step 0
-# and says so; a checkpoint resumed with another text is refused naming both vocabularies.
+# and says so; a checkpoint resumed with another text is refused naming both vocabularies. The
+# grid trains with --decay matrices, which its checkpoint keeps: a resume without it is refused.
 #   gpt_resume.sh <zp_gpt> <work dir>
 set -euo pipefail
 gpt=$1 dir=$2/gpt-resume
@@ -40,7 +41,7 @@ echo "another grid: resumed at 4 ranks, stage 1, and finished"
 
 # A 2 x 2 x 2 grid: resume at the same grid logs the same losses; at tp 1 pp 1 and at tp 4 it
 # trains on from the grid's checkpoint (the loss falls) and exports.
-grid=(--ranks 8 --tp 2 --pp 2 --stage 2)
+grid=(--ranks 8 --tp 2 --pp 2 --stage 2 --decay matrices)
 "$gpt" "${args20[@]}" "${grid[@]}" --checkpoint-dir "$dir/g" --save-every 10 \
   --log-json "$dir/g.jsonl" --export "$dir/g-grid" --sample 40 > "$dir/g.log"
 cp -r "$dir/g" "$dir/g10"
@@ -49,7 +50,7 @@ printf step10 > "$dir/g10/latest"
   --log-json "$dir/g-resumed.jsonl" > "$dir/g-resumed.log"
 diff <(losses "$dir/g.jsonl") <(losses "$dir/g-resumed.jsonl")
 echo "2 x 2 x 2 grid: resume from step 10 logs the uninterrupted run's losses"
-"$gpt" "${args20[@]}" --ranks 1 --stage 0 --checkpoint-dir "$dir/g" --resume \
+"$gpt" "${args20[@]}" --ranks 1 --stage 0 --decay matrices --checkpoint-dir "$dir/g" --resume \
   --export "$dir/g-one" --sample 40 > "$dir/g-one.log"
 cmp "$dir/g-grid/model.safetensors" "$dir/g-one/model.safetensors"
 sample() { sed -n '/^sample (/,$p' "$1" | sed '/^summary/,$d' | sed '/^$/d'; }
@@ -61,17 +62,24 @@ for g in "--ranks 4 --tp 2 --pp 2" "--ranks 4 --tp 4 --stage 1"; do
   cmp "$dir/g-grid/model.safetensors" "$dir/g-again/model.safetensors"
 done
 echo "the grid's export and sample equal its checkpoint's on one rank; --init-from on grids"
-"$gpt" "${args[@]}" --steps 40 --ranks 2 --stage 3 --checkpoint-dir "$dir/g" --resume \
-  > "$dir/g-dp.log"
+if "$gpt" "${args[@]}" --steps 40 --ranks 2 --checkpoint-dir "$dir/g" --resume \
+  > "$dir/g-decay.log" 2>&1; then
+  echo "a checkpoint trained with --decay matrices was resumed with weight decay on everything"
+  exit 1
+fi
+grep -q "trained with weight decay off for parameter 'h.0.ln_1.weight', which this engine's \
+weight_decay_filter decays" "$dir/g-decay.log"
+"$gpt" "${args[@]}" --steps 40 --ranks 2 --stage 3 --decay matrices --checkpoint-dir "$dir/g" \
+  --resume > "$dir/g-dp.log"
 grep -q "resumed from $dir/g/step20 at step 20 (20 updates applied)" "$dir/g-dp.log"
-"$gpt" "${args[@]}" --steps 40 --ranks 4 --tp 4 --stage 1 --checkpoint-dir "$dir/g" --resume \
-  > "$dir/g-tp4.log"
+"$gpt" "${args[@]}" --steps 40 --ranks 4 --tp 4 --stage 1 --decay matrices --checkpoint-dir \
+  "$dir/g" --resume > "$dir/g-tp4.log"
 for log in "$dir/g-dp.log" "$dir/g-tp4.log"; do
   first=$(grep -Eo 'summary: loss [0-9.]+' "$log" | grep -Eo '[0-9.]+$')
   last=$(grep -Eo 'summary: loss [0-9.]+ -> [0-9.]+' "$log" | grep -Eo '[0-9.]+$')
   awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }'
 done
-echo "the grid's checkpoint resumed at dp 2 and at tp 4: the loss falls"
+echo "the grid's checkpoint resumed at dp 2 and at tp 4: the loss falls; without its decay: refused"
 
 "$gpt" "${args20[@]}" --ranks 2 --checkpoint-dir "$dir/fresh" --resume > "$dir/fresh.log"
 grep -q "no checkpoint in $dir/fresh yet: starting at step 0" "$dir/fresh.log"

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # zp_ckpt on checkpoints of zp_demo: info, verify, export, reshard (the demo then resumes from
-# the resharded copy), verify naming a corrupted file, list, prune, and usage mistakes refused.
-#   tool_ckpt.sh <zp_ckpt> <zp_demo> <work dir>
+# the resharded copy), verify naming a corrupted file, list, prune, and usage mistakes refused;
+# info on zp_gpt's checkpoint of a run with --decay matrices lists the parameters without decay.
+#   tool_ckpt.sh <zp_ckpt> <zp_demo> <zp_gpt> <work dir>
 set -euo pipefail
-tool=$1 demo=$2
-dir=$3/tool-ckpt
+tool=$1 demo=$2 gpt=$3
+dir=$4/tool-ckpt
 rm -rf "$dir"
 "$demo" --steps 6 --micro-batch 4 --save-every 3 --log-every 3 --ranks 2 --stage 1 --checkpoint-dir "$dir/ckpt" > /dev/null
 "$tool" info "$dir/ckpt" | tee "$dir.info"
 grep -q "saved by 2 ranks (dp 2 x tp 1 x pp 1) at ZeRO stage 1, bf16 parameters, optimizer AdamW" "$dir.info"
 grep -q "step 6" "$dir.info"
+if grep -q "no weight decay" "$dir.info"; then echo "zp_demo decays every parameter"; exit 1; fi
+"$gpt" --steps 2 --layers 2 --d-model 32 --context 16 --ranks 2 --decay matrices \
+  --checkpoint-dir "$dir/gpt" --save-every 2 > /dev/null
+"$tool" info "$dir/gpt" > "$dir.gpt.info"
+grep -q "no weight decay on 18 of them: h.0.ln_1.weight h.0.ln_1.bias h.0.attn.c_attn.bias \
+h.0.attn.c_proj.bias h.0.ln_2.weight h.0.ln_2.bias h.0.mlp.c_fc.bias h.0.mlp.c_proj.bias \
+... (10 more)" "$dir.gpt.info"
 "$tool" verify "$dir/ckpt" --tag step3 > "$dir.verify"
 test "$(grep -c "^ok" "$dir.verify")" = 2
 "$tool" export "$dir/ckpt" "$dir/export" --master --max-file-bytes 200000

@@ -91,6 +91,12 @@ int info(zp::ckpt::Reader& rd) {
   std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
               m.params.back().module + 1);
   for (const auto& f : m.fields) std::printf(" %s", f.c_str());
+  if (!m.no_weight_decay.empty()) {
+    const std::size_t n = m.no_weight_decay.size(), shown = std::min<std::size_t>(n, 8);
+    std::printf("\n  no weight decay on %zu of them:", n);
+    for (std::size_t i = 0; i < shown; ++i) std::printf(" %s", m.no_weight_decay[i].c_str());
+    if (shown < n) std::printf(" ... (%zu more)", n - shown);
+  }
   std::printf(
       "\n  step %lld, loss scale %g (%lld skipped, %lld of them in a row), user data %llu "
       "bytes\n",

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -202,6 +203,31 @@ void writing(E& engine, const char* call, const std::filesystem::path& from,
   }
 }
 
+// The manifest's params (describe_grid) that the engine's filter exempts from weight decay.
+template <class E>
+void describe_decay(Manifest& m, const E& engine) {
+  if (const auto& decays = engine.weight_decay_filter())
+    for (const auto& p : m.params)
+      if (!decays(p.name)) m.no_weight_decay.push_back(p.name);
+}
+
+// A checkpoint trained with weight decay on other parameters than the engine's filter names is
+// refused, as PyTorch refuses an optimizer state of other param groups: its moments would go on
+// under another update rule.
+template <class E>
+void check_decay(const E& engine, const Manifest& m, const std::string& where) {
+  const std::set<std::string_view> off(m.no_weight_decay.begin(), m.no_weight_decay.end());
+  const auto& ps = engine.params();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const bool saved = !off.contains(ps[i].name);
+    ZP_EXPECT(saved == engine.decays(i), "checkpoint ", where, " was trained with weight decay ",
+              saved ? "on" : "off", " for parameter '", ps[i].name,
+              "', which this engine's weight_decay_filter ", saved ? "exempts" : "decays", " (",
+              m.no_weight_decay.size(), " of the checkpoint's ", m.params.size(),
+              " parameters take none); load it with the filter it was trained with");
+  }
+}
+
 // What save_checkpoint writes into manifest.json for the engine's state now.
 template <class E>
 Manifest manifest_of(E& engine, const std::string& tag, std::size_t user_bytes) {
@@ -269,6 +295,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::optional<ckpt::Publisher> pub;
   on_every_grid_rank(engine, [&] {
     ckpt::describe_grid(m, std::move(parts));
+    ckpt::describe_decay(m, engine);
     if (w == 0) pub.emplace(dir, tag);
   });
 
@@ -453,6 +480,7 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
                 " was saved with loss scaler kind ", m.scaler_kind, ", the engine's is ",
                 int(engine.loss_scaler().kind()), " (0 none, 1 fixed, 2 dynamic)");
       ckpt::load_hyper(opt, m, where);
+      ckpt::check_decay(engine, m, where);
       ZP_EXPECT(m.fields.size() == std::size_t(2 + optim::state_slots<Opt>), "checkpoint ", where,
                 " has ", m.fields.size() - 2, " optimizer state arrays, ",
                 optim::detail::type_name(opt), " needs ", optim::state_slots<Opt>);

@@ -127,6 +127,9 @@ struct Manifest {
   std::vector<std::string> fields;  // "param", "master", then the optimizer state names
   std::string optimizer;            // type name, e.g. "AdamW"
   nlohmann::json hyper = nlohmann::json::object();  // its fields by name
+  // The params that take no weight decay (EngineConfig::weight_decay_filter); empty: every one
+  // does, as in checkpoints from before the filter.
+  std::vector<std::string> no_weight_decay;
   std::int64_t step = 0, micro_step = 0;
   int scaler_kind = 0;
   LossScaler::State scaler;
@@ -190,7 +193,8 @@ inline nlohmann::json to_json(const Manifest& m) {
   }
   j["parts"] = std::move(parts);
   j["fields"] = m.fields;
-  j["optimizer"] = {{"type", m.optimizer}, {"params", m.hyper}};
+  j["optimizer"] = {
+      {"type", m.optimizer}, {"params", m.hyper}, {"no_weight_decay", m.no_weight_decay}};
   j["progress"] = {{"step", m.step},
                    {"micro_step", m.micro_step},
                    {"loss_scaler",
@@ -455,6 +459,21 @@ inline void read_hyper(const Ctx& c, const json& v, const std::string& path, Man
   m.hyper = v;
 }
 
+// Names of params (read before), each once.
+inline void read_no_decay(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
+  if (!v.is_array()) c.fail(path, "expected an array of parameter names, got ", show(v));
+  std::set<std::string_view> names, seen;
+  for (const auto& p : m.params) names.insert(p.name);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::string at = detail::cat(path, "[", i, "]");
+    if (!v[i].is_string()) c.fail(at, "expected a parameter name, got ", show(v[i]));
+    const auto& name = v[i].get_ref<const std::string&>();
+    if (!names.contains(name)) c.fail(at, "names no parameter of the checkpoint: ", show(v[i]));
+    if (!seen.insert(name).second) c.fail(at, "the parameter ", show(v[i]), " appears twice");
+    m.no_weight_decay.push_back(name);
+  }
+}
+
 // One file per rank (world_size, read before), each named for its rank. The count is checked
 // before any entry is read.
 inline void read_files(const Ctx& c, const json& v, const std::string& path, Manifest& m) {
@@ -493,7 +512,8 @@ constexpr auto whole_manifest = [](Manifest& m) -> Manifest& { return m; };
 inline constexpr ManifestKey optimizer_keys[] = {
     ManifestKey::read(
         "type", str(), [](auto& m) -> auto& { return m.optimizer; }),
-    ManifestKey::custom("params", read_hyper).require("missing")};
+    ManifestKey::custom("params", read_hyper).require("missing"),
+    ManifestKey::custom("no_weight_decay", read_no_decay).if_given()};
 inline constexpr ManifestKey loss_scaler_keys[] = {
     ManifestKey::read(
         "kind", whole(0, 2), [](auto& m) -> auto& { return m.scaler_kind; }),

@@ -302,6 +302,10 @@ class Engine {
   const GridCoords& grid_coords() const noexcept { return coords_; }
   // The model's parameters as it described them (names, modules, sizes, placements).
   const std::vector<ParamInfo>& params() const noexcept { return bound_.params; }
+  // Whether params()[i] takes weight decay, and the filter that says so of any name (a
+  // checkpoint's whole model): EngineConfig::weight_decay_filter.
+  bool decays(std::size_t i) const noexcept { return decays_.empty() || decays_[i]; }
+  const auto& weight_decay_filter() const noexcept { return config_.weight_decay_filter; }
   using Progress = EngineProgress;  // where training stands (engine_config.hpp)
   Progress progress() const noexcept { return {step_, micro_, config_.loss_scaler.state()}; }
   // Continues from `p` (after a checkpoint's buffers were written into partition()); stage 3's
