@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <span>
@@ -219,6 +220,61 @@ TEST_CASE(
 }
 
 // GPT-2's weight decay rule by name picks the tensors of two dimensions (nanoGPT's rule by shape).
+// The blocked matmuls against one row at a time, the loops they replaced: bitwise, on shapes on
+// both sides of the row and column blocks, with and without a bias and dx.
+TEST_CASE("the matmuls equal the one-row-at-a-time loops bit for bit") {
+  std::mt19937_64 rng(seed_for(40));
+  std::normal_distribution<float> normal;
+  auto fill = [&](std::size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  const int R = gpt::matmul_rows, C = gpt::matmul_cols;
+  for (int rows : {1, R - 1, R, R + 1, 3 * R + 5})
+    for (int in : {1, 7, 33})
+      for (int out : {1, 9, C, C + 3, 2 * C + 17}) {
+        CAPTURE(rows);
+        CAPTURE(in);
+        CAPTURE(out);
+        const auto x = fill(std::size_t(rows * in)), w = fill(std::size_t(in * out)),
+                   b = fill(std::size_t(out)), dy = fill(std::size_t(rows * out)),
+                   dw0 = fill(std::size_t(in * out)), db0 = fill(std::size_t(out));
+        for (const float* bias : {b.data(), static_cast<const float*>(nullptr)}) {
+          std::vector<float> y(std::size_t(rows * out), std::nanf("")), ref(y.size());
+          gpt::matmul_forward(y.data(), x.data(), w.data(), bias, rows, in, out);
+          for (int n = 0; n < rows; ++n) {
+            float* yn = ref.data() + std::size_t(n * out);
+            for (int o = 0; o < out; ++o) yn[o] = bias ? bias[o] : 0.0f;
+            for (int i = 0; i < in; ++i)
+              for (int o = 0; o < out; ++o)
+                yn[o] += x[std::size_t(n * in + i)] * w[std::size_t(i * out + o)];
+          }
+          CHECK(std::memcmp(y.data(), ref.data(), y.size() * sizeof(float)) == 0);
+        }
+        std::vector<float> dx(std::size_t(rows * in), std::nanf("")), dw = dw0, db = db0;
+        std::vector<float> rdx(dx.size()), rdw = dw0, rdb = db0;
+        gpt::matmul_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), rows,
+                             in, out);
+        for (int n = 0; n < rows; ++n) {
+          const float* dyn = dy.data() + std::size_t(n * out);
+          for (int o = 0; o < out; ++o) rdb[std::size_t(o)] += dyn[o];
+          for (int i = 0; i < in; ++i) {
+            for (int o = 0; o < out; ++o)
+              rdw[std::size_t(i * out + o)] += x[std::size_t(n * in + i)] * dyn[o];
+            rdx[std::size_t(n * in + i)] = gpt::dot(dyn, w.data() + std::size_t(i * out), out);
+          }
+        }
+        CHECK(std::memcmp(dx.data(), rdx.data(), dx.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(dw.data(), rdw.data(), dw.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(db.data(), rdb.data(), db.size() * sizeof(float)) == 0);
+        std::vector<float> dw2 = dw0;  // no dx, no db: dW alone
+        gpt::matmul_backward(static_cast<float*>(nullptr), dw2.data(), static_cast<float*>(nullptr),
+                             dy.data(), x.data(), w.data(), rows, in, out);
+        CHECK(std::memcmp(dw2.data(), rdw.data(), dw2.size() * sizeof(float)) == 0);
+      }
+}
+
 TEST_CASE("is_matrix names exactly the two-dimensional tensors") {
   const gpt::Model<float> m(tiny, 1);
   std::size_t matrices = 0;
