@@ -109,6 +109,7 @@ class Windows {
   }
   Windows(std::vector<TokenFile> files, int length)
       : length_(std::size_t(length)), files_(std::move(files)) {
+    ZP_EXPECT(!files_.empty(), "no token file to draw windows from");
     std::size_t windows = 0;
     for (const TokenFile& f : files_) {
       if (f.size() < length_)

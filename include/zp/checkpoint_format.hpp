@@ -67,9 +67,9 @@ namespace zp {
 
 namespace ckpt {
 
-// Version 4 added the loss scaler's skipped_in_row, 3 the manifest's own checksum; 3, 2 (without
-// it) and 1 (no grid either) are read.
-inline constexpr int format_version = 4;
+// Version 5 added optimizer.no_weight_decay, 4 the loss scaler's skipped_in_row, 3 the manifest's
+// own checksum; 4, 3, 2 (without it) and 1 (no grid either) are read.
+inline constexpr int format_version = 5;
 inline constexpr const char* format_name = "zp-checkpoint";
 
 inline std::string rank_file_name(int rank, int ranks) {
@@ -128,7 +128,7 @@ struct Manifest {
   std::string optimizer;            // type name, e.g. "AdamW"
   nlohmann::json hyper = nlohmann::json::object();  // its fields by name
   // The params that take no weight decay (EngineConfig::weight_decay_filter); empty: every one
-  // does, as in checkpoints from before the filter.
+  // does, as in checkpoints before version 5.
   std::vector<std::string> no_weight_decay;
   std::int64_t step = 0, micro_step = 0;
   int scaler_kind = 0;
@@ -615,6 +615,8 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
     if (m.version >= 4) c.fail("progress.loss_scaler.skipped_in_row", "missing");
     m.scaler.skipped_in_row = 0;  // not counted before version 4
   }
+  if (m.version >= 5 && !j.at("optimizer").contains("no_weight_decay"))
+    c.fail("optimizer.no_weight_decay", "missing");
   schema::check_sizes(c, m);
   if (m.version >= 3) {  // last: a value out of range is named as such, not as a checksum
     const auto it = j.find("manifest_crc32c");
