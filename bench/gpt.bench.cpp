@@ -5,7 +5,8 @@
 //
 // matmul/backward:B/rows:R/in:I/out:O  gpt::matmul_forward (B 0: y = x W + b) or
 //   matmul_backward (B 1: dx, dW and db) of R rows through an [I, O] weight, fp32, and in the same
-//   iterations the same product one row at a time (the baseline, written here); the iteration
+//   iterations the same product one row at a time (the baseline, tests/gpt_matmul_by_row.hpp,
+//   the reference tests/gpt.test.cpp checks the blocked ones against); the iteration
 //   time is gpt's (manual time).
 // Counters:
 //   vs_row_at_a_time    gpt's time over the baseline's, summed over the iterations
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "gpt.hpp"
+#include "gpt_matmul_by_row.hpp"  // tests/: the baseline
 #include "zp/model.hpp"
 
 namespace {
@@ -95,33 +97,6 @@ void gpt_step(benchmark::State& state) {
 BENCHMARK(gpt_step)->ArgName("layers")->Arg(2)->Arg(6)->UseManualTime()->Unit(
     benchmark::kMillisecond);
 
-// The baseline: examples/gpt.hpp's matmuls before they were blocked, one row at a time.
-void forward_by_row(float* y, const float* x, const float* w, const float* b, int rows, int in,
-                    int out) {
-  for (int n = 0; n < rows; ++n) {
-    float* yn = y + gpt::row_major(n, 0, out);
-    for (int o = 0; o < out; ++o) yn[o] = b[o];
-    for (int i = 0; i < in; ++i) {
-      const float xi = x[gpt::row_major(n, i, in)];
-      const float* wi = w + gpt::row_major(i, 0, out);
-      for (int o = 0; o < out; ++o) yn[o] += xi * wi[o];
-    }
-  }
-}
-void backward_by_row(float* dx, float* dw, float* db, const float* dy, const float* x,
-                     const float* w, int rows, int in, int out) {
-  for (int n = 0; n < rows; ++n) {
-    const float* dyn = dy + gpt::row_major(n, 0, out);
-    for (int o = 0; o < out; ++o) db[o] += dyn[o];
-    for (int i = 0; i < in; ++i) {
-      float* dwi = dw + gpt::row_major(i, 0, out);
-      const float xi = x[gpt::row_major(n, i, in)];
-      for (int o = 0; o < out; ++o) dwi[o] += xi * dyn[o];
-      dx[gpt::row_major(n, i, in)] = gpt::dot(dyn, w + gpt::row_major(i, 0, out), out);
-    }
-  }
-}
-
 void matmul(benchmark::State& state) {
   const bool backward = state.range(0) != 0;
   const int rows = int(state.range(1)), in = int(state.range(2)), out = int(state.range(3));
@@ -162,10 +137,10 @@ void matmul(benchmark::State& state) {
     });
     base += timed([&] {
       if (backward)
-        backward_by_row(dx[1].data(), dw[1].data(), db[1].data(), dy.data(), x.data(), w.data(),
-                        rows, in, out);
+        gpt::by_row::matmul_backward(dx[1].data(), dw[1].data(), db[1].data(), dy.data(), x.data(),
+                                     w.data(), rows, in, out);
       else
-        forward_by_row(y[1].data(), x.data(), w.data(), b.data(), rows, in, out);
+        gpt::by_row::matmul_forward(y[1].data(), x.data(), w.data(), b.data(), rows, in, out);
     });
     mine += t;
     state.SetIterationTime(t);

@@ -392,10 +392,10 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   // so every TP and PP rank of a replica sees the same data.
   std::uniform_int_distribution<std::size_t> pick(0, data.windows.count() - 1);
   int step = 0;
+  std::vector<int> window(data.windows.length());  // one drawn window, inputs and targets
   auto fill = [&](int micro, gpt::Activations<float>& a) {
     std::mt19937_64 rng((std::uint64_t(step) * 1024 + std::uint64_t(micro)) * 1000003ull +
                         std::uint64_t(dp_rank) * 7919 + 17);
-    std::vector<int> window(data.windows.length());
     for (int b = 0; b < micro_batch; ++b) {
       data.windows.read(pick(rng), window);
       for (int t = 0; t < cfg.context; ++t) {

@@ -16,6 +16,7 @@
 
 #include "expect_error.hpp"
 #include "gpt.hpp"
+#include "gpt_matmul_by_row.hpp"
 #include "random.hpp"
 #include "zp/dtype.hpp"
 
@@ -219,7 +220,6 @@ TEST_CASE(
   CHECK(bytes[0] - bytes[1] == (std::size_t(c.layers - 1) * block - rows * d) * sizeof(float));
 }
 
-// GPT-2's weight decay rule by name picks the tensors of two dimensions (nanoGPT's rule by shape).
 // The blocked matmuls against one row at a time, the loops they replaced: bitwise, on shapes on
 // both sides of the row and column blocks, with and without a bias and dx.
 TEST_CASE("the matmuls equal the one-row-at-a-time loops bit for bit") {
@@ -243,28 +243,15 @@ TEST_CASE("the matmuls equal the one-row-at-a-time loops bit for bit") {
         for (const float* bias : {b.data(), static_cast<const float*>(nullptr)}) {
           std::vector<float> y(std::size_t(rows * out), std::nanf("")), ref(y.size());
           gpt::matmul_forward(y.data(), x.data(), w.data(), bias, rows, in, out);
-          for (int n = 0; n < rows; ++n) {
-            float* yn = ref.data() + std::size_t(n * out);
-            for (int o = 0; o < out; ++o) yn[o] = bias ? bias[o] : 0.0f;
-            for (int i = 0; i < in; ++i)
-              for (int o = 0; o < out; ++o)
-                yn[o] += x[std::size_t(n * in + i)] * w[std::size_t(i * out + o)];
-          }
+          gpt::by_row::matmul_forward(ref.data(), x.data(), w.data(), bias, rows, in, out);
           CHECK(std::memcmp(y.data(), ref.data(), y.size() * sizeof(float)) == 0);
         }
         std::vector<float> dx(std::size_t(rows * in), std::nanf("")), dw = dw0, db = db0;
         std::vector<float> rdx(dx.size()), rdw = dw0, rdb = db0;
         gpt::matmul_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), rows,
                              in, out);
-        for (int n = 0; n < rows; ++n) {
-          const float* dyn = dy.data() + std::size_t(n * out);
-          for (int o = 0; o < out; ++o) rdb[std::size_t(o)] += dyn[o];
-          for (int i = 0; i < in; ++i) {
-            for (int o = 0; o < out; ++o)
-              rdw[std::size_t(i * out + o)] += x[std::size_t(n * in + i)] * dyn[o];
-            rdx[std::size_t(n * in + i)] = gpt::dot(dyn, w.data() + std::size_t(i * out), out);
-          }
-        }
+        gpt::by_row::matmul_backward(rdx.data(), rdw.data(), rdb.data(), dy.data(), x.data(),
+                                     w.data(), rows, in, out);
         CHECK(std::memcmp(dx.data(), rdx.data(), dx.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(dw.data(), rdw.data(), dw.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(db.data(), rdb.data(), db.size() * sizeof(float)) == 0);
@@ -275,6 +262,7 @@ TEST_CASE("the matmuls equal the one-row-at-a-time loops bit for bit") {
       }
 }
 
+// GPT-2's weight decay rule by name picks the tensors of two dimensions (nanoGPT's rule by shape).
 TEST_CASE("is_matrix names exactly the two-dimensional tensors") {
   const gpt::Model<float> m(tiny, 1);
   std::size_t matrices = 0;
