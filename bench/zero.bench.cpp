@@ -15,12 +15,15 @@
 //
 // zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s
 //   qwZ (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop
-//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), or none
-//   (plain). Counters, per rank per step in nccl-tests' S bytes: cross_node_bytes (the
-//   data-parallel group's collectives, which span both nodes, and qgZ's second hop), node_bytes
-//   (hpZ's gathers and qgZ's first hop), cross_vs_plain (the cross-node bytes over the plain
-//   step's, measured in the same run). link_MBps:0 has no slow
-//   link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
+//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), none
+//   (plain), or hybrid sharding (EngineConfig::shard_group_size: ZeRO inside each node, the
+//   gradient shard averaged across them: MiCS, FSDP2's HSDP; the model's state per rank that of
+//   2 ranks, not 4). Counters, per rank per step in nccl-tests' S bytes: cross_node_bytes (the
+//   data-parallel group's collectives, which span both nodes, qgZ's second hop, the hybrid
+//   replicas' all_reduce), node_bytes (hpZ's gathers, qgZ's first hop, the hybrid shard group's
+//   collectives), cross_vs_plain (the cross-node bytes over the plain step's, measured in the
+//   same run); and state_bytes_per_rank (the memory report's model states). link_MBps:0 has no
+//   slow link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
 //   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
 //   collective lasts at least the bytes the rank moves across nodes / L). backward_ms:C: each
 //   module's backward sleeps C ms more (compute elsewhere, as on a device: what the gradient
@@ -215,14 +218,20 @@ struct Traffic {
 template <class E>
 Traffic step_traffic(E& engine, Collective<Threads>& comm, Synthetic& model) {
   auto bytes = [](zp::Collective<Threads>* c) { return c ? double(c->stats().total().bytes) : 0; };
-  const double dp0 = bytes(&comm), cross0 = bytes(engine.qgz_cross_group()),
-               node0 = bytes(engine.hpz_group()) + bytes(engine.qgz_node_group());
+  // Hybrid sharding's shard group is a node, its replicas span the nodes.
+  auto* shard = engine.replicas() ? &engine.comm() : nullptr;
+  const auto cross = [&] {
+    return bytes(&comm) + bytes(engine.qgz_cross_group()) + bytes(engine.replicas());
+  };
+  const auto node = [&] {
+    return bytes(engine.hpz_group()) + bytes(engine.qgz_node_group()) + bytes(shard);
+  };
+  const double cross0 = cross(), node0 = node();
   zp::bench::train_step(engine, model);
-  return {bytes(&comm) - dp0 + bytes(engine.qgz_cross_group()) - cross0,
-          bytes(engine.hpz_group()) + bytes(engine.qgz_node_group()) - node0};
+  return {cross() - cross0, node() - node0};
 }
 
-enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4 };
+enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4, hybrid };
 
 zp::EngineConfig zeropp_config(ZeroPP v) {
   zp::EngineConfig cfg;
@@ -232,6 +241,7 @@ zp::EngineConfig zeropp_config(ZeroPP v) {
   if (v == ZeroPP::hpz || all) cfg.hpz_partition_size = 2;
   if (v == ZeroPP::qgz || all) cfg.quantized_gradients = zp::zero_quantized_gradients;
   if (v == ZeroPP::all_int4) cfg.quantized_gradients->bits = zp::quant::Bits::int4;
+  if (v == ZeroPP::hybrid) cfg.shard_group_size = 2;
   return cfg;
 }
 
@@ -241,6 +251,7 @@ void zeropp_step(benchmark::State& state) {
   opt.link = {2, double(state.range(1)) * 1e6};
   std::vector<double> times;
   Traffic plain, mine;
+  double state_bytes = 0;
   zp::backend::run_threads(
       4,
       [&](Collective<Threads>& comm) {
@@ -261,6 +272,7 @@ void zeropp_step(benchmark::State& state) {
           times = s;
           plain = p;
           mine = t;
+          state_bytes = double(engine.memory().model_states());
         }
       },
       opt);
@@ -269,10 +281,12 @@ void zeropp_step(benchmark::State& state) {
   state.counters["cross_node_bytes"] = mine.cross;
   state.counters["node_bytes"] = mine.node;
   state.counters["cross_vs_plain"] = mine.cross / plain.cross;
+  state.counters["state_bytes_per_rank"] = state_bytes;
 }
 
 // Names: zeropp_step/variant:V/link_MBps:L/backward_ms:C/iterations:3/manual_time (V: 0 plain,
-// 1 qwZ, 2 hpZ, 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ; L: 0 no simulated
+// 1 qwZ, 2 hpZ, 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ, 6 hybrid sharding
+// over the nodes (MiCS); L: 0 no simulated
 // link, else each rank's link to the other node in MB/s; C: each module's backward also sleeps
 // C ms, a model that computes elsewhere (as on a device) while its gradients are reduced)
 // and zero_step/stage:S/ranks:N/iterations:3/manual_time.
@@ -287,8 +301,8 @@ void register_stage(std::initializer_list<int> ranks) {
 void register_local() {
   benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
       ->ArgNames({"variant", "link_MBps", "backward_ms"})
-      ->ArgsProduct({{0, 1, 2, 3, 4, 5}, {0, 1000, 250}, {0}})
-      ->ArgsProduct({{0, 3, 4}, {250}, {40}})
+      ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6}, {0, 1000, 250}, {0}})
+      ->ArgsProduct({{0, 3, 4, 6}, {250}, {40}})
       ->Iterations(3)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

@@ -51,6 +51,7 @@ struct RunFlags : CheckpointFlags {
   int hpz = 1;                       // --zero-hpz-partition-size (EngineConfig::hpz_partition_size)
   bool quantized_gradients = false;  // --zero-quantized-gradients (EngineConfig's)
   int ranks_per_node = 0;            // --ranks-per-node (EngineConfig::ranks_per_node)
+  int shard_group = 0;               // --shard-group-size (EngineConfig::shard_group_size)
 };
 
 // The flags that take no value (examples::parse_args' switches) of CheckpointFlags and RunFlags.
@@ -93,6 +94,9 @@ inline constexpr const char* run_usage = ZP_EXAMPLES_CHECKPOINT_USAGE
     "                     zero_quantized_gradients)\n"
     "  --ranks-per-node N data-parallel ranks per node, consecutive, for qgZ's two hops (default\n"
     "                     0: the backend's nodes; mpi: the machines, or ZP_RANKS_PER_NODE)\n"
+    "  --shard-group-size N  stages 1-3: hybrid sharding, ZeRO over groups of N consecutive\n"
+    "                     data-parallel ranks, replicated across the groups (MiCS, FSDP2's HSDP;\n"
+    "                     a --config: mics_shard_size) (default 0: all of them)\n"
     "  --help             this text\n";
 #undef ZP_EXAMPLES_CHECKPOINT_USAGE
 
@@ -129,6 +133,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.quantized_gradients = true;
   else if (a == "--ranks-per-node")
     o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
+  else if (a == "--shard-group-size")
+    o.shard_group = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--log-json")
     o.log_json = v;
   else if (a == "--config")
@@ -166,7 +172,8 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
       {"--offload-param", "zero_optimization.offload_param"},
       {"--zero-quantized-weights", "zero_optimization.zero_quantized_weights"},
       {"--zero-hpz-partition-size", "zero_optimization.zero_hpz_partition_size"},
-      {"--zero-quantized-gradients", "zero_optimization.zero_quantized_gradients"}};
+      {"--zero-quantized-gradients", "zero_optimization.zero_quantized_gradients"},
+      {"--shard-group-size", "zero_optimization.mics_shard_size"}};
   if (!o.config.empty())
     for (const auto& [flag, key] : config_sets)
       if (gave(given, flag))
@@ -209,6 +216,7 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r, zp::
   ec.hpz_partition_size = r.hpz;
   if (r.quantized_gradients) ec.quantized_gradients = zp::zero_quantized_gradients;
   ec.ranks_per_node = r.ranks_per_node;
+  ec.shard_group_size = r.shard_group;
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
@@ -273,6 +281,11 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
   if (lead && r.hpz > 1)
     std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
                 r.hpz);
+  if (lead && r.shard_group > 0)
+    std::printf(
+        "%s: hybrid sharding: ZeRO over groups of %d data-parallel ranks, replicated "
+        "across the groups\n",
+        p.name, r.shard_group);
   zp::dispatch<TypeList>(
       t.dtype(), t.stage,
       [&]<class T, int Stage>(std::type_identity<T>, std::integral_constant<int, Stage>) {

@@ -216,6 +216,7 @@ Fields fields(const Config& c) {
   f["zero_quantized_weights"] = str(c.zero_quantized_weights);
   f["zero_quantized_gradients"] = str(c.zero_quantized_gradients);
   f["engine.hpz_partition_size"] = str(c.engine.hpz_partition_size);
+  f["mics_shard_size"] = str(c.mics_shard_size);
   f["aio.block_size"] = str(c.aio.block_size);
   f["aio.queue_depth"] = str(c.aio.queue_depth);
   std::visit(
@@ -376,6 +377,20 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     const Config ch = zp::ds::parse(j, "ds_config.json");
     CHECK(zp::ds::engine_config<zp::bf16>(ch, 2).hpz_partition_size == 2);
     CHECK(zp::ds::describe(ch).find("zero_hpz_partition_size 2") != std::string::npos);
+    // MiCS's shard groups: hybrid sharding over groups of 2 (-1, the default: none), which a
+    // 4-rank step runs with
+    CHECK(ch.mics_shard_size == -1);
+    CHECK(zp::ds::engine_config<zp::bf16>(ch, 2).shard_group_size == 0);
+    CHECK(zp::ds::describe(ch).find("mics_shard_size: -1\n") != std::string::npos);
+    auto jm = j;
+    jm["zero_optimization"]["mics_shard_size"] = 2;
+    const Config cm = zp::ds::parse(jm, "ds_config.json");
+    CHECK(zp::ds::engine_config<zp::bf16>(cm, 4).shard_group_size == 2);
+    CHECK(zp::ds::describe(cm).find("mics_shard_size: 2 (ZeRO over groups of that many ranks") !=
+          std::string::npos);
+    const Picked pm = dispatch(cm, 4);
+    CHECK(pm.ran);
+    CHECK(pm.ec.shard_group_size == 2);
     // ... and qgZ: int8 in blocks of 512
     j["zero_optimization"]["zero_quantized_gradients"] = true;
     const zp::EngineConfig eg =
@@ -819,6 +834,14 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 4}})",
        {"zero_optimization.zero_hpz_partition_size: a secondary partition needs stage 3, got "
         "stage 1"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "mics_shard_size": 0}})",
+       {"zero_optimization.mics_shard_size: expected -1 (off) or a positive integer (ranks per "
+        "shard group), got 0"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "mics_shard_size": -2}})",
+       {"zero_optimization.mics_shard_size: expected -1 (off) or a positive integer (ranks per "
+        "shard group), got -2"}},
+      {R"({"train_batch_size": 8, "zero_optimization": {"mics_shard_size": 2}})",
+       {"zero_optimization.mics_shard_size: hybrid sharding needs stage 1, 2 or 3, got stage 0"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})",
        {"zero_optimization.zero_hpz_partition_size: expected a positive integer (ranks per node)"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "zero_quantized_gradients": true}})",
@@ -1334,7 +1357,7 @@ TEST_CASE(
   check_table(d::bf16_keys, "bf16", batch, out);
   check_table(d::bf16_keys, "bfloat16", batch, out);
   check_table(d::zero_keys, "zero_optimization", with(R"({"zero_optimization": {"stage": 3}})"),
-              out);
+              out, {{"zero_optimization.mics_shard_size", 2}});  // 0, the default + 1, is refused
   check_table(d::offload_keys, "zero_optimization.offload_optimizer", batch, out);
   check_table(d::offload_param_keys, "zero_optimization.offload_param",
               with(R"({"zero_optimization": {"stage": 3}})"), out);

@@ -61,13 +61,19 @@ struct Trained {
   std::vector<float> master;
   std::vector<float> losses;  // rank 0's micro-step losses
   std::vector<float> m, v;    // AdamW's state
+  bool ranks_agree = true;    // every rank gathered rank 0's parameters and master weights
 };
 
+// `data_ranks` (0: all of them): rank r trains on rank r % data_ranks's samples of a run of
+// data_ranks ranks, so rank r and r + data_ranks see the same data.
 template <class T, int Stage>
-Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cfg) {
+Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cfg,
+                 int data_ranks = 0) {
   Trained<T> out;
+  std::vector<std::vector<T>> params(static_cast<std::size_t>(ranks));
+  std::vector<std::vector<float>> masters(static_cast<std::size_t>(ranks));
   run_threads(ranks, [&](Collective<Threads>& comm) {
-    const int n = comm.size(), r = comm.rank();
+    const int n = data_ranks ? data_ranks : comm.size(), r = comm.rank() % n;
     Mlp<T> model;
     // eps 1e-4, not 1e-8: Adam divides by sqrt(v) + eps, so a gradient that is zero up to rounding
     // (a dead unit) would turn different roundings into full +-lr steps, and runs that should
@@ -88,8 +94,16 @@ Trained<T> train(int ranks, int steps, int gas, int micro_batch, EngineConfig cf
     auto p = engine.gather_params();
     auto m = engine.gather_master();
     auto m1 = engine.gather_state(0), v = engine.gather_state(1);
-    if (r == 0) out = {std::move(p), std::move(m), std::move(losses), std::move(m1), std::move(v)};
+    params[std::size_t(comm.rank())] = p;
+    masters[std::size_t(comm.rank())] = m;
+    if (comm.rank() == 0)
+      out = {std::move(p), std::move(m), std::move(losses), std::move(m1), std::move(v)};
   });
+  for (std::size_t r = 1; r < params.size(); ++r)
+    out.ranks_agree =
+        out.ranks_agree &&
+        std::memcmp(params[r].data(), params[0].data(), params[0].size() * sizeof(T)) == 0 &&
+        std::memcmp(masters[r].data(), masters[0].data(), masters[0].size() * 4) == 0;
   return out;
 }
 
@@ -115,12 +129,13 @@ double held_out_loss(std::vector<T> p) {
 
 // train() at a stage known at run time.
 template <class T>
-Trained<T> train_at(int stage, int ranks, int steps, int gas, int mb, const EngineConfig& cfg) {
+Trained<T> train_at(int stage, int ranks, int steps, int gas, int mb, const EngineConfig& cfg,
+                    int data_ranks = 0) {
   switch (stage) {
-    case 0: return train<T, 0>(ranks, steps, gas, mb, cfg);
-    case 1: return train<T, 1>(ranks, steps, gas, mb, cfg);
-    case 2: return train<T, 2>(ranks, steps, gas, mb, cfg);
-    default: return train<T, 3>(ranks, steps, gas, mb, cfg);
+    case 0: return train<T, 0>(ranks, steps, gas, mb, cfg, data_ranks);
+    case 1: return train<T, 1>(ranks, steps, gas, mb, cfg, data_ranks);
+    case 2: return train<T, 2>(ranks, steps, gas, mb, cfg, data_ranks);
+    default: return train<T, 3>(ranks, steps, gas, mb, cfg, data_ranks);
   }
 }
 
@@ -410,6 +425,121 @@ TEST_CASE_TEMPLATE("every stage agrees with a single-rank run on the same global
       check_close<T>(d);
     }
   }
+}
+
+// Hybrid sharding, shard_group_size 2 of 4 ranks: ZeRO over ranks {0, 1} and over {2, 3}, the
+// gradient pieces averaged across the two groups. Where ranks r and r + 2 train on the same
+// samples the average changes no bit (x + x and the halving are exact), so the run is ZeRO over
+// 2 ranks bit for bit; clipping is on, so a norm counted once per replica (not summed over
+// them) is checked too, and at stage 3 so is ZeRO++ inside the groups. On four ranks' own
+// samples it is ZeRO over 4 ranks up to the order of the sums; without the replicas' average it
+// would be neither, and the two groups would part.
+TEST_CASE_TEMPLATE("hybrid sharding is ZeRO over a shard group, averaged over its replicas", T,
+                   float, zp::bf16) {
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    auto cfg = test_config(3, 2);
+    cfg.max_grad_norm = 1e-3f;  // clips every step
+    auto hybrid = cfg;
+    hybrid.shard_group_size = 2;
+    const auto two = train_at<T>(stage, 2, 4, 2, 3, cfg);
+    const auto same_data = train_at<T>(stage, 4, 4, 2, 3, hybrid, 2);
+    CHECK(same_data.ranks_agree);
+    CHECK(bitwise_equal(same_data.params, two.params));
+    CHECK(bitwise_equal(same_data.master, two.master));
+    CHECK(bitwise_equal(same_data.m, two.m));
+    CHECK(bitwise_equal(same_data.v, two.v));
+    CHECK(bitwise_equal(same_data.losses, two.losses));
+    if (stage == 3) {  // with ZeRO++ inside each shard group: qwZ, hpZ over it, qgZ's two hops
+      auto zpp = cfg;
+      zpp.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 8};
+      zpp.hpz_partition_size = 2;
+      zpp.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 8};
+      zpp.ranks_per_node = 1;
+      auto zpp_hybrid = zpp;
+      zpp_hybrid.shard_group_size = 2;
+      const auto zpp_two = train_at<T>(stage, 2, 4, 2, 3, zpp);
+      const auto zpp_same = train_at<T>(stage, 4, 4, 2, 3, zpp_hybrid, 2);
+      CHECK(!bitwise_equal(zpp_two.master, two.master));  // the quantization shows
+      CHECK(zpp_same.ranks_agree);
+      CHECK(bitwise_equal(zpp_same.params, zpp_two.params));
+      CHECK(bitwise_equal(zpp_same.master, zpp_two.master));
+    }
+
+    cfg.max_grad_norm = hybrid.max_grad_norm = 0;
+    const auto four = train_at<T>(stage, 4, close_steps, 2, 3, cfg);
+    const auto own_data = train_at<T>(stage, 4, close_steps, 2, 3, hybrid);
+    CHECK(own_data.ranks_agree);
+    const Diff d = diff(four.master, own_data.master);
+    MESSAGE("hybrid 2 x 2 vs ZeRO over 4, stage ", stage, ": |diff| max ", d.max, " mean ", d.mean);
+    check_close<T>(d);
+  }
+}
+
+// Memory per rank (reported and as allocated) is ZeRO's over the shard group; the group's traffic
+// is too, and the replicas
+// move one all_reduce of the gradient shard (P / 2 elements over 2 ranks: bus bytes 2 (R - 1) / R
+// x P / 2) and the statistics per step.
+TEST_CASE("hybrid sharding's memory and traffic follow the ZeRO formulas over the shard group") {
+  run_threads(4, [&](Collective<Threads>& comm) {
+    using E = zp::Engine<Threads, zp::bf16, 3>;
+    Mlp<zp::bf16> model;
+    auto cfg = test_config(2, 1);
+    cfg.shard_group_size = 2;
+    const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+    E engine(comm, model, cfg);
+    measured.start();
+    const int steps = 2;
+    for (int t = 0; t < steps; ++t)
+      zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
+    measured.check(engine, 2);  // the allocator's bytes: ZeRO's over the shard group
+    CHECK(engine.data_parallel().size() == 4);
+    CHECK(engine.comm().size() == 2);
+    CHECK(engine.comm().rank() == comm.rank() % 2);
+    REQUIRE(engine.replicas() != nullptr);
+    CHECK(engine.replicas()->size() == 2);
+    CHECK(engine.replicas()->rank() == comm.rank() / 2);
+    CHECK(engine.grid_shape().dp == 2);
+    const std::size_t P = engine.layout().total(), elem = 2;
+    CHECK(engine.memory().model_states() == zp::zero_model_state_bytes(3, P, 2, elem, 2));
+    const auto& c = engine.last_step_comm();
+    const double bytes = double(P * elem),
+                 stats_bus = double(E::statistics_count * sizeof(double));  // 2 (2-1)/2 x
+    CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(bytes / 2).epsilon(1e-12));
+    CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx(bytes).epsilon(1e-12));
+    CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
+    const auto& r = engine.replicas()->stats();
+    CHECK(r[CollOp::all_reduce].calls ==
+          std::uint64_t(steps * (engine.layout().segment_count() + 1)));
+    CHECK(r[CollOp::all_reduce].bus_bytes ==
+          doctest::Approx(steps * (bytes / 2 + stats_bus)).epsilon(1e-12));
+    CHECK(r.total().calls == r[CollOp::all_reduce].calls);
+  });
+}
+
+TEST_CASE("hybrid sharding's bad settings are errors naming the value, on every rank") {
+  run_threads(4, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    const auto with = [](int size) {
+      auto c = test_config(2, 1);
+      c.shard_group_size = size;
+      return c;
+    };
+    using zp::test::expect_invalid;
+    expect_invalid([&] { zp::Engine<Threads, float, 3> e(comm, model, with(3)); },
+                   {"shard_group_size 3 does not divide the 4 data-parallel ranks"});
+    expect_invalid([&] { zp::Engine<Threads, float, 0> e(comm, model, with(2)); },
+                   {"shard_group_size 2", "stage 0"});
+    expect_invalid([&] { zp::Engine<Threads, float, 3> e(comm, model, with(-2)); },
+                   {"shard_group_size must be >= 0", "got -2"});
+    expect_invalid(
+        [&] { zp::Engine<Threads, float, 2> e(comm, model, with(comm.rank() == 1 ? 2 : 4)); },
+        {"shard_group_size differ (from 2 to 4; rank ", comm.rank() == 1 ? "has 2" : "has 4"});
+    // the whole group: plain ZeRO
+    zp::Engine<Threads, float, 3> whole(comm, model, with(4));
+    CHECK(whole.replicas() == nullptr);
+    CHECK(whole.comm().size() == 4);
+  });
 }
 
 namespace {

@@ -133,11 +133,13 @@ struct ZeroPP {
   int hpz = 1;
   bool qwz = false;
   bool qgz = false;  // the gradients' reduce_scatter quantized, over nodes of 2 ranks (stage 2, 3)
+  int shard = 0;     // hybrid sharding: ZeRO over groups of that many ranks (stages 1-3)
 };
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
   c.hpz_partition_size = zpp.hpz;
+  c.shard_group_size = zpp.shard;
   if (zpp.qwz) c.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 64};
   if (zpp.qgz) {
     c.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 64};
@@ -231,7 +233,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
     CHECK(engine.hpz_group()->stats()[zp::CollOp::all_gather].bytes > 0);
   }
   // bf16 at stage 0 accumulates its 2 micro-steps in fp32 (an extra gradient copy)
-  measured.check(engine, comm.size(), std::is_same_v<T, zp::bf16> && Stage == 0);
+  measured.check(engine, engine.comm().size(), std::is_same_v<T, zp::bf16> && Stage == 0);
   if constexpr (S == zp::MemorySpace::device)  // the device's pool serves every rank
     CHECK(zp::device::memory_in_use() >= zp::memory_use<S>().current - measured.base);
   if (ckpt && !ckpt->export_to.empty())
@@ -315,6 +317,17 @@ void check_ranks(std::uint64_t seed) {
           CAPTURE(int(role));
           expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, all); }), quantized);
         }
+    }
+    // Hybrid sharding on the device: ZeRO inside groups of 2 ranks, the gradient pieces averaged
+    // across the groups on the comm stream; bitwise the threads backend's run of the same.
+    if (Stage >= 1 && n == 4) {
+      CAPTURE("shard groups of 2");
+      Out hybrid;
+      zp::backend::run_threads(n, [&](zp::Collective<zp::backend::Threads>& comm) {
+        Out o = train<T, Stage>(comm, seed, 0, nullptr, 0, {.shard = 2});
+        if (comm.rank() == 0) hybrid = std::move(o);
+      });
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.shard = 2}), hybrid);
     }
     if (n != 2) continue;
     for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {

@@ -214,6 +214,23 @@ TEST_CASE_TEMPLATE("on mpi a secondary partition (hpZ) trains bitwise as without
   CHECK(std::memcmp(plain.data(), hpz.data(), plain.size() * sizeof(float)) == 0);
 }
 
+// Hybrid sharding on MPI (shard groups of 2 processes; at 2 processes the group is the world):
+// ZeRO inside each group and the replicas' all_reduce, on MPI's split communicators, train as
+// the threads backend does with as many ranks (to the reductions' rounding).
+TEST_CASE_TEMPLATE("on mpi hybrid sharding trains as on the threads backend", T, float, zp::bf16) {
+  Collective<Mpi> comm{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(2, 2);
+  cfg.shard_group_size = 2;
+  std::vector<float> threads1, threads3;
+  zp::backend::run_threads(comm.size(), [&](Collective<zp::backend::Threads>& c) {
+    auto one = train<T, 1>(c, close_steps, 2, 2, &cfg, true);
+    auto three = train<T, 3>(c, close_steps, 2, 2, &cfg, true);
+    if (c.rank() == 0) threads1 = std::move(one), threads3 = std::move(three);
+  });
+  check_close<T>(threads1, train<T, 1>(comm, close_steps, 2, 2, &cfg, true));
+  check_close<T>(threads3, train<T, 3>(comm, close_steps, 2, 2, &cfg, true));
+}
+
 #if defined(ZP_WITH_AIO)
 // ZeRO-Infinity on MPI: each process's optimizer state (at stage 3 its parameter shard too) in
 // its own swap files, bitwise the same training as in host memory.

@@ -8,6 +8,7 @@
 # exports the same bytes; a --resume into a directory with no checkpoint yet starts at step 0
 # and says so; a checkpoint resumed with another text is refused naming both vocabularies. The
 # grid trains with --decay matrices, which its checkpoint keeps: a resume without it is refused.
+# Hybrid sharding (shard groups of 2 of dp 4, x tp 2) resumes exactly and exports its checkpoint.
 #   gpt_resume.sh <zp_gpt> <work dir>
 set -euo pipefail
 gpt=$1 dir=$2/gpt-resume
@@ -62,6 +63,22 @@ for g in "--ranks 4 --tp 2 --pp 2" "--ranks 4 --tp 4 --stage 1"; do
   cmp "$dir/g-grid/model.safetensors" "$dir/g-again/model.safetensors"
 done
 echo "the grid's export and sample equal its checkpoint's on one rank; --init-from on grids"
+# Hybrid sharding on a grid (dp 4 in shard groups of 2, x tp 2): a resume from step 10 logs the
+# uninterrupted run's losses, and its export equals its checkpoint's loaded on one rank.
+hy=(--ranks 8 --tp 2 --stage 3 --shard-group-size 2)
+"$gpt" "${args20[@]}" "${hy[@]}" --checkpoint-dir "$dir/h" --save-every 10 \
+  --log-json "$dir/h.jsonl" --export "$dir/h-grid" > "$dir/h.log"
+grep -q "hybrid sharding: ZeRO over groups of 2 data-parallel ranks" "$dir/h.log"
+cp -r "$dir/h" "$dir/h10"
+printf step10 > "$dir/h10/latest"
+"$gpt" "${args20[@]}" "${hy[@]}" --checkpoint-dir "$dir/h10" --resume \
+  --log-json "$dir/h-resumed.jsonl" > "$dir/h-resumed.log"
+diff <(losses "$dir/h.jsonl") <(losses "$dir/h-resumed.jsonl")
+"$gpt" "${args20[@]}" --ranks 1 --checkpoint-dir "$dir/h" --resume --export "$dir/h-one" \
+  > "$dir/h-one.log"
+cmp "$dir/h-grid/model.safetensors" "$dir/h-one/model.safetensors"
+echo "hybrid sharding on a grid: resume logs the same losses; export equals the checkpoint's"
+
 if "$gpt" "${args[@]}" --steps 40 --ranks 2 --checkpoint-dir "$dir/g" --resume \
   > "$dir/g-decay.log" 2>&1; then
   echo "a checkpoint trained with --decay matrices was resumed with weight decay on everything"

@@ -44,6 +44,15 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
 done
+for prog in "$demo" "$gpt"; do
+  refused 1 "shard_group_size 3 does not divide the 4 data-parallel ranks" \
+    "$prog" --ranks 4 --stage 3 --shard-group-size 3
+  refused 1 "hybrid sharding (shard_group_size 2) needs ZeRO stage 1, 2 or 3" \
+    "$prog" --ranks 4 --stage 0 --shard-group-size 2
+  set_by_config="the config sets it (zero_optimization.mics_shard_size)"
+  refused 2 "--shard-group-size with --config: $set_by_config" \
+    "$prog" --config "$dir/ds.json" --shard-group-size 2
+done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10
 refused 2 "--decay expects all or matrices, got 'bias'" "$gpt" --decay bias

@@ -140,24 +140,31 @@ void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
   throw Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text));
 }
 
-// on_every_rank over an engine's grid (its data-parallel group, then its model-parallel one):
-// a failure on any rank of the grid is an error on every rank.
+// on_every_rank over an engine's grid (its data-parallel group: the shard group, then the
+// replicas; then its model-parallel group): a failure on any rank of the grid is an error on
+// every rank, passed on group by group.
 template <class E>
 void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<double> word = {}) {
-  auto* mp = engine.model_parallel();
-  if (!mp) return on_every_rank(engine.comm(), f, word);
   std::exception_ptr err;
-  try {
-    on_every_rank(engine.comm(), f, word);
-  } catch (...) {
-    err = std::current_exception();
+  bool first = true;
+  for (auto* g : {&engine.comm(), engine.replicas(), engine.model_parallel()}) {
+    if (!g) continue;
+    try {
+      if (first)
+        on_every_rank(*g, f, word);
+      else
+        on_every_rank(
+            *g,
+            [&] {
+              if (err) std::rethrow_exception(err);
+            },
+            word);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    first = false;
   }
-  on_every_rank(
-      *mp,
-      [&] {
-        if (err) std::rethrow_exception(err);
-      },
-      word);
+  if (err) std::rethrow_exception(err);
 }
 
 }  // namespace zp

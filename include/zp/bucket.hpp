@@ -25,6 +25,11 @@
 // at once, each in a scratch set of its own. Its completion writes the fp32 average to this
 // rank's piece of the slot (rounded to the reduction's type) and folds as usual.
 //
+// Hybrid sharding (average_over(): the engine's replicas): at the accumulation boundary each
+// bucket's piece, once final (scatter_accumulate: folded on the window's last micro-step, while
+// backward goes on; scatter_in_place: its reduce_scatter waited for in finish()), is averaged
+// with the replicas' by an all_reduce of its own, and finish() waits for those too.
+//
 // Precision (GradPrecision, DeepSpeed's grad_accum_dtype and communication_data_type): the model
 // always writes T. With fp32 accumulation, stage 0/1 add each micro-step's T gradients into a
 // full fp32 buffer (and zero the T ones) when a bucket is complete, stage 2/3 keep an fp32 shard
@@ -174,6 +179,7 @@ class GradBuckets {
   // Waits for every launched reduction, dropping errors (teardown and unwinding paths).
   void wait_all_quietly() noexcept {
     for (auto& b : buckets_) b.work = Work{};
+    replica_works_.clear();
     if (qgz_)  // each hop in flight waited for (every rank started it); no hop started here
       for (auto& set : qgz_->sets) set.op.reset();
   }
@@ -199,6 +205,14 @@ class GradBuckets {
              -1};
   }
 
+  // Hybrid sharding: averages every bucket's final piece over `replicas` (this rank's peers in
+  // the other shard groups) as it completes at the accumulation boundary.
+  void average_over(Collective<B>& replicas) {
+    ZP_EXPECT(reduction_ != Reduction::all_reduce,
+              "engine: hybrid sharding needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing)");
+    replicas_ = &replicas;
+  }
+
   int count() const noexcept { return int(buckets_.size()); }
   Reduction reduction() const noexcept { return reduction_; }
   // Bytes of scratch bucket memory (stage 2/3; 0 when buckets are the full gradient buffer).
@@ -215,8 +229,9 @@ class GradBuckets {
   // Whether this micro-step reduces (stage 0/1: only at the accumulation boundary), and whether
   // it is the first of its accumulation window (scatter_accumulate copies instead of adding).
   void begin_micro_step(bool sync, bool first_in_window) {
-    ZP_ASSERT(inflight_.empty() && next_ == 0,
+    ZP_ASSERT(inflight_.empty() && next_ == 0 && replica_works_.empty(),
               "buckets: a micro-step began before the last one finished");
+    last_ = sync;
     sync_ = sync || reduction_ == Reduction::scatter_accumulate;
     first_ = first_in_window;
   }
@@ -289,11 +304,23 @@ class GradBuckets {
   void finish() {
     while (!inflight_.empty()) complete(inflight_.front());
     for (auto& b : buckets_) {
-      if (b.state == Bucket::State::launched) b.work.wait();
+      if (b.state == Bucket::State::launched) {
+        b.work.wait();
+        if (reduction_ == Reduction::scatter_in_place && replicas_) {
+          const auto& g = layout_->segment(b.segment);
+          const std::size_t at = std::size_t(comm_->rank()) * g.piece;
+          if (precision_.reduce_f32)
+            replicate(segment32_span(b.segment).subspan(at, g.piece));
+          else
+            replicate(segment_span(b.segment).subspan(at, g.piece));
+        }
+      }
       ZP_ASSERT(b.slot < 0, "buckets: segment ", b.segment, " still holds scratch memory");
       b.state = Bucket::State::idle;
       b.folded = false;
     }
+    for (auto& w : replica_works_) w.wait();
+    replica_works_.clear();
     next_ = 0;
     first_launch_ = std::chrono::steady_clock::time_point::max();
   }
@@ -448,9 +475,22 @@ class GradBuckets {
       else
         fold_piece(dst, mine);
     }
+    if (replicas_ && last_) {
+      if (precision_.accumulate_f32)
+        replicate(dst32);
+      else
+        replicate(dst);
+    }
     free_.push_back(b.slot);
     b.slot = -1;
     b.state = Bucket::State::idle;
+  }
+
+  // Hybrid sharding: starts the replicas' average of a final piece (in rank order, as the
+  // buckets' own avg), waited for in finish().
+  template <class U>
+  void replicate(std::span<U> piece) {
+    replica_works_.push_back(replicas_->all_reduce_async(piece, ReduceOp::avg));
   }
 
   // Copies (first micro-step of a window) or adds this rank's reduced piece into the accumulator.
@@ -487,8 +527,11 @@ class GradBuckets {
     std::array<Set, 2> sets;
   };
   std::optional<Quantized> qgz_;
-  std::size_t next_ = 0;  // the next bucket to launch
+  Collective<B>* replicas_ = nullptr;  // hybrid sharding's (average_over)
+  std::vector<Work> replica_works_;    // their averages in flight
+  std::size_t next_ = 0;               // the next bucket to launch
   bool sync_ = true, first_ = true;
+  bool last_ = true;  // the accumulation window's last micro-step
   std::chrono::steady_clock::time_point first_launch_ =
       std::chrono::steady_clock::time_point::max();
 };

@@ -56,13 +56,18 @@ void expect_data_parallel(E& engine, const char* what) {
             "loads any checkpoint) to export or import whole tensors");
 }
 
-// The engine's grid (its DP group, then its replica's TP x PP group) as one communicator for the
-// checkpoint's agreements: every rank shares a DP group with one rank of each replica, so a
-// reduction over both reaches every rank.
+// The engine's grid (its DP group: the shard group, then the replicas; then its replica's TP x
+// PP group) as one communicator for the checkpoint's agreements: the groups are the axes of one
+// product, so a reduction over each in turn reaches every rank.
 template <class E>
 void reduce_over_grid(E& engine, std::span<std::int64_t> v, ReduceOp op) {
-  all_reduce_host(engine.comm(), v, op);
-  if (auto* mp = engine.model_parallel()) all_reduce_host(*mp, v, op);
+  for (auto* g : {&engine.comm(), engine.replicas(), engine.model_parallel()})
+    if (g) all_reduce_host(*g, v, op);
+}
+// Under hybrid sharding every shard group holds the whole state; the first one writes it.
+template <class E>
+bool first_replica(E& engine) {
+  return !engine.replicas() || engine.replicas()->rank() == 0;
 }
 template <class E>
 bool same_over_grid(E& engine, std::uint64_t h) {
@@ -70,7 +75,8 @@ bool same_over_grid(E& engine, std::uint64_t h) {
   reduce_over_grid(engine, std::span<std::int64_t>(v), ReduceOp::min);
   return v[0] == ~v[1];
 }
-// The engine's rank in its grid (Megatron's order) and the grid's size: the file it writes.
+// The engine's rank in its grid (Megatron's order; one replica's, under hybrid sharding): the
+// file it writes.
 template <class E>
 int grid_rank_of(E& engine) {
   return grid_rank(engine.grid_shape(), engine.grid_coords());
@@ -171,8 +177,10 @@ template <class E>
 void verify_everywhere(E& engine, const Reader& rd) {
   const std::size_t F = rd.manifest().files.size();
   std::vector<std::int64_t> bad(F, 0);
-  for (std::size_t i = std::size_t(grid_rank_of(engine)); i < F;
-       i += std::size_t(engine.grid_shape().size()))
+  const auto* rep = engine.replicas();
+  const std::size_t G = std::size_t(engine.grid_shape().size()),
+                    R = std::size_t(rep ? rep->size() : 1), r = std::size_t(rep ? rep->rank() : 0);
+  for (std::size_t i = std::size_t(grid_rank_of(engine)) + G * r; i < F; i += G * R)
     bad[i] = rd.verify_file(int(i)).empty() ? 0 : 1;
   reduce_over_grid(engine, std::span<std::int64_t>(bad), ReduceOp::sum);
   on_every_grid_rank(engine, [&] {
@@ -280,6 +288,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   const auto& part = engine.partition();
   const Layout& L = engine.layout();
   const int w = ckpt::grid_rank_of(engine);
+  const bool writes = ckpt::first_replica(engine);
   const std::filesystem::path staging = ckpt::staging_dir(dir, tag);
   ckpt::Manifest m = ckpt::manifest_of(engine, tag, user.size());
 
@@ -296,7 +305,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   on_every_grid_rank(engine, [&] {
     ckpt::describe_grid(m, std::move(parts));
     ckpt::describe_decay(m, engine);
-    if (w == 0) pub.emplace(dir, tag);
+    if (w == 0 && writes) pub.emplace(dir, tag);
   });
 
   // Every rank writes its pieces straight from the engine's buffers (a swapped field's and a
@@ -308,6 +317,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::size_t first = 0;              // its first element's full-layout index
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
   on_every_grid_rank(engine, [&] {
+    if (!writes) return;
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(w, m.world_size), m, L, w, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
@@ -329,7 +339,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
         });
   });
 
-  // Rank 0 learns every file's size and checksum, then publishes.
+  // Rank 0 learns every file's size and checksum (the writers'), then publishes.
   std::vector<std::int64_t> sums(2 * std::size_t(m.world_size), 0);
   sums[2 * std::size_t(w)] = std::int64_t(mine.bytes);
   sums[2 * std::size_t(w) + 1] = std::int64_t(mine.crc32c);
@@ -339,9 +349,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
                        std::uint64_t(sums[2 * std::size_t(i)]),
                        std::uint32_t(sums[2 * std::size_t(i) + 1])});
   on_every_grid_rank(engine, [&] {
-    if (w == 0) pub->publish(m);
+    if (pub) pub->publish(m);
   });
-  if (w == 0)
+  if (pub)
     for (const std::string& why : pub->prune(options.keep_last).failed)
       std::fprintf(stderr,
                    "zp: checkpoint: saved %s, but an older checkpoint stays (keep_last %zu): %s\n",
@@ -529,8 +539,9 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
 
 // Writes the whole model (T parameters, or fp32 master weights) by parameter name into
 // <dir>/model.safetensors, or split files with an index (see ExportOptions). Collective: the
-// model is gathered one segment at a time and rank 0 writes, so no rank holds more than one
-// segment. Tensors appear in the layout's (backward) order.
+// model is gathered one segment at a time and rank 0 writes (of the first shard group, under
+// hybrid sharding), so no rank holds more than one segment. Tensors appear in the layout's
+// (backward) order.
 template <class E>
 void export_safetensors(E& engine, const std::filesystem::path& dir, const ExportOptions& o = {}) {
   using T = typename E::value_type;
@@ -541,9 +552,10 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
   const auto& part = engine.partition();
   const bool master = o.master;
   const char* dtype = safetensors::dtype_name(master ? DType::f32 : dtype_of<T>);
+  const bool writes = comm.rank() == 0 && ckpt::first_replica(engine);
   std::optional<ckpt::ConsolidatedWriter> out;
-  on_every_rank(comm, [&] {
-    if (comm.rank() != 0) return;
+  on_every_grid_rank(engine, [&] {
+    if (!writes) return;
     std::vector<safetensors::TensorInfo> tensors;
     for (const auto& seg : L.segments())
       for (int pi : seg.params) {
@@ -554,7 +566,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
   });
   std::exception_ptr err;  // rank 0's write failure; gathering goes on so no rank waits forever
   auto emit = [&]<class U>(int s, std::span<const U> values, bool host) {
-    if (comm.rank() != 0 || err) return;
+    if (!writes || err) return;
     try {
       std::vector<U> copy;
       const std::span<const U> h = host_view<E::memory_space>(values, host, copy);
@@ -571,7 +583,7 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
     for_each_whole_segment<Field::master>(comm, part, 0, emit);
   else
     for_each_whole_segment<Field::param>(comm, part, 0, emit);
-  on_every_rank(comm, [&] {
+  on_every_grid_rank(engine, [&] {
     if (err) std::rethrow_exception(err);
     if (out) out->finish();
   });
@@ -586,14 +598,13 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
 template <class E>
 void load_safetensors(E& engine, const std::filesystem::path& path) {
   using T = typename E::value_type;
-  auto& comm = engine.comm();
   engine.expect_at_boundary("load_safetensors()");
   ckpt::expect_data_parallel(engine, "load_safetensors()");
   const Layout& L = engine.layout();
   const auto& part = engine.partition();
   std::map<std::filesystem::path, safetensors::Reader> open;
   std::vector<std::pair<safetensors::Reader*, const safetensors::TensorInfo*>> src;
-  on_every_rank(comm, [&] {  // every rank's checks pass before any rank writes
+  on_every_grid_rank(engine, [&] {  // every rank's checks pass before any rank writes
     const auto files = ckpt::safetensors_files(path);
     for (const auto& p : L.params()) {
       const auto it = files.find(p.name);

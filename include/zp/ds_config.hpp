@@ -145,6 +145,9 @@ struct Config {
   // zero_optimization.zero_quantized_gradients (ZeRO++'s qgZ, stages 2 and 3): EngineConfig's
   // quantized_gradients = zp::zero_quantized_gradients (int8 in blocks of 512).
   bool zero_quantized_gradients = false;
+  // zero_optimization.mics_shard_size (MiCS: hybrid sharding, stages 1-3): EngineConfig's
+  // shard_group_size; -1 (DeepSpeed's default) shards over the whole data-parallel group.
+  int mics_shard_size = -1;
   AioSection aio{};
 
   // The "optimizer" section; without one, DeepSpeed's Adam defaults (AdamW, lr 1e-3, betas
@@ -349,6 +352,10 @@ inline constexpr ConfigKey zero_keys[] = {
         "zero_hpz_partition_size", integer(1, 1, 1 << 20, "a positive integer (ranks per node)"),
         [](auto& c) -> auto& { return c.engine.hpz_partition_size; }),
     ConfigKey::read(
+        "mics_shard_size",
+        integer(-1, -1, 1 << 20, "-1 (off) or a positive integer (ranks per shard group)"),
+        [](auto& c) -> auto& { return c.mics_shard_size; }),
+    ConfigKey::read(
         "zero_quantized_gradients", boolean(false),
         [](auto& c) -> auto& { return c.zero_quantized_gradients; }),
     ConfigKey::read(
@@ -388,7 +395,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::unsupported("elastic_checkpoint", Off::is_false),
     ConfigKey::unsupported("legacy_stage1", Off::is_false),
     ConfigKey::unsupported("zero_quantized_nontrainable_weights", Off::is_false),
-    ConfigKey::unsupported("mics_shard_size", Off::number, -1),
     ConfigKey::unsupported("mics_hierarchical_params_gather", Off::is_false),
     ConfigKey::unsupported("stage3_model_persistence_threshold"),
     ConfigKey::unsupported("model_persistence_threshold"),
@@ -742,6 +748,12 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
     c.fail(join(path, "zero_quantized_weights"),
            "quantized weight gathers need stage 3, got stage ", cfg.stage,
            " (below it no parameters are gathered)");
+  if (cfg.mics_shard_size == 0)
+    c.fail(join(path, "mics_shard_size"),
+           "expected -1 (off) or a positive integer (ranks per shard group), got 0");
+  if (cfg.mics_shard_size > 0 && cfg.stage == 0)
+    c.fail(join(path, "mics_shard_size"), "hybrid sharding needs stage 1, 2 or 3, got stage 0",
+           " (stage 0 shards nothing)");
   cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
 }
 
@@ -1073,6 +1085,9 @@ inline std::string describe(const Config& c) {
              c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ",
              c.zero_quantized_weights, ", zero_hpz_partition_size ", c.engine.hpz_partition_size,
              ", zero_quantized_gradients ", c.zero_quantized_gradients, "\n");
+  if (c.mics_shard_size > 0)
+    out += cat("  mics_shard_size: ", c.mics_shard_size,
+               " (ZeRO over groups of that many ranks, replicated across them)\n");
   out += cat("  offload_optimizer: ", detail::ds_name(c.offload_optimizer.device), "\n");
   out += cat("  offload_param: ", detail::ds_name(c.offload_param.device),
              c.offload_param.device == OffloadDevice::nvme
@@ -1161,6 +1176,7 @@ EngineConfig engine_config(const Config& c, int world_size) {
                                .block_size = std::size_t(c.aio.block_size)};
   if (c.zero_quantized_weights) e.quantized_weights = zero_quantized_weights;
   if (c.zero_quantized_gradients) e.quantized_gradients = zero_quantized_gradients;
+  e.shard_group_size = std::max(c.mics_shard_size, 0);
   e.grad_accum_dtype = c.grad_accum_dtype;
   e.communication_dtype = c.communication_data_type;
   e.steps_per_print =

@@ -34,7 +34,8 @@
 //   stage 0: all_reduce P                          -> 2(N-1)/N P
 //   stage 1/2: reduce_scatter P + all_gather P    -> 2(N-1)/N P   (stage 2: GAS reduce_scatters)
 //   stage 3: all_gather P twice + reduce_scatter P -> 3(N-1)/N P   (persistent modules gather once)
-// plus the statistics all_reduce (statistics_count doubles).
+// plus the statistics all_reduce (statistics_count doubles). Under hybrid sharding
+// (EngineConfig::shard_group_size S) N is S, and the replicas add one all_reduce of P / S.
 #pragma once
 
 #include <algorithm>
@@ -96,7 +97,10 @@ class Engine {
   // engine lives.
   template <Model<T> M>
   Engine(Collective<B>& comm, M& model, EngineConfig config = {}, Opt optimizer = {})
-      : comm_(&comm),
+      : shard_(hybrid_group(comm, config.shard_group_size, true)),
+        replicas_(hybrid_group(comm, config.shard_group_size, false)),
+        dp_(&comm),
+        comm_(shard_ ? &*shard_ : &comm),
         config_(std::move(config)),
         batch_(resolve_batch(config_.batch, comm.size())),
         opt_(optimizer),
@@ -104,11 +108,12 @@ class Engine {
         precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype,
                                           config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
-        part_(Layout(bound_.params, comm.size(), layout_options(config_, sizeof(T))), comm.rank(),
-              optim::state_slots<Opt>, precision_.f32_buffer(Stage), config_.offload_optimizer,
+        part_(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T))),
+              comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
+              config_.offload_optimizer,
               config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr,
               config_.param_nvme ? &*config_.param_nvme : nullptr, config_.offload_param),
-        buckets_(comm, part_, config_.bucket_slots, precision_),
+        buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
     ZP_EXPECT(config_.hpz_partition_size == 1 || Stage == 3,
@@ -132,7 +137,7 @@ class Engine {
     optim::validate(opt_);
     // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
     // failed to open on one rank is an error on all.
-    on_every_rank(*comm_, [&] { part_.expect_swap_opened(); });
+    on_every_rank(*dp_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
     // qgZ's nodes: where not given, the backend's own layout (mpi: its shared-memory split, or
     // ZP_RANKS_PER_NODE), which every rank of the group found alike.
@@ -144,28 +149,30 @@ class Engine {
       if (std::count(decays_.begin(), decays_.end(), 1) == std::ptrdiff_t(decays_.size()))
         decays_.clear();
     }
-    expect_same_engine_everywhere(*comm_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_,
+    expect_same_engine_everywhere(*dp_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_,
                                   std::span<const char>(decays_));
-    load_initial_values(*comm_, part_, std::span<View<T>* const>(bound_.values),
+    load_initial_values(*dp_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params);
     bind_views(part_, bound_);
     // hpZ's node: hpz_partition_size consecutive ranks. qgZ's two hops: inside nodes of
     // ranks_per_node consecutive ranks, then across them.
+    Collective<B>& zero = *comm_;  // ZeRO++'s groups are inside the shard group
     const auto nodes_of = [&](int h, const char* what) {
-      ZP_EXPECT(comm.size() % h == 0, "engine: ", what, " ", h, " does not divide the ",
-                comm.size(), " data-parallel ranks");
-      return comm.split(comm.rank() / h, comm.rank() % h);
+      ZP_EXPECT(zero.size() % h == 0, "engine: ", what, " ", h, " does not divide the ",
+                zero.size(), shard_ ? " ranks of the shard group" : " data-parallel ranks");
+      return zero.split(zero.rank() / h, zero.rank() % h);
     };
     if (config_.hpz_partition_size > 1)
       hpz_node_.emplace(nodes_of(config_.hpz_partition_size, "hpz_partition_size"));
     if (config_.quantized_gradients) {
-      const int h = config_.ranks_per_node > 0 ? config_.ranks_per_node : comm.size();
+      const int h = config_.ranks_per_node > 0 ? config_.ranks_per_node : zero.size();
       qgz_node_.emplace(nodes_of(h, "ranks_per_node"));
-      qgz_peers_.emplace(comm.split(comm.rank() % h, comm.rank() / h));
+      qgz_peers_.emplace(zero.split(zero.rank() % h, zero.rank() / h));
       buckets_.quantize_gradients(*qgz_node_, *qgz_peers_, *config_.quantized_gradients);
     }
+    if (replicas_) buckets_.average_over(*replicas_);
     if constexpr (Stage == 3)
-      params_.emplace(comm, part_, std::span<View<T>* const>(bound_.values),
+      params_.emplace(zero, part_, std::span<View<T>* const>(bound_.values),
                       config_.persist_threshold, config_.max_live_params, config_.quantized_weights,
                       hpz_node_ ? &*hpz_node_ : nullptr);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
@@ -185,6 +192,8 @@ class Engine {
       mp_ = &grid.model_parallel();
       grid_ = grid.shape();
       coords_ = grid.coords();
+      grid_.dp = comm_->size();  // a replica's grid under hybrid sharding
+      coords_.dp = comm_->rank();
       // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
       expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
                                     precision_, opt_, std::span<const char>(decays_), true);
@@ -294,10 +303,17 @@ class Engine {
   std::int64_t steps() const noexcept { return step_; }
   const Layout& layout() const noexcept { return part_.layout(); }
   const Part& partition() const noexcept { return part_; }
-  Collective<B>& comm() noexcept { return *comm_; }  // the data-parallel group
+  // The group ZeRO shards over: the data-parallel group, or this rank's shard group under hybrid
+  // sharding (EngineConfig::shard_group_size), whose replicas() average the gradients.
+  Collective<B>& comm() noexcept { return *comm_; }
+  Collective<B>& data_parallel() noexcept { return *dp_; }
+  // Hybrid sharding: the ranks holding this rank's shard in the other shard groups (rank() is
+  // the shard group's index), with their own counters; else null.
+  Collective<B>* replicas() noexcept { return replicas_ ? &*replicas_ : nullptr; }
   // The replica's TP x PP group (engines built from a grid with tp * pp > 1), else null.
   Collective<B>* model_parallel() noexcept { return mp_; }
-  // The grid this engine is one rank of ({dp, 1, 1} without TP or PP) and its place in it.
+  // The grid this engine is one rank of ({dp, 1, 1} without TP or PP; under hybrid sharding dp
+  // is the shard group's size: one replica's grid) and its place in it.
   const GridShape& grid_shape() const noexcept { return grid_; }
   const GridCoords& grid_coords() const noexcept { return coords_; }
   // The model's parameters as it described them (names, modules, sizes, placements).
@@ -381,6 +397,29 @@ class Engine {
     ZP_EXPECT(broken_.empty(), "engine: unusable since ", broken_,
               "; destroy it (and build a new one from a checkpoint or the model) to go on");
     if (pending_) std::rethrow_exception(std::exchange(pending_, nullptr));
+  }
+
+  // Hybrid sharding's groups of the data-parallel group dp: a shard group (shard_group_size
+  // consecutive ranks) or the replicas (the ranks of this one's index in every shard group);
+  // none where the size is 0 or the whole group. Every rank first learns every rank's size, so
+  // a difference is an error on all of them, not a split that some ranks never join.
+  static std::optional<Collective<B>> hybrid_group(Collective<B>& dp, int size, bool shards) {
+    if (shards) {
+      const std::int64_t mine = size;
+      const Spread s = spread(dp, std::span<const std::int64_t>(&mine, 1))[0];
+      ZP_EXPECT(s.same(), "engine: the ranks' shard_group_size differ (from ", s.lo, " to ", s.hi,
+                "; rank ", dp.rank(), " has ", size,
+                "); every rank must build the same model with the same zp configuration");
+      ZP_EXPECT(size >= 0, "engine: shard_group_size must be >= 0 (0: the whole data-parallel ",
+                "group), got ", size);
+      ZP_EXPECT(size == 0 || Stage >= 1, "engine: hybrid sharding (shard_group_size ", size,
+                ") needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing), got stage ", Stage);
+      ZP_EXPECT(size == 0 || dp.size() % size == 0, "engine: shard_group_size ", size,
+                " does not divide the ", dp.size(), " data-parallel ranks");
+    }
+    if (size == 0 || size == dp.size()) return std::nullopt;
+    return shards ? dp.split(dp.rank() / size, dp.rank() % size)
+                  : dp.split(dp.rank() % size, dp.rank() / size);
   }
 
   // "optimizer step k (micro-step j)", for messages.
@@ -469,6 +508,7 @@ class Engine {
   // The global statistics and the step gate (step_gate.hpp), into stats_; returns the unscale
   // factor. Under tensor parallelism, TP ranks other than 0 leave out their replicated
   // parameters: TP rank 0 counts them (norm and overflow) for the group, whose copies are equal.
+  // Under hybrid sharding the first shard group counts the norm, the others' pieces are equal.
   float reduce_statistics() {
     const double scale = config_.loss_scaler.scale(),
                  unscale = scale * double(batch_.gradient_accumulation_steps);
@@ -484,10 +524,11 @@ class Engine {
       invalid_ = e.message();
     }
     stats_.begin(optim::fingerprint(opt_), !invalid_.empty());
+    const int counted = replicas_ && replicas_->rank() > 0 ? 0 : part_.layout().segment_count();
     const auto add = [&]<Field F>() {  // every segment's piece in one call
       using G = typename Part::template elem<F>;
       std::vector<std::span<const G>> grads;
-      for (int s = 0; s < part_.layout().segment_count(); ++s) {
+      for (int s = 0; s < counted; ++s) {
         const Owned<G> piece = part_.template owned<F>(s, Extent::piece);
         if (!mp_ || coords_.tp == 0)
           grads.emplace_back(piece.span);
@@ -503,13 +544,15 @@ class Engine {
       add.template operator()<Field::grad_f32>();
     else
       add.template operator()<Field::grad>();
-    // Over the DP group, then over the replica's TP x PP ranks: every rank of the world ends
-    // with the same sums (each DP group's are equal, and the second sum runs in one order).
+    // Over the DP group (the shard group, then the replicas), then over the replica's TP x PP
+    // ranks: every rank of the world ends with the same sums (each group's are equal, and each
+    // later sum runs in one order).
     in_context("step()", [&] {
       comm_->all_reduce(stats_.sums(), ReduceOp::sum);
+      if (replicas_) replicas_->all_reduce(stats_.sums(), ReduceOp::sum);
       if (mp_) mp_->all_reduce(stats_.sums(), ReduceOp::sum);
     });
-    stats_.decide(double(comm_->size()) * (mp_ ? double(mp_->size()) : 1.0), float(unscale),
+    stats_.decide(double(dp_->size()) * (mp_ ? double(mp_->size()) : 1.0), float(unscale),
                   config_.max_grad_norm);  // exact for powers of two
     return float(unscale);
   }
@@ -603,7 +646,11 @@ class Engine {
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
   }
 
-  Collective<B>* comm_;
+  // Hybrid sharding: this rank's shard group and its replicas, else none (declared first: the
+  // partition is laid out over the shard group).
+  std::optional<Collective<B>> shard_, replicas_;
+  Collective<B>* dp_;            // the data-parallel group
+  Collective<B>* comm_;          // the group ZeRO shards over (shard_, else dp_)
   Collective<B>* mp_ = nullptr;  // the replica's TP x PP group when it has more than one rank
   GridShape grid_{comm_->size(), 1, 1};
   GridCoords coords_{comm_->rank(), 0, 0};

@@ -153,6 +153,15 @@ struct EngineConfig {
   // backend; the gradients within the quantization's bounds of the exact average.
   std::optional<quant::Format> quantized_gradients = std::nullopt;
   int ranks_per_node = 0;
+  // Hybrid sharding (DeepSpeed's MiCS, mics_shard_size; PyTorch FSDP2's HSDP; stages 1-3): ZeRO
+  // shards over groups of shard_group_size consecutive data-parallel ranks (a node, say) and
+  // replicates over the groups. Each group's gathers and reduce_scatters stay inside it, as
+  // ZeRO over shard_group_size ranks (memory per rank too); at the accumulation boundary each
+  // rank's gradient piece is averaged with its replicas' (all_reduces of P / shard_group_size
+  // elements in all over data-parallel size / shard_group_size ranks, a bucket's as soon as its
+  // piece is final: stages 2 and 3 overlap backward) before the norm and the update. 0: the
+  // whole data-parallel group (plain ZeRO). Must divide the data-parallel size.
+  int shard_group_size = 0;
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
   bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
@@ -208,6 +217,9 @@ struct EngineConfig {
     ZP_EXPECT(steps_per_print >= 1, "engine: steps_per_print must be >= 1, got ", steps_per_print);
     ZP_EXPECT(hpz_partition_size >= 1, "engine: hpz_partition_size must be >= 1, got ",
               hpz_partition_size);
+    ZP_EXPECT(shard_group_size >= 0,
+              "engine: shard_group_size must be >= 0 (0: the whole data-parallel group), got ",
+              shard_group_size);
     ZP_EXPECT(ranks_per_node >= 0,
               "engine: ranks_per_node must be >= 0 (0: the backend's node layout), got ",
               ranks_per_node);
