@@ -290,8 +290,9 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
   }
   if (!stopped) examples::export_model(engine, o, corpus, lead);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const auto& c = engine.last_step_comm();
-  const double f = n > 1 ? double(n - 1) / n : 0.0;
+  const auto& c = engine.last_step_comm();  // the shard group's, under --shard-group-size
+  const int zero_ranks = engine.comm().size();
+  const double f = zero_ranks > 1 ? double(zero_ranks - 1) / zero_ranks : 0.0;
   const double want = (Stage == 3 ? 3.0 : 2.0) * f * double(L.total() * sizeof(T));
   if (lead && first_step < done) {  // a checkpoint at or past --steps: nothing trained
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n",
@@ -305,7 +306,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
         "MB), "
         "%llu calls; total %.3f GB\n",
         c.total().bus_bytes / 1e6, want / 1e6, static_cast<unsigned long long>(c.total().calls),
-        double(comm.stats().total().bytes) / 1e9);
+        double(comm.stats().total().bytes + examples::engine_group_bytes(engine)) / 1e9);
   }
 }
 

@@ -250,6 +250,17 @@ double mean_over_ranks(Comm& comm, double x) {
   return x;
 }
 
+// What the engine's own communicators moved (hybrid sharding's shard group and replicas, ZeRO++'s
+// nodes), in nccl-tests' S bytes: the trainers add it to their communicators' counters.
+template <class Engine>
+std::uint64_t engine_group_bytes(Engine& e) {
+  std::uint64_t b = 0;
+  for (auto* c : {e.replicas() ? &e.comm() : nullptr, e.replicas(), e.hpz_group(),
+                  e.qgz_node_group(), e.qgz_cross_group()})
+    if (c) b += c->stats().total().bytes;
+  return b;
+}
+
 // The trainers' progress line every log_every steps (the global mean loss of the steps since the
 // last line, tokens/s, loss scale, skipped steps, model-state MiB, communicated GB, the last
 // step's gradient norm) and the loss trend for the summary. Collective: every rank calls step()
@@ -262,7 +273,8 @@ class Progress {
         last_step_(last_step),
         t_log_(std::chrono::steady_clock::now()) {}
 
-  // comm_bytes: what the run has communicated so far (default: comm's own counters).
+  // comm_bytes: what the run has communicated so far (default: comm's own counters and the
+  // engine's groups').
   template <class Comm, class Engine>
   void step(Comm& comm, Engine& engine, int step, double loss, const zp::StepResult& res,
             std::int64_t tokens, std::optional<std::uint64_t> comm_bytes = std::nullopt) {
@@ -282,7 +294,9 @@ class Progress {
           "%.2f MiB  comm %.3f GB  grad-norm %.4g\n",
           step + 1, mean, double(window_tokens_) / dt, double(res.loss_scale),
           static_cast<unsigned long long>(skipped_), mib(engine.memory().model_states()),
-          double(comm_bytes.value_or(comm.stats().total().bytes)) / 1e9, res.grad_norm);
+          double(comm_bytes.value_or(comm.stats().total().bytes + engine_group_bytes(engine))) /
+              1e9,
+          res.grad_norm);
     std::fflush(stdout);
     t_log_ = now;
     window_loss_ = 0;

@@ -409,7 +409,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
     std::uint64_t bytes = world.stats().total().bytes;
     for (auto* c : {&grid.dp(), &grid.tp(), &grid.pp(), &grid.model_parallel()})
       bytes += c->stats().total().bytes;
-    return bytes;
+    return bytes + examples::engine_group_bytes(engine);
   };
   const std::vector<int>& eval = data.eval;
   // The trained values as one whole model on the lead rank, for f(full, its values) there

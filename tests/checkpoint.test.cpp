@@ -262,7 +262,8 @@ TEST_CASE(
 
 // Hybrid sharding (4 ranks, shard groups of 2): the first shard group writes the checkpoint, one
 // replica's grid of 2 files, and the model's export; every replica loads it. Resume is exact
-// there, and the checkpoint loads bitwise at a plain single rank and back.
+// there, and the checkpoint loads bitwise at a plain single rank and back; a failed write is an
+// error on every rank.
 TEST_CASE("hybrid sharding: one shard group saves, every replica loads, and resume is exact") {
   using T = zp::bf16;
   using E = zp::Engine<Threads, T, 3>;
@@ -325,6 +326,26 @@ TEST_CASE("hybrid sharding: one shard group saves, every replica loads, and resu
     zp::load_checkpoint(e, dir.path, "one");
     check_same(saved[0], snapshot(e));
   });
+  // A write failing on a rank of the first group is an error on every rank, the other group's
+  // too, and publishes nothing.
+  std::atomic<int> failed{0};
+  run_threads(4, [&](Collective<Threads>& comm) {
+    Mlp<T> model;
+    E e(comm, model, hybrid, adamw);
+    comm.barrier();
+    if (comm.rank() == 0) zp::detail::io_fault_countdown() = 1;
+    comm.barrier();
+    try {
+      zp::save_checkpoint(e, dir.path, "faulty");
+    } catch (const zp::Error& err) {
+      CHECK(err.category() == zp::Errc::io);
+      ++failed;
+    }
+  });
+  zp::detail::io_fault_countdown() = -1;
+  CHECK(failed == 4);
+  CHECK(!fs::exists(dir.path / "faulty"));
+  CHECK(zp::ckpt::Reader::read_latest(dir.path) == "one");
 }
 
 namespace {
