@@ -298,7 +298,7 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
     cfg.optimizer_nvme = zp::NvmeOptions{.path = dir.path, .sub_group_size = 1000};
     const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
     zp::Engine<Threads, T, 2> engine(comm, model, cfg);
-    measured.start();
+    measured.start(engine);
     for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 2, 2);
     measured.check(engine, 2);  // the allocator holds none of the state
     const auto m = engine.memory();
@@ -477,44 +477,95 @@ TEST_CASE_TEMPLATE("hybrid sharding is ZeRO over a shard group, averaged over it
 }
 
 // Memory per rank (reported and as allocated) is ZeRO's over the shard group; the group's traffic
-// is too, and the replicas
-// move one all_reduce of the gradient shard (P / 2 elements over 2 ranks: bus bytes 2 (R - 1) / R
-// x P / 2) and the statistics per step.
+// is too, and the replicas move one all_reduce of the gradient shard (P / 2 elements over 2
+// ranks: bus bytes 2 (R - 1) / R x P / 2) and the statistics per step, once per accumulation
+// window however many micro-steps it has.
 TEST_CASE("hybrid sharding's memory and traffic follow the ZeRO formulas over the shard group") {
-  run_threads(4, [&](Collective<Threads>& comm) {
-    using E = zp::Engine<Threads, zp::bf16, 3>;
-    Mlp<zp::bf16> model;
+  for (int gas : {1, 2}) {
+    CAPTURE(gas);
+    run_threads(4, [&](Collective<Threads>& comm) {
+      using E = zp::Engine<Threads, zp::bf16, 3>;
+      Mlp<zp::bf16> model;
+      auto cfg = test_config(2, gas);
+      cfg.shard_group_size = 2;
+      const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+      E engine(comm, model, cfg);
+      measured.start(engine);
+      const int steps = 2;
+      for (int t = 0; t < steps * gas; ++t)
+        zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
+      measured.check(engine, 2);  // the allocator's bytes: ZeRO's over the shard group
+      CHECK(engine.data_parallel().size() == 4);
+      CHECK(engine.comm().size() == 2);
+      CHECK(engine.comm().rank() == comm.rank() % 2);
+      REQUIRE(engine.replicas() != nullptr);
+      CHECK(engine.replicas()->size() == 2);
+      CHECK(engine.replicas()->rank() == comm.rank() / 2);
+      CHECK(engine.grid_shape().dp == 2);
+      const std::size_t P = engine.layout().total(), elem = 2;
+      CHECK(engine.memory().model_states() == zp::zero_model_state_bytes(3, P, 2, elem, 2));
+      const auto& c = engine.last_step_comm();
+      const double bytes = double(P * elem),
+                   stats_bus = double(E::statistics_count * sizeof(double));  // 2 (2-1)/2 x
+      CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(gas * bytes / 2).epsilon(1e-12));
+      CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx(gas * bytes).epsilon(1e-12));
+      CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
+      const auto& r = engine.replicas()->stats();
+      CHECK(r[CollOp::all_reduce].calls ==
+            std::uint64_t(steps * (engine.layout().segment_count() + 1)));
+      CHECK(r[CollOp::all_reduce].bus_bytes ==
+            doctest::Approx(steps * (bytes / 2 + stats_bus)).epsilon(1e-12));
+      CHECK(r.total().calls == r[CollOp::all_reduce].calls);
+    });
+  }
+}
+
+// Without the broadcast of initial values each rank keeps its own model's values, and under
+// hybrid sharding the replicas take their first group's: every rank holds the master weights of
+// ZeRO over that group's two ranks, none its own (each rank's Mlp has a seed of its own).
+TEST_CASE("hybrid sharding's replicas start from the first group's own values") {
+  const auto own_model = [](int rank) {
+    return Mlp<float>({Mlp<float>::inputs, 61, 67, 53, Mlp<float>::classes},
+                      zp::test::mlp_seed() + 977 * std::uint64_t(rank));
+  };
+  const auto masters = [&](int stage, int ranks, int shard_group_size) {
     auto cfg = test_config(2, 1);
-    cfg.shard_group_size = 2;
-    const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
-    E engine(comm, model, cfg);
-    measured.start();
-    const int steps = 2;
-    for (int t = 0; t < steps; ++t)
-      zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
-    measured.check(engine, 2);  // the allocator's bytes: ZeRO's over the shard group
-    CHECK(engine.data_parallel().size() == 4);
-    CHECK(engine.comm().size() == 2);
-    CHECK(engine.comm().rank() == comm.rank() % 2);
-    REQUIRE(engine.replicas() != nullptr);
-    CHECK(engine.replicas()->size() == 2);
-    CHECK(engine.replicas()->rank() == comm.rank() / 2);
-    CHECK(engine.grid_shape().dp == 2);
-    const std::size_t P = engine.layout().total(), elem = 2;
-    CHECK(engine.memory().model_states() == zp::zero_model_state_bytes(3, P, 2, elem, 2));
-    const auto& c = engine.last_step_comm();
-    const double bytes = double(P * elem),
-                 stats_bus = double(E::statistics_count * sizeof(double));  // 2 (2-1)/2 x
-    CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(bytes / 2).epsilon(1e-12));
-    CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx(bytes).epsilon(1e-12));
-    CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
-    const auto& r = engine.replicas()->stats();
-    CHECK(r[CollOp::all_reduce].calls ==
-          std::uint64_t(steps * (engine.layout().segment_count() + 1)));
-    CHECK(r[CollOp::all_reduce].bus_bytes ==
-          doctest::Approx(steps * (bytes / 2 + stats_bus)).epsilon(1e-12));
-    CHECK(r.total().calls == r[CollOp::all_reduce].calls);
-  });
+    cfg.broadcast_initial_params = false;
+    cfg.shard_group_size = shard_group_size;
+    std::mutex m;
+    std::vector<std::vector<float>> got(static_cast<std::size_t>(ranks));
+    run_threads(ranks, [&](Collective<Threads>& comm) {
+      auto model = own_model(comm.rank());
+      zp::dispatch<zp::Types<float>, zp::Stages<1, 3>>(
+          zp::dtype_of<float>, stage,
+          [&]<class U, int S>(std::type_identity<U>, std::integral_constant<int, S>) {
+            zp::Engine<Threads, float, S> engine(comm, model, cfg);
+            auto p = engine.gather_master();
+            std::lock_guard lk(m);
+            got[std::size_t(comm.rank())] = std::move(p);
+          });
+    });
+    return got;
+  };
+  // group 1's ranks would hold their pieces of another model
+  std::vector<float> third;
+  for (const auto& L : own_model(2).layers) {
+    third.insert(third.end(), L.w0.begin(), L.w0.end());
+    third.insert(third.end(), L.b0.begin(), L.b0.end());
+  }
+  for (int stage : {1, 3}) {
+    CAPTURE(stage);
+    const std::vector<float> want = masters(stage, 2, 0)[0];
+    const auto all = masters(stage, 4, 2);
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      CAPTURE(r);
+      CHECK(bitwise_equal(all[r], want));
+    }
+    REQUIRE(third.size() == want.size());
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) differ += want[i] != third[i];
+    CHECK(differ > want.size() * 9 / 10);
+  }
 }
 
 TEST_CASE("hybrid sharding's bad settings are errors naming the value, on every rank") {
@@ -552,7 +603,7 @@ void check_accounting(int ranks) {
     auto cfg = test_config(2, 1);
     const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
     zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
-    measured.start();
+    measured.start(engine);
     for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * n + comm.rank()) * 2, 2);
     measured.check(engine, n);
     const auto& L = engine.layout();
@@ -658,7 +709,7 @@ TEST_CASE_TEMPLATE(
       if (quantized) cfg.quantized_weights = f;
       const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
       zp::Engine<Threads, T, 3> engine(comm, model, cfg);
-      measured.start();
+      measured.start(engine);
       const zp::Layout& L = engine.layout();
       std::vector<zp::View<T>*> views;
       zp::visit_parameters<T>(
@@ -790,7 +841,7 @@ TEST_CASE_TEMPLATE(
       cfg.hpz_partition_size = hpz;
       const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
       zp::Engine<Threads, T, 3> engine(comm, model, cfg);
-      measured.start();
+      measured.start(engine);
       REQUIRE((engine.hpz_group() != nullptr) == (hpz == 2));
       const auto before = comm.stats()[CollOp::all_gather].bytes;
       for (int t = 0; t < 4; ++t) zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
@@ -855,7 +906,7 @@ TEST_CASE_TEMPLATE(
             const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
             auto run = [&]<int Stage>(std::integral_constant<int, Stage>) {
               zp::Engine<Threads, T, Stage> engine(comm, model, cfg);
-              measured.start();
+              measured.start(engine);
               const zp::Layout& L = engine.layout();
               const int nodes = per_node ? N / per_node : 1;
               std::uint64_t node_bytes = 0, cross_bytes = 0;  // a step's, by the formula

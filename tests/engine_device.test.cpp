@@ -201,7 +201,7 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
           std::int64_t(n * sizeof(T)));
     CHECK(engine.memory().offloaded == n * sizeof(T) + ((offload & 3) ? 3 * n * 4 : 0));
   }
-  measured.start();
+  measured.start(engine);
   Out out;
   int first = 0;
   if (ckpt && ckpt->load) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <tuple>
@@ -199,6 +200,14 @@ TEST_CASE("on mpi qgZ's nodes default to the backend's node layout") {
   CHECK(engine.qgz_node_group()->size() == layout.per_node);
   CHECK(engine.qgz_cross_group()->size() == layout.nodes);
   if (const char* e = std::getenv("ZP_RANKS_PER_NODE")) CHECK(layout.per_node == std::atoi(e));
+  // Under hybrid sharding, as a shard group of 2 sees them: inside one node of 4, one node of 2.
+  cfg.shard_group_size = 2;
+  Mlp<float> hybrid_model;
+  zp::Engine<Mpi, float, 2> hybrid(comm, hybrid_model, cfg, zp::optim::AdamW{});
+  const int per_group = std::gcd(layout.per_node, 2);
+  REQUIRE(hybrid.qgz_node_group() != nullptr);
+  CHECK(hybrid.qgz_node_group()->size() == per_group);
+  CHECK(hybrid.qgz_cross_group()->size() == 2 / per_group);
 }
 
 // ZeRO++'s secondary partition on MPI (2 processes a node; at 2 processes the node is the world):

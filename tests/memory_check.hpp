@@ -14,12 +14,24 @@
 
 namespace zp::test {
 
-// Counts around one engine: construct before the engine, start() after its constructor (which
-// allocates and frees its initial-value staging), check() after some steps.
+// Counts around one engine: construct before the engine, start() after its constructor, check()
+// after some steps.
 template <MemorySpace S>
 struct MeasuredMemory {
   std::int64_t base = memory_use<S>().current;
-  void start() const { reset_peak_memory<S>(); }
+  MeasuredMemory() { reset_peak_memory<S>(); }
+  // The constructor held no more than it keeps and one segment of initial values in passing
+  // (not the whole model).
+  template <class E>
+  void start(const E& engine) const {
+    const MemoryUse use = memory_use<S>();
+    const auto staging =
+        std::int64_t(engine.layout().largest_segment() * sizeof(typename E::value_type));
+    INFO("the constructor's peak ", use.peak - base, " bytes, it holds ", use.current - base,
+         ", a segment ", staging, " of a model of ", engine.layout().total(), " elements");
+    CHECK(use.peak - use.current <= staging);
+    reset_peak_memory<S>();
+  }
   // Runs f (a checkpoint: its staging is transient, not training's) without counting its peak.
   template <class F>
   void outside(F&& f) const {

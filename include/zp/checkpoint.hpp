@@ -276,7 +276,8 @@ struct SaveOptions {
 // an opaque user blob (data position, RNG, schedule state; rank 0's is kept). Collective over the
 // engine's grid (every DP, TP and PP rank); only at an accumulation boundary. A tag that already
 // exists is an error (checkpoints are never overwritten in place). Each rank writes its own part
-// of the model (a tensor-parallel slice with its Placement, a pipeline stage's modules), so the
+// of the model (a tensor-parallel slice with its Placement, a pipeline stage's modules; under
+// hybrid sharding the first shard group's ranks, whose replicas hold the same), so the
 // checkpoint loads at any grid. Extra memory: none for a host engine's fields in memory (files are
 // written straight from its buffers); swapped fields and a device engine's pieces pass through
 // host memory one piece at a time.

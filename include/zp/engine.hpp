@@ -47,6 +47,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -140,10 +141,13 @@ class Engine {
     on_every_rank(*dp_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
     // qgZ's nodes: where not given, the backend's own layout (mpi: its shared-memory split, or
-    // ZP_RANKS_PER_NODE), which every rank of the group found alike.
+    // ZP_RANKS_PER_NODE), which every rank of the group found alike; a shard group inside a node
+    // is one node.
     if constexpr (requires { comm.backend().node_layout(); })
-      if (config_.ranks_per_node == 0)
-        config_.ranks_per_node = comm.backend().node_layout().per_node;
+      if (config_.ranks_per_node == 0) {
+        const int per_node = comm.backend().node_layout().per_node;
+        config_.ranks_per_node = shard_ ? std::gcd(per_node, shard_->size()) : per_node;
+      }
     if (config_.weight_decay_filter) {  // empty where every parameter decays
       for (const auto& p : L.params()) decays_.push_back(config_.weight_decay_filter(p.name));
       if (std::count(decays_.begin(), decays_.end(), 1) == std::ptrdiff_t(decays_.size()))
@@ -152,7 +156,7 @@ class Engine {
     expect_same_engine_everywhere(*dp_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_,
                                   std::span<const char>(decays_));
     load_initial_values(*dp_, part_, std::span<View<T>* const>(bound_.values),
-                        config_.broadcast_initial_params);
+                        config_.broadcast_initial_params, replicas_ ? &*replicas_ : nullptr);
     bind_views(part_, bound_);
     // hpZ's node: hpz_partition_size consecutive ranks. qgZ's two hops: inside nodes of
     // ranks_per_node consecutive ranks, then across them.
@@ -435,7 +439,7 @@ class Engine {
   void in_context(const char* call, F&& f) {
     detail::with_context(f, [&](const std::string& m) {
       return detail::cat(
-          "engine: ", call, " at ", where(), " on rank ", comm_->rank(), ": ", m,
+          "engine: ", call, " at ", where(), " on rank ", dp_->rank(), ": ", m,
           " (every rank must run the same guards and call step() after every micro-step)");
     });
   }
@@ -614,7 +618,7 @@ class Engine {
                   detail::cat(invalid_, " (at ", where(), "; the step was skipped on every rank)"));
     ZP_EXPECT(gate != detail::StepGate::differ,
               "engine: the optimizer's hyper-parameters differ between ranks at ", where(),
-              " (rank ", comm_->rank(), " has ", optim::describe(opt_),
+              " (rank ", dp_->rank(), " has ", optim::describe(opt_),
               "; a rank whose values are invalid names them); every rank must set them "
               "identically, e.g. from the same schedule (the step was skipped everywhere)");
     StepResult r;
@@ -631,8 +635,8 @@ class Engine {
     begin_window();
     timer_.phase(&StepTimes::optimizer);
     r.times = timer_.end_window();
-    if (config_.wall_clock_breakdown && comm_->rank() == 0 &&
-        step_ % config_.steps_per_print == 0 && r.applied)
+    if (config_.wall_clock_breakdown && dp_->rank() == 0 && step_ % config_.steps_per_print == 0 &&
+        r.applied)
       std::printf("zp: step %lld: %s\n", static_cast<long long>(step_), r.times.describe().c_str());
     return r;
   }

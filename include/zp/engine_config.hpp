@@ -148,7 +148,8 @@ struct EngineConfig {
   // ZeRO++'s qgZ (DeepSpeed's zero_quantized_gradients; stages 2 and 3, every backend): each
   // bucket's reduce_scatter quantized, in two hops: inside nodes of ranks_per_node consecutive
   // data-parallel ranks (0: the backend's node layout where it has one, as the mpi backend's
-  // node_layout(); else one node of all), then across nodes among ranks of the same local
+  // node_layout(), under hybrid sharding as far as it divides the shard group; else one node of
+  // all), then across nodes among ranks of the same local
   // index, summing in fp32 between and after (quantized_collectives.hpp). The same bits on every
   // backend; the gradients within the quantization's bounds of the exact average.
   std::optional<quant::Format> quantized_gradients = std::nullopt;
@@ -159,12 +160,15 @@ struct EngineConfig {
   // ZeRO over shard_group_size ranks (memory per rank too); at the accumulation boundary each
   // rank's gradient piece is averaged with its replicas' (all_reduces of P / shard_group_size
   // elements in all over data-parallel size / shard_group_size ranks, a bucket's as soon as its
-  // piece is final: stages 2 and 3 overlap backward) before the norm and the update. 0: the
-  // whole data-parallel group (plain ZeRO). Must divide the data-parallel size.
+  // piece is final: stages 2 and 3 overlap backward) before the norm and the update, in the
+  // type the gradients accumulate in at stages 2 and 3 (grad_accum_dtype) and the reduction's at
+  // stage 1. 0: the whole data-parallel group (plain ZeRO). Must divide the data-parallel size.
   int shard_group_size = 0;
   std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
   optim::cpu::Options optimizer_options{};
-  bool broadcast_initial_params = true;  // rank 0's initial values win (else each rank's own)
+  // Rank 0's initial values win; else each rank's own (under hybrid sharding each shard rank's
+  // own in the first group, which its replicas take).
+  bool broadcast_initial_params = true;
   // ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): the fp32 master weights and optimizer
   // state live in host memory and the CPU step (optim/cpu.hpp) updates them, segment by segment,
   // from the gradient shard copied to the host, copying the updated T shard back. A device

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <exception>
 #include <span>
 #include <vector>
 
@@ -21,33 +22,44 @@ namespace zp {
 
 // Writes the model's initial values (its bound value views, by parameter index) into part's
 // parameters and fp32 master weights. broadcast: rank 0's values go to every rank (the other
-// ranks' views may be unbound); else every rank's views must hold them. Collective.
+// ranks' views may be unbound); else every rank's views must hold them, and where hybrid
+// sharding has `replicas` they take their first group's (the replicas must be one model).
+// One segment at a time, so that no rank ever holds the whole model (stage 3's models need not
+// fit one device). Collective.
 template <class T, int Stage, MemorySpace S, Backend B>
 void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& part,
-                         std::span<View<T>* const> values, bool broadcast) {
+                         std::span<View<T>* const> values, bool broadcast,
+                         Collective<B>* replicas = nullptr) {
   const Layout& L = part.layout();
-  Buffer<T, S> init(L.total(), "engine: initial parameter values");
-  Memory<S>::zero(init.span());
   const auto& ps = L.params();
   on_every_rank(comm, [&] {  // a rank without values: an error on every rank, not a hang
-    for (std::size_t p = 0; p < ps.size(); ++p) {
-      const View<T>& v = *values[p];
-      if (v.bound())
-        Memory<S>::from_host(init.span(ps[p].offset, ps[p].size),
-                             std::span<const T>(v.span()));  // the model's own memory
-      else
-        ZP_EXPECT(broadcast && comm.rank() != 0, "engine: parameter '", ps[p].name,
-                  "' has no initial values on rank ", comm.rank(),
-                  " (its value view is unbound); point it at the model's initial weights");
-    }
+    for (std::size_t p = 0; p < ps.size(); ++p)
+      ZP_EXPECT(values[p]->bound() || (broadcast && comm.rank() != 0), "engine: parameter '",
+                ps[p].name, "' has no initial values on rank ", comm.rank(),
+                " (its value view is unbound); point it at the model's initial weights");
   });
-  if (broadcast && comm.size() > 1) comm.broadcast(init.span(), 0);
+  Collective<B>* from_first = broadcast ? &comm : replicas;  // whose rank 0's values win
+  if (from_first && from_first->size() == 1) from_first = nullptr;
+  const bool own = !from_first || from_first->rank() == 0;
+  Buffer<T, S> init(L.largest_segment(), "engine: a segment's initial values");
   std::vector<T> staged, staged_t;
-  on_every_rank(comm, [&] {  // ... and a swap file that fails here too
-    for (int s = 0; s < L.segment_count(); ++s) {
+  std::exception_ptr failed;  // a write's (a swap file's), agreed on after the last broadcast
+  for (int s = 0; s < L.segment_count(); ++s) {
+    const auto& seg = L.segment(s);
+    const std::span<T> segment = init.span(0, seg.size);
+    Memory<S>::zero(segment);  // the padding
+    if (own)
+      for (int p : seg.params)
+        Memory<S>::from_host(
+            segment.subspan(ps[std::size_t(p)].offset - seg.offset, ps[std::size_t(p)].size),
+            std::span<const T>(values[std::size_t(p)]->span()));
+    if (from_first) from_first->broadcast(segment, 0);
+    if (failed) continue;
+    try {
       part.template access<Field::param>(
           s, Extent::kept, 0, Access::write, [&](Owned<T> param, bool host) {
-            const std::span<const T> from = init.span(param.offset, param.span.size());
+            const auto from =
+                std::span<const T>(segment).subspan(param.offset - seg.offset, param.span.size());
             if (host)
               std::ranges::copy(host_view<S>(from, false, staged_t), param.span.begin());
             else
@@ -55,13 +67,20 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
           });
       part.template access<Field::master>(
           s, Extent::kept, 0, Access::write, [&](Owned<float> master, bool host) {
-            const std::span<const T> from = init.span(master.offset, master.span.size());
+            const auto from =
+                std::span<const T>(segment).subspan(master.offset - seg.offset, master.span.size());
             if (host)
               Memory<MemorySpace::host>::convert(master.span, host_view<S>(from, false, staged));
             else
               Memory<S>::convert(master.span, from);
           });
+    } catch (...) {
+      failed = std::current_exception();
     }
+  }
+  init = Buffer<T, S>();     // before the agreement's own staging
+  on_every_rank(comm, [&] {  // ... and a swap file that failed here too
+    if (failed) std::rethrow_exception(failed);
   });
 }
 
