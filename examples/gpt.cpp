@@ -352,6 +352,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
 #endif
   }
   E engine(grid, model, ec, opt);
+  model.release_initial_values();
   const int micro_batch = int(engine.batch().micro_batch_per_rank),
             accum = int(engine.batch().gradient_accumulation_steps);
   const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);

@@ -596,9 +596,18 @@ class Model {
                                      // [d, V] is nn.Linear's transpose)
     zp::Placement place;             // this rank's part of it (split unless it is the whole)
     zp::Param<T> param;
-    std::vector<T> init;  // initial values until zp rebinds the views
+    std::vector<T> init;  // initial values until an engine takes them (release_initial_values)
   };
   const std::vector<Tensor>& tensors() const { return tensors_; }
+  // Frees the initial values once an engine took them and rebound the views into its memory (or,
+  // stage 3, to nothing): a copy of this rank's part of the model that training never reads.
+  void release_initial_values() {
+    for (Tensor& t : tensors_) {
+      ZP_EXPECT(t.init.empty() || t.param.value.data() != t.init.data(), "gpt: '", t.name,
+                "' still reads its initial values; free them after the engine took them");
+      std::vector<T>().swap(t.init);
+    }
+  }
 
   // The engine's modules are this rank's, numbered from 0 (module m of the model is m - first).
   template <class V>

@@ -6,10 +6,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <chrono>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -566,6 +568,97 @@ TEST_CASE("hybrid sharding's replicas start from the first group's own values") 
     for (std::size_t i = 0; i < want.size(); ++i) differ += want[i] != third[i];
     CHECK(differ > want.size() * 9 / 10);
   }
+}
+
+namespace {
+// The initial value of element i of a parameter, for the ZeRO-Init tests: from its name and i.
+float initial_value(std::string_view name, std::size_t i) {
+  return 0.3f *
+         zp::test::hash_uniform(zp::test::mlp_seed() ^ std::hash<std::string_view>{}(name), i);
+}
+}  // namespace
+
+// ZeRO-Init (EngineConfig::initializer): each rank asks for exactly the elements it keeps (at
+// stage 3 its pieces: every element asked for once over the ranks; below, the whole model on
+// every rank), no model holding any value (its value views unbound on every rank), and the engine
+// then holds, bit for bit, what it holds from a model holding the same values in T, and trains
+// the same.
+TEST_CASE_TEMPLATE("an initializer gives each rank the elements it keeps, as a model would", T,
+                   float, zp::bf16) {
+  for (int stage = 0; stage <= 3; ++stage)
+    for (int ranks : {1, 3}) {
+      CAPTURE(stage);
+      CAPTURE(ranks);
+      std::mutex m;
+      std::map<std::string, std::vector<int>> asked;  // per parameter: times each element was
+      run_threads(ranks, [&](Collective<Threads>& comm) {
+        Mlp<T> held, empty;
+        for (std::size_t l = 0; l < held.layers.size(); ++l) {
+          auto& L = held.layers[l];
+          const std::string name = "layer" + std::to_string(l);
+          for (std::size_t i = 0; i < L.w0.size(); ++i)
+            L.w0[i] = T(initial_value(name + ".weight", i));
+          for (std::size_t i = 0; i < L.b0.size(); ++i)
+            L.b0[i] = T(initial_value(name + ".bias", i));
+          empty.layers[l].w.value.rebind(nullptr);
+          empty.layers[l].b.value.rebind(nullptr);
+        }
+        auto cfg = test_config(2, 1);
+        auto init_cfg = cfg;
+        init_cfg.initializer = [&](std::string_view name, std::size_t first, std::span<float> out) {
+          for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(name, first + i);
+          std::lock_guard lk(m);
+          auto& n = asked[std::string(name)];
+          if (n.size() < first + out.size()) n.resize(first + out.size());
+          for (std::size_t i = 0; i < out.size(); ++i) ++n[first + i];
+        };
+        zp::dispatch<zp::Types<T>, zp::Stages<0, 1, 2, 3>>(
+            zp::dtype_of<T>, stage,
+            [&]<class U, int S>(std::type_identity<U>, std::integral_constant<int, S>) {
+              zp::Engine<Threads, T, S> from_model(comm, held, cfg);
+              zp::Engine<Threads, T, S> from_init(comm, empty, init_cfg);
+              CHECK(bitwise_equal(from_init.gather_params(), from_model.gather_params()));
+              CHECK(bitwise_equal(from_init.gather_master(), from_model.gather_master()));
+              for (int t = 0; t < 2; ++t) {
+                zp::test::micro_step(from_model, held, (t * ranks + comm.rank()) * 2, 2);
+                zp::test::micro_step(from_init, empty, (t * ranks + comm.rank()) * 2, 2);
+              }
+              CHECK(bitwise_equal(from_init.gather_master(), from_model.gather_master()));
+            });
+      });
+      Mlp<T> shape;
+      REQUIRE(asked.size() == 2 * shape.layers.size());
+      for (std::size_t l = 0; l < shape.layers.size(); ++l) {
+        const std::string name = "layer" + std::to_string(l);
+        for (const auto& [suffix, size] : {std::pair{".weight", shape.layers[l].w.size()},
+                                           std::pair{".bias", shape.layers[l].b.size()}}) {
+          const std::string param = name + suffix;
+          const std::vector<int> want(size, stage == 3 ? 1 : ranks);
+          CHECK_MESSAGE(asked[param] == want, param);
+        }
+      }
+    }
+}
+
+TEST_CASE("an initializer that fails or leaves an element unwritten is an error on every rank") {
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto cfg = test_config(2, 1);
+    cfg.initializer = [&](std::string_view name, std::size_t first, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(name, first + i);
+      if (comm.rank() == 1 && name == "layer2.bias") throw std::runtime_error("no such tensor");
+    };
+    using zp::test::expect_invalid;
+    expect_invalid(
+        [&] { zp::Engine<Threads, float, 2> e(comm, model, cfg); },
+        {"the initializer failed on parameter 'layer2.bias' elements [", "no such tensor"});
+    cfg.initializer = [&](std::string_view name, std::size_t first, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i)
+        if (name != "layer1.weight" || first + i != 100) out[i] = initial_value(name, first + i);
+    };
+    expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, cfg); },
+                   {"the initializer left element 100 of parameter 'layer1.weight' NaN"});
+  });
 }
 
 TEST_CASE("hybrid sharding's bad settings are errors naming the value, on every rank") {

@@ -32,6 +32,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -134,6 +136,7 @@ struct ZeroPP {
   bool qwz = false;
   bool qgz = false;  // the gradients' reduce_scatter quantized, over nodes of 2 ranks (stage 2, 3)
   int shard = 0;     // hybrid sharding: ZeRO over groups of that many ranks (stages 1-3)
+  bool zero_init = false;  // the initial values from EngineConfig::initializer, none in the model
 };
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
@@ -191,7 +194,16 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
       seed + 7919 * std::uint64_t(comm.rank() + 1);  // each rank's own gradients
   const zp::test::MeasuredMemory<S> measured;
   const std::int64_t pinned = zp::memory_use<zp::MemorySpace::pinned>().current;
-  zp::Engine<B, T, Stage> engine(comm, model, config(offload, max_grad_norm, zpp),
+  zp::EngineConfig cfg = config(offload, max_grad_norm, zpp);
+  if (zpp.zero_init) {  // Fed's values, each rank's kept elements from their source
+    for (auto& p : model.params) p.value.rebind(nullptr);
+    cfg.initializer = [seed](std::string_view name, std::size_t first, std::span<float> out) {
+      const std::uint64_t p = std::stoull(std::string(name.substr(1)));  // "p<k>"
+      for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = zp::test::hash_uniform(seed + p, first + i);
+    };
+  }
+  zp::Engine<B, T, Stage> engine(comm, model, cfg,
                                  zp::optim::AdamW{.lr = 1e-2f, .weight_decay = 0.1f});
   if (S == zp::MemorySpace::device && (offload & params_offloaded) && (offload & 3) != 2) {
     // the parameter shard page-locked in host memory, and reported so (with AdamW's master, m
@@ -330,6 +342,14 @@ void check_ranks(std::uint64_t seed) {
       expect_equal(on_gpu<T, Stage>(n, seed, 0, {.shard = 2}), hybrid);
     }
     if (n != 2) continue;
+    // ZeRO-Init: the kept elements from the initializer, copied up (stage 3 with the parameter
+    // shard offloaded: into page-locked memory); the same bits.
+    {
+      CAPTURE("zero-init");
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.zero_init = true}), cpu);
+      if (Stage == 3)
+        expect_equal(on_gpu<T, Stage>(n, seed, params_offloaded, {.zero_init = true}), cpu, true);
+    }
     for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
       CAPTURE(int(role));
       expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed); }), cpu);

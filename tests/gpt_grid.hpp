@@ -86,6 +86,7 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   // added to every score) must not turn rounding into +-lr steps (see engine.test.cpp).
   zp::Engine<B, float, Stage> engine(
       grid, model, ec, zp::optim::AdamW{.lr = lr, .eps = 1e-4f, .weight_decay = 0.01f});
+  model.release_initial_values();  // as zp_gpt does: nothing reads them now (ASan would see)
   const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);
   zp::pipeline::Runner<B, float> runner(grid.pp(), run.schedule, run.micro_batches,
                                         rows * std::size_t(cfg.d_model));

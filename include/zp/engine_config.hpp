@@ -169,6 +169,15 @@ struct EngineConfig {
   // Rank 0's initial values win; else each rank's own (under hybrid sharding each shard rank's
   // own in the first group, which its replicas take).
   bool broadcast_initial_params = true;
+  // ZeRO-Init (DeepSpeed's zero.Init; FSDP2's meta-device initialisation): where set, each rank
+  // asks it for the initial values of only the elements it keeps (at stage 3 its shard; below,
+  // the whole model, which those stages keep), rounded to the model's type as a model holding
+  // them would, instead of reading the model's value views, which may then be unbound: at stage
+  // 3 no rank's memory ever holds the whole model, the model's included. It must give an element
+  // the same value on every rank that asks (a function of the name and index, as a seeded
+  // initialisation is) and write every element it is asked for (NaN left behind is an error);
+  // broadcast_initial_params is then unused. An exception from it is an error on every rank.
+  Initializer initializer = nullptr;
   // ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): the fp32 master weights and optimizer
   // state live in host memory and the CPU step (optim/cpu.hpp) updates them, segment by segment,
   // from the gradient shard copied to the host, copying the updated T shard back. A device

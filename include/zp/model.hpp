@@ -18,7 +18,8 @@
 //    transformer block), not a single bias.
 //  - Every visit of the same model visits the same parameters with the same sizes.
 //  - Before zp takes over, a value view may point at the model's own storage holding the initial
-//    values (zp copies them once); afterwards zp rebinds every view into its flat buffers. The
+//    values (zp copies them once), or be unbound where an Initializer gives them (below);
+//    afterwards zp rebinds every view into its flat buffers. The
 //    views are plain {pointer, size} pairs kept as members of the model, so the model must not
 //    move while an engine refers to it.
 //  - Gradients accumulate: the model's backward adds (+=) into the grad view; zp zeroes the
@@ -250,6 +251,14 @@ void visit_parameters(M& model, F&& f) {
 
 // A model's parameters as zp takes them over: the list and, per parameter, the model's value and
 // gradient views.
+// ZeRO-Init (EngineConfig::initializer; DeepSpeed's zero.Init, FSDP2's meta-device
+// initialisation): writes the initial values of elements [first, first + out.size()) of the
+// parameter `name` (flattened; under tensor parallelism, of the slice this rank's model visits,
+// whose Placement maps it into the full tensor) into out; the engine asks each rank for the
+// elements it keeps.
+using Initializer =
+    std::function<void(std::string_view name, std::size_t first, std::span<float> out)>;
+
 template <class T>
 struct BoundParameters {
   std::vector<ParamInfo> params;
