@@ -105,6 +105,29 @@ TEST_CASE(
   }
 }
 
+// An exception of no std::exception type (a user callback's): its rank rethrows it, the others
+// name it, and none is left waiting in the agreement.
+TEST_CASE("on_every_rank agrees on an exception not derived from std::exception") {
+  run_threads(3, [&](Collective<Threads>& comm) {
+    try {
+      zp::on_every_rank(comm, [&] {
+        if (comm.rank() == 1) throw 42;
+      });
+      FAIL("no rank may go on");
+    } catch (int x) {
+      CHECK(comm.rank() == 1);
+      CHECK(x == 42);
+    } catch (const zp::Error& e) {
+      CHECK(comm.rank() != 1);
+      CHECK(e.category() == zp::Errc::backend);
+      CHECK_MESSAGE(
+          std::string(e.what()).find(
+              "rank 1 failed: an exception not derived from std::exception") != std::string::npos,
+          e.what());
+    }
+  });
+}
+
 TEST_CASE("spread refuses INT64_MIN, whose negation does not exist, as zp's own error") {
   run_threads(1, [](Collective<Threads>& comm) {
     const std::int64_t v[] = {std::numeric_limits<std::int64_t>::min()};

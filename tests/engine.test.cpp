@@ -658,6 +658,13 @@ TEST_CASE("an initializer that fails or leaves an element unwritten is an error 
     };
     expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, cfg); },
                    {"the initializer left element 100 of parameter 'layer1.weight' NaN"});
+    cfg.initializer = [&](std::string_view name, std::size_t first, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(name, first + i);
+      if (comm.rank() == 2 && name == "layer0.weight") throw 7;  // not a std::exception
+    };
+    expect_invalid([&] { zp::Engine<Threads, float, 2> e(comm, model, cfg); },
+                   {"the initializer failed on parameter 'layer0.weight' elements [",
+                    "an exception not derived from std::exception"});
   });
 }
 

@@ -114,6 +114,10 @@ void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
     err = std::current_exception();
     msg = e.what();
     category = Errc::backend;
+  } catch (...) {  // a user callback's: still agreed on, or the other ranks would wait
+    err = std::current_exception();
+    msg = "an exception not derived from std::exception";
+    category = Errc::backend;
   }
   std::int64_t first = err ? comm.rank() : comm.size();
   if (word.empty()) {

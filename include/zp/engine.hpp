@@ -157,7 +157,7 @@ class Engine {
                                   std::span<const char>(decays_));
     load_initial_values(*dp_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params, replicas_ ? &*replicas_ : nullptr,
-                        config_.initializer);
+                        config_.initializer, stats_.word());
     bind_views(part_, bound_);
     // hpZ's node: hpz_partition_size consecutive ranks. qgZ's two hops: inside nodes of
     // ranks_per_node consecutive ranks, then across them.

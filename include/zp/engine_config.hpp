@@ -149,9 +149,9 @@ struct EngineConfig {
   // bucket's reduce_scatter quantized, in two hops: inside nodes of ranks_per_node consecutive
   // data-parallel ranks (0: the backend's node layout where it has one, as the mpi backend's
   // node_layout(), under hybrid sharding as far as it divides the shard group; else one node of
-  // all), then across nodes among ranks of the same local
-  // index, summing in fp32 between and after (quantized_collectives.hpp). The same bits on every
-  // backend; the gradients within the quantization's bounds of the exact average.
+  // all), then across nodes among ranks of the same local index, summing in fp32 between and
+  // after (quantized_collectives.hpp). The same bits on every backend; the gradients within the
+  // quantization's bounds of the exact average.
   std::optional<quant::Format> quantized_gradients = std::nullopt;
   int ranks_per_node = 0;
   // Hybrid sharding (DeepSpeed's MiCS, mics_shard_size; PyTorch FSDP2's HSDP; stages 1-3): ZeRO
@@ -177,6 +177,7 @@ struct EngineConfig {
   // the same value on every rank that asks (a function of the name and index, as a seeded
   // initialisation is) and write every element it is asked for (NaN left behind is an error);
   // broadcast_initial_params is then unused. An exception from it is an error on every rank.
+  // Under hybrid sharding each shard group asks for its elements.
   Initializer initializer = nullptr;
   // ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): the fp32 master weights and optimizer
   // state live in host memory and the CPU step (optim/cpu.hpp) updates them, segment by segment,

@@ -249,8 +249,6 @@ void visit_parameters(M& model, F&& f) {
   for_each_parameter(model, v);
 }
 
-// A model's parameters as zp takes them over: the list and, per parameter, the model's value and
-// gradient views.
 // ZeRO-Init (EngineConfig::initializer; DeepSpeed's zero.Init, FSDP2's meta-device
 // initialisation): writes the initial values of elements [first, first + out.size()) of the
 // parameter `name` (flattened; under tensor parallelism, of the slice this rank's model visits,
@@ -259,6 +257,8 @@ void visit_parameters(M& model, F&& f) {
 using Initializer =
     std::function<void(std::string_view name, std::size_t first, std::span<float> out)>;
 
+// A model's parameters as zp takes them over: the list and, per parameter, the model's value and
+// gradient views.
 template <class T>
 struct BoundParameters {
   std::vector<ParamInfo> params;

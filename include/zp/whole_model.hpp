@@ -22,71 +22,100 @@
 
 namespace zp {
 
+// Fills [first, first + n) of segment s's full-layout range (at `out`, in host memory) from
+// `initializer` (EngineConfig::initializer), naming the parameter when it throws or leaves an
+// element unwritten (NaN).
+inline void fill_from_initializer(const Layout& L, int s, std::size_t first, std::span<float> out,
+                                  const Initializer& initializer) {
+  std::ranges::fill(out, 0.0f);  // the padding
+  L.for_each_param_in(s, first, out.size(), [&](int p, std::size_t b, std::size_t e) {
+    const Layout::Param& lp = L.params()[std::size_t(p)];
+    const std::span<float> mine = out.subspan(b - first, e - b);
+    std::ranges::fill(mine, std::numeric_limits<float>::quiet_NaN());
+    const auto failed = [&](const char* what) {
+      return Error(Errc::invalid_argument,
+                   detail::cat("engine: the initializer failed on parameter '", lp.name,
+                               "' elements [", b - lp.offset, ", ", e - lp.offset, "): ", what));
+    };
+    try {
+      initializer(lp.name, b - lp.offset, mine);
+    } catch (const std::exception& x) {
+      throw failed(x.what());
+    } catch (...) {
+      throw failed("an exception not derived from std::exception");
+    }
+    const auto nan = std::ranges::find_if(mine, [](float v) { return std::isnan(v); });
+    ZP_EXPECT(nan == mine.end(), "engine: the initializer left element ",
+              b - lp.offset + std::size_t(nan - mine.begin()), " of parameter '", lp.name,
+              "' NaN (asked for elements [", b - lp.offset, ", ", e - lp.offset,
+              ")); it must write every element it is asked for");
+  });
+}
+
 // Writes the model's initial values into part's parameters and fp32 master weights: from the
 // model's bound value views (by parameter index) or, where given, from `initializer` for only
 // the elements this rank keeps (EngineConfig::initializer). broadcast: rank 0's values go to every
 // rank (the other ranks' views may be unbound); else every rank's views must hold them, and where
 // hybrid sharding has `replicas` they take their first group's (the replicas must be one model).
 // One segment at a time, so that no rank ever holds the whole model (stage 3's models need not
-// fit one device). Collective.
+// fit one device). Collective: a rank's failure is recorded and agreed on after the last
+// broadcast, so no rank leaves the others waiting in one; `word` as on_every_rank's (the
+// engine's, so that the agreements allocate nothing beside the segment).
 template <class T, int Stage, MemorySpace S, Backend B>
 void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& part,
-                         std::span<View<T>* const> values, bool broadcast,
-                         Collective<B>* replicas = nullptr, const Initializer& initializer = {}) {
+                         std::span<View<T>* const> values, bool broadcast, Collective<B>* replicas,
+                         const Initializer& initializer, std::span<double> word) {
   const Layout& L = part.layout();
   const auto& ps = L.params();
-  on_every_rank(comm, [&] {  // a rank without values: an error on every rank, not a hang
-    for (std::size_t p = 0; p < ps.size() && !initializer; ++p)
-      ZP_EXPECT(values[p]->bound() || (broadcast && comm.rank() != 0), "engine: parameter '",
-                ps[p].name, "' has no initial values on rank ", comm.rank(),
-                " (its value view is unbound); point it at the model's initial weights");
-  });
+  Buffer<T, S> init;
+  on_every_rank(
+      comm,
+      [&] {  // a rank without values or memory: an error on every rank
+        for (std::size_t p = 0; p < ps.size() && !initializer; ++p)
+          ZP_EXPECT(values[p]->bound() || (broadcast && comm.rank() != 0), "engine: parameter '",
+                    ps[p].name, "' has no initial values on rank ", comm.rank(),
+                    " (its value view is unbound); point it at the model's initial weights");
+        init = Buffer<T, S>(L.largest_segment(), "engine: a segment's initial values");
+      },
+      word);
   Collective<B>* from_first = initializer ? nullptr : broadcast ? &comm : replicas;
   if (from_first && from_first->size() == 1) from_first = nullptr;  // whose rank 0's values win
   const bool own = !from_first || from_first->rank() == 0;
-  Buffer<T, S> init(L.largest_segment(), "engine: a segment's initial values");
   std::vector<T> staged, staged_t;
   std::vector<float> given;
-  std::exception_ptr failed;  // a write's (a swap file's), agreed on after the last broadcast
+  std::exception_ptr failed;
+  const auto unless_failed = [&](auto&& f) {
+    if (failed) return;
+    try {
+      f();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  };
   for (int s = 0; s < L.segment_count(); ++s) {
     const auto& seg = L.segment(s);
     const std::span<T> segment = init.span(0, seg.size);
-    Memory<S>::zero(segment);  // the padding
-    if (own && !initializer)
-      for (int p : seg.params)
-        Memory<S>::from_host(
-            segment.subspan(ps[std::size_t(p)].offset - seg.offset, ps[std::size_t(p)].size),
-            std::span<const T>(values[std::size_t(p)]->span()));
-    if (from_first) from_first->broadcast(segment, 0);
-    if (failed) continue;
-    try {
-      if (initializer) {  // the parameters' kept extent holds the master weights' kept extent
-        const bool whole = part.whole(Field::param);
-        const std::size_t first = whole ? seg.offset : L.piece_offset(s, part.rank()),
-                          n = whole ? seg.size : seg.piece;
-        given.assign(n, 0.0f);
-        L.for_each_param_in(s, first, n, [&](int p, std::size_t b, std::size_t e) {
-          const Layout::Param& lp = ps[std::size_t(p)];
-          const std::span<float> out = std::span<float>(given).subspan(b - first, e - b);
-          std::ranges::fill(out, std::numeric_limits<float>::quiet_NaN());
-          try {
-            initializer(lp.name, b - lp.offset, out);
-          } catch (const std::exception& x) {
-            throw Error(
-                Errc::invalid_argument,
-                detail::cat("engine: the initializer failed on parameter '", lp.name,
-                            "' elements [", b - lp.offset, ", ", e - lp.offset, "): ", x.what()));
-          }
-          const auto nan = std::ranges::find_if(out, [](float v) { return std::isnan(v); });
-          ZP_EXPECT(nan == out.end(), "engine: the initializer left element ",
-                    b - lp.offset + std::size_t(nan - out.begin()), " of parameter '", lp.name,
-                    "' NaN (asked for elements [", b - lp.offset, ", ", e - lp.offset,
-                    ")); it must write every element it is asked for");
-        });
+    unless_failed([&] {
+      // The parameters' kept extent holds the master weights' kept extent.
+      const bool whole = part.whole(Field::param);
+      const std::size_t first = whole ? seg.offset : L.piece_offset(s, part.rank()),
+                        n = whole ? seg.size : seg.piece;
+      Memory<S>::zero(segment);  // the padding
+      if (initializer) {
+        given.resize(n);
+        fill_from_initializer(L, s, first, given, initializer);
         staged_t.resize(n);
         std::ranges::transform(given, staged_t.begin(), [](float v) { return T(v); });
         Memory<S>::from_host(segment.subspan(first - seg.offset, n), std::span<const T>(staged_t));
+      } else if (own) {
+        for (int p : seg.params)
+          Memory<S>::from_host(
+              segment.subspan(ps[std::size_t(p)].offset - seg.offset, ps[std::size_t(p)].size),
+              std::span<const T>(values[std::size_t(p)]->span()));
       }
+    });
+    if (from_first) from_first->broadcast(segment, 0);
+    unless_failed([&] {
       part.template access<Field::param>(
           s, Extent::kept, 0, Access::write, [&](Owned<T> param, bool host) {
             const auto from =
@@ -105,14 +134,15 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
             else
               Memory<S>::convert(master.span, from);
           });
-    } catch (...) {
-      failed = std::current_exception();
-    }
+    });
   }
-  init = Buffer<T, S>();     // before the agreement's own staging
-  on_every_rank(comm, [&] {  // ... and a swap file or the initializer that failed here too
-    if (failed) std::rethrow_exception(failed);
-  });
+  init = Buffer<T, S>();
+  on_every_rank(
+      comm,
+      [&] {  // a swap file, the initializer or a copy that failed on any rank
+        if (failed) std::rethrow_exception(failed);
+      },
+      word);
 }
 
 // Points the views of segment s's parameters (views: by parameter index) into memory holding
