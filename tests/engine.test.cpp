@@ -579,16 +579,26 @@ float initial_value(std::string_view name, std::size_t i) {
 }  // namespace
 
 // ZeRO-Init (EngineConfig::initializer): each rank asks for exactly the elements it keeps (at
-// stage 3 its pieces: every element asked for once over the ranks; below, the whole model on
-// every rank), no model holding any value (its value views unbound on every rank), and the engine
-// then holds, bit for bit, what it holds from a model holding the same values in T, and trains
-// the same.
+// stage 3 its pieces: every element asked for once over the ranks of a shard group; below, the
+// whole model on every rank), no model holding any value (its value views unbound on every
+// rank), and the engine then holds, bit for bit, what it holds from a model holding the same
+// values in T, and trains the same: at 1 and 3 ranks, hybrid sharding (4 ranks in groups of 2)
+// and stage 3's parameters on NVMe (the initial values written through the swap).
 TEST_CASE_TEMPLATE("an initializer gives each rank the elements it keeps, as a model would", T,
                    float, zp::bf16) {
+  struct Setup {
+    int ranks, shard_group_size = 0;
+    bool param_nvme = false;
+  };
+  zp::test::TempDir drive("init-swap");
   for (int stage = 0; stage <= 3; ++stage)
-    for (int ranks : {1, 3}) {
+    for (const Setup setup : {Setup{1}, Setup{3}, Setup{4, 2}, Setup{3, 0, true}}) {
+      if ((setup.shard_group_size > 0 && stage == 0) || (setup.param_nvme && stage != 3)) continue;
+      const int ranks = setup.ranks;
       CAPTURE(stage);
       CAPTURE(ranks);
+      CAPTURE(setup.shard_group_size);
+      CAPTURE(setup.param_nvme);
       std::mutex m;
       std::map<std::string, std::vector<int>> asked;  // per parameter: times each element was
       run_threads(ranks, [&](Collective<Threads>& comm) {
@@ -604,6 +614,8 @@ TEST_CASE_TEMPLATE("an initializer gives each rank the elements it keeps, as a m
           empty.layers[l].b.value.rebind(nullptr);
         }
         auto cfg = test_config(2, 1);
+        cfg.shard_group_size = setup.shard_group_size;
+        if (setup.param_nvme) cfg.param_nvme = zp::NvmeOptions{.path = drive.path};
         auto init_cfg = cfg;
         init_cfg.initializer = [&](std::string_view name, std::size_t first, std::span<float> out) {
           for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(name, first + i);
@@ -617,6 +629,7 @@ TEST_CASE_TEMPLATE("an initializer gives each rank the elements it keeps, as a m
             [&]<class U, int S>(std::type_identity<U>, std::integral_constant<int, S>) {
               zp::Engine<Threads, T, S> from_model(comm, held, cfg);
               zp::Engine<Threads, T, S> from_init(comm, empty, init_cfg);
+              CHECK((from_init.memory().nvme > 0) == setup.param_nvme);
               CHECK(bitwise_equal(from_init.gather_params(), from_model.gather_params()));
               CHECK(bitwise_equal(from_init.gather_master(), from_model.gather_master()));
               for (int t = 0; t < 2; ++t) {
@@ -633,7 +646,8 @@ TEST_CASE_TEMPLATE("an initializer gives each rank the elements it keeps, as a m
         for (const auto& [suffix, size] : {std::pair{".weight", shape.layers[l].w.size()},
                                            std::pair{".bias", shape.layers[l].b.size()}}) {
           const std::string param = name + suffix;
-          const std::vector<int> want(size, stage == 3 ? 1 : ranks);
+          const int groups = setup.shard_group_size > 0 ? ranks / setup.shard_group_size : 1;
+          const std::vector<int> want(size, stage == 3 ? groups : ranks);
           CHECK_MESSAGE(asked[param] == want, param);
         }
       }

@@ -331,7 +331,8 @@ void check_ranks(std::uint64_t seed) {
         }
     }
     // Hybrid sharding on the device: ZeRO inside groups of 2 ranks, the gradient pieces averaged
-    // across the groups on the comm stream; bitwise the threads backend's run of the same.
+    // across the groups on the comm stream; bitwise the threads backend's run of the same, also
+    // with each kind of stream delayed.
     if (Stage >= 1 && n == 4) {
       CAPTURE("shard groups of 2");
       Out hybrid;
@@ -340,6 +341,11 @@ void check_ranks(std::uint64_t seed) {
         if (comm.rank() == 0) hybrid = std::move(o);
       });
       expect_equal(on_gpu<T, Stage>(n, seed, 0, {.shard = 2}), hybrid);
+      for (auto role : {zp::device::Role::comm, zp::device::Role::compute}) {
+        CAPTURE(int(role));
+        expect_equal(delayed(role, [&] { return on_gpu<T, Stage>(n, seed, 0, {.shard = 2}); }),
+                     hybrid);
+      }
     }
     if (n != 2) continue;
     // ZeRO-Init: the kept elements from the initializer, copied up (stage 3 with the parameter
