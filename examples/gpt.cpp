@@ -340,9 +340,15 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
                         .heads = o.heads,
                         .layers = o.layers};
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
-  gpt::Model<T> model(cfg, o.init_seed, zp::tp::Group<float>(grid.tp()),
-                      {first, end});  // the same initial weights on every grid
-  if (!o.init_from.empty()) {
+  // The same initial weights on every grid; from a file they are read into the model's views,
+  // else the engine asks each rank for only the elements it keeps (at stage 3 its shard).
+  const bool from_file = !o.init_from.empty();
+  gpt::Model<T> model(
+      cfg, o.init_seed, zp::tp::Group<float>(grid.tp()), {first, end},
+      from_file ? gpt::Model<T>::InitialValues::held : gpt::Model<T>::InitialValues::on_request);
+  zp::EngineConfig with_init = ec;
+  if (!from_file) with_init.initializer = model.initializer();
+  if (from_file) {
 #if ZP_DEMO_IO
     gpt::read_hf(model, o.init_from);  // before the engine takes the initial values
     if (lead) std::printf("zp_gpt: weights from %s\n", o.init_from.c_str());
@@ -351,7 +357,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
                     "zp_gpt: built without zp::io (nlohmann_json): no --init-from");
 #endif
   }
-  E engine(grid, model, ec, opt);
+  E engine(grid, model, with_init, opt);
   model.release_initial_values();
   const int micro_batch = int(engine.batch().micro_batch_per_rank),
             accum = int(engine.batch().gradient_accumulation_steps);

@@ -479,9 +479,14 @@ class Model {
   struct Modules {
     int first = 0, end = -1;  // -1: through the last module
   };
+  // held: the model holds its initial values (its views point at them) until
+  // release_initial_values(); on_request: it holds none (its value views unbound) and an engine
+  // asks initializer() for the elements each rank keeps (ZeRO-Init).
+  enum class InitialValues { held, on_request };
 
-  Model(const Config& c, std::uint64_t seed, zp::tp::Group<F> tp = {}, Modules modules = {})
-      : cfg_(c), tp_(std::move(tp)) {
+  Model(const Config& c, std::uint64_t seed, zp::tp::Group<F> tp = {}, Modules modules = {},
+        InitialValues values = InitialValues::held)
+      : cfg_(c), tp_(std::move(tp)), seed_(seed) {
     c.check();
     const int P = tp_.size(), r = tp_.rank();
     first_ = modules.first;
@@ -501,8 +506,7 @@ class Model {
     shape_ = {c.d_model, int(heads.size()), c.head_dim(), int(ff.size())};
     const zp::tp::Range width{heads.begin * hd, heads.end * hd};
 
-    // Tensors in the full model's order, k = 0, 1, ...: the initialisation draws element i of
-    // tensor k from (seed, k, full index of i), so every rank draws its part alone.
+    // Tensors in the full model's order, k = 0, 1, ... (initial_value()).
     int k = 0;
     // A tensor of [rows, cols], this rank's part of it (part_of), its initial values.
     auto add = [&](int module, std::string name, std::size_t rows, std::size_t cols,
@@ -515,12 +519,14 @@ class Model {
       t.rows = rows;
       t.cols = cols;
       t.place = place;
+      t.index = tensor;
+      t.std_dev = std_dev;
+      t.constant = constant;
       t.param = zp::Param<T>(place.size());
+      if (values == InitialValues::on_request) return;
       t.init.resize(place.size());
       for (std::size_t i = 0; i < place.size(); ++i)
-        t.init[i] = detail::to_storage<T>(
-            std_dev == 0 ? constant
-                         : std_dev * normal(seed, std::uint64_t(tensor), place.full_index(i)));
+        t.init[i] = detail::to_storage<T>(initial_value(t, i));
     };
     // A whole tensor (replicated over the TP group).
     auto add_whole = [&](int module, std::string name, std::size_t rows, std::size_t cols,
@@ -565,7 +571,8 @@ class Model {
     add_whole(c.layers + 1, "ln_f.weight", 1, d, 0.0, 1.0);
     add_whole(c.layers + 1, "ln_f.bias", 1, d, 0.0, 0.0);
     add(c.layers + 1, "lm_head.weight", d, V, part_of(d, V, {0, d}, vocab_), 0.02);
-    for (Tensor& t : tensors_) t.param.value.rebind(t.init.data());
+    if (values == InitialValues::held)
+      for (Tensor& t : tensors_) t.param.value.rebind(t.init.data());
     for (int m = first_; m < end_; ++m) {
       module_begin_.push_back(0);
       while (module_begin_.back() < tensors_.size() && tensors_[module_begin_.back()].module < m)
@@ -597,6 +604,8 @@ class Model {
     zp::Placement place;             // this rank's part of it (split unless it is the whole)
     zp::Param<T> param;
     std::vector<T> init;  // initial values until an engine takes them (release_initial_values)
+    int index = 0;        // in the full model's order: its draws' stream
+    double std_dev = 0, constant = 0;  // N(0, std_dev), or `constant` where std_dev is 0
   };
   const std::vector<Tensor>& tensors() const { return tensors_; }
   // Frees the initial values once an engine took them and rebound the views into its memory (or,
@@ -607,6 +616,19 @@ class Model {
                 "' still reads its initial values; free them after the engine took them");
       std::vector<T>().swap(t.init);
     }
+  }
+
+  // The initial values of this rank's tensors, as zp::EngineConfig::initializer: element `first`
+  // on of the part `name` names, those that a held model holds (rounded to T by the engine as
+  // from there). Valid while the model lives.
+  zp::Initializer initializer() const {
+    return [this](std::string_view name, std::size_t first, std::span<float> out) {
+      const auto t = std::ranges::find(tensors_, name, &Tensor::name);
+      ZP_EXPECT(t != tensors_.end(), "gpt: no tensor '", name, "' on this rank");
+      ZP_EXPECT(first + out.size() <= t->place.size(), "gpt: elements [", first, ", ",
+                first + out.size(), ") of '", name, "' are past its ", t->place.size());
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = float(initial_value(*t, first + i));
+    };
   }
 
   // The engine's modules are this rank's, numbered from 0 (module m of the model is m - first).
@@ -699,6 +721,14 @@ class Model {
   }
 
  private:
+  // Element i of t's part: drawn from (seed, t's index, i's full index), so every rank draws its
+  // part alone.
+  double initial_value(const Tensor& t, std::size_t i) const {
+    return t.std_dev == 0
+               ? t.constant
+               : t.std_dev * normal(seed_, std::uint64_t(t.index), t.place.full_index(i));
+  }
+
   // A standard normal from (seed, tensor, index): splitmix64 and Box-Muller, the same on every
   // platform (std::normal_distribution is not).
   static double normal(std::uint64_t seed, std::uint64_t tensor, std::uint64_t i) {
@@ -736,6 +766,7 @@ class Model {
 
   Config cfg_;
   zp::tp::Group<F> tp_;
+  std::uint64_t seed_;  // of the initial values
   int first_ = 0, end_ = 0;
   zp::tp::Range vocab_;
   BlockShape shape_;

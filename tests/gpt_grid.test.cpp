@@ -5,11 +5,13 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 
 #include "expect_error.hpp"
 #include "gpt_grid.hpp"
+#include "zp/dispatch.hpp"
 
 using zp::Collective;
 using zp::backend::Threads;
@@ -148,6 +150,48 @@ TEST_CASE("recomputed activations train bitwise as kept ones on DP x TP x PP gri
        zp::pipeline::Schedule::gpipe);
   same(std::integral_constant<int, 3>{}, {.dp = 2, .tp = 1, .pp = 1},
        zp::pipeline::Schedule::one_f_one_b);
+}
+
+// zp_gpt's ZeRO-Init: a model holding no initial values, its engine asking Model::initializer()
+// for the elements each rank keeps, holds every parameter and master weight bit for bit as the
+// engine of a model holding them (fp32 and bf16, every stage, on a 2 x 2 x 2 grid: each TP rank
+// asked for its slice, each PP stage for its modules).
+TEST_CASE_TEMPLATE("the model's initializer gives each grid rank what a model holding it would", T,
+                   float, zp::bf16) {
+  const zp::GridShape shape{.dp = 2, .tp = 2, .pp = 2};
+  for (int stage = 0; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    zp::backend::run_threads(shape.size(), [&](Collective<Threads>& world) {
+      zp::ProcessGrid<Threads> grid(world, shape);
+      const auto [first, end] = gpt::pipeline_stage(g::cfg, shape.pp, grid.coords().pp);
+      using Model = gpt::Model<T>;
+      Model held(g::cfg, run_seed(), zp::tp::Group<float>(grid.tp()), {first, end});
+      Model lazy(g::cfg, run_seed(), zp::tp::Group<float>(grid.tp()), {first, end},
+                 Model::InitialValues::on_request);
+      for (const auto& t : lazy.tensors()) CHECK(!t.param.value.bound());
+      zp::EngineConfig ec;
+      ec.batch = {.micro_batch_per_rank = g::micro_batch, .gradient_accumulation_steps = 1};
+      ec.bucket_bytes = 2048;  // several segments
+      zp::EngineConfig asking = ec;
+      asking.initializer = lazy.initializer();
+      zp::dispatch<zp::Types<T>, zp::Stages<0, 1, 2, 3>>(
+          zp::dtype_of<T>, stage,
+          [&]<class U, int S>(std::type_identity<U>, std::integral_constant<int, S>) {
+            zp::Engine<Threads, T, S> from_held(grid, held, ec);
+            zp::Engine<Threads, T, S> from_lazy(grid, lazy, asking);
+            const std::vector<T> p = from_held.gather_params(), q = from_lazy.gather_params();
+            CHECK(p.size() == q.size());
+            CHECK(std::memcmp(p.data(), q.data(), p.size() * sizeof(T)) == 0);
+            CHECK(from_held.gather_master() == from_lazy.gather_master());
+          });
+    });
+  }
+  gpt::Model<float> lazy(g::cfg, 1, {}, {}, gpt::Model<float>::InitialValues::on_request);
+  std::vector<float> out(2);
+  zp::test::expect_invalid([&] { lazy.initializer()("no.such", 0, out); },
+                           {"gpt: no tensor 'no.such' on this rank"});
+  zp::test::expect_invalid([&] { lazy.initializer()("ln_f.bias", 15, out); },
+                           {"gpt: elements [15, 17) of 'ln_f.bias' are past its 16"});
 }
 
 // gpt::train_step copies the pipeline's boundaries into the model's residual stream: a runner
