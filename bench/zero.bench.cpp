@@ -18,11 +18,14 @@
 //   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), none
 //   (plain), or hybrid sharding (EngineConfig::shard_group_size: ZeRO inside each node, the
 //   gradient shard averaged across them: MiCS, FSDP2's HSDP; the model's state per rank that of
-//   2 ranks, not 4). Counters, per rank per step in nccl-tests' S bytes: cross_node_bytes (the
-//   data-parallel group's collectives, which span both nodes, qgZ's second hop, the hybrid
-//   replicas' all_reduce), node_bytes (hpZ's gathers, qgZ's first hop, the hybrid shard group's
-//   collectives), cross_vs_plain (the cross-node bytes over the plain step's, measured in the
-//   same run); and state_bytes_per_rank (the memory report's model states). link_MBps:0 has no
+//   2 ranks, not 4), or modules kept gathered from forward to backward
+//   (EngineConfig::reshard_after_forward = false: backward gathers nothing). Counters, per rank
+//   per step in nccl-tests' S bytes: cross_node_bytes (the data-parallel group's collectives,
+//   which span both nodes, qgZ's second hop, the hybrid replicas' all_reduce), node_bytes (hpZ's
+//   gathers, qgZ's first hop, the hybrid shard group's collectives), cross_vs_plain (the
+//   cross-node bytes over the plain step's, measured in the same run); state_bytes_per_rank (the
+//   memory report's model states) and gathered_peak_bytes (its most gathered parameters at
+//   once). link_MBps:0 has no
 //   slow link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
 //   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
 //   collective lasts at least the bytes the rank moves across nodes / L). backward_ms:C: each
@@ -231,7 +234,7 @@ Traffic step_traffic(E& engine, Collective<Threads>& comm, Synthetic& model) {
   return {cross() - cross0, node() - node0};
 }
 
-enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4, hybrid };
+enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4, hybrid, kept };
 
 zp::EngineConfig zeropp_config(ZeroPP v) {
   zp::EngineConfig cfg;
@@ -242,6 +245,7 @@ zp::EngineConfig zeropp_config(ZeroPP v) {
   if (v == ZeroPP::qgz || all) cfg.quantized_gradients = zp::zero_quantized_gradients;
   if (v == ZeroPP::all_int4) cfg.quantized_gradients->bits = zp::quant::Bits::int4;
   if (v == ZeroPP::hybrid) cfg.shard_group_size = 2;
+  cfg.reshard_after_forward = v != ZeroPP::kept;
   return cfg;
 }
 
@@ -251,7 +255,7 @@ void zeropp_step(benchmark::State& state) {
   opt.link = {2, double(state.range(1)) * 1e6};
   std::vector<double> times;
   Traffic plain, mine;
-  double state_bytes = 0;
+  double state_bytes = 0, gathered_peak = 0;
   zp::backend::run_threads(
       4,
       [&](Collective<Threads>& comm) {
@@ -273,6 +277,7 @@ void zeropp_step(benchmark::State& state) {
           plain = p;
           mine = t;
           state_bytes = double(engine.memory().model_states());
+          gathered_peak = double(engine.memory().gathered_peak);
         }
       },
       opt);
@@ -282,11 +287,12 @@ void zeropp_step(benchmark::State& state) {
   state.counters["node_bytes"] = mine.node;
   state.counters["cross_vs_plain"] = mine.cross / plain.cross;
   state.counters["state_bytes_per_rank"] = state_bytes;
+  state.counters["gathered_peak_bytes"] = gathered_peak;
 }
 
 // Names: zeropp_step/variant:V/link_MBps:L/backward_ms:C/iterations:3/manual_time (V: 0 plain,
 // 1 qwZ, 2 hpZ, 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ, 6 hybrid sharding
-// over the nodes (MiCS); L: 0 no simulated
+// over the nodes (MiCS), 7 not resharded after forward; L: 0 no simulated
 // link, else each rank's link to the other node in MB/s; C: each module's backward also sleeps
 // C ms, a model that computes elsewhere (as on a device) while its gradients are reduced)
 // and zero_step/stage:S/ranks:N/iterations:3/manual_time.
@@ -301,8 +307,8 @@ void register_stage(std::initializer_list<int> ranks) {
 void register_local() {
   benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
       ->ArgNames({"variant", "link_MBps", "backward_ms"})
-      ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6}, {0, 1000, 250}, {0}})
-      ->ArgsProduct({{0, 3, 4, 6}, {250}, {40}})
+      ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6, 7}, {0, 1000, 250}, {0}})
+      ->ArgsProduct({{0, 3, 4, 6, 7}, {250}, {40}})
       ->Iterations(3)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

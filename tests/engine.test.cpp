@@ -807,6 +807,98 @@ TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent 
   });
 }
 
+// FSDP2's reshard_after_forward = false: a module stays gathered from its forward guard to the
+// end of its backward guard. The same values reach every guard, so training is bitwise the
+// resharding run's; each module is gathered once a micro-step, not twice, and the gathered
+// model (every non-persistent module) is held at the end of forward. Under a cap of two modules
+// the modules forward gathered last are still there when backward starts: fewer gathers than
+// resharding, more than keeping all.
+TEST_CASE_TEMPLATE(
+    "without resharding after forward stage 3 trains bitwise the same and gathers once a "
+    "micro-step",
+    T, float, zp::bf16) {
+  Mlp<T> probe;
+  const auto L = zp::Layout(
+      zp::describe_parameters<T>(probe), 3,
+      {.bucket_elems = 4096 / sizeof(T), .first_bucket_elems = 512 / sizeof(T), .align = 4});
+  std::size_t modules = 0, two = 0;  // every module's elements; the largest two's
+  std::vector<std::size_t> sizes;
+  for (int m = 0; m < L.module_count(); ++m) sizes.push_back(L.module(m).size);
+  for (std::size_t n : sizes) modules += n;
+  std::ranges::sort(sizes, std::greater<>());
+  two = sizes[0] + sizes[1];
+  for (const int gas : {1, 2}) {
+    CAPTURE(gas);
+    auto cfg = test_config(2, gas);
+    const auto plain = train<T, 3>(3, 3, gas, 2, cfg);
+    cfg.reshard_after_forward = false;
+    const auto kept = train<T, 3>(3, 3, gas, 2, cfg);
+    cfg.max_live_params = two;
+    const auto capped = train<T, 3>(3, 3, gas, 2, cfg);
+    for (const auto* run : {&kept, &capped}) {
+      CHECK(bitwise_equal(run->params, plain.params));
+      CHECK(bitwise_equal(run->master, plain.master));
+      CHECK(bitwise_equal(run->m, plain.m));
+      CHECK(bitwise_equal(run->v, plain.v));
+      CHECK(bitwise_equal(run->losses, plain.losses));
+      CHECK(run->ranks_agree);
+    }
+  }
+  // The gathers counted over 4 micro-steps, and the memory in the report and the allocator.
+  std::map<int, std::uint64_t> bytes;  // by setting: 0 resharding, 1 keeping all, 2 capped
+  for (const int setting : {0, 1, 2})
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<T> model;
+      auto cfg = test_config(2, 2);
+      cfg.reshard_after_forward = setting == 0;
+      if (setting == 2) cfg.max_live_params = two;
+      const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      measured.start(engine);
+      CHECK(engine.max_live_params() == (setting == 0   ? 2 * sizes[0]
+                                         : setting == 1 ? modules
+                                                        : two));
+      const auto before = comm.stats()[CollOp::all_gather].bytes;
+      for (int t = 0; t < 4; ++t) zp::test::micro_step(engine, model, (t * 3 + comm.rank()) * 2, 2);
+      measured.check(engine, 3);
+      if (setting == 1) CHECK(engine.memory().gathered_peak == modules * sizeof(T));
+      if (comm.rank() == 0) bytes[setting] = comm.stats()[CollOp::all_gather].bytes - before;
+    });
+  INFO("all_gather bytes over 4 micro-steps: resharding ", bytes[0], ", keeping all ", bytes[1],
+       ", capped at two modules ", bytes[2]);
+  CHECK(bytes[0] == 4 * 2 * modules * sizeof(T));
+  CHECK(bytes[1] == 4 * modules * sizeof(T));
+  CHECK(bytes[2] < bytes[0]);
+  CHECK(bytes[2] > bytes[1]);
+  // Below stage 3 nothing is gathered: an error naming the setting; and the ranks must agree.
+  zp::test::expect_invalid(
+      [&] {
+        run_threads(2, [&](Collective<Threads>& comm) {
+          Mlp<T> model;
+          auto cfg = test_config(2, 1);
+          cfg.reshard_after_forward = false;
+          zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+        });
+      },
+      {"reshard_after_forward = false", "needs ZeRO stage 3", "got stage 2"});
+  std::mutex m;
+  std::vector<std::string> errors;
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<T> model;
+    auto cfg = test_config(2, 1);
+    cfg.reshard_after_forward = comm.rank() == 0;
+    try {
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+    } catch (const zp::Error& e) {
+      std::lock_guard lk(m);
+      errors.push_back(e.what());
+    }
+  });
+  REQUIRE(errors.size() == 2);
+  for (const auto& e : errors)
+    CHECK_MESSAGE(e.find("reshard_after_forward=") != std::string::npos, e);
+}
+
 TEST_CASE_TEMPLATE(
     "quantized weight gathers (qwZ): every rank computes with each piece's int8 round trip, the "
     "shards stay exact, and the gathers move the quantized bytes",

@@ -137,12 +137,14 @@ struct ZeroPP {
   bool qgz = false;  // the gradients' reduce_scatter quantized, over nodes of 2 ranks (stage 2, 3)
   int shard = 0;     // hybrid sharding: ZeRO over groups of that many ranks (stages 1-3)
   bool zero_init = false;  // the initial values from EngineConfig::initializer, none in the model
+  bool keep = false;       // stage 3: modules kept gathered from forward to backward
 };
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
   zp::EngineConfig c;
   c.hpz_partition_size = zpp.hpz;
   c.shard_group_size = zpp.shard;
+  c.reshard_after_forward = !zpp.keep;
   if (zpp.qwz) c.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 64};
   if (zpp.qgz) {
     c.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 64};
@@ -309,6 +311,9 @@ void check_ranks(std::uint64_t seed) {
     if (Stage == 3 && n > 1) {
       CAPTURE("hpz 2");
       expect_equal(on_gpu<T, Stage>(n, seed, 0, {.hpz = 2}), cpu);
+      // Modules kept gathered from forward to backward: the same values, so the same bits.
+      CAPTURE("not resharded after forward");
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.keep = true}), cpu);
     }
     if (Stage >= 2 && n > 1) {
       const ZeroPP all{.hpz = Stage == 3 ? 2 : 1, .qwz = Stage == 3, .qgz = true};

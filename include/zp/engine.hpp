@@ -124,6 +124,10 @@ class Engine {
               "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 (a "
               "reduce_scatter to quantize), got stage ",
               Stage);
+    ZP_EXPECT(config_.reshard_after_forward || Stage == 3,
+              "engine: keeping parameters gathered after forward (reshard_after_forward = false) "
+              "needs ZeRO stage 3 (below it no parameters are gathered), got stage ",
+              Stage);
     ZP_EXPECT(!config_.quantized_weights || Stage == 3,
               "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
               "it no parameters are gathered), got stage ",
@@ -179,7 +183,7 @@ class Engine {
     if constexpr (Stage == 3)
       params_.emplace(zero, part_, std::span<View<T>* const>(bound_.values),
                       config_.persist_threshold, config_.max_live_params, config_.quantized_weights,
-                      hpz_node_ ? &*hpz_node_ : nullptr);
+                      hpz_node_ ? &*hpz_node_ : nullptr, config_.reshard_after_forward);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now
@@ -484,7 +488,7 @@ class Engine {
       StepTimer::Guard g;
       ~Close() { timer.close(g); }
     } close{timer_, backward ? StepTimer::backward : StepTimer::forward};
-    if constexpr (Stage == 3) params_->unuse(m);
+    if constexpr (Stage == 3) params_->unuse(m, backward);
     if (backward) {
       if constexpr (!Part::whole(Field::grad))
         for (int s = mod.first_segment; s < mod.end_segment; ++s)

@@ -128,11 +128,17 @@ struct EngineConfig {
   float max_grad_norm = 0;  // clip by global L2 norm; <= 0: no clipping
   LossScaler loss_scaler = LossScaler::none();
   // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
-  // module, room for one module and its prefetch); modules with at most persist_threshold
-  // elements stay gathered until the next optimizer step; modules prefetched ahead (0 or 1).
+  // module, room for one module and its prefetch; without resharding after forward, every
+  // module); modules with at most persist_threshold elements stay gathered until the next
+  // optimizer step; modules prefetched ahead (0 or 1).
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
   int prefetch = 1;
+  // Stage 3 (FSDP2's reshard_after_forward): false keeps a module's gathered parameters from
+  // its forward guard until its backward guard ends, so backward gathers nothing (stage 3's
+  // traffic 2 Psi a micro-step, not 3 Psi) and the gathered model lives from forward to
+  // backward; under a max_live_params cap, modules kept longest are released first.
+  bool reshard_after_forward = true;
   // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
   // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every

@@ -13,8 +13,13 @@
 // Budget: at most max_live_params elements of non-persistent modules are gathered at once
 // (default twice the largest module, so one module can run while the next is prefetched). A
 // module of at most persist_threshold elements is persistent: gathered once, it stays until the
-// shards change. A prefetch never evicts; a gather evicts unused modules first, and fails,
-// naming the numbers, when modules in use leave no room.
+// shards change. A prefetch never evicts; a gather evicts unused modules first (lowest index
+// first: in forward, the kept modules backward needs last), and fails, naming the numbers, when
+// modules in use leave no room.
+//
+// Without resharding after forward (FSDP2's reshard_after_forward = false), a module stays
+// gathered from its forward guard until its backward guard ends, so backward gathers only what
+// the budget (default then: every non-persistent module) evicted.
 //
 // Quantized weights (ZeRO++'s qwZ): each rank sends its pieces as int8 codes with one fp32 scale
 // per block (quantize.hpp) instead of T, and every rank dequantizes every rank's piece, its own
@@ -56,13 +61,15 @@ class ParamCoordinator {
   using Work = typename Collective<B>::Work;
 
  public:
-  // values: the model's value views, by parameter index; quantized: qwZ's format, or none. Everything passed must outlive this.
+  // values: the model's value views, by parameter index; quantized: qwZ's format, or none.
+  // Everything passed must outlive this.
   ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
                    std::span<View<T>* const> values, std::size_t persist_threshold,
                    std::size_t max_live_params,
                    std::optional<quant::Format> quantized = std::nullopt,
-                   Collective<B>* node = nullptr)
-      : comm_(&comm),
+                   Collective<B>* node = nullptr, bool reshard_after_forward = true)
+      : reshard_after_forward_(reshard_after_forward),
+        comm_(&comm),
         part_(&part),
         values_(values),
         node_(node && node->size() > 1 ? node : nullptr),
@@ -76,12 +83,15 @@ class ParamCoordinator {
       ZP_EXPECT(quant_->bits == quant::Bits::int8, "engine: quantized weight gathers are int8");
     }
     const Layout& L = part.layout();
-    std::size_t largest = 0;
+    std::size_t largest = 0, all = 0;
     for (int m = 0; m < L.module_count(); ++m) {
       mods_[std::size_t(m)].persistent = L.module(m).used <= persist_threshold;
-      if (!mods_[std::size_t(m)].persistent) largest = std::max(largest, L.module(m).size);
+      if (!mods_[std::size_t(m)].persistent) {
+        largest = std::max(largest, L.module(m).size);
+        all += L.module(m).size;
+      }
     }
-    cap_ = max_live_params ? max_live_params : 2 * largest;
+    cap_ = max_live_params ? max_live_params : reshard_after_forward ? 2 * largest : all;
     read_spare_.reserve(2);  // drop_read() keeps buffers without allocating
     for (int m = 0; m < L.module_count(); ++m)
       ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
@@ -128,10 +138,11 @@ class ParamCoordinator {
     return waited;
   }
 
-  // A guard on module m ended: the last one releases it unless it is persistent.
-  void unuse(int m) {
+  // A guard on module m ended: the last one releases it unless it is persistent (or a forward
+  // guard's, kept for backward).
+  void unuse(int m, bool backward) {
     Module& st = mods_[std::size_t(m)];
-    if (--st.uses == 0 && !st.persistent) release(m);
+    if (--st.uses == 0 && !st.persistent && (backward || reshard_after_forward_)) release(m);
   }
 
   // Starts gathering module m if it exists, is released and fits without evicting anything;
@@ -381,6 +392,7 @@ class ParamCoordinator {
       }
   }
 
+  bool reshard_after_forward_;
   Collective<B>* comm_;
   const Partitioned<T, 3, S>* part_;
   std::span<View<T>* const> values_;
