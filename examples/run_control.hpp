@@ -52,12 +52,14 @@ struct RunFlags : CheckpointFlags {
   bool quantized_gradients = false;  // --zero-quantized-gradients (EngineConfig's)
   int ranks_per_node = 0;            // --ranks-per-node (EngineConfig::ranks_per_node)
   int shard_group = 0;               // --shard-group-size (EngineConfig::shard_group_size)
+  bool no_reshard = false;  // --no-reshard-after-forward (EngineConfig::reshard_after_forward)
 };
 
 // The flags that take no value (examples::parse_args' switches) of CheckpointFlags and RunFlags.
 inline constexpr std::initializer_list<const char*> checkpoint_switches = {"--resume"};
 inline constexpr std::initializer_list<const char*> run_switches = {
-    "--resume", "--wall-clock-breakdown", "--zero-quantized-weights", "--zero-quantized-gradients"};
+    "--resume", "--wall-clock-breakdown", "--zero-quantized-weights", "--zero-quantized-gradients",
+    "--no-reshard-after-forward"};
 
 // The usage lines of CheckpointFlags' and RunFlags' flags (Program::more).
 #define ZP_EXAMPLES_CHECKPOINT_USAGE                                                              \
@@ -97,6 +99,9 @@ inline constexpr const char* run_usage = ZP_EXAMPLES_CHECKPOINT_USAGE
     "  --shard-group-size N  stages 1-3: hybrid sharding, ZeRO over groups of N consecutive\n"
     "                     data-parallel ranks, replicated across the groups (MiCS, FSDP2's HSDP;\n"
     "                     a --config: mics_shard_size) (default 0: all of them)\n"
+    "  --no-reshard-after-forward  stage 3: keep each module gathered from its forward to its\n"
+    "                     backward, which then gathers nothing (FSDP2's reshard_after_forward;\n"
+    "                     the gathered model is held in between; with a --config too)\n"
     "  --help             this text\n";
 #undef ZP_EXAMPLES_CHECKPOINT_USAGE
 
@@ -135,6 +140,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--shard-group-size")
     o.shard_group = to_int(p, a, v, 1, 1 << 20);
+  else if (a == "--no-reshard-after-forward")
+    o.no_reshard = true;
   else if (a == "--log-json")
     o.log_json = v;
   else if (a == "--config")
@@ -217,6 +224,7 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r, zp::
   if (r.quantized_gradients) ec.quantized_gradients = zp::zero_quantized_gradients;
   ec.ranks_per_node = r.ranks_per_node;
   ec.shard_group_size = r.shard_group;
+  ec.reshard_after_forward = !r.no_reshard;
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;
@@ -261,7 +269,8 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
                     " takes at most ", max_micro_batch, " x ", max_accum,
                     " (as --micro-batch and --accum)");
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
-          ec.ranks_per_node = r.ranks_per_node;  // the launcher's knowledge, not the config's
+          ec.ranks_per_node = r.ranks_per_node;      // the launcher's knowledge, not the config's
+          ec.reshard_after_forward = !r.no_reshard;  // no ds_config key says it
           f(e, ec, o, sched);
         });
     return;
@@ -281,6 +290,10 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
   if (lead && r.hpz > 1)
     std::printf("%s: secondary partition over %d data-parallel ranks a node (ZeRO++ hpZ)\n", p.name,
                 r.hpz);
+  if (lead && r.no_reshard)
+    std::printf(
+        "%s: modules kept gathered from forward to backward (no resharding after forward)\n",
+        p.name);
   if (lead && r.shard_group > 0)
     std::printf(
         "%s: hybrid sharding: ZeRO over groups of %d data-parallel ranks, replicated "

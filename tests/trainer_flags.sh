@@ -8,6 +8,7 @@ demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags
 rm -rf "$dir" && mkdir -p "$dir"
 echo '{"zero_optimization": {"stage": 1}}' > "$dir/ds.json"
 echo '{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4096}' > "$dir/accum.json"
+echo '{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}' > "$dir/stage1.json"
 
 # refused <status> <message> <program> <flags...>: the run fails with that status and message.
 refused() {
@@ -52,6 +53,9 @@ for prog in "$demo" "$gpt"; do
   set_by_config="the config sets it (zero_optimization.mics_shard_size)"
   refused 2 "--shard-group-size with --config: $set_by_config" \
     "$prog" --config "$dir/ds.json" --shard-group-size 2
+  refused 1 "reshard_after_forward = false) needs ZeRO stage 3 (below it no parameters are gathered), got stage 2" \
+    "$prog" --stage 2 --no-reshard-after-forward
+  refused 1 "got stage 1" "$prog" --config "$dir/stage1.json" --no-reshard-after-forward
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10

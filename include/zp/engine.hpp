@@ -369,6 +369,8 @@ class Engine {
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
   std::size_t max_live_params() const noexcept { return params_ ? params_->max_live_params() : 0; }
+  // Stage 3: whether a module is released after its forward guard (EngineConfig's).
+  bool reshards_after_forward() const noexcept { return config_.reshard_after_forward; }
 
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {
