@@ -618,9 +618,9 @@ class Model {
     }
   }
 
-  // The initial values of this rank's tensors, as zp::EngineConfig::initializer: element `first`
-  // on of the part `name` names, those that a held model holds (rounded to T by the engine as
-  // from there). Valid while the model lives.
+  // The initial values of this rank's tensors, as zp::EngineConfig::initializer: elements
+  // [first, first + out.size()) of this rank's part of tensor `name`, the values a held model
+  // holds (the engine rounds them to T as from there). Valid while the model lives.
   zp::Initializer initializer() const {
     return [this](std::string_view name, std::size_t first, std::span<float> out) {
       const auto t = std::ranges::find(tensors_, name, &Tensor::name);

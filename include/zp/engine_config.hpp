@@ -137,7 +137,7 @@ struct EngineConfig {
   // Stage 3 (FSDP2's reshard_after_forward): false keeps a module's gathered parameters from
   // its forward guard until its backward guard ends, so backward gathers nothing (stage 3's
   // traffic 2 Psi a micro-step, not 3 Psi) and the gathered model lives from forward to
-  // backward; under a max_live_params cap, modules kept longest are released first.
+  // backward; under a max_live_params cap, the kept modules backward needs last go first.
   bool reshard_after_forward = true;
   // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
