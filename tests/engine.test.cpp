@@ -274,6 +274,8 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
         cfg.optimizer_nvme.reset();
         cfg.offload_optimizer = false;
         offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
+        cfg.reshard_after_forward = false;  // and its modules kept from forward to backward
+        offloaded.push_back(train_at<T>(stage, ranks, 6, 2, 2, cfg));
       }
       CHECK(dir.entries().empty());
 #endif
