@@ -26,6 +26,17 @@
 //   same_gradients      1 when every gradient of the two steps is bitwise equal (else the row
 //                       fails)
 // Shape: d_model 128, 4 heads, context 128, micro-batch 4, vocabulary 64, fp32.
+//
+// gpt_setup/ranks:N  zp_gpt's set-up at stage 3 on N thread ranks: each rank builds its model and
+//   a bf16 stage 3 engine, the model asked for its initial values through Model::initializer()
+//   (ZeRO-Init: each rank draws only its shard; the iteration time) and, in the same iterations,
+//   holding them (the baseline: every rank draws the whole model, the engine copies it in).
+// Counters:
+//   vs_held             ZeRO-Init's time over the baseline's, summed over the iterations
+//   held_values_MiB     the initial values the baseline's models hold, over the ranks (ZeRO-Init's
+//                       hold none)
+//   same_bits           1 when every rank's engine holds bitwise the same parameters both ways
+// Shape: GPT-2 small's blocks (d_model 768, 12 heads), 4 layers, context 64, vocabulary 65.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -37,6 +48,8 @@
 
 #include "gpt.hpp"
 #include "gpt_matmul_by_row.hpp"  // tests/: the baseline
+#include "zp/backend/threads.hpp"
+#include "zp/engine.hpp"
 #include "zp/model.hpp"
 
 namespace {
@@ -95,6 +108,52 @@ void gpt_step(benchmark::State& state) {
   state.counters["same_gradients"] = 1;
 }
 BENCHMARK(gpt_step)->ArgName("layers")->Arg(2)->Arg(6)->UseManualTime()->Unit(
+    benchmark::kMillisecond);
+
+void gpt_setup(benchmark::State& state) {
+  const gpt::Config c{.vocab = 65, .context = 64, .d_model = 768, .heads = 12, .layers = 4};
+  const int ranks = int(state.range(0));
+  using Model = gpt::Model<zp::bf16>;
+  double held = 0, asked = 0, held_bytes = 0;
+  bool same = true;
+  for (auto _ : state) {
+    std::vector<std::vector<zp::bf16>> params(2 * std::size_t(ranks));
+    std::vector<double> seconds(2);
+    for (const auto values : {Model::InitialValues::held, Model::InitialValues::on_request})
+      zp::backend::run_threads(ranks, [&](zp::Collective<zp::backend::Threads>& comm) {
+        const bool lazy = values == Model::InitialValues::on_request;
+        comm.barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        Model model(c, 1234, {}, {}, values);
+        zp::EngineConfig ec;
+        if (lazy) ec.initializer = model.initializer();
+        if (comm.rank() == 0 && !lazy)
+          for (const auto& t : model.tensors()) held_bytes += double(t.init.size() * 2 * ranks);
+        zp::Engine<zp::backend::Threads, zp::bf16, 3> engine(comm, model, ec);
+        comm.barrier();
+        if (comm.rank() == 0)
+          seconds[lazy] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        params[std::size_t(lazy) * std::size_t(ranks) + std::size_t(comm.rank())] =
+            engine.gather_params();
+      });
+    for (int r = 0; r < ranks; ++r)
+      same = same && params[std::size_t(r)].size() == params[std::size_t(ranks + r)].size() &&
+             std::memcmp(params[std::size_t(r)].data(), params[std::size_t(ranks + r)].data(),
+                         params[std::size_t(r)].size() * sizeof(zp::bf16)) == 0;
+    held += seconds[0];
+    asked += seconds[1];
+    state.SetIterationTime(seconds[1]);
+  }
+  if (!same) {
+    state.SkipWithError("ZeRO-Init's parameters differ from the held model's");
+    return;
+  }
+  state.counters["vs_held"] = asked / held;
+  state.counters["held_values_MiB"] = held_bytes / double(state.iterations()) / (1 << 20);
+  state.counters["same_bits"] = 1;
+}
+BENCHMARK(gpt_setup)->ArgName("ranks")->Arg(8)->Iterations(2)->UseManualTime()->Unit(
     benchmark::kMillisecond);
 
 void matmul(benchmark::State& state) {
