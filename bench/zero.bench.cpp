@@ -19,7 +19,8 @@
 //   (plain), or hybrid sharding (EngineConfig::shard_group_size: ZeRO inside each node, the
 //   gradient shard averaged across them: MiCS, FSDP2's HSDP; the model's state per rank that of
 //   2 ranks, not 4), or modules kept gathered from forward to backward
-//   (EngineConfig::reshard_after_forward = false: backward gathers nothing). Counters, per rank
+//   (EngineConfig::reshard_after_forward = false: backward gathers nothing), or only the last
+//   one kept (max_reuse_distance 1: backward's first module not gathered again). Counters, per rank
 //   per step in nccl-tests' S bytes: cross_node_bytes (the data-parallel group's collectives,
 //   which span both nodes, qgZ's second hop, the hybrid replicas' all_reduce), node_bytes (hpZ's
 //   gathers, qgZ's first hop, the hybrid shard group's collectives), cross_vs_plain (the
@@ -234,7 +235,7 @@ Traffic step_traffic(E& engine, Collective<Threads>& comm, Synthetic& model) {
   return {cross() - cross0, node() - node0};
 }
 
-enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4, hybrid, kept };
+enum class ZeroPP { plain, qwz, hpz, qgz, all, all_int4, hybrid, kept, last_kept };
 
 zp::EngineConfig zeropp_config(ZeroPP v) {
   zp::EngineConfig cfg;
@@ -246,6 +247,7 @@ zp::EngineConfig zeropp_config(ZeroPP v) {
   if (v == ZeroPP::all_int4) cfg.quantized_gradients->bits = zp::quant::Bits::int4;
   if (v == ZeroPP::hybrid) cfg.shard_group_size = 2;
   cfg.reshard_after_forward = v != ZeroPP::kept;
+  cfg.max_reuse_distance = v == ZeroPP::last_kept ? 1 : 0;
   return cfg;
 }
 
@@ -292,7 +294,7 @@ void zeropp_step(benchmark::State& state) {
 
 // Names: zeropp_step/variant:V/link_MBps:L/backward_ms:C/iterations:3/manual_time (V: 0 plain,
 // 1 qwZ, 2 hpZ, 3 qgZ, 4 all, 5 all with int4 gradients as DeepSpeed's qgZ, 6 hybrid sharding
-// over the nodes (MiCS), 7 not resharded after forward; L: 0 no simulated
+// over the nodes (MiCS), 7 not resharded after forward, 8 the last module kept; L: 0 no simulated
 // link, else each rank's link to the other node in MB/s; C: each module's backward also sleeps
 // C ms, a model that computes elsewhere (as on a device) while its gradients are reduced)
 // and zero_step/stage:S/ranks:N/iterations:3/manual_time.
@@ -307,8 +309,8 @@ void register_stage(std::initializer_list<int> ranks) {
 void register_local() {
   benchmark::RegisterBenchmark("zeropp_step", zeropp_step)
       ->ArgNames({"variant", "link_MBps", "backward_ms"})
-      ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6, 7}, {0, 1000, 250}, {0}})
-      ->ArgsProduct({{0, 3, 4, 6, 7}, {250}, {40}})
+      ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6, 7, 8}, {0, 1000, 250}, {0}})
+      ->ArgsProduct({{0, 3, 4, 6, 7, 8}, {250}, {40}})
       ->Iterations(3)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);

@@ -293,9 +293,13 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
   const auto& c = engine.last_step_comm();  // the shard group's, under --shard-group-size
   const int zero_ranks = engine.comm().size();
   const double f = zero_ranks > 1 ? double(zero_ranks - 1) / zero_ranks : 0.0;
-  // Stage 3 gathers twice (forward, backward) and reduce-scatters; kept modules, once.
-  const double gathers = Stage == 3 && engine.reshards_after_forward() ? 2.0 : 1.0;
-  const double want = (Stage == 3 ? gathers + 1.0 : 2.0) * f * double(L.total() * sizeof(T));
+  // Stage 3 gathers twice (forward, backward) and reduce-scatters; modules kept after forward
+  // gather once. Stages 1 and 2 reduce-scatter and gather once.
+  std::size_t moved = 2 * L.total();
+  if (Stage == 3)
+    for (int m = 0; m < L.module_count(); ++m)
+      moved += engine.keeps_after_forward(m) ? 0 : L.module(m).size;
+  const double want = f * double(moved * sizeof(T));
   if (lead && first_step < done) {  // a checkpoint at or past --steps: nothing trained
     std::printf("\nsummary: loss %.4f -> %.4f in %d steps (%lld updates, %llu skipped), %.1f s\n",
                 progress.first_loss(), progress.last_loss(), done - first_step,

@@ -186,6 +186,7 @@ Fields fields(const Config& c) {
   f["engine.max_grad_norm"] = str(e.max_grad_norm);
   f["engine.max_live_params"] = str(e.max_live_params);
   f["engine.persist_threshold"] = str(e.persist_threshold);
+  f["engine.max_reuse_distance"] = str(e.max_reuse_distance);
   f["engine.prefetch"] = str(e.prefetch);
   f["engine.bucket_bytes"] = str(e.bucket_bytes);
   f["engine.first_bucket_bytes"] = str(e.first_bucket_bytes);
@@ -485,6 +486,7 @@ TEST_CASE("without a section, DeepSpeed's defaults apply (not zp's struct defaul
   CHECK(c.reduce_bucket_size == 500'000'000u);
   CHECK(c.engine.max_live_params == 1'000'000'000u);
   CHECK(c.engine.persist_threshold == 100'000u);
+  CHECK(c.engine.max_reuse_distance == 1'000'000'000u);
   CHECK(c.engine.prefetch == 1);
   CHECK(!c.optimizer_given);
   CHECK(std::get<AdamW>(c.optimizer).weight_decay == 0.0f);
@@ -573,6 +575,12 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
        {"engine.max_live_params"}},
       {"{}", R"({"zero_optimization": {"max_live_parameters": 1e6}})", {"engine.max_live_params"}},
       {"{}",
+       R"({"zero_optimization": {"stage3_max_reuse_distance": 0}})",
+       {"engine.max_reuse_distance"}},
+      {"{}",
+       R"({"zero_optimization": {"max_reuse_distance": 5e8}})",
+       {"engine.max_reuse_distance"}},
+      {"{}",
        R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",
        {"offload.device"}},
       {"{}",
@@ -597,7 +605,7 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}",
        R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false, "reduce_scatter": true,
                  "allgather_partitions": true, "round_robin_gradients": true, "allgather_bucket_size": 2e8,
-                 "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9,
+                 "sub_group_size": 1e9,
                  "stage3_gather_16bit_weights_on_model_save": true}})",
        {}},
       // Hugging Face's template: how checkpoints are kept, none asked of zp.
@@ -1011,6 +1019,7 @@ TEST_CASE("with_engine builds the engine type the config selects, with the confi
     CHECK(p.ec.bucket_bytes == 100'000'000u);  // 5e7 elements of bf16
     CHECK(p.ec.max_live_params == 5000u);
     CHECK(p.ec.persist_threshold == 0u);
+    CHECK(p.ec.max_reuse_distance == 1'000'000'000u);  // DeepSpeed's default: every module kept
     CHECK(p.ec.prefetch == 1);
     CHECK(p.ec.max_grad_norm == 1.0f);
     CHECK(p.ec.loss_scaler.kind() == zp::LossScaler::Kind::none);

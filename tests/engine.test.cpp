@@ -154,6 +154,18 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
+// Two runs that must train alike: parameters, master weights, AdamW's state and losses bitwise
+// equal, every rank of `run` holding rank 0's.
+template <class T>
+void check_same_training(const Trained<T>& run, const Trained<T>& want) {
+  CHECK(run.ranks_agree);
+  CHECK(bitwise_equal(run.params, want.params));
+  CHECK(bitwise_equal(run.master, want.master));
+  CHECK(bitwise_equal(run.m, want.m));
+  CHECK(bitwise_equal(run.v, want.v));
+  CHECK(bitwise_equal(run.losses, want.losses));
+}
+
 struct Diff {
   double max = 0, mean = 0;
 };
@@ -448,12 +460,7 @@ TEST_CASE_TEMPLATE("hybrid sharding is ZeRO over a shard group, averaged over it
     hybrid.shard_group_size = 2;
     const auto two = train_at<T>(stage, 2, 4, 2, 3, cfg);
     const auto same_data = train_at<T>(stage, 4, 4, 2, 3, hybrid, 2);
-    CHECK(same_data.ranks_agree);
-    CHECK(bitwise_equal(same_data.params, two.params));
-    CHECK(bitwise_equal(same_data.master, two.master));
-    CHECK(bitwise_equal(same_data.m, two.m));
-    CHECK(bitwise_equal(same_data.v, two.v));
-    CHECK(bitwise_equal(same_data.losses, two.losses));
+    check_same_training(same_data, two);
     if (stage == 3) {  // with ZeRO++ inside each shard group: qwZ, hpZ over it, qgZ's two hops
       auto zpp = cfg;
       zpp.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 8};
@@ -837,14 +844,8 @@ TEST_CASE_TEMPLATE(
     const auto kept = train<T, 3>(3, 3, gas, 2, cfg);
     cfg.max_live_params = two;
     const auto capped = train<T, 3>(3, 3, gas, 2, cfg);
-    for (const auto* run : {&kept, &capped}) {
-      CHECK(bitwise_equal(run->params, plain.params));
-      CHECK(bitwise_equal(run->master, plain.master));
-      CHECK(bitwise_equal(run->m, plain.m));
-      CHECK(bitwise_equal(run->v, plain.v));
-      CHECK(bitwise_equal(run->losses, plain.losses));
-      CHECK(run->ranks_agree);
-    }
+    check_same_training(kept, plain);
+    check_same_training(capped, plain);
   }
   // With ZeRO++'s quantized gathers and secondary partition (4 ranks, nodes of 2): backward
   // computes with the forward's dequantized values, which a gather again would give.
@@ -896,6 +897,81 @@ TEST_CASE_TEMPLATE(
     cfg.reshard_after_forward = comm.rank() == 0;
     zp::test::expect_invalid([&] { zp::Engine<Threads, T, 3> engine(comm, model, cfg); },
                              {"configurations differ", "reshard_after_forward="});
+  });
+}
+
+// DeepSpeed's stage3_max_reuse_distance: module m stays gathered from forward to backward when
+// the elements gathered between its two uses, 2 x those of the modules after it, are fewer than
+// max_reuse_distance. At each distance where a module's choice flips (2 x its elements after,
+// and one more): training bitwise the resharding run's, the engine's answer per module, the
+// gathers counted (once a micro-step for a kept module, twice otherwise), the default cap, and
+// the kept modules held together at the end of forward.
+TEST_CASE_TEMPLATE(
+    "a module reused within max_reuse_distance elements stays gathered from forward to backward", T,
+    float, zp::bf16) {
+  Mlp<T> probe;
+  const auto L = zp::Layout(
+      zp::describe_parameters<T>(probe), 3,
+      {.bucket_elems = 4096 / sizeof(T), .first_bucket_elems = 512 / sizeof(T), .align = 4});
+  const int n = L.module_count();
+  REQUIRE(n == 4);
+  std::vector<std::size_t> after(std::size_t(n), 0);  // parameter elements of the modules past m
+  for (int m = n - 2; m >= 0; --m)
+    after[std::size_t(m)] = after[std::size_t(m) + 1] + L.module(m + 1).used;
+  std::vector<std::size_t> distances = {0, SIZE_MAX};
+  for (std::size_t a : after) distances.insert(distances.end(), {2 * a, 2 * a + 1});
+  const auto cfg0 = test_config(2, 2);
+  const auto plain = train<T, 3>(3, 3, 2, 2, cfg0);
+  for (const std::size_t d : distances) {
+    CAPTURE(d);
+    std::vector<bool> kept;
+    std::size_t moved = 0, largest = 0, held = 0, all = 0;  // elements
+    for (int m = 0; m < n; ++m) {
+      kept.push_back(2 * after[std::size_t(m)] < d);
+      const std::size_t size = L.module(m).size;
+      moved += (kept.back() ? 1 : 2) * size;
+      largest = std::max(largest, size);
+      held += kept.back() ? size : 0;
+      all += size;
+    }
+    auto cfg = cfg0;
+    cfg.max_reuse_distance = d;
+    check_same_training(train<T, 3>(3, 3, 2, 2, cfg), plain);
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<T> model;
+      const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      measured.start(engine);
+      for (int m = 0; m < n; ++m) CHECK(engine.keeps_after_forward(m) == kept[std::size_t(m)]);
+      CHECK(engine.max_live_params() == (held == all ? all : std::max(2 * largest, held)));
+      const auto before = comm.stats()[CollOp::all_gather].bytes;
+      for (int t = 0; t < 4; ++t) zp::test::micro_step(engine, model, (t * 3 + comm.rank()) * 2, 2);
+      CHECK(comm.stats()[CollOp::all_gather].bytes - before == 4 * moved * sizeof(T));
+      CHECK(engine.memory().gathered_peak >= held * sizeof(T));
+      CHECK(engine.memory().gathered_peak <= engine.max_live_params() * sizeof(T));
+      measured.check(engine, 3);
+    });
+  }
+  run_threads(2, [&](Collective<Threads>& comm) {
+    auto cfg = test_config(2, 1);
+    cfg.max_reuse_distance = SIZE_MAX;
+    {  // below stage 3 nothing is gathered: ignored (a ds_config sets it at every stage)
+      Mlp<T> model;
+      zp::Engine<Threads, T, 2> engine(comm, model, cfg);
+      CHECK(!engine.keeps_after_forward(n - 1));
+    }
+    cfg.max_reuse_distance = 0;
+    cfg.reshard_after_forward = false;  // keeps every module whatever the distance
+    {
+      Mlp<T> model;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      for (int m = 0; m < n; ++m) CHECK(engine.keeps_after_forward(m));
+    }
+    cfg.reshard_after_forward = true;
+    cfg.max_reuse_distance = std::size_t(comm.rank());
+    Mlp<T> model;
+    zp::test::expect_invalid([&] { zp::Engine<Threads, T, 3> engine(comm, model, cfg); },
+                             {"configurations differ", "max_reuse_distance="});
   });
 }
 
@@ -1030,12 +1106,7 @@ TEST_CASE_TEMPLATE(
       cfg.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 8};
     const auto plain = train<T, 3>(4, 3, 2, 2, cfg);
     cfg.hpz_partition_size = 2;
-    const auto hpz = train<T, 3>(4, 3, 2, 2, cfg);
-    CHECK(bitwise_equal(hpz.params, plain.params));
-    CHECK(bitwise_equal(hpz.master, plain.master));
-    CHECK(bitwise_equal(hpz.m, plain.m));
-    CHECK(bitwise_equal(hpz.v, plain.v));
-    CHECK(bitwise_equal(hpz.losses, plain.losses));
+    check_same_training(train<T, 3>(4, 3, 2, 2, cfg), plain);
   }
   // The same gathers, counted: each module's first gather of a step over all 4 ranks, the rest
   // inside the node; the secondary shards in the report and the allocator.

@@ -138,6 +138,7 @@ struct ZeroPP {
   int shard = 0;     // hybrid sharding: ZeRO over groups of that many ranks (stages 1-3)
   bool zero_init = false;  // the initial values from EngineConfig::initializer, none in the model
   bool keep = false;       // stage 3: modules kept gathered from forward to backward
+  std::size_t reuse = 0;   // stage 3: max_reuse_distance (1: the last module kept)
 };
 zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {}) {
   static const zp::test::TempDir swap("engine_device_swap");
@@ -145,6 +146,7 @@ zp::EngineConfig config(int offload = 0, float max_grad_norm = 0, ZeroPP zpp = {
   c.hpz_partition_size = zpp.hpz;
   c.shard_group_size = zpp.shard;
   c.reshard_after_forward = !zpp.keep;
+  c.max_reuse_distance = zpp.reuse;
   if (zpp.qwz) c.quantized_weights = zp::quant::Format{.bits = zp::quant::Bits::int8, .block = 64};
   if (zpp.qgz) {
     c.quantized_gradients = zp::quant::Format{.bits = zp::quant::Bits::int4, .block = 64};
@@ -314,6 +316,8 @@ void check_ranks(std::uint64_t seed) {
       // Modules kept gathered from forward to backward: the same values, so the same bits.
       CAPTURE("not resharded after forward");
       expect_equal(on_gpu<T, Stage>(n, seed, 0, {.keep = true}), cpu);
+      CAPTURE("the last module kept");
+      expect_equal(on_gpu<T, Stage>(n, seed, 0, {.reuse = 1}), cpu);
       if (n == 2)  // gathered from pieces copied up from page-locked host memory
         expect_equal(on_gpu<T, Stage>(n, seed, params_offloaded, {.keep = true}), cpu, true);
     }

@@ -27,9 +27,9 @@
 //  - read: it changes the Config (the declaration names its type, range, default and member);
 //  - ignored: DeepSpeed accepts it and for zp it is a harmless no-op, a choice of how (not what)
 //    to communicate: overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions,
-//    allgather_bucket_size, round_robin_gradients, stage3_max_reuse_distance,
-//    ignore_unused_parameters, stage3_gather_16bit_weights_on_model_save (zp has no 16-bit model
-//    save), memory_breakdown, ...; its type is still checked;
+//    allgather_bucket_size, round_robin_gradients, ignore_unused_parameters,
+//    stage3_gather_16bit_weights_on_model_save (zp has no 16-bit model save), memory_breakdown,
+//    ...; its type is still checked;
 //  - unsupported: DeepSpeed knows it, zp does not do it (amp, tensorboard,
 //    zero_allow_untested_optimizer, ...). It is an error unless it holds the value that means
 //    "off" (false, "none", {"enabled": false}, ...).
@@ -130,7 +130,8 @@ struct Config {
 
   // What maps onto zp::EngineConfig: loss_scaler (fp16), max_grad_norm (gradient_clipping),
   // max_live_params (stage3_max_live_parameters; 0 = zp's automatic cap), persist_threshold
-  // (stage3_param_persistence_threshold), prefetch (stage3_prefetch_bucket_size != 0).
+  // (stage3_param_persistence_threshold), max_reuse_distance (stage3_max_reuse_distance),
+  // prefetch (stage3_prefetch_bucket_size != 0).
   // batch and bucket_bytes are set by engine_config<T>(), which knows the world size and T.
   EngineConfig engine = defaults();
   // zero_optimization.reduce_bucket_size and stage3_prefetch_bucket_size, in elements.
@@ -180,10 +181,11 @@ struct Config {
   }
 
   // DeepSpeed's defaults for what an EngineConfig holds (stage 3: 1e9 live parameters, 1e5
-  // persistence threshold, prefetch on).
+  // persistence threshold, 1e9 reuse distance, prefetch on).
   static EngineConfig defaults() {
     EngineConfig e;
     e.max_live_params = 1'000'000'000;
+    e.max_reuse_distance = 1'000'000'000;
     e.persist_threshold = 100'000;
     e.prefetch = 1;
     e.max_grad_norm = 0;
@@ -349,6 +351,10 @@ inline constexpr ConfigKey zero_keys[] = {
         [](auto& c) -> auto& { return c.engine.max_live_params; })
         .or_alias("max_live_parameters"),
     ConfigKey::read(
+        "stage3_max_reuse_distance", count(1'000'000'000),
+        [](auto& c) -> auto& { return c.engine.max_reuse_distance; })
+        .or_alias("max_reuse_distance"),
+    ConfigKey::read(
         "zero_hpz_partition_size", integer(1, 1, 1 << 20, "a positive integer (ranks per node)"),
         [](auto& c) -> auto& { return c.engine.hpz_partition_size; }),
     ConfigKey::read(
@@ -374,8 +380,6 @@ inline constexpr ConfigKey zero_keys[] = {
     ConfigKey::ignored("overlap_comm", boolean()),
     ConfigKey::ignored("round_robin_gradients", boolean()),
     ConfigKey::ignored("allgather_bucket_size", count()),
-    ConfigKey::ignored("stage3_max_reuse_distance", count()),
-    ConfigKey::ignored("max_reuse_distance", count()),
     ConfigKey::read(
         "sub_group_size", integer(1'000'000'000, 1, max_i64, "a positive integer (elements)"),
         [](auto& c) -> auto& { return c.sub_group_size; }),
@@ -1080,9 +1084,9 @@ inline std::string describe(const Config& c) {
   out +=
       cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
   out += cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
-             ", param_persistence_threshold ", c.engine.persist_threshold,
-             ", prefetch_bucket_size ", c.prefetch_bucket_size, " (prefetch ",
-             c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ",
+             ", param_persistence_threshold ", c.engine.persist_threshold, ", max_reuse_distance ",
+             c.engine.max_reuse_distance, ", prefetch_bucket_size ", c.prefetch_bucket_size,
+             " (prefetch ", c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ",
              c.zero_quantized_weights, ", zero_hpz_partition_size ", c.engine.hpz_partition_size,
              ", zero_quantized_gradients ", c.zero_quantized_gradients, "\n");
   if (c.mics_shard_size > 0)

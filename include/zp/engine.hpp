@@ -33,7 +33,8 @@
 // Communication per optimizer step (elements of T, nccl-tests bus bytes, P = padded parameters):
 //   stage 0: all_reduce P                          -> 2(N-1)/N P
 //   stage 1/2: reduce_scatter P + all_gather P    -> 2(N-1)/N P   (stage 2: GAS reduce_scatters)
-//   stage 3: all_gather P twice + reduce_scatter P -> 3(N-1)/N P   (persistent modules gather once)
+//   stage 3: all_gather P twice + reduce_scatter P -> 3(N-1)/N P   (persistent modules and
+//            modules kept after forward gather once)
 // plus the statistics all_reduce (statistics_count doubles). Under hybrid sharding
 // (EngineConfig::shard_group_size S) N is S, and the replicas add one all_reduce of P / S.
 #pragma once
@@ -183,7 +184,8 @@ class Engine {
     if constexpr (Stage == 3)
       params_.emplace(zero, part_, std::span<View<T>* const>(bound_.values),
                       config_.persist_threshold, config_.max_live_params, config_.quantized_weights,
-                      hpz_node_ ? &*hpz_node_ : nullptr, config_.reshard_after_forward);
+                      hpz_node_ ? &*hpz_node_ : nullptr,
+                      config_.reshard_after_forward ? config_.max_reuse_distance : SIZE_MAX);
     buckets_.begin_micro_step(batch_.gradient_accumulation_steps == 1, true);
     mark_ = comm_->stats();
     timer_ = StepTimer{};  // the first window starts now
@@ -369,8 +371,9 @@ class Engine {
 
   // Stage 3: the live-parameter cap in elements (0 for other stages).
   std::size_t max_live_params() const noexcept { return params_ ? params_->max_live_params() : 0; }
-  // Stage 3: whether a module is released after its forward guard (EngineConfig's).
-  bool reshards_after_forward() const noexcept { return config_.reshard_after_forward; }
+  // Stage 3: whether module m stays gathered from its forward guard to its backward guard
+  // (EngineConfig's reshard_after_forward and max_reuse_distance); false for other stages.
+  bool keeps_after_forward(int m) const { return params_ && params_->keeps_after_forward(m); }
 
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {

@@ -90,9 +90,10 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", loss scaler kind ", int(ls.kind()), ", scale ", ls.scale(), ")"),
       detail::cat("stage 3 gathering or buckets (this rank: max_live_params=", c.max_live_params,
                   ", persist_threshold=", c.persist_threshold, ", prefetch=", c.prefetch,
-                  ", reshard_after_forward=", c.reshard_after_forward, ", bucket_slots=",
-                  c.bucket_slots, ", broadcast_initial_params=", c.broadcast_initial_params,
-                  ", initializer ", c.initializer ? "set" : "unset", ", quantized weights block ",
+                  ", reshard_after_forward=", c.reshard_after_forward,
+                  ", max_reuse_distance=", c.max_reuse_distance, ", bucket_slots=", c.bucket_slots,
+                  ", broadcast_initial_params=", c.broadcast_initial_params, ", initializer ",
+                  c.initializer ? "set" : "unset", ", quantized weights block ",
                   c.quantized_weights ? c.quantized_weights->block : 0,
                   ", hpz_partition_size=", c.hpz_partition_size, ", quantized gradients block ",
                   c.quantized_gradients ? c.quantized_gradients->block : 0,
@@ -122,7 +123,8 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           ? 0
           : detail::Fnv1a()
                 .all(c.max_live_params, c.persist_threshold, c.prefetch, c.reshard_after_forward,
-                     c.bucket_slots, c.broadcast_initial_params, c.initializer != nullptr,
+                     c.max_reuse_distance, c.bucket_slots, c.broadcast_initial_params,
+                     c.initializer != nullptr,
                      c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
                      c.hpz_partition_size,
                      c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),

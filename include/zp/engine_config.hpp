@@ -128,9 +128,9 @@ struct EngineConfig {
   float max_grad_norm = 0;  // clip by global L2 norm; <= 0: no clipping
   LossScaler loss_scaler = LossScaler::none();
   // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
-  // module, room for one module and its prefetch; without resharding after forward, every
-  // module); modules with at most persist_threshold elements stay gathered until the next
-  // optimizer step; modules prefetched ahead (0 or 1).
+  // module, room for one module and its prefetch, or the modules kept after forward if more);
+  // modules with at most persist_threshold elements stay gathered until the next optimizer
+  // step; modules prefetched ahead (0 or 1).
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
   int prefetch = 1;
@@ -139,6 +139,13 @@ struct EngineConfig {
   // traffic 2 Psi a micro-step, not 3 Psi) and the gathered model lives from forward to
   // backward; under a max_live_params cap, the kept modules backward needs last go first.
   bool reshard_after_forward = true;
+  // Stage 3 (DeepSpeed's stage3_max_reuse_distance, in parameter elements): a module is kept
+  // gathered from forward to backward, as above, when fewer elements are gathered between its
+  // two uses: those of the modules after it, once in forward and again in backward (the
+  // layout's module order taken as forward's). The last module's distance is 0, so any
+  // positive value keeps it; 0 keeps none; DeepSpeed's default 1e9 keeps every module of a
+  // model under 5e8 elements. Only where reshard_after_forward is true; ignored below stage 3.
+  std::size_t max_reuse_distance = 0;
   // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
   // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every

@@ -17,9 +17,11 @@
 // first: in forward, the kept modules backward needs last), and fails, naming the numbers, when
 // modules in use leave no room.
 //
-// Without resharding after forward (FSDP2's reshard_after_forward = false), a module stays
-// gathered from its forward guard until its backward guard ends, so backward gathers only what
-// the budget (default then: every non-persistent module) evicted.
+// Kept after forward (FSDP2's reshard_after_forward = false for all, DeepSpeed's
+// max_reuse_distance for those reused soon): a module stays gathered from its forward guard
+// until its backward guard ends, so backward gathers only what the budget (default then: room
+// for every kept module) evicted. Module m's reuse distance is what forward and backward gather
+// between its two uses, 2 x the elements of the modules after it in the layout's order.
 //
 // Quantized weights (ZeRO++'s qwZ): each rank sends its pieces as int8 codes with one fp32 scale
 // per block (quantize.hpp) instead of T, and every rank dequantizes every rank's piece, its own
@@ -61,15 +63,15 @@ class ParamCoordinator {
   using Work = typename Collective<B>::Work;
 
  public:
-  // values: the model's value views, by parameter index; quantized: qwZ's format, or none.
-  // Everything passed must outlive this.
+  // values: the model's value views, by parameter index; quantized: qwZ's format, or none;
+  // modules whose reuse distance is below max_reuse_distance are kept after forward (SIZE_MAX:
+  // all). Everything passed must outlive this.
   ParamCoordinator(Collective<B>& comm, const Partitioned<T, 3, S>& part,
                    std::span<View<T>* const> values, std::size_t persist_threshold,
                    std::size_t max_live_params,
                    std::optional<quant::Format> quantized = std::nullopt,
-                   Collective<B>* node = nullptr, bool reshard_after_forward = true)
-      : reshard_after_forward_(reshard_after_forward),
-        comm_(&comm),
+                   Collective<B>* node = nullptr, std::size_t max_reuse_distance = 0)
+      : comm_(&comm),
         part_(&part),
         values_(values),
         node_(node && node->size() > 1 ? node : nullptr),
@@ -83,15 +85,20 @@ class ParamCoordinator {
       ZP_EXPECT(quant_->bits == quant::Bits::int8, "engine: quantized weight gathers are int8");
     }
     const Layout& L = part.layout();
-    std::size_t largest = 0, all = 0;
-    for (int m = 0; m < L.module_count(); ++m) {
-      mods_[std::size_t(m)].persistent = L.module(m).used <= persist_threshold;
-      if (!mods_[std::size_t(m)].persistent) {
+    std::size_t largest = 0, all = 0, kept = 0, after = 0;  // after: elements of modules past m
+    for (int m = L.module_count() - 1; m >= 0; --m) {
+      Module& st = mods_[std::size_t(m)];
+      st.persistent = L.module(m).used <= persist_threshold;
+      st.kept = after < max_reuse_distance / 2 + max_reuse_distance % 2;  // 2 x after < distance
+      after += L.module(m).used;
+      if (!st.persistent) {
         largest = std::max(largest, L.module(m).size);
         all += L.module(m).size;
+        kept += st.kept ? L.module(m).size : 0;
       }
     }
-    cap_ = max_live_params ? max_live_params : reshard_after_forward ? 2 * largest : all;
+    // Forward holds the kept modules (a suffix) together, else a module and its prefetch.
+    cap_ = max_live_params ? max_live_params : kept == all ? all : std::max(2 * largest, kept);
     read_spare_.reserve(2);  // drop_read() keeps buffers without allocating
     for (int m = 0; m < L.module_count(); ++m)
       ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
@@ -142,8 +149,11 @@ class ParamCoordinator {
   // guard's, kept for backward).
   void unuse(int m, bool backward) {
     Module& st = mods_[std::size_t(m)];
-    if (--st.uses == 0 && !st.persistent && (backward || reshard_after_forward_)) release(m);
+    if (--st.uses == 0 && !st.persistent && (backward || !st.kept)) release(m);
   }
+
+  // Whether module m stays gathered from its forward guard to its backward guard.
+  bool keeps_after_forward(int m) const { return mods_.at(std::size_t(m)).kept; }
 
   // Starts gathering module m if it exists, is released and fits without evicting anything;
   // with parameters on NVMe, starts reading the pieces of `then` (the module expected after m).
@@ -186,8 +196,8 @@ class ParamCoordinator {
   enum class State : unsigned char { released, gathering, gathered };
   struct Module {
     State state = State::released;
-    bool persistent = false;
-    int uses = 0;  // guards on it not ended yet
+    bool persistent = false, kept = false;  // kept from forward to backward
+    int uses = 0;                           // guards on it not ended yet
     Buffer<T, S> buffer;
     // Parameters on NVMe: this rank's pieces read (or being read) from the swap file, the
     // gathers' input
@@ -392,7 +402,6 @@ class ParamCoordinator {
       }
   }
 
-  bool reshard_after_forward_;
   Collective<B>* comm_;
   const Partitioned<T, 3, S>* part_;
   std::span<View<T>* const> values_;
