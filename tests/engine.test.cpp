@@ -918,7 +918,7 @@ TEST_CASE_TEMPLATE(
   std::vector<std::size_t> after(std::size_t(n), 0);  // parameter elements of the modules past m
   for (int m = n - 2; m >= 0; --m)
     after[std::size_t(m)] = after[std::size_t(m) + 1] + L.module(m + 1).used;
-  std::vector<std::size_t> distances = {0, SIZE_MAX};
+  std::vector<std::size_t> distances = {SIZE_MAX};  // and 0, the last module's 2 x 0
   for (std::size_t a : after) distances.insert(distances.end(), {2 * a, 2 * a + 1});
   const auto cfg0 = test_config(2, 2);
   const auto plain = train<T, 3>(3, 3, 2, 2, cfg0);
@@ -966,6 +966,8 @@ TEST_CASE_TEMPLATE(
       Mlp<T> model;
       zp::Engine<Threads, T, 3> engine(comm, model, cfg);
       for (int m = 0; m < n; ++m) CHECK(engine.keeps_after_forward(m));
+      zp::test::expect_invalid([&] { (void)engine.keeps_after_forward(n); },
+                               {"module 4 is not one of the model's 4 modules [0, 4)"});
     }
     cfg.reshard_after_forward = true;
     cfg.max_reuse_distance = std::size_t(comm.rank());

@@ -153,7 +153,11 @@ class ParamCoordinator {
   }
 
   // Whether module m stays gathered from its forward guard to its backward guard.
-  bool keeps_after_forward(int m) const { return mods_.at(std::size_t(m)).kept; }
+  bool keeps_after_forward(int m) const {
+    ZP_EXPECT(m >= 0 && m < int(mods_.size()), "engine: module ", m, " is not one of the model's ",
+              mods_.size(), " modules [0, ", mods_.size(), ")");
+    return mods_[std::size_t(m)].kept;
+  }
 
   // Starts gathering module m if it exists, is released and fits without evicting anything;
   // with parameters on NVMe, starts reading the pieces of `then` (the module expected after m).
