@@ -13,20 +13,20 @@
 // formulas before timing; iterations are timed inside the ranks (manual time, rank 0's clock
 // between barriers).
 //
-// zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s
-//   qwZ (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop
-//   gradient reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), none
-//   (plain), or hybrid sharding (EngineConfig::shard_group_size: ZeRO inside each node, the
-//   gradient shard averaged across them: MiCS, FSDP2's HSDP; the model's state per rank that of
-//   2 ranks, not 4), or modules kept gathered from forward to backward
-//   (EngineConfig::reshard_after_forward = false: backward gathers nothing), or only the last
-//   one kept (max_reuse_distance 1: backward's first module not gathered again). Counters, per rank
-//   per step in nccl-tests' S bytes: cross_node_bytes (the data-parallel group's collectives,
-//   which span both nodes, qgZ's second hop, the hybrid replicas' all_reduce), node_bytes (hpZ's
-//   gathers, qgZ's first hop, the hybrid shard group's collectives), cross_vs_plain (the
-//   cross-node bytes over the plain step's, measured in the same run); state_bytes_per_rank (the
-//   memory report's model states) and gathered_peak_bytes (its most gathered parameters at
-//   once). link_MBps:0 has no
+// zeropp_step/<variant>  the stage 3 step on 4 ranks laid out as 2 nodes of 2, with ZeRO++'s qwZ
+//   (int8 weight gathers), hpZ (secondary partition over the node), qgZ (int8 two-hop gradient
+//   reduction), all three (also with int4 gradients, as DeepSpeed's qgZ), none (plain: every module
+//   resharded after forward, max_reuse_distance 0), or hybrid sharding
+//   (EngineConfig::shard_group_size: ZeRO inside each node, the gradient shard averaged across
+//   them: MiCS, FSDP2's HSDP; the model's state per rank that of 2 ranks, not 4), or modules kept
+//   gathered from forward to backward (EngineConfig::reshard_after_forward = false: backward
+//   gathers nothing), or only the last one kept (max_reuse_distance 1, the engine's default:
+//   backward's first module not gathered again). Counters, per rank per step in nccl-tests' S
+//   bytes: cross_node_bytes (the data-parallel group's collectives, which span both nodes, qgZ's
+//   second hop, the hybrid replicas' all_reduce), node_bytes (hpZ's gathers, qgZ's first hop, the
+//   hybrid shard group's collectives), cross_vs_plain (the cross-node bytes over the plain step's,
+//   measured in the same run); state_bytes_per_rank (the memory report's model states) and
+//   gathered_peak_bytes (its most gathered parameters at once). link_MBps:0 has no
 //   slow link between the "nodes" (the time shows the quantization's CPU cost only); link_MBps:L
 //   gives each rank a simulated link of L MB/s to the other node (ThreadsOptions::link: every
 //   collective lasts at least the bytes the rank moves across nodes / L). backward_ms:C: each
@@ -94,7 +94,8 @@ template <int Stage, class B>
 Measured measure(Collective<B>& comm, int iterations) {
   Measured out;
   Synthetic model;
-  zp::EngineConfig cfg;  // default buckets (16 MiB), no clipping, no persistence
+  zp::EngineConfig cfg;        // default buckets (16 MiB), no clipping, no persistence
+  cfg.max_reuse_distance = 0;  // stage 3 as ZeRO counts it (3 Psi): every module resharded
   zp::Engine<B, bf16, Stage> engine(comm, model, cfg, zp::optim::AdamW{});
   const auto first = zp::bench::train_step(engine, model);  // checked before timing
   const auto& L = engine.layout();

@@ -513,13 +513,16 @@ TEST_CASE("hybrid sharding's memory and traffic follow the ZeRO formulas over th
       CHECK(engine.replicas()->size() == 2);
       CHECK(engine.replicas()->rank() == comm.rank() / 2);
       CHECK(engine.grid_shape().dp == 2);
-      const std::size_t P = engine.layout().total(), elem = 2;
+      const auto& L = engine.layout();
+      const std::size_t P = L.total(), elem = 2, last = L.module(L.module_count() - 1).size;
       CHECK(engine.memory().model_states() == zp::zero_model_state_bytes(3, P, 2, elem, 2));
       const auto& c = engine.last_step_comm();
       const double bytes = double(P * elem),
                    stats_bus = double(E::statistics_count * sizeof(double));  // 2 (2-1)/2 x
       CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(gas * bytes / 2).epsilon(1e-12));
-      CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx(gas * bytes).epsilon(1e-12));
+      // forward's and backward's gathers but the last module's second (kept between them)
+      CHECK(c[CollOp::all_gather].bus_bytes ==
+            doctest::Approx(gas * double((2 * P - last) * elem) / 2).epsilon(1e-12));
       CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
       const auto& r = engine.replicas()->stats();
       CHECK(r[CollOp::all_reduce].calls ==
@@ -743,6 +746,10 @@ void check_accounting(int ranks) {
 
     const auto& c = engine.last_step_comm();
     const double f = double(n - 1) / n, bytes = double(P * elem);
+    // Stage 3 gathers each module in forward and again in backward, but the last (the default
+    // max_reuse_distance keeps it between the two): 3 Psi, less that module.
+    const std::size_t last = L.module(L.module_count() - 1).size;
+    const double gathers = Stage == 3 ? double(2 * P - last) / double(P) : 1;
     // the statistics all_reduce of statistics_count doubles
     const double stats_bus =
         double(zp::Engine<Threads, T, Stage>::statistics_count * sizeof(double)) * 2.0 * f;
@@ -755,11 +762,10 @@ void check_accounting(int ranks) {
       CHECK(c[CollOp::all_reduce].calls == 1);
       CHECK(c[CollOp::all_reduce].bus_bytes == doctest::Approx(stats_bus));
       CHECK(c[CollOp::reduce_scatter].bus_bytes == doctest::Approx(f * bytes).epsilon(1e-12));
-      CHECK(c[CollOp::all_gather].bus_bytes ==
-            doctest::Approx((Stage == 3 ? 2 : 1) * f * bytes).epsilon(1e-12));
+      CHECK(c[CollOp::all_gather].bus_bytes == doctest::Approx(gathers * f * bytes).epsilon(1e-12));
     }
     const double total = c.total().bus_bytes - stats_bus;
-    CHECK(total == doctest::Approx((Stage == 3 ? 3 : 2) * f * bytes).epsilon(1e-12));
+    CHECK(total == doctest::Approx((1 + gathers) * f * bytes).epsilon(1e-12));
   });
 }
 
@@ -867,6 +873,7 @@ TEST_CASE_TEMPLATE(
       Mlp<T> model;
       auto cfg = test_config(2, 2);
       cfg.reshard_after_forward = setting == 0;
+      cfg.max_reuse_distance = 0;  // resharding: every module, the last one too
       if (setting == 2) cfg.max_live_params = two;
       const zp::test::MeasuredMemory<zp::MemorySpace::host> measured;
       zp::Engine<Threads, T, 3> engine(comm, model, cfg);
@@ -920,7 +927,8 @@ TEST_CASE_TEMPLATE(
     after[std::size_t(m)] = after[std::size_t(m) + 1] + L.module(m + 1).used;
   std::vector<std::size_t> distances = {SIZE_MAX};  // and 0, the last module's 2 x 0
   for (std::size_t a : after) distances.insert(distances.end(), {2 * a, 2 * a + 1});
-  const auto cfg0 = test_config(2, 2);
+  auto cfg0 = test_config(2, 2);
+  cfg0.max_reuse_distance = 0;  // every module resharded
   const auto plain = train<T, 3>(3, 3, 2, 2, cfg0);
   for (const std::size_t d : distances) {
     CAPTURE(d);
@@ -954,6 +962,11 @@ TEST_CASE_TEMPLATE(
   }
   run_threads(2, [&](Collective<Threads>& comm) {
     auto cfg = test_config(2, 1);
+    {  // the default, 1: the last module kept, as FSDP2 keeps its root module
+      Mlp<T> model;
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      for (int m = 0; m < n; ++m) CHECK(engine.keeps_after_forward(m) == (m == n - 1));
+    }
     cfg.max_reuse_distance = SIZE_MAX;
     {  // below stage 3 nothing is gathered: ignored (a ds_config sets it at every stage)
       Mlp<T> model;

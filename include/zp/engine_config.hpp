@@ -143,9 +143,11 @@ struct EngineConfig {
   // gathered from forward to backward, as above, when fewer elements are gathered between its
   // two uses: those of the modules after it, once in forward and again in backward (the
   // layout's module order taken as forward's). The last module's distance is 0, so any
-  // positive value keeps it; 0 keeps none; DeepSpeed's default 1e9 keeps every module of a
+  // positive value keeps it: the default 1 keeps it only (its backward starts as its forward
+  // ends, so it costs no memory at the peak and saves its second gather; FSDP2 keeps its root
+  // module so); 0 keeps none (stage 3's 3 Psi); DeepSpeed's default 1e9 keeps every module of a
   // model under 5e8 elements. Only where reshard_after_forward is true; ignored below stage 3.
-  std::size_t max_reuse_distance = 0;
+  std::size_t max_reuse_distance = 1;
   // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead
   // of T (param_coordinator.hpp), about a quarter (fp32) or half (16-bit) of the bytes; every
