@@ -53,6 +53,7 @@ struct RunFlags : CheckpointFlags {
   int ranks_per_node = 0;            // --ranks-per-node (EngineConfig::ranks_per_node)
   int shard_group = 0;               // --shard-group-size (EngineConfig::shard_group_size)
   bool no_reshard = false;  // --no-reshard-after-forward (EngineConfig::reshard_after_forward)
+  int reuse = -1;           // --max-reuse-distance (EngineConfig::max_reuse_distance; -1: its own)
 };
 
 // The flags that take no value (examples::parse_args' switches) of CheckpointFlags and RunFlags.
@@ -102,6 +103,9 @@ inline constexpr const char* run_usage = ZP_EXAMPLES_CHECKPOINT_USAGE
     "  --no-reshard-after-forward  stage 3: keep each module gathered from its forward to its\n"
     "                     backward, which then gathers nothing (FSDP2's reshard_after_forward;\n"
     "                     the gathered model is held in between; with a --config too)\n"
+    "  --max-reuse-distance N  stage 3: keep a module gathered from its forward to its backward\n"
+    "                     when fewer than N elements are gathered in between (DeepSpeed's\n"
+    "                     stage3_max_reuse_distance) (default 1: the last module only; 0: none)\n"
     "  --help             this text\n";
 #undef ZP_EXAMPLES_CHECKPOINT_USAGE
 
@@ -142,6 +146,8 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
     o.shard_group = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--no-reshard-after-forward")
     o.no_reshard = true;
+  else if (a == "--max-reuse-distance")
+    o.reuse = to_int(p, a, v, 0, 2'000'000'000);
   else if (a == "--log-json")
     o.log_json = v;
   else if (a == "--config")
@@ -180,7 +186,8 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
       {"--zero-quantized-weights", "zero_optimization.zero_quantized_weights"},
       {"--zero-hpz-partition-size", "zero_optimization.zero_hpz_partition_size"},
       {"--zero-quantized-gradients", "zero_optimization.zero_quantized_gradients"},
-      {"--shard-group-size", "zero_optimization.mics_shard_size"}};
+      {"--shard-group-size", "zero_optimization.mics_shard_size"},
+      {"--max-reuse-distance", "zero_optimization.stage3_max_reuse_distance"}};
   if (!o.config.empty())
     for (const auto& [flag, key] : config_sets)
       if (gave(given, flag))
@@ -225,6 +232,9 @@ inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r, zp::
   ec.ranks_per_node = r.ranks_per_node;
   ec.shard_group_size = r.shard_group;
   ec.reshard_after_forward = !r.no_reshard;
+  ZP_EXPECT(r.reuse < 0 || t.stage == 3, "--max-reuse-distance ", r.reuse,
+            " needs ZeRO stage 3 (below it no parameters are gathered), got stage ", t.stage);
+  if (r.reuse >= 0) ec.max_reuse_distance = std::size_t(r.reuse);
   if (t.precision == "fp16")
     ec.loss_scaler = zp::LossScaler::dynamic({.initial_scale = 65536.0f, .window = 100});
   return ec;

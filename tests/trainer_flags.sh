@@ -56,6 +56,12 @@ for prog in "$demo" "$gpt"; do
   refused 1 "reshard_after_forward = false) needs ZeRO stage 3 (below it no parameters are gathered), got stage 2" \
     "$prog" --stage 2 --no-reshard-after-forward
   refused 1 "got stage 1" "$prog" --config "$dir/stage1.json" --no-reshard-after-forward
+  refused 1 "--max-reuse-distance 5 needs ZeRO stage 3 (below it no parameters are gathered), got stage 2" \
+    "$prog" --stage 2 --max-reuse-distance 5
+  refused 2 "--max-reuse-distance expects an integer in [0, 2000000000], got '-1'" \
+    "$prog" --max-reuse-distance -1
+  refused 2 "--max-reuse-distance with --config: the config sets it (zero_optimization.stage3_max_reuse_distance)" \
+    "$prog" --config "$dir/ds.json" --max-reuse-distance 0
 done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10

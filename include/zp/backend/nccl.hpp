@@ -26,7 +26,9 @@
 // aborts the communicator (ncclCommAbort, so the GPU work does not hang either) and throws
 // zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every call on it throws
 // Errc::aborted. A backend destroyed during stack unwinding aborts its communicator instead of
-// destroying it (ncclCommDestroy could wait for peers that never come).
+// destroying it (ncclCommDestroy could wait for peers that never come). Creation and split
+// block until every rank joins: NCCL's non-blocking mode would bound them, but it launches each
+// later collective from a new host thread, a cost not yet measured on a GPU.
 // bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
 // 16 bits between steps, unlike the host backends' fp32 accumulation); avg is ncclAvg.
 // reduce_scatter and all_gather are in place when the buffers follow the ZeRO layout (NCCL's
