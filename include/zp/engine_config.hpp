@@ -144,7 +144,7 @@ struct EngineConfig {
   // two uses: those of the modules after it, once in forward and again in backward (the
   // layout's module order taken as forward's). The last module's distance is 0, so any
   // positive value keeps it: the default 1 keeps it only (its backward starts as its forward
-  // ends, so it costs no memory at the peak and saves its second gather; FSDP2 keeps its root
+  // ends, so the gathered peak is unchanged and its second gather saved; FSDP2 keeps its root
   // module so); 0 keeps none (stage 3's 3 Psi); DeepSpeed's default 1e9 keeps every module of a
   // model under 5e8 elements. Only where reshard_after_forward is true; ignored below stage 3.
   std::size_t max_reuse_distance = 1;
