@@ -34,7 +34,7 @@
 //   stage 0: all_reduce P                          -> 2(N-1)/N P
 //   stage 1/2: reduce_scatter P + all_gather P    -> 2(N-1)/N P   (stage 2: GAS reduce_scatters)
 //   stage 3: all_gather P twice + reduce_scatter P -> 3(N-1)/N P   (persistent modules and
-//            modules kept after forward gather once)
+//            modules kept after forward, by default the last, gather once)
 // plus the statistics all_reduce (statistics_count doubles). Under hybrid sharding
 // (EngineConfig::shard_group_size S) N is S, and the replicas add one all_reduce of P / S.
 #pragma once
