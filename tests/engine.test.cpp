@@ -990,6 +990,160 @@ TEST_CASE_TEMPLATE(
   });
 }
 
+// The MLP with its layers numbered as modules in the order `perm` (module k is layer perm[k]),
+// but run in layer order: guards that enter modules in another order than the layout's.
+template <class T>
+struct Shuffled {
+  Mlp<T> mlp;
+  std::vector<int> perm, module_of;  // module k -> layer; layer -> module
+  explicit Shuffled(std::vector<int> p) : perm(std::move(p)), module_of(perm.size()) {
+    for (std::size_t k = 0; k < perm.size(); ++k) module_of[std::size_t(perm[k])] = int(k);
+  }
+  template <class V>
+  friend void for_each_parameter(Shuffled& s, V&& visit) {
+    for (int k = 0; k < int(s.perm.size()); ++k) {
+      auto& layer = s.mlp.layers[std::size_t(s.perm[std::size_t(k)])];
+      const std::string name = "layer" + std::to_string(s.perm[std::size_t(k)]);
+      visit(name + ".weight", k, layer.w);
+      visit(name + ".bias", k, layer.b.value, layer.b.grad);
+    }
+  }
+  // One micro-step on samples [first, first + 2); `inside(m, backward)` runs in each guard.
+  template <class E, class F>
+  float micro_step(E& e, std::int64_t first, F&& inside) {
+    std::vector<int> labels;
+    mlp.load(first, 2, labels);
+    for (int l = 0; l < mlp.modules(); ++l) {
+      auto g = e.forward(module_of[std::size_t(l)]);
+      inside(module_of[std::size_t(l)], false);
+      mlp.forward(l);
+    }
+    const float loss = mlp.loss(labels, e.loss_scale());
+    for (int l = mlp.modules() - 1; l >= 0; --l) {
+      auto g = e.backward(module_of[std::size_t(l)]);
+      inside(module_of[std::size_t(l)], true);
+      mlp.backward(l);
+    }
+    e.step();
+    return loss;
+  }
+};
+
+// Stage 3 learns the order of a micro-step's guards and follows it in the next: with guards
+// that do not run in the layout's order, from the second micro-step on each guard finds the
+// module entered next already being gathered (and no other), the module used last in forward
+// is the one kept for backward, nothing is gathered twice but what the ZeRO formula gathers
+// twice, and a cap evicts the module backward needs last. Training is bitwise the run without
+// prefetch or keeping.
+TEST_CASE_TEMPLATE("stage 3 prefetches and keeps modules in the order the last micro-step ran", T,
+                   float, zp::bf16) {
+  const std::vector<int> perm = {2, 0, 3, 1};  // runs modules 1, 3, 0, 2, then 2, 0, 3, 1
+  Shuffled<T> probe(perm);
+  const auto L = zp::Layout(
+      zp::describe_parameters<T>(probe), 3,
+      {.bucket_elems = 4096 / sizeof(T), .first_bucket_elems = 512 / sizeof(T), .align = 4});
+  REQUIRE(L.module_count() == 4);
+  const auto size = [&](int m) { return L.module(m).size; };
+  std::vector<std::pair<int, bool>> order;  // the guards of a micro-step
+  for (int l = 0; l < 4; ++l) order.emplace_back(probe.module_of[std::size_t(l)], false);
+  for (int l = 3; l >= 0; --l) order.emplace_back(probe.module_of[std::size_t(l)], true);
+  std::size_t all = 0;
+  for (int m = 0; m < 4; ++m) all += size(m);
+  const int last_forward = probe.module_of[3], last_backward = probe.module_of[0];
+  // Trains 3 ranks for 6 micro-steps (3 steps of 2) under cfg; from the third on (the first
+  // after an optimizer step that followed the learnt order: none left a prefetch behind),
+  // `check` runs in every guard, with the guard's place in `order`, and *bytes counts the
+  // gathers.
+  const auto run = [&](EngineConfig cfg, auto&& check, std::uint64_t* bytes = nullptr) {
+    std::vector<float> losses;
+    std::vector<T> params;
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Shuffled<T> model(perm);
+      zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+      std::uint64_t before = 0;
+      for (int t = 0; t < 6; ++t) {
+        if (t == 2) before = comm.stats()[CollOp::all_gather].bytes;
+        std::size_t at = 0;
+        const float loss = model.micro_step(engine, (t * 3 + comm.rank()) * 2, [&](int m, bool b) {
+          CHECK(order[at] == std::pair(m, b));
+          if (t >= 2) check(engine, at);
+          ++at;
+        });
+        if (comm.rank() == 0) losses.push_back(loss);
+      }
+      const auto gathered = comm.stats()[CollOp::all_gather].bytes - before;
+      auto p = engine.gather_params();
+      if (comm.rank() != 0) return;
+      params = std::move(p);
+      if (bytes) *bytes = gathered;
+    });
+    return std::pair(losses, params);
+  };
+  auto cfg = test_config(2, 2);
+  cfg.bucket_slots = 64;  // buckets launch in layout order: out of it, all may fill at once
+  cfg.prefetch = 0;
+  cfg.max_reuse_distance = 0;
+  const auto plain = run(cfg, [](auto&, std::size_t) {});
+  cfg.prefetch = 1;
+  // Every module resharded: inside each guard the gathered modules are its own and the next
+  // guard's (none after the last; none in forward's last, whose next guard is its backward).
+  std::uint64_t bytes = 0;
+  const auto resharded = run(
+      cfg,
+      [&](auto& engine, std::size_t at) {
+        const int m = order[at].first;
+        const int next = at + 1 < order.size() ? order[at + 1].first : m;
+        CAPTURE(at);
+        CHECK(engine.memory().gathered == (size(m) + (next != m ? size(next) : 0)) * sizeof(T));
+      },
+      &bytes);
+  CHECK(bytes == 4 * 2 * all * sizeof(T));
+  // The default distance keeps the module forward runs last (layer 3, module 2), not the
+  // layout's last: its second gather is the only one saved.
+  cfg.max_reuse_distance = 1;
+  const auto kept = run(
+      cfg,
+      [&](auto& engine, std::size_t) {
+        for (int m = 0; m < 4; ++m) CHECK(engine.keeps_after_forward(m) == (m == last_forward));
+      },
+      &bytes);
+  CHECK(bytes == 4 * (2 * all - size(last_forward)) * sizeof(T));
+  run_threads(1, [&](Collective<Threads>& comm) {  // before any micro-step: the layout's order
+    Shuffled<T> model(perm);
+    zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+    for (int m = 0; m < 4; ++m) CHECK(engine.keeps_after_forward(m) == (m == 3));
+  });
+  // Every module kept, under a cap one module short of all: the last forward gather evicts
+  // the module backward needs last (layer 0's), which backward then gathers again.
+  cfg.reshard_after_forward = false;
+  cfg.max_live_params = all - size(probe.module_of[3]);
+  const auto capped = run(
+      cfg,
+      [&](auto& engine, std::size_t) {
+        CHECK(engine.memory().gathered <= cfg.max_live_params * sizeof(T));
+      },
+      &bytes);
+  CHECK(bytes == 4 * (all + size(last_backward)) * sizeof(T));
+  // A micro-step of more than 8 guards a module (here forward passes without step(), as an
+  // evaluation runs) is not recorded: the order before it stands.
+  run_threads(1, [&](Collective<Threads>& comm) {
+    Shuffled<T> model(perm);
+    auto c = test_config(2, 1);
+    c.bucket_slots = 64;
+    zp::Engine<Threads, T, 3> engine(comm, model, c);
+    for (int pass = 0; pass < 8; ++pass)
+      for (int l = 0; l < 4; ++l) auto g = engine.forward(model.module_of[std::size_t(l)]);
+    model.micro_step(engine, 0, [](int, bool) {});  // 36 guards
+    for (int m = 0; m < 4; ++m) CHECK(engine.keeps_after_forward(m) == (m == 3));
+    model.micro_step(engine, 2, [](int, bool) {});
+    for (int m = 0; m < 4; ++m) CHECK(engine.keeps_after_forward(m) == (m == last_forward));
+  });
+  for (const auto* r : {&resharded, &kept, &capped}) {
+    CHECK(bitwise_equal(r->first, plain.first));
+    CHECK(bitwise_equal(r->second, plain.second));
+  }
+}
+
 TEST_CASE_TEMPLATE(
     "quantized weight gathers (qwZ): every rank computes with each piece's int8 round trip, the "
     "shards stay exact, and the gathers move the quantized bytes",

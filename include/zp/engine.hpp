@@ -10,11 +10,12 @@
 //
 // The guards mark module boundaries. forward(m)/backward(m) make module m's parameters readable
 // (stage 3: gathered, waiting for the prefetch issued while the previous module ran, and
-// prefetching the next one); backward(m) also points m's gradient views at bucket memory. When a
-// backward guard ends, m's buckets are complete and launch their reductions asynchronously
-// (stage 0/1 only at the accumulation boundary). Stage 0/1 work without guards too (all
-// reductions then start in step()); stage 2/3 need the backward guards, stage 3 also the forward
-// ones. Every rank must run the same sequence of guards and steps (SPMD), as with any collective.
+// prefetching the one the last micro-step ran next); backward(m) also points m's gradient views
+// at bucket memory. When a backward guard ends, m's buckets are complete and launch their
+// reductions asynchronously (stage 0/1 only at the accumulation boundary). Stage 0/1 work without
+// guards too (all reductions then start in step()); stage 2/3 need the backward guards, stage 3
+// also the forward ones. Every rank must run the same sequence of guards and steps (SPMD), as with
+// any collective.
 //
 // step(), called after every micro-step's backward, at the accumulation boundary: waits for the
 // buckets, one all_reduce of the step's statistics (step_gate.hpp: the squared gradient norm,
@@ -231,7 +232,7 @@ class Engine {
     rethrow_pending();
     mods_.check(m);
     const auto t = timer_.stamp();
-    enter(m, m + 1);
+    enter(m, false);
     timer_.open(StepTimer::forward, t);
     mods_.opened(m, false);
     return ModuleGuard(self_, m, false);
@@ -242,7 +243,7 @@ class Engine {
     mods_.check(m);
     mods_.expect_first_backward(m, [&] { return where(); });
     const auto t = timer_.stamp();
-    enter(m, m - 1);
+    enter(m, true);
     mods_.ran_backward(m);
     if constexpr (!Part::whole(Field::grad)) {  // the module's gradients go to bucket memory
       const Layout& L = part_.layout();
@@ -269,6 +270,7 @@ class Engine {
     rethrow_pending();
     mods_.end_micro_step([&] { return where(); }, micro_ + 1 == batch_.gradient_accumulation_steps,
                          !Part::whole(Field::grad));
+    if constexpr (Stage == 3) params_->end_micro_step();
     timer_.begin_step();
     finish_reductions();
     timer_.phase(&StepTimes::reduce_wait);
@@ -454,16 +456,16 @@ class Engine {
     });
   }
   // A guard's start (m already checked): stage 3 gathers module m (waiting for its prefetch) and
-  // prefetches the module that runs next (m + 1 in forward, m - 1 in backward).
+  // prefetches the module expected next (param_coordinator.hpp: the last micro-step's order).
   // A failure here (a collective, a swap file's read, the live-parameter cap, which may have
   // released modules) leaves the gathers half done: the engine unusable.
-  void enter(int m, int next) {
+  void enter(int m, bool backward) {
     if constexpr (Stage == 3) {
-      const char* call = next > m ? "forward()" : "backward()";
+      const char* call = backward ? "backward()" : "forward()";
       try {
         in_context(call, [&] {
-          timer_.add_gather_wait(params_->use(m));
-          if (config_.prefetch) params_->prefetch(next, next + (next - m));
+          timer_.add_gather_wait(params_->use(m, backward));
+          if (config_.prefetch) params_->prefetch();
         });
       } catch (const std::exception& e) {
         mark_unusable(detail::cat("the gathers of ", call, " for module ", m, " failed (",

@@ -130,7 +130,7 @@ struct EngineConfig {
   // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
   // module, room for one module and its prefetch, or the modules kept after forward if more);
   // modules with at most persist_threshold elements stay gathered until the next optimizer
-  // step; modules prefetched ahead (0 or 1).
+  // step; modules prefetched ahead (0 or 1: the module the last micro-step entered next).
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
   int prefetch = 1;
@@ -141,12 +141,14 @@ struct EngineConfig {
   bool reshard_after_forward = true;
   // Stage 3 (DeepSpeed's stage3_max_reuse_distance, in parameter elements): a module is kept
   // gathered from forward to backward, as above, when fewer elements are gathered between its
-  // two uses: those of the modules after it, once in forward and again in backward (the
-  // layout's module order taken as forward's). The last module's distance is 0, so any
-  // positive value keeps it: the default 1 keeps it only (its backward starts as its forward
-  // ends, so the gathered peak is unchanged and its second gather saved; FSDP2 keeps its root
-  // module so); 0 keeps none (stage 3's 3 Psi); DeepSpeed's default 1e9 keeps every module of a
-  // model under 5e8 elements. Only where reshard_after_forward is true; ignored below stage 3.
+  // two uses: those of the guards between its last forward guard and its backward guard, in
+  // the order the last micro-step ran them (before the first, the layout's: the modules after
+  // it, once in forward and again in backward). The module forward runs last has distance 0,
+  // so any positive value keeps it: the default 1 keeps it only (its backward starts as its
+  // forward ends, so the gathered peak is unchanged and its second gather saved; FSDP2 keeps
+  // its root module so); 0 keeps none (stage 3's 3 Psi); DeepSpeed's default 1e9 keeps every
+  // module of a model under 5e8 elements. Only where reshard_after_forward is true; ignored
+  // below stage 3.
   std::size_t max_reuse_distance = 1;
   // ZeRO++'s qwZ (DeepSpeed's zero_quantized_weights; stage 3, every backend): the parameter
   // gathers send int8 codes with one fp32 scale per `block` elements of a rank's piece instead

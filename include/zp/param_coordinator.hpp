@@ -10,18 +10,27 @@
 // backend, pieces in host memory (read, or offloaded: offload_param: cpu) are copied up on the
 // compute stream into their place in the gather's buffer, which is then gathered in place.
 //
+// Order: the guards a micro-step enters (all those between two step() calls), recorded. The
+// next micro-step, while it enters the same modules in the same order, prefetches the module
+// that came next the last time; where it departs from that order, the layout's neighbour (m + 1
+// in forward, m - 1 in backward). Before any micro-step has run, the layout's order (forward
+// 0 .. M-1, backward M-1 .. 0) stands for the last one. DeepSpeed traces its first step the same
+// way. Every rank runs the same guards, so every rank prefetches the same modules.
+//
 // Budget: at most max_live_params elements of non-persistent modules are gathered at once
 // (default twice the largest module, so one module can run while the next is prefetched). A
 // module of at most persist_threshold elements is persistent: gathered once, it stays until the
-// shards change. A prefetch never evicts; a gather evicts unused modules first (lowest index
-// first: in forward, the kept modules backward needs last), and fails, naming the numbers, when
-// modules in use leave no room.
+// shards change. A prefetch never evicts; a gather evicts unused modules first, those whose
+// backward came latest in the order first (backward needs them last), and fails, naming the
+// numbers, when modules in use leave no room.
 //
 // Kept after forward (FSDP2's reshard_after_forward = false for all, DeepSpeed's
 // max_reuse_distance for those reused soon): a module stays gathered from its forward guard
 // until its backward guard ends, so backward gathers only what the budget (default then: room
-// for every kept module) evicted. Module m's reuse distance is what forward and backward gather
-// between its two uses, 2 x the elements of the modules after it in the layout's order.
+// for every kept module) evicted. Module m's reuse distance is what the guards between its last
+// forward guard and its backward guard in the order enter, in parameter elements: in the
+// layout's order 2 x the elements of the modules after it. A new order chooses again (and
+// resizes the default budget).
 //
 // Quantized weights (ZeRO++'s qwZ): each rank sends its pieces as int8 codes with one fp32 scale
 // per block (quantize.hpp) instead of T, and every rank dequantizes every rank's piece, its own
@@ -40,6 +49,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <utility>
@@ -56,6 +66,54 @@
 #include "zp/swap.hpp"
 
 namespace zp {
+
+// The order of a micro-step's guards, and from the last micro-step's the module expected next.
+// A micro-step of more than `limit` guards (forward passes without step(): evaluation) is not
+// recorded, so the record stays bounded and the last training order stands.
+class ModuleOrder {
+ public:
+  struct Entry {
+    int module;
+    bool backward;
+    bool operator==(const Entry&) const = default;
+  };
+
+  // Starts from the layout's order of `modules` modules: forward 0 .. M-1, backward M-1 .. 0.
+  explicit ModuleOrder(int modules) : limit_(8 * std::size_t(modules)) {
+    for (int m = 0; m < modules; ++m) last_.push_back({m, false});
+    for (int m = modules - 1; m >= 0; --m) last_.push_back({m, true});
+  }
+
+  void entered(int m, bool backward) {
+    latest_ = {m, backward};
+    following_ = following_ && count_ < last_.size() && last_[count_] == latest_;
+    if (++count_ <= limit_) now_.push_back(latest_);
+  }
+  // The module expected k >= 1 guards after the latest (-1: none): the last micro-step's while
+  // this one has entered the same guards, else the layout's (m + k forward, m - k backward).
+  int ahead(int k) const {
+    if (!following_) return latest_.backward ? latest_.module - k : latest_.module + k;
+    const std::size_t i = count_ - 1 + std::size_t(k);
+    return i < last_.size() ? last_[i].module : -1;
+  }
+  // The micro-step ended: its order, if recorded whole, is the next one's prediction. True when
+  // that changed it.
+  bool end_micro_step() {
+    const bool changed = count_ > 0 && count_ <= limit_ && now_ != last_;
+    if (changed) now_.swap(last_);
+    now_.clear();
+    count_ = 0;
+    following_ = true;
+    return changed;
+  }
+  std::span<const Entry> last() const noexcept { return last_; }
+
+ private:
+  std::vector<Entry> now_, last_;  // this micro-step's guards (the first limit_); the last one's
+  std::size_t limit_, count_ = 0;  // guards entered in this micro-step
+  Entry latest_{};
+  bool following_ = true;  // this micro-step has entered last_'s first count_ guards
+};
 
 template <class T, Backend B>
 class ParamCoordinator {
@@ -76,7 +134,10 @@ class ParamCoordinator {
         values_(values),
         node_(node && node->size() > 1 ? node : nullptr),
         quant_(quantized),
-        mods_(std::size_t(part.layout().module_count())) {
+        mods_(std::size_t(part.layout().module_count())),
+        order_(part.layout().module_count()),
+        reuse_(max_reuse_distance),
+        fixed_cap_(max_live_params) {
     ZP_EXPECT(!node_ || comm.size() % node_->size() == 0,
               "engine: a secondary partition (hpZ) over ", node ? node->size() : 0,
               " ranks needs a group size that divides the ", comm.size(), " ranks");
@@ -85,20 +146,9 @@ class ParamCoordinator {
       ZP_EXPECT(quant_->bits == quant::Bits::int8, "engine: quantized weight gathers are int8");
     }
     const Layout& L = part.layout();
-    std::size_t largest = 0, all = 0, kept = 0, after = 0;  // after: elements of modules past m
-    for (int m = L.module_count() - 1; m >= 0; --m) {
-      Module& st = mods_[std::size_t(m)];
-      st.persistent = L.module(m).used <= persist_threshold;
-      st.kept = after < max_reuse_distance / 2 + max_reuse_distance % 2;  // 2 x after < distance
-      after += L.module(m).used;
-      if (!st.persistent) {
-        largest = std::max(largest, L.module(m).size);
-        all += L.module(m).size;
-        kept += st.kept ? L.module(m).size : 0;
-      }
-    }
-    // Forward holds the kept modules (a suffix) together, else a module and its prefetch.
-    cap_ = max_live_params ? max_live_params : kept == all ? all : std::max(2 * largest, kept);
+    for (int m = 0; m < L.module_count(); ++m)
+      mods_[std::size_t(m)].persistent = L.module(m).used <= persist_threshold;
+    follow(order_.last());
     read_spare_.reserve(2);  // drop_read() keeps buffers without allocating
     for (int m = 0; m < L.module_count(); ++m)
       ZP_EXPECT(mods_[std::size_t(m)].persistent || L.module(m).size <= cap_, "engine: module ", m,
@@ -117,9 +167,10 @@ class ParamCoordinator {
     }
   }
 
-  // A guard on module m begins: its parameters gathered (waiting for a prefetch in flight) and
-  // its views bound. Returns the seconds spent waiting.
-  double use(int m) {
+  // A guard on module m begins (recorded in the order): its parameters gathered (waiting for a
+  // prefetch in flight) and its views bound. Returns the seconds spent waiting.
+  double use(int m, bool backward) {
+    order_.entered(m, backward);
     Module& st = mods_[std::size_t(m)];
     if (st.state == State::released) {
       const std::size_t need = layout().module(m).size;
@@ -159,15 +210,24 @@ class ParamCoordinator {
     return mods_[std::size_t(m)].kept;
   }
 
-  // Starts gathering module m if it exists, is released and fits without evicting anything;
-  // with parameters on NVMe, starts reading the pieces of `then` (the module expected after m).
-  void prefetch(int m, int then = -1) {
+  // Starts gathering the module expected after the last use() if it exists, is released and
+  // fits without evicting anything; with parameters on NVMe, starts reading the pieces of the
+  // module expected after that one.
+  void prefetch() {
+    const int m = order_.ahead(1);
     if (m < 0 || m >= layout().module_count()) return;
     const Module& st = mods_[std::size_t(m)];
     if (st.state != State::released) return;
     if (!st.persistent && live_ + layout().module(m).size > cap_) return;
     gather(m);
-    read_ahead(then);
+    read_ahead(order_.ahead(2));
+  }
+
+  // step(): the micro-step's guards have all ended. Its order predicts the next micro-step's;
+  // where it differs from the last one, the kept modules, the eviction order and the default
+  // budget follow it.
+  void end_micro_step() {
+    if (order_.end_micro_step()) follow(order_.last());
   }
 
   // Drops every gathered copy, read ahead and secondary shard (the shards are about to change,
@@ -327,11 +387,52 @@ class ParamCoordinator {
 
   // Makes room for `need` more live elements by releasing gathered modules nobody uses.
   bool fits(std::size_t need) {
-    for (int m = 0; m < layout().module_count() && live_ + need > cap_; ++m) {
+    for (std::size_t i = 0; i < evict_.size() && live_ + need > cap_; ++i) {
+      const int m = evict_[i];
       const Module& st = mods_[std::size_t(m)];
       if (!st.persistent && st.uses == 0 && st.state != State::released) release(m);
     }
     return live_ + need <= cap_;
+  }
+
+  // Chooses, from a micro-step's order, the modules kept after forward (reuse distance below
+  // reuse_), the eviction order (modules backward needs last first: those it never entered,
+  // then by backward guard, latest first) and the default budget (the kept modules held
+  // together, else a module and its prefetch).
+  void follow(std::span<const ModuleOrder::Entry> order) {
+    const Layout& L = layout();
+    const std::size_t n = std::size_t(L.module_count());
+    std::vector<std::ptrdiff_t> forward_at(n, -1), backward_at(n, -1);
+    std::vector<std::size_t> before(order.size() + 1, 0);  // elements the first i entries enter
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto [m, backward] = order[i];
+      before[i + 1] = before[i] + L.module(m).used;
+      if (!backward) {
+        forward_at[std::size_t(m)] = std::ptrdiff_t(i);
+      } else if (backward_at[std::size_t(m)] < 0) {  // once a micro-step (ModuleTracker)
+        backward_at[std::size_t(m)] = std::ptrdiff_t(i);
+      }
+    }
+    std::size_t largest = 0, all = 0, kept = 0;
+    for (std::size_t m = 0; m < n; ++m) {
+      Module& st = mods_[m];
+      const std::ptrdiff_t f = forward_at[m], b = backward_at[m];
+      st.kept = f >= 0 && b > f && before[std::size_t(b)] - before[std::size_t(f) + 1] < reuse_;
+      if (st.persistent) continue;
+      largest = std::max(largest, L.module(int(m)).size);
+      all += L.module(int(m)).size;
+      kept += st.kept ? L.module(int(m)).size : 0;
+    }
+    cap_ = fixed_cap_ ? fixed_cap_ : kept == all ? all : std::max(2 * largest, kept);
+    evict_.resize(n);
+    std::iota(evict_.begin(), evict_.end(), 0);
+    std::stable_sort(evict_.begin(), evict_.end(), [&](int a, int b) {
+      const auto at = [&](int m) {  // never entered in backward: first
+        const std::ptrdiff_t i = backward_at[std::size_t(m)];
+        return i < 0 ? PTRDIFF_MAX : i;
+      };
+      return at(a) > at(b);
+    });
   }
 
   void release(int m) {
@@ -415,6 +516,9 @@ class ParamCoordinator {
   Collective<B>* node_;                                // hpZ's node group, or null
   std::optional<quant::Format> quant_;
   std::vector<Module> mods_;  // after the pools: its in-flight gathers end first
+  ModuleOrder order_;
+  std::vector<int> evict_;         // modules in the order fits() releases them
+  std::size_t reuse_, fixed_cap_;  // max_reuse_distance, max_live_params as configured
   std::size_t cap_ = 0, live_ = 0, persistent_live_ = 0, peak_live_ = 0;
 };
 
