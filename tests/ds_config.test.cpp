@@ -415,7 +415,7 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(c.stage == 3);
     CHECK(c.reduce_bucket_size == 50'000'000u);
     CHECK(c.prefetch_bucket_size == 50'000'000u);
-    CHECK(c.engine.prefetch == 1);
+    CHECK(c.engine.prefetch == 50'000'000u);
     CHECK(c.engine.persist_threshold == 100'000u);
     CHECK(c.engine.max_live_params == 1'000'000'000u);
     const auto& o = std::get<AdamW>(c.optimizer);
@@ -487,7 +487,7 @@ TEST_CASE("without a section, DeepSpeed's defaults apply (not zp's struct defaul
   CHECK(c.engine.max_live_params == 1'000'000'000u);
   CHECK(c.engine.persist_threshold == 100'000u);
   CHECK(c.engine.max_reuse_distance == 1'000'000'000u);
-  CHECK(c.engine.prefetch == 1);
+  CHECK(c.engine.prefetch == 50'000'000u);
   CHECK(!c.optimizer_given);
   CHECK(std::get<AdamW>(c.optimizer).weight_decay == 0.0f);
   CHECK(!c.scheduler);
@@ -563,7 +563,9 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}",
        R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0}})",
        {"prefetch_bucket_size", "engine.prefetch"}},
-      {"{}", R"({"zero_optimization": {"prefetch_bucket_size": 123}})", {"prefetch_bucket_size"}},
+      {"{}",
+       R"({"zero_optimization": {"prefetch_bucket_size": 123}})",
+       {"prefetch_bucket_size", "engine.prefetch"}},
       {"{}",
        R"({"zero_optimization": {"stage3_param_persistence_threshold": 10}})",
        {"engine.persist_threshold"}},
@@ -1020,7 +1022,7 @@ TEST_CASE("with_engine builds the engine type the config selects, with the confi
     CHECK(p.ec.max_live_params == 5000u);
     CHECK(p.ec.persist_threshold == 0u);
     CHECK(p.ec.max_reuse_distance == 1'000'000'000u);  // DeepSpeed's default: every module kept
-    CHECK(p.ec.prefetch == 1);
+    CHECK(p.ec.prefetch == 50'000'000u);
     CHECK(p.ec.max_grad_norm == 1.0f);
     CHECK(p.ec.loss_scaler.kind() == zp::LossScaler::Kind::none);
     REQUIRE(p.ran);

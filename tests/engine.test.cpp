@@ -1030,11 +1030,11 @@ struct Shuffled {
 };
 
 // Stage 3 learns the order of a micro-step's guards and follows it in the next: with guards
-// that do not run in the layout's order, from the second micro-step on each guard finds the
-// module entered next already being gathered (and no other), the module used last in forward
-// is the one kept for backward, nothing is gathered twice but what the ZeRO formula gathers
-// twice, and a cap evicts the module backward needs last. Training is bitwise the run without
-// prefetch or keeping.
+// that do not run in the layout's order, each guard finds the module entered next already being
+// gathered (and no other; with prefetch unlimited, every module still to come), the module used
+// last in forward is the one kept for backward, nothing is gathered twice but what the ZeRO
+// formula gathers twice, and a cap evicts the module backward needs last. Training is bitwise
+// the run without prefetch or keeping.
 TEST_CASE_TEMPLATE("stage 3 prefetches and keeps modules in the order the last micro-step ran", T,
                    float, zp::bf16) {
   const std::vector<int> perm = {2, 0, 3, 1};  // runs modules 1, 3, 0, 2, then 2, 0, 3, 1
@@ -1098,6 +1098,33 @@ TEST_CASE_TEMPLATE("stage 3 prefetches and keeps modules in the order the last m
       },
       &bytes);
   CHECK(bytes == 4 * 2 * all * sizeof(T));
+  // Prefetching without an element limit under a cap of the whole model: every module a later
+  // guard enters is gathered ahead (or, used in forward, again at once for backward), so inside
+  // each guard exactly the modules of the guards from it to the end; the same bytes.
+  cfg.prefetch = SIZE_MAX;
+  cfg.max_live_params = all;
+  const auto ahead = run(
+      cfg,
+      [&](auto& engine, std::size_t at) {
+        std::size_t want = 0;
+        for (int m = 0; m < 4; ++m)
+          if (std::any_of(order.begin() + std::ptrdiff_t(at), order.end(),
+                          [&](const auto& e) { return e.first == m; }))
+            want += size(m);
+        CAPTURE(at);
+        CHECK(engine.memory().gathered == want * sizeof(T));
+      },
+      &bytes);
+  CHECK(bytes == 4 * 2 * all * sizeof(T));
+  cfg.max_live_params = 0;  // under the default cap (twice the largest module) it stays
+  const auto ahead_capped = run(
+      cfg,
+      [&](auto& engine, std::size_t) {
+        CHECK(engine.memory().gathered <= engine.max_live_params() * sizeof(T));
+      },
+      &bytes);
+  CHECK(bytes == 4 * 2 * all * sizeof(T));
+  cfg.prefetch = 1;
   // The default distance keeps the module forward runs last (layer 3, module 2), not the
   // layout's last: its second gather is the only one saved.
   cfg.max_reuse_distance = 1;
@@ -1138,7 +1165,7 @@ TEST_CASE_TEMPLATE("stage 3 prefetches and keeps modules in the order the last m
     model.micro_step(engine, 2, [](int, bool) {});
     for (int m = 0; m < 4; ++m) CHECK(engine.keeps_after_forward(m) == (m == last_forward));
   });
-  for (const auto* r : {&resharded, &kept, &capped}) {
+  for (const auto* r : {&resharded, &ahead, &ahead_capped, &kept, &capped}) {
     CHECK(bitwise_equal(r->first, plain.first));
     CHECK(bitwise_equal(r->second, plain.second));
   }

@@ -131,7 +131,7 @@ struct Config {
   // What maps onto zp::EngineConfig: loss_scaler (fp16), max_grad_norm (gradient_clipping),
   // max_live_params (stage3_max_live_parameters; 0 = zp's automatic cap), persist_threshold
   // (stage3_param_persistence_threshold), max_reuse_distance (stage3_max_reuse_distance),
-  // prefetch (stage3_prefetch_bucket_size != 0).
+  // prefetch (stage3_prefetch_bucket_size).
   // batch and bucket_bytes are set by engine_config<T>(), which knows the world size and T.
   EngineConfig engine = defaults();
   // zero_optimization.reduce_bucket_size and stage3_prefetch_bucket_size, in elements.
@@ -181,13 +181,13 @@ struct Config {
   }
 
   // DeepSpeed's defaults for what an EngineConfig holds (stage 3: 1e9 live parameters, 1e5
-  // persistence threshold, 1e9 reuse distance, prefetch on).
+  // persistence threshold, 1e9 reuse distance, 5e7 elements prefetched).
   static EngineConfig defaults() {
     EngineConfig e;
     e.max_live_params = 1'000'000'000;
     e.max_reuse_distance = 1'000'000'000;
     e.persist_threshold = 100'000;
-    e.prefetch = 1;
+    e.prefetch = 50'000'000;
     e.max_grad_norm = 0;
     e.loss_scaler = LossScaler::none();
     return e;
@@ -758,7 +758,7 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
   if (cfg.mics_shard_size > 0 && cfg.stage == 0)
     c.fail(join(path, "mics_shard_size"), "hybrid sharding needs stage 1, 2 or 3, got stage 0",
            " (stage 0 shards nothing)");
-  cfg.engine.prefetch = cfg.prefetch_bucket_size > 0 ? 1 : 0;
+  cfg.engine.prefetch = std::size_t(cfg.prefetch_bucket_size);
 }
 
 inline float optimizer_lr(const AnyOptimizer& o) {
@@ -1086,9 +1086,10 @@ inline std::string describe(const Config& c) {
   out += cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
              ", param_persistence_threshold ", c.engine.persist_threshold, ", max_reuse_distance ",
              c.engine.max_reuse_distance, ", prefetch_bucket_size ", c.prefetch_bucket_size,
-             " (prefetch ", c.engine.prefetch ? "on" : "off", "), zero_quantized_weights ",
-             c.zero_quantized_weights, ", zero_hpz_partition_size ", c.engine.hpz_partition_size,
-             ", zero_quantized_gradients ", c.zero_quantized_gradients, "\n");
+             c.prefetch_bucket_size ? " (elements gathered ahead)" : " (no prefetch)",
+             ", zero_quantized_weights ", c.zero_quantized_weights, ", zero_hpz_partition_size ",
+             c.engine.hpz_partition_size, ", zero_quantized_gradients ", c.zero_quantized_gradients,
+             "\n");
   if (c.mics_shard_size > 0)
     out += cat("  mics_shard_size: ", c.mics_shard_size,
                " (ZeRO over groups of that many ranks, replicated across them)\n");

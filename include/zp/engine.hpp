@@ -465,7 +465,7 @@ class Engine {
       try {
         in_context(call, [&] {
           timer_.add_gather_wait(params_->use(m, backward));
-          if (config_.prefetch) params_->prefetch();
+          params_->prefetch(config_.prefetch);
         });
       } catch (const std::exception& e) {
         mark_unusable(detail::cat("the gathers of ", call, " for module ", m, " failed (",

@@ -130,10 +130,12 @@ struct EngineConfig {
   // Stage 3: most gathered non-persistent parameter elements at once (0: twice the largest
   // module, room for one module and its prefetch, or the modules kept after forward if more);
   // modules with at most persist_threshold elements stay gathered until the next optimizer
-  // step; modules prefetched ahead (0 or 1: the module the last micro-step entered next).
+  // step; prefetch: parameter elements gathered ahead (DeepSpeed's stage3_prefetch_bucket_size:
+  // the modules of the guards the last micro-step ran next, in order, until they hold this
+  // many, within max_live_params; 0: none, 1: the next guard's module only).
   std::size_t max_live_params = 0;
   std::size_t persist_threshold = 0;
-  int prefetch = 1;
+  std::size_t prefetch = 1;
   // Stage 3 (FSDP2's reshard_after_forward): false keeps a module's gathered parameters from
   // its forward guard until its backward guard ends, so backward gathers nothing (stage 3's
   // traffic 2 Psi a micro-step, not 3 Psi) and the gathered model lives from forward to
@@ -241,7 +243,6 @@ struct EngineConfig {
 
   // The settings no other part checks (the batch, layout, scaler and optimizer check their own).
   void check() const {
-    ZP_EXPECT(prefetch == 0 || prefetch == 1, "engine: prefetch must be 0 or 1, got ", prefetch);
     ZP_EXPECT(!std::isnan(max_grad_norm),
               "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "
               "no clipping");

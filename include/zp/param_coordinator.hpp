@@ -17,12 +17,13 @@
 // 0 .. M-1, backward M-1 .. 0) stands for the last one. DeepSpeed traces its first step the same
 // way. Every rank runs the same guards, so every rank prefetches the same modules.
 //
-// Budget: at most max_live_params elements of non-persistent modules are gathered at once
-// (default twice the largest module, so one module can run while the next is prefetched). A
-// module of at most persist_threshold elements is persistent: gathered once, it stays until the
-// shards change. A prefetch never evicts; a gather evicts unused modules first, those whose
-// backward came latest in the order first (backward needs them last), and fails, naming the
-// numbers, when modules in use leave no room.
+// Budget: at most max_live_params elements of non-persistent modules are gathered at once (default
+// twice the largest module, so one module can run while the next is prefetched; prefetching further
+// ahead, EngineConfig::prefetch, fills what modules smaller than the largest leave). A module of at
+// most persist_threshold elements is persistent: gathered once, it stays until the shards change. A
+// prefetch never evicts; a gather evicts unused modules first, those whose backward came latest in
+// the order first (backward needs them last), and fails, naming the numbers, when modules in use
+// leave no room.
 //
 // Kept after forward (FSDP2's reshard_after_forward = false for all, DeepSpeed's
 // max_reuse_distance for those reused soon): a module stays gathered from its forward guard
@@ -210,17 +211,29 @@ class ParamCoordinator {
     return mods_[std::size_t(m)].kept;
   }
 
-  // Starts gathering the module expected after the last use() if it exists, is released and
-  // fits without evicting anything; with parameters on NVMe, starts reading the pieces of the
-  // module expected after that one.
-  void prefetch() {
-    const int m = order_.ahead(1);
-    if (m < 0 || m >= layout().module_count()) return;
-    const Module& st = mods_[std::size_t(m)];
-    if (st.state != State::released) return;
-    if (!st.persistent && live_ + layout().module(m).size > cap_) return;
-    gather(m);
-    read_ahead(order_.ahead(2));
+  // Walks the modules of the guards expected after the last use(), in order, starting the
+  // gather of each released one, until the modules walked hold `elements` (DeepSpeed's
+  // stage3_prefetch_bucket_size; 1: the next guard's module only) or one does not fit the
+  // budget without evicting (so modules arrive in the order they are used). With parameters on
+  // NVMe one module (its gather waits for its read), and the read of the next one starts.
+  void prefetch(std::size_t elements) {
+    std::size_t walked = 0;
+    bool started = false;
+    int k = 1;
+    while (walked < elements) {
+      const int m = order_.ahead(k);
+      if (m < 0 || m >= layout().module_count()) break;
+      const Module& st = mods_[std::size_t(m)];
+      if (st.state == State::released) {
+        if (!st.persistent && live_ + layout().module(m).size > cap_) break;
+        gather(m);
+        started = true;
+      }
+      walked += layout().module(m).size;
+      ++k;
+      if (part_->param_swap()) break;
+    }
+    if (started) read_ahead(order_.ahead(k));
   }
 
   // step(): the micro-step's guards have all ended. Its order predicts the next micro-step's;
