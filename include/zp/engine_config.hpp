@@ -231,7 +231,7 @@ struct EngineConfig {
   std::optional<DType> grad_accum_dtype = std::nullopt;
   std::optional<DType> communication_dtype = std::nullopt;
   // Which parameters the optimizer's weight decay applies to, by the name the model's
-  // visit_parameters gives (PyTorch's param groups with weight_decay 0 for the others;
+  // for_each_parameter gives (PyTorch's param groups with weight_decay 0 for the others;
   // Megatron-LM's no_weight_decay_cond); empty: all of them. GPT practice (GPT-2, nanoGPT,
   // Megatron-LM) decays the matrices, not the biases and the norms' gains. It must choose alike on
   // every rank (the engine checks that the data-parallel ranks agree); a checkpoint does not keep
