@@ -11,7 +11,7 @@ file(GLOB_RECURSE sources RELATIVE ${ZP_SOURCE_DIR}
      ${ZP_SOURCE_DIR}/tests/*.hpp ${ZP_SOURCE_DIR}/tests/*.cpp ${ZP_SOURCE_DIR}/tests/*.cu
      ${ZP_SOURCE_DIR}/examples/*.hpp ${ZP_SOURCE_DIR}/examples/*.cpp ${ZP_SOURCE_DIR}/examples/*.cu
      ${ZP_SOURCE_DIR}/bench/*.hpp ${ZP_SOURCE_DIR}/bench/*.cpp ${ZP_SOURCE_DIR}/bench/*.cu
-     ${ZP_SOURCE_DIR}/tools/*.cpp)
+     ${ZP_SOURCE_DIR}/tools/*.hpp ${ZP_SOURCE_DIR}/tools/*.cpp)
 execute_process(COMMAND ${CLANG_FORMAT} --dry-run --Werror ${sources} WORKING_DIRECTORY ${ZP_SOURCE_DIR}
                 RESULT_VARIABLE rc ERROR_VARIABLE out)
 if(rc)
