@@ -23,6 +23,7 @@ inline const std::filesystem::path& scratch() {
   return dir;
 }
 
+// A plain write: an input a run, so not detail::write_file_atomic's fsync and rename.
 inline void write_file(const std::filesystem::path& p, std::string_view bytes) {
   std::ofstream(p, std::ios::binary | std::ios::trunc)
       .write(bytes.data(), std::streamsize(bytes.size()));

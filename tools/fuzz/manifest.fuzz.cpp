@@ -75,8 +75,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     const std::byte user[3] = {std::byte(1), std::byte(2), std::byte(3)};
     zp::save_checkpoint(engine, checkpoints(), "t", user);
   });
-  std::ifstream in(checkpoints() / "t" / "manifest.json");
-  const std::string text(std::istreambuf_iterator<char>(in), {});
+  const std::string text =
+      zp::detail::read_whole_file(checkpoints() / "t" / "manifest.json", 1 << 20);
   saved = json::parse(text);
   zp::fuzz::seed("manifest.json", text);
   return 0;

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <span>
 #include <string>
 #include <string_view>
@@ -28,8 +27,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = std::byte(i * 37);
   w.write(data);
   w.commit();
-  std::ifstream in(p, std::ios::binary);
-  zp::fuzz::seed("seed.safetensors", std::string(std::istreambuf_iterator<char>(in), {}));
+  zp::fuzz::seed("seed.safetensors", zp::detail::read_whole_file(p, 1 << 20));
   zp::fuzz::seed("index.json", R"({"metadata": {"total_size": 44},
     "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b": "x.safetensors"}})");
   return 0;
