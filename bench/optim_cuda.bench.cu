@@ -171,8 +171,7 @@ void clip_adamw(benchmark::State& state) {
     state.SetIterationTime(seconds);
   }
   const auto outcome = stats.read();  // the gate clipped and applied the step
-  if (!(outcome[zp::detail::StepGate::statistics] < 1.0) ||
-      outcome[zp::detail::StepGate::statistics + 1] != zp::detail::StepGate::apply)
+  if (!(outcome[stats.count] < 1.0) || outcome[stats.count + 1] != zp::detail::StepGate::apply)
     state.SkipWithError("the gate did not clip and apply");
   state.counters["GBps"] = 32.0 * double(n) / seconds / 1e9;
 }

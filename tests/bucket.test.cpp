@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -9,6 +10,7 @@
 
 #include "random.hpp"
 #include "zp/backend/threads.hpp"
+#include "zp/step_gate.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -147,6 +149,87 @@ TEST_CASE("buckets launch in bucket order on every rank whatever order they beco
     }
     buckets.finish();
     for (float x : full) CHECK(x == 1.0f);
+  });
+}
+
+// Buckets made ready out of launch order wait (and take scratch slots past bucket_slots); once
+// the ranks follow the order the last micro-step made them ready in, each launches as it becomes
+// ready, within bucket_slots. The ranks follow an order only where every one proposed it: one
+// rank's different order keeps all of them in theirs. The reductions are the same either way.
+TEST_CASE("buckets follow the readiness order every rank proposed") {
+  run_threads(3, [&](Collective<Threads>& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const Layout L = test_layout(n);
+    std::vector<float> acc(L.shard(), -1.0f);
+    GradBuckets<float, Threads> buckets(comm, L, Reduction::scatter_accumulate, {},
+                                        std::span<float>(acc), 2);
+    const std::size_t kept = buckets.scratch_bytes();
+    const int count = buckets.count();
+    REQUIRE(count >= 4);
+    REQUIRE(kept < std::size_t(count) * L.largest_segment() * sizeof(float));
+    std::vector<int> backward;  // the readiness order: the launch order backwards
+    for (int s = count - 1; s >= 0; --s) backward.push_back(s);
+    const auto launched = [&] { return comm.stats()[zp::CollOp::reduce_scatter].calls; };
+    // A micro-step readying the buckets in `order`; the launches after each ready().
+    const auto micro_step = [&](std::span<const int> order, bool first) {
+      std::vector<std::uint64_t> launches;
+      const auto before = launched();
+      buckets.begin_micro_step(true, first);
+      for (int s : order) {
+        auto mem = buckets.acquire(s);
+        for (std::size_t i = 0; i < L.segment(s).used; ++i)
+          mem[i] += grad(r, L.segment(s).offset + i);
+        buckets.ready(s);
+        launches.push_back(launched() - before);
+      }
+      CHECK(buckets.scratch_bytes() >= kept);
+      buckets.launch_all();
+      buckets.finish();
+      CHECK(std::ranges::equal(buckets.proposal(), order));
+      return launches;
+    };
+    // Whether every rank proposed the same order, as the engine's step statistics compare them.
+    const auto agreed = [&] {
+      zp::StepStatistics<zp::MemorySpace::host> stats;
+      stats.begin(0, false, buckets.proposal_fingerprint());
+      comm.all_reduce(stats.sums(), zp::ReduceOp::sum);
+      return stats.same_order(stats.read(), double(n));
+    };
+    // In the launch order: nothing launches before the last ready() (bucket 0), and the waiting
+    // buckets hold a slot each.
+    auto launches = micro_step(backward, true);
+    CHECK(std::count(launches.begin(), launches.end(), 0u) == count - 1);
+    CHECK(buckets.scratch_bytes() == std::size_t(count) * L.largest_segment() * sizeof(float));
+    // Rank 2 proposes another order (two buckets swapped): no rank follows any.
+    std::vector<int> other = backward;
+    std::swap(other[0], other[1]);
+    micro_step(r == 2 ? other : backward, false);
+    CHECK(!agreed());
+    launches = micro_step(backward, false);
+    CHECK(launches.back() == std::uint64_t(count));
+    CHECK(launches[std::size_t(count) - 2] == 0u);
+    // Every rank proposes `backward`: followed, each bucket launches at its ready(), the slots
+    // allocated past bucket_slots freed, and none allocated again.
+    REQUIRE(agreed());
+    buckets.follow_proposal();
+    CHECK(buckets.scratch_bytes() == kept);
+    launches = micro_step(backward, false);
+    for (int k = 0; k < count; ++k) CHECK(launches[std::size_t(k)] == std::uint64_t(k + 1));
+    CHECK(buckets.scratch_bytes() == kept);
+    // Four micro-steps accumulated: the ranks' average (summed in rank order, divided once)
+    // added up four times, wherever the buckets launched.
+    for (int s = 0; s < L.segment_count(); ++s) {
+      const auto& g = L.segment(s);
+      for (std::size_t i = 0; i < g.piece; ++i) {
+        const std::size_t at = L.piece_offset(s, r) + i;
+        float sum = 0;
+        for (int q = 0; q < n; ++q) sum += at - g.offset < g.used ? grad(q, at) : 0.0f;
+        const float avg = sum / float(n);
+        float want = avg;
+        for (int k = 1; k < 4; ++k) want += avg;
+        CHECK(acc[g.shard_offset + i] == want);
+      }
+    }
   });
 }
 

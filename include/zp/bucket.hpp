@@ -2,9 +2,16 @@
 // bucket memory (the model's grad views point into it); a bucket launches its reduction, async,
 // as soon as every gradient in it is written, so communication overlaps the rest of backward.
 //
-// One bucket per Layout segment, numbered in backward order. Buckets launch strictly in that
-// order on every rank: a bucket that becomes ready early waits for the ones before it, so the
-// ranks' collective sequences agree even if their gradients become ready in different orders.
+// One bucket per Layout segment, numbered in backward order. Buckets launch strictly in one
+// order, the same on every rank: a bucket that becomes ready early waits for the ones before it,
+// so the ranks' collective sequences agree even if their gradients become ready in different
+// orders. That order starts as the buckets' numbering and then follows the model: each
+// micro-step records the order its buckets became ready in (proposal()), and where every rank of
+// the group recorded the same one at an optimizer step (the engine compares fingerprints in the
+// step's statistics all_reduce) all follow it from the next micro-step (follow_proposal()). So a
+// backward that runs modules out of the layout's order overlaps its reductions from the second
+// step on. While buckets wait for ones before them, scatter_accumulate may run out of scratch
+// slots: it then allocates one more, and following an agreed order frees the extras again.
 //
 // Reductions (ReduceOp::avg over ranks; the sum runs in rank order in the threads backend):
 //   Reduction::all_reduce           stage 0: the whole bucket, in place in the full gradient buffer
@@ -51,6 +58,7 @@
 #include <vector>
 
 #include "zp/collective.hpp"
+#include "zp/detail/hash.hpp"
 #include "zp/dtype.hpp"
 #include "zp/error.hpp"
 #include "zp/memory.hpp"
@@ -141,16 +149,16 @@ class GradBuckets {
         full32_(full_grads_f32),
         acc32_(shard_accumulator_f32) {
     buckets_.resize(std::size_t(layout.segment_count()));
-    for (int s = 0; s < layout.segment_count(); ++s) buckets_[std::size_t(s)].segment = s;
+    for (int s = 0; s < layout.segment_count(); ++s) {
+      buckets_[std::size_t(s)].segment = s;
+      order_.push_back(s);
+    }
+    proposal_ = order_;
     if (reduction_ == Reduction::scatter_accumulate) {
       int most = 1;
       for (const auto& m : layout.modules()) most = std::max(most, m.end_segment - m.first_segment);
-      const std::size_t n = std::max<std::size_t>(slots, std::size_t(most) + 1);
-      for (std::size_t i = 0; i < n; ++i) {
-        slots_.emplace_back(layout.largest_segment());
-        if (precision_.reduce_f32) slots32_.emplace_back(layout.largest_segment());
-        free_.push_back(int(i));
-      }
+      kept_slots_ = std::max<std::size_t>(slots, std::size_t(most) + 1);
+      while (slots_.size() < kept_slots_) add_slot();
       ZP_EXPECT((precision_.accumulate_f32 ? acc32_.size() : acc_.size()) == layout.shard(),
                 "buckets: the shard accumulator does not hold ", layout.shard(), " elements");
     } else {
@@ -231,6 +239,7 @@ class GradBuckets {
   void begin_micro_step(bool sync, bool first_in_window) {
     ZP_ASSERT(inflight_.empty() && next_ == 0 && replica_works_.empty(),
               "buckets: a micro-step began before the last one finished");
+    seen_.clear();
     last_ = sync;
     sync_ = sync || reduction_ == Reduction::scatter_accumulate;
     first_ = first_in_window;
@@ -238,18 +247,17 @@ class GradBuckets {
 
   // The memory the model writes bucket s's gradients into (full-space segment layout: parameter
   // p at p.offset - segment.offset). scatter_accumulate takes a zeroed scratch slot, waiting for
-  // the oldest in-flight bucket if none is free.
+  // the oldest in-flight bucket if none is free, or, with none in flight (the others filled wait
+  // for a bucket before them in the launch order), allocating one more.
   std::span<T> acquire(int s) {
     Bucket& b = at(s);
     if (reduction_ != Reduction::scatter_accumulate) return segment_span(s);
     if (b.state == Bucket::State::idle) {
       while (free_.empty()) {
-        ZP_EXPECT(!inflight_.empty(), "buckets: no free scratch bucket for segment ", s, " (",
-                  slots_.size(),
-                  " slots, all filling): buckets reduce from the last segment down, so backward "
-                  "guards out of that order (run backward from the last module to the first) or "
-                  "too many open at once hold them; or raise bucket_slots");
-        complete(inflight_.front());
+        if (inflight_.empty())
+          add_slot();
+        else
+          complete(inflight_.front());
       }
       b.slot = free_.back();
       free_.pop_back();
@@ -272,6 +280,7 @@ class GradBuckets {
     if (reduction_ == Reduction::scatter_accumulate)
       ZP_ASSERT(b.state == Bucket::State::filling, "buckets: segment ", s,
                 " marked ready without memory");
+    if (b.state != Bucket::State::ready) seen_.push_back(s);
     b.state = Bucket::State::ready;
     fold(b);
     if (sync_) launch_ready();
@@ -284,15 +293,38 @@ class GradBuckets {
       for (auto& b : buckets_) fold(b);
       return;
     }
-    for (std::size_t s = next_; s < buckets_.size(); ++s) {
-      Bucket& b = buckets_[s];
+    for (std::size_t k = next_; k < order_.size(); ++k) {
+      Bucket& b = at(order_[k]);
       if (b.state == Bucket::State::launched) continue;
       if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate)
-        acquire(int(s));
+        acquire(b.segment);
       b.state = Bucket::State::ready;
       fold(b);
       launch_ready();  // one at a time, so scratch slots recycle
     }
+  }
+
+  // The order the last finished micro-step's buckets became ready in (those its backward left
+  // untouched last, in launch order), and its fingerprint, for the ranks to compare.
+  std::span<const int> proposal() const noexcept { return proposal_; }
+  std::uint64_t proposal_fingerprint() const noexcept {
+    detail::Fnv1a h;
+    for (int s : proposal_) h.add(s);
+    return h.value();
+  }
+  // Every rank of the group proposed the same order: launch in it from the next micro-step, and
+  // free the scratch slots allocated past bucket_slots (all are free between micro-steps).
+  void follow_proposal() {
+    ZP_ASSERT(inflight_.empty() && next_ == 0, "buckets: the order changed inside a micro-step");
+    order_ = proposal_;
+    while (slots_.size() > kept_slots_) {
+      const int last = int(slots_.size()) - 1;
+      std::erase(free_, last);
+      slots_.pop_back();
+      if (!slots32_.empty()) slots32_.pop_back();
+    }
+    ZP_ASSERT(free_.size() == slots_.size(),
+              "buckets: a scratch slot is in use between micro-steps");
   }
 
   // When this micro-step's first reduction was launched (none yet: time_point::max()), for the
@@ -321,6 +353,13 @@ class GradBuckets {
     }
     for (auto& w : replica_works_) w.wait();
     replica_works_.clear();
+    // The proposal: the buckets in the order they became ready, then the rest as launched.
+    std::vector<char> seen(buckets_.size(), 0);
+    for (int s : seen_) seen[std::size_t(s)] = 1;
+    for (int s : order_)
+      if (!seen[std::size_t(s)]) seen_.push_back(s);
+    proposal_.swap(seen_);
+    seen_.clear();
     next_ = 0;
     first_launch_ = std::chrono::steady_clock::time_point::max();
   }
@@ -331,6 +370,12 @@ class GradBuckets {
   static auto whole_or_none(const Partitioned<T, Stage, S>& part, bool full) {
     using U = typename Partitioned<T, Stage, S>::template elem<F>;
     return Partitioned<T, Stage, S>::whole(F) == full ? part.template buffer<F>() : std::span<U>{};
+  }
+  void add_slot() {
+    free_.push_back(int(slots_.size()));
+    slots_.emplace_back(layout_->largest_segment(), "buckets: scratch slot");
+    if (precision_.reduce_f32)
+      slots32_.emplace_back(layout_->largest_segment(), "buckets: fp32 scratch slot");
   }
   Bucket& at(int s) {
     ZP_ASSERT(s >= 0 && s < count(), "buckets: no segment ", s, " (", count(), " buckets)");
@@ -376,11 +421,11 @@ class GradBuckets {
   }
 
   void launch_ready() {
-    if (next_ == 0 && !buckets_.empty() && buckets_[0].state == Bucket::State::ready)
+    if (next_ == 0 && !order_.empty() && at(order_[0]).state == Bucket::State::ready)
       first_launch_ = std::chrono::steady_clock::now();
-    while (next_ < buckets_.size() && buckets_[next_].state == Bucket::State::ready) {
-      Bucket& b = buckets_[next_];
-      const int s = int(next_);
+    while (next_ < order_.size() && at(order_[next_]).state == Bucket::State::ready) {
+      const int s = order_[next_];
+      Bucket& b = at(s);
       switch (reduction_) {
         case Reduction::all_reduce:
           b.work =
@@ -513,8 +558,12 @@ class GradBuckets {
   std::vector<Bucket> buckets_;
   std::vector<Buffer<T, S>> slots_;
   std::vector<Buffer<float, S>> slots32_;  // fp32 reduction: slot i widened
+  std::size_t kept_slots_ = 0;  // scratch slots kept between micro-steps under a followed order
   std::vector<int> free_;
-  std::deque<int> inflight_;  // scatter_accumulate buckets launched, in launch order
+  std::deque<int> inflight_;   // scatter_accumulate buckets launched, in launch order
+  std::vector<int> order_;     // the launch order: order_[k] launches k-th
+  std::vector<int> seen_;      // this micro-step's buckets, in the order they became ready
+  std::vector<int> proposal_;  // the last micro-step's order (proposal())
   struct Quantized {
     Collective<B>*node, *peers;
     quant::Format format;
@@ -529,7 +578,7 @@ class GradBuckets {
   std::optional<Quantized> qgz_;
   Collective<B>* replicas_ = nullptr;  // hybrid sharding's (average_over)
   std::vector<Work> replica_works_;    // their averages in flight
-  std::size_t next_ = 0;               // the next bucket to launch
+  std::size_t next_ = 0;               // the next bucket to launch: order_[next_]
   bool sync_ = true, first_ = true;
   bool last_ = true;  // the accumulation window's last micro-step
   std::chrono::steady_clock::time_point first_launch_ =

@@ -302,10 +302,14 @@ class Engine {
 
   // ---- state and accounting ----------------------------------------------------------------
 
-  // The per-step statistics all_reduce: doubles (squared norm, overflow count, and the four
-  // terms of the cross-rank hyper-parameter check), bytes = statistics_count * 8; with the step
-  // gate, stats_slots doubles of memory (step_gate.hpp).
+  // The per-step statistics all_reduce over the data-parallel group: doubles (the eight terms of
+  // the bucket order's check, the squared norm, the overflow count, and the four terms of the
+  // cross-rank hyper-parameter check), bytes = statistics_count * 8; over the replica's tensor x
+  // pipeline group, the last grid_statistics_count of them. With the step gate, stats_slots
+  // doubles of memory (step_gate.hpp).
   static constexpr std::size_t statistics_count = StepStatistics<S>::count;
+  static constexpr std::size_t grid_statistics_count =
+      StepStatistics<S>::count - StepStatistics<S>::order_terms;
   static constexpr std::size_t stats_slots = StepStatistics<S>::slots;
 
   // Multiply the loss (the gradient seeding backward) by this.
@@ -539,7 +543,7 @@ class Engine {
     } catch (const Error& e) {
       invalid_ = e.message();
     }
-    stats_.begin(optim::fingerprint(opt_), !invalid_.empty());
+    stats_.begin(optim::fingerprint(opt_), !invalid_.empty(), buckets_.proposal_fingerprint());
     const int counted = replicas_ && replicas_->rank() > 0 ? 0 : part_.layout().segment_count();
     const auto add = [&]<Field F>() {  // every segment's piece in one call
       using G = typename Part::template elem<F>;
@@ -560,13 +564,13 @@ class Engine {
       add.template operator()<Field::grad_f32>();
     else
       add.template operator()<Field::grad>();
-    // Over the DP group (the shard group, then the replicas), then over the replica's TP x PP
-    // ranks: every rank of the world ends with the same sums (each group's are equal, and each
-    // later sum runs in one order).
+    // Over the DP group (the shard group, then the replicas), then, but for the bucket order's
+    // terms, over the replica's TP x PP ranks: every rank of the world ends with the same
+    // statistics (each group's are equal, and each later sum runs in one order).
     in_context("step()", [&] {
       comm_->all_reduce(stats_.sums(), ReduceOp::sum);
       if (replicas_) replicas_->all_reduce(stats_.sums(), ReduceOp::sum);
-      if (mp_) mp_->all_reduce(stats_.sums(), ReduceOp::sum);
+      if (mp_) mp_->all_reduce(stats_.shared_sums(), ReduceOp::sum);
     });
     stats_.decide(double(dp_->size()) * (mp_ ? double(mp_->size()) : 1.0), float(unscale),
                   config_.max_grad_norm);  // exact for powers of two
@@ -624,6 +628,8 @@ class Engine {
 
   // The outcome on the host: the loss scaler, the counters, the result, the next window.
   StepResult end_step(const std::array<double, stats_slots>& host, float unscale) {
+    // First, before any rank may throw: every rank of the DP group decides alike.
+    if (stats_.same_order(host, double(dp_->size()))) buckets_.follow_proposal();
     const double gate = host[statistics_count + 1];
     if (!invalid_.empty())
       throw Error(Errc::invalid_argument,
@@ -636,7 +642,7 @@ class Engine {
     StepResult r;
     r.boundary = true;
     r.overflow = gate == detail::StepGate::overflow;
-    r.grad_norm = std::sqrt(host[0]) / double(unscale);
+    r.grad_norm = std::sqrt(StepStatistics<S>::norm2(host)) / double(unscale);
     r.applied = config_.loss_scaler.update(r.overflow);
     r.loss_scale = config_.loss_scaler.scale();
     if (r.applied) ++step_;

@@ -183,7 +183,9 @@ struct EngineConfig {
   // type the gradients accumulate in at stages 2 and 3 (grad_accum_dtype) and the reduction's at
   // stage 1. 0: the whole data-parallel group (plain ZeRO). Must divide the data-parallel size.
   int shard_group_size = 0;
-  std::size_t bucket_slots = 2;  // stage 2/3 scratch buckets (at least a module's segments + 1)
+  // Stage 2/3 scratch buckets kept (at least a module's segments + 1); more while buckets wait
+  // for ones before them in the launch order (bucket.hpp).
+  std::size_t bucket_slots = 2;
   optim::cpu::Options optimizer_options{};
   // Rank 0's initial values win; else each rank's own (under hybrid sharding each shard rank's
   // own in the first group, which its replicas take).

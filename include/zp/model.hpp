@@ -16,9 +16,8 @@
 //    before they run and releases after: 0, 1, 2, ... non-decreasing, without gaps. A module is
 //    also never split across gradient buckets, so make it a meaningful unit (a layer, a
 //    transformer block), not a single bias. (Guards that run modules in another order train
-//    the same values: stage 3 prefetches in the order the last micro-step ran, but gradient
-//    buckets reduce in reverse module order, so a backward out of it holds more of them:
-//    EngineConfig::bucket_slots.)
+//    the same values: stage 3 prefetches in the order the last micro-step ran, and gradient
+//    buckets launch in the order the last optimizer step's backward made them ready.)
 //  - Every visit of the same model visits the same parameters with the same sizes.
 //  - Before zp takes over, a value view may point at the model's own storage holding the initial
 //    values (zp copies them once), or be unbound where an Initializer gives them (below);

@@ -9,12 +9,19 @@
 // then zero), and when they do not, every rank sees it. The statistics live where the gradients
 // do, and so does the decision (StepGate: skip on overflow or differing hyper-parameters, else
 // unscale and clip), so a device runs the whole step, gathers included, without the host.
+//
+// The all_reduce over the data-parallel group also compares, the same way in four 16-bit
+// quarters, the fingerprints of the order each rank's gradient buckets became ready in
+// (bucket.hpp): where they agree, the buckets launch in that order from then on. Only the
+// data-parallel group shares the buckets' collectives, so the tensor and pipeline ranks' sum
+// leaves these terms out.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <span>
 #include <utility>
 #include <vector>
@@ -28,6 +35,12 @@
 namespace zp {
 
 namespace detail {
+// Whether every one of `ranks` ranks contributed the same value h (at most 16 bits) to sums
+// s[0] = sum(h), s[1] = sum(h^2), exact in double: the variance is then zero.
+ZP_HOST_DEVICE inline bool same_everywhere(const double* s, double ranks, double h) {
+  return s[0] == ranks * h && s[1] == ranks * h * h;
+}
+
 // A step's decision from its all-reduced statistics, taken where they live (Memory::invoke: host
 // and device compute the same bits). s[0..6): the squared norm, the count of non-finite pieces,
 // and the sums of the hyper-parameter fingerprint's halves and their squares (this rank's halves
@@ -40,8 +53,7 @@ struct StepGate {
   double ranks, h0, h1;
   float unscale, max_norm;
   ZP_HOST_DEVICE void operator()(double* s) const {
-    const bool same = s[2] == ranks * h0 && s[3] == ranks * h0 * h0 && s[4] == ranks * h1 &&
-                      s[5] == ranks * h1 * h1;
+    const bool same = same_everywhere(s + 2, ranks, h0) && same_everywhere(s + 4, ranks, h1);
     const bool finite = s[1] == 0 && s[0] <= 1.7976931348623157e308;  // not inf, not nan
     const float clip = finite ? optim::clip_coef(s[0], unscale, max_norm) : 1.0f;
     s[statistics] = double(optim::grad_mul(unscale, clip));
@@ -51,30 +63,41 @@ struct StepGate {
 }  // namespace detail
 
 // One step's statistics and gate in memory space S: begin(), add() every piece, all_reduce
-// sums() over every rank that holds a part of the model, decide(), then the optimizer reads
-// gate() where it runs and the host reads the outcome once (read()).
+// sums() over the data-parallel group and shared_sums() over the rest of the ranks that hold a
+// part of the model, decide(), then the optimizer reads gate() where it runs and the host reads
+// the outcome once (read()).
 template <MemorySpace S>
 class StepStatistics {
  public:
-  static constexpr std::size_t count =
-      detail::StepGate::statistics;  // doubles all-reduced per step
+  // Doubles all-reduced per step: the bucket order's four quarters and their squares (summed over
+  // the data-parallel group), then the gate's statistics (summed over every rank).
+  static constexpr std::size_t order_terms = 8;
+  static constexpr std::size_t count = order_terms + detail::StepGate::statistics;
   // With the gate (grad_mul, verdict) and one word for agreements after the update
   // (on_every_rank's, when the optimizer state is on NVMe).
   static constexpr std::size_t slots = count + 3;
+  using Host = std::array<double, slots>;
 
-  // invalid: this rank's hyper-parameters failed validation. Its sum of squares is then off by
-  // one, which no set of halves matches: every rank's gate says differ, and no rank updates.
-  void begin(std::uint64_t fingerprint, bool invalid = false) {
+  // fingerprint: the optimizer's hyper-parameters'; invalid: this rank's failed validation. Its
+  // sum of squares is then off by one, which no set of halves matches: every rank's gate says
+  // differ, and no rank updates. order: this rank's bucket order proposal's fingerprint.
+  void begin(std::uint64_t fingerprint, bool invalid = false, std::uint64_t order = 0) {
     h0_ = double(fingerprint & 0xffffu);
     h1_ = double((fingerprint >> 16) & 0xffffu);
-    const double init[slots] = {0.0, 0.0, h0_, h0_ * h0_ + (invalid ? 1 : 0), h1_, h1_ * h1_,
-                                0.0, 0.0, 0.0};
+    Host init{};
+    for (std::size_t q = 0; q < 4; ++q) {
+      order_[q] = double((order >> (16 * q)) & 0xffffu);
+      init[2 * q] = order_[q];
+      init[2 * q + 1] = order_[q] * order_[q];
+    }
+    const double statistics[] = {0.0, 0.0, h0_, h0_ * h0_ + (invalid ? 1 : 0), h1_, h1_ * h1_};
+    std::copy(std::begin(statistics), std::end(statistics), init.begin() + order_terms);
     Memory<S>::from_host(buf_.span(), std::span<const double>(init));
   }
   // Adds the squared norms and non-finite counts of `grads` (in S).
   template <class G>
   void add(std::span<const std::span<const G>> grads, const optim::cpu::Options& o) {
-    ShardStep<S>::statistics(grads, buf_.data(), o);
+    ShardStep<S>::statistics(grads, buf_.data() + order_terms, o);
   }
   // Appends to `out` the parts of `piece` (segment s of L, its elements from full-layout index
   // `first`) that hold the parameters p for which counted(p) holds.
@@ -86,22 +109,33 @@ class StepStatistics {
     });
   }
   std::span<double> sums() { return buf_.span(0, count); }
+  std::span<double> shared_sums() { return buf_.span(order_terms, count - order_terms); }
   // The gate, for `ranks` ranks in all: unscale divides the gradients, max_norm clips (0: never).
   void decide(double ranks, float unscale, float max_norm) {
-    Memory<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm}, buf_.data());
+    Memory<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm},
+                      buf_.data() + order_terms);
   }
+  // The squared gradient norm, of statistics in host memory.
+  static double norm2(const Host& host) noexcept { return host[order_terms]; }
   const double* gate() const noexcept { return buf_.data() + count; }  // in S
   std::span<double> word() { return buf_.span(count + 2, 1); }         // in S
   // The statistics and the gate in host memory (a device: the host waits for them).
-  std::array<double, slots> read() const {
-    std::array<double, slots> host{};
+  Host read() const {
+    Host host{};
     Memory<S>::to_host(std::span<double>(host), std::span<const double>(buf_.span()));
     return host;
+  }
+  // Whether the `ranks` ranks of the data-parallel group all proposed this rank's bucket order.
+  bool same_order(const Host& host, double ranks) const noexcept {
+    for (std::size_t q = 0; q < 4; ++q)
+      if (!detail::same_everywhere(host.data() + 2 * q, ranks, order_[q])) return false;
+    return true;
   }
 
  private:
   Buffer<double, S> buf_{slots, "engine: step statistics"};
   double h0_ = 0, h1_ = 0;
+  std::array<double, 4> order_{};
 };
 
 // Calls f(w) for each run of view v (segment s of L, its elements from full-layout index
