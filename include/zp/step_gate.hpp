@@ -41,6 +41,16 @@ ZP_HOST_DEVICE inline bool same_everywhere(const double* s, double ranks, double
   return s[0] == ranks * h && s[1] == ranks * h * h;
 }
 
+// Writes N doubles: the statistics' initial values, as a launch's argument rather than a copy
+// from pageable host memory, which CUDA may make wait for the stream's earlier work.
+template <std::size_t N>
+struct Words {
+  double v[N];
+  ZP_HOST_DEVICE void operator()(double* s) const {
+    for (std::size_t i = 0; i < N; ++i) s[i] = v[i];
+  }
+};
+
 // A step's decision from its all-reduced statistics, taken where they live (Memory::invoke: host
 // and device compute the same bits). s[0..6): the squared norm, the count of non-finite pieces,
 // and the sums of the hyper-parameter fingerprint's halves and their squares (this rank's halves
@@ -84,15 +94,15 @@ class StepStatistics {
   void begin(std::uint64_t fingerprint, bool invalid = false, std::uint64_t order = 0) {
     h0_ = double(fingerprint & 0xffffu);
     h1_ = double((fingerprint >> 16) & 0xffffu);
-    Host init{};
+    detail::Words<slots> init{};
     for (std::size_t q = 0; q < 4; ++q) {
       order_[q] = double((order >> (16 * q)) & 0xffffu);
-      init[2 * q] = order_[q];
-      init[2 * q + 1] = order_[q] * order_[q];
+      init.v[2 * q] = order_[q];
+      init.v[2 * q + 1] = order_[q] * order_[q];
     }
     const double statistics[] = {0.0, 0.0, h0_, h0_ * h0_ + (invalid ? 1 : 0), h1_, h1_ * h1_};
-    std::copy(std::begin(statistics), std::end(statistics), init.begin() + order_terms);
-    Memory<S>::from_host(buf_.span(), std::span<const double>(init));
+    std::copy(std::begin(statistics), std::end(statistics), init.v + order_terms);
+    Memory<S>::invoke(init, buf_.data());
   }
   // Adds the squared norms and non-finite counts of `grads` (in S).
   template <class G>

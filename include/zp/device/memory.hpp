@@ -103,7 +103,8 @@ struct Memory<MemorySpace::device> {
     device::launch(device::detail::compute_stream(), dst.size(),
                    detail::Convert<To, From>{dst.data(), src.data()});
   }
-  // From pageable host memory: the call returns once the source was read.
+  // From pageable host memory: the call returns once the source was read (CUDA may wait for
+  // the stream's earlier work first, unpolled, so the per-step path sets values by a launch).
   template <class T>
   static void from_host(std::span<T> dst, std::span<const T> src) {
     copy_async(dst, src, "from_host");
