@@ -289,13 +289,14 @@ class GradBuckets {
   // Launches every bucket not launched yet (their untouched gradients count as written: an
   // unused parameter contributes zero, it does not hang the step), in order.
   void launch_all() {
-    if (!sync_) {  // stage 0/1 between boundaries: only the fp32 accumulation
-      for (auto& b : buckets_) fold(b);
-      return;
-    }
-    for (std::size_t k = next_; k < order_.size(); ++k) {
+    for (std::size_t k = sync_ ? next_ : 0; k < order_.size(); ++k) {
       Bucket& b = at(order_[k]);
       if (b.state == Bucket::State::launched) continue;
+      if (b.state != Bucket::State::ready) seen_.push_back(b.segment);  // last in the proposal
+      if (!sync_) {  // stage 0/1 between boundaries: only the fp32 accumulation
+        fold(b);
+        continue;
+      }
       if (b.state == Bucket::State::idle && reduction_ == Reduction::scatter_accumulate)
         acquire(b.segment);
       b.state = Bucket::State::ready;
@@ -353,12 +354,8 @@ class GradBuckets {
     }
     for (auto& w : replica_works_) w.wait();
     replica_works_.clear();
-    // The proposal: the buckets in the order they became ready, then the rest as launched.
-    std::vector<char> seen(buckets_.size(), 0);
-    for (int s : seen_) seen[std::size_t(s)] = 1;
-    for (int s : order_)
-      if (!seen[std::size_t(s)]) seen_.push_back(s);
-    proposal_.swap(seen_);
+    // Every bucket was readied (or launch_all forced it): the micro-step's order is whole.
+    if (seen_.size() == buckets_.size()) proposal_.swap(seen_);
     seen_.clear();
     next_ = 0;
     first_launch_ = std::chrono::steady_clock::time_point::max();

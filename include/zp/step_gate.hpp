@@ -21,7 +21,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <span>
 #include <utility>
 #include <vector>
@@ -92,16 +91,10 @@ class StepStatistics {
   // sum of squares is then off by one, which no set of halves matches: every rank's gate says
   // differ, and no rank updates. order: this rank's bucket order proposal's fingerprint.
   void begin(std::uint64_t fingerprint, bool invalid = false, std::uint64_t order = 0) {
-    h0_ = double(fingerprint & 0xffffu);
-    h1_ = double((fingerprint >> 16) & 0xffffu);
-    detail::Words<slots> init{};
-    for (std::size_t q = 0; q < 4; ++q) {
-      order_[q] = double((order >> (16 * q)) & 0xffffu);
-      init.v[2 * q] = order_[q];
-      init.v[2 * q + 1] = order_[q] * order_[q];
-    }
-    const double statistics[] = {0.0, 0.0, h0_, h0_ * h0_ + (invalid ? 1 : 0), h1_, h1_ * h1_};
-    std::copy(std::begin(statistics), std::end(statistics), init.v + order_terms);
+    detail::Words<slots> init{};  // the squared norm and the non-finite count start at 0
+    terms(order, order_, init.v);
+    terms(fingerprint, hyper_, init.v + order_terms + 2);
+    if (invalid) init.v[order_terms + 3] += 1;
     Memory<S>::invoke(init, buf_.data());
   }
   // Adds the squared norms and non-finite counts of `grads` (in S).
@@ -122,7 +115,7 @@ class StepStatistics {
   std::span<double> shared_sums() { return buf_.span(order_terms, count - order_terms); }
   // The gate, for `ranks` ranks in all: unscale divides the gradients, max_norm clips (0: never).
   void decide(double ranks, float unscale, float max_norm) {
-    Memory<S>::invoke(detail::StepGate{ranks, h0_, h1_, unscale, max_norm},
+    Memory<S>::invoke(detail::StepGate{ranks, hyper_[0], hyper_[1], unscale, max_norm},
                       buf_.data() + order_terms);
   }
   // The squared gradient norm, of statistics in host memory.
@@ -144,8 +137,19 @@ class StepStatistics {
 
  private:
   Buffer<double, S> buf_{slots, "engine: step statistics"};
-  double h0_ = 0, h1_ = 0;
-  std::array<double, 4> order_{};
+  // Splits fingerprint f into h.size() 16-bit pieces h, and writes each with its square at
+  // v[2i], v[2i + 1]: the terms same_everywhere() compares once summed.
+  template <std::size_t N>
+  static void terms(std::uint64_t f, std::array<double, N>& h, double* v) {
+    for (std::size_t i = 0; i < N; ++i) {
+      h[i] = double((f >> (16 * i)) & 0xffffu);
+      v[2 * i] = h[i];
+      v[2 * i + 1] = h[i] * h[i];
+    }
+  }
+
+  std::array<double, 2> hyper_{};  // this rank's hyper-parameter fingerprint: its low 32 bits
+  std::array<double, 4> order_{};  // this rank's bucket order fingerprint
 };
 
 // Calls f(w) for each run of view v (segment s of L, its elements from full-layout index
