@@ -263,9 +263,16 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
 
 // offloaded: the step may wait for the device more than once (the CPU step waits for each
 // piece's gradient), the micro-steps still never.
+// A failure names the first master that differs and how many do.
 void expect_equal(const Out& gpu, const Out& cpu, bool offloaded = false) {
   REQUIRE(gpu.master.size() == cpu.master.size());
-  CHECK(std::memcmp(gpu.master.data(), cpu.master.data(), cpu.master.size() * sizeof(float)) == 0);
+  std::size_t differ = 0, first = 0;
+  for (std::size_t i = 0; i < cpu.master.size(); ++i)
+    if (std::memcmp(&gpu.master[i], &cpu.master[i], sizeof(float)) != 0 && differ++ == 0) first = i;
+  if (differ)
+    MESSAGE(differ, " of ", cpu.master.size(), " masters differ, the first at ", first, ": ",
+            gpu.master[first], " against ", cpu.master[first]);
+  CHECK(differ == 0);
   CHECK(gpu.params == cpu.params);
   CHECK(gpu.syncs_in_micro_steps == 0);
   if (!offloaded) CHECK(gpu.syncs_per_step_max == 1);

@@ -347,7 +347,7 @@ struct Avx2 {
   template <bool Accumulate, class T>
   [[ZP_TARGET_AVX2]] static V value8(__m128i c, __m256 s, const T* out, std::size_t i) {
     V v(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s));
-    if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + v;
+    if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + simd::rounded(v);
     return v;
   }
 
@@ -584,7 +584,7 @@ struct Avx512 {
     for (; i + 16 <= hi; i += 16) {
       V v(_mm512_mul_ps(
           _mm512_cvtepi32_ps(load_codes16(codes, i, std::integral_constant<Bits, B>{})), s));
-      if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + v;
+      if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + simd::rounded(v);
       if constexpr (std::is_same_v<T, bf16>) {
         const __m256i h = simd::to_bf16<MayBeNaN>(v);
         if constexpr (Stream)

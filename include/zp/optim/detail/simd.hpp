@@ -2,11 +2,11 @@
 // the CPU optimizer and quantization run their element math on.
 //
 // Each ISA level gets a float vector type with the operators the element math uses (+ - * /,
-// fma, sqrt, sign) and loads/stores that convert from and to the storage types. Every function
-// carries its own target attribute, so this header compiles with any -m flags and the code is
-// only run after a run-time CPU check (supported(), below). Loops calling these are marked
-// [[gnu::flatten]] with the same target, which inlines the (target-less) element templates of
-// optimizer.hpp and these operators into one vectorised loop body.
+// fma, sqrt, sign, rounded) and loads/stores that convert from and to the storage types. Every
+// function carries its own target attribute, so this header compiles with any -m flags and the
+// code is only run after a run-time CPU check (supported(), below). Loops calling these are
+// marked [[gnu::flatten]] with the same target, which inlines the (target-less) element templates
+// of optimizer.hpp and these operators into one vectorised loop body.
 //
 // Conversions match zp::bf16 / zp::fp16 bit for bit on non-nan values: bf16 rounds to nearest
 // even with integer arithmetic (the AVX-512 BF16 instruction would flush subnormals), fp16 uses
@@ -131,6 +131,13 @@ struct V8 {
 [[ZP_TARGET_AVX2]] inline V8 fma(const V8& a, const V8& b, const V8& c) {
   return V8(_mm256_fmadd_ps(a.v, b.v, c.v));
 }
+// a, opaque to the compiler: a product passed through it is rounded on its own, never contracted
+// with a following add into one fma (GCC does that to these operators from -O2 on, its default
+// being -ffp-contract=fast), as the portable loops and the device round it.
+[[ZP_TARGET_AVX2]] inline V8 rounded(V8 a) {
+  asm("" : "+x"(a.v));
+  return a;
+}
 [[ZP_TARGET_AVX2]] inline V8 sqrt(const V8& a) { return V8(_mm256_sqrt_ps(a.v)); }
 [[ZP_TARGET_AVX2]] inline V8 sign(const V8& a) {
   const __m256 z = _mm256_setzero_ps();
@@ -246,6 +253,10 @@ struct V16 {
 }
 [[ZP_TARGET_AVX512]] inline V16 fma(const V16& a, const V16& b, const V16& c) {
   return V16(_mm512_fmadd_ps(a.v, b.v, c.v));
+}
+[[ZP_TARGET_AVX512]] inline V16 rounded(V16 a) {  // as V8's
+  asm("" : "+v"(a.v));
+  return a;
 }
 [[ZP_TARGET_AVX512]] inline V16 sqrt(const V16& a) { return V16(_mm512_sqrt_ps(a.v)); }
 [[ZP_TARGET_AVX512]] inline V16 sign(const V16& a) {
