@@ -21,8 +21,8 @@
 // zero_offload_param_gpu/stage:3/ranks:2/optimizer:O  the same step with the parameter shard in
 //   page-locked host memory (offload_param: cpu; copied up for each gather, written by the
 //   device's AdamW kernel through the mapping, or with O = 1 by the CPU step of ZeRO-Offload);
-//   vs_gpu_step as above; device_bytes_per_rank should come out 2 Psi/N bytes (the bf16 shard)
-//   under the device step's (not yet run).
+//   vs_gpu_step as above; device_bytes_per_rank comes out 2 Psi/N bytes (the bf16 shard) under
+//   the device step's (on an H200: 1.108 GB against 1.242 GB, bench/RESULTS.md).
 // Times: rank 0's host clock around a step, between barriers, after its compute stream drained
 // (manual time); each configuration first checks that the step applies and that its memory and
 // bus bytes follow the ZeRO formulas.
