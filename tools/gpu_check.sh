@@ -211,10 +211,14 @@ bench_phase() {
   grep -E "^zero_" "$OUT/zero_cuda.txt" | tee -a "$OUT/summary.txt"
   log "GPU demo (tokens/s and loss):"
   local steps="--steps 200 --log-every 100"
+  # A size that fills the GPU (#16): 71M parameters, 8192 rows a step, so 6 x 71M x 8192 = 3.5
+  # TFLOP of bf16 matrix products a step, milliseconds on an H100 or H200.
+  local fill="--hidden 8192 --precision bf16 --steps 50 --log-every 25"
   for args in "--ranks 1 --stage 0 $steps" "--ranks 4 --stage 3 $steps" \
               "--ranks 4 --stage 3 --offload-optimizer cpu $steps" \
               "--ranks 4 --stage 3 --offload-param cpu $steps" \
-              "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50"; do
+              "--ranks 1 --stage 2 --hidden 4096 --micro-batch 1024 --steps 100 --log-every 50" \
+              "$fill --ranks 1 --stage 2 --micro-batch 8192" "$fill --ranks 4 --stage 3 --micro-batch 2048"; do
     # shellcheck disable=SC2086  # the demo's arguments
     bench demo_gpu "$BUILD/examples/zp_demo_gpu" $args || rc=1
     echo "zp_demo_gpu $args: $(grep -E '^summary' "$OUT/demo_gpu.txt")" | tee -a "$OUT/summary.txt"
