@@ -19,6 +19,7 @@
 // device it exits 77 (skip).
 #include <doctest/doctest.h>
 
+#include "bit_difference.hpp"
 #include "device_or_skip.hpp"
 #include "memory_check.hpp"
 #include "temp_dir.hpp"
@@ -266,13 +267,11 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
 // A failure names the first master that differs and how many do.
 void expect_equal(const Out& gpu, const Out& cpu, bool offloaded = false) {
   REQUIRE(gpu.master.size() == cpu.master.size());
-  std::size_t differ = 0, first = 0;
-  for (std::size_t i = 0; i < cpu.master.size(); ++i)
-    if (std::memcmp(&gpu.master[i], &cpu.master[i], sizeof(float)) != 0 && differ++ == 0) first = i;
-  if (differ)
-    MESSAGE(differ, " of ", cpu.master.size(), " masters differ, the first at ", first, ": ",
-            gpu.master[first], " against ", cpu.master[first]);
-  CHECK(differ == 0);
+  const zp::test::BitDifference d = zp::test::bit_difference(gpu.master, cpu.master);
+  if (d.count)
+    MESSAGE(d.count, " of ", cpu.master.size(), " masters differ, the first at ", d.first, ": ",
+            gpu.master[d.first], " against ", cpu.master[d.first]);
+  CHECK(d.count == 0);
   CHECK(gpu.params == cpu.params);
   CHECK(gpu.syncs_in_micro_steps == 0);
   if (!offloaded) CHECK(gpu.syncs_per_step_max == 1);

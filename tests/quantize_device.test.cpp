@@ -8,10 +8,10 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <span>
 #include <vector>
 
+#include "bit_difference.hpp"
 #include "device_or_skip.hpp"
 #include "random.hpp"
 #include "zp/backend/cuda_threads.hpp"
@@ -42,16 +42,15 @@ std::vector<X> to_host(const DeviceBuffer<X>& d) {
   return h;
 }
 
-// The first element whose bytes differ (a.size() where none does): a failure names it.
+// Whether a and b hold the same bits; a failure names how many elements differ and the first.
 template <class X>
-std::size_t first_difference(const std::vector<X>& a, const std::vector<X>& b) {
+bool same_bits(const std::vector<X>& a, const std::vector<X>& b) {
   REQUIRE(a.size() == b.size());
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(X)) != 0) {
-      MESSAGE("element ", i, ": ", double(float(a[i])), " against ", double(float(b[i])));
-      return i;
-    }
-  return a.size();
+  const zp::test::BitDifference d = zp::test::bit_difference(a, b);
+  if (d.count)
+    MESSAGE(d.count, " of ", a.size(), " differ, the first at ", d.first, ": ",
+            double(float(a[d.first])), " against ", double(float(b[d.first])));
+  return d.count == 0;
 }
 
 // n values of blocks of differing magnitude (1e-2 to 1e2, 1e-38: subnormal scales, zeros).
@@ -75,7 +74,7 @@ void pack_unpack(const Format& f, std::size_t n, std::uint64_t seed) {
   const DeviceBuffer<T> dx = to_device(x);
   DeviceBuffer<std::int32_t> drec = to_device(std::vector<std::int32_t>(words, 0x5a5a5a5a));
   zp::quant::pack<zp::MemorySpace::device>(std::span<const T>(dx.span()), f, drec.span());
-  CHECK(first_difference(to_host(drec), host) == words);
+  CHECK(same_bits(to_host(drec), host));
 
   // Unpacked into T over poison, and added to fp32 values, from the host's record.
   std::vector<T> out(n);
@@ -84,14 +83,14 @@ void pack_unpack(const Format& f, std::size_t n, std::uint64_t seed) {
   DeviceBuffer<T> dout = to_device(std::vector<T>(n, T(-7.0f)));
   zp::quant::unpack<false, zp::MemorySpace::device>(
       f, std::span<const std::int32_t>(drec_host.span()), dout.span());
-  CHECK(first_difference(to_host(dout), out) == n);
+  CHECK(same_bits(to_host(dout), out));
   std::vector<float> acc(n);
   for (std::size_t i = 0; i < n; ++i) acc[i] = zp::test::hash_uniform(seed + 1, i);
   DeviceBuffer<float> dacc = to_device(acc);
   zp::quant::unpack<true>(f, std::span<const std::int32_t>(host), std::span(acc));
   zp::quant::unpack<true, zp::MemorySpace::device>(
       f, std::span<const std::int32_t>(drec_host.span()), dacc.span());
-  CHECK(first_difference(to_host(dacc), acc) == n);
+  CHECK(same_bits(to_host(dacc), acc));
 }
 
 // Rank r's input: one piece per rank.
@@ -130,7 +129,7 @@ void reduce_scatter(int ranks, int h, const Format& f, std::size_t piece, std::u
   });
   for (int r = 0; r < ranks; ++r) {
     CAPTURE(r);
-    CHECK(first_difference(got[std::size_t(r)], want[std::size_t(r)]) == piece);
+    CHECK(same_bits(got[std::size_t(r)], want[std::size_t(r)]));
   }
 }
 
