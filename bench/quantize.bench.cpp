@@ -23,6 +23,11 @@
 //   alone over the row's 32M values from memory (GBps = x's bytes per second, read_fraction
 //   against read_GBps); codes_from_l1: the second pass over 16 KB of x, repeated for as many
 //   values (ms per 32M values, with one fixed normal scale): the codes' own work, no memory.
+// quant/pieces/<op>/<type>/int8/block:B/piece:P/elems:N  the cost of a call: the same N values
+//   (in the caches, as a bucket's pieces are when the engine packs them) as N / P calls of P
+//   values each (a qgZ piece per peer, a small module's gather) against one call of N.
+//   The time is the pieces' (the best of 5 passes); counters: pieces_vs_whole = that over the
+//   whole call's (1: a call costs nothing more than its values), us_per_piece.
 // membw/copy/threads:1  the copy limit on its own (256 MiB).
 #include <benchmark/benchmark.h>
 
@@ -51,19 +56,49 @@ const char* op_name(Op op) {
   return op == Op::quantize ? "quantize" : op == Op::dequantize ? "dequantize" : "dequantize_add";
 }
 
+// A row's data: n normal values x, their codes and scales (quantized on `path`), x's round trip
+// y, and an fp32 accumulator.
+template <class T>
+struct Data {
+  Format f;
+  std::vector<T> x, y;
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales, acc;
+
+  Data(const Format& format, std::size_t n, std::uint64_t seed, zp::quant::Path path)
+      : f(format), x(n), y(n), codes(f.code_bytes(n)), scales(f.blocks(n)), acc(n, 0.0f) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& v : x) v = T(normal(rng));
+    run(Op::quantize, 0, n, path);
+    run(Op::dequantize, 0, n, path);
+  }
+  // op on values [b, b + m) (b a whole number of blocks; for int4 an even one).
+  void run(Op op, std::size_t b, std::size_t m, zp::quant::Path path) {
+    const std::size_t cb = f.code_bytes(b), k = b / f.block;
+    const auto c = std::span(codes).subspan(cb, f.code_bytes(m));
+    const auto s = std::span(scales).subspan(k, f.blocks(m));
+    switch (op) {
+      case Op::quantize:
+        zp::quant::quantize(std::span<const T>(x).subspan(b, m), f, c, s, path);
+        break;
+      case Op::dequantize:
+        zp::quant::dequantize(f, std::span<const std::uint8_t>(c), std::span<const float>(s),
+                              std::span(y).subspan(b, m), path);
+        break;
+      case Op::dequantize_add:
+        zp::quant::dequantize_add(f, std::span<const std::uint8_t>(c), std::span<const float>(s),
+                                  std::span(acc).subspan(b, m), path);
+        break;
+    }
+  }
+};
+
 template <class T>
 void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::size_t n,
            zp::quant::Path path) {
-  const Format f{.bits = bits, .block = block};
-  std::mt19937_64 rng(n * 31 + block);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<T> x(n), y(n);
-  for (auto& v : x) v = T(normal(rng));
-  std::vector<std::uint8_t> codes(f.code_bytes(n));
-  std::vector<float> scales(f.blocks(n)), acc(n, 0.0f);
-  zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales), path);
-  zp::quant::dequantize(f, std::span<const std::uint8_t>(codes), std::span<const float>(scales),
-                        std::span<T>(y), path);
+  Data<T> d({.bits = bits, .block = block}, n, n * 31 + block, path);
+  const auto &x = d.x, &y = d.y;
   // The check: every value within its block's bound (an independent loop over the blocks).
   const double qmax = bits == Bits::int8 ? 127 : 7;
   std::uint64_t wrong = 0;
@@ -80,7 +115,7 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
     state.SkipWithError((std::to_string(wrong) + " values outside their block's bound").c_str());
     return;
   }
-  const std::size_t coded = codes.size() + scales.size() * sizeof(float);
+  const std::size_t coded = d.codes.size() + d.scales.size() * sizeof(float);
   const std::size_t bytes = op == Op::quantize     ? n * sizeof(T) + coded
                             : op == Op::dequantize ? coded + n * sizeof(T)
                                                    : coded + 2 * n * sizeof(float);
@@ -88,19 +123,7 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
   const double read_limit = op == Op::quantize ? zp::bench::read_gbps(n * sizeof(T)) : 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    switch (op) {
-      case Op::quantize:
-        zp::quant::quantize(std::span<const T>(x), f, std::span(codes), std::span(scales), path);
-        break;
-      case Op::dequantize:
-        zp::quant::dequantize(f, std::span<const std::uint8_t>(codes),
-                              std::span<const float>(scales), std::span<T>(y), path);
-        break;
-      case Op::dequantize_add:
-        zp::quant::dequantize_add(f, std::span<const std::uint8_t>(codes),
-                                  std::span<const float>(scales), std::span<float>(acc), path);
-        break;
-    }
+    d.run(op, 0, n, path);
     benchmark::ClobberMemory();
   }
   const double seconds =
@@ -193,6 +216,47 @@ void register_passes(const char* type, std::size_t n) {
 }
 #endif
 
+// One call's cost: op over x as pieces of `piece` values, against one call over all of x.
+template <class T>
+void bench_pieces(benchmark::State& state, Op op, std::size_t block, std::size_t piece,
+                  std::size_t n) {
+  Data<T> d({.bits = Bits::int8, .block = block}, n, n * 41 + piece, zp::quant::Path::best);
+  const auto time = [&](std::size_t m) {  // the best of 5 passes over x in calls of m values
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (std::size_t b = 0; b < n; b += m)
+        d.run(op, b, std::min(m, n - b), zp::quant::Path::best);
+      benchmark::ClobberMemory();
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  double pieces = 0, whole = 0;
+  for (auto _ : state) {
+    const double t = time(piece);
+    state.SetIterationTime(t);
+    pieces += t;
+    whole += time(n);
+  }
+  state.counters["pieces_vs_whole"] = pieces / whole;
+  state.counters["us_per_piece"] =
+      pieces / double(state.iterations()) / double((n + piece - 1) / piece) * 1e6;
+}
+
+template <class T>
+void register_pieces(const char* type, Op op, std::size_t block) {
+  constexpr std::size_t piece = 4096, n = std::size_t(1) << 18;  // 256 pieces, inside L3
+  benchmark::RegisterBenchmark(
+      (std::string("quant/pieces/") + op_name(op) + "/" + type + "/int8/block:" +
+       std::to_string(block) + "/piece:" + std::to_string(piece) + "/elems:" + std::to_string(n))
+          .c_str(),
+      [=](benchmark::State& s) { bench_pieces<T>(s, op, block, piece, n); })
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
 template <class T>
 void register_type(const char* type) {
   constexpr std::size_t n = std::size_t(1) << 25;  // 32M values: 64 MB or more, out of the caches
@@ -229,6 +293,11 @@ int main(int argc, char** argv) {
   register_type<float>("f32");
   register_type<zp::bf16>("bf16");
   register_type<zp::fp16>("f16");
+  // qgZ's calls (gradients packed, summed in fp32, the sums packed) and qwZ's (weights unpacked).
+  register_pieces<zp::bf16>("bf16", Op::quantize, 512);
+  register_pieces<float>("f32", Op::dequantize_add, 512);
+  register_pieces<float>("f32", Op::quantize, 512);
+  register_pieces<zp::bf16>("bf16", Op::dequantize, 2048);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
