@@ -22,7 +22,6 @@
 //   blocks it reaches: the overflow the loss scaler sees.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -57,16 +56,16 @@ void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record)
   const std::size_t n = x.size(), cw = code_words(f, n);
   ZP_EXPECT(record.size() == record_words(f, n), "quantize: a record of ", n, " values takes ",
             record_words(f, n), " words, got ", record.size());
+  f.check();
+  // The padding after the codes (quantize writes the rest of the word).
+  if (cw > 0) Memory<S>::zero(record.subspan(cw - 1, 1));
   if constexpr (S == MemorySpace::host) {
     std::vector<float>& scales = detail::scale_scratch(f.blocks(n));
-    std::fill_n(record.data(), cw, 0);
     quantize(x, f, std::span(reinterpret_cast<std::uint8_t*>(record.data()), f.code_bytes(n)),
              std::span<float>(scales));
     if (!scales.empty())  // (an empty piece's record may have no storage)
       std::memcpy(record.data() + cw, scales.data(), scales.size() * sizeof(float));
   } else {
-    f.check();
-    if (cw > 0) Memory<S>::zero(record.subspan(cw - 1, 1));  // the padding after the codes
     Memory<S>::for_each(
         f.blocks(n),
         QuantizeBlock<T>{x.data(), n, f, reinterpret_cast<std::uint8_t*>(record.data()),
@@ -177,19 +176,21 @@ class ReduceScatter {
   // The hop in flight is done: hop 1's records summed and hop 2 started, or hop 2's summed.
   void next() {
     const std::size_t piece = out_.size();
+    // Record r into sum; a sum's first record written, not added to zeros: one pass less, and
+    // the same bits (no product of a code and a scale is -0: a scale is 0 only where every code
+    // is, and a nonzero code times a nonzero scale does not round to 0).
+    const auto add = [&](bool first, std::size_t r, std::span<float> sum) {
+      const std::span<const std::int32_t> record(recv_.subspan(r * rw_, rw_));
+      first ? unpack<false, S>(f_, record, sum) : unpack<true, S>(f_, record, sum);
+    };
     if (hop_ == 2) {
-      Memory<S>::zero(out_);
-      for (std::size_t n = 0; n < nodes_; ++n)
-        unpack<true, S>(f_, std::span<const std::int32_t>(recv_.subspan(n * rw_, rw_)), out_);
+      for (std::size_t n = 0; n < nodes_; ++n) add(n == 0, n, out_);
       hop_ = 0;
       return;
     }
-    Memory<S>::zero(partial_);  // node n's sum of rank n*h+me's piece
-    for (std::size_t i = 0; i < h_; ++i)
+    for (std::size_t i = 0; i < h_; ++i)  // node n's sum of rank n*h+me's piece
       for (std::size_t n = 0; n < nodes_; ++n)
-        unpack<true, S>(f_,
-                        std::span<const std::int32_t>(recv_.subspan((i * nodes_ + n) * rw_, rw_)),
-                        partial_.subspan(n * piece, piece));
+        add(i == 0, i * nodes_ + n, partial_.subspan(n * piece, piece));
     // Hop 2: the partial of node n's piece to node n.
     for (std::size_t n = 0; n < nodes_; ++n)
       pack<S>(std::span<const float>(partial_.subspan(n * piece, piece)), f_,
