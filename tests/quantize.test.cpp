@@ -149,6 +149,19 @@ TEST_CASE("bad formats and sizes are errors naming them") {
         zp::quant::quantize(std::span<const float>(x), {.block = 4}, std::span(q), std::span(s));
       },
       {"10 values in blocks of 4 need 10 code bytes and 3 scales, got 10 and 5"});
+  // A record's pack and unpack check the format before sizing the record by it.
+  std::vector<std::int32_t> record(8);
+  for (const Format bad : {Format{.block = 0}, Format{.bits = Bits::int4, .block = 3}}) {
+    const std::string what = bad.block == 0 ? "block size 0" : "block size 3 is odd";
+    zp::test::expect_invalid(
+        [&] { zp::quant::pack(std::span<const float>(x), bad, std::span(record)); }, {what});
+    zp::test::expect_invalid(
+        [&] { zp::quant::unpack(bad, std::span<const std::int32_t>(record), std::span(x)); },
+        {what});
+  }
+  zp::test::expect_invalid(
+      [&] { zp::quant::pack(std::span<const float>(x), {.block = 4}, std::span(record)); },
+      {"a record of 10 values takes 6 words, got 8"});
 }
 
 namespace {

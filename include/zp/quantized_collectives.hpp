@@ -53,10 +53,10 @@ inline std::vector<float>& scale_scratch(std::size_t n) {
 // S (host: quantize's best path; a device: the work items, on the current stream).
 template <MemorySpace S = MemorySpace::host, class T>
 void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record) {
+  f.check();  // (before sizing the record: a block of 0 divides by zero)
   const std::size_t n = x.size(), cw = code_words(f, n);
   ZP_EXPECT(record.size() == record_words(f, n), "quantize: a record of ", n, " values takes ",
             record_words(f, n), " words, got ", record.size());
-  f.check();
   // The padding after the codes (quantize writes the rest of the word).
   if (cw > 0) Memory<S>::zero(record.subspan(cw - 1, 1));
   if constexpr (S == MemorySpace::host) {
@@ -76,6 +76,7 @@ void pack(std::span<const T> x, const Format& f, std::span<std::int32_t> record)
 // A record of out.size() values -> out (Add: acc += them, in fp32), in memory space S.
 template <bool Add = false, MemorySpace S = MemorySpace::host, class T>
 void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> out) {
+  f.check();  // (before sizing the record)
   const std::size_t n = out.size(), cw = code_words(f, n);
   ZP_EXPECT(record.size() == record_words(f, n), "dequantize: a record of ", n, " values takes ",
             record_words(f, n), " words, got ", record.size());
@@ -90,7 +91,6 @@ void unpack(const Format& f, std::span<const std::int32_t> record, std::span<T> 
     else
       dequantize(f, c, std::span<const float>(scales), out);
   } else {
-    f.check();
     Memory<S>::for_each(f.blocks(n), DequantizeBlock<T, Add>{
                                          codes, reinterpret_cast<const float*>(record.data() + cw),
                                          n, f, out.data()});
