@@ -351,6 +351,17 @@ struct Avx2 {
     return v;
   }
 
+  // Values [i, i + 16) from the 16 codes c as bf16 bits, in order, with a finite scale: the even
+  // codes' products rounded into the lower halves of the 32-bit lanes and the odd codes' into
+  // the upper halves, so one blend orders them (no pack and permute; bench/RESULTS.md).
+  [[ZP_TARGET_AVX2]] static __m256i bf16_values16(__m128i c, __m256 s) {
+    const __m256i w = _mm256_cvtepi8_epi16(c);
+    const V even(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16)), s)),
+        odd(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16)), s));
+    return _mm256_blend_epi16(simd::bf16_lanes<false>(even), simd::bf16_upper(odd), 0xaa);
+  }
+
   template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
   [[ZP_TARGET_AVX2]] static std::size_t values(const std::uint8_t* codes, std::size_t lo,
                                                std::size_t hi, float scale, T* out) {
@@ -358,6 +369,14 @@ struct Avx2 {
     std::size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
       const __m128i c = codes16<B>(codes, i);
+      if constexpr (std::is_same_v<T, bf16> && !MayBeNaN && !Accumulate) {
+        const __m256i h = bf16_values16(c, s);
+        if constexpr (Stream)
+          simd::stream(out + i, h);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+        continue;
+      }
       const V a = value8<Accumulate>(c, s, out, i),
               b = value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
       if constexpr (std::is_same_v<T, bf16>) {  // the 16 rounded and packed at once

@@ -161,14 +161,19 @@ struct V8 {
 [[ZP_TARGET_AVX2]] inline V8 load(const fp16* p, std::type_identity<V8>) {
   return V8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// x's values rounded to bf16 (to nearest even; no NaN), each in the upper half of its 32-bit
+// lane, the lower half not cleared.
+[[ZP_TARGET_AVX2]] inline __m256i bf16_upper(const V8& x) {
+  const __m256i u = _mm256_castps_si256(x.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+}
 // x's 8 values as bf16 bits, in the low halves of 32-bit lanes (MayBeNaN = false: the caller
 // knows none is a NaN, and the quieting is skipped; every other value converts the same).
 template <bool MayBeNaN = true>
 [[ZP_TARGET_AVX2]] inline __m256i bf16_lanes(const V8& x) {
   const __m256i u = _mm256_castps_si256(x.v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i rounded = _mm256_srli_epi32(bf16_upper(x), 16);
   if constexpr (!MayBeNaN) return rounded;
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
