@@ -278,15 +278,24 @@ template <Bits B, bool Stream>
 
 // The vector halves of quantize and dequantize, one struct per instruction set, each member
 // carrying its target (the entry points inline them into one loop per block):
-//   absmax_bits(x, lo, hi)    the largest magnitude's bits in x[lo, hi) (Avx2's from `top`);
-//   codes<B, Stream>(x, lo, hi, d, c)  a finite block's codes, 16 at a time (Stream: streaming
-//                             stores);
+//   ahead(lo, hi)             the next block, x[lo, hi), whose absmax codes() may read;
+//   absmax_bits(x, next)      the largest magnitude's bits in that block;
+//   codes<B, Stream>(x, lo, hi, d, c, next)  a finite block's codes, 16 at a time (Stream:
+//                             streaming stores);
 //   values<B, T, Accumulate, Stream, MayBeNaN>(c, lo, hi, scale, out)  a block's values, 16 at a
 //                             time (Stream: streaming stores; MayBeNaN: a NaN scale);
 // codes and values return where the rest of the block (under 16 values) starts.
 struct Avx2 {
   using V = simd::V8;
 
+  // top with the magnitudes' bits of the 32 bytes at x folded in (lane by lane maxima).
+  template <class T>
+  [[ZP_TARGET_AVX2]] static __m256i fold(const T* x, __m256i top) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return sizeof(T) == 4
+               ? _mm256_max_epu32(top, _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)))
+               : _mm256_max_epu16(top, _mm256_and_si256(b, _mm256_set1_epi16(0x7fff)));
+  }
   template <class T>
   [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi) {
     return absmax_bits(x, lo, hi, _mm256_setzero_si256());
@@ -295,42 +304,84 @@ struct Avx2 {
   [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi,
                                                       __m256i top) {
     constexpr std::size_t per = 32 / sizeof(T);
-    const __m256i mask = sizeof(T) == 4 ? _mm256_set1_epi32(0x7fffffff) : _mm256_set1_epi16(0x7fff);
     std::size_t i = lo;
-    for (; i + per <= hi; i += per) {
-      const __m256i b =
-          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mask);
-      top = sizeof(T) == 4 ? _mm256_max_epu32(top, b) : _mm256_max_epu16(top, b);
-    }
+    for (; i + per <= hi; i += per) top = fold(x + i, top);
     std::uint32_t m = largest(top, std::type_identity<T>{});
     for (; i < hi; ++i) m = std::max(m, magnitude_bits(x[i]));
     return m;
   }
 
-  // 8 codes of x[i, i + 8), as int32 lanes (Divisor::biased, less its magic).
-  template <class T>
-  [[ZP_TARGET_AVX2]] static __m256i code8(const T* x, const Divisor& d, __m256 s, __m256 inv) {
-    const __m256 v = simd::load(x, std::type_identity<V>{}).v, magic = _mm256_set1_ps(d.magic);
-    __m256 b;
+  // Divisor::biased of 8 values, as bits: the low 16 bits of each lane are its code.
+  [[ZP_TARGET_AVX2]] static __m256i biased8(__m256 v, const Divisor& d, __m256 s, __m256 inv) {
+    const __m256 magic = _mm256_set1_ps(d.magic);
     if (d.divide) {
       const __m256 q = _mm256_set1_ps(d.qmax);
-      b = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v, s), -q), q), magic);
-    } else {
-      b = _mm256_fmadd_ps(v, inv, magic);
+      return _mm256_castps_si256(
+          _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v, s), -q), q), magic));
     }
-    return _mm256_sub_epi32(_mm256_castps_si256(b), _mm256_castps_si256(magic));
+    return _mm256_castps_si256(_mm256_fmadd_ps(v, inv, magic));
   }
 
+  // The 16 codes of x[i, i + 16) as bytes, in order (each within [-qmax, qmax]: no saturation).
+  template <class T>
+  [[ZP_TARGET_AVX2]] static __m128i code16(const T* x, const Divisor& d, __m256 s, __m256 inv) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      // A bf16 is the upper half of its fp32: 32-bit lane j of a load holds value 2j in its lower
+      // half and 2j + 1 in its upper half, so shifting and masking widen them in place, and one
+      // blend of the biased sums' low halves puts the 16 codes in order, as 16-bit lanes.
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i even = biased8(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), d, s, inv),
+                    odd =
+                        biased8(_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))),
+                                d, s, inv);
+      const __m256i w = _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xaa);
+      return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    } else {
+      // Each lane's low byte is its code: one shuffle gathers them into a 32-bit lane of each
+      // 128-bit half (q0's into the first, q1's into the second), one permute orders the four.
+      const __m256i q0 = biased8(simd::load(x, std::type_identity<V>{}).v, d, s, inv),
+                    q1 = biased8(simd::load(x + 8, std::type_identity<V>{}).v, d, s, inv);
+      const __m256i low0 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1),
+                    low1 = _mm256_setr_epi8(-1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                            -1, -1);
+      const __m256i t =
+          _mm256_or_si256(_mm256_shuffle_epi8(q0, low0), _mm256_shuffle_epi8(q1, low1));
+      return _mm256_castsi256_si128(
+          _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));
+    }
+  }
+
+  // The next block, read for its absmax while a block's codes are made: x[lo, hi) is left to
+  // read, the lanes' maxima so far in top.
+  struct Ahead {
+    std::size_t lo, hi;
+    __m256i top;
+  };
+  [[ZP_TARGET_AVX2]] static Ahead ahead(std::size_t lo, std::size_t hi) {
+    return {lo, hi, _mm256_setzero_si256()};
+  }
+  template <class T>
+  [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, const Ahead& a) {
+    return absmax_bits(x, a.lo, a.hi, a.top);
+  }
+
+  // A finite block's codes, and with each 16 codes the next 16 values of `next` folded into its
+  // top: the next block's read from memory overlaps this block's arithmetic.
   template <Bits B, bool Stream, class T>
   [[ZP_TARGET_AVX2]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
-                                              const Divisor& d, std::uint8_t* out) {
+                                              const Divisor& d, std::uint8_t* out, Ahead& next) {
     const __m256 s = _mm256_set1_ps(d.scale), inv = _mm256_set1_ps(d.inverse);
     std::size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
-      const __m256i q0 = code8(x + i, d, s, inv), q1 = code8(x + i + 8, d, s, inv);
-      const __m128i c = _mm_packs_epi16(  // 16 int8 codes, in order (saturated as vpmovsdb does)
-          _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
-          _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
+      if (next.lo + 16 <= next.hi) {
+        for (std::size_t t = 0; t < 16; t += 32 / sizeof(T))
+          next.top = fold(x + next.lo + t, next.top);
+        next.lo += 16;
+      }
+      const __m128i c = code16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
         store_code_bytes<B, Stream>(c, out + i);
       } else {  // 16-bit lane j holds codes 2j, 2j+1: low nibble of each into one byte
@@ -351,15 +402,23 @@ struct Avx2 {
     return v;
   }
 
-  // Values [i, i + 16) from the 16 codes c as bf16 bits, in order, with a finite scale: the even
-  // codes' products rounded into the lower halves of the 32-bit lanes and the odd codes' into
-  // the upper halves, so one blend orders them (no pack and permute; bench/RESULTS.md).
-  [[ZP_TARGET_AVX2]] static __m256i bf16_values16(__m128i c, __m256 s) {
-    const __m256i w = _mm256_cvtepi8_epi16(c);
-    const V even(
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16)), s)),
-        odd(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16)), s));
-    return _mm256_blend_epi16(simd::bf16_lanes<false>(even), simd::bf16_upper(odd), 0xaa);
+  // Values [i, i + 16) from the 16 codes c as bf16 bits, in order (Accumulate: plus out's). With
+  // a finite scale and nothing to add, the even codes' products are rounded into the lower halves
+  // of the 32-bit lanes and the odd codes' into the upper halves, so one blend orders them (no
+  // pack and permute; bench/RESULTS.md).
+  template <bool Accumulate, bool MayBeNaN>
+  [[ZP_TARGET_AVX2]] static __m256i bf16_values16(__m128i c, __m256 s, const bf16* out,
+                                                  std::size_t i) {
+    if constexpr (MayBeNaN || Accumulate) {
+      return simd::to_bf16<MayBeNaN>(value8<Accumulate>(c, s, out, i),
+                                     value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8));
+    } else {
+      const __m256i w = _mm256_cvtepi8_epi16(c);
+      const V even(
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16)), s)),
+          odd(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16)), s));
+      return _mm256_blend_epi16(simd::bf16_lanes<false>(even), simd::bf16_upper(odd), 0xaa);
+    }
   }
 
   template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
@@ -369,28 +428,22 @@ struct Avx2 {
     std::size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
       const __m128i c = codes16<B>(codes, i);
-      if constexpr (std::is_same_v<T, bf16> && !MayBeNaN && !Accumulate) {
-        const __m256i h = bf16_values16(c, s);
+      if constexpr (std::is_same_v<T, bf16>) {
+        const __m256i h = bf16_values16<Accumulate, MayBeNaN>(c, s, out, i);
         if constexpr (Stream)
           simd::stream(out + i, h);
         else
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
-        continue;
-      }
-      const V a = value8<Accumulate>(c, s, out, i),
-              b = value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
-      if constexpr (std::is_same_v<T, bf16>) {  // the 16 rounded and packed at once
-        const __m256i h = simd::to_bf16<MayBeNaN>(a, b);
-        if constexpr (Stream)
-          simd::stream(out + i, h);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
-      } else if constexpr (Stream) {
-        simd::stream(out + i, a);
-        simd::stream(out + i + 8, b);
       } else {
-        simd::store(out + i, a);
-        simd::store(out + i + 8, b);
+        const V a = value8<Accumulate>(c, s, out, i),
+                b = value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
+        if constexpr (Stream) {
+          simd::stream(out + i, a);
+          simd::stream(out + i + 8, b);
+        } else {
+          simd::store(out + i, a);
+          simd::store(out + i + 8, b);
+        }
       }
     }
     return i;
@@ -399,6 +452,22 @@ struct Avx2 {
 
 struct Avx512 {
   using V = simd::V16;
+
+  // The next block's absmax is read after a block's codes (not interleaved as in Avx2: not
+  // measured on a CPU with AVX-512).
+  struct Ahead {
+    std::size_t lo, hi;
+  };
+  static Ahead ahead(std::size_t lo, std::size_t hi) { return {lo, hi}; }
+  template <class T>
+  [[ZP_TARGET_AVX512]] static std::uint32_t absmax_bits(const T* x, const Ahead& a) {
+    return absmax_bits(x, a.lo, a.hi);
+  }
+  template <Bits B, bool Stream, class T>
+  [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
+                                                const Divisor& d, std::uint8_t* out, Ahead&) {
+    return codes<B, Stream>(x, lo, hi, d, out);
+  }
 
   // 64 bytes of x a step, then Avx2's loop on what is left.
   template <class T>
@@ -626,17 +695,23 @@ template <class Simd, Bits B, bool Stream, class T>
 void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t* codes,
                      float* scales) {
   constexpr int qmax = B == Bits::int8 ? 127 : 7;
-  const auto write = [&](std::size_t lo, std::size_t hi, float scale) {
+  const auto scale_of = [&](std::uint32_t m) {  // QuantizeBlock's, from the absmax's bits
+    T big;
+    if constexpr (std::is_same_v<T, float>)
+      big = zp::detail::bits_float(m);
+    else
+      big = T::from_bits(std::uint16_t(m));
+    return m < inf_bits<T> ? float(big) / float(qmax) : NAN;
+  };
+  // Block [lo, hi)'s codes, with the next block's absmax read alongside where Simd does so.
+  const auto write = [&](std::size_t lo, std::size_t hi, float scale, auto& next) {
     if (!(scale > 0)) {  // every x zero, or an inf or NaN
       zero_codes(codes, B, lo, hi);
       return;
     }
     const Divisor d(scale, qmax);
-    write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes), hi, B, d, codes);
+    write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes, next), hi, B, d, codes);
   };
-  // Each block is read twice, from memory for its absmax, then from L1 for its codes, with no
-  // software prefetch: the hardware's alone measured 0.76-0.89 of the time of an 8 KB-ahead
-  // prefetch in both passes at block 2048, and 0.83-1.01 at 512 (bench/RESULTS.md, 2026-11-29).
   std::size_t k = 0, lo = 0;
   // Blocks of two lines or less sixteen at a time: their scales first (the sixteen blocks stay
   // in L1), then their codes. Measured at 16-bit block 64 (0.75-0.87 of the time); blocks of
@@ -644,22 +719,23 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // block 64 (256 bytes) 0.88-1.16 (bench/RESULTS.md).
   if constexpr (std::is_same_v<Simd, Avx512>)
     if (block % (64 / sizeof(T)) == 0 && block * sizeof(T) <= 128)
-      for (; n - lo >= 16 * block; k += 16, lo += 16 * block) {
+      for (auto none = Simd::ahead(0, 0); n - lo >= 16 * block; k += 16, lo += 16 * block) {
         Simd::scales16(x, lo, block, qmax, scales + k);
         if (!Simd::template codes16_blocks<B, Stream>(x, lo, block, qmax, scales + k, codes))
           for (std::size_t j = 0; j < 16; ++j)
-            write(lo + j * block, lo + (j + 1) * block, scales[k + j]);
+            write(lo + j * block, lo + (j + 1) * block, scales[k + j], none);
       }
+  // Each block is read twice: from memory for its absmax, then from L1 for its codes. Avx2 reads
+  // the next block's absmax while it makes a block's codes, so that the memory does not idle
+  // meanwhile (with code16's narrowings: 0.59-0.78 of the time at block 2048, 0.72-0.96 at 64 and
+  // 512; bench/RESULTS.md, 2026-12-05). No software prefetch: the hardware's alone measured
+  // faster (2026-11-29).
+  auto next = Simd::ahead(lo, std::min(n, lo + block));
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
-    const std::uint32_t m = Simd::absmax_bits(x, lo, hi);
-    T big;
-    if constexpr (std::is_same_v<T, float>)
-      big = zp::detail::bits_float(m);
-    else
-      big = T::from_bits(std::uint16_t(m));
-    scales[k] = m < inf_bits<T> ? float(big) / float(qmax) : NAN;
-    write(lo, hi, scales[k]);
+    scales[k] = scale_of(Simd::absmax_bits(x, next));
+    next = Simd::ahead(hi, std::min(n, hi + block));
+    write(lo, hi, scales[k], next);
   }
   if constexpr (Stream) _mm_sfence();
 }
