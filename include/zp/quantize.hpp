@@ -296,10 +296,7 @@ struct Avx2 {
                ? _mm256_max_epu32(top, _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)))
                : _mm256_max_epu16(top, _mm256_and_si256(b, _mm256_set1_epi16(0x7fff)));
   }
-  template <class T>
-  [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi) {
-    return absmax_bits(x, lo, hi, _mm256_setzero_si256());
-  }
+  // The largest magnitude's bits in x[lo, hi) and top's lanes (the maxima read so far).
   template <class T>
   [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, std::size_t lo, std::size_t hi,
                                                       __m256i top) {
