@@ -19,10 +19,11 @@
 //   best loops with plain stores (the streaming stores' baseline; quantize streams int8 codes
 //   here too, as it reads and writes more than stream_min_bytes).
 // quant/pass/absmax/<type>/block:B and quant/pass/codes_from_l1/<type>/<bits>/block:B (AVX-512
-//   only): quantize's two passes apart, the time of a quantize row split. absmax: the first pass
-//   alone over the row's 32M values from memory (GBps = x's bytes per second, read_fraction
-//   against read_GBps); codes_from_l1: the second pass over 16 KB of x, repeated for as many
-//   values (ms per 32M values, with one fixed normal scale): the codes' own work, no memory.
+//   only): quantize's two kinds of work apart (quantize overlaps them: it reads the next block's
+//   absmax while it makes a block's codes). absmax: each block's absmax alone over the row's 32M
+//   values from memory (GBps = x's bytes per second, read_fraction against read_GBps);
+//   codes_from_l1: the codes over 16 KB of x, repeated for as many values (ms per 32M values,
+//   with one fixed normal scale, no next block read alongside): their own work, no memory.
 // quant/pieces/<op>/<type>/int8/block:B/piece:P/elems:N  the cost of a call: the same N values
 //   (in the caches, as a bucket's pieces are when the engine packs them) as N / P calls of P
 //   values each (a qgZ piece per peer, a small module's gather) against one call of N.
@@ -148,7 +149,7 @@ template <class T>
                                                              std::size_t block) {
   std::uint32_t m = 0;
   for (std::size_t lo = 0; lo < n; lo += block)
-    m = std::max(m, qd::Avx512::absmax_bits(x, lo, std::min(n, lo + block)));
+    m = std::max(m, qd::Avx512::absmax_bits(x, qd::Avx512::ahead(lo, std::min(n, lo + block))));
   return m;
 }
 
@@ -156,8 +157,9 @@ template <Bits B, class T>
 [[ZP_TARGET_AVX512, gnu::flatten]] void codes_pass(const T* x, std::size_t n, std::size_t block,
                                                    std::uint8_t* codes) {
   const qd::Divisor d(0.25f, B == Bits::int8 ? 127 : 7);
+  auto none = qd::Avx512::ahead(0, 0);  // no next block read alongside
   for (std::size_t lo = 0; lo < n; lo += block)
-    qd::Avx512::codes<B, false>(x, lo, std::min(n, lo + block), d, codes);
+    qd::Avx512::codes<B, false>(x, lo, std::min(n, lo + block), d, codes, none);
 }
 
 template <class T>

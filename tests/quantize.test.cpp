@@ -409,6 +409,55 @@ std::span<T> aligned_window(std::vector<T>& v, std::size_t n) {
   return std::span<T>(v).subspan(at, n);
 }
 
+// Codes from a file or a peer need not be quantize's: int8 -128 and int4 -8 occur there, as do
+// scales no quantize makes (inf, negative). Each vector path looks int4 values up in a table
+// per block, whose every entry must be the portable path's value.
+TEST_CASE_TEMPLATE("dequantize of any code bytes and scales gives the portable work items' bits", T,
+                   float, zp::bf16, zp::fp16) {
+  std::mt19937_64 rng(zp::test::fresh_seed());
+  std::uniform_int_distribution<int> byte(0, 255), kind(0, 9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const auto vector_path : vector_paths())
+    for (Bits bits : {Bits::int8, Bits::int4})
+      for (std::size_t block :
+           {std::size_t(16), std::size_t(32), std::size_t(48), std::size_t(2048)})
+        for (std::size_t n : {std::size_t(31), std::size_t(1000), std::size_t(5000)}) {
+          CAPTURE(zp::optim::cpu::name(zp::quant::detail::isa(vector_path)));
+          CAPTURE(int(bits));
+          CAPTURE(block);
+          CAPTURE(n);
+          const Format f{.bits = bits, .block = block};
+          std::vector<std::uint8_t> q(f.code_bytes(n));
+          for (auto& b : q) b = std::uint8_t(byte(rng));
+          std::vector<float> s(f.blocks(n));
+          for (auto& v : s) {
+            const int k = kind(rng);
+            v = k == 0   ? 0.0f
+                : k == 1 ? std::numeric_limits<float>::quiet_NaN()
+                : k == 2 ? std::numeric_limits<float>::infinity()
+                : k == 3 ? std::ldexp(std::fabs(normal(rng)), -140)  // subnormal
+                         : normal(rng) * std::ldexp(1.0f, k - 6);    // either sign
+          }
+          std::vector<T> back[2] = {std::vector<T>(n, T(-3.0f)), std::vector<T>(n, T(5.0f))};
+          std::vector<float> acc[2] = {std::vector<float>(n, 0.5f), std::vector<float>(n, 0.5f)};
+          for (int k = 0; k < 2; ++k) {
+            const auto path = k ? zp::quant::Path::portable : vector_path;
+            zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
+                                  std::span(back[k]), path);
+            zp::quant::dequantize_add(f, std::span<const std::uint8_t>(q),
+                                      std::span<const float>(s), std::span(acc[k]), path);
+          }
+          for (std::size_t i = 0; i < n; ++i) {
+            CAPTURE(i);
+            if (std::isnan(float(back[1][i])))
+              REQUIRE(std::isnan(float(back[0][i])));  // fp16 may keep another NaN payload
+            else
+              REQUIRE(std::memcmp(&back[0][i], &back[1][i], sizeof(T)) == 0);
+            REQUIRE(std::memcmp(&acc[0][i], &acc[1][i], sizeof(float)) == 0);
+          }
+        }
+}
+
 TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits plain stores do", T,
                    float, zp::bf16, zp::fp16) {
   namespace d = zp::quant::detail;

@@ -218,9 +218,11 @@ namespace simd = zp::optim::detail::simd;
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-// GCC 12 warns of its own AVX-512 headers' _mm512_undefined_* operands (GCC bug 105593).
+// GCC 12 warns of its own AVX-512 headers' _mm512_undefined_* operands (GCC bug 105593; at -O0
+// also as -Wuninitialized, where a cast of a function's vector argument inlines one).
 #if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 // |v|'s bits, which order as the magnitudes do, with inf and NaN above every finite value.
 template <class T>
@@ -364,6 +366,14 @@ struct Avx2 {
   [[ZP_TARGET_AVX2]] static std::uint32_t absmax_bits(const T* x, const Ahead& a) {
     return absmax_bits(x, a.lo, a.hi, a.top);
   }
+  // The next N values of `next` folded into its top, where its block has N left (N values: a
+  // multiple of 32 bytes). A codes loop calls it once per N codes it makes.
+  template <std::size_t N, class T>
+  [[ZP_TARGET_AVX2]] static void feed(const T* x, Ahead& next) {
+    if (next.lo + N > next.hi) return;
+    for (std::size_t t = 0; t < N; t += 32 / sizeof(T)) next.top = fold(x + next.lo + t, next.top);
+    next.lo += N;
+  }
 
   // A finite block's codes, and with each 16 codes the next 16 values of `next` folded into its
   // top: the next block's read from memory overlaps this block's arithmetic.
@@ -373,11 +383,7 @@ struct Avx2 {
     const __m256 s = _mm256_set1_ps(d.scale), inv = _mm256_set1_ps(d.inverse);
     std::size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
-      if (next.lo + 16 <= next.hi) {
-        for (std::size_t t = 0; t < 16; t += 32 / sizeof(T))
-          next.top = fold(x + next.lo + t, next.top);
-        next.lo += 16;
-      }
+      feed<16>(x, next);
       const __m128i c = code16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
         store_code_bytes<B, Stream>(c, out + i);
@@ -418,11 +424,69 @@ struct Avx2 {
     }
   }
 
+  // An int4 code is one of 16, so a block's values in a 16-bit type are one of 16 too: made once
+  // a block, by the loop's own conversion (bitwise its values), as a table of their low bytes and
+  // one of their high bytes (entry k: nibble k's, in each 128-bit lane) for byte shuffles.
+  struct Table {
+    __m256i lo, hi;
+  };
+  template <class T, bool MayBeNaN>
+  [[ZP_TARGET_AVX2]] static Table table16(__m256 s) {
+    const __m128i c = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    __m256i v;  // entry k in 16-bit lane k
+    if constexpr (std::is_same_v<T, bf16>) {
+      v = bf16_values16<false, MayBeNaN>(c, s, nullptr, 0);
+    } else {
+      const T* none = nullptr;
+      v = _mm256_set_m128i(simd::to_fp16(value8<false>(_mm_srli_si128(c, 8), s, none, 0)),
+                           simd::to_fp16(value8<false>(c, s, none, 0)));
+    }
+    // Each 128-bit lane's low bytes, then its high bytes; then the 64-bit quarters as wanted.
+    const __m256i split = _mm256_shuffle_epi8(
+        v, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                            12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return {_mm256_permute4x64_epi64(split, 0b10'00'10'00),
+            _mm256_permute4x64_epi64(split, 0b11'01'11'01)};
+  }
+  // Values [i, i + 32) for each 32 codes of [lo, hi) from the table; returns where it stopped.
+  // The 16 code bytes, in both 128-bit lanes, are shuffled into a nibble per byte in the order
+  // that the two unpacks of the looked-up bytes want: lane 0 codes i .. i + 7 then i + 16 ..
+  // i + 23, lane 1 codes i + 8 .. i + 15 then i + 24 .. i + 31.
+  template <class T, bool Stream>
+  [[ZP_TARGET_AVX2]] static std::size_t table_values(const std::uint8_t* codes, std::size_t lo,
+                                                     std::size_t hi, const Table& t, T* out) {
+    const __m256i twice = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 8, 8, 9, 9, 10, 10, 11, 11, 4, 4,
+                                           5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15);
+    std::size_t i = lo;
+    for (; i + 32 <= hi; i += 32) {
+      const __m256i b = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                                reinterpret_cast<const __m128i*>(codes + i / 2))),
+                                            twice);
+      // A 16-bit lane holds one code byte twice: its low nibble into the lower byte, its high
+      // nibble into the upper.
+      const __m256i k =
+          _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000f)),
+                          _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x0f00)));
+      const __m256i l = _mm256_shuffle_epi8(t.lo, k), h = _mm256_shuffle_epi8(t.hi, k);
+      const __m256i a = _mm256_unpacklo_epi8(l, h), z = _mm256_unpackhi_epi8(l, h);
+      if constexpr (Stream) {
+        simd::stream(out + i, a);
+        simd::stream(out + i + 16, z);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), a);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 16), z);
+      }
+    }
+    return i;
+  }
+
   template <Bits B, class T, bool Accumulate, bool Stream, bool MayBeNaN>
   [[ZP_TARGET_AVX2]] static std::size_t values(const std::uint8_t* codes, std::size_t lo,
                                                std::size_t hi, float scale, T* out) {
     const __m256 s = _mm256_set1_ps(scale);
     std::size_t i = lo;
+    if constexpr (B == Bits::int4 && sizeof(T) == 2 && !Accumulate)
+      if (hi - lo >= 32) i = table_values<T, Stream>(codes, lo, hi, table16<T, MayBeNaN>(s), out);
     for (; i + 16 <= hi; i += 16) {
       const __m128i c = codes16<B>(codes, i);
       if constexpr (std::is_same_v<T, bf16>) {
@@ -450,37 +514,26 @@ struct Avx2 {
 struct Avx512 {
   using V = simd::V16;
 
-  // The next block's absmax is read after a block's codes (not interleaved as in Avx2: not
-  // measured on a CPU with AVX-512).
-  struct Ahead {
-    std::size_t lo, hi;
-  };
-  static Ahead ahead(std::size_t lo, std::size_t hi) { return {lo, hi}; }
+  // The next block's absmax is read as in Avx2: while a block's codes are made.
+  using Ahead = Avx2::Ahead;
+  [[ZP_TARGET_AVX2]] static Ahead ahead(std::size_t lo, std::size_t hi) {
+    return Avx2::ahead(lo, hi);
+  }
+  // The largest magnitude's bits in x[lo, hi) and top's lanes: 64 bytes of x a step, then Avx2's
+  // loop on what is left.
   template <class T>
   [[ZP_TARGET_AVX512]] static std::uint32_t absmax_bits(const T* x, const Ahead& a) {
-    return absmax_bits(x, a.lo, a.hi);
-  }
-  template <Bits B, bool Stream, class T>
-  [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
-                                                const Divisor& d, std::uint8_t* out, Ahead&) {
-    return codes<B, Stream>(x, lo, hi, d, out);
-  }
-
-  // 64 bytes of x a step, then Avx2's loop on what is left.
-  template <class T>
-  [[ZP_TARGET_AVX512]] static std::uint32_t absmax_bits(const T* x, std::size_t lo,
-                                                        std::size_t hi) {
     constexpr std::size_t per = 64 / sizeof(T);
     const __m512i mask = sizeof(T) == 4 ? _mm512_set1_epi32(0x7fffffff) : _mm512_set1_epi16(0x7fff);
-    __m512i top = _mm512_setzero_si512();
-    std::size_t i = lo;
-    for (; i + per <= hi; i += per) {
+    __m512i top = _mm512_zextsi256_si512(a.top);
+    std::size_t i = a.lo;
+    for (; i + per <= a.hi; i += per) {
       const __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
       top = sizeof(T) == 4 ? _mm512_max_epu32(top, b) : _mm512_max_epu16(top, b);
     }
-    const __m256i a = _mm512_castsi512_si256(top), b = _mm512_extracti64x4_epi64(top, 1);
-    return Avx2::absmax_bits(x, i, hi,
-                             sizeof(T) == 4 ? _mm256_max_epu32(a, b) : _mm256_max_epu16(a, b));
+    const __m256i l = _mm512_castsi512_si256(top), h = _mm512_extracti64x4_epi64(top, 1);
+    return Avx2::absmax_bits(x, i, a.hi,
+                             sizeof(T) == 4 ? _mm256_max_epu32(l, h) : _mm256_max_epu16(l, h));
   }
 
   // Sixteen blocks' absmax_bits at once, lane j block j's (blocks from x + lo, `block` values
@@ -548,9 +601,10 @@ struct Avx512 {
     if (_mm512_cmp_ps_mask(inv, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) != 0xffff) return false;
     alignas(64) float r[16];
     _mm512_store_ps(r, inv);
+    Ahead none = ahead(0, 0);
     for (std::size_t j = 0; j < 16; ++j)
-      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block, Divisor(scales[j], r[j], qmax),
-                       out);
+      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block, Divisor(scales[j], r[j], qmax), out,
+                       none);
     return true;
   }
 
@@ -569,9 +623,10 @@ struct Avx512 {
     return biased16(simd::load(x, std::type_identity<V>{}).v, d, s, inv);
   }
 
+  // A finite block's codes, with each 16 or 32 codes as many values of `next` folded in.
   template <Bits B, bool Stream, class T>
   [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
-                                                const Divisor& d, std::uint8_t* out) {
+                                                const Divisor& d, std::uint8_t* out, Ahead& next) {
     const __m512 s = _mm512_set1_ps(d.scale), inv = _mm512_set1_ps(d.inverse);
     const __m512i nibble = _mm512_set1_epi32(0x0f);
     std::size_t i = lo;
@@ -582,6 +637,7 @@ struct Avx512 {
       // in its lower half and 2j + 1's in its upper half, so shifting and masking widen them in
       // place, with no reordering.
       for (; i + 32 <= hi; i += 32) {
+        Avx2::feed<32>(x, next);
         const __m512i v = _mm512_loadu_si512(x + i);
         const __m512i even = biased16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, s, inv),
                       odd = biased16(
@@ -596,6 +652,7 @@ struct Avx512 {
           _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
                            26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
       for (; i + 32 <= hi; i += 32) {
+        Avx2::feed<32>(x, next);
         const __m512i w = _mm512_permutex2var_epi16(biased16(x + i, d, s, inv), low_halves,
                                                     biased16(x + i + 16, d, s, inv));
         const __m512i b = _mm512_ternarylogic_epi32(nibble, w, _mm512_srli_epi32(w, 12), 0xca);
@@ -603,6 +660,7 @@ struct Avx512 {
       }
     }
     for (; i + 16 <= hi; i += 16) {
+      Avx2::feed<16>(x, next);
       const __m512i q = biased16(x + i, d, s, inv);
       if constexpr (B == Bits::int8) {
         store_code_bytes<B, Stream>(_mm512_cvtepi32_epi8(q), out + i);
@@ -635,25 +693,59 @@ struct Avx512 {
     return ok;
   }
 
-  // bf16 values [lo, hi) of a block with a normal scale, 32 at a time through that conversion:
-  // each product of a code and the scale is zero or normal, so it rounds as to_bf16 does.
-  template <Bits B, bool Stream>
+  // 32 values of a 16-bit type, as bits, at out (Stream: streamed; out 16-byte aligned).
+  template <bool Stream, class T>
+  [[ZP_TARGET_AVX512]] static void store32(T* out, __m512i h) {
+    if constexpr (Stream) {
+      simd::stream(out, _mm512_castsi512_si256(h));
+      simd::stream(out + 16, _mm512_extracti64x4_epi64(h, 1));
+    } else {
+      _mm512_storeu_si512(out, h);
+    }
+  }
+
+  // bf16 values [lo, hi) of an int8 block with a normal scale, 32 at a time through that
+  // conversion: each product of a code and the scale is zero or normal, so it rounds as to_bf16
+  // does. (int4 blocks look their values up: table_values.)
+  template <bool Stream>
   [[ZP_TARGET_AVX512_BF16]] static std::size_t bf16_values(const std::uint8_t* codes,
                                                            std::size_t lo, std::size_t hi,
                                                            float scale, bf16* out) {
     const __m512 s = _mm512_set1_ps(scale);
-    constexpr std::integral_constant<Bits, B> bits{};
+    constexpr std::integral_constant<Bits, Bits::int8> bits{};
     std::size_t i = lo;
     for (; i + 32 <= hi; i += 32) {
       const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(load_codes16(codes, i, bits)), s),
                    b = _mm512_mul_ps(_mm512_cvtepi32_ps(load_codes16(codes, i + 16, bits)), s);
-      const auto h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-      if constexpr (Stream) {
-        simd::stream(out + i, _mm512_castsi512_si256(h));
-        simd::stream(out + i + 16, _mm512_extracti64x4_epi64(h, 1));
-      } else {
-        _mm512_storeu_si512(out + i, h);
-      }
+      store32<Stream>(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+    }
+    return i;
+  }
+
+  // int4 values [lo, hi) in a 16-bit type, 32 at a time, from a table as in Avx2::table16: the
+  // block's 16 values, made by this struct's own conversion, twice over (word k and k + 16:
+  // nibble k's), and each 32 codes one permute of those words.
+  template <class T, bool Stream, bool MayBeNaN>
+  [[ZP_TARGET_AVX512]] static std::size_t table_values(const std::uint8_t* codes, std::size_t lo,
+                                                       std::size_t hi, __m512 s, T* out) {
+    const V v(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_setr_epi8(
+                                0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1))),
+                            s));
+    __m256i sixteen;
+    if constexpr (std::is_same_v<T, bf16>)
+      sixteen = simd::to_bf16<MayBeNaN>(v);
+    else
+      sixteen = simd::to_fp16(v);
+    const __m512i table = _mm512_broadcast_i64x4(sixteen);
+    std::size_t i = lo;
+    for (; i + 32 <= hi; i += 32) {
+      // Code byte j in 32-bit lane j, and again 12 bits up: word 2j's index is its low nibble
+      // (and the high nibble's lowest bit, immaterial in a table twice over), word 2j + 1's its
+      // high nibble.
+      const __m512i w =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2)));
+      store32<Stream>(
+          out + i, _mm512_permutexvar_epi16(_mm512_or_si512(w, _mm512_slli_epi32(w, 12)), table));
     }
     return i;
   }
@@ -663,9 +755,12 @@ struct Avx512 {
                                                  std::size_t hi, float scale, T* out) {
     const __m512 s = _mm512_set1_ps(scale);
     std::size_t i = lo;
-    if constexpr (std::is_same_v<T, bf16> && !MayBeNaN)
+    if constexpr (B == Bits::int4 && sizeof(T) == 2 && !Accumulate) {
+      if (hi - lo >= 32) i = table_values<T, Stream, MayBeNaN>(codes, lo, hi, s, out);
+    } else if constexpr (std::is_same_v<T, bf16> && !MayBeNaN) {
       if (scale >= 0x1p-126f && scale < INFINITY && has_bf16_conversion())
-        i = bf16_values<B, Stream>(codes, lo, hi, scale, out);
+        i = bf16_values<Stream>(codes, lo, hi, scale, out);
+    }
     for (; i + 16 <= hi; i += 16) {
       V v(_mm512_mul_ps(
           _mm512_cvtepi32_ps(load_codes16(codes, i, std::integral_constant<Bits, B>{})), s));
@@ -722,11 +817,11 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
           for (std::size_t j = 0; j < 16; ++j)
             write(lo + j * block, lo + (j + 1) * block, scales[k + j], none);
       }
-  // Each block is read twice: from memory for its absmax, then from L1 for its codes. Avx2 reads
-  // the next block's absmax while it makes a block's codes, so that the memory does not idle
-  // meanwhile (with code16's narrowings: 0.59-0.78 of the time at block 2048, 0.72-0.96 at 64 and
-  // 512; bench/RESULTS.md, 2026-12-05). No software prefetch: the hardware's alone measured
-  // faster (2026-11-29).
+  // Each block is read twice: from memory for its absmax, then from L1 for its codes. The codes
+  // loops read the next block's absmax while they make a block's codes, so that the memory does
+  // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
+  // Zen 3; AVX-512: 0.53-0.80 at blocks 512 and 2048 on a Xeon; bench/RESULTS.md, 2026-12-05).
+  // No software prefetch: the hardware's alone measured faster (2026-11-29).
   auto next = Simd::ahead(lo, std::min(n, lo + block));
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
