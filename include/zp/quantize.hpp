@@ -519,8 +519,8 @@ struct Avx512 {
   [[ZP_TARGET_AVX2]] static Ahead ahead(std::size_t lo, std::size_t hi) {
     return Avx2::ahead(lo, hi);
   }
-  // The largest magnitude's bits in x[lo, hi) and top's lanes: 64 bytes of x a step, then Avx2's
-  // loop on what is left.
+  // The largest magnitude's bits in the block `a` (x[a.lo, a.hi) and the maxima folded into
+  // a.top so far): 64 bytes of x a step, then Avx2's loop on what is left.
   template <class T>
   [[ZP_TARGET_AVX512]] static std::uint32_t absmax_bits(const T* x, const Ahead& a) {
     constexpr std::size_t per = 64 / sizeof(T);
@@ -820,8 +820,10 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // Each block is read twice: from memory for its absmax, then from L1 for its codes. The codes
   // loops read the next block's absmax while they make a block's codes, so that the memory does
   // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
-  // Zen 3; AVX-512: 0.53-0.80 at blocks 512 and 2048 on a Xeon; bench/RESULTS.md, 2026-12-05).
-  // No software prefetch: the hardware's alone measured faster (2026-11-29).
+  // Zen 3; AVX-512 on a Xeon: 16-bit inputs 0.60-0.98 at blocks 512 and 2048, fp32 0.80 at 512
+  // and no gain at 2048, where the next block's loads bound the loop; bench/RESULTS.md,
+  // 2026-12-05). No software prefetch: the hardware's alone measured faster (2026-11-29), and one
+  // ahead of the next block's loads left fp32 at block 2048 as it was (2026-12-05).
   auto next = Simd::ahead(lo, std::min(n, lo + block));
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
