@@ -536,20 +536,27 @@ struct Avx512 {
                              sizeof(T) == 4 ? _mm256_max_epu32(l, h) : _mm256_max_epu16(l, h));
   }
 
-  // Sixteen blocks' absmax_bits at once, lane j block j's (blocks from x + lo, `block` values
-  // each, a multiple of 64 / sizeof(T)): for small blocks, where one block's serial chain (its
-  // maximum across the lanes, then its scale) costs as much as its values. Each block's
-  // maximum vector is folded to 32-bit lanes, then the sixteen are reduced together: each step
-  // halves their number and pairs up lanes (32-bit, 64-bit, then 128-bit twice), which leaves
-  // block j's maximum in lane j.
+  // Sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T)) to read for
+  // their absmax, into g[0, 16); none where x ends before the sixteenth.
+  [[ZP_TARGET_AVX2]] static void group(std::size_t lo, std::size_t block, std::size_t n, Ahead* g) {
+    for (std::size_t j = 0; j < 16; ++j)
+      g[j] = lo + 16 * block <= n ? ahead(lo + j * block, lo + (j + 1) * block) : ahead(0, 0);
+  }
+
+  // Sixteen blocks' absmax_bits at once, lane j block a[j]'s (what is left of it, none or all:
+  // the codes of the group before fold a block in whole): for small blocks, where one block's
+  // serial chain (its maximum across the lanes, then its scale) costs as much as its values.
+  // Each block's maximum vector is folded to 32-bit lanes, then the sixteen are reduced
+  // together: each step halves their number and pairs up lanes (32-bit, 64-bit, then 128-bit
+  // twice), which leaves block j's maximum in lane j.
   template <class T>
-  [[ZP_TARGET_AVX512]] static __m512i absmax_bits16(const T* x, std::size_t lo, std::size_t block) {
+  [[ZP_TARGET_AVX512]] static __m512i absmax_bits16(const T* x, const Ahead* a) {
     constexpr std::size_t per = 64 / sizeof(T);
     const __m512i mask = sizeof(T) == 4 ? _mm512_set1_epi32(0x7fffffff) : _mm512_set1_epi16(0x7fff);
     __m512i v[16];
     for (std::size_t j = 0; j < 16; ++j) {
-      __m512i top = _mm512_setzero_si512();
-      for (std::size_t i = lo + j * block, end = i + block; i < end; i += per) {
+      __m512i top = _mm512_zextsi256_si512(a[j].top);
+      for (std::size_t i = a[j].lo; i < a[j].hi; i += per) {
         const __m512i b = _mm512_and_si512(_mm512_loadu_si512(x + i), mask);
         top = sizeof(T) == 4 ? _mm512_max_epu32(top, b) : _mm512_max_epu16(top, b);
       }
@@ -574,9 +581,8 @@ struct Avx512 {
   // Those sixteen blocks' scales into scales[0, 16) (QuantizeBlock's: absmax / qmax, NaN with
   // an inf or NaN).
   template <class T>
-  [[ZP_TARGET_AVX512]] static void scales16(const T* x, std::size_t lo, std::size_t block, int qmax,
-                                            float* scales) {
-    const __m512i bits = absmax_bits16(x, lo, block);
+  [[ZP_TARGET_AVX512]] static void scales16(const T* x, const Ahead* a, int qmax, float* scales) {
+    const __m512i bits = absmax_bits16(x, a);
     __m512 big;
     if constexpr (std::is_same_v<T, float>)
       big = _mm512_castsi512_ps(bits);
@@ -592,19 +598,18 @@ struct Avx512 {
   // The codes of sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T),
   // which codes() takes whole) with scales[0, 16), if every one multiplies (no zero, NaN or
   // tiny scale; else false, and nothing written): one vector division for their reciprocals,
-  // and no branch per block.
+  // and no branch per block. Block j's codes read next[j] for its absmax.
   template <Bits B, bool Stream, class T>
   [[ZP_TARGET_AVX512]] static bool codes16_blocks(const T* x, std::size_t lo, std::size_t block,
-                                                  int qmax, const float* scales,
-                                                  std::uint8_t* out) {
+                                                  int qmax, const float* scales, std::uint8_t* out,
+                                                  Ahead* next) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(scales));
     if (_mm512_cmp_ps_mask(inv, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) != 0xffff) return false;
     alignas(64) float r[16];
     _mm512_store_ps(r, inv);
-    Ahead none = ahead(0, 0);
     for (std::size_t j = 0; j < 16; ++j)
       codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block, Divisor(scales[j], r[j], qmax), out,
-                       none);
+                       next[j]);
     return true;
   }
 
@@ -808,15 +813,21 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // Blocks of two lines or less sixteen at a time: their scales first (the sixteen blocks stay
   // in L1), then their codes. Measured at 16-bit block 64 (0.75-0.87 of the time); blocks of
   // 1 KB measured 1.1-1.5x slower so (the memory idles while the codes are made), and fp32
-  // block 64 (256 bytes) 0.88-1.16 (bench/RESULTS.md).
+  // block 64 (256 bytes) 0.88-1.16 (bench/RESULTS.md). A group's codes read the next group's
+  // blocks for their absmax, block j alongside block j (0.80-0.91 of the time at 16-bit block 64,
+  // 2026-12-05).
   if constexpr (std::is_same_v<Simd, Avx512>)
-    if (block % (64 / sizeof(T)) == 0 && block * sizeof(T) <= 128)
-      for (auto none = Simd::ahead(0, 0); n - lo >= 16 * block; k += 16, lo += 16 * block) {
-        Simd::scales16(x, lo, block, qmax, scales + k);
-        if (!Simd::template codes16_blocks<B, Stream>(x, lo, block, qmax, scales + k, codes))
+    if (block % (64 / sizeof(T)) == 0 && block * sizeof(T) <= 128) {
+      typename Simd::Ahead groups[2][16], *now = groups[0], *next = groups[1];
+      Simd::group(lo, block, n, now);
+      for (; n - lo >= 16 * block; k += 16, lo += 16 * block, std::swap(now, next)) {
+        Simd::scales16(x, now, qmax, scales + k);
+        Simd::group(lo + 16 * block, block, n, next);
+        if (!Simd::template codes16_blocks<B, Stream>(x, lo, block, qmax, scales + k, codes, next))
           for (std::size_t j = 0; j < 16; ++j)
-            write(lo + j * block, lo + (j + 1) * block, scales[k + j], none);
+            write(lo + j * block, lo + (j + 1) * block, scales[k + j], next[j]);
       }
+    }
   // Each block is read twice: from memory for its absmax, then from L1 for its codes. The codes
   // loops read the next block's absmax while they make a block's codes, so that the memory does
   // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
