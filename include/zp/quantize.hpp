@@ -251,6 +251,11 @@ template <class T>
   }
 }
 
+// Nibble k's int4 code in byte k (two's complement): a table's entries, in index order.
+[[ZP_TARGET_AVX2]] inline __m128i nibble_codes() {
+  return _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+}
+
 // Codes i .. i + 15 as bytes (int4: unpacked in order, low nibble first, and sign-extended).
 template <Bits B>
 [[ZP_TARGET_AVX2]] inline __m128i codes16(const std::uint8_t* codes, std::size_t i) {
@@ -432,7 +437,7 @@ struct Avx2 {
   };
   template <class T, bool MayBeNaN>
   [[ZP_TARGET_AVX2]] static Table table16(__m256 s) {
-    const __m128i c = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i c = nibble_codes();
     __m256i v;  // entry k in 16-bit lane k
     if constexpr (std::is_same_v<T, bf16>) {
       v = bf16_values16<false, MayBeNaN>(c, s, nullptr, 0);
@@ -733,9 +738,7 @@ struct Avx512 {
   template <class T, bool Stream, bool MayBeNaN>
   [[ZP_TARGET_AVX512]] static std::size_t table_values(const std::uint8_t* codes, std::size_t lo,
                                                        std::size_t hi, __m512 s, T* out) {
-    const V v(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_setr_epi8(
-                                0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1))),
-                            s));
+    const V v(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(nibble_codes())), s));
     __m256i sixteen;
     if constexpr (std::is_same_v<T, bf16>)
       sixteen = simd::to_bf16<MayBeNaN>(v);
