@@ -16,7 +16,7 @@
 //   AVX2, where the CPU has them; dequantize's 32M values are past
 //   zp::detail::stream_min_bytes, so it streams its output); /avx2 rows force the AVX2 loops
 //   (the AVX-512 loops' baseline), /portable rows the scalar work items, and /cached rows the
-//   best loops with plain stores (the streaming stores' baseline; quantize streams int8 codes
+//   best loops with plain stores (the streaming stores' baseline; quantize streams its codes
 //   here too, as it reads and writes more than stream_min_bytes).
 // quant/pass/absmax/<type>/block:B and quant/pass/codes_from_l1/<type>/<bits>/block:B (AVX-512
 //   only): quantize's two kinds of work apart (quantize overlaps them: it reads the next block's
@@ -159,7 +159,7 @@ template <Bits B, class T>
   const qd::Divisor d(0.25f, B == Bits::int8 ? 127 : 7);
   auto none = qd::Avx512::ahead(0, 0);  // no next block read alongside
   for (std::size_t lo = 0; lo < n; lo += block)
-    qd::Avx512::codes<B, false>(x, lo, std::min(n, lo + block), d, codes, none);
+    qd::block_codes<qd::Avx512, B, false>(x, lo, std::min(n, lo + block), d, codes, none);
 }
 
 template <class T>

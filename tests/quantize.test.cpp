@@ -295,7 +295,7 @@ std::vector<zp::quant::Path> vector_paths() {
 TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable work items' bits", T,
                    float, zp::bf16, zp::fp16) {
   for (const auto vector_path : vector_paths()) {
-    CAPTURE(zp::optim::cpu::name(zp::quant::detail::isa(vector_path)));
+    CAPTURE(std::string(zp::optim::cpu::name(zp::quant::detail::isa(vector_path))));
     std::mt19937_64 rng(zp::test::fresh_seed());
     std::normal_distribution<double> normal(0.0, 1.0);
     for (Bits bits : {Bits::int8, Bits::int4})
@@ -422,7 +422,7 @@ TEST_CASE_TEMPLATE("dequantize of any code bytes and scales gives the portable w
       for (std::size_t block :
            {std::size_t(16), std::size_t(32), std::size_t(48), std::size_t(2048)})
         for (std::size_t n : {std::size_t(31), std::size_t(1000), std::size_t(5000)}) {
-          CAPTURE(zp::optim::cpu::name(zp::quant::detail::isa(vector_path)));
+          CAPTURE(std::string(zp::optim::cpu::name(zp::quant::detail::isa(vector_path))));
           CAPTURE(int(bits));
           CAPTURE(block);
           CAPTURE(n);
@@ -475,26 +475,33 @@ TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits 
   CHECK_FALSE(d::streams(Path::best, out.data(), big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data() + 1, big - 1, 256));
   CHECK_FALSE(d::streams(Path::best, out.data(), big, 26));  // 26 x 2 bytes: blocks misaligned
-  // quantize: int8 codes, when it reads and writes stream_min_bytes, aligned as dequantize's.
+  // quantize: when it reads and writes stream_min_bytes, every block's codes 16-byte aligned.
   const Format int8{.bits = Bits::int8, .block = 256}, int4{.bits = Bits::int4, .block = 256};
   std::vector<std::uint8_t> code_room(big + 16);
   const std::span<std::uint8_t> codes = aligned_window(code_room, big);
-  const std::size_t least = zp::detail::stream_min_bytes / (sizeof(T) + 1) + 1;
+  const std::size_t least = zp::detail::stream_min_bytes / (sizeof(T) + 1) + 1,
+                    least4 = 2 * zp::detail::stream_min_bytes / (2 * sizeof(T) + 1) + 1;
   CHECK(d::streams_codes<T>(Path::best, codes.data(), least, int8));
   CHECK(d::streams_codes<T>(Path::avx2, codes.data(), least, int8));
+  CHECK(d::streams_codes<T>(Path::best, codes.data(), least4, int4));
   CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least - 2, int8));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least4 - 4, int4));
   CHECK_FALSE(d::streams_codes<T>(Path::cached, codes.data(), least, int8));
-  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least, int4));
   CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data() + 1, least, int8));
   CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least, Format{.block = 24}));
+  CHECK_FALSE(d::streams_codes<T>(Path::best, codes.data(), least4,  // 24 code bytes a block
+                                  Format{.bits = Bits::int4, .block = 48}));
 #if ZP_OPTIM_X86
-  // The streaming loop against the portable work items, bitwise, on small outputs (a NaN block,
-  // short last blocks included).
+  // The streaming loops against the portable work items, bitwise, on small outputs (a NaN block,
+  // short last blocks included: 1011 ends int4 blocks of 32 or more with 16 + 3 values);
+  // quantize's at each 16-byte offset in a line, so that blocks start with steps before their
+  // first whole line, or have none (16 and 32 code bytes).
   for (const Path path : paths)
     for (Bits bits : {Bits::int8, Bits::int4})
-      for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(256)})
-        for (std::size_t n : {std::size_t(8), std::size_t(1001), std::size_t(4099)}) {
-          CAPTURE(zp::optim::cpu::name(d::isa(path)));
+      for (std::size_t block : {std::size_t(8), std::size_t(16), std::size_t(32), std::size_t(48),
+                                std::size_t(64), std::size_t(256), std::size_t(352)})
+        for (std::size_t n : {std::size_t(8), std::size_t(1011), std::size_t(4099)}) {
+          CAPTURE(std::string(zp::optim::cpu::name(d::isa(path))));
           CAPTURE(int(bits));
           CAPTURE(block);
           CAPTURE(n);
@@ -507,18 +514,28 @@ TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits 
           zp::quant::quantize(std::span<const T>(x), f, std::span(q), std::span(s));
           zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
                                 std::span(want), Path::portable);
-          if (bits == Bits::int8 && block % 16 == 0) {  // quantize's streaming loop
-            std::vector<std::uint8_t> q_room(n + 16, 0xAA);
-            const std::span<std::uint8_t> q_streamed = aligned_window(q_room, n);
-            std::vector<float> s_streamed(s.size(), -1.0f), s_portable(s.size(), -2.0f);
-            std::vector<std::uint8_t> q_portable(n, 0x55);
-            d::quantize_x86<true>(d::isa(path), x.data(), n, f, q_streamed.data(),
-                                  s_streamed.data());
+          if (f.code_bytes(block) % 16 == 0) {  // quantize's streaming loops
+            std::vector<float> s_portable(s.size(), -2.0f);
+            std::vector<std::uint8_t> q_portable(q.size(), 0x55);
             zp::quant::quantize(std::span<const T>(x), f, std::span(q_portable),
                                 std::span(s_portable), Path::portable);
-            REQUIRE(std::equal(q_streamed.begin(), q_streamed.end(), q_portable.begin()));
-            REQUIRE(std::memcmp(s_streamed.data(), s_portable.data(), s.size() * sizeof(float)) ==
-                    0);
+            for (std::size_t offset = 0; offset < 64; offset += 16) {
+              CAPTURE(offset);
+              std::vector<std::uint8_t> q_room(q.size() + 128, 0xAA);
+              std::uint8_t* line = q_room.data();
+              while (reinterpret_cast<std::uintptr_t>(line) % 64) ++line;
+              const std::span<std::uint8_t> q_streamed(line + offset, q.size());
+              std::vector<float> s_streamed(s.size(), -1.0f);
+              d::quantize_x86<true>(d::isa(path), x.data(), n, f, q_streamed.data(),
+                                    s_streamed.data());
+              REQUIRE(std::equal(q_streamed.begin(), q_streamed.end(), q_portable.begin()));
+              REQUIRE(std::all_of(q_room.data(), q_streamed.data(),  // nothing around it
+                                  [](std::uint8_t b) { return b == 0xAA; }));
+              REQUIRE(std::all_of(q_streamed.data() + q.size(), q_room.data() + q_room.size(),
+                                  [](std::uint8_t b) { return b == 0xAA; }));
+              REQUIRE(std::memcmp(s_streamed.data(), s_portable.data(), s.size() * sizeof(float)) ==
+                      0);
+            }
           }
           const std::span<T> got = aligned_window(got_room, n);
           std::fill(got.begin(), got.end(), T(-7.0f));

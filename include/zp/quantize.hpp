@@ -270,28 +270,39 @@ template <Bits B>
   }
 }
 
-// Stores 16 codes' bytes (int4: the low 8 bytes of c, two codes a byte) at `at` (Stream, int8
-// only: non-temporal, at 16-byte aligned).
-template <Bits B, bool Stream>
-[[ZP_TARGET_AVX2]] inline void store_code_bytes(__m128i c, std::uint8_t* at) {
-  static_assert(B == Bits::int8 || !Stream, "int4 codes are stored plainly");
+// 16 code bytes at `at` (Stream: non-temporal, at 16-byte aligned).
+template <bool Stream>
+inline void store_code_bytes(__m128i c, std::uint8_t* at) {
   if constexpr (Stream)
     _mm_stream_si128(reinterpret_cast<__m128i*>(at), c);
-  else if constexpr (B == Bits::int8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), c);
   else
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(at), c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), c);
 }
+
+// 64 code bytes, one cache line at `at` (64-byte aligned), streamed by two stores back to back,
+// so that the line leaves its write-combining buffer at once (streamed 16 bytes a step, it held
+// the buffer while the next steps' codes were made: 1.04-1.16x the time at block 2048,
+// bench/RESULTS.md).
+[[ZP_TARGET_AVX2]] inline void stream_line(std::uint8_t* at, __m128i a, __m128i b, __m128i c,
+                                           __m128i d) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(at), _mm256_set_m128i(b, a));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(at) + 1, _mm256_set_m128i(d, c));
+}
+
+template <class Simd, Bits B, bool Stream, class T>
+std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Divisor& d,
+                        std::uint8_t* out, typename Simd::Ahead& next);
 
 // The vector halves of quantize and dequantize, one struct per instruction set, each member
 // carrying its target (the entry points inline them into one loop per block):
-//   ahead(lo, hi)             the next block, x[lo, hi), whose absmax codes() may read;
+//   ahead(lo, hi)             the next block, x[lo, hi), whose absmax block_codes may read;
 //   absmax_bits(x, next)      the largest magnitude's bits in that block;
-//   codes<B, Stream>(x, lo, hi, d, c, next)  a finite block's codes, 16 at a time (Stream:
-//                             streaming stores);
+//   Coder(d)                  a finite block's scale, as vectors: bytes<B>(x) the 16 code bytes
+//                             of x[0, 16) (int8) or x[0, 32) (int4, two a byte), nibbles(x) the
+//                             8 bytes of int4's x[0, 16) (block_codes' steps);
 //   values<B, T, Accumulate, Stream, MayBeNaN>(c, lo, hi, scale, out)  a block's values, 16 at a
 //                             time (Stream: streaming stores; MayBeNaN: a NaN scale);
-// codes and values return where the rest of the block (under 16 values) starts.
+// values returns where the rest of the block (under 16 values) starts.
 struct Avx2 {
   using V = simd::V8;
 
@@ -380,27 +391,30 @@ struct Avx2 {
     next.lo += N;
   }
 
-  // A finite block's codes, and with each 16 codes the next 16 values of `next` folded into its
-  // top: the next block's read from memory overlaps this block's arithmetic.
-  template <Bits B, bool Stream, class T>
-  [[ZP_TARGET_AVX2]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
-                                              const Divisor& d, std::uint8_t* out, Ahead& next) {
-    const __m256 s = _mm256_set1_ps(d.scale), inv = _mm256_set1_ps(d.inverse);
-    std::size_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-      feed<16>(x, next);
-      const __m128i c = code16(x + i, d, s, inv);
-      if constexpr (B == Bits::int8) {
-        store_code_bytes<B, Stream>(c, out + i);
-      } else {  // 16-bit lane j holds codes 2j, 2j+1: low nibble of each into one byte
-        const __m128i nib =
-            _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000f)),
-                         _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00f0)));
-        store_code_bytes<B, Stream>(_mm_packus_epi16(nib, nib), out + i / 2);
-      }
-    }
-    return i;
+  // 16 codes' bytes c as 8 16-bit lanes, lane j's low byte holding codes 2j and 2j + 1's nibbles.
+  [[ZP_TARGET_AVX2]] static __m128i nibble_pairs(__m128i c) {
+    return _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000f)),
+                        _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00f0)));
   }
+  struct Coder {
+    const Divisor& d;
+    __m256 s, inv;
+    [[ZP_TARGET_AVX2]] explicit Coder(const Divisor& d)
+        : d(d), s(_mm256_set1_ps(d.scale)), inv(_mm256_set1_ps(d.inverse)) {}
+    template <Bits B, class T>
+    [[ZP_TARGET_AVX2]] __m128i bytes(const T* x) const {
+      if constexpr (B == Bits::int8)
+        return code16(x, d, s, inv);
+      else
+        return _mm_packus_epi16(nibble_pairs(code16(x, d, s, inv)),
+                                nibble_pairs(code16(x + 16, d, s, inv)));
+    }
+    template <class T>
+    [[ZP_TARGET_AVX2]] __m128i nibbles(const T* x) const {
+      const __m128i n = nibble_pairs(code16(x, d, s, inv));
+      return _mm_packus_epi16(n, n);
+    }
+  };
 
   // Values [i, i + 8) in fp32 from the 8 codes in c's low bytes (Accumulate: plus out's).
   template <bool Accumulate, class T>
@@ -601,7 +615,7 @@ struct Avx512 {
   }
 
   // The codes of sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T),
-  // which codes() takes whole) with scales[0, 16), if every one multiplies (no zero, NaN or
+  // which block_codes takes whole) with scales[0, 16), if every one multiplies (no zero, NaN or
   // tiny scale; else false, and nothing written): one vector division for their reciprocals,
   // and no branch per block. Block j's codes read next[j] for its absmax.
   template <Bits B, bool Stream, class T>
@@ -613,8 +627,8 @@ struct Avx512 {
     alignas(64) float r[16];
     _mm512_store_ps(r, inv);
     for (std::size_t j = 0; j < 16; ++j)
-      codes<B, Stream>(x, lo + j * block, lo + (j + 1) * block, Divisor(scales[j], r[j], qmax), out,
-                       next[j]);
+      block_codes<Avx512, B, Stream>(x, lo + j * block, lo + (j + 1) * block,
+                                     Divisor(scales[j], r[j], qmax), out, next[j]);
     return true;
   }
 
@@ -633,55 +647,50 @@ struct Avx512 {
     return biased16(simd::load(x, std::type_identity<V>{}).v, d, s, inv);
   }
 
-  // A finite block's codes, with each 16 or 32 codes as many values of `next` folded in.
-  template <Bits B, bool Stream, class T>
-  [[ZP_TARGET_AVX512]] static std::size_t codes(const T* x, std::size_t lo, std::size_t hi,
-                                                const Divisor& d, std::uint8_t* out, Ahead& next) {
-    const __m512 s = _mm512_set1_ps(d.scale), inv = _mm512_set1_ps(d.inverse);
-    const __m512i nibble = _mm512_set1_epi32(0x0f);
-    std::size_t i = lo;
-    // int4, 32 codes a step: each 32-bit lane's low byte gets two codes' nibbles (by one
-    // ternary-logic select), then 16 lanes narrow to 16 bytes.
-    if constexpr (std::is_same_v<T, bf16> && B == Bits::int4) {
-      // A bf16 is the upper half of its fp32: each 32-bit lane of a load holds code 2j's value
-      // in its lower half and 2j + 1's in its upper half, so shifting and masking widen them in
-      // place, with no reordering.
-      for (; i + 32 <= hi; i += 32) {
-        Avx2::feed<32>(x, next);
-        const __m512i v = _mm512_loadu_si512(x + i);
-        const __m512i even = biased16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, s, inv),
-                      odd = biased16(
-                          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))), d, s,
-                          inv);
-        const __m512i b = _mm512_ternarylogic_epi32(nibble, even, _mm512_slli_epi32(odd, 4), 0xca);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(b));
-      }
-    } else if constexpr (B == Bits::int4) {
-      // The two vectors' low 16 bits, in order, then each 32-bit lane's upper code shifted down.
-      const __m512i low_halves =
-          _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
-                           26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-      for (; i + 32 <= hi; i += 32) {
-        Avx2::feed<32>(x, next);
-        const __m512i w = _mm512_permutex2var_epi16(biased16(x + i, d, s, inv), low_halves,
-                                                    biased16(x + i + 16, d, s, inv));
-        const __m512i b = _mm512_ternarylogic_epi32(nibble, w, _mm512_srli_epi32(w, 12), 0xca);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm512_cvtepi32_epi8(b));
-      }
-    }
-    for (; i + 16 <= hi; i += 16) {
-      Avx2::feed<16>(x, next);
-      const __m512i q = biased16(x + i, d, s, inv);
+  struct Coder {
+    const Divisor& d;
+    __m512 s, inv;
+    [[ZP_TARGET_AVX512]] explicit Coder(const Divisor& d)
+        : d(d), s(_mm512_set1_ps(d.scale)), inv(_mm512_set1_ps(d.inverse)) {}
+    template <Bits B, class T>
+    [[ZP_TARGET_AVX512]] __m128i bytes(const T* x) const {
       if constexpr (B == Bits::int8) {
-        store_code_bytes<B, Stream>(_mm512_cvtepi32_epi8(q), out + i);
-      } else {  // 64-bit lane j holds codes 2j, 2j+1: their nibbles into byte j
-        const __m512i t = _mm512_and_si512(q, nibble);
-        store_code_bytes<B, Stream>(
-            _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28))), out + i / 2);
+        return _mm512_cvtepi32_epi8(biased16(x, d, s, inv));
+      } else {
+        // Each 32-bit lane's low byte gets two codes' nibbles (by one ternary-logic select),
+        // then 16 lanes narrow to 16 bytes.
+        const __m512i nibble = _mm512_set1_epi32(0x0f);
+        __m512i b;
+        if constexpr (std::is_same_v<T, bf16>) {
+          // A bf16 is the upper half of its fp32: each 32-bit lane of a load holds code 2j's
+          // value in its lower half and 2j + 1's in its upper half, so shifting and masking
+          // widen them in place, with no reordering.
+          const __m512i v = _mm512_loadu_si512(x);
+          const __m512i even = biased16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d, s, inv),
+                        odd = biased16(
+                            _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))), d,
+                            s, inv);
+          b = _mm512_ternarylogic_epi32(nibble, even, _mm512_slli_epi32(odd, 4), 0xca);
+        } else {
+          // The two vectors' low 16 bits, in order, then each 32-bit lane's upper code shifted
+          // down.
+          const __m512i low_halves =
+              _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30,
+                               28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+          const __m512i w = _mm512_permutex2var_epi16(biased16(x, d, s, inv), low_halves,
+                                                      biased16(x + 16, d, s, inv));
+          b = _mm512_ternarylogic_epi32(nibble, w, _mm512_srli_epi32(w, 12), 0xca);
+        }
+        return _mm512_cvtepi32_epi8(b);
       }
     }
-    return i;
-  }
+    template <class T>
+    [[ZP_TARGET_AVX512]] __m128i nibbles(const T* x) const {
+      // 64-bit lane j holds codes 2j, 2j + 1: their nibbles into byte j
+      const __m512i t = _mm512_and_si512(biased16(x, d, s, inv), _mm512_set1_epi32(0x0f));
+      return _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28)));
+    }
+  };
 
   // Codes i .. i + 15 in int32 lanes (int4: each byte in two lanes, shifted so that one nibble
   // is on top, and shifted back down with its sign).
@@ -789,6 +798,40 @@ struct Avx512 {
   }
 };
 
+// A finite block's codes, x[lo, hi) into out, by Simd's steps of 16 code bytes (16 values int8,
+// 32 int4), each with as many of next's values folded into its top: the next block's read from
+// memory overlaps this block's arithmetic; int4's last 16 values 8 bytes. Stream: the bytes
+// streamed, whole lines at once where the codes cover them (stream_line). Returns where the
+// rest of the block (under 16 values) starts.
+template <class Simd, Bits B, bool Stream, class T>
+std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Divisor& d,
+                        std::uint8_t* out, typename Simd::Ahead& next) {
+  constexpr std::size_t n = B == Bits::int8 ? 16 : 32;
+  const typename Simd::Coder c(d);
+  const auto at = [&](std::size_t i) { return out + (B == Bits::int8 ? i : i / 2); };
+  const auto step = [&](std::size_t i) {
+    Avx2::feed<n>(x, next);
+    return c.template bytes<B>(x + i);
+  };
+  std::size_t i = lo;
+  if constexpr (Stream) {
+    for (; i + n <= hi && reinterpret_cast<std::uintptr_t>(at(i)) % 64 != 0; i += n)
+      store_code_bytes<true>(step(i), at(i));
+    for (; i + 4 * n <= hi; i += 4 * n) {
+      const __m128i a = step(i), b = step(i + n), e = step(i + 2 * n), f = step(i + 3 * n);
+      stream_line(at(i), a, b, e, f);
+    }
+  }
+  for (; i + n <= hi; i += n) store_code_bytes<Stream>(step(i), at(i));
+  if constexpr (B == Bits::int4)
+    if (i + 16 <= hi) {
+      Avx2::feed<16>(x, next);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(at(i)), c.nibbles(x + i));
+      i += 16;
+    }
+  return i;
+}
+
 // QuantizeBlock over every block with Simd's loops (bitwise the same codes and scales; Stream:
 // the codes with streaming stores, codes and every block's first 16-byte aligned).
 template <class Simd, Bits B, bool Stream, class T>
@@ -810,7 +853,7 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
       return;
     }
     const Divisor d(scale, qmax);
-    write_codes(x, Simd::template codes<B, Stream>(x, lo, hi, d, codes, next), hi, B, d, codes);
+    write_codes(x, block_codes<Simd, B, Stream>(x, lo, hi, d, codes, next), hi, B, d, codes);
   };
   std::size_t k = 0, lo = 0;
   // Blocks of two lines or less sixteen at a time: their scales first (the sixteen blocks stay
@@ -891,17 +934,17 @@ template <Bits B, class T, bool Accumulate, bool Stream>
   dequantize_blocks<Avx512, B, T, Accumulate, Stream>(codes, scales, n, block, out);
 }
 
-// Quantizes x (n values) on instruction set `isa` (avx2 or avx512; Stream: int8 codes streamed).
+// Quantizes x (n values) on instruction set `isa` (avx2 or avx512; Stream: codes streamed).
 template <bool Stream, class T>
 void quantize_x86(Isa isa, const T* x, std::size_t n, const Format& f, std::uint8_t* codes,
                   float* scales) {
   const bool wide = isa == Isa::avx512, int8 = f.bits == Bits::int8;
   if (wide)
     int8 ? quantize_avx512<Bits::int8, Stream>(x, n, f.block, codes, scales)
-         : quantize_avx512<Bits::int4, false>(x, n, f.block, codes, scales);
+         : quantize_avx512<Bits::int4, Stream>(x, n, f.block, codes, scales);
   else
     int8 ? quantize_avx2<Bits::int8, Stream>(x, n, f.block, codes, scales)
-         : quantize_avx2<Bits::int4, false>(x, n, f.block, codes, scales);
+         : quantize_avx2<Bits::int4, Stream>(x, n, f.block, codes, scales);
 }
 
 // Dequantizes n values into out (Accumulate: adds to it) on instruction set `isa`.
@@ -926,15 +969,14 @@ bool streams(Path p, const T* out, std::size_t n, std::size_t block) noexcept {
          reinterpret_cast<std::uintptr_t>(out) % 16 == 0 && block * sizeof(T) % 16 == 0;
 }
 
-// Whether quantize writes the int8 codes of n values of T at `codes` with streaming stores: when
-// the call reads and writes stream_min_bytes or more (by its end its first codes have left the
-// cache anyway), and every block's codes start 16-byte aligned. (int4's non-temporal stores
-// measured slower than plain ones: 8 bytes a store, and 16 no faster; bench/RESULTS.md.)
+// Whether quantize writes the codes of n values of T at `codes` with streaming stores: when the
+// call reads and writes stream_min_bytes or more (by its end its first codes have left the
+// cache anyway), and every block's codes start 16-byte aligned.
 template <class T>
 bool streams_codes(Path p, const std::uint8_t* codes, std::size_t n, const Format& f) noexcept {
-  return (p == Path::best || p == Path::avx2) && f.bits == Bits::int8 &&
-         n * sizeof(T) + n >= zp::detail::stream_min_bytes &&
-         reinterpret_cast<std::uintptr_t>(codes) % 16 == 0 && f.block % 16 == 0;
+  return (p == Path::best || p == Path::avx2) &&
+         n * sizeof(T) + f.code_bytes(n) >= zp::detail::stream_min_bytes &&
+         reinterpret_cast<std::uintptr_t>(codes) % 16 == 0 && f.code_bytes(f.block) % 16 == 0;
 }
 
 inline void check_sizes(const Format& f, std::size_t n, std::size_t code_bytes, std::size_t scales,
