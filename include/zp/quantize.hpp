@@ -387,6 +387,12 @@ struct Avx2 {
   template <std::size_t N, class T>
   [[ZP_TARGET_AVX2]] static void feed(const T* x, Ahead& next) {
     if (next.lo + N > next.hi) return;
+    // The lines 8 KB past this read, into L2: the loop's demand loads alone keep too few lines
+    // in flight (0.5-0.8 of the time with it, bench/RESULTS.md). An address, not an access: a
+    // prefetch past x's end reads and faults nothing.
+    const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x + next.lo) + 8192;
+    for (std::size_t b = 0; b < std::max<std::size_t>(N * sizeof(T), 64); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
     for (std::size_t t = 0; t < N; t += 32 / sizeof(T)) next.top = fold(x + next.lo + t, next.top);
     next.lo += N;
   }
@@ -879,8 +885,8 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
   // Zen 3; AVX-512 on a Xeon: 16-bit inputs 0.60-0.98 at blocks 512 and 2048, fp32 0.80 at 512
   // and no gain at 2048, where the next block's loads bound the loop; bench/RESULTS.md,
-  // 2026-12-05). No software prefetch: the hardware's alone measured faster (2026-11-29), and one
-  // ahead of the next block's loads left fp32 at block 2048 as it was (2026-12-05).
+  // 2026-12-05). feed also prefetches 8 KB past the next block's read into L2 (nearer, 1-4 KB,
+  // or into L1, measured no gain or a loss on fp32).
   auto next = Simd::ahead(lo, std::min(n, lo + block));
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
