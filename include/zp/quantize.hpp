@@ -388,7 +388,7 @@ struct Avx2 {
   [[ZP_TARGET_AVX2]] static void feed(const T* x, Ahead& next) {
     if (next.lo + N > next.hi) return;
     // The lines 8 KB past this read, into L2: the loop's demand loads alone keep too few lines
-    // in flight (0.5-0.8 of the time with it, bench/RESULTS.md). An address, not an access: a
+    // in flight (0.38-0.90 of the time with it, bench/RESULTS.md). An address, not an access: a
     // prefetch past x's end reads and faults nothing.
     const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(x + next.lo) + 8192;
     for (std::size_t b = 0; b < std::max<std::size_t>(N * sizeof(T), 64); b += 64)
