@@ -885,8 +885,8 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
   // Zen 3; AVX-512 on a Xeon: 16-bit inputs 0.60-0.98 at blocks 512 and 2048, fp32 0.80 at 512
   // and no gain at 2048, where the next block's loads bound the loop; bench/RESULTS.md,
-  // 2026-12-05). feed also prefetches 8 KB past the next block's read into L2 (nearer, 1-4 KB,
-  // or into L1, measured no gain or a loss on fp32).
+  // 2026-12-05). feed also prefetches 8 KB past the next block's read into L2 (1-2 KB ahead
+  // measured no gain, into L1 a loss on fp32; 4 and 16 KB into L2 as good).
   auto next = Simd::ahead(lo, std::min(n, lo + block));
   for (; lo < n; ++k, lo += block) {
     const std::size_t hi = std::min(n, lo + block);
