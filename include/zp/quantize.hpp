@@ -815,8 +815,11 @@ std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Diviso
   constexpr std::size_t n = B == Bits::int8 ? 16 : 32;
   const typename Simd::Coder c(d);
   const auto at = [&](std::size_t i) { return out + (B == Bits::int8 ? i : i / 2); };
+  // The next block is read a 64-byte line or more at a time: 16-bit int8 steps (32 bytes) read
+  // two steps' worth every other step.
+  constexpr std::size_t fed = n * sizeof(T) >= 64 ? n : 2 * n;
   const auto step = [&](std::size_t i) {
-    Avx2::feed<n>(x, next);
+    if (fed == n || (i - lo) % fed == 0) Avx2::feed<fed>(x, next);
     return c.template bytes<B>(x + i);
   };
   std::size_t i = lo;
