@@ -32,7 +32,12 @@ foreach(row IN LISTS ZP_MUTATIONS)
   list(GET f 3 seed)
   # Through a shell: a test killed by the signal it reports (doctest's "test case CRASHED") must
   # still be judged by its output, which ctest does not do for a process that died of a signal.
-  add_test(NAME zp.mutation.${site} COMMAND sh -c "\"$0\" \"$@\"; exit 0" $<TARGET_FILE:zp.test.${test}> -tc=${case})
+  # Its TMPDIR is a directory of its own, removed after the run: a test that crashes leaves its
+  # temporary directories behind.
+  add_test(NAME zp.mutation.${site}
+           COMMAND sh -c "mkdir -p \"$1\" && TMPDIR=\"$1\" \"$0\" \"$2\"; rm -rf \"$1\"; exit 0"
+                   $<TARGET_FILE:zp.test.${test}> ${CMAKE_CURRENT_BINARY_DIR}/mutation.${site}.tmp
+                   -tc=${case})
   set_tests_properties(zp.mutation.${site} PROPERTIES LABELS "sim;mutation" TIMEOUT 120
     ENVIRONMENT "ZP_SIM_DROP=${site};ZP_SIM_SEED=${seed}"
     PASS_REGULAR_EXPRESSION "is NOT correct|test case CRASHED|Sanitizer")
