@@ -817,7 +817,7 @@ std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Diviso
   const auto at = [&](std::size_t i) { return out + (B == Bits::int8 ? i : i / 2); };
   // The next block is read a 64-byte line or more at a time: 16-bit int8 steps (32 bytes) read
   // two steps' worth every other step (one prefetch a line, not two: 0.77-0.85 of the time at
-  // blocks 512 and 2048, bench/RESULTS.md).
+  // blocks 512 and 2048 on AVX-512, 0.90-1.04 on AVX2; bench/RESULTS.md).
   constexpr std::size_t fed = n * sizeof(T) >= 64 ? n : 2 * n;
   const auto step = [&](std::size_t i) {
     if (fed == n || (i - lo) % fed == 0) Avx2::feed<fed>(x, next);
