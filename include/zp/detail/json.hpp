@@ -84,10 +84,12 @@ class JsonTracker {
   [[noreturn]] void fail(const std::string& what) const {
     std::string p;
     for (const Frame& f : frames_) {
-      if (f.object)
-        p += (p.empty() ? "" : ".") + text_excerpt(f.key);
-      else
+      if (f.object) {
+        if (!p.empty()) p += '.';
+        p += text_excerpt(f.key);
+      } else {
         p += cat('[', f.index, ']');
+      }
     }
     throw Error(errc_, p.empty() ? cat(source_, ": ", what) : cat(source_, ": ", p, ": ", what));
   }
