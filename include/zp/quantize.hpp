@@ -289,6 +289,10 @@ inline void store_code_bytes(__m128i c, std::uint8_t* at) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(at) + 1, _mm256_set_m128i(d, c));
 }
 
+// Values a step of block_codes makes codes of: 16 code bytes.
+template <Bits B>
+constexpr std::size_t step_values = B == Bits::int8 ? 16 : 32;
+
 template <class Simd, Bits B, bool Stream, class T>
 std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Divisor& d,
                         std::uint8_t* out, typename Simd::Ahead& next);
@@ -812,7 +816,7 @@ struct Avx512 {
 template <class Simd, Bits B, bool Stream, class T>
 std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Divisor& d,
                         std::uint8_t* out, typename Simd::Ahead& next) {
-  constexpr std::size_t n = B == Bits::int8 ? 16 : 32;
+  constexpr std::size_t n = step_values<B>;
   const typename Simd::Coder c(d);
   const auto at = [&](std::size_t i) { return out + (B == Bits::int8 ? i : i / 2); };
   // The next block is read a 64-byte line or more at a time: 16-bit int8 steps (32 bytes) read
@@ -873,9 +877,9 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // of four steps or more 0.84-1.23 (fp32 int8 block 64, 16-bit block 128; bench/RESULTS.md). A
   // group's codes read the next group's blocks for their absmax, block j alongside block j
   // (0.80-0.91 of the time at 16-bit block 64, 2026-12-05).
-  constexpr std::size_t step = B == Bits::int8 ? 16 : 32;  // values per code step
   if constexpr (std::is_same_v<Simd, Avx512>)
-    if (block % (64 / sizeof(T)) == 0 && (block * sizeof(T) <= 128 || block <= 2 * step)) {
+    if (block % (64 / sizeof(T)) == 0 &&
+        (block * sizeof(T) <= 128 || block <= 2 * step_values<B>)) {
       typename Simd::Ahead groups[2][16], *now = groups[0], *next = groups[1];
       Simd::group(lo, block, n, now);
       for (; n - lo >= 16 * block; k += 16, lo += 16 * block, std::swap(now, next)) {
