@@ -870,12 +870,12 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
     write_codes(x, block_codes<Simd, B, Stream>(x, lo, hi, d, codes, next), hi, B, d, codes);
   };
   std::size_t k = 0, lo = 0;
-  // Blocks of two lines or less, or of two code steps or less (fp32 int4 at block 64), sixteen at
-  // a time: their scales first (the sixteen blocks stay in L1), then their codes. Measured at
-  // 16-bit block 64 (0.75-0.87 of the time) and fp32 int4 block 64 (0.76-0.90); blocks of 1 KB
-  // measured 1.1-1.5x slower so (the memory idles while the codes are made), and 256-byte blocks
-  // of four steps or more 0.84-1.23 (fp32 int8 block 64, 16-bit block 128; bench/RESULTS.md). A
-  // group's codes read the next group's blocks for their absmax, block j alongside block j
+  // Blocks of two lines or less, or of two code steps or less (fp32 int4 blocks of up to 64 values),
+  // sixteen at a time: their scales first (the sixteen blocks stay in L1), then their codes.
+  // Measured at 16-bit block 64 (0.75-0.87 of the time) and fp32 int4 block 64 (0.76-0.90); blocks
+  // of 1 KB measured 1.1-1.5x slower so (the memory idles while the codes are made), and 256-byte
+  // blocks of four steps or more 0.84-1.23 (fp32 int8 block 64, 16-bit block 128; bench/RESULTS.md).
+  // A group's codes read the next group's blocks for their absmax, block j alongside block j
   // (0.80-0.91 of the time at 16-bit block 64, 2026-12-05).
   if constexpr (std::is_same_v<Simd, Avx512>)
     if (block % (64 / sizeof(T)) == 0 &&
