@@ -1,16 +1,18 @@
-// zp_bench_aio: zp::aio (io_uring) against a plain synchronous loop over the same file, both with
-// O_DIRECT where the file system allows it, measured in the same run.
+// zp_bench_aio: zp::aio (io_uring, and its threads engine) against a plain synchronous loop over
+// the same file, all with O_DIRECT where the file system allows it, measured in the same run.
 //
 // aio/<write|read>/depth:D/block:B  a 1 GiB transfer (ZP_BENCH_AIO_BYTES overrides) through one
 //   File with queue depth D and requests of B bytes; GBps = bytes / time (mean over the
 //   iterations); vs_sync = its GBps over the sync row's at the same block size; direct = 1 where
 //   O_DIRECT was in effect.
 // sync/<write|read>/block:B  the baseline: pwrite/pread of B bytes at a time, one in flight.
-// aio/read_behind_compute/depth:D/block:B  the same read started, then the caller busy for as
-//   long as the read alone took just before (io_ms; a spin on the clock, no memory traffic),
-//   then waiting for it: total_ms; hidden = (io + compute - total) / min(io, compute), the part
-//   of the read that ran while the caller computed (1: all of it; a transfer that moves only
-//   while waited for gives 0). What the swap's read-ahead (swap.hpp) relies on.
+// threads/<write|read>/depth:D/block:B  the aio row through the threads engine (what runs where
+//   io_uring is refused); vs_io_uring = its GBps over the aio row's of the same D and B.
+// <aio|threads>/read_behind_compute/depth:D/block:B  the same read started, then the caller busy
+//   for as long as the read alone took just before (io_ms; a spin on the clock, no memory
+//   traffic), then waiting for it: total_ms; hidden = (io + compute - total) / min(io, compute),
+//   the part of the read that ran while the caller computed (1: all of it; a transfer that moves
+//   only while waited for gives 0). What the swap's read-ahead (swap.hpp) relies on.
 // The file lives in ZP_BENCH_AIO_DIR (default: the temporary directory): put it on the NVMe
 // device to measure. Every read row first checks the bytes against what was written.
 #include <benchmark/benchmark.h>
@@ -25,6 +27,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "zp/async_file.hpp"
 
@@ -66,6 +69,11 @@ std::map<std::pair<bool, std::size_t>, double>& sync_gbps() {
   static std::map<std::pair<bool, std::size_t>, double> m;
   return m;
 }
+// GB/s of the io_uring rows, by (write, depth, block), for vs_io_uring.
+std::map<std::tuple<bool, unsigned, std::size_t>, double>& uring_gbps() {
+  static std::map<std::tuple<bool, unsigned, std::size_t>, double> m;
+  return m;
+}
 
 void sync_loop(benchmark::State& state, bool write) {
   const std::size_t block = std::size_t(state.range(0)), n = total_bytes();
@@ -100,14 +108,15 @@ void sync_loop(benchmark::State& state, bool write) {
   state.counters["GBps"] = gbps;
 }
 
-void aio_loop(benchmark::State& state, bool write) {
+void aio_loop(benchmark::State& state, bool write, zp::aio::Engine engine) {
   const unsigned depth = unsigned(state.range(0));
   const std::size_t block = std::size_t(state.range(1)), n = total_bytes();
   const fs::path path = bench_file();
   double secs = 0;
   bool direct = false;
   try {
-    zp::aio::File f(path, zp::aio::Mode::read_write, {.queue_depth = depth, .block_bytes = block});
+    zp::aio::File f(path, zp::aio::Mode::read_write,
+                    {.queue_depth = depth, .block_bytes = block, .engine = engine});
     direct = f.direct();
     AlignedBuffer in(n);
     if (!write) f.write(data().span(), 0);
@@ -135,15 +144,20 @@ void aio_loop(benchmark::State& state, bool write) {
   state.counters["direct"] = direct;
   if (auto it = sync_gbps().find({write, block}); it != sync_gbps().end())
     state.counters["vs_sync"] = gbps / it->second;
+  if (engine == zp::aio::Engine::io_uring)
+    uring_gbps()[{write, depth, block}] = gbps;
+  else if (auto it = uring_gbps().find({write, depth, block}); it != uring_gbps().end())
+    state.counters["vs_io_uring"] = gbps / it->second;
 }
 
-void read_behind_compute(benchmark::State& state) {
+void read_behind_compute(benchmark::State& state, zp::aio::Engine engine) {
   const unsigned depth = unsigned(state.range(0));
   const std::size_t block = std::size_t(state.range(1)), n = total_bytes();
   const fs::path path = bench_file();
   double io = 0, compute = 0, total = 0;
   try {
-    zp::aio::File f(path, zp::aio::Mode::read_write, {.queue_depth = depth, .block_bytes = block});
+    zp::aio::File f(path, zp::aio::Mode::read_write,
+                    {.queue_depth = depth, .block_bytes = block, .engine = engine});
     AlignedBuffer in(n);
     f.write(data().span(), 0);
     for (auto _ : state) {
@@ -176,6 +190,11 @@ void read_behind_compute(benchmark::State& state) {
 }
 
 const bool registered = [] {
+  // The io_uring rows first: the threads rows' vs_io_uring divides by theirs.
+  const zp::aio::Engine engines[] = {zp::aio::Engine::io_uring, zp::aio::Engine::threads};
+  const auto prefix = [](zp::aio::Engine e) {
+    return std::string(e == zp::aio::Engine::io_uring ? "aio/" : "threads/");
+  };
   for (bool write : {true, false}) {
     const std::string op = write ? "write" : "read";
     for (std::int64_t block : {std::int64_t(1) << 20})
@@ -186,24 +205,27 @@ const bool registered = [] {
           ->Iterations(3)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("aio/" + op).c_str(),
-                                 [=](benchmark::State& s) { aio_loop(s, write); })
+    for (const auto engine : engines)
+      benchmark::RegisterBenchmark((prefix(engine) + op).c_str(),
+                                   [=](benchmark::State& s) { aio_loop(s, write, engine); })
+          ->ArgNames({"depth", "block"})
+          ->Args({1, 1 << 20})
+          ->Args({8, 1 << 20})
+          ->Args({32, 1 << 20})
+          ->Args({32, 128 << 10})
+          ->Iterations(3)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+  }
+  for (const auto engine : engines)
+    benchmark::RegisterBenchmark((prefix(engine) + "read_behind_compute").c_str(),
+                                 [=](benchmark::State& s) { read_behind_compute(s, engine); })
         ->ArgNames({"depth", "block"})
-        ->Args({1, 1 << 20})
         ->Args({8, 1 << 20})
         ->Args({32, 1 << 20})
-        ->Args({32, 128 << 10})
         ->Iterations(3)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
-  }
-  benchmark::RegisterBenchmark("aio/read_behind_compute", read_behind_compute)
-      ->ArgNames({"depth", "block"})
-      ->Args({8, 1 << 20})
-      ->Args({32, 1 << 20})
-      ->Iterations(3)
-      ->UseManualTime()
-      ->Unit(benchmark::kMillisecond);
   return true;
 }();
 

@@ -3,7 +3,9 @@
 // that reach their end while the caller does not wait; several transfers in flight finished in
 // any order; reads past the end of the file, writes past the
 // process's file-size limit, files that cannot be opened and misaligned O_DIRECT requests are
-// errors naming the file, the call, the offset and the value.
+// errors naming the file, the call, the offset and the value. Each on both engines (io_uring and
+// threads; threads alone where the system refuses io_uring, as zp.test.async_file.no_io_uring
+// makes it do), and a File left to choose takes io_uring where it is allowed, else threads.
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -25,12 +27,28 @@
 namespace {
 
 using zp::aio::AlignedBuffer;
+using zp::aio::Engine;
 using zp::aio::File;
 using zp::aio::Mode;
 
 void fill_random(std::span<std::byte> b, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   for (auto& x : b) x = std::byte(rng() & 0xff);
+}
+
+// Whether this process may use io_uring (a seccomp profile or the sysctl kernel.io_uring_disabled
+// may refuse it), asked of the kernel directly.
+bool io_uring_allowed() {
+  io_uring ring;
+  if (io_uring_queue_init(1, &ring, 0) != 0) return false;
+  io_uring_queue_exit(&ring);
+  return true;
+}
+
+// The engines to test: both, or threads alone where io_uring is refused.
+std::vector<Engine> engines() {
+  if (io_uring_allowed()) return {Engine::io_uring, Engine::threads};
+  return {Engine::threads};
 }
 
 }  // namespace
@@ -42,20 +60,24 @@ TEST_CASE("random bytes go out and come back at every block size and queue depth
       (std::size_t(3) << 20) + 5 * zp::aio::alignment;  // not a block multiple
   AlignedBuffer out(bytes), in(bytes);
   fill_random(out.span(), seed);
-  for (std::size_t block : {std::size_t(4096), std::size_t(64) << 10, std::size_t(1) << 20})
-    for (unsigned depth : {1u, 4u, 32u}) {
-      CAPTURE(block);
-      CAPTURE(depth);
-      File f(dir.path / "round.bin", Mode::read_write,
-             {.queue_depth = depth, .block_bytes = block});
-      const std::uint64_t at = 8 * zp::aio::alignment;  // leaves a hole before it
-      f.write(out.span(), at);
-      f.sync();
-      CHECK(f.size() == at + bytes);
-      std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
-      f.read(in.span(), at);
-      CHECK(std::memcmp(in.span().data(), out.span().data(), bytes) == 0);
-    }
+  for (const Engine e : engines())
+    for (std::size_t block : {std::size_t(4096), std::size_t(64) << 10, std::size_t(1) << 20})
+      for (unsigned depth : {1u, 4u, 32u}) {
+        const std::string engine = name(e);
+        CAPTURE(engine);
+        CAPTURE(block);
+        CAPTURE(depth);
+        File f(dir.path / "round.bin", Mode::read_write,
+               {.queue_depth = depth, .block_bytes = block, .engine = e});
+        CHECK(f.engine() == e);
+        const std::uint64_t at = 8 * zp::aio::alignment;  // leaves a hole before it
+        f.write(out.span(), at);
+        f.sync();
+        CHECK(f.size() == at + bytes);
+        std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
+        f.read(in.span(), at);
+        CHECK(std::memcmp(in.span().data(), out.span().data(), bytes) == 0);
+      }
 }
 
 TEST_CASE("several transfers in flight finish in any order") {
@@ -68,18 +90,24 @@ TEST_CASE("several transfers in flight finish in any order") {
     in.emplace_back(piece);
     fill_random(out.back().span(), seed + std::uint64_t(k));
   }
-  File f(dir.path / "many.bin", Mode::read_write, {.queue_depth = 3, .block_bytes = 64 << 10});
-  std::vector<zp::aio::Transfer> w, r;
-  for (int k = 0; k < 4; ++k) w.push_back(f.write_async(out[std::size_t(k)].span(), k * piece));
-  for (int k = 3; k >= 0; --k) f.wait(w[std::size_t(k)]);
-  for (int k = 0; k < 4; ++k) r.push_back(f.read_async(in[std::size_t(k)].span(), k * piece));
-  f.wait(r[2]);
-  f.wait(r[0]);
-  f.wait(r[3]);
-  f.wait(r[1]);
-  f.wait(r[1]);  // finished already: returns
-  for (std::size_t k = 0; k < 4; ++k)
-    CHECK(std::memcmp(in[k].span().data(), out[k].span().data(), piece) == 0);
+  for (const Engine e : engines()) {
+    const std::string engine = name(e);
+    CAPTURE(engine);
+    for (auto& b : in) std::fill(b.span().begin(), b.span().end(), std::byte{0xa5});
+    File f(dir.path / "many.bin", Mode::read_write,
+           {.queue_depth = 3, .block_bytes = 64 << 10, .engine = e});
+    std::vector<zp::aio::Transfer> w, r;
+    for (int k = 0; k < 4; ++k) w.push_back(f.write_async(out[std::size_t(k)].span(), k * piece));
+    for (int k = 3; k >= 0; --k) f.wait(w[std::size_t(k)]);
+    for (int k = 0; k < 4; ++k) r.push_back(f.read_async(in[std::size_t(k)].span(), k * piece));
+    f.wait(r[2]);
+    f.wait(r[0]);
+    f.wait(r[3]);
+    f.wait(r[1]);
+    f.wait(r[1]);  // finished already: returns
+    for (std::size_t k = 0; k < 4; ++k)
+      CHECK(std::memcmp(in[k].span().data(), out[k].span().data(), piece) == 0);
+  }
 }
 
 // A transfer must move while its caller computes (the swap's read-ahead relies on it): each
@@ -89,9 +117,7 @@ TEST_CASE("a transfer runs to its end without the caller waiting for it") {
   const std::size_t bytes = std::size_t(3) << 20;  // 48 requests in 4 chains
   AlignedBuffer out(bytes), in(bytes);
   fill_random(out.span(), zp::test::fresh_seed());
-  std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
   const auto path = dir.path / "ahead.bin";
-  File f(path, Mode::read_write, {.queue_depth = 4, .block_bytes = 64 << 10});
   // Whether the bytes were seen where they belong once. Only that: until wait() finishes the
   // transfer the buffer is the kernel's, and on this project's VM a later look may catch it
   // changing (bytes seen equal, then old ones again, right once waited for).
@@ -102,28 +128,44 @@ TEST_CASE("a transfer runs to its end without the caller waiting for it") {
       if (equal()) return true;
     return false;
   };
-  const zp::aio::Transfer w = f.write_async(out.span(), 0);
-  CHECK(arrives([&] {  // through another descriptor, which sees what reached the file
-    std::vector<std::byte> back(bytes);
-    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(back.data()), bytes);
-    return std::memcmp(back.data(), out.span().data(), bytes) == 0;
-  }));
-  f.wait(w);
-  const zp::aio::Transfer r = f.read_async(in.span(), 0);
-  CHECK(arrives([&] { return std::memcmp(in.span().data(), out.span().data(), bytes) == 0; }));
-  f.wait(r);
-  CHECK(std::memcmp(in.span().data(), out.span().data(), bytes) == 0);
+  for (const Engine e : engines()) {
+    const std::string engine = name(e);
+    CAPTURE(engine);
+    std::filesystem::remove(path);
+    std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
+    File f(path, Mode::read_write, {.queue_depth = 4, .block_bytes = 64 << 10, .engine = e});
+    const zp::aio::Transfer w = f.write_async(out.span(), 0);
+    CHECK(arrives([&] {  // through another descriptor, which sees what reached the file
+      std::vector<std::byte> back(bytes);
+      std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(back.data()), bytes);
+      return std::memcmp(back.data(), out.span().data(), bytes) == 0;
+    }));
+    f.wait(w);
+    const zp::aio::Transfer r = f.read_async(in.span(), 0);
+    // Into memory the threads engine's threads write: a look before wait() would be a data race
+    // (the write above shows that they run without the caller).
+    if (e == Engine::io_uring)
+      CHECK(arrives([&] { return std::memcmp(in.span().data(), out.span().data(), bytes) == 0; }));
+    f.wait(r);
+    CHECK(std::memcmp(in.span().data(), out.span().data(), bytes) == 0);
+  }
 }
 
 TEST_CASE("without O_DIRECT any address, offset and length work") {
   zp::test::TempDir dir("aio");
   std::vector<std::byte> out(10007), in(10007, std::byte{0});
   fill_random(out, zp::test::fresh_seed());
-  File f(dir.path / "plain.bin", Mode::read_write, {.block_bytes = 4096, .direct = false});
-  CHECK_FALSE(f.direct());
-  f.write(std::span<const std::byte>(out).subspan(1), 13);
-  f.read(std::span<std::byte>(in).subspan(1), 13);
-  CHECK(std::equal(in.begin() + 1, in.end(), out.begin() + 1));
+  for (const Engine e : engines()) {
+    const std::string engine = name(e);
+    CAPTURE(engine);
+    std::fill(in.begin(), in.end(), std::byte{0});
+    File f(dir.path / "plain.bin", Mode::read_write,
+           {.block_bytes = 4096, .direct = false, .engine = e});
+    CHECK_FALSE(f.direct());
+    f.write(std::span<const std::byte>(out).subspan(1), 13);
+    f.read(std::span<std::byte>(in).subspan(1), 13);
+    CHECK(std::equal(in.begin() + 1, in.end(), out.begin() + 1));
+  }
 }
 
 TEST_CASE("failures are errors naming the file, the call, the offset and the value") {
@@ -135,40 +177,49 @@ TEST_CASE("failures are errors naming the file, the call, the offset and the val
     File f(path, Mode::read_write);
     f.write(buf.span().first(2 * zp::aio::alignment), 0);
   }
-  File f(path, Mode::read);
-  // Past the end: the second half of the read finds no bytes (in one request, and in a chain of
-  // four whose third and fourth find none).
-  zp::test::expect_error(zp::Errc::io, [&] { f.read(buf.span(), 0); },
-                         {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
-  zp::test::expect_error(
-      zp::Errc::io,
-      [&] { File(path, Mode::read, {.queue_depth = 1, .block_bytes = 4096}).read(buf.span(), 0); },
-      {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
-  // The file is still usable after an error.
-  f.read(buf.span().first(zp::aio::alignment), zp::aio::alignment);
-  // A file whose size is no multiple of the alignment: the read stops short there, and the rest
-  // (from an offset O_DIRECT could not start a read at) is named as past the file's end.
+  // A file whose size is no multiple of the alignment.
   const auto odd = dir.path / "odd.bin";
   std::filesystem::copy_file(path, odd);
   std::filesystem::resize_file(odd, 2 * zp::aio::alignment + 100);
-  zp::test::expect_error(
-      zp::Errc::io, [&] { File(odd, Mode::read).read(buf.span(), 0); },
-      {"aio: read of '", "odd.bin' at offset 8292 (8092 bytes)", "the file ends there"});
-  zp::test::expect_error(zp::Errc::io,
-                         [&] { File(dir.path / "missing" / "x.bin", Mode::read_write); },
-                         {"aio: open of '", "missing/x.bin'", "No such file or directory"});
+  for (const Engine e : engines()) {
+    const std::string engine = name(e);
+    CAPTURE(engine);
+    File f(path, Mode::read, {.engine = e});
+    // Past the end: the second half of the read finds no bytes (in one request, and in a chain
+    // of four whose third and fourth find none).
+    zp::test::expect_error(zp::Errc::io, [&] { f.read(buf.span(), 0); },
+                           {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
+    zp::test::expect_error(zp::Errc::io,
+                           [&] {
+                             File(path, Mode::read,
+                                  {.queue_depth = 1, .block_bytes = 4096, .engine = e})
+                                 .read(buf.span(), 0);
+                           },
+                           {"aio: read of '", "short.bin' at offset 8192", "the file ends there"});
+    // The file is still usable after an error.
+    f.read(buf.span().first(zp::aio::alignment), zp::aio::alignment);
+    // The odd file: the read stops short at its end, and the rest (from an offset O_DIRECT
+    // could not start a read at) is named as past the file's end.
+    zp::test::expect_error(
+        zp::Errc::io, [&] { File(odd, Mode::read, {.engine = e}).read(buf.span(), 0); },
+        {"aio: read of '", "odd.bin' at offset 8292 (8092 bytes)", "the file ends there"});
+    zp::test::expect_error(
+        zp::Errc::io,
+        [&] { File(dir.path / "missing" / "x.bin", Mode::read_write, {.engine = e}); },
+        {"aio: open of '", "missing/x.bin'", "No such file or directory"});
+    if (f.direct()) {
+      zp::test::expect_invalid([&] { f.read(buf.span().subspan(1, 4096), 0); },
+                               {"buffer address", "is not a multiple of 4096", "AlignedBuffer"});
+      zp::test::expect_invalid([&] { f.read(buf.span().first(4096), 100); },
+                               {"offset 100 and length 4096 must be multiples of 4096"});
+    } else {
+      MESSAGE("the temporary directory's file system refuses O_DIRECT: alignment not checked");
+    }
+  }
   zp::test::expect_invalid([&] { File(path, Mode::read, {.queue_depth = 0}); },
                            {"queue_depth 0 is not in [1, 4096]"});
   zp::test::expect_invalid([&] { File(path, Mode::read, {.block_bytes = 1000}); },
                            {"block_bytes 1000 is not a multiple of 4096"});
-  if (f.direct()) {
-    zp::test::expect_invalid([&] { f.read(buf.span().subspan(1, 4096), 0); },
-                             {"buffer address", "is not a multiple of 4096", "AlignedBuffer"});
-    zp::test::expect_invalid([&] { f.read(buf.span().first(4096), 100); },
-                             {"offset 100 and length 4096 must be multiples of 4096"});
-  } else {
-    MESSAGE("the temporary directory's file system refuses O_DIRECT: alignment not checked");
-  }
 }
 
 // Fifteen of the sixteen requests fail, in whatever order they complete: the error names the
@@ -183,11 +234,39 @@ TEST_CASE("a write past the process's file-size limit is an error naming it") {
   rlimit lim = old;
   lim.rlim_cur = 64 << 10;
   REQUIRE(::setrlimit(RLIMIT_FSIZE, &lim) == 0);
-  {
-    File f(dir.path / "big.bin", Mode::read_write, {.block_bytes = 64 << 10});
+  for (const Engine e : engines()) {
+    const std::string engine = name(e);
+    CAPTURE(engine);
+    std::filesystem::remove(dir.path / "big.bin");
+    File f(dir.path / "big.bin", Mode::read_write, {.block_bytes = 64 << 10, .engine = e});
     zp::test::expect_error(zp::Errc::io, [&] { f.write(buf.span(), 0); },
                            {"aio: write of '", "big.bin' at offset 65536", "File too large"});
   }
   ::setrlimit(RLIMIT_FSIZE, &old);
   ::signal(SIGXFSZ, before);
+}
+
+// What a File left to choose runs on: io_uring where the process may use it; where it may not
+// (zp.test.async_file.no_io_uring runs this under a seccomp filter that refuses it, as Docker's
+// default profile does), threads, while a File that asks for io_uring is an error saying why.
+TEST_CASE("a File takes io_uring where it is allowed, else threads") {
+  zp::test::TempDir dir("aio");
+  const auto path = dir.path / "auto.bin";
+  AlignedBuffer out(std::size_t(1) << 20), in(std::size_t(1) << 20);
+  fill_random(out.span(), zp::test::fresh_seed());
+  std::fill(in.span().begin(), in.span().end(), std::byte{0xa5});
+  File f(path, Mode::read_write, {.queue_depth = 4, .block_bytes = 64 << 10});
+  f.write(out.span(), 0);
+  f.read(in.span(), 0);
+  CHECK(std::memcmp(in.span().data(), out.span().data(), out.span().size()) == 0);
+  if (io_uring_allowed()) {
+    CHECK(f.engine() == Engine::io_uring);
+  } else {
+    MESSAGE("io_uring is refused to this process: the threads engine runs");
+    CHECK(f.engine() == Engine::threads);
+    zp::test::expect_error(zp::Errc::io,
+                           [&] { File(path, Mode::read, {.engine = Engine::io_uring}); },
+                           {"aio: io_uring_queue_init of '", "auto.bin'", "Operation not permitted",
+                            "Engine::threads or automatic runs without io_uring"});
+  }
 }

@@ -12,6 +12,13 @@
 //   zp::aio::Transfer t = f.read_async(buf.span(), 0);          // ... other work ...
 //   f.wait(t);
 //
+// Where the system refuses io_uring (a seccomp profile such as Docker's and containerd's default
+// ones, the sysctl kernel.io_uring_disabled, a kernel built without it), the transfers run on
+// threads of the File instead, min(queue_depth, max_threads) of them, each a pread or pwrite of one
+// request at a time (Engine::threads; engine() says which runs, and the first such File of the
+// process says so on stderr): the same requests in flight, at the cost of a thread's wake-up per
+// request (bench/RESULTS.md, zp_bench_aio's threads rows).
+//
 // O_DIRECT (no page cache) where the file system allows it; where it refuses (tmpfs, some network
 // file systems) the file is opened without it and direct() says so. In direct mode a buffer's
 // address, an offset and a length must be multiples of `alignment` (4096 bytes): anything else is
@@ -24,19 +31,24 @@
 
 #include <fcntl.h>
 #include <liburing.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -52,10 +64,23 @@ inline constexpr std::size_t alignment = 4096;
 
 enum class Mode { read, read_write };  // read_write creates the file if it is missing
 
+// What moves the bytes: io_uring, or threads running pread and pwrite. automatic: io_uring, or
+// threads where the system refuses io_uring (io_uring_setup fails with EPERM, EACCES, ENOSYS, or
+// ENOMEM: a locked-memory limit too small for the ring, before Linux 5.12).
+enum class Engine { automatic, io_uring, threads };
+
+inline const char* name(Engine e) noexcept {
+  return e == Engine::io_uring ? "io_uring" : e == Engine::threads ? "threads" : "automatic";
+}
+
+// The threads engine's threads per File at most.
+inline constexpr unsigned max_threads = 64;
+
 struct Options {
   unsigned queue_depth = 32;                       // requests of one transfer in flight at most
   std::size_t block_bytes = std::size_t(1) << 20;  // bytes of one request
   bool direct = true;  // try O_DIRECT (kept only where the file system allows)
+  Engine engine = Engine::automatic;
 };
 
 // Heap memory aligned for O_DIRECT, its size rounded up to a multiple of `alignment`.
@@ -100,10 +125,11 @@ class File {
     if (fd_ < 0 && direct_ && errno == EINVAL) direct_ = false;  // the file system refuses it
     if (fd_ < 0 && !direct_) fd_ = ::open(path_.c_str(), flags, 0644);
     if (fd_ < 0) throw io_error("open", 0, 0, errno);
-    if (const int e = io_uring_queue_init(std::max(opt.queue_depth, ring_entries), &ring_, 0);
-        e < 0) {
+    try {
+      start(opt.engine);
+    } catch (...) {
       ::close(fd_);
-      throw io_error("io_uring_queue_init", 0, 0, -e);
+      throw;
     }
   }
   File(const File&) = delete;
@@ -113,12 +139,14 @@ class File {
       while (in_flight_ > 0) reap_one();  // the kernel must not write into freed buffers
     } catch (...) {
     }
-    io_uring_queue_exit(&ring_);
+    workers_.reset();
+    if (engine_ == Engine::io_uring) io_uring_queue_exit(&ring_);
     ::close(fd_);
   }
 
   const std::filesystem::path& path() const noexcept { return path_; }
   bool direct() const noexcept { return direct_; }
+  Engine engine() const noexcept { return engine_; }  // io_uring or threads
   int native_handle() const noexcept { return fd_; }
   std::uint64_t size() const {
     struct stat st {};
@@ -170,6 +198,110 @@ class File {
     std::byte* buf;
     std::uint64_t offset;
     std::size_t len, done = 0;
+    Request* next = nullptr;  // the threads engine's queues
+    int result = 0;           // the threads engine's: bytes moved, or -errno
+  };
+
+  // Requests in order, linked through Request::next: queued without allocating, so handing one
+  // to the workers cannot fail half-way.
+  struct Fifo {
+    Request* head = nullptr;
+    Request** tail = &head;
+    void push(Request* r) noexcept {
+      r->next = nullptr;
+      *tail = r;
+      tail = &r->next;
+    }
+    Request* pop() noexcept {
+      Request* r = head;
+      if (r && !(head = r->next)) tail = &head;
+      return r;
+    }
+  };
+
+  // The threads engine: each thread takes the oldest queued request, moves it with one pread or
+  // pwrite (as an io_uring entry does: a short count comes back for the File to go on), and
+  // queues it as finished.
+  class Workers {
+   public:
+    Workers(int fd, unsigned count) : fd_(fd) {
+      threads_.reserve(count);  // so that no thread starts that the vector cannot hold
+      pthread_attr_t attr;
+      if (const int e = ::pthread_attr_init(&attr); e != 0) throw start_error(e);
+      // A loop around pread needs little stack; the default (8 MiB of address space a thread)
+      // would count against a `ulimit -v`.
+      ::pthread_attr_setstacksize(&attr, std::size_t(1) << 18);
+      int e = 0;
+      for (unsigned i = 0; i < count && e == 0; ++i) {
+        pthread_t t;
+        if ((e = ::pthread_create(&t, &attr, &Workers::main, this)) == 0) threads_.push_back(t);
+      }
+      ::pthread_attr_destroy(&attr);
+      if (e != 0) {
+        stop();
+        throw start_error(e);
+      }
+    }
+    Workers(const Workers&) = delete;
+    Workers& operator=(const Workers&) = delete;
+    ~Workers() { stop(); }
+
+    void run(Fifo& requests) noexcept {
+      {
+        const std::lock_guard lk(m_);
+        while (Request* r = requests.pop()) queued_.push(r);
+      }
+      wake_.notify_all();
+    }
+    Request* finished() noexcept {  // waits for one
+      std::unique_lock lk(m_);
+      done_.wait(lk, [&] { return finished_.head != nullptr; });
+      return finished_.pop();
+    }
+
+   private:
+    static Error start_error(int e) {
+      return Error(Errc::io, detail::cat("aio: cannot start the I/O threads: ", std::strerror(e)),
+                   e);
+    }
+    static void* main(void* self) {
+      static_cast<Workers*>(self)->loop();
+      return nullptr;
+    }
+    void loop() noexcept {
+      std::unique_lock lk(m_);
+      for (;;) {
+        wake_.wait(lk, [&] { return stopping_ || queued_.head != nullptr; });
+        Request* r = queued_.pop();
+        if (!r) return;  // stopping, nothing queued
+        lk.unlock();
+        const off_t at = off_t(r->offset + r->done);
+        ssize_t got;
+        do
+          got = r->write ? ::pwrite(fd_, r->buf + r->done, r->len - r->done, at)
+                         : ::pread(fd_, r->buf + r->done, r->len - r->done, at);
+        while (got < 0 && errno == EINTR);
+        r->result = got < 0 ? -errno : int(got);  // requests are at most 1 GiB
+        lk.lock();
+        finished_.push(r);
+        done_.notify_one();
+      }
+    }
+    void stop() noexcept {  // the File has reaped every request first
+      {
+        const std::lock_guard lk(m_);
+        stopping_ = true;
+      }
+      wake_.notify_all();
+      for (pthread_t t : threads_) ::pthread_join(t, nullptr);
+    }
+
+    int fd_;
+    std::mutex m_;
+    std::condition_variable wake_, done_;
+    Fifo queued_, finished_;
+    bool stopping_ = false;
+    std::vector<pthread_t> threads_;
   };
   struct State {
     std::size_t requests_left = 0;
@@ -188,6 +320,35 @@ class File {
     return Error(Errc::io, io_message(call, offset, len, std::strerror(err)), err);
   }
 
+  // The engine `e` asks for, or for automatic the one the system allows.
+  void start(Engine e) {
+    if (e != Engine::threads) {
+      const int r = io_uring_queue_init(std::max(opt_.queue_depth, ring_entries), &ring_, 0);
+      if (r == 0) {
+        engine_ = Engine::io_uring;
+        return;
+      }
+      const bool refused = r == -EPERM || r == -EACCES || r == -ENOSYS || r == -ENOMEM;
+      if (e == Engine::io_uring || !refused)
+        throw Error(Errc::io,
+                    io_message("io_uring_queue_init", 0, 0,
+                               detail::cat(std::strerror(-r),
+                                           refused ? " (Engine::threads or automatic runs "
+                                                     "without io_uring)"
+                                                   : "")),
+                    -r);
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true))
+        std::fprintf(stderr,
+                     "zp: aio: io_uring is refused here (io_uring_queue_init: %s; a seccomp "
+                     "profile such as Docker's default, or the sysctl kernel.io_uring_disabled): "
+                     "file transfers run on threads with pread and pwrite instead\n",
+                     std::strerror(-r));
+    }
+    workers_ = std::make_unique<Workers>(fd_, std::min(opt_.queue_depth, max_threads));
+    engine_ = Engine::threads;
+  }
+
   Transfer submit(bool write, std::byte* buf, std::size_t len, std::uint64_t offset) {
     const char* what = write ? "write" : "read";
     if (direct_) {
@@ -199,13 +360,20 @@ class File {
                 alignment, " (O_DIRECT)");
     }
     const std::uint64_t id = ++last_id_;
-    State& st = transfers_[id];
-    for (std::size_t at = 0; at < len; at += opt_.block_bytes) {
-      pending_.push_back({id, write, buf + at, offset + at, std::min(opt_.block_bytes, len - at)});
-      ++st.requests_left;
+    try {
+      State& st = transfers_[id];
+      for (std::size_t at = 0; at < len; at += opt_.block_bytes) {
+        pending_.push_back(
+            {id, write, buf + at, offset + at, std::min(opt_.block_bytes, len - at)});
+        ++st.requests_left;
+      }
+      if (st.requests_left == 0) transfers_.erase(id);  // nothing to move
+      launch();
+    } catch (...) {  // none of its requests went out (launch throws before any does): none will
+      std::erase_if(pending_, [&](const Request& r) { return r.transfer == id; });
+      transfers_.erase(id);
+      throw;
     }
-    if (st.requests_left == 0) transfers_.erase(id);  // nothing to move
-    launch();
     return {id};
   }
 
@@ -215,6 +383,17 @@ class File {
   // one's remainder comes back to pending_ in reap_one). Throws nothing once a request is in the
   // ring: its transfer is the caller's to wait for, so its buffer lives until then.
   void launch() {
+    if (workers_) {
+      std::vector<std::unique_ptr<Request>> slots;  // allocated before any is queued
+      slots.reserve(pending_.size());
+      for (const Request& r : pending_) slots.push_back(std::make_unique<Request>(r));
+      Fifo batch;
+      for (auto& r : slots) batch.push(r.release());
+      in_flight_ += pending_.size();
+      pending_.clear();
+      workers_->run(batch);
+      return;
+    }
     const std::size_t n = std::min({pending_.size(), std::size_t(io_uring_sq_space_left(&ring_)),
                                     std::size_t(ring_.cq.ring_entries) -
                                         std::min<std::size_t>(in_flight_, ring_.cq.ring_entries)});
@@ -251,14 +430,21 @@ class File {
   }
 
   void reap_one() {
-    io_uring_cqe* cqe = nullptr;
-    while (io_uring_peek_cqe(&ring_, &cqe) != 0) {  // none yet: submit what the ring holds, wait
-      const int e = io_uring_submit_and_wait(&ring_, 1);
-      if (e < 0 && e != -EINTR) throw io_error("io_uring_submit_and_wait", 0, 0, -e);
+    std::unique_ptr<Request> r;
+    int res;
+    if (workers_) {
+      r.reset(workers_->finished());
+      res = r->result;
+    } else {
+      io_uring_cqe* cqe = nullptr;
+      while (io_uring_peek_cqe(&ring_, &cqe) != 0) {  // none yet: submit what the ring holds, wait
+        const int e = io_uring_submit_and_wait(&ring_, 1);
+        if (e < 0 && e != -EINTR) throw io_error("io_uring_submit_and_wait", 0, 0, -e);
+      }
+      r.reset(static_cast<Request*>(io_uring_cqe_get_data(cqe)));
+      res = cqe->res;
+      io_uring_cqe_seen(&ring_, cqe);
     }
-    std::unique_ptr<Request> r(static_cast<Request*>(io_uring_cqe_get_data(cqe)));
-    const int res = cqe->res;
-    io_uring_cqe_seen(&ring_, cqe);
     --in_flight_;
     State& st = transfers_[r->transfer];
     const char* call = r->write ? "write" : "read";
@@ -288,8 +474,10 @@ class File {
   Options opt_;
   int fd_ = -1;
   bool direct_ = true;
-  io_uring ring_{};
-  std::size_t in_flight_ = 0;  // submitted, not reaped
+  Engine engine_ = Engine::automatic;
+  io_uring ring_{};                   // Engine::io_uring's
+  std::unique_ptr<Workers> workers_;  // Engine::threads'
+  std::size_t in_flight_ = 0;         // submitted, not reaped
   std::deque<Request> pending_;
   std::map<std::uint64_t, State> transfers_;
   std::uint64_t last_id_ = 0;

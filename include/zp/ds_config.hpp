@@ -325,7 +325,7 @@ inline constexpr AioKey aio_keys[] = {
     AioKey::read(
         "queue_depth", integer(8, 1, 4096, "an integer in [1, 4096]"),
         [](auto& a) -> auto& { return a.queue_depth; }),
-    // How libaio is driven in DeepSpeed; io_uring needs none of them.
+    // How libaio is driven in DeepSpeed; zp::aio's engines need none of them.
     AioKey::ignored("thread_count", count()), AioKey::ignored("single_submit", boolean()),
     AioKey::ignored("overlap_events", boolean()), AioKey::ignored("intra_op_parallelism", count()),
     AioKey::unsupported("use_gds", Off::is_false)};
