@@ -123,10 +123,11 @@ inline int requested_ranks_per_node(int option) {
   return int(v);
 }
 
-// A wait that spins only where every local rank can have a core, then yields, then sleeps.
+// A wait that spins only where every local rank can have a core (`spin`), then yields, then
+// sleeps.
 class Backoff {
  public:
-  explicit Backoff(int ranks) : spins_(detail::spin_pays(ranks) ? 4000 : 0) {}
+  explicit Backoff(bool spin) : spins_(spin ? 4000 : 0) {}
   void pause() {
     ++n_;
     if (n_ <= spins_) {
@@ -215,6 +216,12 @@ class NodeSegment final : public PeerCheck {
                                     "; set MpiOptions::shared_memory = false to run without a "
                                     "shared segment"));
     }
+    // The CPUs the node's ranks may run on, together: each rank may be bound to a core of its
+    // own (mpirun's default for two), or all of them share a few (a cpuset).
+    cpu_set_t cpus = detail::allowed_cpus();
+    check(MPI_Allreduce(MPI_IN_PLACE, &cpus, int(sizeof cpus), MPI_BYTE, MPI_BOR, node),
+          "MPI_Allreduce (cpus)", rank);
+    spin_ = size_ <= detail::cores_in(cpus);
     peer(local_)->pid.store(std::int32_t(getpid()), std::memory_order_relaxed);
     check(MPI_Barrier(node), "MPI_Barrier (segment)", rank);  // the pids are published
   }
@@ -248,7 +255,7 @@ class NodeSegment final : public PeerCheck {
     const std::uint64_t e = ++arrivals_;
     peer(local_)->arrived.store(e, std::memory_order_release);
     for (int q = 0; q < size_; ++q) {
-      Backoff wait(size_);
+      Backoff wait(spin_);
       while (peer(q)->arrived.load(std::memory_order_acquire) < e) {
         wait.pause();
         if (wait.due())
@@ -297,6 +304,7 @@ class NodeSegment final : public PeerCheck {
 
   std::size_t area_, header_ = 0, bytes_ = 0;
   int first_rank_ = 0, local_ = 0, size_ = 1;
+  bool spin_ = false;  // every local rank has a core of its own (Backoff)
   std::byte* base_ = nullptr;
   std::uint64_t arrivals_ = 0;
   NodeMappings mappings_;
