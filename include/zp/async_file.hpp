@@ -206,7 +206,10 @@ class File {
   // to the workers cannot fail half-way.
   struct Fifo {
     Request* head = nullptr;
-    Request** tail = &head;
+    Request** tail = &head;  // (so never copied)
+    Fifo() = default;
+    Fifo(const Fifo&) = delete;
+    Fifo& operator=(const Fifo&) = delete;
     void push(Request* r) noexcept {
       r->next = nullptr;
       *tail = r;

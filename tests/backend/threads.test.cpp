@@ -54,7 +54,7 @@ TEST_CASE("a million-element operation with a count not divisible by the world s
 
 // A waiting rank spins only where each rank can have a core of those the process may run on, not
 // of the machine's: zp.test.backend.threads.one_core runs this under `taskset -c 0` (two thread
-// ranks spinning on one core took 106 us an all_reduce of 4 KiB, 4 us sleeping; bench/RESULTS.md).
+// ranks spinning on one core took 108 us an all_reduce of 4 KiB, 4 us sleeping; bench/RESULTS.md).
 TEST_CASE("ranks spin only where each has a core that this process may run on") {
   cpu_set_t set;
   CPU_ZERO(&set);

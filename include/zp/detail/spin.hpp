@@ -3,7 +3,7 @@
 // rank can have a core of its own (it saves a sleep and wake-up of tens of microseconds);
 // otherwise the waiter sleeps at once. The cores are those the ranks may run on (their affinity:
 // taskset, a cpuset cgroup, a batch system's allocation), not the machine's: two thread ranks
-// spinning on one allowed core took 106 us an all_reduce of 4 KiB, against 4 us not spinning
+// spinning on one allowed core took 108 us an all_reduce of 4 KiB, against 4 us not spinning
 // (bench/RESULTS.md).
 #pragma once
 
