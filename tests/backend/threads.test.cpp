@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -54,12 +55,15 @@ TEST_CASE("a million-element operation with a count not divisible by the world s
 
 // A waiting rank spins only where each rank can have a core of those the process may run on, not
 // of the machine's: zp.test.backend.threads.one_core runs this under `taskset -c 0` (two thread
-// ranks spinning on one core took 108 us an all_reduce of 4 KiB, 4 us sleeping; bench/RESULTS.md).
+// ranks spinning on one core took 108 us an all_reduce of 4 KiB, 4 us sleeping; bench/RESULTS.md),
+// zp.test.backend.threads.cpu_quota in a cgroup with a quota of ZP_TEST_CPU_QUOTA CPUs.
 TEST_CASE("ranks spin only where each has a core that this process may run on") {
   cpu_set_t set;
   CPU_ZERO(&set);
   REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
-  const int allowed = CPU_COUNT(&set);
+  if (const char* quota = std::getenv("ZP_TEST_CPU_QUOTA"))
+    CHECK(zp::detail::quota_cpus() == std::atoi(quota));
+  const int allowed = std::min(CPU_COUNT(&set), zp::detail::quota_cpus());
   CHECK(zp::detail::cores() == allowed);
   CHECK(zp::detail::spin_pays(allowed));
   CHECK_FALSE(zp::detail::spin_pays(allowed + 1));

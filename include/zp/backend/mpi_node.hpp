@@ -217,11 +217,15 @@ class NodeSegment final : public PeerCheck {
                                     "shared segment"));
     }
     // The CPUs the node's ranks may run on, together: each rank may be bound to a core of its
-    // own (mpirun's default for two), or all of them share a few (a cpuset).
+    // own (mpirun's default for two), or all of them share a few (a cpuset); and the smallest
+    // of their CPU quotas (ranks in one cgroup share its quota).
     cpu_set_t cpus = detail::allowed_cpus();
     check(MPI_Allreduce(MPI_IN_PLACE, &cpus, int(sizeof cpus), MPI_BYTE, MPI_BOR, node),
           "MPI_Allreduce (cpus)", rank);
-    spin_ = size_ <= detail::cores_in(cpus);
+    int quota = detail::quota_cpus();
+    check(MPI_Allreduce(MPI_IN_PLACE, &quota, 1, MPI_INT, MPI_MIN, node),
+          "MPI_Allreduce (cpu quota)", rank);
+    spin_ = size_ <= std::min(detail::cores_in(cpus), quota);
     peer(local_)->pid.store(std::int32_t(getpid()), std::memory_order_relaxed);
     check(MPI_Barrier(node), "MPI_Barrier (segment)", rank);  // the pids are published
   }
