@@ -94,9 +94,12 @@ inline int cgroup_cpus(std::string_view proc_cgroup, std::string_view mountinfo)
       // "id parent dev root mount-point options [tags] - type source super-options"
       const std::size_t dash = line.find(" - ");
       if (dash == line.npos) continue;
-      const auto m = fields(line.substr(0, dash), ' '), t = fields(line.substr(dash + 3), ' ');
-      if (m.size() < 5 || t.size() < 3) continue;
-      if (v2 ? t[0] != "cgroup2" : t[0] != "cgroup" || !has(t[2], "cpu")) continue;
+      // The type first: a host may have thousands of mounts, few of them cgroups.
+      const auto t = fields(line.substr(dash + 3), ' ');
+      if (t.size() < 3 || (v2 ? t[0] != "cgroup2" : t[0] != "cgroup" || !has(t[2], "cpu")))
+        continue;
+      const auto m = fields(line.substr(0, dash), ' ');
+      if (m.size() < 5) continue;
       // The process's cgroup under the mount: its path less the mount's root (a container sees
       // its own cgroup as the root); one outside that root is read at the mount point.
       const std::string_view root = m[3] == "/" ? "" : m[3];
