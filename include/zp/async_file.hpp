@@ -13,11 +13,12 @@
 //   f.wait(t);
 //
 // Where the system refuses io_uring (a seccomp profile such as Docker's and containerd's default
-// ones, the sysctl kernel.io_uring_disabled, a kernel built without it), the transfers run on
-// threads of the File instead, min(queue_depth, max_threads) of them, each a pread or pwrite of one
-// request at a time (Engine::threads; engine() says which runs, and the first such File of the
-// process says so on stderr): the same requests in flight, at the cost of a thread's wake-up per
-// request (bench/RESULTS.md, zp_bench_aio's threads rows).
+// ones, the sysctl kernel.io_uring_disabled, a kernel built without it) or its io_uring cannot
+// read and write (before Linux 5.6), the transfers run on threads of the File instead,
+// min(queue_depth, max_threads) of them, each a pread or pwrite of one request at a time
+// (Engine::threads; engine() says which runs, and the first such File of the process says so on
+// stderr): the same requests in flight, at the cost of a thread's wake-up per request
+// (bench/RESULTS.md, zp_bench_aio's threads rows).
 //
 // O_DIRECT (no page cache) where the file system allows it; where it refuses (tmpfs, some network
 // file systems) the file is opened without it and direct() says so. In direct mode a buffer's
@@ -66,7 +67,8 @@ enum class Mode { read, read_write };  // read_write creates the file if it is m
 
 // What moves the bytes: io_uring, or threads running pread and pwrite. automatic: io_uring, or
 // threads where the system refuses io_uring (io_uring_setup fails with EPERM, EACCES, ENOSYS, or
-// ENOMEM: a locked-memory limit too small for the ring, before Linux 5.12).
+// ENOMEM: a locked-memory limit too small for the ring, before Linux 5.12) or its io_uring lacks
+// the plain read and write operations (before Linux 5.6, e.g. Ubuntu 20.04's 5.4).
 enum class Engine { automatic, io_uring, threads };
 
 inline const char* name(Engine e) noexcept {
@@ -327,26 +329,45 @@ class File {
   void start(Engine e) {
     if (e != Engine::threads) {
       const int r = io_uring_queue_init(std::max(opt_.queue_depth, ring_entries), &ring_, 0);
-      if (r == 0) {
-        engine_ = Engine::io_uring;
-        return;
-      }
       const bool refused = r == -EPERM || r == -EACCES || r == -ENOSYS || r == -ENOMEM;
-      if (e == Engine::io_uring || !refused)
+      if (r != 0 && !refused)
+        throw Error(Errc::io, io_message("io_uring_queue_init", 0, 0, std::strerror(-r)), -r);
+      // Why io_uring cannot move the bytes here ("" where it can). Before Linux 5.6 it has no
+      // IORING_OP_READ/WRITE (each request would fail with EINVAL) and cannot list its
+      // operations either (IORING_REGISTER_PROBE came with them).
+      std::string why;
+      if (r != 0) {
+        why = detail::cat("io_uring_queue_init: ", std::strerror(-r),
+                          r == -ENOSYS   ? " (a kernel without io_uring)"
+                          : r == -ENOMEM ? " (a locked-memory limit too small for the ring)"
+                                         : " (a seccomp profile such as Docker's default, or the "
+                                           "sysctl kernel.io_uring_disabled)");
+      } else {
+        io_uring_probe* probe = io_uring_get_probe_ring(&ring_);
+        const bool ops = probe && io_uring_opcode_supported(probe, IORING_OP_READ) &&
+                         io_uring_opcode_supported(probe, IORING_OP_WRITE);
+        if (probe) io_uring_free_probe(probe);
+        if (ops) {
+          engine_ = Engine::io_uring;
+          return;
+        }
+        io_uring_queue_exit(&ring_);
+        why =
+            "this kernel's io_uring has no IORING_OP_READ and IORING_OP_WRITE (Linux 5.6 added "
+            "them)";
+      }
+      if (e == Engine::io_uring)
         throw Error(Errc::io,
-                    io_message("io_uring_queue_init", 0, 0,
-                               detail::cat(std::strerror(-r),
-                                           refused ? " (Engine::threads or automatic runs "
-                                                     "without io_uring)"
-                                                   : "")),
-                    -r);
+                    io_message("io_uring", 0, 0,
+                               detail::cat("not usable here: ", why,
+                                           "; Engine::threads or automatic runs without it")),
+                    r != 0 ? -r : EINVAL);
       static std::atomic<bool> said{false};
       if (!said.exchange(true))
         std::fprintf(stderr,
-                     "zp: aio: io_uring is refused here (io_uring_queue_init: %s; a seccomp "
-                     "profile such as Docker's default, or the sysctl kernel.io_uring_disabled): "
-                     "file transfers run on threads with pread and pwrite instead\n",
-                     std::strerror(-r));
+                     "zp: aio: io_uring is not usable here: %s; file transfers run on threads "
+                     "with pread and pwrite instead\n",
+                     why.c_str());
     }
     workers_ = std::make_unique<Workers>(fd_, std::min(opt_.queue_depth, max_threads));
     engine_ = Engine::threads;

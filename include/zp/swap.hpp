@@ -18,9 +18,9 @@
 // The swap file is scratch, never a checkpoint: named for the process and engine, locked
 // (flock) while in use, removed by the destructor; a swap file left by a process that died is
 // unlocked, and the next swap opened in the directory removes it. The I/O goes through zp::aio
-// (io_uring, or threads where the system refuses it; O_DIRECT where the file system allows it): a
-// program that offloads to NVMe links zp::aio, whose target defines ZP_WITH_AIO; without it
-// opening a swap is an error saying so.
+// (io_uring, or threads where the system refuses it or it predates Linux 5.6; O_DIRECT where the
+// file system allows it): a program that offloads to NVMe links zp::aio, whose target defines
+// ZP_WITH_AIO; without it opening a swap is an error saying so.
 #pragma once
 
 #include <signal.h>
