@@ -51,8 +51,9 @@
 // job naming the operation); a local rank whose process is gone ends the job at once, naming
 // it, whether the others wait in the segment or, through the watchdog's PeerCheck, inside any
 // MPI call of the communicator. The segment's memory is reserved when it is made
-// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later; one
-// over half the machine's memory is refused before it is made.
+// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later (past
+// a memory cgroup's limit the kernel kills the process instead); one over half the machine's
+// memory is refused before it is made.
 #pragma once
 
 #include <fcntl.h>
