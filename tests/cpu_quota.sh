@@ -28,7 +28,13 @@ if ! set_quota 2> /dev/null; then
   echo "skipped: cannot set a CPU quota on $dir"
   exit 77
 fi
-(echo "$BASHPID" > "$dir/cgroup.procs" && exec env ZP_TEST_CPU_QUOTA=1 "$@")
+(
+  if ! echo "$BASHPID" > "$dir/cgroup.procs" 2> /dev/null; then
+    echo "skipped: cannot move a process into $dir"
+    exit 77
+  fi
+  exec env ZP_TEST_CPU_QUOTA=1 "$@"
+)
 rc=$?
 rmdir "$dir"  # empty again: its only process has ended
 exit $rc
