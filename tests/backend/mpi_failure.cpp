@@ -10,6 +10,10 @@
 //   mpi_failure kill    rank 1 is killed (SIGKILL) while the others wait for it in the third
 //                       collective, inside the node's shared segment: the job ends naming rank 1
 //                       well before the timeout (mpi_kill.sh also checks no segment is left).
+//   mpi_failure pid_namespaces  each rank run in a PID namespace of its own
+//                       (mpi_pid_namespaces.sh): making the communicator, with the node's
+//                       shared segment, is an error on every rank naming the cause; without the
+//                       segment the collectives run.
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -23,6 +27,28 @@
 int main(int argc, char** argv) {
   zp::backend::MpiEnvironment env(&argc, &argv);
   const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "pid_namespaces") {
+    try {
+      zp::backend::Mpi(MPI_COMM_WORLD, {});
+      std::printf("unexpected: the node's shared segment was made\n");
+      return 1;
+    } catch (const zp::Error& e) {
+      std::printf("refused: %s\n", e.what());
+    }
+    zp::backend::Mpi::Options opt;
+    opt.shared_memory = false;
+    zp::Collective<zp::backend::Mpi> comm{zp::backend::Mpi(MPI_COMM_WORLD, opt)};
+    std::vector<float> a(1000, float(comm.rank() + 1));
+    comm.all_reduce(std::span<float>(a));
+    const float want = float(comm.size() * (comm.size() + 1) / 2);
+    for (float x : a)
+      if (x != want) {
+        std::printf("unexpected: all_reduce gave %g, not %g\n", double(x), double(want));
+        return 1;
+      }
+    std::printf("without the segment: all_reduce ok on rank %d\n", comm.rank());
+    return 0;
+  }
   try {
     zp::backend::Mpi::Options opt;
     opt.timeout = std::chrono::milliseconds(mode == "kill" ? 20000 : 1500);

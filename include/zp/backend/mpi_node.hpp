@@ -160,6 +160,22 @@ class NodeSegment final : public PeerCheck {
     check(MPI_Comm_size(node, &size_), "MPI_Comm_size (node)", rank);
     header_ = round_up(std::size_t(size_) * sizeof(Peer), 4096);
     bytes_ = header_ + std::size_t(size_) * 2 * area_;
+    // The segment is opened, and the peers' processes watched, through their pids, which mean
+    // other processes (or none) in another PID namespace: local ranks in containers of their
+    // own must run without it. (0: this /proc cannot tell; opening through it will fail.)
+    struct stat ns {};
+    const auto pid_ns = std::int64_t(stat("/proc/self/ns/pid", &ns) == 0 ? ns.st_ino : 0);
+    std::int64_t spread[2] = {pid_ns, -pid_ns};
+    check(MPI_Allreduce(MPI_IN_PLACE, spread, 2, MPI_INT64_T, MPI_MIN, node),
+          "MPI_Allreduce (pid namespaces)", rank);
+    if (spread[0] != -spread[1])
+      throw Error(
+          Errc::backend,
+          detail::cat("mpi backend: rank ", rank,
+                      ": the ranks of its node run in different PID namespaces (a "
+                      "container each?), so they cannot share memory through "
+                      "/proc/<pid>; set MpiOptions::shared_memory = false, or run them "
+                      "in one PID namespace (docker --pid, a pod's shareProcessNamespace)"));
     // Local rank 0 makes the segment as a memfd; the others open it through /proc. It never
     // has a name, so it lives exactly as long as a process maps it (or holds it open).
     std::string error;
@@ -389,8 +405,13 @@ class NodeComm {
                               "rank"));
     }
     if (per_node > 1) {
-      segment_ = std::make_unique<NodeSegment>(node, std::max(chunk_bytes, std::size_t(n) * 64),
-                                               rank - local, rank);
+      try {
+        segment_ = std::make_unique<NodeSegment>(node, std::max(chunk_bytes, std::size_t(n) * 64),
+                                                 rank - local, rank);
+      } catch (...) {
+        MPI_Comm_free(&node);
+        throw;
+      }
       MPI_Comm_free(&node);
       if (direct_bytes_ > 0) heap_ = &NodeHeap::install(direct_bytes_);
       peer_in_.resize(std::size_t(per_node));
