@@ -1,4 +1,4 @@
-// Provokes the two abort paths of the mpi backend; ctest checks the message on stderr
+// Provokes the mpi backend's failure paths; ctest checks the message on stderr
 // (tests/CMakeLists.txt) and that the job ends well within its TIMEOUT instead of hanging.
 //   mpi_failure throw   rank 1 throws before the third collective while the others wait in it:
 //                       its backend, destroyed during unwinding, aborts the job naming rank 1.
