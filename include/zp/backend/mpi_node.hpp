@@ -162,13 +162,15 @@ class NodeSegment final : public PeerCheck {
     bytes_ = header_ + std::size_t(size_) * 2 * area_;
     // The segment is opened, and the peers' processes watched, through their pids, which mean
     // other processes (or none) in another PID namespace: local ranks in containers of their
-    // own must run without it. (0: this /proc cannot tell; opening through it will fail.)
+    // own must run without it. (0: this /proc cannot tell; opening through it will fail.) The
+    // same call takes the smallest of the ranks' CPU quotas (ranks in one cgroup share its
+    // quota), for spin_ below.
     struct stat ns {};
     const auto pid_ns = std::int64_t(stat("/proc/self/ns/pid", &ns) == 0 ? ns.st_ino : 0);
-    std::int64_t spread[2] = {pid_ns, -pid_ns};
-    check(MPI_Allreduce(MPI_IN_PLACE, spread, 2, MPI_INT64_T, MPI_MIN, node),
-          "MPI_Allreduce (pid namespaces)", rank);
-    if (spread[0] != -spread[1])
+    std::int64_t least[3] = {pid_ns, -pid_ns, detail::quota_cpus()};
+    check(MPI_Allreduce(MPI_IN_PLACE, least, 3, MPI_INT64_T, MPI_MIN, node),
+          "MPI_Allreduce (pid namespaces, cpu quotas)", rank);
+    if (least[0] != -least[1])
       throw Error(
           Errc::backend,
           detail::cat("mpi backend: rank ", rank,
@@ -234,15 +236,12 @@ class NodeSegment final : public PeerCheck {
                                     "shared segment"));
     }
     // The CPUs the node's ranks may run on, together: each rank may be bound to a core of its
-    // own (mpirun's default for two), or all of them share a few (a cpuset); and the smallest
-    // of their CPU quotas (ranks in one cgroup share its quota).
+    // own (mpirun's default for two), or all of them share a few (a cpuset); at most the
+    // smallest CPU quota (least[2]).
     cpu_set_t cpus = detail::allowed_cpus();
     check(MPI_Allreduce(MPI_IN_PLACE, &cpus, int(sizeof cpus), MPI_BYTE, MPI_BOR, node),
           "MPI_Allreduce (cpus)", rank);
-    int quota = detail::quota_cpus();
-    check(MPI_Allreduce(MPI_IN_PLACE, &quota, 1, MPI_INT, MPI_MIN, node),
-          "MPI_Allreduce (cpu quota)", rank);
-    spin_ = size_ <= std::min(detail::cores_in(cpus), quota);
+    spin_ = size_ <= std::min<std::int64_t>(detail::cores_in(cpus), least[2]);
     peer(local_)->pid.store(std::int32_t(getpid()), std::memory_order_relaxed);
     check(MPI_Barrier(node), "MPI_Barrier (segment)", rank);  // the pids are published
   }

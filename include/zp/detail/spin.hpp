@@ -5,8 +5,8 @@
 // taskset, a cpuset cgroup, a batch system's allocation), not the machine's: two thread ranks
 // spinning on one allowed core took 108 us an all_reduce of 4 KiB, against 4 us not spinning.
 // A cgroup's CPU quota (docker --cpus, Kubernetes' CPU limits) caps them too: spinning spends
-// the quota the ranks computing need, so 2 ranks under a quota of 1 CPU trained 3-8% slower
-// spinning (bench/RESULTS.md).
+// the quota the ranks computing need (bench/RESULTS.md, "A cgroup's CPU quota": zp_demo and
+// zp_gpt runs in a cgroup of 1 CPU, before and after).
 #pragma once
 
 #include <sched.h>
