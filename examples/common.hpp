@@ -408,7 +408,8 @@ inline int exit_status() {
 // Runs train(comm) on every rank: one MPI process per rank (backend "mpi", under mpirun) or
 // `ranks` threads. Returns the exit status (128 + the signal's number for a run stopped by one);
 // errors are printed, on MPI by each rank before its exception leaves the communicator (that
-// aborts the job, and the abort cannot see the text).
+// aborts the job; where train's own communicators, a ProcessGrid's, go first, the abort gives
+// the text of a zp::Error itself).
 template <class Train>
 int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks,
            Train&& train) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstddef>
+#include <exception>
 #include <limits>
 #include <source_location>
 #include <sstream>
@@ -46,6 +47,21 @@ inline const char* to_string(Errc c) noexcept {
   return "unknown error";
 }
 
+namespace detail {
+// The newest zp::Error made on this thread, and how many exceptions were in flight then. The
+// MPI backend names it when an exception propagating through a communicator's destructor makes
+// it abort the job: a destructor cannot see that exception, and the abort ends the process
+// before any handler could print it.
+struct NewestError {
+  std::string what;
+  int in_flight = 0;
+};
+inline NewestError& newest_error() noexcept {
+  thread_local NewestError e;
+  return e;
+}
+}  // namespace detail
+
 // Carries the category, the native error code of the failing library (0 if none) and the
 // source location of the check that raised it. what() is "zp: <category>: <message> [file:line]".
 class Error : public std::runtime_error {
@@ -56,7 +72,12 @@ class Error : public std::runtime_error {
         category_(category),
         native_code_(native_code),
         message_(message),
-        where_(where) {}
+        where_(where) {
+    try {
+      detail::newest_error() = {what(), std::uncaught_exceptions()};
+    } catch (...) {  // no memory for the copy: the error itself still goes out
+    }
+  }
 
   Errc category() const noexcept { return category_; }
   int native_code() const noexcept { return native_code_; }

@@ -2,6 +2,8 @@
 // (tests/CMakeLists.txt) and that the job ends well within its TIMEOUT instead of hanging.
 //   mpi_failure throw   rank 1 throws before the third collective while the others wait in it:
 //                       its backend, destroyed during unwinding, aborts the job naming rank 1.
+//   mpi_failure error   the same with a zp::Error: the abort also gives its message, which no
+//                       handler could print (the abort ends the process first).
 //   mpi_failure silent  rank 1 skips the third collective (and stays busy): the others' watchdog
 //                       aborts the job after the 1.5 s timeout, naming the operation.
 //   mpi_failure recv    rank 0 receives from rank 1, which never sends (a pipeline stage that
@@ -57,6 +59,8 @@ int main(int argc, char** argv) {
     comm.all_reduce(std::span<float>(a));  // call #1
     comm.barrier();                        // call #2
     if (comm.rank() == 1 && mode == "throw") throw std::runtime_error("loss exploded on rank 1");
+    if (comm.rank() == 1 && mode == "error")
+      throw zp::Error(zp::Errc::io, "nvme_path '/scratch' is full (rank 1)");
     if (comm.rank() == 1 && mode == "kill") {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the others are waiting
       raise(SIGKILL);

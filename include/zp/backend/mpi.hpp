@@ -542,13 +542,20 @@ class Mpi {
 
   void leave() noexcept {
     if (!ctx_) return;
-    if (std::uncaught_exceptions() > unwinding_ && ctx_->size > 1 && !ctx_rejected_together())
+    if (std::uncaught_exceptions() > unwinding_ && ctx_->size > 1 && !ctx_rejected_together()) {
+      // The exception is this thread's newest zp::Error if that was made just before it began.
+      const detail::NewestError& e = detail::newest_error();
+      const bool named = !e.what.empty() && e.in_flight + 1 == std::uncaught_exceptions();
       mpi_detail::abort_job(detail::cat(
           "rank ", ctx_->rank, " of ", ctx_->size, " (world rank ", ctx_->world_rank,
           ") is leaving its communicator because an exception is propagating (after call #",
           ctx_->calls,
-          "); the other ranks may be waiting for it in a collective, so the job is "
-          "aborted"));
+          "); the other ranks may be waiting for it in a collective, so the job is aborted",
+          named ? detail::cat(". This thread's newest zp::Error (the exception, unless one not "
+                              "from zp came after it): ",
+                              e.what)
+                : std::string()));
+    }
     ctx_.reset();
   }
   bool ctx_rejected_together() const noexcept { return rejected_together_; }
