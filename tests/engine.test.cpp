@@ -2304,3 +2304,99 @@ TEST_CASE(
                              {"communication_dtype", "f64"});
   });
 }
+
+TEST_CASE("the host memory check finds the first group of ranks that share a limit and exceed it") {
+  using Room = zp::detail::Room;
+  const std::uint64_t seed = zp::test::run_seed("engine.test host memory");
+  int short_groups = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto x = [&](std::uint64_t k) {
+      return zp::test::mix(seed + std::uint64_t(trial) * 64 + k);
+    };
+    const std::size_t ranks = 1 + x(0) % 9;
+    std::vector<std::int64_t> t(ranks * Room::fields);
+    for (std::size_t r = 0; r < ranks; ++r) {
+      std::int64_t* row = &t[r * Room::fields];
+      row[Room::cgroup_id] = std::int64_t(x(r + 1) % 4) * 1000003;  // 0: none
+      row[Room::machine_id] = std::int64_t(1 + x(r + 11) % 3) * 7919;
+      row[Room::cgroup_room] = std::int64_t(x(r + 21) % 1000);
+      row[Room::machine_room] = std::int64_t(x(r + 31) % 3000);
+      row[Room::need] = std::int64_t(x(r + 41) % 400);
+    }
+    // The reference: each kind's groups keyed by identity, in the order of their first rank.
+    std::optional<zp::detail::ShortOfRoom> want;
+    for (const bool machine : {false, true}) {
+      const std::size_t id = machine ? Room::machine_id : Room::cgroup_id;
+      std::map<std::int64_t, zp::detail::ShortOfRoom> groups;
+      std::vector<std::int64_t> order;
+      for (std::size_t r = 0; r < ranks; ++r) {
+        const std::int64_t g = t[r * Room::fields + id];
+        if (g == 0) continue;
+        if (!groups.count(g)) order.push_back(g);
+        auto& s = groups[g];
+        s.machine = machine;
+        s.ranks.push_back(int(r));
+        s.need += t[r * Room::fields + Room::need];
+        s.room = std::max(s.room, t[r * Room::fields + id + 1]);
+      }
+      for (const std::int64_t g : order)
+        if (!want && groups[g].need > groups[g].room) want = groups[g];
+    }
+    const auto got = zp::detail::short_of_room(t);
+    CAPTURE(trial);
+    REQUIRE(got.has_value() == want.has_value());
+    if (!got) continue;
+    ++short_groups;
+    CHECK(got->machine == want->machine);
+    CHECK(got->ranks == want->ranks);
+    CHECK(got->need == want->need);
+    CHECK(got->room == want->room);
+  }
+  CHECK(short_groups > 40);  // the draws exercise both outcomes
+  CHECK(short_groups < 360);
+}
+
+namespace {
+// One parameter of n elements whose values an initializer gives: a model with no storage of its
+// own, of any size.
+struct Huge {
+  zp::View<zp::bf16> w, g;
+};
+template <class Visit>
+void for_each_parameter(Huge& m, Visit&& visit) {
+  visit("huge.weight", 0, m.w, m.g);
+}
+}  // namespace
+
+// zp.test.engine.memory_cgroup runs this in a memory cgroup of ZP_TEST_MEMORY_LIMIT bytes without
+// swap (tests/in_cgroup.sh). Two ranks whose model states (stage 0, bf16, AdamW: 16 bytes an
+// element) need 0.7 of the limit each are refused on both, naming the cgroup, before either
+// allocates them; without the check the kernel kills the process as they are zeroed. States of
+// 0.1 of the limit each are built.
+TEST_CASE("model states past a memory cgroup's room are refused on every rank, naming it") {
+  const char* limit = std::getenv("ZP_TEST_MEMORY_LIMIT");
+  if (!limit) {
+    MESSAGE("not in a memory cgroup (zp.test.engine.memory_cgroup runs this in one)");
+    return;
+  }
+  const std::size_t bytes = std::strtoull(limit, nullptr, 10);
+  REQUIRE(bytes > 0);
+  const auto build = [](Collective<Threads>& comm, std::size_t n) {
+    Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+    auto cfg = test_config(2, 1);
+    cfg.initializer = [](std::string_view, std::size_t first, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = float((first + i) % 7);
+    };
+    zp::Engine<Threads, zp::bf16, 0> engine(comm, model, cfg);
+    CHECK(engine.memory().model_states() == 16 * engine.partition().layout().total());
+  };
+  run_threads(2, [&](Collective<Threads>& comm) {
+    const std::int64_t before = zp::memory_use<zp::MemorySpace::host>().current;
+    zp::test::expect_error(zp::Errc::out_of_memory, [&] { build(comm, bytes * 7 / 10 / 16); },
+                           {"not enough host memory for the model states: ranks 0, 1 need ",
+                            "left by the memory cgroup /", "this rank's ", "optimizer state ",
+                            "offload_optimizer: nvme"});
+    CHECK(zp::memory_use<zp::MemorySpace::host>().current == before);
+    build(comm, bytes / 10 / 16);
+  });
+}

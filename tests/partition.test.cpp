@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "random.hpp"
+#include "temp_dir.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Extent;
@@ -140,6 +142,61 @@ TEST_CASE("each stage keeps the buffers of the ZeRO table") {
         doctest::Approx(16.6e9).epsilon(0.01));
   CHECK(double(zp::zero_model_state_bytes(3, psi, 64, 2, 2)) ==
         doctest::Approx(1.875e9).epsilon(0.01));
+}
+
+namespace {
+// Partitioned::host_memory (the plan the engine checks before allocating) against what a
+// partition of the same settings allocates: its report, and the host allocator's count.
+template <int Stage>
+void check_host_plan(const Layout& L, std::uint64_t seed, const std::filesystem::path& nvme_dir) {
+  using P = zp::Partitioned<zp::bf16, Stage>;
+  for (int trial = 0; trial < 24; ++trial) {
+    const std::uint64_t x = zp::test::mix(seed + std::uint64_t(Stage * 100 + trial));
+    const int slots = int(x % 3);
+    const bool f32 = x >> 2 & 1, offload = x >> 3 & 1;
+    zp::NvmeOptions o;
+    o.path = nvme_dir;
+    o.buffer_count = 2 + int(x >> 8 & 3);
+    o.sub_group_size = 1 + (x >> 12) % 20000;
+#if defined(ZP_WITH_AIO)
+    const bool nvme = x >> 4 & 1, param_nvme = Stage == 3 && (x >> 5 & 1);
+#else
+    const bool nvme = false, param_nvme = false;
+#endif
+    const bool param_host = Stage == 3 && (x >> 6 & 1);
+    CAPTURE(trial);
+    CAPTURE(slots);
+    CAPTURE(f32);
+    CAPTURE(offload);
+    CAPTURE(nvme);
+    CAPTURE(param_nvme);
+    const zp::MemoryReport plan = P::host_memory(L, slots, f32, offload, nvme ? &o : nullptr,
+                                                 param_nvme ? &o : nullptr, param_host);
+    const std::int64_t before = zp::memory_use<zp::MemorySpace::host>().current;
+    const P part(L, 0, slots, f32, offload, nvme ? &o : nullptr, param_nvme ? &o : nullptr,
+                 param_host);
+    part.expect_swap_opened();
+    const zp::MemoryReport got = part.memory();
+    CHECK(plan.nvme == 0);
+    CHECK(plan.total() == got.total());  // on a host backend, every byte is in host memory
+    CHECK(plan.swap_buffers == got.swap_buffers);
+    CHECK(plan.model_states() == got.model_states() - got.nvme);
+    CHECK(zp::memory_use<zp::MemorySpace::host>().current - before ==
+          std::int64_t(plan.total() - plan.swap_buffers));
+    CHECK((plan.swap_buffers > 0) == (nvme || param_nvme));
+  }
+}
+}  // namespace
+
+TEST_CASE("host_memory is what a partition of those settings allocates in host memory") {
+  const std::uint64_t seed = zp::test::run_seed("partition.test");
+  zp::test::TempDir dir("host-plan");
+  const Layout L(params_of({{7000, 3}, {40}, {1, 1, 1900}}), 3,
+                 {.bucket_elems = 1000, .first_bucket_elems = 100, .align = 8});
+  check_host_plan<0>(L, seed, dir.path);
+  check_host_plan<1>(L, seed, dir.path);
+  check_host_plan<2>(L, seed, dir.path);
+  check_host_plan<3>(L, seed, dir.path);
 }
 
 namespace {

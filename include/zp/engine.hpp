@@ -111,11 +111,10 @@ class Engine {
         precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype,
                                           config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
-        part_(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T))),
+        part_(with_host_room(
+                  Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T)))),
               comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
-              config_.offload_optimizer,
-              config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr,
-              config_.param_nvme ? &*config_.param_nvme : nullptr, config_.offload_param),
+              config_.offload_optimizer, optimizer_nvme(), param_nvme(), config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
@@ -412,6 +411,22 @@ class Engine {
 
  private:
   friend ModuleGuard;
+
+  const NvmeOptions* optimizer_nvme() const noexcept {
+    return config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr;
+  }
+  const NvmeOptions* param_nvme() const noexcept {
+    return config_.param_nvme ? &*config_.param_nvme : nullptr;
+  }
+  // L, once the ranks have found room for the partition's host memory (expect_host_memory):
+  // collective, before any rank allocates it.
+  Layout with_host_room(Layout L) {
+    expect_host_memory(*dp_,
+                       Part::host_memory(L, optim::state_slots<Opt>, precision_.f32_buffer(Stage),
+                                         config_.offload_optimizer, optimizer_nvme(), param_nvme(),
+                                         config_.offload_param));
+    return L;
+  }
 
   void rethrow_pending() {
     ZP_EXPECT(broken_.empty(), "engine: unusable since ", broken_,

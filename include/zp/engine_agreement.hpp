@@ -1,26 +1,32 @@
-// zp/engine_agreement.hpp: the check that every rank built the same engine: the same model and
-// layout, stage, element type, batch, precision, optimizer, clipping and loss scaling, and stage
-// 3 and bucket settings. One all_reduce of fingerprints (agreement.hpp) when they agree; when
-// one differs, every rank throws an error naming it, with this rank's values.
+// zp/engine_agreement.hpp: the checks the ranks make together as they build an engine. That
+// every rank built the same engine: the same model and layout, stage, element type, batch,
+// precision, optimizer, clipping and loss scaling, and stage 3 and bucket settings (one
+// all_reduce of fingerprints, agreement.hpp; when one differs, every rank throws an error
+// naming it, with this rank's values). And, before any rank allocates its model states, that
+// the ranks sharing a memory limit have the host memory for them.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "zp/agreement.hpp"
 #include "zp/bucket.hpp"
 #include "zp/collective.hpp"
+#include "zp/detail/cgroup.hpp"
 #include "zp/detail/hash.hpp"
 #include "zp/dtype.hpp"
 #include "zp/engine_config.hpp"
 #include "zp/error.hpp"
 #include "zp/layout.hpp"
 #include "zp/optim/optimizer.hpp"
+#include "zp/partition.hpp"
 
 namespace zp {
 
@@ -140,6 +146,101 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
         detail::cat("engine: the ranks' configurations differ in their ", parts[k], " on rank ",
                     comm.rank(),
                     "; every rank must build the same model with the same zp configuration"));
+}
+
+namespace detail {
+// A rank's record in the host memory check: its memory cgroup's identity and room, its
+// machine's, and its need (0 identity: no limit found).
+struct Room {
+  enum : std::size_t { cgroup_id, cgroup_room, machine_id, machine_room, need, fields };
+};
+
+// Ranks that share a memory limit (a cgroup, or a machine) and need more than it leaves them.
+struct ShortOfRoom {
+  bool machine = false;  // the machine's limit, else a cgroup's
+  std::vector<int> ranks;
+  std::int64_t need = 0, room = 0;
+};
+
+// The first such group in `table` (Room::fields values a rank), cgroups before machines, in the
+// order of their lowest ranks. A group's room is the most any of its ranks read (the reads are
+// moments apart), its need the sum of theirs.
+inline std::optional<ShortOfRoom> short_of_room(std::span<const std::int64_t> table) {
+  const std::size_t ranks = table.size() / Room::fields;
+  const auto at = [&](std::size_t r, std::size_t f) { return table[r * Room::fields + f]; };
+  for (const bool machine : {false, true}) {
+    const std::size_t id = machine ? Room::machine_id : Room::cgroup_id, room = id + 1;
+    std::vector<std::pair<std::int64_t, int>> by_id;  // sorted: each group's ranks in a run
+    for (std::size_t r = 0; r < ranks; ++r)
+      if (at(r, id) != 0) by_id.emplace_back(at(r, id), int(r));
+    std::sort(by_id.begin(), by_id.end());
+    std::optional<ShortOfRoom> first;
+    for (std::size_t i = 0, end; i < by_id.size(); i = end) {
+      ShortOfRoom s{machine, {}, 0, 0};
+      for (end = i; end < by_id.size() && by_id[end].first == by_id[i].first; ++end) {
+        const auto r = std::size_t(by_id[end].second);
+        s.ranks.push_back(int(r));
+        s.need = std::min(s.need + at(r, Room::need), no_memory_limit);  // each is at most it
+        s.room = std::max(s.room, at(r, room));
+      }
+      if (s.need > s.room && (!first || s.ranks[0] < first->ranks[0])) first = std::move(s);
+    }
+    if (first) return first;
+  }
+  return std::nullopt;
+}
+}  // namespace detail
+
+// Before the engine's ranks allocate their model states: `need` is this rank's host memory
+// (Partitioned::host_memory), and the ranks that share a memory cgroup, or a machine, must
+// have room for the sum of theirs (detail::host_memory_room, which counts page cache and swap
+// as free), or the kernel kills the process as it fills them, naming nothing. One all_reduce of
+// Room::fields words a rank; where a group is short, every rank throws Errc::out_of_memory, the
+// group's ranks naming the limit and the figures.
+template <Backend B>
+void expect_host_memory(Collective<B>& comm, const MemoryReport& need) {
+  const detail::HostRoom here = detail::host_memory_room();
+  const std::size_t me = std::size_t(comm.rank());
+  using detail::Room;
+  std::vector<std::int64_t> table(std::size_t(comm.size()) * Room::fields, 0);
+  std::int64_t* const mine = &table[me * Room::fields];
+  mine[Room::cgroup_id] = here.cgroup_id;
+  mine[Room::cgroup_room] = here.cgroup.bytes;
+  mine[Room::machine_id] = here.machine_id;
+  mine[Room::machine_room] = here.machine.bytes;
+  mine[Room::need] = std::int64_t(std::min<std::size_t>(need.total(), detail::no_memory_limit));
+  all_reduce_host(comm, std::span<std::int64_t>(table), ReduceOp::sum);
+  const auto s = detail::short_of_room(table);
+  if (!s) return;
+  std::string ranks;
+  for (std::size_t i = 0; i < s->ranks.size() && i < 8; ++i)
+    ranks += detail::cat(i ? ", " : "", s->ranks[i]);
+  if (s->ranks.size() > 8) ranks += detail::cat(" and ", s->ranks.size() - 8, " more");
+  const bool member = std::find(s->ranks.begin(), s->ranks.end(), int(me)) != s->ranks.end();
+  std::string parts;
+  for (const auto& [bytes, what] : {std::pair{need.params, "parameters"},
+                                    {need.grads, "gradients"},
+                                    {need.master, "fp32 master weights"},
+                                    {need.optimizer_state, "optimizer state"},
+                                    {need.swap_buffers, "NVMe swap buffers"}})
+    if (bytes > 0)
+      parts += detail::cat(parts.empty() ? "" : ", ", what, " ", detail::mib(std::int64_t(bytes)));
+  const detail::MemoryRoom& limit = s->machine ? here.machine : here.cgroup;
+  throw Error(
+      Errc::out_of_memory,
+      detail::cat(
+          "engine: not enough host memory for the model states: rank",
+          s->ranks.size() > 1 ? "s " : " ", ranks, s->ranks.size() > 1 ? " need " : " needs ",
+          detail::mib(s->need), ", more than the ", detail::mib(s->room), " left by ",
+          member ? limit.where
+                 : detail::cat(s->machine ? "their machine" : "their memory cgroup", " (rank ",
+                               s->ranks[0], "'s error names it)"),
+          ", past which the kernel kills the process",
+          member
+              ? detail::cat("; this rank's ", detail::mib(std::int64_t(need.total())), ": ", parts)
+              : std::string(),
+          ". Offload the optimizer state to NVMe (offload_optimizer: nvme), shard over more "
+          "ranks or at a higher ZeRO stage, or give the job more memory"));
 }
 
 }  // namespace zp

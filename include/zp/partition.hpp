@@ -127,7 +127,7 @@ class Partitioned {
         rank_(rank),
         slots_(state_slots),
         offload_(offload || nvme),
-        param_host_(param_host && !param_nvme && S != MemorySpace::host) {
+        param_host_(params_in_host(param_host, param_nvme)) {
     ZP_EXPECT((!param_nvme && !param_host) || Stage == 3,
               "partition: parameters offloaded to NVMe or host memory need ZeRO stage 3 (each "
               "rank keeps only its shard of them), got stage ",
@@ -136,41 +136,31 @@ class Partitioned {
               layout_.ranks(), ")");
     ZP_EXPECT(state_slots >= 0 && state_slots <= 2, "partition: 0 to 2 state slots, got ",
               state_slots);
-    const std::size_t full = layout_.total(), shard = layout_.shard();
+    const Extents x = extents(layout_, grads_f32, offload, nvme, param_nvme, param_host);
+    const std::size_t shard = layout_.shard(), m = x.master;
     try {
-      if (param_host_)
-        params_host_ =
-            Buffer<T, offload_space<S>>(shard, "partition: parameters (host, offloaded)");
-      else if (!param_nvme)
-        params_ = Buffer<T, S>(whole(Field::param) ? full : shard, "partition: parameters");
-      grads_ = Buffer<T, S>(whole(Field::grad) ? full : shard, "partition: gradients");
-      if (grads_f32) grads32_ = Buffer<float, S>(grads_.size(), "partition: fp32 gradients");
-      const std::size_t m = whole(Field::master) ? full : shard;
+      params_host_ =
+          Buffer<T, offload_space<S>>(x.params_host, "partition: parameters (host, offloaded)");
+      params_ = Buffer<T, S>(x.params, "partition: parameters");
+      grads_ = Buffer<T, S>(x.grads, "partition: gradients");
+      grads32_ = Buffer<float, S>(x.grads32, "partition: fp32 gradients");
       try {  // errors for every rank to learn (expect_swap_opened)
         if (nvme)
           swap_ = std::make_unique<Swap<float>>(*nvme, m, 1 + slots_,
                                                 detail::cat("the optimizer state of rank ", rank));
-        if (param_nvme) {
-          NvmeOptions o = *param_nvme;
-          if (nvme) o.sub_group_size = nvme->sub_group_size;  // the same sub-groups
-          param_swap_ =
-              std::make_unique<Swap<T>>(o, shard, 1, detail::cat("the parameters of rank ", rank));
-        }
+        if (param_nvme)
+          param_swap_ = std::make_unique<Swap<T>>(param_swap_options(*param_nvme, nvme), shard, 1,
+                                                  detail::cat("the parameters of rank ", rank));
       } catch (const Error&) {
         swap_failed_ = std::current_exception();
       }
-      if (nvme) {
-        // master and state: in swap_
-      } else if (offload_) {
-        master_host_ =
-            Buffer<float, MemorySpace::host>(m, "partition: fp32 master weights (host, offloaded)");
-        for (int k = 0; k < slots_; ++k)
-          state_host_[std::size_t(k)] =
-              Buffer<float, MemorySpace::host>(m, "partition: optimizer state (host, offloaded)");
-      } else {
-        master_ = Buffer<float, S>(m, "partition: fp32 master weights");
-        for (int k = 0; k < slots_; ++k)
-          state_[std::size_t(k)] = Buffer<float, S>(m, "partition: optimizer state");
+      master_host_ = Buffer<float, MemorySpace::host>(
+          x.master_host, "partition: fp32 master weights (host, offloaded)");
+      master_ = Buffer<float, S>(x.master_dev, "partition: fp32 master weights");
+      for (std::size_t k = 0; k < std::size_t(slots_); ++k) {
+        state_host_[k] = Buffer<float, MemorySpace::host>(
+            x.master_host, "partition: optimizer state (host, offloaded)");
+        state_[k] = Buffer<float, S>(x.master_dev, "partition: optimizer state");
       }
     } catch (const Error& e) {
       if (e.category() != Errc::out_of_memory) throw;
@@ -193,6 +183,29 @@ class Partitioned {
       Memory<S>::zero(state_[std::size_t(k)].span());
       Memory<MemorySpace::host>::zero(state_host_[std::size_t(k)].span());
     }
+  }
+
+  // The host memory a partition of these settings (the constructor's) allocates, by category,
+  // nvme 0: the engine's ranks check it against the room they have before they allocate it
+  // (engine_agreement.hpp). A device backend's device memory is not in it, nor the engine's
+  // buckets and gathers, allocated later.
+  static MemoryReport host_memory(const Layout& layout, int state_slots, bool grads_f32,
+                                  bool offload, const NvmeOptions* nvme,
+                                  const NvmeOptions* param_nvme, bool param_host) {
+    const Extents e = extents(layout, grads_f32, offload, nvme, param_nvme, param_host);
+    const bool host = S == MemorySpace::host;
+    const std::size_t states = 1 + std::size_t(state_slots);
+    MemoryReport r;
+    r.params = (e.params_host + (host ? e.params : 0)) * sizeof(T);
+    r.grads = host ? e.grads * sizeof(T) + e.grads32 * sizeof(float) : 0;
+    r.master = (e.master_host + (host ? e.master_dev : 0)) * sizeof(float);
+    r.optimizer_state = (states - 1) * r.master;
+    r.offloaded = e.params_host * sizeof(T) + e.master_host * states * sizeof(float);
+    if (nvme) r.swap_buffers += Swap<float>::host_bytes(*nvme, e.master, int(states));
+    if (param_nvme)
+      r.swap_buffers +=
+          Swap<T>::host_bytes(param_swap_options(*param_nvme, nvme), layout.shard(), 1);
+    return r;
   }
 
   // Master weights and state are in host memory or on NVMe (whatever S is), stepped by the CPU.
@@ -381,6 +394,40 @@ class Partitioned {
   }
 
  private:
+  // The elements of each buffer the constructor allocates (0: none). master: the master
+  // weights' extent wherever they are; master_host / master_dev: the same where they are in
+  // host memory (offloaded) / in S, each state array alike.
+  struct Extents {
+    std::size_t params, params_host, grads, grads32, master, master_host, master_dev;
+  };
+  static Extents extents(const Layout& layout, bool grads_f32, bool offload,
+                         const NvmeOptions* nvme, const NvmeOptions* param_nvme,
+                         bool param_host) noexcept {
+    const std::size_t full = layout.total(), shard = layout.shard();
+    const bool host_params = params_in_host(param_host, param_nvme);
+    const std::size_t grads = whole(Field::grad) ? full : shard,
+                      master = whole(Field::master) ? full : shard;
+    return {host_params || param_nvme ? 0
+            : whole(Field::param)     ? full
+                                      : shard,
+            host_params ? shard : 0,
+            grads,
+            grads_f32 ? grads : 0,
+            master,
+            !nvme && offload ? master : 0,
+            !nvme && !offload ? master : 0};
+  }
+  // offload_param: cpu puts the parameter shard in host memory beside a device (on a host
+  // backend it is there already); nvme takes precedence.
+  static constexpr bool params_in_host(bool param_host, const NvmeOptions* param_nvme) noexcept {
+    return param_host && !param_nvme && S != MemorySpace::host;
+  }
+  // Stage 3's parameter swap walks the optimizer swap's sub-groups where both are swapped.
+  static NvmeOptions param_swap_options(NvmeOptions o, const NvmeOptions* nvme) {
+    if (nvme) o.sub_group_size = nvme->sub_group_size;
+    return o;
+  }
+
   // Where owned<F>(s, e) is: elements [at, at + n) of F's buffer, at full-layout index offset.
   struct Place {
     std::size_t at, n, offset;

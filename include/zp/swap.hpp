@@ -78,6 +78,27 @@ class Swap {
   // page-aligned and swaps of 16- and 32-bit values walk the same sub-groups.
   static constexpr std::size_t unit = aio::alignment / 2;
 
+  // The sub-groups of a swap of `elements` values (`size` elements each, a multiple of unit),
+  // and how many host buffers it keeps: no more than sub-groups, which the others would never
+  // hold.
+  struct Shape {
+    std::size_t size, count, buffers;
+  };
+  static Shape shape(const NvmeOptions& o, std::size_t elements) noexcept {
+    const std::size_t size = std::max<std::size_t>(
+        unit,
+        (std::min(o.sub_group_size, std::max<std::size_t>(elements, 1)) + unit - 1) / unit * unit);
+    const std::size_t count = (elements + size - 1) / size;
+    return {size, count,
+            std::clamp<std::size_t>(count, 1, std::size_t(std::max(1, o.buffer_count)))};
+  }
+  // The host memory a swap of these settings keeps: its buffers of `fields` arrays' sub-groups
+  // and one bounce buffer.
+  static std::size_t host_bytes(const NvmeOptions& o, std::size_t elements, int fields) noexcept {
+    const Shape s = shape(o, elements);
+    return (s.buffers * std::size_t(fields) + 1) * s.size * sizeof(U);
+  }
+
   // A swap of `fields` arrays of `elements` values each, all zero, for `who` (named in errors).
   Swap(const NvmeOptions& o, std::size_t elements, int fields, const std::string& who)
       : opt_(o), fields_(std::size_t(fields)) {
@@ -86,10 +107,9 @@ class Swap {
     std::error_code ec;
     ZP_EXPECT(fs::is_directory(o.path, ec), "offload to nvme: nvme_path '", o.path.string(),
               "' is not an existing directory (", who, ")");
-    chunk_ = std::max<std::size_t>(
-        unit,
-        (std::min(o.sub_group_size, std::max<std::size_t>(elements, 1)) + unit - 1) / unit * unit);
-    chunks_ = (elements + chunk_ - 1) / chunk_;
+    const Shape shape = Swap::shape(o, elements);
+    chunk_ = shape.size;
+    chunks_ = shape.count;
     path_ =
         o.path / detail::cat("zp-swap-", ::getpid(), "-", detail::swap_files().serial++, ".swap");
     try {
@@ -104,10 +124,8 @@ class Swap {
                       detail::cat("flock of '", path_.string(), "': ", std::strerror(errno)));
       }
       file_->resize(file_bytes());
-      // No more buffers than sub-groups: the others would never hold one.
-      const std::size_t count = std::clamp<std::size_t>(chunks_, 1, std::size_t(o.buffer_count));
-      buffers_.reserve(count);
-      for (std::size_t b = 0; b < count; ++b) buffers_.emplace_back(record_bytes());
+      buffers_.reserve(shape.buffers);
+      for (std::size_t b = 0; b < shape.buffers; ++b) buffers_.emplace_back(record_bytes());
       bounce_.emplace(chunk_ * sizeof(U));
       holds_.assign(buffers_.size(), none);
       io_.assign(buffers_.size(), std::nullopt);
@@ -139,7 +157,7 @@ class Swap {
   std::size_t sub_group() const noexcept { return chunk_; }  // C, elements
   std::size_t sub_groups() const noexcept { return chunks_; }
   std::size_t file_bytes() const noexcept { return chunks_ * record_bytes(); }
-  std::size_t host_bytes() const noexcept {  // the buffers and the bounce buffer
+  std::size_t host_bytes() const noexcept {  // the buffers and the bounce buffer, as allocated
     return (buffers_.size() * fields_ + 1) * chunk_ * sizeof(U);
   }
 
@@ -349,6 +367,7 @@ class Swap {
   std::size_t sub_groups() const noexcept { return 0; }
   std::size_t file_bytes() const noexcept { return 0; }
   std::size_t host_bytes() const noexcept { return 0; }
+  static std::size_t host_bytes(const NvmeOptions&, std::size_t, int) noexcept { return 0; }
   void read(int, std::size_t, std::span<U>) {}
   void write(int, std::size_t, std::span<const U>) {}
   void flush() {}
