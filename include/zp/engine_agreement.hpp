@@ -239,8 +239,8 @@ void expect_host_memory(Collective<B>& comm, const MemoryReport& need) {
           member
               ? detail::cat("; this rank's ", detail::mib(std::int64_t(need.total())), ": ", parts)
               : std::string(),
-          ". Offload the optimizer state to NVMe (offload_optimizer: nvme), shard over more "
-          "ranks or at a higher ZeRO stage, or give the job more memory"));
+          ". Offload to NVMe (offload_optimizer: nvme; at stage 3 offload_param: nvme too), "
+          "shard over more ranks or at a higher ZeRO stage, or give the job more memory"));
 }
 
 }  // namespace zp

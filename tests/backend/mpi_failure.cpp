@@ -12,6 +12,9 @@
 //   mpi_failure kill    rank 1 is killed (SIGKILL) while the others wait for it in the third
 //                       collective, inside the node's shared segment: the job ends naming rank 1
 //                       well before the timeout (mpi_kill.sh also checks no segment is left).
+//   mpi_failure segment a node's shared segment larger than the memory cgroup it runs in
+//                       (tests/in_cgroup.sh): an error on every rank naming the cgroup, where
+//                       reserving it got the job killed.
 //   mpi_failure pid_namespaces  each rank run in a PID namespace of its own
 //                       (mpi_pid_namespaces.sh): making the communicator, with the node's
 //                       shared segment, is an error on every rank naming the cause; without the
@@ -50,6 +53,18 @@ int main(int argc, char** argv) {
       }
     std::printf("without the segment: all_reduce ok on rank %d\n", comm.rank());
     return 0;
+  }
+  if (mode == "segment") {
+    try {
+      zp::backend::Mpi::Options opt;
+      opt.node_chunk_bytes = std::size_t(64) << 20;  // 2 areas a rank: 256 MiB on 2 ranks
+      zp::backend::Mpi(MPI_COMM_WORLD, opt);
+      std::printf("unexpected: the node's shared segment was made\n");
+      return 1;
+    } catch (const zp::Error& e) {
+      std::printf("refused: %s\n", e.what());
+      return 0;
+    }
   }
   try {
     zp::backend::Mpi::Options opt;

@@ -51,9 +51,9 @@
 // job naming the operation); a local rank whose process is gone ends the job at once, naming
 // it, whether the others wait in the segment or, through the watchdog's PeerCheck, inside any
 // MPI call of the communicator. The segment's memory is reserved when it is made
-// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later (past
-// a memory cgroup's limit the kernel kills the process instead); one over half the machine's
-// memory is refused before it is made.
+// (posix_fallocate), so too little memory is an error naming the size, not a SIGBUS later; one
+// over half the machine's memory, or over the room its memory cgroup leaves (past which the
+// kernel kills the process as it reserves), is refused before it is made.
 #pragma once
 
 #include <fcntl.h>
@@ -184,13 +184,23 @@ class NodeSegment final : public PeerCheck {
     int fd = -1;
     std::int32_t made[2] = {0, -1};  // local rank 0's pid and its descriptor of the segment
     // A memfd has no size limit of its own (a /dev/shm has half the memory): past the memory,
-    // posix_fallocate would take it all before failing.
+    // posix_fallocate would take it all before failing, and past the room a memory cgroup
+    // leaves, the kernel kills the process as it reserves.
     const std::size_t memory =
         local_ == 0 ? std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGESIZE)) : 0;
+    const detail::HostRoom room = local_ == 0 ? detail::host_memory_room() : detail::HostRoom{};
+    const detail::MemoryRoom& tight =
+        room.cgroup.bytes < room.machine.bytes ? room.cgroup : room.machine;
+    const std::string what = detail::cat("the node's shared segment of ", bytes_, " bytes (", size_,
+                                         " local ranks x 2 areas of ", area_, " bytes)");
     if (local_ == 0 && bytes_ > memory / 2) {
-      error = detail::cat("the node's shared segment of ", bytes_, " bytes (", size_,
-                          " local ranks x 2 areas of ", area_, " bytes) is more than half of the ",
-                          memory, " bytes of memory; lower MpiOptions::node_chunk_bytes");
+      error = detail::cat(what, " is more than half of the ", memory,
+                          " bytes of memory; lower MpiOptions::node_chunk_bytes");
+    } else if (local_ == 0 && std::int64_t(bytes_) > tight.bytes) {
+      error = detail::cat(what, " is more than the ", detail::mib(tight.bytes), " left by ",
+                          tight.where,
+                          ", past which the kernel kills the process; lower "
+                          "MpiOptions::node_chunk_bytes");
     } else if (local_ == 0) {
       fd = memfd_create("zp-node", MFD_CLOEXEC);
       if (fd < 0) {
