@@ -218,6 +218,16 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
           std::int64_t(n * sizeof(T)));
     CHECK(engine.memory().offloaded == n * sizeof(T) + ((offload & 3) ? 3 * n * 4 : 0));
   }
+  {  // the host memory the engine checked before allocating: what its partition took there
+    const auto& part = engine.partition();
+    const zp::MemoryReport plan = std::remove_cvref_t<decltype(part)>::host_memory(
+        part.layout(), part.state_slots(), !part.template buffer<zp::Field::grad_f32>().empty(),
+        part.offloaded(), cfg.optimizer_nvme ? &*cfg.optimizer_nvme : nullptr,
+        cfg.param_nvme ? &*cfg.param_nvme : nullptr, cfg.offload_param);
+    const zp::MemoryReport got = part.memory();
+    CHECK(plan.total() ==
+          (S == zp::MemorySpace::host ? got.total() : got.offloaded + got.swap_buffers));
+  }
   measured.start(engine);
   Out out;
   int first = 0;
