@@ -63,5 +63,9 @@ fi
   fi
 )
 rc=$?
-rmdir "$dir"  # empty again: its only process has ended
+# Empty again once its processes have gone (those of a killed job can take a moment).
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  rmdir "$dir" 2> /dev/null && break
+  sleep 0.5
+done
 exit $rc
