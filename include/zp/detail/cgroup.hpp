@@ -119,11 +119,20 @@ inline int cgroup_cpus(std::string_view proc_cgroup, std::string_view mountinfo)
   return cpus;
 }
 
+// This process's /proc/self/cgroup and /proc/self/mountinfo, read once (a host may have
+// thousands of mounts; zp does not move processes between cgroups).
+struct SelfCgroup {
+  std::string cgroup, mountinfo;
+};
+inline const SelfCgroup& self_cgroup() {
+  static const SelfCgroup s{read_text("/proc/self/cgroup"), read_text("/proc/self/mountinfo")};
+  return s;
+}
+
 // This process's cgroup CPU quota (cgroup_cpus), read once: that costs more than a small
 // collective.
 inline int quota_cpus() {
-  static const int n =
-      cgroup_cpus(read_text("/proc/self/cgroup"), read_text("/proc/self/mountinfo"));
+  static const int n = cgroup_cpus(self_cgroup().cgroup, self_cgroup().mountinfo);
   return n;
 }
 
@@ -238,28 +247,29 @@ struct HostRoom {
   std::int64_t cgroup_id = 0, machine_id = 0;
 };
 inline HostRoom host_memory_room() {
-  static const std::string proc_cgroup = read_text("/proc/self/cgroup"),
-                           mountinfo = read_text("/proc/self/mountinfo");
+  // The machine: its boot (which its containers share), else its name; "" for neither.
+  static const std::string machine = [] {
+    std::string boot = read_text("/proc/sys/kernel/random/boot_id");
+    if (boot.empty()) {
+      char name[256] = {};
+      ::gethostname(name, sizeof name - 1);
+      boot = name;
+    }
+    return boot;
+  }();
   const std::string meminfo = read_text("/proc/meminfo");
   HostRoom r;
   r.machine = machine_memory_room(meminfo);
-  r.cgroup = cgroup_memory_room(proc_cgroup, mountinfo,
+  r.cgroup = cgroup_memory_room(self_cgroup().cgroup, self_cgroup().mountinfo,
                                 std::max<std::int64_t>(0, stat_bytes(meminfo, "SwapFree")));
-  // Identities are positive 62-bit values, so that a sum of one per rank is exact. The machine:
-  // its boot (which its containers share), else its name.
-  std::string boot = read_text("/proc/sys/kernel/random/boot_id");
-  if (boot.empty()) {
-    char name[256] = {};
-    ::gethostname(name, sizeof name - 1);
-    boot = name;
-  }
-  if (boot.empty()) return r;  // no identity to share: no check
+  if (machine.empty()) return r;  // no identity to share: no check
+  // Identities are positive 62-bit values, so that a sum of one per rank is exact.
   const auto id = [](const Fnv1a& h) { return std::int64_t(h.value() >> 2) | 1; };
-  if (r.machine.bytes < no_memory_limit) r.machine_id = id(Fnv1a().all(std::string_view(boot)));
+  if (r.machine.bytes < no_memory_limit) r.machine_id = id(Fnv1a().all(std::string_view(machine)));
   struct stat st {};
   if (r.cgroup.bytes < no_memory_limit && ::stat(r.cgroup.path.c_str(), &st) == 0)
-    r.cgroup_id =
-        id(Fnv1a().all(std::string_view(boot), std::uint64_t(st.st_dev), std::uint64_t(st.st_ino)));
+    r.cgroup_id = id(
+        Fnv1a().all(std::string_view(machine), std::uint64_t(st.st_dev), std::uint64_t(st.st_ino)));
   return r;
 }
 
