@@ -2305,13 +2305,14 @@ TEST_CASE(
   });
 }
 
-TEST_CASE("the host memory check finds the first group of ranks that share a limit and exceed it") {
+TEST_CASE("the memory check finds the first group of ranks that share a limit and exceed it") {
   using Room = zp::detail::Room;
+  using Limit = zp::detail::Limit;
   const std::uint64_t seed = zp::test::run_seed("engine.test host memory");
-  int short_groups = 0;
-  for (int trial = 0; trial < 400; ++trial) {
+  int short_groups = 0, by_limit[3] = {};
+  for (int trial = 0; trial < 600; ++trial) {
     const auto x = [&](std::uint64_t k) {
-      return zp::test::mix(seed + std::uint64_t(trial) * 64 + k);
+      return zp::test::mix(seed + std::uint64_t(trial) * 128 + k);
     };
     const std::size_t ranks = 1 + x(0) % 9;
     std::vector<std::int64_t> t(ranks * Room::fields);
@@ -2319,14 +2320,19 @@ TEST_CASE("the host memory check finds the first group of ranks that share a lim
       std::int64_t* row = &t[r * Room::fields];
       row[Room::cgroup_id] = std::int64_t(x(r + 1) % 4) * 1000003;  // 0: none
       row[Room::machine_id] = std::int64_t(1 + x(r + 11) % 3) * 7919;
-      row[Room::cgroup_room] = std::int64_t(x(r + 21) % 1000);
-      row[Room::machine_room] = std::int64_t(x(r + 31) % 3000);
-      row[Room::need] = std::int64_t(x(r + 41) % 400);
+      row[Room::device_id] = std::int64_t(x(r + 51) % 3) * 104729;  // 0: none
+      row[Room::cgroup_room] = std::int64_t(x(r + 21) % 2000);
+      row[Room::machine_room] = std::int64_t(x(r + 31) % 2200);
+      row[Room::device_room] = std::int64_t(x(r + 61) % 1200);
+      row[Room::host_need] = std::int64_t(x(r + 41) % 400);
+      row[Room::device_need] = std::int64_t(x(r + 71) % 400);
     }
     // The reference: each kind's groups keyed by identity, in the order of their first rank.
     std::optional<zp::detail::ShortOfRoom> want;
-    for (const bool machine : {false, true}) {
-      const std::size_t id = machine ? Room::machine_id : Room::cgroup_id;
+    for (const Limit limit : {Limit::cgroup, Limit::machine, Limit::device}) {
+      const std::size_t id = limit == Limit::cgroup    ? Room::cgroup_id
+                             : limit == Limit::machine ? Room::machine_id
+                                                       : Room::device_id;
       std::map<std::int64_t, zp::detail::ShortOfRoom> groups;
       std::vector<std::int64_t> order;
       for (std::size_t r = 0; r < ranks; ++r) {
@@ -2334,9 +2340,10 @@ TEST_CASE("the host memory check finds the first group of ranks that share a lim
         if (g == 0) continue;
         if (!groups.count(g)) order.push_back(g);
         auto& s = groups[g];
-        s.machine = machine;
+        s.limit = limit;
         s.ranks.push_back(int(r));
-        s.need += t[r * Room::fields + Room::need];
+        s.need +=
+            t[r * Room::fields + (limit == Limit::device ? Room::device_need : Room::host_need)];
         s.room = std::max(s.room, t[r * Room::fields + id + 1]);
       }
       for (const std::int64_t g : order)
@@ -2347,13 +2354,14 @@ TEST_CASE("the host memory check finds the first group of ranks that share a lim
     REQUIRE(got.has_value() == want.has_value());
     if (!got) continue;
     ++short_groups;
-    CHECK(got->machine == want->machine);
+    ++by_limit[int(got->limit)];
+    CHECK(got->limit == want->limit);
     CHECK(got->ranks == want->ranks);
     CHECK(got->need == want->need);
     CHECK(got->room == want->room);
   }
-  CHECK(short_groups > 40);  // the draws exercise both outcomes
-  CHECK(short_groups < 360);
+  CHECK(short_groups < 450);  // the draws exercise every outcome
+  for (const int n : by_limit) CHECK(n > 15);
 }
 
 namespace {
@@ -2392,10 +2400,10 @@ TEST_CASE("model states past a memory cgroup's room are refused on every rank, n
   };
   run_threads(2, [&](Collective<Threads>& comm) {
     const std::int64_t before = zp::memory_use<zp::MemorySpace::host>().current;
-    zp::test::expect_error(zp::Errc::out_of_memory, [&] { build(comm, bytes * 7 / 10 / 16); },
-                           {"not enough host memory for the model states: ranks 0, 1 need ",
-                            "left by the memory cgroup /", "this rank's ", "optimizer state ",
-                            "offload_optimizer: nvme"});
+    zp::test::expect_error(
+        zp::Errc::out_of_memory, [&] { build(comm, bytes * 7 / 10 / 16); },
+        {"not enough host memory: ranks 0, 1 need ", "left by the memory cgroup /", "this rank's ",
+         "optimizer state ", "offload_optimizer: nvme"});
     CHECK(zp::memory_use<zp::MemorySpace::host>().current == before);
     build(comm, bytes / 10 / 16);
   });

@@ -21,6 +21,7 @@
 
 #include "bit_difference.hpp"
 #include "device_or_skip.hpp"
+#include "expect_error.hpp"
 #include "memory_check.hpp"
 #include "temp_dir.hpp"
 
@@ -45,6 +46,7 @@
 #include "zp/checkpoint.hpp"
 #include "zp/device/memory.hpp"
 #include "zp/engine.hpp"
+#include "zp/grid.hpp"
 #if ZP_TEST_NCCL
 #include "zp/backend/nccl.hpp"
 #endif
@@ -217,16 +219,6 @@ Out train(zp::Collective<B>& comm, std::uint64_t seed, int offload = 0, const Ck
     CHECK(zp::memory_use<zp::MemorySpace::pinned>().current - pinned ==
           std::int64_t(n * sizeof(T)));
     CHECK(engine.memory().offloaded == n * sizeof(T) + ((offload & 3) ? 3 * n * 4 : 0));
-  }
-  {  // the host memory the engine checked before allocating: what its partition took there
-    const auto& part = engine.partition();
-    const zp::MemoryReport plan = std::remove_cvref_t<decltype(part)>::host_memory(
-        part.layout(), part.state_slots(), !part.template buffer<zp::Field::grad_f32>().empty(),
-        part.offloaded(), cfg.optimizer_nvme ? &*cfg.optimizer_nvme : nullptr,
-        cfg.param_nvme ? &*cfg.param_nvme : nullptr, cfg.offload_param);
-    const zp::MemoryReport got = part.memory();
-    CHECK(plan.total() ==
-          (S == zp::MemorySpace::host ? got.total() : got.offloaded + got.swap_buffers));
   }
   measured.start(engine);
   Out out;
@@ -533,9 +525,81 @@ void check_checkpoints(std::uint64_t seed) {
         file_bytes(dir.path / "cpu_master" / "model.safetensors"));
 }
 
+// One parameter of n elements whose values an initializer gives: a model with no storage of its
+// own, of any size.
+struct Huge {
+  zp::View<zp::bf16> w, g;
+};
+template <class Visit>
+void for_each_parameter(Huge& m, Visit&& visit) {
+  visit("huge.weight", 0, m.w, m.g);
+}
+
 }  // namespace engine_gpu
 
 using namespace engine_gpu;
+
+// Two cuda_threads ranks share one device. Model states (stage 0, bf16, AdamW: 16 bytes an
+// element on the device) of 0.7 of its free memory each fit one rank, not both: both ranks are
+// refused, naming the device and their needs, before either allocates; so are the 4 ranks of a
+// 2 x 2 grid whose data-parallel groups fit alone. On the simulator, with a 64 MiB limit where it
+// has none.
+TEST_CASE("model states past a device's free memory are refused on every rank, naming it") {
+  using Dev = zp::Allocator<zp::MemorySpace::device>;
+#if defined(ZP_DEVICE_SIM)
+  struct Limit {
+    Limit() {
+      auto o = zp::device::sim::options_from_env();
+      if (!o.memory_limit) o.memory_limit = std::size_t(64) << 20;
+      zp::device::sim::configure(o);
+    }
+    ~Limit() { zp::device::sim::configure(zp::device::sim::options_from_env()); }
+  } limit;
+#endif
+  using B = zp::backend::CudaThreads;
+  const auto build = [](zp::Collective<B>& comm, std::size_t n) {
+    Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+    zp::EngineConfig cfg;
+    cfg.initializer = [](std::string_view, std::size_t first, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = float((first + i) % 7);
+    };
+    zp::Engine<B, zp::bf16, 0> engine(comm, model, cfg);
+    CHECK(engine.memory_plan().device.total() == 16 * engine.layout().total());
+  };
+  zp::backend::run_cuda_threads(2, [&](zp::Collective<B>& comm) {
+    std::int64_t room = 0;
+    if (comm.rank() == 0) room = Dev::room().bytes;
+    zp::all_reduce_host(comm, std::span<std::int64_t>(&room, 1), zp::ReduceOp::sum);
+    REQUIRE(room > 0);
+    const std::int64_t before = zp::memory_use<zp::MemorySpace::device>().current;
+    zp::test::expect_error(zp::Errc::out_of_memory,
+                           [&] { build(comm, std::size_t(room) * 7 / 10 / 16); },
+                           {"not enough device memory: ranks 0, 1 need ", "free on ",
+                            "this rank's ", "optimizer state"});
+    CHECK(zp::memory_use<zp::MemorySpace::device>().current == before);  // nothing allocated
+    build(comm, std::min<std::size_t>(std::size_t(room) / 10 / 16, 1 << 20));
+  });
+  // A grid of 2 data-parallel x 2 tensor-parallel ranks: each data-parallel group of 2 fits (0.35
+  // each), the 4 ranks on the device do not, and the check counts them all.
+  zp::backend::run_cuda_threads(4, [&](zp::Collective<B>& world) {
+    zp::ProcessGrid<B> grid(world, {.dp = 2, .tp = 2, .pp = 1});
+    std::int64_t room = 0;
+    if (world.rank() == 0) room = Dev::room().bytes;
+    zp::all_reduce_host(world, std::span<std::int64_t>(&room, 1), zp::ReduceOp::sum);
+    const std::size_t n = std::size_t(room) * 35 / 100 / 16;
+    zp::test::expect_error(zp::Errc::out_of_memory,
+                           [&] {
+                             Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+                             zp::EngineConfig cfg;
+                             cfg.initializer = [](std::string_view, std::size_t,
+                                                  std::span<float> out) {
+                               std::fill(out.begin(), out.end(), 1.0f);
+                             };
+                             zp::Engine<B, zp::bf16, 0> engine(grid, model, cfg);
+                           },
+                           {"not enough device memory: ranks 0, 1, 2, 3 need ", "free on "});
+  });
+}
 
 TEST_CASE_TEMPLATE(
     "the engine on one device (1, 2, 4 cuda_threads ranks; on a GPU nccl at world size 1) equals "

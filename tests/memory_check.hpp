@@ -30,6 +30,23 @@ struct MeasuredMemory {
     INFO("the constructor's peak ", use.peak - base, " bytes, it holds ", use.current - base,
          ", a segment ", staging, " of a model of ", engine.layout().total(), " elements");
     CHECK(use.peak - use.current <= staging);
+    // What the engine checked its ranks had room for before it allocated: what it holds now,
+    // and check() finds training's peak at least all of it.
+    const MemoryPlan plan = engine.memory_plan();
+    planned = S == MemorySpace::host ? plan.host : plan.device;
+    const MemoryReport now = engine.memory();
+    INFO("planned: model states ", planned.model_states(), ", buckets ", planned.buckets,
+         ", gathered ", planned.gathered, ", secondary ", planned.secondary, ", swap buffers ",
+         planned.swap_buffers, "; the report's buckets ", now.buckets);
+    CHECK(planned.nvme == 0);
+    CHECK(now.buckets == planned.buckets);
+    CHECK(use.current - base ==
+          std::int64_t(planned.model_states() + planned.buckets) + stats_bytes<E>());
+    CHECK(plan.host.swap_buffers == now.swap_buffers);  // host memory, whatever S is
+    if constexpr (S != MemorySpace::host)  // the host part: what is offloaded, and the swap's
+      CHECK(plan.host.total() == now.offloaded + now.swap_buffers);
+    else
+      CHECK(plan.device.total() == 0);
     reset_peak_memory<S>();
   }
   // Runs f (a checkpoint: its staging is transient, not training's) without counting its peak.
@@ -50,8 +67,7 @@ struct MeasuredMemory {
     using T = typename E::value_type;
     const MemoryReport mem = engine.memory();
     const MemoryUse use = memory_use<S>();
-    const std::int64_t stats =
-        std::int64_t(E::stats_slots * sizeof(double));  // statistics and step gate
+    const std::int64_t stats = stats_bytes<E>();
     // offloaded model states (master and optimizer state; stage 3's parameters) live in host
     // memory, whatever S is, or on NVMe; the swap's buffers are its own (aligned for O_DIRECT),
     // not the allocator's
@@ -75,11 +91,21 @@ struct MeasuredMemory {
       for (int m = 0; m < L.module_count(); ++m) largest = std::max(largest, L.module(m).size);
       bound += std::int64_t((engine.max_live_params() + 2 * largest) * sizeof(T) + mem.persistent);
       CHECK(mem.gathered_peak <= engine.max_live_params() * sizeof(T));
+      CHECK(planned.gathered >= largest * sizeof(T));  // the largest module, persistent or not
     } else {
       CHECK(peak == held);  // nothing allocated and freed per step
     }
     CHECK(peak <= bound);
+    CHECK(peak >= std::int64_t(planned.total() - planned.swap_buffers) + stats);
+    CHECK(mem.secondary == planned.secondary);  // hpZ's shards, kept once made
   }
+
+ private:
+  template <class E>
+  static std::int64_t stats_bytes() {  // statistics and step gate
+    return std::int64_t(E::stats_slots * sizeof(double));
+  }
+  mutable MemoryReport planned;  // start()'s, of the engine's memory space
 };
 
 }  // namespace zp::test

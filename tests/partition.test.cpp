@@ -145,7 +145,7 @@ TEST_CASE("each stage keeps the buffers of the ZeRO table") {
 }
 
 namespace {
-// Partitioned::host_memory (the plan the engine checks before allocating) against what a
+// Partitioned::memory_plan (the plan the engine checks before allocating) against what a
 // partition of the same settings allocates: its report, and the host allocator's count.
 template <int Stage>
 void check_host_plan(const Layout& L, std::uint64_t seed, const std::filesystem::path& nvme_dir) {
@@ -170,8 +170,10 @@ void check_host_plan(const Layout& L, std::uint64_t seed, const std::filesystem:
     CAPTURE(offload);
     CAPTURE(nvme);
     CAPTURE(param_nvme);
-    const zp::MemoryReport plan = P::host_memory(L, slots, f32, offload, nvme ? &o : nullptr,
-                                                 param_nvme ? &o : nullptr, param_host);
+    const zp::MemoryPlan both = P::memory_plan(L, slots, f32, offload, nvme ? &o : nullptr,
+                                               param_nvme ? &o : nullptr, param_host);
+    CHECK(both.device.total() == 0);  // a host backend's partition has no device part
+    const zp::MemoryReport& plan = both.host;
     const std::int64_t before = zp::memory_use<zp::MemorySpace::host>().current;
     const P part(L, 0, slots, f32, offload, nvme ? &o : nullptr, param_nvme ? &o : nullptr,
                  param_host);
@@ -188,7 +190,7 @@ void check_host_plan(const Layout& L, std::uint64_t seed, const std::filesystem:
 }
 }  // namespace
 
-TEST_CASE("host_memory is what a partition of those settings allocates in host memory") {
+TEST_CASE("memory_plan is what a partition of those settings allocates in host memory") {
   const std::uint64_t seed = zp::test::run_seed("partition.test");
   zp::test::TempDir dir("host-plan");
   const Layout L(params_of({{7000, 3}, {40}, {1, 1, 1900}}), 3,

@@ -155,9 +155,7 @@ class GradBuckets {
     }
     proposal_ = order_;
     if (reduction_ == Reduction::scatter_accumulate) {
-      int most = 1;
-      for (const auto& m : layout.modules()) most = std::max(most, m.end_segment - m.first_segment);
-      kept_slots_ = std::max<std::size_t>(slots, std::size_t(most) + 1);
+      kept_slots_ = kept_slots(layout, slots);
       while (slots_.size() < kept_slots_) add_slot();
       ZP_EXPECT((precision_.accumulate_f32 ? acc32_.size() : acc_.size()) == layout.shard(),
                 "buckets: the shard accumulator does not hold ", layout.shard(), " elements");
@@ -202,7 +200,7 @@ class GradBuckets {
                   comm_->rank() == peers.rank() * node.size() + node.rank(),
               "buckets: nodes of ", node.size(), " ranks x ", peers.size(),
               " nodes do not lay out the ", comm_->size(), " ranks");
-    const std::size_t piece = layout_->largest_segment() / std::size_t(comm_->size());
+    const std::size_t piece = qgz_piece(*layout_, comm_->size());
     const auto need =
         quant::reduce_scratch(f, std::size_t(comm_->size()), std::size_t(peers.size()), piece);
     qgz_.emplace(Quantized{&node, &peers, f, {}});
@@ -212,6 +210,15 @@ class GradBuckets {
              Buffer<float, S>(need.partial + piece, "buckets: quantized partial sums"), nullptr,
              -1};
   }
+  // The scratch quantize_gradients allocates for `ranks` ranks in `nodes` nodes.
+  static std::size_t quantized_scratch_bytes(const Layout& layout, int ranks, int nodes,
+                                             const quant::Format& f) {
+    f.check();
+    const std::size_t piece = qgz_piece(layout, ranks);
+    const auto need = quant::reduce_scratch(f, std::size_t(ranks), std::size_t(nodes), piece);
+    return std::tuple_size_v<decltype(Quantized::sets)> *
+           (2 * need.records * sizeof(std::int32_t) + (need.partial + piece) * sizeof(float));
+  }
 
   // Hybrid sharding: averages every bucket's final piece over `replicas` (this rank's peers in
   // the other shard groups) as it completes at the accumulation boundary.
@@ -219,6 +226,15 @@ class GradBuckets {
     ZP_EXPECT(reduction_ != Reduction::all_reduce,
               "engine: hybrid sharding needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing)");
     replicas_ = &replicas;
+  }
+
+  // The scratch the constructor allocates for these settings (scratch_bytes() then): the
+  // slots kept between micro-steps, each the largest segment (and its fp32 twin).
+  static std::size_t first_scratch_bytes(const Layout& layout, Reduction reduction,
+                                         std::size_t slots, GradPrecision precision) {
+    if (reduction != Reduction::scatter_accumulate) return 0;
+    return kept_slots(layout, slots) * layout.largest_segment() *
+           (sizeof(T) + (precision.reduce_f32 ? sizeof(float) : 0));
   }
 
   int count() const noexcept { return int(buckets_.size()); }
@@ -367,6 +383,17 @@ class GradBuckets {
   static auto whole_or_none(const Partitioned<T, Stage, S>& part, bool full) {
     using U = typename Partitioned<T, Stage, S>::template elem<F>;
     return Partitioned<T, Stage, S>::whole(F) == full ? part.template buffer<F>() : std::span<U>{};
+  }
+  // qgZ's piece of a bucket: the largest segment's a rank.
+  static std::size_t qgz_piece(const Layout& layout, int ranks) {
+    return layout.largest_segment() / std::size_t(ranks);
+  }
+  // At least the most segments of one module (a module's backward fills them all before the
+  // guard launches them), plus one for overlap.
+  static std::size_t kept_slots(const Layout& layout, std::size_t slots) {
+    int most = 1;
+    for (const auto& m : layout.modules()) most = std::max(most, m.end_segment - m.first_segment);
+    return std::max<std::size_t>(slots, std::size_t(most) + 1);
   }
   void add_slot() {
     free_.push_back(int(slots_.size()));

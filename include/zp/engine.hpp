@@ -83,7 +83,8 @@ class Engine {
   static constexpr MemorySpace S = B::memory;
   using Clock = StepTimer::Clock;
   using Work = typename Collective<B>::Work;
-  using Part = Partitioned<T, Stage, S>;  // what each rank keeps (partition.hpp)
+  using Part = Partitioned<T, Stage, S>;   // what each rank keeps (partition.hpp)
+  using MemoryPeers = zp::MemoryPeers<B>;  // counted in the memory check (engine_agreement.hpp)
 
  public:
   static constexpr int stage = Stage;
@@ -93,26 +94,56 @@ class Engine {
 
   // RAII module boundary (see the top of this file and module_guard.hpp).
   using ModuleGuard = zp::ModuleGuard<Engine>;
-
   // Takes over the model's parameters: lays them out, checks the layout is identical on every
   // rank (one all_reduce), copies the initial values (broadcast from rank 0 unless disabled) and
   // rebinds the model's views into zp memory. Collective. The model must not move while the
   // engine lives.
   template <Model<T> M>
   Engine(Collective<B>& comm, M& model, EngineConfig config = {}, Opt optimizer = {})
+      : Engine(MemoryPeers{}, comm, model, std::move(config), optimizer) {}
+
+  // 3D parallelism (grid.hpp): ZeRO over the grid's DP group; the model holds one TP x PP part
+  // of the network (its TP-split parameters marked TensorParallel::split), and the gradient
+  // norm, the overflow check and the hyper-parameter check span the whole replica
+  // (model_parallel(): the statistics are summed over it too, replicated parameters counted on
+  // TP rank 0 only). The grid must outlive the engine. Collective over the world.
+  template <Model<T> M>
+  Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
+      : Engine(MemoryPeers{&grid.model_parallel(), grid.world_rank()}, grid.dp(), model,
+               std::move(config), optimizer) {
+    if (grid.model_parallel().size() > 1) {
+      mp_ = &grid.model_parallel();
+      grid_ = grid.shape();
+      coords_ = grid.coords();
+      grid_.dp = comm_->size();  // a replica's grid under hybrid sharding
+      coords_.dp = comm_->rank();
+      // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
+      expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
+                                    precision_, opt_, std::span<const char>(decays_), true);
+    }
+  }
+
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+ private:
+  // The constructor over the data-parallel group `comm`; `peers`: the ranks besides it whose
+  // memory the check before allocating counts too (expect_memory).
+  template <Model<T> M>
+  Engine(MemoryPeers peers, Collective<B>& comm, M& model, EngineConfig config, Opt optimizer)
       : shard_(hybrid_group(comm, config.shard_group_size, true)),
         replicas_(hybrid_group(comm, config.shard_group_size, false)),
         dp_(&comm),
         comm_(shard_ ? &*shard_ : &comm),
-        config_(std::move(config)),
+        config_(with_nodes(std::move(config), comm, shard_)),
         batch_(resolve_batch(config_.batch, comm.size())),
         opt_(optimizer),
         bound_(bind_parameters<T>(model)),
         precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype,
                                           config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
-        part_(with_host_room(
-                  Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T)))),
+        part_(with_room(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T))),
+                        peers),
               comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
               config_.offload_optimizer, optimizer_nvme(), param_nvme(), config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
@@ -145,14 +176,6 @@ class Engine {
     // failed to open on one rank is an error on all.
     on_every_rank(*dp_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
-    // qgZ's nodes: where not given, the backend's own layout (mpi: its shared-memory split, or
-    // ZP_RANKS_PER_NODE), which every rank of the group found alike; a shard group inside a node
-    // is one node.
-    if constexpr (requires { comm.backend().node_layout(); })
-      if (config_.ranks_per_node == 0) {
-        const int per_node = comm.backend().node_layout().per_node;
-        config_.ranks_per_node = shard_ ? std::gcd(per_node, shard_->size()) : per_node;
-      }
     if (config_.weight_decay_filter) {  // empty where every parameter decays
       for (const auto& p : L.params()) decays_.push_back(config_.weight_decay_filter(p.name));
       if (std::count(decays_.begin(), decays_.end(), 1) == std::ptrdiff_t(decays_.size()))
@@ -175,7 +198,7 @@ class Engine {
     if (config_.hpz_partition_size > 1)
       hpz_node_.emplace(nodes_of(config_.hpz_partition_size, "hpz_partition_size"));
     if (config_.quantized_gradients) {
-      const int h = config_.ranks_per_node > 0 ? config_.ranks_per_node : zero.size();
+      const int h = qgz_node_size();
       qgz_node_.emplace(nodes_of(h, "ranks_per_node"));
       qgz_peers_.emplace(zero.split(zero.rank() % h, zero.rank() / h));
       buckets_.quantize_gradients(*qgz_node_, *qgz_peers_, *config_.quantized_gradients);
@@ -191,29 +214,7 @@ class Engine {
     timer_ = StepTimer{};  // the first window starts now
   }
 
-  // 3D parallelism (grid.hpp): ZeRO over the grid's DP group; the model holds one TP x PP part
-  // of the network (its TP-split parameters marked TensorParallel::split), and the gradient
-  // norm, the overflow check and the hyper-parameter check span the whole replica
-  // (model_parallel(): the statistics are summed over it too, replicated parameters counted on
-  // TP rank 0 only). The grid must outlive the engine. Collective over the world.
-  template <Model<T> M>
-  Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
-      : Engine(grid.dp(), model, std::move(config), optimizer) {
-    if (grid.model_parallel().size() > 1) {
-      mp_ = &grid.model_parallel();
-      grid_ = grid.shape();
-      coords_ = grid.coords();
-      grid_.dp = comm_->size();  // a replica's grid under hybrid sharding
-      coords_.dp = comm_->rank();
-      // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
-      expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
-                                    precision_, opt_, std::span<const char>(decays_), true);
-    }
-  }
-
-  Engine(const Engine&) = delete;
-  Engine& operator=(const Engine&) = delete;
-
+ public:
   // Completes every reduction and gather still in flight before any memory goes (also while an
   // exception unwinds the training loop), then leaves the model's views that point into this
   // engine's memory pointing at nothing rather than at freed memory (views a newer engine on the
@@ -380,6 +381,11 @@ class Engine {
   // (EngineConfig's reshard_after_forward and max_reuse_distance); false for other stages.
   bool keeps_after_forward(int m) const { return params_ && params_->keeps_after_forward(m); }
 
+  // What the engine checked its ranks had room for before it allocated (expect_memory), by
+  // space: the model states, the buckets' first slots, stage 3's least working set (every
+  // persistent module and the largest other one gathered; hpZ's secondary shards).
+  MemoryPlan memory_plan() const { return plan(part_.layout()); }
+
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {
     MemoryReport r = part_.memory();
@@ -418,13 +424,52 @@ class Engine {
   const NvmeOptions* param_nvme() const noexcept {
     return config_.param_nvme ? &*config_.param_nvme : nullptr;
   }
-  // L, once the ranks have found room for the partition's host memory (expect_host_memory):
-  // collective, before any rank allocates it.
-  Layout with_host_room(Layout L) {
-    expect_host_memory(*dp_,
-                       Part::host_memory(L, optim::state_slots<Opt>, precision_.f32_buffer(Stage),
-                                         config_.offload_optimizer, optimizer_nvme(), param_nvme(),
-                                         config_.offload_param));
+  // c with qgZ's nodes resolved: where not given, the backend's own layout (mpi: its
+  // shared-memory split, or ZP_RANKS_PER_NODE), which every rank of the group found alike; a
+  // shard group inside a node is one node.
+  static EngineConfig with_nodes(EngineConfig c, Collective<B>& comm,
+                                 const std::optional<Collective<B>>& shard) {
+    if constexpr (requires { comm.backend().node_layout(); })
+      if (c.ranks_per_node == 0) {
+        const int per_node = comm.backend().node_layout().per_node;
+        c.ranks_per_node = shard ? std::gcd(per_node, shard->size()) : per_node;
+      }
+    return c;
+  }
+  // qgZ's ranks per node.
+  int qgz_node_size() const {
+    return config_.ranks_per_node > 0 ? config_.ranks_per_node : comm_->size();
+  }
+
+  // What this rank allocates for layout L from now on, by space: the partition's model states,
+  // the buckets' first slots (and qgZ's scratch) and stage 3's least working set.
+  MemoryPlan plan(const Layout& L) const {
+    MemoryPlan p = Part::memory_plan(L, optim::state_slots<Opt>, precision_.f32_buffer(Stage),
+                                     config_.offload_optimizer, optimizer_nvme(), param_nvme(),
+                                     config_.offload_param);
+    MemoryReport& in_s = S == MemorySpace::host ? p.host : p.device;
+    in_s.buckets = GradBuckets<T, B, S>::first_scratch_bytes(L, reduction_of(Stage),
+                                                             config_.bucket_slots, precision_);
+    if (config_.quantized_gradients && Stage >= 2 && qgz_node_size() > 0)
+      in_s.buckets += GradBuckets<T, B, S>::quantized_scratch_bytes(
+          L, comm_->size(), comm_->size() / qgz_node_size(), *config_.quantized_gradients);
+    if constexpr (Stage == 3) {
+      const MemoryReport least = ParamCoordinator<T, B>::least_working_set(
+          L, config_.persist_threshold, std::size_t(config_.hpz_partition_size));
+      in_s.gathered = least.gathered;
+      in_s.secondary = least.secondary;
+    }
+    return p;
+  }
+  // L, once the ranks (and `peers`) have found room for plan(L) (expect_memory): collective,
+  // before any rank allocates it.
+  Layout with_room(Layout L, MemoryPeers peers) {
+    if constexpr (S == MemorySpace::device) {
+      const DeviceRoom device = Allocator<S>::room();
+      expect_memory(*dp_, plan(L), &device, peers);
+    } else {
+      expect_memory(*dp_, plan(L), nullptr, peers);
+    }
     return L;
   }
 

@@ -149,38 +149,57 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
 }
 
 namespace detail {
-// A rank's record in the host memory check: its memory cgroup's identity and room, its
-// machine's, and its need (0 identity: no limit found).
+// A rank's record in the memory check: the identity and room of its memory cgroup, its machine
+// and its device (0 identity: no limit found, or no device), and its needs in host and device
+// memory.
 struct Room {
-  enum : std::size_t { cgroup_id, cgroup_room, machine_id, machine_room, need, fields };
+  enum : std::size_t {
+    cgroup_id,
+    cgroup_room,
+    machine_id,
+    machine_room,
+    device_id,
+    device_room,
+    host_need,
+    device_need,
+    rank,  // the rank's world rank, to name it by
+    fields
+  };
 };
 
-// Ranks that share a memory limit (a cgroup, or a machine) and need more than it leaves them.
+// What a group of ranks shares: a memory cgroup, a machine or a device.
+enum class Limit : std::uint8_t { cgroup, machine, device };
+
+// Ranks that share a limit and need more than it leaves them.
 struct ShortOfRoom {
-  bool machine = false;  // the machine's limit, else a cgroup's
+  Limit limit = Limit::cgroup;
   std::vector<int> ranks;
   std::int64_t need = 0, room = 0;
 };
 
-// The first such group in `table` (Room::fields values a rank), cgroups before machines, in the
-// order of their lowest ranks. A group's room is the most any of its ranks read (the reads are
-// moments apart), its need the sum of theirs.
+// The first such group in `table` (Room::fields values a rank), cgroups before machines before
+// devices, in the order of their lowest ranks. A group's room is the most any of its ranks read
+// (the reads are moments apart), its need the sum of theirs.
 inline std::optional<ShortOfRoom> short_of_room(std::span<const std::int64_t> table) {
   const std::size_t ranks = table.size() / Room::fields;
   const auto at = [&](std::size_t r, std::size_t f) { return table[r * Room::fields + f]; };
-  for (const bool machine : {false, true}) {
-    const std::size_t id = machine ? Room::machine_id : Room::cgroup_id, room = id + 1;
+  for (const Limit limit : {Limit::cgroup, Limit::machine, Limit::device}) {
+    const std::size_t id = limit == Limit::cgroup    ? Room::cgroup_id
+                           : limit == Limit::machine ? Room::machine_id
+                                                     : Room::device_id,
+                      room = id + 1,
+                      need = limit == Limit::device ? Room::device_need : Room::host_need;
     std::vector<std::pair<std::int64_t, int>> by_id;  // sorted: each group's ranks in a run
     for (std::size_t r = 0; r < ranks; ++r)
       if (at(r, id) != 0) by_id.emplace_back(at(r, id), int(r));
     std::sort(by_id.begin(), by_id.end());
     std::optional<ShortOfRoom> first;
     for (std::size_t i = 0, end; i < by_id.size(); i = end) {
-      ShortOfRoom s{machine, {}, 0, 0};
+      ShortOfRoom s{limit, {}, 0, 0};
       for (end = i; end < by_id.size() && by_id[end].first == by_id[i].first; ++end) {
         const auto r = std::size_t(by_id[end].second);
         s.ranks.push_back(int(r));
-        s.need = std::min(s.need + at(r, Room::need), no_memory_limit);  // each is at most it
+        s.need = std::min(s.need + at(r, need), no_memory_limit);  // each is at most it
         s.room = std::max(s.room, at(r, room));
       }
       if (s.need > s.room && (!first || s.ranks[0] < first->ranks[0])) first = std::move(s);
@@ -189,58 +208,107 @@ inline std::optional<ShortOfRoom> short_of_room(std::span<const std::int64_t> ta
   }
   return std::nullopt;
 }
+
+// "parameters 1.0 MiB, gradients 2.0 MiB, ...": r's categories that are not 0.
+inline std::string memory_parts(const MemoryReport& r) {
+  std::string parts;
+  for (const auto& [bytes, what] : {std::pair{r.params, "parameters"},
+                                    {r.grads, "gradients"},
+                                    {r.master, "fp32 master weights"},
+                                    {r.optimizer_state, "optimizer state"},
+                                    {r.swap_buffers, "NVMe swap buffers"},
+                                    {r.buckets, "gradient buckets"},
+                                    {r.gathered, "gathered parameters (at least)"},
+                                    {r.secondary, "hpZ secondary shards"}})
+    if (bytes > 0) parts += cat(parts.empty() ? "" : ", ", what, " ", mib(std::int64_t(bytes)));
+  return parts;
+}
 }  // namespace detail
 
-// Before the engine's ranks allocate their model states: `need` is this rank's host memory
-// (Partitioned::host_memory), and the ranks that share a memory cgroup, or a machine, must
-// have room for the sum of theirs (detail::host_memory_room, which counts page cache and swap
-// as free), or the kernel kills the process as it fills them, naming nothing. One all_reduce of
-// Room::fields words a rank; where a group is short, every rank throws Errc::out_of_memory, the
-// group's ranks naming the limit and the figures.
+// The ranks besides a data-parallel group whose memory its check counts too: its
+// model-parallel peers (a ProcessGrid's model_parallel(): the other groups' ranks of the same dp
+// coordinate), and this rank's world rank to name it by (-1: its rank in the group).
 template <Backend B>
-void expect_host_memory(Collective<B>& comm, const MemoryReport& need) {
+struct MemoryPeers {
+  Collective<B>* mp = nullptr;
+  int world_rank = -1;
+};
+
+// Before the engine's ranks allocate: `need` is this rank's memory by space (the partition's
+// model states, the buckets' first slots, stage 3's least working set), and the ranks that
+// share a memory cgroup, or a machine, must have room for the sum of their host memory
+// (detail::host_memory_room, which counts page cache and swap as free), or the kernel kills the
+// process as it fills them, naming nothing; the ranks that share a device (`device`: this
+// rank's, on a device backend), for the sum of their device memory. One all_reduce of
+// Room::fields words a rank (on a grid, one more over `peers.mp`); where a group is short, every
+// rank throws Errc::out_of_memory, the group's ranks naming the limit and the figures.
+template <Backend B>
+void expect_memory(Collective<B>& comm, const MemoryPlan& need, const DeviceRoom* device = nullptr,
+                   MemoryPeers<B> peers = {}) {
   const detail::HostRoom here = detail::host_memory_room();
-  const std::size_t me = std::size_t(comm.rank());
+  const bool grid = peers.mp && peers.mp->size() > 1;
+  const std::size_t groups = grid ? std::size_t(peers.mp->size()) : 1,
+                    me = (grid ? std::size_t(peers.mp->rank()) : 0) * std::size_t(comm.size()) +
+                         std::size_t(comm.rank());
   using detail::Room;
-  std::vector<std::int64_t> table(std::size_t(comm.size()) * Room::fields, 0);
+  const auto bytes = [](std::size_t b) {
+    return std::int64_t(std::min<std::size_t>(b, detail::no_memory_limit));
+  };
+  std::vector<std::int64_t> table(groups * std::size_t(comm.size()) * Room::fields, 0);
   std::int64_t* const mine = &table[me * Room::fields];
   mine[Room::cgroup_id] = here.cgroup_id;
   mine[Room::cgroup_room] = here.cgroup.bytes;
   mine[Room::machine_id] = here.machine_id;
   mine[Room::machine_room] = here.machine.bytes;
-  mine[Room::need] = std::int64_t(std::min<std::size_t>(need.total(), detail::no_memory_limit));
+  if (device && device->bytes >= 0) {
+    mine[Room::device_id] =
+        detail::limit_identity(detail::Fnv1a().all(std::string_view(device->device)));
+    mine[Room::device_room] = std::min(device->bytes, detail::no_memory_limit);
+  }
+  mine[Room::host_need] = bytes(need.host.total());
+  mine[Room::device_need] = bytes(need.device.total());
+  mine[Room::rank] = peers.world_rank >= 0 ? peers.world_rank : comm.rank();
+  // Each group fills its block of rows, then (a grid) each group's block goes to the others.
   all_reduce_host(comm, std::span<std::int64_t>(table), ReduceOp::sum);
+  if (grid) all_reduce_host(*peers.mp, std::span<std::int64_t>(table), ReduceOp::sum);
   const auto s = detail::short_of_room(table);
   if (!s) return;
+  std::vector<std::int64_t> named;  // the group's world ranks, in order
+  for (const int row : s->ranks)
+    named.push_back(table[std::size_t(row) * Room::fields + Room::rank]);
+  std::sort(named.begin(), named.end());
   std::string ranks;
-  for (std::size_t i = 0; i < s->ranks.size() && i < 8; ++i)
-    ranks += detail::cat(i ? ", " : "", s->ranks[i]);
-  if (s->ranks.size() > 8) ranks += detail::cat(" and ", s->ranks.size() - 8, " more");
+  for (std::size_t i = 0; i < named.size() && i < 8; ++i)
+    ranks += detail::cat(i ? ", " : "", named[i]);
+  if (named.size() > 8) ranks += detail::cat(" and ", named.size() - 8, " more");
   const bool member = std::find(s->ranks.begin(), s->ranks.end(), int(me)) != s->ranks.end();
-  std::string parts;
-  for (const auto& [bytes, what] : {std::pair{need.params, "parameters"},
-                                    {need.grads, "gradients"},
-                                    {need.master, "fp32 master weights"},
-                                    {need.optimizer_state, "optimizer state"},
-                                    {need.swap_buffers, "NVMe swap buffers"}})
-    if (bytes > 0)
-      parts += detail::cat(parts.empty() ? "" : ", ", what, " ", detail::mib(std::int64_t(bytes)));
-  const detail::MemoryRoom& limit = s->machine ? here.machine : here.cgroup;
+  const bool on_device = s->limit == detail::Limit::device;
+  const MemoryReport& mine_r = on_device ? need.device : need.host;
+  const std::string where =
+      !member ? detail::cat(s->limit == detail::Limit::cgroup ? "their memory cgroup"
+                            : on_device                       ? "their device"
+                                                              : "their machine",
+                            " (rank ", named[0], "'s error names it)")
+      : on_device                          ? device->device
+      : s->limit == detail::Limit::machine ? here.machine.where
+                                           : here.cgroup.where;
   throw Error(
       Errc::out_of_memory,
-      detail::cat(
-          "engine: not enough host memory for the model states: rank",
-          s->ranks.size() > 1 ? "s " : " ", ranks, s->ranks.size() > 1 ? " need " : " needs ",
-          detail::mib(s->need), ", more than the ", detail::mib(s->room), " left by ",
-          member ? limit.where
-                 : detail::cat(s->machine ? "their machine" : "their memory cgroup", " (rank ",
-                               s->ranks[0], "'s error names it)"),
-          ", past which the kernel kills the process",
-          member
-              ? detail::cat("; this rank's ", detail::mib(std::int64_t(need.total())), ": ", parts)
-              : std::string(),
-          ". Offload to NVMe (offload_optimizer: nvme; at stage 3 offload_param: nvme too), "
-          "shard over more ranks or at a higher ZeRO stage, or give the job more memory"));
+      detail::cat("engine: not enough ", on_device ? "device" : "host", " memory: rank",
+                  s->ranks.size() > 1 ? "s " : " ", ranks,
+                  s->ranks.size() > 1 ? " need " : " needs ", detail::mib(s->need),
+                  ", more than the ", detail::mib(s->room), on_device ? " free on " : " left by ",
+                  where, on_device ? "" : ", past which the kernel kills the process",
+                  member ? detail::cat("; this rank's ", detail::mib(std::int64_t(mine_r.total())),
+                                       ": ", detail::memory_parts(mine_r))
+                         : std::string(),
+                  on_device
+                      ? ". Offload to the CPU or NVMe (offload_optimizer; at stage 3 offload_param "
+                        "too), shard over more devices or at a higher ZeRO stage, or use a device "
+                        "with more memory"
+                      : ". Offload to NVMe (offload_optimizer: nvme; at stage 3 offload_param: "
+                        "nvme too), shard over more ranks or at a higher ZeRO stage, or give the "
+                        "job more memory"));
 }
 
 }  // namespace zp

@@ -17,6 +17,7 @@
 #include <memory>
 #include <new>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -76,6 +77,13 @@ struct HostAllocator {
   bool operator==(const HostAllocator<U>&) const noexcept {
     return true;
   }
+};
+
+// What a device can still allocate, as its runtime reports it (Allocator<device>::room(), for
+// the engine's check before it allocates): bytes (-1: no limit) and a name unique to the device.
+struct DeviceRoom {
+  std::int64_t bytes = -1;
+  std::string device;
 };
 
 // Bytes of live Buffers in one memory space, counted per thread (each rank runs on its own

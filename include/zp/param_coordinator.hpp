@@ -148,7 +148,7 @@ class ParamCoordinator {
     }
     const Layout& L = part.layout();
     for (int m = 0; m < L.module_count(); ++m)
-      mods_[std::size_t(m)].persistent = L.module(m).used <= persist_threshold;
+      mods_[std::size_t(m)].persistent = persists(L.module(m), persist_threshold);
     follow(order_.last());
     read_spare_.reserve(2);  // drop_read() keeps buffers without allocating
     for (int m = 0; m < L.module_count(); ++m)
@@ -255,6 +255,24 @@ class ParamCoordinator {
 
   std::size_t max_live_params() const noexcept { return cap_; }
 
+  // The least a step's gathers will hold at once, in account()'s categories (gathered: every
+  // persistent module and the largest other one; secondary: hpZ's shards over `hpz` ranks),
+  // for the engine's check before it allocates (engine_agreement.hpp).
+  static MemoryReport least_working_set(const Layout& L, std::size_t persist_threshold,
+                                        std::size_t hpz) {
+    MemoryReport r;
+    std::size_t largest = 0;
+    for (const auto& mod : L.modules()) {
+      if (persists(mod, persist_threshold))
+        r.gathered += mod.size * sizeof(T);
+      else
+        largest = std::max(largest, mod.size);
+      if (hpz > 1) r.secondary += mod.size / hpz * sizeof(T);
+    }
+    r.gathered += largest * sizeof(T);
+    return r;
+  }
+
   // The gathered working set in r's stage 3 categories.
   void account(MemoryReport& r) const {
     r.gathered = (live_ + persistent_live_) * sizeof(T);
@@ -286,6 +304,11 @@ class ParamCoordinator {
     bool secondary_valid = false, from_secondary = false;
     std::vector<Work> works;  // after the buffers: destroyed (so waited for) before them
   };
+
+  // Whether a module stays gathered across its uses (EngineConfig::persist_threshold).
+  static bool persists(const Layout::Module& mod, std::size_t threshold) noexcept {
+    return mod.used <= threshold;
+  }
 
   // qwZ: a piece of n elements as one record (quantized_collectives.hpp).
   std::size_t record_words(std::size_t n) const { return quant::record_words(*quant_, n); }

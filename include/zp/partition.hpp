@@ -61,6 +61,12 @@ struct MemoryReport {
   }
 };
 
+// A rank's memory before it is allocated, by where it will be: host memory (page-locked beside
+// a device included) and the device's (empty on a host backend).
+struct MemoryPlan {
+  MemoryReport host, device;
+};
+
 // The ZeRO paper's per-rank model-state bytes (Figure 1): params, gradients (both elem bytes each), fp32
 // master and `state_slots` fp32 state arrays, for `psi` elements on `ranks` ranks.
 constexpr std::size_t zero_model_state_bytes(int stage, std::size_t psi, int ranks,
@@ -185,27 +191,29 @@ class Partitioned {
     }
   }
 
-  // The host memory a partition of these settings (the constructor's) allocates, by category,
-  // nvme 0: the engine's ranks check it against the room they have before they allocate it
-  // (engine_agreement.hpp). A device backend's device memory is not in it, nor the engine's
-  // buckets and gathers, allocated later.
-  static MemoryReport host_memory(const Layout& layout, int state_slots, bool grads_f32,
-                                  bool offload, const NvmeOptions* nvme,
-                                  const NvmeOptions* param_nvme, bool param_host) {
+  // The memory a partition of these settings (the constructor's) allocates, by space and
+  // category, nvme 0: the engine's ranks check it against the room they have before they
+  // allocate it (engine_agreement.hpp). On a host backend `device` is empty; on a device one
+  // `host` holds what is offloaded (page-locked) and the swap buffers.
+  static MemoryPlan memory_plan(const Layout& layout, int state_slots, bool grads_f32, bool offload,
+                                const NvmeOptions* nvme, const NvmeOptions* param_nvme,
+                                bool param_host) {
     const Extents e = extents(layout, grads_f32, offload, nvme, param_nvme, param_host);
-    const bool host = S == MemorySpace::host;
     const std::size_t states = 1 + std::size_t(state_slots);
-    MemoryReport r;
-    r.params = (e.params_host + (host ? e.params : 0)) * sizeof(T);
-    r.grads = host ? e.grads * sizeof(T) + e.grads32 * sizeof(float) : 0;
-    r.master = (e.master_host + (host ? e.master_dev : 0)) * sizeof(float);
-    r.optimizer_state = (states - 1) * r.master;
-    r.offloaded = e.params_host * sizeof(T) + e.master_host * states * sizeof(float);
-    if (nvme) r.swap_buffers += Swap<float>::host_bytes(*nvme, e.master, int(states));
+    MemoryPlan p;
+    MemoryReport& in_s = S == MemorySpace::host ? p.host : p.device;
+    p.host.params = e.params_host * sizeof(T);
+    p.host.master = e.master_host * sizeof(float);
+    p.host.offloaded = p.host.params + e.master_host * states * sizeof(float);
+    in_s.params += e.params * sizeof(T);
+    in_s.grads = e.grads * sizeof(T) + e.grads32 * sizeof(float);
+    in_s.master += e.master_dev * sizeof(float);
+    for (MemoryReport* r : {&p.host, &p.device}) r->optimizer_state = (states - 1) * r->master;
+    if (nvme) p.host.swap_buffers += Swap<float>::host_bytes(*nvme, e.master, int(states));
     if (param_nvme)
-      r.swap_buffers +=
+      p.host.swap_buffers +=
           Swap<T>::host_bytes(param_swap_options(*param_nvme, nvme), layout.shard(), 1);
-    return r;
+    return p;
   }
 
   // Master weights and state are in host memory or on NVMe (whatever S is), stepped by the CPU.

@@ -239,6 +239,10 @@ inline MemoryRoom machine_memory_room(std::string_view meminfo) {
           ""};
 }
 
+// A limit's identity in the memory check: a positive 62-bit value, so that a sum of one per
+// rank is exact.
+inline std::int64_t limit_identity(const Fnv1a& h) { return std::int64_t(h.value() >> 2) | 1; }
+
 // The process's room now: its memory cgroup's (`cgroup`) and its machine's (`machine`), each
 // with an identity that the ranks sharing it share (the machine's boot, the cgroup's inode
 // there): 0 where no limit was found.
@@ -263,12 +267,11 @@ inline HostRoom host_memory_room() {
   r.cgroup = cgroup_memory_room(self_cgroup().cgroup, self_cgroup().mountinfo,
                                 std::max<std::int64_t>(0, stat_bytes(meminfo, "SwapFree")));
   if (machine.empty()) return r;  // no identity to share: no check
-  // Identities are positive 62-bit values, so that a sum of one per rank is exact.
-  const auto id = [](const Fnv1a& h) { return std::int64_t(h.value() >> 2) | 1; };
-  if (r.machine.bytes < no_memory_limit) r.machine_id = id(Fnv1a().all(std::string_view(machine)));
+  if (r.machine.bytes < no_memory_limit)
+    r.machine_id = limit_identity(Fnv1a().all(std::string_view(machine)));
   struct stat st {};
   if (r.cgroup.bytes < no_memory_limit && ::stat(r.cgroup.path.c_str(), &st) == 0)
-    r.cgroup_id = id(
+    r.cgroup_id = limit_identity(
         Fnv1a().all(std::string_view(machine), std::uint64_t(st.st_dev), std::uint64_t(st.st_ino)));
   return r;
 }

@@ -7,10 +7,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <string>
 #include <thread>
 
 #include "zp/error.hpp"
@@ -125,16 +127,46 @@ inline int device_count() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
-// Bytes the current device's default pool has handed out and not taken back.
-inline std::int64_t memory_in_use() {
+namespace cuda_detail {
+// A byte count of the current device's default pool (cudaMemPoolAttr*MemCurrent).
+inline std::uint64_t pool_bytes(cudaMemPoolAttr a) {
   int d = 0;
   check(cudaGetDevice(&d), "cudaGetDevice");
   cudaMemPool_t pool = nullptr;
   check(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
-  std::uint64_t used = 0;
-  check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used),
-        "cudaMemPoolGetAttribute");
-  return std::int64_t(used);
+  std::uint64_t bytes = 0;
+  check(cudaMemPoolGetAttribute(pool, a, &bytes), "cudaMemPoolGetAttribute");
+  return bytes;
+}
+}  // namespace cuda_detail
+// Bytes the current device's default pool has handed out and not taken back.
+inline std::int64_t memory_in_use() {
+  return std::int64_t(cuda_detail::pool_bytes(cudaMemPoolAttrUsedMemCurrent));
+}
+// What the current device can still allocate: its free memory (cudaMemGetInfo: under MIG, the
+// instance's) and what its default pool keeps unused.
+inline std::int64_t memory_free() {
+  std::size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  const std::uint64_t reserved = cuda_detail::pool_bytes(cudaMemPoolAttrReservedMemCurrent),
+                      used = cuda_detail::pool_bytes(cudaMemPoolAttrUsedMemCurrent);
+  return std::int64_t(free + (reserved - std::min(reserved, used)));
+}
+// The current device's index, name and UUID: unique to it (a MIG instance has its own UUID).
+inline std::string device_name() {
+  int d = 0;
+  check(cudaGetDevice(&d), "cudaGetDevice");
+  cudaDeviceProp p{};
+  check(cudaGetDeviceProperties(&p, d), "cudaGetDeviceProperties");
+  std::string uuid;
+  for (int i = 0; i < 16; ++i) {
+    static constexpr char hex[] = "0123456789abcdef";
+    const auto b = static_cast<unsigned char>(p.uuid.bytes[i]);
+    uuid += hex[b >> 4];
+    uuid += hex[b & 15];
+    if (i == 3 || i == 5 || i == 7 || i == 9) uuid += '-';
+  }
+  return detail::cat("device ", d, " (", p.name, ", GPU-", uuid, ")");
 }
 
 #if defined(__CUDACC__)

@@ -62,6 +62,7 @@ struct Allocator<MemorySpace::device> {
   static void deallocate(void* p) noexcept {
     device::deallocate(p, device::current_stream(), "buffer.free");
   }
+  static DeviceRoom room() { return {device::memory_free(), device::device_name()}; }
 };
 
 // Page-locked host memory (offload_space<device>, memory.hpp). A free does not wait for the

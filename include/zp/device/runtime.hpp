@@ -29,6 +29,8 @@
 //   expect_device_memory(p, what)             the simulator: an error unless p is device memory
 //                                             (a collective's buffers); CUDA: no check
 //   set_device(d), device_count(), memory_in_use()
+//   memory_free(); device_name()              what the current device can still allocate (-1: no
+//                                             limit), and a name unique to it
 //   check the `site` names (the mutation table, tests/device/mutations.cmake): a simulated
 //   device can be told to drop one site's ordering, to prove a test catches its absence.
 // The host-side context on top (current stream, RAII streams and events, host waits, the delay

@@ -40,6 +40,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "zp/config.hpp"
 #include "zp/error.hpp"
 
@@ -645,5 +647,16 @@ inline void set_device(int d) {
 }
 inline int device_count() { return 1; }
 inline std::int64_t memory_in_use() { return sim_detail::Device::get().in_use(); }
+// What the device can still allocate: its limit less the blocks in use (a full pool is trimmed
+// first), or -1 without a limit.
+inline std::int64_t memory_free() {
+  const std::size_t limit = sim_detail::Device::get().options().memory_limit;
+  return limit ? std::max<std::int64_t>(0, std::int64_t(limit) - memory_in_use()) : -1;
+}
+// A name unique to the device among the ranks that may share it: a process's threads.
+inline std::string device_name() {
+  return detail::cat("the simulated device of process ", ::getpid(), " (ZP_SIM_MEMORY ",
+                     sim_detail::Device::get().options().memory_limit, " bytes)");
+}
 
 }  // namespace zp::device
