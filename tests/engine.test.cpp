@@ -2365,6 +2365,65 @@ TEST_CASE("the memory check finds the first group of ranks that share a limit an
 }
 
 namespace {
+// Engine::estimate_memory, taken before any communicator exists, against memory_plan() of an
+// engine built with the same model and config (which tests/memory_check.hpp checks against the
+// allocator): every field of both spaces, for random settings.
+template <int Stage>
+void check_estimate(std::uint64_t seed) {
+  using E = zp::Engine<Threads, zp::bf16, Stage>;
+  for (int trial = 0; trial < 12; ++trial) {
+    const std::uint64_t x = zp::test::mix(seed + std::uint64_t(Stage * 1000 + trial));
+    const int ranks = x % 2 ? 4 : 2;
+    EngineConfig cfg = test_config(2, 1 + int(x >> 1 & 1));
+    cfg.bucket_bytes = 512u << (x >> 2 & 3);
+    cfg.bucket_slots = 1 + (x >> 4 & 3);
+    cfg.offload_optimizer = x >> 6 & 1;
+    if (x >> 7 & 1) cfg.grad_accum_dtype = zp::DType::f32;
+    if (Stage >= 1 && (x >> 8 & 1)) cfg.shard_group_size = 2;
+    if (Stage >= 2 && (x >> 9 & 1)) cfg.quantized_gradients = zp::zero_quantized_gradients;
+    if (Stage == 3) {
+      cfg.persist_threshold = (x >> 10) % 600;
+      cfg.hpz_partition_size = x >> 20 & 1 ? 2 : 1;
+      cfg.offload_param = x >> 21 & 1;
+    }
+    CAPTURE(trial);
+    CAPTURE(ranks);
+    Mlp<zp::bf16> reference;
+    const zp::MemoryPlan want = E::estimate_memory(reference, ranks, cfg);
+    run_threads(ranks, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model;
+      E engine(comm, model, cfg);
+      const zp::MemoryPlan got = engine.memory_plan();
+      for (const auto& [a, b] : {std::pair{&want.host, &got.host}, {&want.device, &got.device}}) {
+        CHECK(a->params == b->params);
+        CHECK(a->grads == b->grads);
+        CHECK(a->master == b->master);
+        CHECK(a->optimizer_state == b->optimizer_state);
+        CHECK(a->buckets == b->buckets);
+        CHECK(a->gathered == b->gathered);
+        CHECK(a->secondary == b->secondary);
+        CHECK(a->offloaded == b->offloaded);
+        CHECK(a->swap_buffers == b->swap_buffers);
+      }
+      CHECK(got.host.model_states() > 0);
+    });
+  }
+}
+}  // namespace
+
+TEST_CASE("estimate_memory is the plan an engine of that model and config checks") {
+  const std::uint64_t seed = zp::test::run_seed("engine.test estimate");
+  check_estimate<0>(seed);
+  check_estimate<1>(seed);
+  check_estimate<2>(seed);
+  check_estimate<3>(seed);
+  Mlp<zp::bf16> model;
+  zp::test::expect_invalid(
+      [&] { zp::Engine<Threads, zp::bf16, 3>::estimate_memory(model, 0, test_config(2, 1)); },
+      {"estimate_memory for 0 ranks; expected at least 1"});
+}
+
+namespace {
 // One parameter of n elements whose values an initializer gives: a model with no storage of its
 // own, of any size.
 struct Huge {

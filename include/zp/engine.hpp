@@ -94,6 +94,7 @@ class Engine {
 
   // RAII module boundary (see the top of this file and module_guard.hpp).
   using ModuleGuard = zp::ModuleGuard<Engine>;
+
   // Takes over the model's parameters: lays them out, checks the layout is identical on every
   // rank (one all_reduce), copies the initial values (broadcast from rank 0 unless disabled) and
   // rebinds the model's views into zp memory. Collective. The model must not move while the
@@ -198,7 +199,7 @@ class Engine {
     if (config_.hpz_partition_size > 1)
       hpz_node_.emplace(nodes_of(config_.hpz_partition_size, "hpz_partition_size"));
     if (config_.quantized_gradients) {
-      const int h = qgz_node_size();
+      const int h = config_.ranks_per_node > 0 ? config_.ranks_per_node : zero.size();
       qgz_node_.emplace(nodes_of(h, "ranks_per_node"));
       qgz_peers_.emplace(zero.split(zero.rank() % h, zero.rank() / h));
       buckets_.quantize_gradients(*qgz_node_, *qgz_peers_, *config_.quantized_gradients);
@@ -386,6 +387,23 @@ class Engine {
   // persistent module and the largest other one gathered; hpZ's secondary shards).
   MemoryPlan memory_plan() const { return plan(part_.layout()); }
 
+  // What an engine of this type would check and allocate per rank (memory_plan()) for `model`
+  // on `ranks` data-parallel ranks with `config`, with no communicator and nothing allocated:
+  // to size a job before starting it (DeepSpeed's estimate_zero*_model_states_mem_needs). Its
+  // qgZ scratch takes ranks_per_node 0 as one node (the backend's layout is not known here).
+  template <Model<T> M>
+  static MemoryPlan estimate_memory(M& model, int ranks, const EngineConfig& config) {
+    config.check();
+    ZP_EXPECT(ranks >= 1, "engine: estimate_memory for ", ranks, " ranks; expected at least 1");
+    const int zero = config.shard_group_size > 0 ? config.shard_group_size : ranks;
+    const BatchConfig batch = resolve_batch(config.batch, ranks);
+    const GradPrecision p =
+        GradPrecision::resolve(dtype_of<T>, Stage, config.grad_accum_dtype,
+                               config.communication_dtype, batch.gradient_accumulation_steps);
+    return plan(Layout(describe_parameters<T>(model), zero, layout_options(config, sizeof(T))),
+                config, p, zero);
+  }
+
   // This rank's bytes by category, with the stage 3 gathered working set (now and peak).
   MemoryReport memory() const {
     MemoryReport r = part_.memory();
@@ -436,31 +454,30 @@ class Engine {
       }
     return c;
   }
-  // qgZ's ranks per node.
-  int qgz_node_size() const {
-    return config_.ranks_per_node > 0 ? config_.ranks_per_node : comm_->size();
-  }
-
-  // What this rank allocates for layout L from now on, by space: the partition's model states,
-  // the buckets' first slots (and qgZ's scratch) and stage 3's least working set.
-  MemoryPlan plan(const Layout& L) const {
-    MemoryPlan p = Part::memory_plan(L, optim::state_slots<Opt>, precision_.f32_buffer(Stage),
-                                     config_.offload_optimizer, optimizer_nvme(), param_nvme(),
-                                     config_.offload_param);
-    MemoryReport& in_s = S == MemorySpace::host ? p.host : p.device;
-    in_s.buckets = GradBuckets<T, B, S>::first_scratch_bytes(L, reduction_of(Stage),
-                                                             config_.bucket_slots, precision_);
-    if (config_.quantized_gradients && Stage >= 2 && qgz_node_size() > 0)
-      in_s.buckets += GradBuckets<T, B, S>::quantized_scratch_bytes(
-          L, comm_->size(), comm_->size() / qgz_node_size(), *config_.quantized_gradients);
+  // What a rank of a `zero`-rank ZeRO group (the shard group) with config c and precision p
+  // allocates for layout L, by space: the partition's model states, the buckets' first slots
+  // (and qgZ's scratch) and stage 3's least working set.
+  static MemoryPlan plan(const Layout& L, const EngineConfig& c, const GradPrecision& p, int zero) {
+    MemoryPlan m =
+        Part::memory_plan(L, optim::state_slots<Opt>, p.f32_buffer(Stage), c.offload_optimizer,
+                          c.optimizer_nvme ? &*c.optimizer_nvme : nullptr,
+                          c.param_nvme ? &*c.param_nvme : nullptr, c.offload_param);
+    MemoryReport& in_s = S == MemorySpace::host ? m.host : m.device;
+    in_s.buckets =
+        GradBuckets<T, B, S>::first_scratch_bytes(L, reduction_of(Stage), c.bucket_slots, p);
+    const int node = c.ranks_per_node > 0 ? c.ranks_per_node : zero;  // qgZ's
+    if (c.quantized_gradients && Stage >= 2 && node > 0)
+      in_s.buckets += GradBuckets<T, B, S>::quantized_scratch_bytes(L, zero, zero / node,
+                                                                    *c.quantized_gradients);
     if constexpr (Stage == 3) {
       const MemoryReport least = ParamCoordinator<T, B>::least_working_set(
-          L, config_.persist_threshold, std::size_t(config_.hpz_partition_size));
+          L, c.persist_threshold, std::size_t(c.hpz_partition_size));
       in_s.gathered = least.gathered;
       in_s.secondary = least.secondary;
     }
-    return p;
+    return m;
   }
+  MemoryPlan plan(const Layout& L) const { return plan(L, config_, precision_, comm_->size()); }
   // L, once the ranks (and `peers`) have found room for plan(L) (expect_memory): collective,
   // before any rank allocates it.
   Layout with_room(Layout L, MemoryPeers peers) {
