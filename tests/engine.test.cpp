@@ -20,6 +20,7 @@
 #include "zp/backend/threads.hpp"
 #include "zp/dispatch.hpp"
 #include "expect_error.hpp"
+#include "huge_model.hpp"
 #include "memory_check.hpp"
 #include "temp_dir.hpp"
 #include "zero_mlp.hpp"
@@ -2423,18 +2424,6 @@ TEST_CASE("estimate_memory is the plan an engine of that model and config checks
       {"estimate_memory for 0 ranks; expected at least 1"});
 }
 
-namespace {
-// One parameter of n elements whose values an initializer gives: a model with no storage of its
-// own, of any size.
-struct Huge {
-  zp::View<zp::bf16> w, g;
-};
-template <class Visit>
-void for_each_parameter(Huge& m, Visit&& visit) {
-  visit("huge.weight", 0, m.w, m.g);
-}
-}  // namespace
-
 // zp.test.engine.memory_cgroup runs this in a memory cgroup of ZP_TEST_MEMORY_LIMIT bytes without
 // swap (tests/in_cgroup.sh). Two ranks whose model states (stage 0, bf16, AdamW: 16 bytes an
 // element) need 0.7 of the limit each are refused on both, naming the cgroup, before either
@@ -2449,11 +2438,9 @@ TEST_CASE("model states past a memory cgroup's room are refused on every rank, n
   const std::size_t bytes = std::strtoull(limit, nullptr, 10);
   REQUIRE(bytes > 0);
   const auto build = [](Collective<Threads>& comm, std::size_t n) {
-    Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+    zp::test::Huge model(n);
     auto cfg = test_config(2, 1);
-    cfg.initializer = [](std::string_view, std::size_t first, std::span<float> out) {
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = float((first + i) % 7);
-    };
+    cfg.initializer = zp::test::huge_values;
     zp::Engine<Threads, zp::bf16, 0> engine(comm, model, cfg);
     CHECK(engine.memory().model_states() == 16 * engine.partition().layout().total());
   };

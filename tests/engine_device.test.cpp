@@ -22,6 +22,7 @@
 #include "bit_difference.hpp"
 #include "device_or_skip.hpp"
 #include "expect_error.hpp"
+#include "huge_model.hpp"
 #include "memory_check.hpp"
 #include "temp_dir.hpp"
 
@@ -525,16 +526,6 @@ void check_checkpoints(std::uint64_t seed) {
         file_bytes(dir.path / "cpu_master" / "model.safetensors"));
 }
 
-// One parameter of n elements whose values an initializer gives: a model with no storage of its
-// own, of any size.
-struct Huge {
-  zp::View<zp::bf16> w, g;
-};
-template <class Visit>
-void for_each_parameter(Huge& m, Visit&& visit) {
-  visit("huge.weight", 0, m.w, m.g);
-}
-
 }  // namespace engine_gpu
 
 using namespace engine_gpu;
@@ -558,11 +549,9 @@ TEST_CASE("model states past a device's free memory are refused on every rank, n
 #endif
   using B = zp::backend::CudaThreads;
   const auto build = [](zp::Collective<B>& comm, std::size_t n) {
-    Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+    zp::test::Huge model(n);
     zp::EngineConfig cfg;
-    cfg.initializer = [](std::string_view, std::size_t first, std::span<float> out) {
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = float((first + i) % 7);
-    };
+    cfg.initializer = zp::test::huge_values;
     zp::Engine<B, zp::bf16, 0> engine(comm, model, cfg);
     CHECK(engine.memory_plan().device.total() == 16 * engine.layout().total());
   };
@@ -589,12 +578,9 @@ TEST_CASE("model states past a device's free memory are refused on every rank, n
     const std::size_t n = std::size_t(room) * 35 / 100 / 16;
     zp::test::expect_error(zp::Errc::out_of_memory,
                            [&] {
-                             Huge model{zp::View<zp::bf16>(n), zp::View<zp::bf16>(n)};
+                             zp::test::Huge model(n);
                              zp::EngineConfig cfg;
-                             cfg.initializer = [](std::string_view, std::size_t,
-                                                  std::span<float> out) {
-                               std::fill(out.begin(), out.end(), 1.0f);
-                             };
+                             cfg.initializer = zp::test::huge_values;
                              zp::Engine<B, zp::bf16, 0> engine(grid, model, cfg);
                            },
                            {"not enough device memory: ranks 0, 1, 2, 3 need ", "free on "});

@@ -62,7 +62,8 @@ struct MemoryReport {
 };
 
 // A rank's memory before it is allocated, by where it will be: host memory (page-locked beside
-// a device included) and the device's (empty on a host backend).
+// a device included) and the device's (empty on a host backend). Stage 3's gathers (gathered,
+// secondary) are the least they will hold at once; activations are the model's, not in it.
 struct MemoryPlan {
   MemoryReport host, device;
 };
