@@ -60,9 +60,10 @@ namespace {
 
 struct Options : examples::TrainFlags, examples::RunFlags {
   int layers = 2, d_model = 64, heads = 4, context = 32, tp = 1, pp = 1;
-  bool recompute = false;       // --recompute: activation checkpointing (gpt::Activations)
-  int eval_every = 0;           // --eval-every: --eval's loss every N steps too
-  bool decay_matrices = false;  // --decay matrices: gpt::is_matrix as the weight decay filter
+  bool recompute = false;        // --recompute: activation checkpointing (gpt::Activations)
+  bool estimate_memory = false;  // --estimate-memory: print Engine::estimate_memory, no training
+  int eval_every = 0;            // --eval-every: --eval's loss every N steps too
+  bool decay_matrices = false;   // --decay matrices: gpt::is_matrix as the weight decay filter
   std::string prompt = "\n", init_from, eval;
   std::vector<std::string> tokens;  // --tokens: llm.c's token files, in place of --text
   int vocab = 50257;                // --vocab: the token ids' range with --tokens (GPT-2's)
@@ -124,10 +125,13 @@ const char* usage =
     "  --seed N           the sampling's random seed (default 1)\n"
     "  --eval PATH        after training, print the mean loss of predicting every next character\n"
     "                     of the text in PATH (each once, in windows of --context)\n"
-    "  --eval-every N     ... and every N steps of training too (a validation loss)\n";
+    "  --eval-every N     ... and every N steps of training too (a validation loss)\n"
+    "  --estimate-memory  print what the engine would allocate per rank for these flags (the\n"
+    "                     plan it checks against the memory room before allocating), without\n"
+    "                     allocating or training\n";
 
 const examples::Program program{"zp_gpt", usage, examples::run_usage};
-constexpr std::initializer_list<const char*> gpt_switches = {"--recompute"};
+constexpr std::initializer_list<const char*> gpt_switches = {"--recompute", "--estimate-memory"};
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -136,6 +140,10 @@ Options parse(int argc, char** argv) {
       [&](const std::string& a, const std::string& v) {
         if (a == "--recompute") {
           o.recompute = true;
+          return true;
+        }
+        if (a == "--estimate-memory") {
+          o.estimate_memory = true;
           return true;
         }
         if (a == "--steps") {  // 0: nothing to train (sample or export what was loaded)
@@ -324,6 +332,42 @@ void print_sample(gpt::Model<T>& model, const Options& o, const Data& data) {
               data.tokens() ? "; token ids" : "", text.c_str());
 }
 
+// The model the flags describe.
+gpt::Config config_of(const Options& o, const Data& data) {
+  return {.vocab = data.vocab,
+          .context = o.context,
+          .d_model = o.d_model,
+          .heads = o.heads,
+          .layers = o.layers};
+}
+
+// --estimate-memory: rank 0's plan (Engine::estimate_memory: its part of the model, on the
+// grid's data-parallel ranks), from a model whose values are never made.
+template <class E, class B>
+void estimate(zp::ProcessGrid<B>& grid, const Options& o, const Data& data,
+              const zp::EngineConfig& ec) {
+  using T = typename E::value_type;
+  const gpt::Config cfg = config_of(o, data);
+  const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
+  gpt::Model<T> model(cfg, o.init_seed, zp::tp::Group<float>(grid.tp()), {first, end},
+                      gpt::Model<T>::InitialValues::on_request);
+  const zp::MemoryPlan p = E::estimate_memory(model, grid.shape().dp, ec);
+  if (grid.world_rank() != 0) return;
+  const zp::MemoryReport& m = p.host;
+  std::printf(
+      "memory plan per rank (MiB, before allocating): params %.3f  grads %.3f  fp32 master %.3f  "
+      "optimizer state %.3f  = model states %.3f; buckets %.3f  gathered at least %.3f\n",
+      examples::mib(m.params), examples::mib(m.grads), examples::mib(m.master),
+      examples::mib(m.optimizer_state), examples::mib(m.model_states()), examples::mib(m.buckets),
+      examples::mib(m.gathered));
+  if (m.swap_buffers)
+    std::printf("        NVMe swap buffers: %.3f MiB\n", examples::mib(m.swap_buffers));
+  if (m.secondary)
+    std::printf("        secondary shards (hpZ): %.3f MiB\n", examples::mib(m.secondary));
+  std::printf("        in all %.3f MiB a rank (%d ranks on this grid); activations come on top\n",
+              examples::mib(m.total()), grid.shape().size());
+}
+
 // E: the zp::Engine type (backend, element type, stage, optimizer), chosen by the flags or by
 // zp::ds::with_engine from a config (examples::with_engine), as are ec, opt and the schedule.
 template <class E, class B>
@@ -334,11 +378,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   constexpr int Stage = E::stage;
   const int dp = grid.shape().dp, dp_rank = grid.coords().dp;
   const bool lead = world.rank() == 0;
-  const gpt::Config cfg{.vocab = data.vocab,
-                        .context = o.context,
-                        .d_model = o.d_model,
-                        .heads = o.heads,
-                        .layers = o.layers};
+  const gpt::Config cfg = config_of(o, data);
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
   // The same initial weights on every grid; from a file they are read into the model's views,
   // else the engine asks each rank for only the elements it keeps (at stage 3 its shard).
@@ -503,7 +543,10 @@ void dispatch(zp::Collective<B>& world, const Options& o, const Data& data) {
                    const zp::schedule::Any& sched) {
         zp::EngineConfig with_filter = ec;
         if (o.decay_matrices) with_filter.weight_decay_filter = gpt::is_matrix;
-        train<E>(world, grid, o, data, with_filter, opt, sched);
+        if (o.estimate_memory)
+          estimate<E>(grid, o, data, with_filter);
+        else
+          train<E>(world, grid, o, data, with_filter, opt, sched);
       });
 }
 
