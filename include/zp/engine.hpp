@@ -146,7 +146,8 @@ class Engine {
         part_(with_room(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T))),
                         peers),
               comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
-              config_.offload_optimizer, optimizer_nvme(), param_nvme(), config_.offload_param),
+              config_.offload_optimizer, nvme(config_.optimizer_nvme), nvme(config_.param_nvme),
+              config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     config_.check();
@@ -436,11 +437,9 @@ class Engine {
  private:
   friend ModuleGuard;
 
-  const NvmeOptions* optimizer_nvme() const noexcept {
-    return config_.optimizer_nvme ? &*config_.optimizer_nvme : nullptr;
-  }
-  const NvmeOptions* param_nvme() const noexcept {
-    return config_.param_nvme ? &*config_.param_nvme : nullptr;
+  // An optional NvmeOptions as the partition takes it (null: not on NVMe).
+  static const NvmeOptions* nvme(const std::optional<NvmeOptions>& o) noexcept {
+    return o ? &*o : nullptr;
   }
   // c with qgZ's nodes resolved: where not given, the backend's own layout (mpi: its
   // shared-memory split, or ZP_RANKS_PER_NODE), which every rank of the group found alike; a
@@ -460,8 +459,7 @@ class Engine {
   static MemoryPlan plan(const Layout& L, const EngineConfig& c, const GradPrecision& p, int zero) {
     MemoryPlan m =
         Part::memory_plan(L, optim::state_slots<Opt>, p.f32_buffer(Stage), c.offload_optimizer,
-                          c.optimizer_nvme ? &*c.optimizer_nvme : nullptr,
-                          c.param_nvme ? &*c.param_nvme : nullptr, c.offload_param);
+                          nvme(c.optimizer_nvme), nvme(c.param_nvme), c.offload_param);
     MemoryReport& in_s = S == MemorySpace::host ? m.host : m.device;
     in_s.buckets =
         GradBuckets<T, B, S>::first_scratch_bytes(L, reduction_of(Stage), c.bucket_slots, p);
