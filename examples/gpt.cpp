@@ -397,15 +397,21 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
                     "zp_gpt: built without zp::io (nlohmann_json): no --init-from");
 #endif
   }
-  E engine(grid, model, with_init, opt);
-  model.release_initial_values();
-  const int micro_batch = int(engine.batch().micro_batch_per_rank),
-            accum = int(engine.batch().gradient_accumulation_steps);
+  // The activation sets and the pipeline's buffers before the engine (the batch it will
+  // resolve), so that they are out of the room its memory check reads.
+  const zp::BatchConfig batch = zp::resolve_batch(ec.batch, dp);
+  const int micro_batch = int(batch.micro_batch_per_rank),
+            accum = int(batch.gradient_accumulation_steps);
   const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);
   zp::pipeline::Runner<B, float> runner(grid.pp(), o.schedule, accum,
                                         rows * std::size_t(cfg.d_model));
   std::vector<gpt::Activations<float>> slots;
-  for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch, o.recompute);
+  for (int k = 0; k < runner.slots(); ++k) {
+    slots.emplace_back(cfg, micro_batch, o.recompute);
+    model.reserve(slots.back());
+  }
+  E engine(grid, model, with_init, opt);
+  model.release_initial_values();
 
   // Every rank's parameter count, summed over the replica's TP x PP ranks.
   std::int64_t params = std::int64_t(engine.layout().used());

@@ -579,6 +579,12 @@ class Model {
         ++module_begin_.back();
     }
     module_begin_.push_back(tensors_.size());
+    for (int m = first_; m < end_; ++m) {
+      const auto [first, end] = module_tensors(m);
+      std::size_t n = 0;
+      for (std::size_t t = first; t < end; ++t) n += tensors_[t].place.size();
+      largest_ = std::max(largest_, n);
+    }
   }
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -637,6 +643,19 @@ class Model {
     for (Tensor& t : m.tensors_) visit(t.name, t.module - m.first_, t.param, t.place);
   }
 
+  // Allocates now, not at their first use, what a's blocks and logits hold for this rank's
+  // modules and this model's F copies of a module, so that an engine built after this counts
+  // them in its memory check.
+  void reserve(Activations<F>& a) {
+    for (int m = std::max(first_, 1); m < std::min(end_, cfg_.layers + 1); ++m)
+      a.block(m - 1).resize(shape_, cfg_.context, a.batch);
+    if (has_loss()) {
+      a.logits.resize(std::size_t(a.rows(cfg_)) * vocab_.size());
+      a.dlogits.resize(a.logits.size());
+    }
+    for (auto* buf : {&w_buf_, &g_buf_}) buf->resize(largest_);
+  }
+
   // Module m's forward for the micro-batch in a (a.tokens set for module 0; a.x[m - 1] for others).
   void forward(int m, Activations<F>& a) {
     const Config& c = cfg_;
@@ -679,11 +698,9 @@ class Model {
     const Config& c = cfg_;
     const int rows = a.rows(c), d = c.d_model;
     load(m);
-    const std::size_t first = module_begin_[std::size_t(m - first_)],
-                      end = module_begin_[std::size_t(m - first_ + 1)];
-    gf_.resize(end - first);
-    for (std::size_t k = 0; k < gf_.size(); ++k)
-      gf_[k].assign(tensors_[first + k].param.size(), F(0));
+    const std::size_t first = module_tensors(m).first;
+    bind(gf_, g_buf_, m);
+    for (const std::span<F> g : gf_) std::ranges::fill(g, F(0));
     if (m == 0) {
       zp::tp::embedding_backward(vocab_, std::size_t(c.vocab), std::span<F>(gf_[0]),
                                  std::span<const int>(a.tokens), std::size_t(d),
@@ -749,13 +766,26 @@ class Model {
   void load(int m) {
     ZP_EXPECT(m >= first_ && m < end_, "gpt: module ", m, " is not one of this rank's modules [",
               first_, ", ", end_, ")");
-    const std::size_t first = module_begin_[std::size_t(m - first_)],
-                      end = module_begin_[std::size_t(m - first_ + 1)];
-    wf_.resize(end - first);
+    const std::size_t first = module_tensors(m).first;
+    bind(wf_, w_buf_, m);
     for (std::size_t k = 0; k < wf_.size(); ++k) {
       const zp::View<T>& v = tensors_[first + k].param.value;
-      wf_[k].resize(v.size());
       for (std::size_t i = 0; i < v.size(); ++i) wf_[k][i] = detail::to_compute<F>(v[i]);
+    }
+  }
+  // The tensors_ indices of module m's tensors: [first, end).
+  std::pair<std::size_t, std::size_t> module_tensors(int m) const {
+    return {module_begin_[std::size_t(m - first_)], module_begin_[std::size_t(m - first_ + 1)]};
+  }
+  // views: module m's tensors, one after another in buf (sized once, for the largest module).
+  void bind(std::vector<std::span<F>>& views, std::vector<F>& buf, int m) {
+    const auto [first, end] = module_tensors(m);
+    buf.resize(largest_);
+    views.clear();
+    std::size_t at = 0;
+    for (std::size_t t = first; t < end; ++t) {
+      views.emplace_back(buf.data() + at, tensors_[t].place.size());
+      at += tensors_[t].place.size();
     }
   }
   BlockWeights<F> weights() const {
@@ -772,8 +802,10 @@ class Model {
   BlockShape shape_;
   std::vector<Tensor> tensors_;
   std::vector<std::size_t>
-      module_begin_;  // tensors_ index of each of this rank's modules, and the end
-  std::vector<std::vector<F>> wf_, gf_;  // the current module's weights and gradients in F
+      module_begin_;                   // tensors_ index of each of this rank's modules, and the end
+  std::size_t largest_ = 0;            // elements of this rank's largest module
+  std::vector<F> w_buf_, g_buf_;       // largest_ each, from the first use (or reserve)
+  std::vector<std::span<F>> wf_, gf_;  // the current module's weights and gradients in F
 };
 
 // ---- sampling -------------------------------------------------------------------------------

@@ -2322,9 +2322,9 @@ TEST_CASE("the memory check finds the first group of ranks that share a limit an
       row[Room::cgroup_id] = std::int64_t(x(r + 1) % 4) * 1000003;  // 0: none
       row[Room::machine_id] = std::int64_t(1 + x(r + 11) % 3) * 7919;
       row[Room::device_id] = std::int64_t(x(r + 51) % 3) * 104729;  // 0: none
-      row[Room::cgroup_room] = std::int64_t(x(r + 21) % 2000);
-      row[Room::machine_room] = std::int64_t(x(r + 31) % 2200);
-      row[Room::device_room] = std::int64_t(x(r + 61) % 1200);
+      row[Room::cgroup_room] = std::int64_t(x(r + 21) % 6000);
+      row[Room::machine_room] = std::int64_t(x(r + 31) % 6600);
+      row[Room::device_room] = std::int64_t(x(r + 61) % 3600);
       row[Room::host_need] = std::int64_t(x(r + 41) % 400);
       row[Room::device_need] = std::int64_t(x(r + 71) % 400);
     }
@@ -2340,12 +2340,12 @@ TEST_CASE("the memory check finds the first group of ranks that share a limit an
         const std::int64_t g = t[r * Room::fields + id];
         if (g == 0) continue;
         if (!groups.count(g)) order.push_back(g);
-        auto& s = groups[g];
-        s.limit = limit;
+        auto& s =
+            groups.try_emplace(g, zp::detail::ShortOfRoom{limit, {}, 0, INT64_MAX}).first->second;
         s.ranks.push_back(int(r));
         s.need +=
             t[r * Room::fields + (limit == Limit::device ? Room::device_need : Room::host_need)];
-        s.room = std::max(s.room, t[r * Room::fields + id + 1]);
+        s.room = std::min(s.room, t[r * Room::fields + id + 1]);
       }
       for (const std::int64_t g : order)
         if (!want && groups[g].need > groups[g].room) want = groups[g];

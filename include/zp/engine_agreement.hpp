@@ -178,8 +178,9 @@ struct ShortOfRoom {
 };
 
 // The first such group in `table` (Room::fields values a rank), cgroups before machines before
-// devices, in the order of their lowest ranks. A group's room is the most any of its ranks read
-// (the reads are moments apart), its need the sum of theirs.
+// devices, in the order of their lowest ranks. A group's need is the sum of its ranks', its room
+// the least any of them read: the last read comes after every rank of the group allocated what
+// it holds before its engine (thread ranks' activations), which is then counted.
 inline std::optional<ShortOfRoom> short_of_room(std::span<const std::int64_t> table) {
   const std::size_t ranks = table.size() / Room::fields;
   const auto at = [&](std::size_t r, std::size_t f) { return table[r * Room::fields + f]; };
@@ -195,12 +196,12 @@ inline std::optional<ShortOfRoom> short_of_room(std::span<const std::int64_t> ta
     std::sort(by_id.begin(), by_id.end());
     std::optional<ShortOfRoom> first;
     for (std::size_t i = 0, end; i < by_id.size(); i = end) {
-      ShortOfRoom s{limit, {}, 0, 0};
+      ShortOfRoom s{limit, {}, 0, no_memory_limit};
       for (end = i; end < by_id.size() && by_id[end].first == by_id[i].first; ++end) {
         const auto r = std::size_t(by_id[end].second);
         s.ranks.push_back(int(r));
         s.need = std::min(s.need + at(r, need), no_memory_limit);  // each is at most it
-        s.room = std::max(s.room, at(r, room));
+        s.room = std::min(s.room, at(r, room));
       }
       if (s.need > s.room && (!first || s.ranks[0] < first->ranks[0])) first = std::move(s);
     }
