@@ -249,7 +249,7 @@ void bench_pieces(benchmark::State& state, Op op, std::size_t block, std::size_t
 
 template <class T>
 void register_pieces(const char* type, Op op, std::size_t block) {
-  constexpr std::size_t piece = 4096, n = std::size_t(1) << 18;  // 256 pieces, inside L3
+  constexpr std::size_t piece = 4096, n = std::size_t(1) << 18;  // 64 pieces, inside L3
   benchmark::RegisterBenchmark(
       (std::string("quant/pieces/") + op_name(op) + "/" + type + "/int8/block:" +
        std::to_string(block) + "/piece:" + std::to_string(piece) + "/elems:" + std::to_string(n))

@@ -154,9 +154,9 @@ struct TrainFlags {
   float lr = 3e-3f;
   std::uint64_t init_seed = 1;  // --init-seed: the initial weights' random draw
   bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
-  std::string nvme;  // --offload-optimizer nvme:PATH: ZeRO-Infinity (EngineConfig::optimizer_nvme)
+  std::string nvme;  // --offload-optimizer nvme:DIR: ZeRO-Infinity (EngineConfig::optimizer_nvme)
   bool offload_param = false;  // --offload-param cpu (EngineConfig::offload_param)
-  std::string param_nvme;      // --offload-param nvme:PATH (EngineConfig::param_nvme)
+  std::string param_nvme;      // --offload-param nvme:DIR (EngineConfig::param_nvme)
   std::vector<std::string> text;
 
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
@@ -203,7 +203,7 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
   } else if (a == "--offload-optimizer" || a == "--offload-param") {
     const bool nvme = v.starts_with("nvme:") && v.size() > 5;
     if (v != "cpu" && v != "none" && !nvme)
-      bad(p, a + " expects none, cpu or nvme:PATH (a directory on the drive), got '" + v + "'");
+      bad(p, a + " expects none, cpu or nvme:DIR (a directory on the drive), got '" + v + "'");
     (a == "--offload-param" ? o.offload_param : o.offload) = v != "none";
     (a == "--offload-param" ? o.param_nvme : o.nvme) = nvme ? v.substr(5) : "";
   } else if (a == "--init-seed") {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything zp checks and measures on a GPU (issue #7's "on a GPU" list): the gpu tests (the
 # optimizer, cuda_threads, nccl, the device engine, the GPU demo and its resume from a checkpoint,
-# bitwise), the same tests under compute-sanitizer memcheck (racecheck and synccheck too:
+# bitwise; the trainers' signal, config and flag tests with the GPU demo as the device demo),
+# the same tests under compute-sanitizer memcheck (racecheck and synccheck too:
 # cuda_threads and the optimizer), zp_bench_optim_cuda (AdamW against a device-to-device copy),
 # zp_bench_collectives_cuda (the cuda_threads collectives' busbw against the same copy),
 # zp_bench_zero_cuda (the device engine's step per stage and rank count against its bare kernels,
@@ -92,6 +93,7 @@ if [[ -z "${ZP_GPU_BIN:-}" || $PHASE == binaries ]]; then
   targets="zp_demo_gpu"
   if run_phase test || run_phase memcheck || run_phase binaries; then
     for t in $GPU_TESTS; do targets="$targets zp.test.$t"; done
+    targets="$targets zp_demo zp_gpt"  # the trainer tests' other trainers
   fi
   if run_phase bench || run_phase binaries; then targets="$targets $GPU_BENCHES"; fi
   # shellcheck disable=SC2086  # a list of targets
@@ -102,7 +104,7 @@ if [[ $PHASE == binaries ]]; then  # the binaries and the libraries the GPU mach
   rm -rf "$G" && mkdir -p "$G/tests" "$G/bench" "$G/examples" "$G/lib"
   for t in $GPU_TESTS; do cp "$BUILD/tests/zp.test.$t" "$G/tests/"; done
   for b in $GPU_BENCHES; do cp "$BUILD/bench/$b" "$G/bench/"; done
-  cp "$BUILD/examples/zp_demo_gpu" "$G/examples/"
+  for e in zp_demo_gpu zp_demo zp_gpt; do cp "$BUILD/examples/$e" "$G/examples/"; done
   for lib in libcudart.so.13 libbenchmark.so.1debian; do
     cp -L "$(ldd "$G/bench/zp_bench_optim_cuda" | awk -v l="$lib" '$1 == l { print $3 }')" "$G/lib/"
   done
@@ -148,6 +150,12 @@ test_phase() {
   gpu_test demo_gpu "$secs" "$BUILD/examples/zp_demo_gpu" --steps 60 --log-every 20 --ranks 4 --stage 3 & pids+=($!)
   ( if demo_resume "$secs"; then log "PASS demo_gpu checkpoint resume (bitwise)"
     else log "FAIL demo_gpu checkpoint resume (logs in $OUT/demo_resume)"; exit 1; fi ) & pids+=($!)
+  # The trainers' tests (as ctest runs them, the GPU demo in the simulated one's place): stopped
+  # by a signal and resumed bitwise, a ds_config, the flags' errors.
+  local e=$BUILD/examples
+  for t in trainer_signal trainer_config trainer_flags; do
+    gpu_test "$t" "$secs" bash "tests/$t.sh" "$e/zp_demo" "$e/zp_gpt" "$e/zp_demo_gpu" "$OUT" & pids+=($!)
+  done
   for t in "${pids[@]}"; do wait "$t" || rc=1; done
   return $rc
 }
