@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -821,6 +822,69 @@ TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent 
     // outside the guards nothing but the persistent module stays gathered
     CHECK(!model.layers[1].w.value.bound());
   });
+}
+
+// Stage 3's plan (Engine::memory_plan) counts the most the first forward gathers at once with
+// its guards in the layout's order. A sequential model (forward 0 .. M-1, backward M-1 .. 0)
+// gathers at least that in its steps, whatever the budget, prefetch, persistence and reuse;
+// with the defaults (a module and its prefetch, the last module kept) exactly that.
+TEST_CASE("stage 3 plans the gathers a sequential model's steps hold at most at once") {
+  const std::uint64_t seed = zp::test::run_seed("engine.test least working set");
+  int exact = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const auto x = [&](std::uint64_t k) {
+      return zp::test::mix(seed + std::uint64_t(trial) * 64 + k);
+    };
+    std::vector<int> widths{Mlp<zp::bf16>::inputs};
+    for (int l = 0, layers = 2 + int(x(0) % 5); l + 1 < layers; ++l)
+      widths.push_back(3 + int(x(std::uint64_t(l) + 1) % 90));
+    widths.push_back(Mlp<zp::bf16>::classes);
+    auto cfg = test_config(2, 1);
+    const bool defaults = x(10) % 3 == 0;
+    if (!defaults) {
+      constexpr std::array<std::size_t, 3> amounts{0, 1, std::size_t(1) << 20};
+      cfg.prefetch = amounts[x(11) % 3];
+      cfg.max_reuse_distance = amounts[x(12) % 3];
+      cfg.reshard_after_forward = x(13) % 4 != 0;
+      cfg.persist_threshold = x(14) % 2 ? 0 : x(15) % 700;
+      Mlp<zp::bf16> probe(widths);
+      const auto L = zp::Layout(zp::describe_parameters<zp::bf16>(probe), 2,
+                                {.bucket_elems = 2048, .first_bucket_elems = 256, .align = 4});
+      std::size_t largest = 0, all = 0;  // of the modules that do not persist
+      for (int m = 0; m < L.module_count(); ++m)
+        if (L.module(m).used > cfg.persist_threshold) {
+          largest = std::max(largest, L.module(m).size);
+          all += L.module(m).size;
+        }
+      if (largest > 0 && x(16) % 2) cfg.max_live_params = largest + x(17) % (all - largest + 1);
+    }
+    CAPTURE(trial);
+    CAPTURE(widths.size());
+    CAPTURE(cfg.prefetch);
+    CAPTURE(cfg.max_reuse_distance);
+    CAPTURE(cfg.reshard_after_forward);
+    CAPTURE(cfg.persist_threshold);
+    CAPTURE(cfg.max_live_params);
+    std::size_t planned = 0, persistent = 0, peak = 0;
+    run_threads(2, [&](Collective<Threads>& comm) {
+      Mlp<zp::bf16> model(widths);
+      zp::Engine<Threads, zp::bf16, 3> engine(comm, model, cfg);
+      for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * 2 + comm.rank()) * 2, 2);
+      if (comm.rank() != 0) return;
+      planned = engine.memory_plan().host.gathered;
+      peak = engine.memory().gathered_peak;  // of the modules that do not persist
+      const auto& L = engine.layout();
+      for (int m = 0; m < L.module_count(); ++m)
+        if (L.module(m).used <= cfg.persist_threshold) persistent += L.module(m).size * 2;
+    });
+    REQUIRE(planned >= persistent);
+    CHECK(planned - persistent <= peak);
+    if (defaults) {
+      CHECK(planned - persistent == peak);
+      ++exact;
+    }
+  }
+  CHECK(exact >= 4);
 }
 
 // FSDP2's reshard_after_forward = false: a module stays gathered from its forward guard to the

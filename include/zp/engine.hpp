@@ -385,7 +385,8 @@ class Engine {
 
   // What the engine checked its ranks had room for before it allocated (expect_memory), by
   // space: the model states, the buckets' first slots, stage 3's least working set (every
-  // persistent module and the largest other one gathered; hpZ's secondary shards).
+  // persistent module and the most the first forward gathers at once in the layout's order,
+  // prefetch included; hpZ's secondary shards).
   MemoryPlan memory_plan() const { return plan(part_.layout()); }
 
   // What an engine of this type would check and allocate per rank (memory_plan()) for `model`
@@ -469,7 +470,8 @@ class Engine {
                                                                     *c.quantized_gradients);
     if constexpr (Stage == 3) {
       const MemoryReport least = ParamCoordinator<T, B>::least_working_set(
-          L, c.persist_threshold, std::size_t(c.hpz_partition_size));
+          L, c.persist_threshold, std::size_t(c.hpz_partition_size), c.prefetch, c.max_live_params,
+          c.reshard_after_forward ? c.max_reuse_distance : SIZE_MAX, c.param_nvme.has_value());
       in_s.gathered = least.gathered;
       in_s.secondary = least.secondary;
     }

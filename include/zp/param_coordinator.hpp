@@ -255,21 +255,49 @@ class ParamCoordinator {
 
   std::size_t max_live_params() const noexcept { return cap_; }
 
-  // The least a step's gathers will hold at once, in account()'s categories (gathered: every
-  // persistent module and the largest other one; secondary: hpZ's shards over `hpz` ranks),
-  // for the engine's check before it allocates (engine_agreement.hpp).
+  // The least a step's gathers will hold at once, in account()'s categories, for the engine's
+  // check before it allocates (engine_agreement.hpp): secondary, hpZ's shards over `hpz` ranks;
+  // gathered, every persistent module and the most the first micro-step's forward holds where
+  // its guards run in the layout's order (which the coordinator predicts before any ran): at
+  // module m, m, the kept modules before it and what its prefetch (`prefetch` elements ahead,
+  // one module with the parameters on NVMe, `one_ahead`) adds without evicting, up to the
+  // first gather that evicts. `reuse`: the constructor's max_reuse_distance.
   static MemoryReport least_working_set(const Layout& L, std::size_t persist_threshold,
-                                        std::size_t hpz) {
+                                        std::size_t hpz, std::size_t prefetch,
+                                        std::size_t max_live_params, std::size_t reuse,
+                                        bool one_ahead) {
     MemoryReport r;
-    std::size_t largest = 0;
-    for (const auto& mod : L.modules()) {
-      if (persists(mod, persist_threshold))
-        r.gathered += mod.size * sizeof(T);
-      else
-        largest = std::max(largest, mod.size);
+    const int M = L.module_count();
+    std::vector<bool> persistent(std::size_t(M), false);
+    for (int m = 0; m < M; ++m) {
+      const auto& mod = L.module(m);
+      persistent[std::size_t(m)] = persists(mod, persist_threshold);
+      if (persistent[std::size_t(m)]) r.gathered += mod.size * sizeof(T);
       if (hpz > 1) r.secondary += mod.size / hpz * sizeof(T);
     }
-    r.gathered += largest * sizeof(T);
+    const std::vector<bool> kept = reuse_of(L, ModuleOrder(M).last(), reuse).kept;
+    const std::size_t cap = budget(L, kept, persistent, max_live_params);
+    std::size_t most = 0, kept_live = 0;
+    for (int m = 0; m < M; ++m) {
+      if (persistent[std::size_t(m)]) continue;
+      std::size_t live = kept_live + L.module(m).size;
+      if (live > cap) {  // its gather evicts: at least m, and what is live after it is not known
+        most = std::max(most, L.module(m).size);
+        break;
+      }
+      std::size_t walked = 0;
+      for (int j = m + 1; j < M && walked < prefetch; ++j) {
+        if (!persistent[std::size_t(j)]) {
+          if (live + L.module(j).size > cap) break;
+          live += L.module(j).size;
+        }
+        walked += L.module(j).size;
+        if (one_ahead) break;
+      }
+      most = std::max(most, live);
+      if (kept[std::size_t(m)]) kept_live += L.module(m).size;
+    }
+    r.gathered += most * sizeof(T);
     return r;
   }
 
@@ -308,6 +336,48 @@ class ParamCoordinator {
   // Whether a module stays gathered across its uses (EngineConfig::persist_threshold).
   static bool persists(const Layout::Module& mod, std::size_t threshold) noexcept {
     return mod.used <= threshold;
+  }
+
+  // Where in a micro-step's `order` each module's first backward guard comes (-1: none), and
+  // whether it is kept from forward to backward: fewer than `reuse` elements entered between.
+  struct Reuse {
+    std::vector<std::ptrdiff_t> backward_at;
+    std::vector<bool> kept;
+  };
+  static Reuse reuse_of(const Layout& L, std::span<const ModuleOrder::Entry> order,
+                        std::size_t reuse) {
+    const std::size_t n = std::size_t(L.module_count());
+    Reuse r{std::vector<std::ptrdiff_t>(n, -1), std::vector<bool>(n, false)};
+    std::vector<std::ptrdiff_t> forward_at(n, -1);
+    std::vector<std::size_t> before(order.size() + 1, 0);  // elements the first i entries enter
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto [m, backward] = order[i];
+      before[i + 1] = before[i] + L.module(m).used;
+      if (!backward) {
+        forward_at[std::size_t(m)] = std::ptrdiff_t(i);
+      } else if (r.backward_at[std::size_t(m)] < 0) {  // once a micro-step (ModuleTracker)
+        r.backward_at[std::size_t(m)] = std::ptrdiff_t(i);
+      }
+    }
+    for (std::size_t m = 0; m < n; ++m) {
+      const std::ptrdiff_t f = forward_at[m], b = r.backward_at[m];
+      r.kept[m] = f >= 0 && b > f && before[std::size_t(b)] - before[std::size_t(f) + 1] < reuse;
+    }
+    return r;
+  }
+  // The live-parameter budget: `fixed` where set, else the kept modules together where that is
+  // every non-persistent one, else the larger of them and twice the largest module.
+  static std::size_t budget(const Layout& L, const std::vector<bool>& kept,
+                            const std::vector<bool>& persistent, std::size_t fixed) {
+    if (fixed) return fixed;
+    std::size_t largest = 0, all = 0, held = 0;
+    for (int m = 0; m < L.module_count(); ++m) {
+      if (persistent[std::size_t(m)]) continue;
+      largest = std::max(largest, L.module(m).size);
+      all += L.module(m).size;
+      held += kept[std::size_t(m)] ? L.module(m).size : 0;
+    }
+    return held == all ? all : std::max(2 * largest, held);
   }
 
   // qwZ: a piece of n elements as one record (quantized_collectives.hpp).
@@ -438,28 +508,13 @@ class ParamCoordinator {
   void follow(std::span<const ModuleOrder::Entry> order) {
     const Layout& L = layout();
     const std::size_t n = std::size_t(L.module_count());
-    std::vector<std::ptrdiff_t> forward_at(n, -1), backward_at(n, -1);
-    std::vector<std::size_t> before(order.size() + 1, 0);  // elements the first i entries enter
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      const auto [m, backward] = order[i];
-      before[i + 1] = before[i] + L.module(m).used;
-      if (!backward) {
-        forward_at[std::size_t(m)] = std::ptrdiff_t(i);
-      } else if (backward_at[std::size_t(m)] < 0) {  // once a micro-step (ModuleTracker)
-        backward_at[std::size_t(m)] = std::ptrdiff_t(i);
-      }
-    }
-    std::size_t largest = 0, all = 0, kept = 0;
+    const auto [backward_at, kept] = reuse_of(L, order, reuse_);
+    std::vector<bool> persistent(n);
     for (std::size_t m = 0; m < n; ++m) {
-      Module& st = mods_[m];
-      const std::ptrdiff_t f = forward_at[m], b = backward_at[m];
-      st.kept = f >= 0 && b > f && before[std::size_t(b)] - before[std::size_t(f) + 1] < reuse_;
-      if (st.persistent) continue;
-      largest = std::max(largest, L.module(int(m)).size);
-      all += L.module(int(m)).size;
-      kept += st.kept ? L.module(int(m)).size : 0;
+      mods_[m].kept = kept[m];
+      persistent[m] = mods_[m].persistent;
     }
-    cap_ = fixed_cap_ ? fixed_cap_ : kept == all ? all : std::max(2 * largest, kept);
+    cap_ = budget(L, kept, persistent, fixed_cap_);
     evict_.resize(n);
     std::iota(evict_.begin(), evict_.end(), 0);
     std::stable_sort(evict_.begin(), evict_.end(), [&](int a, int b) {
