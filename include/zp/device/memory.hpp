@@ -59,7 +59,7 @@ struct Allocator<MemorySpace::device> {
   }
   // Ordered after everything enqueued on the current stream: the rank's compute stream, which
   // the backends make wait for every operation on the memory (Work::wait, or a dropped Work).
-  static void deallocate(void* p) noexcept {
+  static void deallocate(void* p, std::size_t) noexcept {
     device::deallocate(p, device::current_stream(), "buffer.free");
   }
   static DeviceRoom room() { return {device::memory_free(), device::device_name()}; }
@@ -71,7 +71,7 @@ struct Allocator<MemorySpace::device> {
 template <>
 struct Allocator<MemorySpace::pinned> {
   static void* allocate(std::size_t bytes) { return device::allocate_pinned(bytes); }
-  static void deallocate(void* p) noexcept {
+  static void deallocate(void* p, std::size_t) noexcept {
     if (!p) return;
     try {
       device::synchronize(device::current_stream(), "pinned.free.sync");
