@@ -828,7 +828,8 @@ TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent 
 // its guards in the layout's order. A sequential model (forward 0 .. M-1, backward M-1 .. 0)
 // gathers at least that in its steps, whatever the budget, prefetch, persistence and reuse;
 // with the defaults (a module and its prefetch, the last module kept) exactly that.
-TEST_CASE("stage 3 plans the gathers a sequential model's steps hold at most at once") {
+TEST_CASE(
+    "stage 3's planned gathers are at most a sequential model's peak, equal with the defaults") {
   const std::uint64_t seed = zp::test::run_seed("engine.test least working set");
   int exact = 0;
   for (int trial = 0; trial < 24; ++trial) {

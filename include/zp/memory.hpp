@@ -45,8 +45,8 @@ inline constexpr MemorySpace offload_space =
 // HostArena where it takes the request. From `mapped` bytes on, pages mapped for the buffer
 // alone, as glibc maps them until a free raises its threshold (to 32 MiB at most): past that,
 // buffers freed and allocated again (stage 3's gathers) stayed resident in its per-thread
-// heaps, and a thread-rank run's resident memory grew step after step (zp_gpt: 337 MiB after
-// one step, 383 after 16). ASan's builds keep its allocator, which checks these buffers' bounds.
+// heaps, and a thread-rank run's resident memory grew step after step. ASan's builds keep its
+// allocator, which checks these buffers' bounds.
 template <>
 struct Allocator<MemorySpace::host> {
   static constexpr std::size_t alignment = 64;
