@@ -631,7 +631,9 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
 
 // A saved checkpoint, read without an engine (offline tools, exports, the engine's load): parses
 // and checks the manifest, verifies files, and reads any range of any parameter's field by name
-// from whichever rank files hold it.
+// from whichever rank files hold it. Until verify() passes, the manifest's sizes are bounded only
+// by the bytes it says its files hold: size buffers by them after it (as reshard does), or read
+// in chunks (as the export does).
 class Reader {
  public:
   // tag "latest" follows <dir>/latest. Tags follow check_tag, so a load never leaves `dir`.
