@@ -3,8 +3,9 @@
 // transfer is cut into requests of Options::block_bytes, at most Options::queue_depth of them in
 // flight, and several transfers may be in flight at once (read the next piece while the last
 // one is written back). A transfer runs from the call that starts it, while the caller computes:
-// its requests go to the kernel as queue_depth chains (each request starts when the one before
-// it in its chain ends), so no thread of zp has to come back to keep the queue full.
+// a thread of the File hands its requests to the kernel as queue_depth chains (each request
+// starts when the one before it in its chain ends) and reaps them, so the kernel's work for them
+// runs on that thread, not on the caller's.
 //
 //   zp::aio::File f("swap/master.bin", zp::aio::Mode::read_write, {.queue_depth = 32});
 //   zp::aio::AlignedBuffer buf(bytes);                          // 4096-byte aligned
@@ -27,12 +28,13 @@
 // read that meets the end of the file) is an Errc::io naming the file, the call, the offset and
 // the length; a transfer's error is thrown by the wait() that finishes it.
 //
-// A File is used by one thread at a time (io_uring's submission queue is not shared).
+// A File is used by one thread at a time.
 #pragma once
 
 #include <fcntl.h>
 #include <liburing.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -141,8 +143,7 @@ class File {
       while (in_flight_ > 0) reap_one();  // the kernel must not write into freed buffers
     } catch (...) {
     }
-    workers_.reset();
-    if (engine_ == Engine::io_uring) io_uring_queue_exit(&ring_);
+    movers_.reset();
     ::close(fd_);
   }
 
@@ -200,12 +201,13 @@ class File {
     std::byte* buf;
     std::uint64_t offset;
     std::size_t len, done = 0;
-    Request* next = nullptr;  // the threads engine's queues
-    int result = 0;           // the threads engine's: bytes moved, or -errno
+    Request* next = nullptr;  // the movers' queues
+    int result = 0;           // bytes moved, or -errno
+    bool first = false;       // the first of a batch the movers were handed (Ring's chains)
   };
 
   // Requests in order, linked through Request::next: queued without allocating, so handing one
-  // to the workers cannot fail half-way.
+  // to the movers cannot fail half-way.
   struct Fifo {
     Request* head = nullptr;
     Request** tail = &head;  // (so never copied)
@@ -224,22 +226,48 @@ class File {
     }
   };
 
-  // The threads engine: each thread takes the oldest queued request, moves it with one pread or
-  // pwrite (as an io_uring entry does: a short count comes back for the File to go on), and
-  // queues it as finished.
-  class Workers {
+  // The threads of a File that move its requests, so that the kernel's work for them (issuing,
+  // completing) runs beside the caller's computation rather than interrupting it: run() queues a
+  // batch (linked requests, taken whole), finished() waits for one that ended, its `result` set
+  // (bytes moved, or -errno), and returns null if the movers failed (failure() says why).
+  class Movers {
    public:
-    Workers(int fd, unsigned count) : fd_(fd) {
+    Movers() = default;
+    Movers(const Movers&) = delete;
+    Movers& operator=(const Movers&) = delete;
+    virtual ~Movers() = default;  // each kind stops its threads in its own destructor
+
+    void run(Fifo& batch) noexcept {
+      if (batch.head) batch.head->first = true;
+      {
+        const std::lock_guard lk(m_);
+        while (Request* r = batch.pop()) queued_.push(r);
+      }
+      wake();
+    }
+    Request* finished() noexcept {  // waits for one
+      std::unique_lock lk(m_);
+      done_.wait(lk, [&] { return finished_.head != nullptr || failure_ != 0; });
+      return finished_.pop();
+    }
+    int failure() const noexcept { return failure_; }
+
+   protected:
+    static Error start_error(int e) {
+      return Error(Errc::io, detail::cat("aio: cannot start the I/O threads: ", std::strerror(e)),
+                   e);
+    }
+    void start(unsigned count) {
       threads_.reserve(count);  // so that no thread starts that the vector cannot hold
       pthread_attr_t attr;
       if (const int e = ::pthread_attr_init(&attr); e != 0) throw start_error(e);
-      // A loop around pread needs little stack; the default (8 MiB of address space a thread)
-      // would count against a `ulimit -v`.
+      // A loop around pread or io_uring_enter needs little stack; the default (8 MiB of address
+      // space a thread) would count against a `ulimit -v`.
       ::pthread_attr_setstacksize(&attr, std::size_t(1) << 18);
       int e = 0;
       for (unsigned i = 0; i < count && e == 0; ++i) {
         pthread_t t;
-        if ((e = ::pthread_create(&t, &attr, &Workers::main, this)) == 0) threads_.push_back(t);
+        if ((e = ::pthread_create(&t, &attr, &Movers::main, this)) == 0) threads_.push_back(t);
       }
       ::pthread_attr_destroy(&attr);
       if (e != 0) {
@@ -247,33 +275,59 @@ class File {
         throw start_error(e);
       }
     }
-    Workers(const Workers&) = delete;
-    Workers& operator=(const Workers&) = delete;
-    ~Workers() { stop(); }
-
-    void run(Fifo& requests) noexcept {
+    void stop() noexcept {  // the File has reaped every request first
       {
         const std::lock_guard lk(m_);
-        while (Request* r = requests.pop()) queued_.push(r);
+        stopping_ = true;
       }
-      wake_.notify_all();
+      wake();
+      for (pthread_t t : threads_) ::pthread_join(t, nullptr);
+      threads_.clear();
     }
-    Request* finished() noexcept {  // waits for one
-      std::unique_lock lk(m_);
-      done_.wait(lk, [&] { return finished_.head != nullptr; });
-      return finished_.pop();
+    void finish(Fifo& done) noexcept {
+      {
+        const std::lock_guard lk(m_);
+        while (Request* r = done.pop()) finished_.push(r);
+      }
+      done_.notify_all();
+    }
+    void fail(int e) noexcept {
+      {
+        const std::lock_guard lk(m_);
+        failure_ = e;
+      }
+      done_.notify_all();
     }
 
+    std::mutex m_;
+    Fifo queued_;
+    bool stopping_ = false;
+
    private:
-    static Error start_error(int e) {
-      return Error(Errc::io, detail::cat("aio: cannot start the I/O threads: ", std::strerror(e)),
-                   e);
-    }
     static void* main(void* self) {
-      static_cast<Workers*>(self)->loop();
+      static_cast<Movers*>(self)->loop();
       return nullptr;
     }
-    void loop() noexcept {
+    virtual void loop() noexcept = 0;
+    virtual void wake() noexcept = 0;  // after queued_ or stopping_ changed
+
+    std::condition_variable done_;
+    Fifo finished_;
+    int failure_ = 0;
+    std::vector<pthread_t> threads_;
+  };
+
+  // Engine::threads: each thread takes the oldest queued request, moves it with one pread or
+  // pwrite (as an io_uring entry does: a short count comes back for the File to go on), and
+  // queues it as finished.
+  class Workers final : public Movers {
+   public:
+    Workers(int fd, unsigned count) : fd_(fd) { start(count); }
+    ~Workers() override { stop(); }
+
+   private:
+    void wake() noexcept override { wake_.notify_all(); }
+    void loop() noexcept override {
       std::unique_lock lk(m_);
       for (;;) {
         wake_.wait(lk, [&] { return stopping_ || queued_.head != nullptr; });
@@ -287,26 +341,118 @@ class File {
                          : ::pread(fd_, r->buf + r->done, r->len - r->done, at);
         while (got < 0 && errno == EINTR);
         r->result = got < 0 ? -errno : int(got);  // requests are at most 1 GiB
+        Fifo done;
+        done.push(r);
+        finish(done);
         lk.lock();
-        finished_.push(r);
-        done_.notify_one();
       }
-    }
-    void stop() noexcept {  // the File has reaped every request first
-      {
-        const std::lock_guard lk(m_);
-        stopping_ = true;
-      }
-      wake_.notify_all();
-      for (pthread_t t : threads_) ::pthread_join(t, nullptr);
     }
 
     int fd_;
-    std::mutex m_;
-    std::condition_variable wake_, done_;
-    Fifo queued_, finished_;
-    bool stopping_ = false;
-    std::vector<pthread_t> threads_;
+    std::condition_variable wake_;
+  };
+
+  // Engine::io_uring: one thread owns the ring (taken over, made by File::start). It hands each
+  // batch to the kernel as up to queue_depth chains, request i in chain i % depth, so the
+  // requests in flight stay near each other in the file and each starts when the one before it
+  // in its chain ends; hard links, so a short or failed request does not cancel the rest of its
+  // chain. It waits in the ring for completions and for an eventfd that run() and stop() write.
+  // Being the submitter, this thread is also where the kernel completes the requests and issues
+  // each chain's next one: on the caller's thread that work interrupted its computation
+  // (bench/RESULTS.md, zp_bench_swap's overlap rows).
+  class Ring final : public Movers {
+   public:
+    Ring(int fd, const io_uring& ring, unsigned depth) : fd_(fd), ring_(ring), depth_(depth) {
+      try {
+        if ((wake_fd_ = ::eventfd(0, EFD_CLOEXEC)) < 0) throw start_error(errno);
+        batch_.reserve(ring_entries);
+        start(1);
+      } catch (...) {
+        if (wake_fd_ >= 0) ::close(wake_fd_);
+        io_uring_queue_exit(&ring_);
+        throw;
+      }
+    }
+    ~Ring() override {
+      stop();
+      io_uring_queue_exit(&ring_);  // cancels the eventfd's read
+      ::close(wake_fd_);
+    }
+
+   private:
+    void wake() noexcept override {
+      const std::uint64_t one = 1;
+      (void)!::write(wake_fd_, &one, sizeof one);
+    }
+    void loop() noexcept override {
+      Fifo held;           // taken from queued_, not yet in the ring (no room)
+      std::size_t in = 0;  // requests in the ring
+      bool armed = false;  // the eventfd's read is in the ring
+      for (;;) {
+        {
+          const std::lock_guard lk(m_);
+          if (stopping_ && in == 0 && !queued_.head && !held.head) return;
+          while (Request* r = queued_.pop()) held.push(r);
+        }
+        if (!armed) {  // the ring always has room for it: `in` stays below its size
+          io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+          io_uring_prep_read(sqe, wake_fd_, &woken_, sizeof woken_, 0);
+          io_uring_sqe_set_data(sqe, nullptr);  // (prep leaves an entry's earlier user data)
+          armed = true;
+        }
+        in += hand_over(held, in);
+        const int e = io_uring_submit_and_wait(&ring_, 1);
+        if (e < 0 && e != -EINTR && e != -EAGAIN && e != -EBUSY) return fail(-e);
+        Fifo done;
+        unsigned head, seen = 0;
+        io_uring_cqe* cqe;
+        io_uring_for_each_cqe(&ring_, head, cqe) {
+          ++seen;
+          if (auto* r = static_cast<Request*>(io_uring_cqe_get_data(cqe))) {
+            r->result = cqe->res;
+            done.push(r);
+            --in;
+          } else {
+            armed = false;
+          }
+        }
+        io_uring_cq_advance(&ring_, seen);
+        if (done.head) finish(done);
+      }
+    }
+    // Prepares entries for held's first batch (up to the next request marked first), as much
+    // of it as the ring has room for, `in` requests being in it; returns how many.
+    std::size_t hand_over(Fifo& held, std::size_t in) noexcept {
+      const std::size_t room = std::min<std::size_t>(
+          io_uring_sq_space_left(&ring_),
+          ring_.cq.ring_entries - 1 - std::min<std::size_t>(in, ring_.cq.ring_entries - 1));
+      batch_.clear();
+      while (held.head && batch_.size() < room && (batch_.empty() || !held.head->first))
+        batch_.push_back(held.pop());
+      if (held.head) held.head->first = true;  // the rest: chains of its own, later
+      const std::size_t n = batch_.size(), chains = std::min<std::size_t>(depth_, n);
+      for (std::size_t c = 0; c < chains; ++c)
+        for (std::size_t i = c; i < n; i += chains) {
+          io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+          Request& r = *batch_[i];
+          if (r.write)
+            io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
+                                r.offset + r.done);
+          else
+            io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
+                               r.offset + r.done);
+          if (i + chains < n) sqe->flags |= IOSQE_IO_HARDLINK;
+          io_uring_sqe_set_data(sqe, &r);
+        }
+      return n;
+    }
+
+    int fd_;
+    io_uring ring_;
+    std::size_t depth_;
+    int wake_fd_ = -1;
+    std::uint64_t woken_ = 0;      // the eventfd's count, read by the ring
+    std::vector<Request*> batch_;  // hand_over's, reserved so that it never allocates
   };
   struct State {
     std::size_t requests_left = 0;
@@ -328,7 +474,8 @@ class File {
   // The engine `e` asks for, or for automatic the one the system allows.
   void start(Engine e) {
     if (e != Engine::threads) {
-      const int r = io_uring_queue_init(std::max(opt_.queue_depth, ring_entries), &ring_, 0);
+      io_uring ring{};
+      const int r = io_uring_queue_init(std::max(opt_.queue_depth, ring_entries), &ring, 0);
       const bool refused = r == -EPERM || r == -EACCES || r == -ENOSYS || r == -ENOMEM;
       if (r != 0 && !refused)
         throw Error(Errc::io, io_message("io_uring_queue_init", 0, 0, std::strerror(-r)), -r);
@@ -343,15 +490,16 @@ class File {
                                          : " (a seccomp profile such as Docker's default, or the "
                                            "sysctl kernel.io_uring_disabled)");
       } else {
-        io_uring_probe* probe = io_uring_get_probe_ring(&ring_);
+        io_uring_probe* probe = io_uring_get_probe_ring(&ring);
         const bool ops = probe && io_uring_opcode_supported(probe, IORING_OP_READ) &&
                          io_uring_opcode_supported(probe, IORING_OP_WRITE);
         if (probe) io_uring_free_probe(probe);
         if (ops) {
+          movers_ = std::make_unique<Ring>(fd_, ring, opt_.queue_depth);
           engine_ = Engine::io_uring;
           return;
         }
-        io_uring_queue_exit(&ring_);
+        io_uring_queue_exit(&ring);
         why =
             "this kernel's io_uring has no IORING_OP_READ and IORING_OP_WRITE (Linux 5.6 added "
             "them)";
@@ -369,7 +517,7 @@ class File {
                      "with pread and pwrite instead\n",
                      why.c_str());
     }
-    workers_ = std::make_unique<Workers>(fd_, std::min(opt_.queue_depth, max_threads));
+    movers_ = std::make_unique<Workers>(fd_, std::min(opt_.queue_depth, max_threads));
     engine_ = Engine::threads;
   }
 
@@ -401,50 +549,21 @@ class File {
     return {id};
   }
 
-  // Hands the pending requests (as many as the rings hold) to the kernel as up to queue_depth
-  // chains: request i in chain i % depth, so the requests in flight stay near each other in the
-  // file. Hard links: a short or failed request does not cancel the rest of its chain (a short
-  // one's remainder comes back to pending_ in reap_one). Throws nothing once a request is in the
-  // ring: its transfer is the caller's to wait for, so its buffer lives until then.
+  // Hands the pending requests to the movers, as one batch. Throws nothing once a request is
+  // handed over: its transfer is the caller's to wait for, so its buffer lives until then.
   void launch() {
-    if (workers_) {
-      std::vector<std::unique_ptr<Request>> slots;  // allocated before any is queued
-      slots.reserve(pending_.size());
-      for (const Request& r : pending_) slots.push_back(std::make_unique<Request>(r));
-      Fifo batch;
-      for (auto& r : slots) batch.push(r.release());
-      in_flight_ += pending_.size();
-      pending_.clear();
-      workers_->run(batch);
-      return;
+    if (pending_.empty()) return;
+    std::vector<std::unique_ptr<Request>> slots;  // allocated before any is queued
+    slots.reserve(pending_.size());
+    for (const Request& r : pending_) {
+      slots.push_back(std::make_unique<Request>(r));
+      slots.back()->first = false;  // (a short request's rest comes back marked)
     }
-    const std::size_t n = std::min({pending_.size(), std::size_t(io_uring_sq_space_left(&ring_)),
-                                    std::size_t(ring_.cq.ring_entries) -
-                                        std::min<std::size_t>(in_flight_, ring_.cq.ring_entries)});
-    if (n > 0) {
-      std::vector<std::unique_ptr<Request>> slots;  // allocated before any entry is taken
-      slots.reserve(n);
-      for (std::size_t i = 0; i < n; ++i) slots.push_back(std::make_unique<Request>(pending_[i]));
-      const std::size_t chains = std::min<std::size_t>(opt_.queue_depth, n);
-      for (std::size_t c = 0; c < chains; ++c)
-        for (std::size_t i = c; i < n; i += chains) {
-          io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-          Request& r = *slots[i];
-          if (r.write)
-            io_uring_prep_write(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
-                                r.offset + r.done);
-          else
-            io_uring_prep_read(sqe, fd_, r.buf + r.done, unsigned(r.len - r.done),
-                               r.offset + r.done);
-          if (i + chains < n) sqe->flags |= IOSQE_IO_HARDLINK;
-          io_uring_sqe_set_data(sqe, slots[i].release());
-          ++in_flight_;
-        }
-      pending_.erase(pending_.begin(), pending_.begin() + std::ptrdiff_t(n));
-    }
-    // A submit that fails or stops short leaves entries in the ring: reap_one hands them over
-    // (and throws its error there, from a wait).
-    if (io_uring_sq_ready(&ring_) > 0) (void)io_uring_submit(&ring_);
+    Fifo batch;
+    for (auto& r : slots) batch.push(r.release());
+    in_flight_ += pending_.size();
+    pending_.clear();
+    movers_->run(batch);
   }
 
   // Hands over what is pending, then reaps one completion.
@@ -454,21 +573,10 @@ class File {
   }
 
   void reap_one() {
-    std::unique_ptr<Request> r;
-    int res;
-    if (workers_) {
-      r.reset(workers_->finished());
-      res = r->result;
-    } else {
-      io_uring_cqe* cqe = nullptr;
-      while (io_uring_peek_cqe(&ring_, &cqe) != 0) {  // none yet: submit what the ring holds, wait
-        const int e = io_uring_submit_and_wait(&ring_, 1);
-        if (e < 0 && e != -EINTR) throw io_error("io_uring_submit_and_wait", 0, 0, -e);
-      }
-      r.reset(static_cast<Request*>(io_uring_cqe_get_data(cqe)));
-      res = cqe->res;
-      io_uring_cqe_seen(&ring_, cqe);
-    }
+    Request* const done = movers_->finished();
+    if (!done) throw io_error("io_uring_submit_and_wait", 0, 0, movers_->failure());
+    const std::unique_ptr<Request> r(done);
+    const int res = r->result;
     --in_flight_;
     State& st = transfers_[r->transfer];
     const char* call = r->write ? "write" : "read";
@@ -499,9 +607,8 @@ class File {
   int fd_ = -1;
   bool direct_ = true;
   Engine engine_ = Engine::automatic;
-  io_uring ring_{};                   // Engine::io_uring's
-  std::unique_ptr<Workers> workers_;  // Engine::threads'
-  std::size_t in_flight_ = 0;         // submitted, not reaped
+  std::unique_ptr<Movers> movers_;
+  std::size_t in_flight_ = 0;  // submitted, not reaped
   std::deque<Request> pending_;
   std::map<std::uint64_t, State> transfers_;
   std::uint64_t last_id_ = 0;
