@@ -400,7 +400,7 @@ class File {
           io_uring_sqe_set_data(sqe, nullptr);  // (prep leaves an entry's earlier user data)
           armed = true;
         }
-        in += hand_over(held, in);
+        while (const std::size_t n = hand_over(held, in)) in += n;  // each batch that fits
         const int e = io_uring_submit_and_wait(&ring_, 1);
         if (e < 0 && e != -EINTR && e != -EAGAIN && e != -EBUSY) return fail(-e);
         Fifo done;
@@ -421,7 +421,8 @@ class File {
       }
     }
     // Prepares entries for held's first batch (up to the next request marked first), as much
-    // of it as the ring has room for, `in` requests being in it; returns how many.
+    // of it as the ring has room for, `in` requests being in it; returns how many (0: none
+    // held, or no room).
     std::size_t hand_over(Fifo& held, std::size_t in) noexcept {
       const std::size_t room = std::min<std::size_t>(
           io_uring_sq_space_left(&ring_),
