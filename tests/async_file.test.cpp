@@ -118,8 +118,6 @@ TEST_CASE("several transfers in flight finish in any order") {
   }
 }
 
-// A transfer must move while its caller computes (the swap's read-ahead relies on it): each
-// transfer here is watched, without a call into the File, until its bytes are where they belong.
 TEST_CASE("more requests than the ring has entries go through one File, each transfer in turn") {
   // io_uring reuses its entries: one the File's thread prepares again must carry nothing of the
   // request it held before (a stale one made a finished request of the wake-up read and hung).
@@ -145,6 +143,8 @@ TEST_CASE("more requests than the ring has entries go through one File, each tra
   }
 }
 
+// A transfer must move while its caller computes (the swap's read-ahead relies on it): each
+// transfer here is watched, without a call into the File, until its bytes are where they belong.
 TEST_CASE("a transfer runs to its end without the caller waiting for it") {
   zp::test::TempDir dir("aio");
   const std::size_t bytes = std::size_t(3) << 20;  // 48 requests in 4 chains
