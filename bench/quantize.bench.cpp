@@ -18,9 +18,9 @@
 //   (the AVX-512 loops' baseline), /portable rows the scalar work items, and /cached rows the
 //   best loops with plain stores (the streaming stores' baseline; quantize streams its codes
 //   here too, as it reads and writes more than stream_min_bytes).
-// quant/pass/absmax/<type>/block:B and quant/pass/codes_from_l1/<type>/<bits>/block:B (AVX-512
-//   only): quantize's two kinds of work apart (quantize overlaps them: it reads the next block's
-//   absmax while it makes a block's codes). absmax: each block's absmax alone over the row's 32M
+// quant/pass/absmax/<type>[/avx2]/block:B, quant/pass/codes_from_l1/<type>/<bits>[/avx2]/block:B
+//   (the AVX-512 loops; /avx2: the AVX2 ones): quantize's two kinds of work apart (quantize
+//   overlaps them: it reads the next block's absmax while it makes a block's codes). absmax: each block's absmax alone over the row's 32M
 //   values from memory (GBps = x's bytes per second, read_fraction against read_GBps);
 //   codes_from_l1: the codes over 16 KB of x, repeated for as many values (ms per 32M values,
 //   with one fixed normal scale, no next block read alongside): their own work, no memory.
@@ -144,30 +144,52 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
 #if ZP_OPTIM_X86
 namespace qd = zp::quant::detail;
 
-template <class T>
-[[ZP_TARGET_AVX512, gnu::flatten]] std::uint32_t absmax_pass(const T* x, std::size_t n,
-                                                             std::size_t block) {
+// The passes' loops on Simd's instruction set, entered through a function of its target.
+template <class Simd, class T>
+std::uint32_t absmax_blocks(const T* x, std::size_t n, std::size_t block) {
   std::uint32_t m = 0;
   for (std::size_t lo = 0; lo < n; lo += block)
-    m = std::max(m, qd::Avx512::absmax_bits(x, qd::Avx512::ahead(lo, std::min(n, lo + block))));
+    m = std::max(m, Simd::absmax_bits(x, Simd::ahead(lo, std::min(n, lo + block))));
   return m;
 }
-
-template <Bits B, class T>
-[[ZP_TARGET_AVX512, gnu::flatten]] void codes_pass(const T* x, std::size_t n, std::size_t block,
-                                                   std::uint8_t* codes) {
+template <class Simd, Bits B, class T>
+void codes_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t* codes) {
   const qd::Divisor d(0.25f, B == Bits::int8 ? 127 : 7);
-  auto none = qd::Avx512::ahead(0, 0);  // no next block read alongside
+  auto none = Simd::ahead(0, 0);  // no next block read alongside
   for (std::size_t lo = 0; lo < n; lo += block)
-    qd::block_codes<qd::Avx512, B, false>(x, lo, std::min(n, lo + block), d, codes, none);
+    qd::block_codes<Simd, B, false>(x, lo, std::min(n, lo + block), d, codes, none);
+}
+template <class T>
+[[ZP_TARGET_AVX512, gnu::flatten]] std::uint32_t absmax_avx512(const T* x, std::size_t n,
+                                                               std::size_t block) {
+  return absmax_blocks<qd::Avx512>(x, n, block);
+}
+template <class T>
+[[ZP_TARGET_AVX2, gnu::flatten]] std::uint32_t absmax_avx2(const T* x, std::size_t n,
+                                                           std::size_t block) {
+  return absmax_blocks<qd::Avx2>(x, n, block);
+}
+template <Bits B, class T>
+[[ZP_TARGET_AVX512, gnu::flatten]] void codes_avx512(const T* x, std::size_t n, std::size_t block,
+                                                     std::uint8_t* codes) {
+  codes_blocks<qd::Avx512, B>(x, n, block, codes);
+}
+template <Bits B, class T>
+[[ZP_TARGET_AVX2, gnu::flatten]] void codes_avx2(const T* x, std::size_t n, std::size_t block,
+                                                 std::uint8_t* codes) {
+  codes_blocks<qd::Avx2, B>(x, n, block, codes);
 }
 
+// isa: the AVX-512 or the AVX2 loops.
 template <class T>
-void bench_pass(benchmark::State& state, bool absmax, Bits bits, std::size_t block, std::size_t n) {
-  if (!zp::optim::cpu::supported(qd::Isa::avx512)) {
-    state.SkipWithError("this CPU has no AVX-512");
+void bench_pass(benchmark::State& state, qd::Isa isa, bool absmax, Bits bits, std::size_t block,
+                std::size_t n) {
+  if (!zp::optim::cpu::supported(isa)) {
+    state.SkipWithError(isa == qd::Isa::avx512 ? "this CPU has no AVX-512"
+                                               : "this CPU has no AVX2");
     return;
   }
+  const bool wide = isa == qd::Isa::avx512;
   const std::size_t l1 = 16384 / sizeof(T);  // values whose x stays in L1
   std::mt19937_64 rng(n * 37 + block);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -178,11 +200,13 @@ void bench_pass(benchmark::State& state, bool absmax, Bits bits, std::size_t blo
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     if (absmax) {
-      benchmark::DoNotOptimize(absmax_pass(x.data(), n, block));
+      benchmark::DoNotOptimize(wide ? absmax_avx512(x.data(), n, block)
+                                    : absmax_avx2(x.data(), n, block));
     } else {
-      for (std::size_t r = 0; r < n / l1; ++r)
-        bits == Bits::int8 ? codes_pass<Bits::int8>(x.data(), l1, block, codes.data())
-                           : codes_pass<Bits::int4>(x.data(), l1, block, codes.data());
+      const auto pass =
+          wide ? (bits == Bits::int8 ? codes_avx512<Bits::int8, T> : codes_avx512<Bits::int4, T>)
+               : (bits == Bits::int8 ? codes_avx2<Bits::int8, T> : codes_avx2<Bits::int4, T>);
+      for (std::size_t r = 0; r < n / l1; ++r) pass(x.data(), l1, block, codes.data());
       benchmark::DoNotOptimize(codes.data());
     }
     benchmark::ClobberMemory();
@@ -199,22 +223,24 @@ void bench_pass(benchmark::State& state, bool absmax, Bits bits, std::size_t blo
 
 template <class T>
 void register_passes(const char* type, std::size_t n) {
-  for (std::size_t block : {std::size_t(64), std::size_t(512), std::size_t(2048)}) {
-    const std::string tail = "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
-    benchmark::RegisterBenchmark(
-        (std::string("quant/pass/absmax/") + type + tail).c_str(),
-        [=](benchmark::State& s) { bench_pass<T>(s, true, Bits::int8, block, n); })
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-    for (Bits bits : {Bits::int8, Bits::int4})
+  for (qd::Isa isa : {qd::Isa::avx512, qd::Isa::avx2})
+    for (std::size_t block : {std::size_t(64), std::size_t(512), std::size_t(2048)}) {
+      const std::string tail = std::string(isa == qd::Isa::avx2 ? "/avx2" : "") +
+                               "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
       benchmark::RegisterBenchmark(
-          (std::string("quant/pass/codes_from_l1/") + type +
-           (bits == Bits::int8 ? "/int8" : "/int4") + tail)
-              .c_str(),
-          [=](benchmark::State& s) { bench_pass<T>(s, false, bits, block, n); })
+          (std::string("quant/pass/absmax/") + type + tail).c_str(),
+          [=](benchmark::State& s) { bench_pass<T>(s, isa, true, Bits::int8, block, n); })
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
-  }
+      for (Bits bits : {Bits::int8, Bits::int4})
+        benchmark::RegisterBenchmark(
+            (std::string("quant/pass/codes_from_l1/") + type +
+             (bits == Bits::int8 ? "/int8" : "/int4") + tail)
+                .c_str(),
+            [=](benchmark::State& s) { bench_pass<T>(s, isa, false, bits, block, n); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+    }
 }
 #endif
 
