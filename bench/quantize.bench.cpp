@@ -20,8 +20,9 @@
 //   here too, as it reads and writes more than stream_min_bytes).
 // quant/pass/absmax/<type>[/avx2]/block:B, quant/pass/codes_from_l1/<type>/<bits>[/avx2]/block:B
 //   (the AVX-512 loops; /avx2: the AVX2 ones): quantize's two kinds of work apart (quantize
-//   overlaps them: it reads the next block's absmax while it makes a block's codes). absmax: each block's absmax alone over the row's 32M
-//   values from memory (GBps = x's bytes per second, read_fraction against read_GBps);
+//   overlaps them: it reads the next block's absmax while it makes a block's codes). absmax:
+//   each block's absmax alone over the row's 32M values from memory (GBps = x's bytes per
+//   second, read_fraction against read_GBps);
 //   codes_from_l1: the codes over 16 KB of x, repeated for as many values (ms per 32M values,
 //   with one fixed normal scale, no next block read alongside): their own work, no memory.
 // quant/pieces/<op>/<type>/int8/block:B/piece:P/elems:N  the cost of a call: the same N values
