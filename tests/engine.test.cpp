@@ -831,7 +831,6 @@ TEST_CASE("stage 3 never holds more than the live-parameter cap plus persistent 
 TEST_CASE(
     "stage 3's planned gathers are at most a sequential model's peak, equal with the defaults") {
   const std::uint64_t seed = zp::test::run_seed("engine.test least working set");
-  int exact = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const auto x = [&](std::uint64_t k) {
       return zp::test::mix(seed + std::uint64_t(trial) * 64 + k);
@@ -841,7 +840,7 @@ TEST_CASE(
       widths.push_back(3 + int(x(std::uint64_t(l) + 1) % 90));
     widths.push_back(Mlp<zp::bf16>::classes);
     auto cfg = test_config(2, 1);
-    const bool defaults = x(10) % 3 == 0;
+    const bool defaults = trial % 3 == 0;  // 8 of the 24 (a draw could leave too few)
     if (!defaults) {
       constexpr std::array<std::size_t, 3> amounts{0, 1, std::size_t(1) << 20};
       cfg.prefetch = amounts[x(11) % 3];
@@ -880,12 +879,8 @@ TEST_CASE(
     });
     REQUIRE(planned >= persistent);
     CHECK(planned - persistent <= peak);
-    if (defaults) {
-      CHECK(planned - persistent == peak);
-      ++exact;
-    }
+    if (defaults) CHECK(planned - persistent == peak);
   }
-  CHECK(exact >= 4);
 }
 
 // FSDP2's reshard_after_forward = false: a module stays gathered from its forward guard to the
