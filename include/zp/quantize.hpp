@@ -457,8 +457,8 @@ struct Avx2 {
   // scale of 2^-102 or more (finite or inf) times 2^-24, which is exact. One byte shuffle puts
   // each even code in the top byte of a 32-bit lane, another each odd code, so converting gives
   // code x 2^24 exactly and its product with s24 is value8's, rounded once the same. No widening
-  // and no shifts to sign-extend: 0.85 of bf16_values16's time from L1 on a Zen 3, 0.90 of the
-  // dequantize's from memory at block 2048 (bench/RESULTS.md).
+  // and no shifts to sign-extend: 0.90 of the dequantize's time at block 2048 on a Zen 3
+  // (bench/RESULTS.md).
   [[ZP_TARGET_AVX2]] static __m256i bf16_int8_values16(const std::uint8_t* codes, __m256 s24) {
     const __m256i b =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
