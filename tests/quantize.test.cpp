@@ -300,12 +300,13 @@ TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable wo
     std::normal_distribution<double> normal(0.0, 1.0);
     for (Bits bits : {Bits::int8, Bits::int4})
       for (std::size_t block :
-           {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(32), std::size_t(64),
-            std::size_t(256), std::size_t(bits == Bits::int8 ? 19 : 18)})
+           {std::size_t(2), std::size_t(8), std::size_t(14), std::size_t(16), std::size_t(32),
+            std::size_t(64), std::size_t(256), std::size_t(bits == Bits::int8 ? 19 : 18)})
         for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(64), std::size_t(1001),
                               std::size_t(2085)})
           // special: zeros, subnormal scales, an inf and a NaN among the blocks; else every
-          // scale normal, so that sixteen blocks in a row take AVX-512's path for small blocks.
+          // scale normal, so that a group of blocks in a row (sixteen on AVX-512, eight on AVX2)
+          // takes the path for small blocks.
           for (bool special : {true, false}) {
             CAPTURE(int(bits));
             CAPTURE(block);
@@ -319,9 +320,10 @@ TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable wo
               const std::size_t b = i / block;
               if (i % block == 0) c = near_scale(rng);
               // Magnitudes from 1e-3 to 1e3, a block of zeros, a block of ties (absmax qmax, so
-              // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k under a
-              // random scale (where x / scale and x * (1 / scale) round apart: both paths must take
-              // the product), a block near 1e-38 (subnormal scales; zero in fp16), an inf and a NaN.
+              // the scale is 1 and x.5 rounds to even), a block of near-ties k + 1/2 for every k
+              // under a random scale (where x / scale and x * (1 / scale) round apart: both paths
+              // must take the product), a block near 1e-38 (subnormal scales; zero in fp16), an
+              // inf and a NaN.
               const int qmax = f.qmax();
               const double tie =
                   i % block == 0 ? double(qmax) : double(int(i % (2 * qmax)) - qmax) + 0.5;

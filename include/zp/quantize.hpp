@@ -289,6 +289,15 @@ inline void store_code_bytes(__m128i c, std::uint8_t* at) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(at) + 1, _mm256_set_m128i(d, c));
 }
 
+// 32 bytes of bits at `at` (Stream: streamed, at 16-byte aligned).
+template <bool Stream>
+[[ZP_TARGET_AVX2]] inline void store_bits(void* at, __m256i bits) {
+  if constexpr (Stream)
+    simd::stream(at, bits);
+  else
+    _mm256_storeu_si256(static_cast<__m256i*>(at), bits);
+}
+
 // Values a step of block_codes makes codes of: 16 code bytes.
 template <Bits B>
 constexpr std::size_t step_values = B == Bits::int8 ? 16 : 32;
@@ -399,6 +408,62 @@ struct Avx2 {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
     for (std::size_t t = 0; t < N; t += 32 / sizeof(T)) next.top = fold(x + next.lo + t, next.top);
     next.lo += N;
+  }
+
+  // quantize_blocks takes small blocks eight at a time; a step of their absmax reads 32 bytes.
+  static constexpr std::size_t group_size = 8, read_bytes = 32;
+
+  // Eight blocks' absmax_bits at once, lane j block a[j]'s (what is left of it, none or all):
+  // each block's maximum vector, folded to 32-bit lanes, then the eight reduced together, each
+  // step halving their number and pairing up lanes (32-bit, 64-bit, then 128-bit), which leaves
+  // block j's maximum in lane j.
+  template <class T>
+  [[ZP_TARGET_AVX2]] static __m256i absmax_bits_group(const T* x, const Ahead* a) {
+    __m256i v[8];
+    for (std::size_t j = 0; j < 8; ++j) {
+      __m256i top = a[j].top;
+      for (std::size_t i = a[j].lo; i < a[j].hi; i += 32 / sizeof(T)) top = fold(x + i, top);
+      if constexpr (sizeof(T) == 2)  // each 32-bit lane's larger half, in its low half
+        top = _mm256_and_si256(_mm256_max_epu16(top, _mm256_srli_epi32(top, 16)),
+                               _mm256_set1_epi32(0xffff));
+      v[j] = top;
+    }
+    for (std::size_t j = 0; j < 4; ++j)
+      v[j] = _mm256_max_epu32(_mm256_unpacklo_epi32(v[2 * j], v[2 * j + 1]),
+                              _mm256_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+    for (std::size_t j = 0; j < 2; ++j)
+      v[j] = _mm256_max_epu32(_mm256_unpacklo_epi64(v[2 * j], v[2 * j + 1]),
+                              _mm256_unpackhi_epi64(v[2 * j], v[2 * j + 1]));
+    return _mm256_max_epu32(_mm256_permute2x128_si256(v[0], v[1], 0x20),
+                            _mm256_permute2x128_si256(v[0], v[1], 0x31));
+  }
+  // Those eight blocks' scales into scales[0, 8) (QuantizeBlock's: absmax / qmax, NaN with an
+  // inf or NaN).
+  template <class T>
+  [[ZP_TARGET_AVX2]] static void group_scales(const T* x, const Ahead* a, int qmax, float* scales) {
+    const __m256i bits = absmax_bits_group(x, a);
+    __m256 big;
+    if constexpr (std::is_same_v<T, float>) {
+      big = _mm256_castsi256_ps(bits);
+    } else if constexpr (std::is_same_v<T, bf16>) {
+      big = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    } else {  // lanes of at most 0x7fff: packing saturates none
+      const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b10'00);
+      big = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    }
+    const __m256 finite = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(int(inf_bits<T>)), bits));  // bits < 2^31
+    _mm256_storeu_ps(scales,
+                     _mm256_blendv_ps(_mm256_set1_ps(NAN),
+                                      _mm256_div_ps(big, _mm256_set1_ps(float(qmax))), finite));
+  }
+  // 1 / scales[j] into r[j] for the eight, if every one is finite (else false).
+  [[ZP_TARGET_AVX2]] static bool reciprocals(const float* scales, float* r) {
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_loadu_ps(scales));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(inv, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)) != 0xff)
+      return false;
+    _mm256_storeu_ps(r, inv);
+    return true;
   }
 
   // 16 codes' bytes c as 8 16-bit lanes, lane j's low byte holding codes 2j and 2j + 1's nibbles.
@@ -520,13 +585,8 @@ struct Avx2 {
                           _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x0f00)));
       const __m256i l = _mm256_shuffle_epi8(t.lo, k), h = _mm256_shuffle_epi8(t.hi, k);
       const __m256i a = _mm256_unpacklo_epi8(l, h), z = _mm256_unpackhi_epi8(l, h);
-      if constexpr (Stream) {
-        simd::stream(out + i, a);
-        simd::stream(out + i + 16, z);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), a);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 16), z);
-      }
+      store_bits<Stream>(out + i, a);
+      store_bits<Stream>(out + i + 16, z);
     }
     return i;
   }
@@ -540,21 +600,12 @@ struct Avx2 {
       if (hi - lo >= 32) i = table_values<T, Stream>(codes, lo, hi, table16<T, MayBeNaN>(s), out);
     if constexpr (B == Bits::int8 && std::is_same_v<T, bf16> && !Accumulate && !MayBeNaN)
       if (scale >= 0x1p-102f)  // (else bf16_values16: a tiny, zero or negative scale)
-        for (const __m256 s24 = _mm256_set1_ps(scale * 0x1p-24f); i + 16 <= hi; i += 16) {
-          const __m256i h = bf16_int8_values16(codes + i, s24);
-          if constexpr (Stream)
-            simd::stream(out + i, h);
-          else
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
-        }
+        for (const __m256 s24 = _mm256_set1_ps(scale * 0x1p-24f); i + 16 <= hi; i += 16)
+          store_bits<Stream>(out + i, bf16_int8_values16(codes + i, s24));
     for (; i + 16 <= hi; i += 16) {
       const __m128i c = codes16<B>(codes, i);
       if constexpr (std::is_same_v<T, bf16>) {
-        const __m256i h = bf16_values16<Accumulate, MayBeNaN>(c, s, out, i);
-        if constexpr (Stream)
-          simd::stream(out + i, h);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+        store_bits<Stream>(out + i, bf16_values16<Accumulate, MayBeNaN>(c, s, out, i));
       } else {
         const V a = value8<Accumulate>(c, s, out, i),
                 b = value8<Accumulate>(_mm_srli_si128(c, 8), s, out, i + 8);
@@ -596,21 +647,15 @@ struct Avx512 {
                              sizeof(T) == 4 ? _mm256_max_epu32(l, h) : _mm256_max_epu16(l, h));
   }
 
-  // Sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T)) to read for
-  // their absmax, into g[0, 16); none where x ends before the sixteenth.
-  [[ZP_TARGET_AVX2]] static void group(std::size_t lo, std::size_t block, std::size_t n, Ahead* g) {
-    for (std::size_t j = 0; j < 16; ++j)
-      g[j] = lo + 16 * block <= n ? ahead(lo + j * block, lo + (j + 1) * block) : ahead(0, 0);
-  }
+  // quantize_blocks takes small blocks sixteen at a time; a step of their absmax reads 64 bytes.
+  static constexpr std::size_t group_size = 16, read_bytes = 64;
 
   // Sixteen blocks' absmax_bits at once, lane j block a[j]'s (what is left of it, none or all:
-  // the codes of the group before fold a block in whole): for small blocks, where one block's
-  // serial chain (its maximum across the lanes, then its scale) costs as much as its values.
-  // Each block's maximum vector is folded to 32-bit lanes, then the sixteen are reduced
-  // together: each step halves their number and pairs up lanes (32-bit, 64-bit, then 128-bit
-  // twice), which leaves block j's maximum in lane j.
+  // the codes of the group before fold a block in whole). Each block's maximum vector is folded
+  // to 32-bit lanes, then the sixteen are reduced together: each step halves their number and
+  // pairs up lanes (32-bit, 64-bit, then 128-bit twice), which leaves block j's maximum in lane j.
   template <class T>
-  [[ZP_TARGET_AVX512]] static __m512i absmax_bits16(const T* x, const Ahead* a) {
+  [[ZP_TARGET_AVX512]] static __m512i absmax_bits_group(const T* x, const Ahead* a) {
     constexpr std::size_t per = 64 / sizeof(T);
     const __m512i mask = sizeof(T) == 4 ? _mm512_set1_epi32(0x7fffffff) : _mm512_set1_epi16(0x7fff);
     __m512i v[16];
@@ -641,8 +686,9 @@ struct Avx512 {
   // Those sixteen blocks' scales into scales[0, 16) (QuantizeBlock's: absmax / qmax, NaN with
   // an inf or NaN).
   template <class T>
-  [[ZP_TARGET_AVX512]] static void scales16(const T* x, const Ahead* a, int qmax, float* scales) {
-    const __m512i bits = absmax_bits16(x, a);
+  [[ZP_TARGET_AVX512]] static void group_scales(const T* x, const Ahead* a, int qmax,
+                                                float* scales) {
+    const __m512i bits = absmax_bits_group(x, a);
     __m512 big;
     if constexpr (std::is_same_v<T, float>)
       big = _mm512_castsi512_ps(bits);
@@ -655,21 +701,11 @@ struct Avx512 {
         scales, _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, big, _mm512_set1_ps(float(qmax))));
   }
 
-  // The codes of sixteen blocks from x + lo (`block` values each, a multiple of 64 / sizeof(T),
-  // which block_codes takes whole) with scales[0, 16), if every one multiplies (no zero, NaN or
-  // tiny scale; else false, and nothing written): one vector division for their reciprocals,
-  // and no branch per block. Block j's codes read next[j] for its absmax.
-  template <Bits B, bool Stream, class T>
-  [[ZP_TARGET_AVX512]] static bool codes16_blocks(const T* x, std::size_t lo, std::size_t block,
-                                                  int qmax, const float* scales, std::uint8_t* out,
-                                                  Ahead* next) {
+  // 1 / scales[j] into r[j] for the sixteen, if every one is finite (else false).
+  [[ZP_TARGET_AVX512]] static bool reciprocals(const float* scales, float* r) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(scales));
     if (_mm512_cmp_ps_mask(inv, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) != 0xffff) return false;
-    alignas(64) float r[16];
-    _mm512_store_ps(r, inv);
-    for (std::size_t j = 0; j < 16; ++j)
-      block_codes<Avx512, B, Stream>(x, lo + j * block, lo + (j + 1) * block,
-                                     Divisor(scales[j], r[j], qmax), out, next[j]);
+    _mm512_storeu_ps(r, inv);
     return true;
   }
 
@@ -824,11 +860,7 @@ struct Avx512 {
           _mm512_cvtepi32_ps(load_codes16(codes, i, std::integral_constant<Bits, B>{})), s));
       if constexpr (Accumulate) v = simd::load(out + i, std::type_identity<V>{}) + simd::rounded(v);
       if constexpr (std::is_same_v<T, bf16>) {
-        const __m256i h = simd::to_bf16<MayBeNaN>(v);
-        if constexpr (Stream)
-          simd::stream(out + i, h);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+        store_bits<Stream>(out + i, simd::to_bf16<MayBeNaN>(v));
       } else if constexpr (Stream) {
         simd::stream(out + i, v);
       } else {
@@ -877,6 +909,21 @@ std::size_t block_codes(const T* x, std::size_t lo, std::size_t hi, const Diviso
   return i;
 }
 
+// The codes of Simd::group_size blocks from x + lo (`block` values each, which block_codes takes
+// whole) with scales[0, group_size), if every one multiplies (no zero, NaN or tiny scale; else
+// false, and nothing written): one vector division for their reciprocals, and no branch per
+// block. Block j's codes read next[j] for its absmax.
+template <class Simd, Bits B, bool Stream, class T>
+bool group_codes(const T* x, std::size_t lo, std::size_t block, int qmax, const float* scales,
+                 std::uint8_t* out, typename Simd::Ahead* next) {
+  float r[Simd::group_size];
+  if (!Simd::reciprocals(scales, r)) return false;
+  for (std::size_t j = 0; j < Simd::group_size; ++j)
+    block_codes<Simd, B, Stream>(x, lo + j * block, lo + (j + 1) * block,
+                                 Divisor(scales[j], r[j], qmax), out, next[j]);
+  return true;
+}
+
 // QuantizeBlock over every block with Simd's loops (bitwise the same codes and scales; Stream:
 // the codes with streaming stores, codes and every block's first 16-byte aligned).
 template <class Simd, Bits B, bool Stream, class T>
@@ -901,26 +948,35 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
     write_codes(x, block_codes<Simd, B, Stream>(x, lo, hi, d, codes, next), hi, B, d, codes);
   };
   std::size_t k = 0, lo = 0;
-  // Blocks of two lines or less, or of two code steps or less (fp32 int4 blocks of up to 64 values),
-  // sixteen at a time: their scales first (the sixteen blocks stay in L1), then their codes.
-  // Measured at 16-bit block 64 (0.75-0.87 of the time) and fp32 int4 block 64 (0.76-0.90); blocks
-  // of 1 KB measured 1.1-1.5x slower so (the memory idles while the codes are made), and 256-byte
-  // blocks of four steps or more 0.84-1.23 (fp32 int8 block 64, 16-bit block 128; bench/RESULTS.md).
-  // A group's codes read the next group's blocks for their absmax, block j alongside block j
-  // (0.80-0.91 of the time at 16-bit block 64, 2026-12-05).
-  if constexpr (std::is_same_v<Simd, Avx512>)
-    if (block % (64 / sizeof(T)) == 0 &&
-        (block * sizeof(T) <= 128 || block <= 2 * step_values<B>)) {
-      typename Simd::Ahead groups[2][16], *now = groups[0], *next = groups[1];
-      Simd::group(lo, block, n, now);
-      for (; n - lo >= 16 * block; k += 16, lo += 16 * block, std::swap(now, next)) {
-        Simd::scales16(x, now, qmax, scales + k);
-        Simd::group(lo + 16 * block, block, n, next);
-        if (!Simd::template codes16_blocks<B, Stream>(x, lo, block, qmax, scales + k, codes, next))
-          for (std::size_t j = 0; j < 16; ++j)
-            write(lo + j * block, lo + (j + 1) * block, scales[k + j], next[j]);
-      }
+  // Blocks of two lines or less, or of two code steps or less (fp32 int4 blocks of up to 64
+  // values), Simd::group_size at a time: their scales first (the blocks stay in L1), then their
+  // codes. One block alone has a serial chain (its maximum across the lanes, then its scale's two
+  // divisions) that costs as much as its values. AVX-512, sixteen blocks: 0.75-0.87 of the time
+  // at 16-bit block 64 and 0.76-0.90 at fp32 int4 block 64; blocks of 1 KB measured 1.1-1.5x
+  // slower so (the memory idles while the codes are made), and 256-byte blocks of four steps or
+  // more 0.84-1.23 (fp32 int8 block 64, 16-bit block 128; bench/RESULTS.md). A group's codes read
+  // the next group's blocks for their absmax, block j alongside block j (0.80-0.91 of the time at
+  // 16-bit block 64, 2026-12-05). AVX2, eight blocks, on a Zen 3: 0.77-0.88 of the time at 16-bit
+  // block 64 and 0.85 at fp32 int4 block 64; fp32 int8 block 64 so measured 1.01 (2026-12-06).
+  constexpr std::size_t G = Simd::group_size;
+  if (block % std::max<std::size_t>(Simd::read_bytes / sizeof(T), step_values<Bits::int8>) == 0 &&
+      (block * sizeof(T) <= 128 || block <= 2 * step_values<B>)) {
+    // The G blocks from `from` to read for their absmax; none where x ends before the last.
+    const auto group = [&](std::size_t from, typename Simd::Ahead* g) {
+      for (std::size_t j = 0; j < G; ++j)
+        g[j] = from + G * block <= n ? Simd::ahead(from + j * block, from + (j + 1) * block)
+                                     : Simd::ahead(0, 0);
+    };
+    typename Simd::Ahead groups[2][G], *now = groups[0], *next = groups[1];
+    group(lo, now);
+    for (; n - lo >= G * block; k += G, lo += G * block, std::swap(now, next)) {
+      Simd::group_scales(x, now, qmax, scales + k);
+      group(lo + G * block, next);
+      if (!group_codes<Simd, B, Stream>(x, lo, block, qmax, scales + k, codes, next))
+        for (std::size_t j = 0; j < G; ++j)
+          write(lo + j * block, lo + (j + 1) * block, scales[k + j], next[j]);
     }
+  }
   // Each block is read twice: from memory for its absmax, then from L1 for its codes. The codes
   // loops read the next block's absmax while they make a block's codes, so that the memory does
   // not idle meanwhile (AVX2 with code16's narrowings: 0.59-0.78 of the time at block 2048 on a
