@@ -958,6 +958,8 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
   // the next group's blocks for their absmax, block j alongside block j (0.80-0.91 of the time at
   // 16-bit block 64, 2026-12-05). AVX2, eight blocks, on a Zen 3: 0.77-0.88 of the time at 16-bit
   // block 64 and 0.85 at fp32 int4 block 64; fp32 int8 block 64 so measured 1.01 (2026-12-06).
+  // A block must be whole absmax steps (read_bytes) and whole code steps (16 values), so that
+  // absmax_bits_group and block_codes leave no rest.
   constexpr std::size_t G = Simd::group_size;
   if (block % std::max<std::size_t>(Simd::read_bytes / sizeof(T), step_values<Bits::int8>) == 0 &&
       (block * sizeof(T) <= 128 || block <= 2 * step_values<B>)) {
