@@ -34,6 +34,7 @@
 #include <benchmark/benchmark.h>
 
 #include <zp/dtype.hpp>
+#include <zp/memory.hpp>
 #include <zp/quantize.hpp>
 
 #include <algorithm>
@@ -59,13 +60,16 @@ const char* op_name(Op op) {
 }
 
 // A row's data: n normal values x, their codes and scales (quantized on `path`), x's round trip
-// y, and an fp32 accumulator.
+// y, and an fp32 accumulator; in zp's host buffers (page-aligned from 1 MiB, as the engine's are,
+// where glibc's large allocations start 16 bytes past a page).
+template <class T>
+using Buffer = std::vector<T, zp::HostAllocator<T>>;
 template <class T>
 struct Data {
   Format f;
-  std::vector<T> x, y;
-  std::vector<std::uint8_t> codes;
-  std::vector<float> scales, acc;
+  Buffer<T> x, y;
+  Buffer<std::uint8_t> codes;
+  Buffer<float> scales, acc;
 
   Data(const Format& format, std::size_t n, std::uint64_t seed, zp::quant::Path path)
       : f(format), x(n), y(n), codes(f.code_bytes(n)), scales(f.blocks(n)), acc(n, 0.0f) {

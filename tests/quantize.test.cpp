@@ -509,7 +509,7 @@ TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits 
           CAPTURE(block);
           CAPTURE(n);
           const Format f{.bits = bits, .block = block};
-          std::vector<T> x(n), want(n), got_room(n + 8);
+          std::vector<T> x(n), want(n);
           for (std::size_t i = 0; i < n; ++i) x[i] = T(zp::test::hash_uniform(seed, i) * 100.0f);
           if (n > 600) x[500] = T(std::numeric_limits<float>::quiet_NaN());
           std::vector<std::uint8_t> q(f.code_bytes(n));
@@ -540,14 +540,25 @@ TEST_CASE_TEMPLATE("quantize's and dequantize's streaming stores write the bits 
                       0);
             }
           }
-          const std::span<T> got = aligned_window(got_room, n);
-          std::fill(got.begin(), got.end(), T(-7.0f));
-          d::dequantize_x86<false, true>(d::isa(path), f, q.data(), s.data(), n, got.data());
-          for (std::size_t i = 0; i < n; ++i) {
-            if (std::isnan(float(want[i])))
-              REQUIRE(std::isnan(float(got[i])));  // fp16 may keep another NaN payload
-            else
-              REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
+          // dequantize's at each 16-byte offset in a line too: a step's 32 bytes go in one store
+          // where they are 32-byte aligned, in two where not.
+          const T guard(-7.0f);
+          const auto is_guard = [&](const T& v) { return std::memcmp(&v, &guard, sizeof(T)) == 0; };
+          for (std::size_t offset = 0; offset < 64; offset += 16) {
+            CAPTURE(offset);
+            std::vector<T> room(n + 128 / sizeof(T), guard);
+            T* line = room.data();
+            while (reinterpret_cast<std::uintptr_t>(line) % 64) ++line;
+            const std::span<T> got(line + offset / sizeof(T), n);
+            d::dequantize_x86<false, true>(d::isa(path), f, q.data(), s.data(), n, got.data());
+            for (std::size_t i = 0; i < n; ++i) {
+              if (std::isnan(float(want[i])))
+                REQUIRE(std::isnan(float(got[i])));  // fp16 may keep another NaN payload
+              else
+                REQUIRE(std::memcmp(&want[i], &got[i], sizeof(T)) == 0);
+            }
+            REQUIRE(std::all_of(room.data(), got.data(), is_guard));  // nothing around it
+            REQUIRE(std::all_of(got.data() + n, room.data() + room.size(), is_guard));
           }
         }
 #endif

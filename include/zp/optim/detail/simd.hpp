@@ -203,13 +203,6 @@ template <bool MayBeNaN = true>
 }
 // store's non-temporal form, for outputs nobody reads soon (no read for ownership, not cached):
 // p 16-byte aligned; the caller fences (_mm_sfence) before the data is published.
-[[ZP_TARGET_AVX2]] inline void stream(float* p, const V8& x) {
-  _mm_stream_ps(p, _mm256_castps256_ps128(x.v));
-  _mm_stream_ps(p + 4, _mm256_extractf128_ps(x.v, 1));
-}
-[[ZP_TARGET_AVX2]] inline void stream(bf16* p, const V8& x) {
-  _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
-}
 [[ZP_TARGET_AVX2]] inline void stream(fp16* p, const V8& x) {
   _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x));
 }
