@@ -289,19 +289,13 @@ inline void store_code_bytes(__m128i c, std::uint8_t* at) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(at) + 1, _mm256_set_m128i(d, c));
 }
 
-// 32 bytes of bits at `at` (Stream: streamed, at 16-byte aligned; in one store where at is
-// 32-byte aligned, not two and an extract: 0.92-0.94 of the time of AVX2's bf16 int8 dequantize
-// at blocks 512 and 2048 on a Zen 3, bench/RESULTS.md).
+// 32 bytes of bits at `at` (Stream: streamed, at 16-byte aligned).
 template <bool Stream>
 [[ZP_TARGET_AVX2]] inline void store_bits(void* at, __m256i bits) {
-  if constexpr (Stream) {
-    if (reinterpret_cast<std::uintptr_t>(at) % 32 == 0)
-      _mm256_stream_si256(static_cast<__m256i*>(at), bits);
-    else
-      simd::stream(at, bits);
-  } else {
+  if constexpr (Stream)
+    simd::stream(at, bits);
+  else
     _mm256_storeu_si256(static_cast<__m256i*>(at), bits);
-  }
 }
 
 // Values a step of block_codes makes codes of: 16 code bytes.
