@@ -10,7 +10,9 @@
 //   data is), on the same thread, timed in the same benchmark right before (the best of 5), and
 //   copy_fraction = GBps / copy_GBps (issue #22's goal: >= 0.8); quantize rows also read_GBps =
 //   reading x alone (at least 256 MiB) on the same thread (bench/membw.hpp, the best of 5) and
-//   read_fraction = x's bytes per second over it. wrong = values
+//   read_fraction = x's bytes per second over it; dequantize rows write_GBps = streaming stores
+//   alone (at least 256 MiB, the same way) and write_fraction = y's bytes per second over it.
+//   wrong = values
 //   whose round trip misses the bound |x - dequant(quant(x))| <= absmax / (2 qmax) of their
 //   block (any skips the benchmark with an error). Rows run the host's best path (AVX-512, else
 //   AVX2, where the CPU has them; dequantize's 32M values are past
@@ -25,6 +27,8 @@
 //   second, read_fraction against read_GBps);
 //   codes_from_l1: the codes over 16 KB of x, repeated for as many values (ms per 32M values,
 //   with one fixed normal scale, no next block read alongside): their own work, no memory.
+//   quant/pass/values_from_l1/<type>/<bits>[/avx2]/block:B: dequantize's the same way, 16 KB
+//   of output (plain stores, in L1) from its codes, repeated for 32M values.
 // quant/pieces/<op>/<type>/int8/block:B/piece:P/elems:N  the cost of a call: the same N values
 //   (in the caches, as a bucket's pieces are when the engine packs them) as N / P calls of P
 //   values each (a qgZ piece per peer, a small module's gather) against one call of N.
@@ -127,6 +131,7 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
                                                    : coded + 2 * n * sizeof(float);
   const double limit = zp::bench::copy_gbps(bytes);
   const double read_limit = op == Op::quantize ? zp::bench::read_gbps(n * sizeof(T)) : 0;
+  const double write_limit = op == Op::dequantize ? zp::bench::write_gbps(n * sizeof(T)) : 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     d.run(op, 0, n, path);
@@ -142,6 +147,11 @@ void bench(benchmark::State& state, Op op, Bits bits, std::size_t block, std::si
     state.counters["read_GBps"] = read_limit;
     state.counters["read_fraction"] =
         double(n * sizeof(T)) * double(state.iterations()) * 1e-9 / seconds / read_limit;
+  }
+  if (op == Op::dequantize) {  // it writes 4 or 2 bytes of y for each code byte it reads
+    state.counters["write_GBps"] = write_limit;
+    state.counters["write_fraction"] =
+        double(n * sizeof(T)) * double(state.iterations()) * 1e-9 / seconds / write_limit;
   }
   state.counters["wrong"] = double(wrong);
 }
@@ -185,37 +195,58 @@ template <Bits B, class T>
   codes_blocks<qd::Avx2, B>(x, n, block, codes);
 }
 
+enum class Pass { absmax, codes, values };
+
 // isa: the AVX-512 or the AVX2 loops.
 template <class T>
-void bench_pass(benchmark::State& state, qd::Isa isa, bool absmax, Bits bits, std::size_t block,
+void bench_pass(benchmark::State& state, qd::Isa isa, Pass pass, Bits bits, std::size_t block,
                 std::size_t n) {
   if (!zp::optim::cpu::supported(isa)) {
     state.SkipWithError(isa == qd::Isa::avx512 ? "this CPU has no AVX-512"
                                                : "this CPU has no AVX2");
     return;
   }
-  const bool wide = isa == qd::Isa::avx512;
-  const std::size_t l1 = 16384 / sizeof(T);  // values whose x stays in L1
+  const bool wide = isa == qd::Isa::avx512, absmax = pass == Pass::absmax;
+  const std::size_t l1 = 16384 / sizeof(T);  // values whose x (or y) stays in L1
   std::mt19937_64 rng(n * 37 + block);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<T> x(absmax ? n : l1);
+  std::vector<T> x(absmax ? n : l1), y(pass == Pass::values ? l1 : 0);
   for (auto& v : x) v = T(normal(rng));
-  std::vector<std::uint8_t> codes(x.size());
+  const Format f{.bits = bits, .block = block};
+  std::vector<std::uint8_t> codes(pass == Pass::values ? f.code_bytes(l1) : x.size());
+  std::vector<float> scales(f.blocks(l1));
+  // The loops the call runs: best is AVX-512 where wide (supported, checked above).
+  const auto path = wide ? zp::quant::Path::best : zp::quant::Path::avx2;
+  if (pass == Pass::values) zp::quant::quantize(std::span<const T>(x), f, codes, scales, path);
   const double read_limit = absmax ? zp::bench::read_gbps(n * sizeof(T)) : 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     if (absmax) {
       benchmark::DoNotOptimize(wide ? absmax_avx512(x.data(), n, block)
                                     : absmax_avx2(x.data(), n, block));
-    } else {
-      const auto pass =
+    } else if (pass == Pass::codes) {
+      const auto codes_of =
           wide ? (bits == Bits::int8 ? codes_avx512<Bits::int8, T> : codes_avx512<Bits::int4, T>)
                : (bits == Bits::int8 ? codes_avx2<Bits::int8, T> : codes_avx2<Bits::int4, T>);
-      for (std::size_t r = 0; r < n / l1; ++r) pass(x.data(), l1, block, codes.data());
+      for (std::size_t r = 0; r < n / l1; ++r) codes_of(x.data(), l1, block, codes.data());
       benchmark::DoNotOptimize(codes.data());
+    } else {  // 16 KB of y: under stream_min_bytes, so plain stores into L1
+      for (std::size_t r = 0; r < n / l1; ++r)
+        zp::quant::dequantize(f, std::span<const std::uint8_t>(codes),
+                              std::span<const float>(scales), std::span(y), path);
+      benchmark::DoNotOptimize(y.data());
     }
     benchmark::ClobberMemory();
   }
+  if (pass == Pass::values)  // every value written, within its block's bound
+    for (std::size_t i = 0; i < l1; ++i) {
+      const double s = scales[i / block], tol = s / 2 + s * (bits == Bits::int8 ? 127 : 7) *
+                                                            (sizeof(T) == 2 ? 0x1p-8 : 0x1p-21);
+      if (!(std::fabs(double(float(y[i])) - double(float(x[i]))) <= tol)) {
+        state.SkipWithError("dequantize wrote a value outside its block's bound");
+        return;
+      }
+    }
   if (absmax) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -234,17 +265,19 @@ void register_passes(const char* type, std::size_t n) {
                                "/block:" + std::to_string(block) + "/elems:" + std::to_string(n);
       benchmark::RegisterBenchmark(
           (std::string("quant/pass/absmax/") + type + tail).c_str(),
-          [=](benchmark::State& s) { bench_pass<T>(s, isa, true, Bits::int8, block, n); })
+          [=](benchmark::State& s) { bench_pass<T>(s, isa, Pass::absmax, Bits::int8, block, n); })
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
-      for (Bits bits : {Bits::int8, Bits::int4})
-        benchmark::RegisterBenchmark(
-            (std::string("quant/pass/codes_from_l1/") + type +
-             (bits == Bits::int8 ? "/int8" : "/int4") + tail)
-                .c_str(),
-            [=](benchmark::State& s) { bench_pass<T>(s, isa, false, bits, block, n); })
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+      for (Pass pass : {Pass::codes, Pass::values})
+        for (Bits bits : {Bits::int8, Bits::int4})
+          benchmark::RegisterBenchmark(
+              (std::string(pass == Pass::codes ? "quant/pass/codes_from_l1/"
+                                               : "quant/pass/values_from_l1/") +
+               type + (bits == Bits::int8 ? "/int8" : "/int4") + tail)
+                  .c_str(),
+              [=](benchmark::State& s) { bench_pass<T>(s, isa, pass, bits, block, n); })
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
     }
 }
 #endif

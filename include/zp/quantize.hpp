@@ -34,6 +34,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include <utility>
 
 #include "zp/config.hpp"
 #include "zp/detail/copy.hpp"
@@ -571,6 +572,41 @@ struct Avx2 {
     return _mm256_blend_epi16(simd::bf16_lanes<false>(e), simd::bf16_upper(o), 0xaa);
   }
 
+  // Values [at, at + 8) in fp32 from int4 code bytes b (each 128-bit lane holding the same 8
+  // bytes) put by `order` in the top bytes of the 32-bit lanes (Accumulate: plus out's), where
+  // s28 is a scale of 2^-98 or more (finite or inf) times 2^-28, which is exact. A shift moves an
+  // even code's low nibble to the top and a mask clears an odd one's low nibble, so converting
+  // gives code x 2^28 exactly and its product with s28 is value8's, rounded once the same: no
+  // unpacking and sign extension of nibbles into bytes (codes16).
+  template <bool Accumulate>
+  [[ZP_TARGET_AVX2]] static V int4_value8(__m256i b, __m256i order, __m256 s28, const float* out,
+                                          std::size_t at) {
+    const __m256i c = _mm256_and_si256(
+        _mm256_sllv_epi32(_mm256_shuffle_epi8(b, order), _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0)),
+        _mm256_set1_epi32(std::int32_t(0xf0000000u)));
+    V v(_mm256_mul_ps(_mm256_cvtepi32_ps(c), s28));
+    if constexpr (Accumulate) v = simd::load(out + at, std::type_identity<V>{}) + simd::rounded(v);
+    return v;
+  }
+  // Values [i, i + 16) in fp32, as two halves, from the 8 int4 code bytes at `codes`.
+  template <bool Accumulate>
+  [[ZP_TARGET_AVX2]] static std::pair<V, V> int4_values16(const std::uint8_t* codes, __m256 s28,
+                                                          const float* out, std::size_t i) {
+    std::int64_t bytes;
+    std::memcpy(&bytes, codes, sizeof bytes);
+    const __m256i b = _mm256_set1_epi64x(bytes);
+    return {int4_value8<Accumulate>(
+                b,
+                _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1,
+                                 -1, 2, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 3),
+                s28, out, i),
+            int4_value8<Accumulate>(
+                b,
+                _mm256_setr_epi8(-1, -1, -1, 4, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 5, -1, -1,
+                                 -1, 6, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1, 7),
+                s28, out, i + 8)};
+  }
+
   // An int4 code is one of 16, so a block's values in a 16-bit type are one of 16 too: made once
   // a block, by the loop's own conversion (bitwise its values), as a table of their low bytes and
   // one of their high bytes (entry k: nibble k's, in each 128-bit lane) for byte shuffles.
@@ -633,6 +669,13 @@ struct Avx2 {
       if (scale >= 0x1p-102f)  // (else bf16_values16: a tiny, zero or negative scale)
         for (const __m256 s24 = _mm256_set1_ps(scale * 0x1p-24f); i + 16 <= hi; i += 16)
           store_bits<Stream>(out + i, bf16_int8_values16(codes + i, s24));
+    if constexpr (B == Bits::int4 && std::is_same_v<T, float> && !MayBeNaN)
+      if (scale >= 0x1p-98f)  // (else value8: a tiny, zero or negative scale)
+        for (const __m256 s28 = _mm256_set1_ps(scale * 0x1p-28f); i + 16 <= hi; i += 16) {
+          const auto [a, b] = int4_values16<Accumulate>(codes + i / 2, s28, out, i);
+          store_bits<Stream>(out + i, _mm256_castps_si256(a.v));
+          store_bits<Stream>(out + i + 8, _mm256_castps_si256(b.v));
+        }
     for (; i + 16 <= hi; i += 16) {
       const __m128i c = codes16<B>(codes, i);
       if constexpr (std::is_same_v<T, bf16>) {
