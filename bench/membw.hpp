@@ -117,35 +117,40 @@ inline double read_gbps(std::size_t bytes) {
 }
 
 #if ZP_STREAM_X86
-// Streams one 32-byte value over the lines at p (bytes a multiple of 128), four stores a step:
-// the copy's stores (AVX2), without its loads.
-[[gnu::target("avx2")]] inline void fill_lines_avx2(char* p, std::size_t bytes, int fill) {
-  const __m256i v = _mm256_set1_epi8(char(fill));
-  for (std::size_t i = 0; i < bytes; i += 128) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i), v);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 32), v);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 64), v);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 96), v);
-  }
+// Streams `fill` over the lines at p (bytes a multiple of 128), four stores a step: the copy's
+// stores (32 bytes with AVX2, else 16), without its loads.
+[[gnu::target("avx2")]] inline void fill_lines_avx2(char* p, std::size_t bytes, char fill) {
+  const __m256i v = _mm256_set1_epi8(fill);
+  for (std::size_t i = 0; i < bytes; i += 128)
+    for (std::size_t j = 0; j < 128; j += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + j), v);
+  _mm_sfence();
+}
+inline void fill_lines_sse2(char* p, std::size_t bytes, char fill) {
+  const __m128i v = _mm_set1_epi8(fill);
+  for (std::size_t i = 0; i < bytes; i += 128)
+    for (std::size_t j = 0; j < 128; j += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p + i + j), v);
   _mm_sfence();
 }
 #endif
 
 // GB/s of writing `bytes` (at least out_of_cache_bytes) with streaming stores on this thread,
-// nothing read: the best of 5, the limit of a benchmark that mostly writes (dequantize). On
-// CPUs without AVX2, memset's (which streams large fills in glibc).
+// nothing read: the best of 5, the limit of a benchmark that mostly writes (dequantize). Off
+// x86, memset's plain stores.
 inline double write_gbps(std::size_t bytes) {
   const std::size_t size = (std::max(bytes, out_of_cache_bytes) + 4095) / 4096 * 4096;
   const PageBuffer dst(size, 0);
   double best = 0;
   for (int k = 0; k < 5; ++k) {
+    const char fill = char(k + 1);
     const auto t0 = std::chrono::steady_clock::now();
 #if ZP_STREAM_X86
-    if (__builtin_cpu_supports("avx2"))
-      fill_lines_avx2(dst.get(), size, k + 1);
-    else
+    __builtin_cpu_supports("avx2") ? fill_lines_avx2(dst.get(), size, fill)
+                                   : fill_lines_sse2(dst.get(), size, fill);
+#else
+    std::memset(dst.get(), fill, size);
 #endif
-      std::memset(dst.get(), k + 1, size);
     benchmark::DoNotOptimize(dst.get());
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, double(size) / s * 1e-9);

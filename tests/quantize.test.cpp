@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -417,8 +418,11 @@ std::span<T> aligned_window(std::vector<T>& v, std::size_t n) {
 TEST_CASE_TEMPLATE("dequantize of any code bytes and scales gives the portable work items' bits", T,
                    float, zp::bf16, zp::fp16) {
   std::mt19937_64 rng(zp::test::fresh_seed());
-  std::uniform_int_distribution<int> byte(0, 255), kind(0, 10), tiny(96, 128);
+  std::uniform_int_distribution<int> byte(0, 255), kind(0, 10), tiny(96, 128), nan(0, 4);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  // NaN scales, quiet and signalling: a value's bf16 rounding must not carry the largest
+  // payloads into an inf or a zero (a corrupt record's scale can hold any bits).
+  const std::uint32_t nans[] = {0x7fc00000u, 0x7fffffffu, 0xffffffffu, 0x7f800001u, 0xffbfffffu};
   for (const auto vector_path : vector_paths())
     for (Bits bits : {Bits::int8, Bits::int4})
       for (std::size_t block :
@@ -435,7 +439,7 @@ TEST_CASE_TEMPLATE("dequantize of any code bytes and scales gives the portable w
           for (auto& v : s) {
             const int k = kind(rng);
             v = k == 0    ? 0.0f
-                : k == 1  ? std::numeric_limits<float>::quiet_NaN()
+                : k == 1  ? std::bit_cast<float>(nans[nan(rng)])  // any sign and payload
                 : k == 2  ? std::numeric_limits<float>::infinity()
                 : k == 3  ? std::ldexp(std::fabs(normal(rng)), -140)            // subnormal
                 : k == 10 ? std::ldexp(1 + std::fabs(normal(rng)), -tiny(rng))  // AVX2's bounds

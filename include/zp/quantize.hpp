@@ -608,22 +608,19 @@ struct Avx2 {
   }
 
   // An int4 code is one of 16, so a block's values in a 16-bit type are one of 16 too: made once
-  // a block, by the loop's own conversion (bitwise its values), as a table of their low bytes and
-  // one of their high bytes (entry k: nibble k's, in each 128-bit lane) for byte shuffles.
+  // a block as the products of its scale with the 16 codes as floats (constants: nothing to
+  // convert; bitwise the loop's values), as a table of their low bytes and one of their high
+  // bytes (entry k: nibble k's, in each 128-bit lane) for byte shuffles.
   struct Table {
     __m256i lo, hi;
   };
   template <class T, bool MayBeNaN>
   [[ZP_TARGET_AVX2]] static Table table16(__m256 s) {
-    const __m128i c = nibble_codes();
-    __m256i v;  // entry k in 16-bit lane k
-    if constexpr (std::is_same_v<T, bf16>) {
-      v = bf16_values16<false, MayBeNaN>(c, s, nullptr, 0);
-    } else {
-      const T* none = nullptr;
-      v = _mm256_set_m128i(simd::to_fp16(value8<false>(_mm_srli_si128(c, 8), s, none, 0)),
-                           simd::to_fp16(value8<false>(c, s, none, 0)));
-    }
+    const V a(_mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), s)),
+        b(_mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), s));
+    const __m256i v = std::is_same_v<T, bf16>  // entry k in 16-bit lane k
+                          ? simd::to_bf16<MayBeNaN>(a, b)
+                          : _mm256_set_m128i(simd::to_fp16(b), simd::to_fp16(a));
     // Each 128-bit lane's low bytes, then its high bytes; then the 64-bit quarters as wanted.
     const __m256i split = _mm256_shuffle_epi8(
         v, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
