@@ -550,12 +550,19 @@ struct Avx2 {
     }
   }
 
-  // Values [i, i + 16) from the 16 int8 codes at `codes` as bf16 bits, in order, where s24 is a
-  // scale of 2^-102 or more (finite or inf) times 2^-24, which is exact. One byte shuffle puts
-  // each even code in the top byte of a 32-bit lane, another each odd code, so converting gives
-  // code x 2^24 exactly and its product with s24 is value8's, rounded once the same. No widening
-  // and no shifts to sign-extend: 0.90 of the dequantize's time at block 2048 on a Zen 3
-  // (bench/RESULTS.md).
+  // A code in the top bits of a 32-bit lane converts to code x 2^Shift exactly, and its product
+  // with scale x 2^-Shift (shifted<Shift>) is value8's (code x scale), rounded once the same,
+  // where that is exact and normal: scale >= min_shifted<Shift> = 2^(Shift - 126), finite or inf
+  // (smaller, zero, negative and NaN scales take value8's way).
+  template <int Shift>
+  static constexpr float shifted = 1.0f / float(1u << Shift);
+  template <int Shift>
+  static constexpr float min_shifted = 0x1p-126f * float(1u << Shift);
+
+  // Values [i, i + 16) from the 16 int8 codes at `codes` as bf16 bits, in order, where s24 is
+  // scale x shifted<24>. One byte shuffle puts each even code in the top byte of a 32-bit lane,
+  // another each odd code. No widening and no shifts to sign-extend: 0.90 of the dequantize's
+  // time at block 2048 on a Zen 3 (bench/RESULTS.md).
   [[ZP_TARGET_AVX2]] static __m256i bf16_int8_values16(const std::uint8_t* codes, __m256 s24) {
     const __m256i b =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
@@ -574,10 +581,9 @@ struct Avx2 {
 
   // Values [at, at + 8) in fp32 from int4 code bytes b (each 128-bit lane holding the same 8
   // bytes) put by `order` in the top bytes of the 32-bit lanes (Accumulate: plus out's), where
-  // s28 is a scale of 2^-98 or more (finite or inf) times 2^-28, which is exact. A shift moves an
-  // even code's low nibble to the top and a mask clears an odd one's low nibble, so converting
-  // gives code x 2^28 exactly and its product with s28 is value8's, rounded once the same: no
-  // unpacking and sign extension of nibbles into bytes (codes16).
+  // s28 is scale x shifted<28>. A shift moves an even code's low nibble to the top and a mask
+  // clears an odd one's low nibble: no unpacking and sign extension of nibbles into bytes
+  // (codes16).
   template <bool Accumulate>
   [[ZP_TARGET_AVX2]] static V int4_value8(__m256i b, __m256i order, __m256 s28, const float* out,
                                           std::size_t at) {
@@ -663,12 +669,12 @@ struct Avx2 {
     if constexpr (B == Bits::int4 && sizeof(T) == 2 && !Accumulate)
       if (hi - lo >= 32) i = table_values<T, Stream>(codes, lo, hi, table16<T, MayBeNaN>(s), out);
     if constexpr (B == Bits::int8 && std::is_same_v<T, bf16> && !Accumulate && !MayBeNaN)
-      if (scale >= 0x1p-102f)  // (else bf16_values16: a tiny, zero or negative scale)
-        for (const __m256 s24 = _mm256_set1_ps(scale * 0x1p-24f); i + 16 <= hi; i += 16)
+      if (scale >= min_shifted<24>)
+        for (const __m256 s24 = _mm256_set1_ps(scale * shifted<24>); i + 16 <= hi; i += 16)
           store_bits<Stream>(out + i, bf16_int8_values16(codes + i, s24));
     if constexpr (B == Bits::int4 && std::is_same_v<T, float> && !MayBeNaN)
-      if (scale >= 0x1p-98f)  // (else value8: a tiny, zero or negative scale)
-        for (const __m256 s28 = _mm256_set1_ps(scale * 0x1p-28f); i + 16 <= hi; i += 16) {
+      if (scale >= min_shifted<28>)
+        for (const __m256 s28 = _mm256_set1_ps(scale * shifted<28>); i + 16 <= hi; i += 16) {
           const auto [a, b] = int4_values16<Accumulate>(codes + i / 2, s28, out, i);
           store_bits<Stream>(out + i, _mm256_castps_si256(a.v));
           store_bits<Stream>(out + i + 8, _mm256_castps_si256(b.v));
