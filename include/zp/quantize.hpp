@@ -437,6 +437,12 @@ struct Avx2 {
 
   // quantize_blocks takes small blocks eight at a time; a step of their absmax reads 32 bytes.
   static constexpr std::size_t group_size = 8, read_bytes = 32;
+  // Whether a group's codes of T stream (where the call streams): 16-bit blocks of 64 values are
+  // bound by their arithmetic, not the memory, and streamed their codes took 1.06-1.29x the time
+  // of plain stores on a Zen 2 and a Zen 3; fp32 int4's, reading twice the bytes a code, 0.97-1.07
+  // (bench/RESULTS.md, 2026-12-07).
+  template <class T>
+  static constexpr bool stream_groups = sizeof(T) == 4;
 
   // Eight blocks' absmax_bits at once, lane j block a[j]'s (what is left of it, none or all):
   // each block's maximum vector, folded to 32-bit lanes, then the eight reduced together, each
@@ -729,6 +735,8 @@ struct Avx512 {
 
   // quantize_blocks takes small blocks sixteen at a time; a step of their absmax reads 64 bytes.
   static constexpr std::size_t group_size = 16, read_bytes = 64;
+  template <class T>
+  static constexpr bool stream_groups = true;  // not measured otherwise on an AVX-512 CPU
 
   // Sixteen blocks' absmax_bits at once, lane j block a[j]'s (what is left of it, none or all:
   // the codes of the group before fold a block in whole). Each block's maximum vector is folded
@@ -1050,11 +1058,12 @@ void quantize_blocks(const T* x, std::size_t n, std::size_t block, std::uint8_t*
                                      : Simd::ahead(0, 0);
     };
     typename Simd::Ahead groups[2][G], *now = groups[0], *next = groups[1];
+    constexpr bool GroupStream = Stream && Simd::template stream_groups<T>;
     group(lo, now);
     for (; n - lo >= G * block; k += G, lo += G * block, std::swap(now, next)) {
       Simd::group_scales(x, now, qmax, scales + k);
       group(lo + G * block, next);
-      if (!group_codes<Simd, B, Stream>(x, lo, block, qmax, scales + k, codes, next))
+      if (!group_codes<Simd, B, GroupStream>(x, lo, block, qmax, scales + k, codes, next))
         for (std::size_t j = 0; j < G; ++j)
           write(lo + j * block, lo + (j + 1) * block, scales[k + j], next[j]);
     }
