@@ -252,10 +252,10 @@ template <class T>
   }
 }
 
-// Nibble k's int4 code in byte k (two's complement): a table's entries, in index order.
-[[ZP_TARGET_AVX2]] inline __m128i nibble_codes() {
-  return _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-}
+// Nibble k's int4 code (two's complement) as a float, in index order: times a block's scale,
+// the entries of its table of 16 values (nothing converted per block).
+alignas(64) inline constexpr float nibble_values[16] = {0,  1,  2,  3,  4,  5,  6,  7,
+                                                        -8, -7, -6, -5, -4, -3, -2, -1};
 
 // Codes i .. i + 15 as bytes (int4: unpacked in order, low nibble first, and sign-extended).
 template <Bits B>
@@ -620,16 +620,16 @@ struct Avx2 {
   }
 
   // An int4 code is one of 16, so a block's values in a 16-bit type are one of 16 too: made once
-  // a block as the products of its scale with the 16 codes as floats (constants: nothing to
-  // convert; bitwise the loop's values), as a table of their low bytes and one of their high
-  // bytes (entry k: nibble k's, in each 128-bit lane) for byte shuffles.
+  // a block as the products of its scale with nibble_values (bitwise the loop's values), as a
+  // table of their low bytes and one of their high bytes (entry k: nibble k's, in each 128-bit
+  // lane) for byte shuffles.
   struct Table {
     __m256i lo, hi;
   };
   template <class T, bool MayBeNaN>
   [[ZP_TARGET_AVX2]] static Table table16(__m256 s) {
-    const V a(_mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), s)),
-        b(_mm256_mul_ps(_mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), s));
+    const V a(_mm256_mul_ps(_mm256_load_ps(nibble_values), s)),
+        b(_mm256_mul_ps(_mm256_load_ps(nibble_values + 8), s));
     const __m256i v = std::is_same_v<T, bf16>  // entry k in 16-bit lane k
                           ? simd::to_bf16<MayBeNaN>(a, b)
                           : _mm256_set_m128i(simd::to_fp16(b), simd::to_fp16(a));
@@ -908,12 +908,12 @@ struct Avx512 {
   }
 
   // int4 values [lo, hi) in a 16-bit type, 32 at a time, from a table as in Avx2::table16: the
-  // block's 16 values, made by this struct's own conversion, twice over (word k and k + 16:
+  // block's 16 values (nibble_values times its scale), twice over (word k and k + 16:
   // nibble k's), and each 32 codes one permute of those words.
   template <class T, bool Stream, bool MayBeNaN>
   [[ZP_TARGET_AVX512]] static std::size_t table_values(const std::uint8_t* codes, std::size_t lo,
                                                        std::size_t hi, __m512 s, T* out) {
-    const V v(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(nibble_codes())), s));
+    const V v(_mm512_mul_ps(_mm512_load_ps(nibble_values), s));
     __m256i sixteen;
     if constexpr (std::is_same_v<T, bf16>)
       sixteen = simd::to_bf16<MayBeNaN>(v);
