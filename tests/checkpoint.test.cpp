@@ -851,17 +851,19 @@ TEST_CASE("an offline reshard reports its progress, and a reader verifies each f
                          {file1, "CRC-32C"});
 }
 
-TEST_CASE(
+// bf16 and fp16: each field dtype an offline export reads (fp32 for the master).
+TEST_CASE_TEMPLATE(
     "safetensors export: from a live engine and offline from a checkpoint, split, and loaded back "
-    "by name") {
+    "by name",
+    T, zp::bf16, zp::fp16) {
   TempDir dir("export");
-  Snapshot<zp::bf16> ref;
+  Snapshot<T> ref;
   std::vector<std::string> names;
   ProgressLog live[3];  // per rank: only rank 0 writes
   with_stage(3, [&]<int S>(std::integral_constant<int, S>) {
     run_threads(3, [&](Collective<Threads>& comm) {
-      Mlp<zp::bf16> model;
-      zp::Engine<Threads, zp::bf16, S> e(comm, model, config(1));
+      Mlp<T> model;
+      zp::Engine<Threads, T, S> e(comm, model, config(1));
       train(e, model, 0, 2);
       zp::export_safetensors(e, dir.path / "live", {.progress = live[comm.rank()].fn()});
       zp::export_safetensors(e, dir.path / "live-master", {.master = true});
@@ -881,7 +883,7 @@ TEST_CASE(
   zp::export_safetensors(ck, dir.path / "offline-master", {.master = true});
   // The progress of an export counts its tensors' bytes, on rank 0 alone in an engine's.
   const std::uint64_t exported = tensor_bytes({dir.path / "live" / "model.safetensors"});
-  CHECK(exported == ref.params.size() * sizeof(zp::bf16));
+  CHECK(exported == ref.params.size() * sizeof(T));
   live[0].check(exported);
   CHECK(live[1].calls.empty());
   CHECK(live[2].calls.empty());
@@ -912,8 +914,8 @@ TEST_CASE(
   // master = the parameters widened), fp32 exports the master (and parameters = it rounded).
   for (const char* d : {"split", "live-master"}) {
     run_threads(2, [&](Collective<Threads>& comm) {
-      Mlp<zp::bf16> model;
-      zp::Engine<Threads, zp::bf16, 1> e(comm, model, config(1));
+      Mlp<T> model;
+      zp::Engine<Threads, T, 1> e(comm, model, config(1));
       zp::load_safetensors(e, dir.path / d);
       const auto p = e.gather_params();
       const auto m = e.gather_master();
@@ -925,8 +927,8 @@ TEST_CASE(
   }
   // A model that lacks a tensor, or has another size, is named.
   run_threads(2, [&](Collective<Threads>& comm) {
-    Mlp<zp::bf16> other({Mlp<zp::bf16>::inputs, 61, 60, 53, Mlp<zp::bf16>::classes});
-    zp::Engine<Threads, zp::bf16, 1> e(comm, other, config(1));
+    Mlp<T> other({Mlp<T>::inputs, 61, 60, 53, Mlp<T>::classes});
+    zp::Engine<Threads, T, 1> e(comm, other, config(1));
     zp::test::expect_invalid([&] { zp::load_safetensors(e, dir.path / "live"); },
                              {"layer1.weight", "elements"});
   });

@@ -373,6 +373,26 @@ void check_bad_arguments(Collective<B>& comm) {
   expect_invalid(
       [&] { b.all_to_all_v(p, nullptr, even.data(), ones.data(), DType::f32, blocking).wait(); },
       {"all_to_all_v: the send counts are null"});
+  expect_invalid(
+      [&] { b.all_to_all_v(p, ones.data(), even.data(), ones.data(), DType(17), blocking).wait(); },
+      {"all_to_all_v: element type DType(17) is not one of"});
+  const std::string sends = "sends " + std::to_string(N * 4) + " bytes";
+  expect_invalid(
+      [&] {
+        b.all_to_all_v(nullptr, ones.data(), even.data(), ones.data(), DType::f32, blocking).wait();
+      },
+      {"all_to_all_v: the input buffer is null but", sends.c_str()});
+  expect_invalid(
+      [&] { b.all_to_all_v(p, ones.data(), nullptr, ones.data(), DType::f32, blocking).wait(); },
+      {"all_to_all_v: the output buffer is null but receives"});
+  // Counts whose bytes pass 2^64 (rank 0's alone, 2^62 + 1 floats) are refused, not wrapped.
+  std::vector<std::size_t> huge(std::size_t(N), (std::size_t(1) << 62) + 1);
+  expect_invalid(
+      [&] {
+        b.all_to_all_v(p, ones.data(), even.data(), huge.data(), DType::f32, blocking).wait();
+      },
+      {"all_to_all_v: the receive counts up to rank 0 (4611686018427387905 elements there) "
+       "overflow a 64-bit size of f32"});
   const auto mismatched = [&] {
     comm.all_to_all_v(std::span<const float>(buf), std::span<const std::size_t>(more),
                       std::span<float>(even), std::span<const std::size_t>(ones));

@@ -781,6 +781,9 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
         "1e+30"}},
       {R"({"train_batch_size": 0})",
        {R"(train_batch_size: expected a positive integer or "auto", got 0)"}},
+      {R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4294967296, "gradient_accumulation_steps": 4294967296})",
+       {"train_batch_size: train_micro_batch_size_per_gpu (4294967296) * "
+        "gradient_accumulation_steps (4294967296) overflows a 64-bit integer"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 5}})",
        {"zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got 5"}},
       {R"({"train_batch_size": 8, "gradient_clipping": 1e999})",

@@ -1738,6 +1738,28 @@ TEST_CASE(
     return e.find("'layer1.weight' (module 1, 4148 elements)") != std::string::npos;
   });
   CHECK(named == 1);  // rank 1 has 61 x 68
+
+  // A rank with two layers fewer: its first four parameters agree with the others', the fifth
+  // (layer2.weight) it does not have.
+  errors.clear();
+  run_threads(3, [&](Collective<Threads>& comm) {
+    Mlp<float> model(comm.rank() == 2 ? std::vector<int>{13, 61, 67}
+                                      : std::vector<int>{13, 61, 67, 53, 7});
+    try {
+      zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+    } catch (const zp::Error& e) {
+      std::lock_guard lk(m);
+      errors.push_back(e.what());
+    }
+  });
+  REQUIRE(errors.size() == 3);
+  const auto has = [&](const std::string& part) {
+    return std::count_if(errors.begin(), errors.end(),
+                         [&](const std::string& e) { return e.find(part) != std::string::npos; });
+  };
+  CHECK(has("rank 2 has 4 parameters") == 1);
+  CHECK(has("the first difference is parameter #4, which this rank does not have") == 1);
+  CHECK(has("the first parameter that differs is #4, on this rank 'layer2.weight'") == 2);
 }
 
 TEST_CASE("parameters never touched by backward count as zero gradients instead of hanging") {
@@ -2281,22 +2303,52 @@ struct Probe {
   }
 };
 
-// Max error of the averaged gradient that `accum` and `comm` give against float64, relative to the
-// mean magnitude of the summed terms (a mean near zero says nothing about the rounding).
+// How a probe run's gradients travel: their precision settings and, beside them, hybrid
+// sharding and qgZ.
+struct ProbeSetup {
+  std::optional<zp::DType> accum, comm;
+  int ranks = 2;
+  int shard_group_size = 0;
+  std::optional<zp::quant::Format> qgz;
+  int ranks_per_node = 0;  // qgZ's nodes (0: one, with the threads backend's layout)
+};
+
+// A probe run of 8 micro-steps per step: the averaged gradient its SGD step read, per element,
+// and two references in float64: the mean of the bf16 terms (`mean`), and the mean over ranks of
+// each rank's own bf16 sum of its terms (`rank_sums`, what a rank that accumulates in bf16
+// before its reduction holds), each with the mean magnitude of the terms (`scale`).
+struct ProbeRun {
+  std::vector<double> got, mean, rank_sums, scale;
+  double peak = 0;  // the largest |term|
+  // Max |got - ref| relative to the terms' mean magnitude (a mean near zero says nothing about
+  // the rounding).
+  double error(const std::vector<double>& ref) const {
+    double worst = 0;
+    for (std::size_t k = 0; k < got.size(); ++k)
+      worst = std::max(worst, std::fabs(got[k] - ref[k]) / scale[k]);
+    return worst;
+  }
+};
+
 template <int Stage>
-double probe_error(std::optional<zp::DType> accum, std::optional<zp::DType> comm) {
-  constexpr int ranks = 2, gas = 8;
+ProbeRun probe_run(const ProbeSetup& s) {
+  constexpr int gas = 8;
+  using P = Probe<zp::bf16>;
+  const int ranks = s.ranks;
   const std::uint64_t seed = zp::test::mlp_seed();
   std::vector<float> master;
   run_threads(ranks, [&](Collective<Threads>& c) {
-    Probe<zp::bf16> model(seed);
+    P model(seed);
     auto cfg = test_config(1, gas);
-    cfg.grad_accum_dtype = accum;
-    cfg.communication_dtype = comm;
+    cfg.grad_accum_dtype = s.accum;
+    cfg.communication_dtype = s.comm;
+    cfg.shard_group_size = s.shard_group_size;
+    cfg.quantized_gradients = s.qgz;
+    cfg.ranks_per_node = s.ranks_per_node;
     zp::Engine<Threads, zp::bf16, Stage, zp::optim::Sgd> e(c, model, cfg,
                                                            zp::optim::Sgd{.lr = 1.0f});
     for (int i = 0; i < gas; ++i) {
-      for (int m = Probe<zp::bf16>::modules - 1; m >= 0; --m) {
+      for (int m = P::modules - 1; m >= 0; --m) {
         auto g = e.backward(m);
         model.backward(m, std::int64_t(i) * ranks + c.rank());
       }
@@ -2305,21 +2357,33 @@ double probe_error(std::optional<zp::DType> accum, std::optional<zp::DType> comm
     auto got = e.gather_master();
     if (c.rank() == 0) master = std::move(got);
   });
-  double worst = 0;
-  for (int m = 0; m < Probe<zp::bf16>::modules; ++m)
-    for (std::size_t i = 0; i < Probe<zp::bf16>::size; ++i) {
-      double ref = 0, scale = 0;  // the mean, and the mean magnitude of its terms
-      for (std::int64_t sample = 0; sample < ranks * gas; ++sample) {
-        const double t = double(float(zp::bf16(Probe<zp::bf16>::x(seed, sample, m, i))));
-        ref += t;
-        scale += std::fabs(t);
+  ProbeRun run;
+  for (int m = 0; m < P::modules; ++m)
+    for (std::size_t i = 0; i < P::size; ++i) {
+      double mean = 0, rank_sums = 0, scale = 0;
+      for (int r = 0; r < ranks; ++r) {
+        float own = 0;  // as P::backward accumulates: in bf16, term by term
+        for (int step = 0; step < gas; ++step) {
+          const float t = float(zp::bf16(P::x(seed, std::int64_t(step) * ranks + r, m, i)));
+          own = float(zp::bf16(own + t));
+          mean += t;
+          scale += std::fabs(t);
+          run.peak = std::max(run.peak, double(std::fabs(t)));
+        }
+        rank_sums += own;
       }
-      ref /= ranks * gas;
-      scale /= ranks * gas;
-      const double got = -double(master[std::size_t(m) * Probe<zp::bf16>::size + i]);
-      worst = std::max(worst, std::fabs(got - ref) / scale);
+      run.got.push_back(-double(master[std::size_t(m) * P::size + i]));
+      run.mean.push_back(mean / (ranks * gas));
+      run.rank_sums.push_back(rank_sums / (ranks * gas));
+      run.scale.push_back(scale / (ranks * gas));
     }
-  return worst;
+  return run;
+}
+
+template <int Stage>
+double probe_error(std::optional<zp::DType> accum, std::optional<zp::DType> comm) {
+  const ProbeRun run = probe_run<Stage>({.accum = accum, .comm = comm});
+  return run.error(run.mean);
 }
 
 template <int Stage>
@@ -2338,6 +2402,22 @@ void check_fp32_accumulation() {
   // Two roundings to bf16 (unit roundoff 2^-8): each rank's fp32 sum before the reduction, the
   // mean after it; each costs at most 2^-8 of the terms' magnitude.
   CHECK(f32_bf16_comm <= 2.0 / 256);
+
+  // bf16 accumulation with an fp32 reduction.
+  const ProbeRun run = probe_run<Stage>({.accum = zp::DType::bf16, .comm = zp::DType::f32});
+  MESSAGE("stage ", Stage, ", bf16 accumulation with fp32 reduction: max error ",
+          run.error(run.mean), " against the mean, ", run.error(run.rank_sums),
+          " against the mean of the ranks' bf16 sums");
+  if (Stage < 2) {
+    // Stages 0 and 1 reduce each rank's bf16 sum once, in fp32, and the optimizer reads that:
+    // the mean of the ranks' own bf16 sums, to fp32 rounding.
+    CHECK(run.error(run.rank_sums) <= 2e-7);
+  } else {
+    // Stages 2 and 3 reduce every micro-step in fp32 and sum the 8 means in bf16: at most 7
+    // roundings of partial sums no larger than the sum of the terms' magnitudes (first-order
+    // bound 7 x 2^-8), and the result's own rounding.
+    CHECK(run.error(run.mean) <= 8.0 / 256);
+  }
 }
 
 }  // namespace
@@ -2349,6 +2429,45 @@ TEST_CASE(
   check_fp32_accumulation<1>();
   check_fp32_accumulation<2>();
   check_fp32_accumulation<3>();
+}
+
+// The gradient paths the case above leaves out: hybrid sharding's average over the replicas
+// with an fp32 reduction (stage 1) and with fp32 accumulation (stages 2 and 3), and qgZ's
+// reduction into fp32.
+TEST_CASE("hybrid sharding and qgZ keep the fp32 gradient precision settings") {
+  using zp::DType;
+  const ProbeSetup hybrid{.ranks = 4, .shard_group_size = 2};
+  auto with = [](ProbeSetup s, std::optional<DType> accum, std::optional<DType> comm) {
+    s.accum = accum, s.comm = comm;
+    return s;
+  };
+  // Stage 1: each rank's bf16 sum, reduced once in fp32 over its group and its replicas.
+  const ProbeRun one = probe_run<1>(with(hybrid, DType::bf16, DType::f32));
+  CHECK(one.error(one.rank_sums) <= 2e-7);
+  const ProbeRun two = probe_run<2>(with(hybrid, DType::f32, DType::f32));
+  const ProbeRun three = probe_run<3>(with(hybrid, DType::f32, DType::f32));
+  MESSAGE("hybrid 2 x 2, fp32 accumulation and reduction: stage 2 ", two.error(two.mean),
+          ", stage 3 ", three.error(three.mean));
+  CHECK(two.error(two.mean) <= 4e-7);  // fp32 roundings of sums of 4 ranks' terms, then 8 steps'
+  CHECK(three.error(three.mean) <= 4e-7);
+
+  // qgZ, reduced in fp32: int8 blocks, each quantization off by at most half a step of its
+  // block's largest value (peak / 254); a rank's codes, then its piece's mean requantized for
+  // the second hop: at most 2 x peak / 254 for every step's mean, so for their mean.
+  for (int ranks_per_node : {0, 1}) {
+    CAPTURE(ranks_per_node);
+    ProbeSetup q = with({}, DType::f32, DType::f32);
+    q.qgz = zp::zero_quantized_gradients;
+    q.ranks_per_node = ranks_per_node;
+    const ProbeRun q2 = probe_run<2>(q);
+    const ProbeRun q3 = probe_run<3>(q);
+    double worst = 0;
+    for (const ProbeRun* r : {&q2, &q3})
+      for (std::size_t k = 0; k < r->got.size(); ++k)
+        worst = std::max(worst, std::fabs(r->got[k] - r->mean[k]) / r->peak);
+    MESSAGE("qgZ reduced in fp32: max error ", worst, " of the largest term");
+    CHECK(worst <= 2.0 / 254);
+  }
 }
 
 TEST_CASE(

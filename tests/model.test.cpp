@@ -2,8 +2,13 @@
 
 #include "zp/dtype.hpp"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <doctest/doctest.h>
 
+#include <csignal>
+#include <string>
 #include <vector>
 
 #include "zero_mlp.hpp"
@@ -50,6 +55,40 @@ TEST_CASE("a view reads and writes wherever it is bound and keeps its size when 
   Param<float> p(6);
   CHECK((p.value.size() == 6 && p.grad.size() == 6 && !p.value.bound()));
 }
+
+#ifndef NDEBUG
+// Debug builds check every element access: the commonest stage 3 mistake (a view read outside
+// its module's guard) ends the process with a message saying so, not with a null dereference.
+TEST_CASE("a view used unbound or out of range ends the process naming the mistake (debug)") {
+  const auto dies_with = [](auto&& use, const std::string& message) {
+    int out[2];
+    REQUIRE(::pipe(out) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::dup2(out[1], 2);
+      use();
+      ::_exit(0);
+    }
+    ::close(out[1]);
+    std::string said;
+    char buf[512];
+    for (ssize_t n; (n = ::read(out[0], buf, sizeof buf)) > 0;) said.append(buf, std::size_t(n));
+    ::close(out[0]);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT));
+    CHECK_MESSAGE(said.find(message) != std::string::npos, said);
+  };
+  View<float> unbound(4);
+  dies_with([&] { (void)unbound[0]; },
+            "zp: a parameter view was used while unbound: with ZeRO stage 3 a module's values "
+            "and gradients are bound only inside engine.forward(m) / engine.backward(m)");
+  std::vector<float> a(3);
+  View<float> v(a.data(), 3);
+  dies_with([&] { (void)v[3]; }, "zp: parameter view index 3 out of range [0, 3)");
+}
+#endif
 
 TEST_CASE("describe_parameters lists parameters in forward order with their modules") {
   Tiny t;
@@ -187,6 +226,12 @@ TEST_CASE("a Placement maps each element of a part to the full tensor, run by ru
   CHECK(zp::Placement{{4, 5}, {0, 0}, {4, 5}}.is_whole());
   CHECK(zp::Placement{}.is_whole());
   CHECK(zp::Placement{}.full_index(9) == 9);
+  std::vector<std::size_t> whole;  // the whole tensor: one run, the indices unchanged
+  zp::Placement{}.for_each_run(3, 4, [&](std::size_t full, std::size_t local, std::size_t n) {
+    whole.insert(whole.end(), {full, local, n});
+  });
+  zp::Placement{}.for_each_run(5, 0, [&](std::size_t, std::size_t, std::size_t) { FAIL("a run"); });
+  CHECK(whole == std::vector<std::size_t>{3, 3, 4});
   CHECK_THROWS_WITH_AS(zp::Placement({{4, 5}, {0, 3}, {4, 3}}).check("t"),
                        doctest::Contains("t: dimension 1 of the Placement is [3, 3)"), zp::Error);
   CHECK_THROWS_WITH_AS(zp::Placement({{4, 5}, {0}, {4, 5}}).check("t"),
@@ -202,6 +247,11 @@ TEST_CASE("a parameter visited with a Placement is split unless the box is the w
   CHECK(ps[0].tp == zp::TensorParallel::split);
   CHECK(ps[0].place.shape == std::vector<std::size_t>{2, 6});
   CHECK(ps[1].tp == zp::TensorParallel::replicated);
+  // visit_parameters hands a callback that takes the kind but no Placement the kind alone.
+  std::vector<zp::TensorParallel> kinds;
+  zp::visit_parameters<float>(m, [&](std::string_view, int, View<float>&, View<float>&,
+                                     zp::TensorParallel tp) { kinds.push_back(tp); });
+  CHECK(kinds == std::vector{zp::TensorParallel::split, zp::TensorParallel::replicated});
   m.pa = {{2, 6}, {0, 0}, {2, 6}};  // 12 elements in the box, 6 in the view
   CHECK_THROWS_WITH_AS(zp::describe_parameters<float>(m),
                        doctest::Contains("'a' has 6 elements but its Placement's box holds 12"),

@@ -2,8 +2,8 @@
 # zp_demo, zp_gpt and the device demo --config (issue #20): a DeepSpeed ds_config.json sets the
 # stage, precision, batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and
 # clipping, on a dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains; a
-# misspelt key is refused naming the key it meant. Then zp_gpt resumes from a checkpoint saved
-# with the config.
+# misspelt key is refused naming the key it meant. zp_gpt trains the same with either pipeline
+# schedule, then resumes from a checkpoint saved with the config.
 #   trainer_config.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
 set -euo pipefail
 demo=$1 gpt=$2 sim=$3 dir=$4/trainer-config
@@ -27,6 +27,12 @@ grep -q "scheduler: WarmupLR(warmup_min_lr=0, warmup_max_lr=0.002, warmup_num_st
 grep -q "grid dp 2 x tp 1 x pp 2 (1f1b, 2 activation sets on stage 0), ZeRO stage 2 over dp, backend threads, bf16" "$dir/gpt.log"
 grep -q "micro-batch 4 x micro-batches 2 x dp 2 = 16 sequences/step" "$dir/gpt.log"
 grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 20 steps" "$dir/gpt.log"
+# The other pipeline schedule (--schedule gpipe: every forward, then every backward) trains the
+# same bits: the micro-batches' gradients add up in the same order.
+"$gpt" "${gpt_args[@]}" --schedule gpipe > "$dir/gpipe.log"
+grep -q "grid dp 2 x tp 1 x pp 2 (gpipe, 2 activation sets on stage 0)" "$dir/gpipe.log"
+cmp <(awk '/^step /{print $2, $4}' "$dir/gpt.log") <(awk '/^step /{print $2, $4}' "$dir/gpipe.log")
+grep -q "^step *20 " "$dir/gpipe.log"
 printf step10 > "$dir/ckpt/latest"
 "$gpt" "${gpt_args[@]}" --checkpoint-dir "$dir/ckpt" --resume > "$dir/gpt-resumed.log"
 grep -q "resumed from $dir/ckpt/step10 at step 10" "$dir/gpt-resumed.log"

@@ -44,6 +44,17 @@ for prog in "$demo" "$gpt" "$sim"; do
     "$prog" --config "$dir/accum.json"
   refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
+  refused 2 "--precision expects fp32, bf16 or fp16, got 'fp8'" "$prog" --precision fp8
+  refused 2 "--lr expects a number in (0, 1], got '2'" "$prog" --lr 2
+  refused 2 "--offload-optimizer expects none, cpu or nvme:DIR (a directory on the drive), got 'nvme:'" \
+    "$prog" --offload-optimizer nvme:
+  refused 2 "--init-seed expects an integer in [0, 2147483647], got '-1'" "$prog" --init-seed -1
+  refused 1 "cannot open --log-json $dir/absent/log.json: No such file or directory" \
+    "$prog" --log-json "$dir/absent/log.json" --steps 1
+  "$prog" --help > "$dir/help.log"  # the usage on stdout, exit status 0, nothing trained
+  grep -q "^usage: $(basename "$prog") \[options\]" "$dir/help.log"
+  "$prog" --steps 5 -h > "$dir/help.log"
+  grep -q "^usage: " "$dir/help.log" && ! grep -q "^step" "$dir/help.log"
 done
 for prog in "$demo" "$gpt"; do
   refused 1 "shard_group_size 3 does not divide the 4 data-parallel ranks" \
@@ -66,6 +77,14 @@ done
 refused 2 "--temperature without --sample N: nothing is sampled" "$gpt" --temperature 0.5
 refused 2 "--eval-every without --eval PATH: nothing to evaluate" "$gpt" --eval-every 10
 refused 2 "--decay expects all or matrices, got 'bias'" "$gpt" --decay bias
+refused 2 "--temperature expects a number >= 0, got '-1'" "$gpt" --sample 5 --temperature -1
+refused 2 "--top-k expects an integer in [0, 1048576], got 'x'" "$gpt" --sample 5 --top-k x
+refused 2 "--seed expects an integer in [0, 2147483647], got '-3'" "$gpt" --sample 5 --seed -3
+refused 2 "--schedule expects 1f1b or gpipe, got 'zb'" "$gpt" --schedule zb
+refused 2 "--heads 3 does not divide --d-model 64" "$gpt" --heads 3
+refused 2 "--tp 3 does not divide --heads 4" "$gpt" --tp 3
+refused 2 "--pp 5 is more than the 4 modules of the model (--layers + 2)" "$gpt" --pp 5
+refused 1 "zp_gpt: 3 ranks do not divide into --tp 2 x --pp 1" "$gpt" --ranks 3 --tp 2
 refused 2 "--eval-every expects an integer in [1, 10000000], got '0'" "$gpt" --eval-every 0
 refused 2 "--text and --tokens: train on a text or on token files, not both" \
   "$gpt" --text "$dir/ds.json" --tokens "$dir/ds.json"

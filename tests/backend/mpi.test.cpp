@@ -79,8 +79,11 @@ TEST_CASE("without the call check every operation is still exact") {
   comm.barrier();
 }
 
-TEST_CASE("async operations overlap the caller and run their post-step on completion") {
-  auto comm = world();
+namespace {
+
+// Six async operations at once (polling one, waiting for the rest), then a barrier and a dropped
+// handle.
+void check_async(Collective<Mpi>& comm) {
   const auto seed = fresh_seed(comm);
   const int N = comm.size(), r = comm.rank();
   const std::size_t n = 3001;
@@ -130,8 +133,44 @@ TEST_CASE("async operations overlap the caller and run their post-step on comple
 
   // A barrier and a dropped handle (its destructor waits) are fine too.
   comm.backend().barrier(Launch::async).wait();
+  const auto before = comm.stats()[zp::CollOp::all_reduce].calls;
   { auto w = comm.all_reduce_async(std::span<float>(f)); }
+  CHECK(comm.stats()[zp::CollOp::all_reduce].calls == before + 1);
+}
+
+}  // namespace
+
+TEST_CASE("async operations overlap the caller and run their post-step on completion") {
+  auto comm = world();
+  check_async(comm);
   CHECK(comm.stats()[zp::CollOp::all_reduce].calls == 4);
+}
+
+// MpiOptions::shared_memory = false (ranks that cannot share a segment: README's containers in
+// PID namespaces of their own) runs all_reduce, reduce_scatter and all_gather as one MPI call
+// each, MPI_Reduce_scatter_block and the 16-bit staging included, blocking and nonblocking.
+TEST_CASE(
+    "without the node segment every operation and element type is exact, blocking and async") {
+  Mpi::Options opt;
+  opt.shared_memory = false;
+  auto comm = world(opt);
+  for (std::size_t n : {0, 1, 7, 1000, 4099}) {
+    const auto seed = fresh_seed(comm);
+    zp::test::check_every_type(comm, seed, n);
+  }
+  check_async(comm);
+}
+
+TEST_CASE("a backend assigned over frees its communicator and runs on the new one") {
+  Mpi::Options opt;
+  opt.timeout = std::chrono::seconds(60);
+  Mpi first(MPI_COMM_WORLD, opt);
+  first = Mpi(MPI_COMM_WORLD, opt);
+  Collective<Mpi> comm{std::move(first)};
+  std::int64_t x = comm.rank() + 1;
+  comm.all_reduce(std::span<std::int64_t>(&x, 1));
+  CHECK(x == std::int64_t(comm.size()) * (comm.size() + 1) / 2);
+  CHECK(comm.stats()[zp::CollOp::all_reduce].calls == 1);
 }
 
 TEST_CASE("split forms sub-groups ordered by key whose collectives stay inside the group") {

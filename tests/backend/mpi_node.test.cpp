@@ -463,6 +463,35 @@ TEST_CASE("node_direct_bytes that differ between ranks are an error on every ran
   CHECK(what.find("from 4096 to 8192") != std::string::npos);
 }
 
+TEST_CASE("a ZP_RANKS_PER_NODE that is not a positive count is an error naming it") {
+  const char* was = std::getenv("ZP_RANKS_PER_NODE");
+  const std::optional<std::string> saved = was ? std::optional<std::string>(was) : std::nullopt;
+  for (const char* bad : {"0", "-2", "two", "2x", "99999999999"}) {
+    CAPTURE(bad);
+    ::setenv("ZP_RANKS_PER_NODE", bad, 1);
+    std::string what;
+    try {
+      Mpi m(MPI_COMM_WORLD, options());
+    } catch (const zp::Error& e) {
+      what = e.what();
+    }
+    CAPTURE(what);
+    CHECK(what.find(std::string("ZP_RANKS_PER_NODE=\"") + bad +
+                    "\" is not a positive number of ranks per node") != std::string::npos);
+  }
+  // MpiOptions::ranks_per_node takes precedence over the variable.
+  Mpi::Options opt = options();
+  opt.ranks_per_node = 1;
+  {
+    Mpi m(MPI_COMM_WORLD, opt);
+    CHECK(m.node_layout().per_node == 1);
+  }
+  if (saved)
+    ::setenv("ZP_RANKS_PER_NODE", saved->c_str(), 1);
+  else
+    ::unsetenv("ZP_RANKS_PER_NODE");
+}
+
 TEST_CASE("sub-groups from split run the node path over their own layout") {
   Collective<Mpi> comm(Mpi(MPI_COMM_WORLD, options()));
   const int n = comm.size(), r = comm.rank();

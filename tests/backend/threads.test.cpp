@@ -306,6 +306,23 @@ TEST_CASE("a rank that leaves early fails the others, and a silent one times out
     CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(a)),
                          doctest::Contains("rank 1 left the communicator"), zp::Error);
   }
+  SUBCASE("assigned over") {  // leaves as its destruction would, and runs on its new world
+    auto world = World::create(2), other = World::create(1);
+    std::thread gone([&] {
+      Threads t(world, 1);
+      t = Threads(other, 0);
+      Collective<Threads> alone{std::move(t)};
+      std::vector<float> x(3, 2.5f);
+      alone.all_reduce(std::span<float>(x));
+      CHECK(x == std::vector<float>(3, 2.5f));
+      CHECK(alone.size() == 1);
+    });
+    gone.join();
+    Collective<Threads> comm{Threads(world, 0)};
+    std::vector<float> a(3);
+    CHECK_THROWS_WITH_AS(comm.all_reduce(std::span<float>(a)),
+                         doctest::Contains("rank 1 left the communicator"), zp::Error);
+  }
   SUBCASE("silent") {
     auto world = World::create(2, {.timeout = std::chrono::milliseconds(200)});
     Threads idle(world, 1);  // a member that never calls
