@@ -1716,47 +1716,36 @@ TEST_CASE("the batch triad follows DeepSpeed's rules with clear errors") {
 
 TEST_CASE(
     "a layout that differs between ranks is a clear error on every rank naming the parameter") {
-  std::mutex m;
-  std::vector<std::string> errors;
-  run_threads(3, [&](Collective<Threads>& comm) {
-    Mlp<float> model(comm.rank() == 1 ? std::vector<int>{13, 61, 68, 53, 7}
-                                      : std::vector<int>{13, 61, 67, 53, 7});
-    try {
-      zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
-    } catch (const zp::Error& e) {
-      std::lock_guard lk(m);
-      errors.push_back(e.what());
-    }
-  });
-  REQUIRE(errors.size() == 3);
-  // layer1.weight is the first parameter that differs (61 x 67 against 61 x 68).
-  for (const auto& e : errors) {
-    CHECK(e.find("models differ between ranks") != std::string::npos);
-    CHECK(e.find("the first parameter that differs is #2") != std::string::npos);
-  }
-  const auto named = std::count_if(errors.begin(), errors.end(), [](const std::string& e) {
-    return e.find("'layer1.weight' (module 1, 4148 elements)") != std::string::npos;
-  });
-  CHECK(named == 1);  // rank 1 has 61 x 68
-
-  // A rank with two layers fewer: its first four parameters agree with the others', the fifth
-  // (layer2.weight) it does not have.
-  errors.clear();
-  run_threads(3, [&](Collective<Threads>& comm) {
-    Mlp<float> model(comm.rank() == 2 ? std::vector<int>{13, 61, 67}
-                                      : std::vector<int>{13, 61, 67, 53, 7});
-    try {
-      zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
-    } catch (const zp::Error& e) {
-      std::lock_guard lk(m);
-      errors.push_back(e.what());
-    }
-  });
-  REQUIRE(errors.size() == 3);
+  // Every rank's error when rank `odd` builds its Mlp with `widths`, the others the default.
+  const auto errors_when = [](int odd, std::vector<int> widths) {
+    std::mutex m;
+    std::vector<std::string> errors;
+    run_threads(3, [&](Collective<Threads>& comm) {
+      Mlp<float> model(comm.rank() == odd ? widths : std::vector<int>{13, 61, 67, 53, 7});
+      try {
+        zp::Engine<Threads, float, 2> engine(comm, model, test_config(2, 1));
+      } catch (const zp::Error& e) {
+        std::lock_guard lk(m);
+        errors.push_back(e.what());
+      }
+    });
+    return errors;
+  };
+  auto errors = errors_when(1, {13, 61, 68, 53, 7});
   const auto has = [&](const std::string& part) {
     return std::count_if(errors.begin(), errors.end(),
                          [&](const std::string& e) { return e.find(part) != std::string::npos; });
   };
+  REQUIRE(errors.size() == 3);
+  // layer1.weight is the first parameter that differs (61 x 67 against 61 x 68).
+  CHECK(has("models differ between ranks") == 3);
+  CHECK(has("the first parameter that differs is #2") == 3);
+  CHECK(has("'layer1.weight' (module 1, 4148 elements)") == 1);  // rank 1 has 61 x 68
+
+  // A rank with two layers fewer: its first four parameters agree with the others', the fifth
+  // (layer2.weight) it does not have.
+  errors = errors_when(2, {13, 61, 67});
+  REQUIRE(errors.size() == 3);
   CHECK(has("rank 2 has 4 parameters") == 1);
   CHECK(has("the first difference is parameter #4, which this rank does not have") == 1);
   CHECK(has("the first parameter that differs is #4, on this rank 'layer2.weight'") == 2);
