@@ -28,7 +28,8 @@ grep -q "grid dp 2 x tp 1 x pp 2 (1f1b, 2 activation sets on stage 0), ZeRO stag
 grep -q "micro-batch 4 x micro-batches 2 x dp 2 = 16 sequences/step" "$dir/gpt.log"
 grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 20 steps" "$dir/gpt.log"
 # The other pipeline schedule (--schedule gpipe: every forward, then every backward) trains the
-# same bits: the micro-batches' gradients add up in the same order.
+# same: the same loss at every logged step (the micro-batches' gradients add up in the same
+# order).
 "$gpt" "${gpt_args[@]}" --schedule gpipe > "$dir/gpipe.log"
 grep -q "grid dp 2 x tp 1 x pp 2 (gpipe, 2 activation sets on stage 0)" "$dir/gpipe.log"
 cmp <(awk '/^step /{print $2, $4}' "$dir/gpt.log") <(awk '/^step /{print $2, $4}' "$dir/gpipe.log")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # zp_demo's, zp_gpt's and the device demo's command lines: each mistake is refused before any
-# training, with exit status 2 (a file that cannot be read: 1) and a message naming the flag and
-# what was wrong.
+# training, with exit status 2 (1 for a file that cannot be read or a setting the engine
+# refuses) and a message naming the flag and what was wrong; --help (-h) prints the usage and
+# exits 0.
 #   trainer_flags.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
 set -euo pipefail
 demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags

@@ -13,6 +13,11 @@
 # About 10 minutes to build and 8 to test on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash cmake/install-deps.sh tests  # Clang 16, and the Python the suite's cross-checks run
+for t in llvm-profdata-16 llvm-cov-16 readelf; do
+  command -v "$t" > /dev/null ||
+    { echo "coverage: $t is missing (Debian's llvm-16 and binutils have them)" >&2; exit 2; }
+done
 root=$PWD
 dir=${1:-build/coverage}
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
