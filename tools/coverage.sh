@@ -59,8 +59,8 @@ for info in glob.glob(os.path.join(out, 'lcov', '*.info')):
         elif line.startswith('DA:') and src:
             no, count = map(int, line[3:].split(',')[:2])
             ran[src][no] = max(ran[src].get(no, 0), count)
-mine = {f: d for f, d in ran.items()
-        if f.startswith(root + '/') and f.split('/')[len(root.split('/'))] in ('include', 'examples', 'tools')}
+mine = {f: d for f, d in ran.items() if f.startswith(root + '/') and
+        os.path.relpath(f, root).split('/')[0] in ('include', 'examples', 'tools')}
 rows = sorted(((sum(c == 0 for c in d.values()), len(d), f) for f, d in mine.items()), reverse=True)
 lines = sum(r[1] for r in rows); missed = sum(r[0] for r in rows)
 with open(os.path.join(out, 'summary.txt'), 'w') as s:
