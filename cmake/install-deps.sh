@@ -6,8 +6,8 @@ set -euo pipefail
 pkgs=(cmake ninja-build g++ make clang-format doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin
       nlohmann-json3-dev liburing-dev python3-numpy python3-venv)
 # The sanitizer builds of the tests (tests/run.sh): Clang 16's, faster than GCC's to build (ASan)
-# and to run (TSan).
-[ "${1:-}" = tests ] && pkgs+=(clang-16 libclang-rt-16-dev)
+# and to run (TSan); SIMDe, whose AVX-512 emulation runs the AVX-512 loops' tests on any CPU.
+[ "${1:-}" = tests ] && pkgs+=(clang-16 libclang-rt-16-dev libsimde-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

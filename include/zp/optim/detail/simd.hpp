@@ -100,9 +100,14 @@ inline std::vector<Isa> supported_isas() {
 #if ZP_OPTIM_X86
 namespace zp::optim::detail::simd {
 
+// Defined already by tests/avx512_emulated/immintrin.h, which runs the AVX-512 loops on AVX2
+// (ZP_V16_OPERAND: rounded()'s asm operand for a V16, a zmm register here, memory there).
+#ifndef ZP_TARGET_AVX2
 #define ZP_TARGET_AVX2 gnu::target("avx2,fma,f16c")
 #define ZP_TARGET_AVX512 gnu::target("avx512f,avx512bw,avx2,fma,f16c")
 #define ZP_TARGET_AVX512_BF16 gnu::target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
+#define ZP_V16_OPERAND "+v"
+#endif
 
 // ---- AVX2 + FMA + F16C: 8 floats ----
 struct V8 {
@@ -264,7 +269,7 @@ struct V16 {
   return V16(_mm512_fmadd_ps(a.v, b.v, c.v));
 }
 [[ZP_TARGET_AVX512]] inline V16 rounded(V16 a) {  // as V8's
-  asm("" : "+v"(a.v));
+  asm("" : ZP_V16_OPERAND(a.v));
   return a;
 }
 [[ZP_TARGET_AVX512]] inline V16 sqrt(const V16& a) { return V16(_mm512_sqrt_ps(a.v)); }
