@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
@@ -250,8 +251,68 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
                                       .warmup_type = zp::schedule::Warmup::linear};
 }
 
+#if ZP_DEMO_IO
+// A config's "auto" keys, filled from the flags as Hugging Face's Trainer fills them from its
+// arguments: train_micro_batch_size_per_gpu (--micro-batch), gradient_accumulation_steps
+// (--accum), the optimizer's lr (--lr; "auto" betas, eps and weight_decay keep their defaults,
+// which are the Trainer's too) and the schedule's warmup_min_lr (0), warmup_max_lr (--lr),
+// warmup_num_steps (flag_schedule's: 5% of --steps) and total_num_steps (--steps); a
+// WarmupCosineLR's base_lr is the optimizer's lr. Any other "auto" is an error naming it.
+inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* program) {
+  // A float lr as the decimal it was written as (0.004, not 0.004000000189989805).
+  const auto decimal = [](float x) {
+    char buf[32];
+    double d = x;
+    std::from_chars(buf, std::to_chars(buf, buf + sizeof buf, x).ptr, d);
+    return d;
+  };
+  const zp::schedule::WarmupCosineLR flags =
+      std::get<zp::schedule::WarmupCosineLR>(flag_schedule(t));
+  for (const std::string& key : dc.auto_keys) {
+    const std::string_view param =
+        key.starts_with("scheduler.params.") ? std::string_view(key).substr(17) : "";
+    bool filled = key == "train_batch_size" || key == "optimizer.params.betas" ||
+                  key == "optimizer.params.eps" || key == "optimizer.params.weight_decay";
+    if (key == "train_micro_batch_size_per_gpu") {
+      dc.batch.micro_batch_per_rank = t.micro_batch;
+      filled = true;
+    } else if (key == "gradient_accumulation_steps") {
+      dc.batch.gradient_accumulation_steps = t.accum;
+      filled = true;
+    } else if (key == "optimizer.params.lr") {
+      std::visit([&](auto& opt) { opt.lr = t.lr; }, dc.optimizer);
+      filled = true;
+    } else if (!param.empty() && dc.scheduler) {
+      std::visit(
+          [&](auto& x) {
+            if constexpr (requires { x.warmup_max_lr; }) {
+              if (param == "warmup_min_lr") x.warmup_min_lr = 0.0, filled = true;
+              if (param == "warmup_max_lr") x.warmup_max_lr = decimal(t.lr), filled = true;
+            }
+            if constexpr (requires { x.warmup_num_steps; })
+              if (param == "warmup_num_steps")
+                x.warmup_num_steps = flags.warmup_num_steps, filled = true;
+            if constexpr (requires { x.total_num_steps; })
+              if (param == "total_num_steps") x.total_num_steps = t.steps, filled = true;
+          },
+          *dc.scheduler);
+    }
+    if (!filled)
+      throw zp::Error(zp::Errc::invalid_argument,
+                      zp::detail::cat(dc.source, ": ", key, " is \"auto\", which ", program,
+                                      " does not fill (it fills the micro-batch, accumulation, "
+                                      "learning rate and warmup/total steps from its flags)"));
+  }
+  if (dc.scheduler) {
+    if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
+      std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
+    std::visit([](const auto& x) { x.check(); }, *dc.scheduler);
+  }
+}
+#endif
+
 // Calls f(std::type_identity<E>, EngineConfig, AdamW, schedule) for the engine --config describes
-// (its "auto" batch keys and learning rate filled from the flags; described on the lead rank),
+// (its "auto" keys filled from the flags, fill_auto; described on the lead rank),
 // or else the one the flags do (flag_config on top of `buckets`), of the element types TypeList
 // (a config asking for another is an error naming them). `dp`: the data-parallel ranks the
 // config's batch triad spans.
@@ -261,11 +322,7 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
 #if ZP_DEMO_IO
   if (!r.config.empty()) {
     zp::ds::Config dc = zp::ds::load(r.config);
-    // "auto" batch keys come from the flags (as Hugging Face's Trainer fills them).
-    if (dc.is_auto("train_micro_batch_size_per_gpu")) dc.batch.micro_batch_per_rank = t.micro_batch;
-    if (dc.is_auto("gradient_accumulation_steps")) dc.batch.gradient_accumulation_steps = t.accum;
-    if (dc.is_auto("optimizer.params.lr"))
-      std::visit([&](auto& opt) { opt.lr = t.lr; }, dc.optimizer);
+    fill_auto(dc, t, p.name);
     if (lead) std::printf("%s: %s\n%s", p.name, r.config.c_str(), zp::ds::describe(dc).c_str());
     const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(t);
     using Stages = zp::ds::Stages<0, 1, 2, 3>;
@@ -392,11 +449,24 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
     return 0;
   }
   const std::string text_vocab(corpus.chars.begin(), corpus.chars.end());
+  // Names the first token id whose character differs (the sizes may be equal).
   const auto vocab_error = [&](const std::string& saved_vocab) {
+    const auto [a, b] =
+        std::mismatch(saved_vocab.begin(), saved_vocab.end(), text_vocab.begin(), text_vocab.end());
+    const auto shown = [](auto it, auto end) {
+      if (it == end) return std::string("none");
+      const auto c = static_cast<unsigned char>(*it);
+      char buf[16];
+      std::snprintf(buf, sizeof buf, c >= 0x20 && c < 0x7f ? "'%c'" : "byte 0x%02x", c);
+      return std::string(buf);
+    };
     return zp::Error(zp::Errc::invalid_argument,
                      zp::detail::cat("the checkpoint's vocabulary (", saved_vocab.size(),
                                      " characters) is not the training text's (", text_vocab.size(),
-                                     " characters): resume with the --text files it was "
+                                     " characters): token id ", a - saved_vocab.begin(), " is ",
+                                     shown(a, saved_vocab.end()), " in the checkpoint and ",
+                                     shown(b, text_vocab.end()),
+                                     " in the text; resume with the --text files it was "
                                      "trained on"));
   };
   std::vector<std::byte> blob;

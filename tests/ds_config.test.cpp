@@ -513,11 +513,18 @@ TEST_CASE("without a section, DeepSpeed's defaults apply (not zp's struct defaul
   CHECK(oc.cycle_max_mom == 0.9);
   // describe() names every setting on its own line.
   const std::string d = zp::ds::describe(c);
-  for (const char* line :
+  for (std::string line :
        {"batch: train_batch_size 8", "precision: fp32", "zero: stage 0", "optimizer: AdamW(",
         "DeepSpeed's Adam defaults", "scheduler: none", "gradient_clipping: 0 (off)",
         "checkpoint: tag_validation Warn", "steps_per_print: 10"})
     CHECK_MESSAGE(d.find(line) != std::string::npos, "missing \"", line, "\" in\n", d);
+  // A Constant schedule is a program's (no ds_config names it), and is described as set.
+  Config constant = c;
+  constant.scheduler = zp::schedule::Constant{.value = 0.0123};
+  const std::string dc = zp::ds::describe(constant);
+  for (std::string line : {"scheduler: Constant(value=0.0123)", "scheduler.type: \"Constant\"",
+                           "scheduler.params.value: 0.0123"})
+    CHECK_MESSAGE(dc.find(line) != std::string::npos, "missing \"", line, "\" in\n", dc);
 }
 
 TEST_CASE("each supported key changes exactly the field it maps to") {

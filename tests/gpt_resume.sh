@@ -107,7 +107,18 @@ if "$gpt" "${args20[@]}" --ranks 2 --checkpoint-dir "$dir/ckpt10" --resume --tex
   echo "a checkpoint of another vocabulary was loaded"
   exit 1
 fi
-grep -q "the checkpoint's vocabulary ($n characters) is not the training text's (4 characters)" \
+grep -Eq "the checkpoint's vocabulary \($n characters\) is not the training text's \(4 characters\): token id [0-9]+ is ('.'|byte 0x[0-9a-f]{2}) in the checkpoint and ('.'|byte 0x[0-9a-f]{2}) in the text" \
   "$dir/vocab.log"
+# As many characters (a newline and n - 1 from '!' on), other ones: the first token id whose
+# character differs is named.
+awk -v n="$n" 'BEGIN { for (k = 0; k < 40; ++k) { for (i = 1; i < n; ++i) printf "%c", 32 + i; print "" } }' \
+  > "$dir/same_size.txt"
+if "$gpt" "${args20[@]}" --ranks 2 --checkpoint-dir "$dir/ckpt10" --resume \
+  --text "$dir/same_size.txt" > "$dir/same_size.log" 2>&1; then
+  echo "a checkpoint of another vocabulary of the same size was loaded"
+  exit 1
+fi
+grep -Eq "the checkpoint's vocabulary \($n characters\) is not the training text's \($n characters\): token id [0-9]+ is ('.'|byte 0x[0-9a-f]{2}) in the checkpoint and '.' in the text" \
+  "$dir/same_size.log"
 rm -rf "$dir"
 echo "zp_gpt checkpoints: ok"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # zp_demo, zp_gpt and the device demo --config (issue #20): a DeepSpeed ds_config.json sets the
 # stage, precision, batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and
-# clipping, on a dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains; a
-# misspelt key is refused naming the key it meant. zp_gpt trains the same with either pipeline
+# clipping, on a dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains;
+# Hugging Face's "auto" keys come from the flags; a misspelt key is refused naming the key it
+# meant. zp_gpt trains the same with either pipeline
 # schedule, then resumes from a checkpoint saved with the config.
 #   trainer_config.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
 set -euo pipefail
@@ -58,6 +59,39 @@ sed -E 's/^\{"step":([0-9]+),"loss":([0-9.]+),"grad_norm":[0-9.e+-]+,"total_ms".
 test "$(wc -l < "$dir/sim.lines")" = 10
 cmp "$dir/sim.lines" "$dir/sim.json.lines"
 echo "the device demo --config: the same, with its per-step JSON log"
+
+# Hugging Face's "auto" keys, filled from the flags as its Trainer fills them: the batch, the
+# optimizer's lr and the schedule's warmup and total steps (5% of --steps, --steps); a
+# WarmupCosineLR starts from the optimizer's lr. An "auto" the trainers do not fill is refused.
+cat > "$dir/auto.json" <<'JSON'
+{
+  "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": "auto",
+  "zero_optimization": {"stage": 1},
+  "optimizer": {"type": "AdamW",
+                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+  "scheduler": {"type": "WarmupDecayLR",
+                "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                           "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+}
+JSON
+auto_args=(--ranks 2 --log-every 20 --micro-batch 4 --accum 2 --lr 0.004)
+"$demo" --config "$dir/auto.json" "${auto_args[@]}" --steps 40 > "$dir/auto.log"
+grep -q "optimizer: AdamW(lr=0.004, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0)" "$dir/auto.log"
+grep -q "scheduler: WarmupDecayLR(warmup_min_lr=0, warmup_max_lr=0.004, warmup_num_steps=2, total_num_steps=40," "$dir/auto.log"
+grep -q "micro-batch 4 x accumulation 2 x ranks 2 = 16 sequences/step" "$dir/auto.log"
+sed -e 's/"WarmupDecayLR"/"WarmupCosineLR"/' -e 's/"warmup_min_lr": "auto", "warmup_max_lr": "auto",//' \
+  "$dir/auto.json" > "$dir/cosine.json"
+"$demo" --config "$dir/cosine.json" "${auto_args[@]}" --steps 4 > "$dir/cosine.log"
+grep -q "scheduler: WarmupCosineLR(base_lr=0.004, total_num_steps=4," "$dir/cosine.log"
+sed 's/"total_num_steps": "auto"/"total_num_steps": 40, "cos_min_ratio": "auto"/' "$dir/cosine.json" \
+  > "$dir/unfilled.json"
+if "$demo" --config "$dir/unfilled.json" "${auto_args[@]}" --steps 4 > "$dir/unfilled.log" 2>&1; then
+  echo "zp_demo accepted an \"auto\" it does not fill"
+  exit 1
+fi
+grep -q "unfilled.json: scheduler.params.cos_min_ratio is \"auto\", which zp_demo does not fill" "$dir/unfilled.log"
+echo "zp_demo --config: \"auto\" keys filled from the flags, others refused"
 
 sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"
 for prog in "$demo" "$gpt" "$sim"; do
