@@ -235,32 +235,54 @@ TEST_CASE("all_to_all_v against all_to_all, or writing into another rank's input
 // The simulated link (ThreadsOptions::link): 4 ranks as 2 nodes of 2 at 20 kB/s. An all_gather of
 // 2500 floats per rank reads 2 blocks (20 kB) from the other node: at least 1 s. The same inside
 // one node (a split by node) crosses nothing and is not held back (a memcpy of 20 kB, well
-// under the 0.5 s bound however loaded the machine).
+// under the 0.5 s bound however loaded the machine). The other collectives, each 5 kB across
+// (at least 0.25 s): an all_reduce of 1250 floats reads and writes its 1/4 slice on the 2 ranks
+// of the other node, an all_to_all of 625 floats a peer reads a block from each of them, a
+// broadcast of 1250 floats reads the root's buffer on the other node only.
 TEST_CASE("the simulated link holds cross-node collectives for their bytes, and only those") {
   zp::backend::ThreadsOptions opt;
   opt.link = {2, 2e4};
-  std::vector<double> cross(4), inside(4);
+  std::vector<double> cross(4), inside(4), reduce(4), exchange(4), broadcast(4);
   run_threads(
       4,
       [&](Collective<Threads>& comm) {
         const std::vector<float> in(2500, float(comm.rank()));
         std::vector<float> out(4 * in.size());
-        auto timed = [&](auto& c, std::span<float> o) {
+        auto timed = [&](auto&& op) {
           const auto t = std::chrono::steady_clock::now();
-          c.all_gather(std::span<const float>(in), o);
+          op();
           return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         };
-        cross[std::size_t(comm.rank())] = timed(comm, std::span<float>(out));
+        auto gather = [&](auto& c, std::span<float> o) {
+          return timed([&] { c.all_gather(std::span<const float>(in), o); });
+        };
+        const auto r = std::size_t(comm.rank());
+        cross[r] = gather(comm, std::span<float>(out));
         CHECK(out[3 * in.size()] == 3.0f);
         auto node = comm.split(comm.rank() / 2, comm.rank());
-        inside[std::size_t(comm.rank())] = timed(node, std::span<float>(out).first(2 * in.size()));
+        inside[r] = gather(node, std::span<float>(out).first(2 * in.size()));
         CHECK(out[in.size()] == float(comm.rank() / 2 * 2 + 1));
+        std::span<float> part = std::span<float>(out).first(1250);
+        std::fill(part.begin(), part.end(), 1.0f);
+        reduce[r] = timed([&] { comm.all_reduce(part); });
+        CHECK(part[1249] == 4.0f);
+        exchange[r] = timed([&] {
+          comm.all_to_all(std::span<const float>(in).first(4 * 625),
+                          std::span<float>(out).first(4 * 625));
+        });
+        CHECK(out[3 * 625] == 3.0f);
+        std::fill(part.begin(), part.end(), float(comm.rank()));
+        broadcast[r] = timed([&] { comm.broadcast(part, 0); });
+        CHECK(part[0] == 0.0f);
       },
       opt);
   for (int r = 0; r < 4; ++r) {
     CAPTURE(r);
     CHECK(cross[std::size_t(r)] >= 1.0);
     CHECK(inside[std::size_t(r)] < 0.5);
+    CHECK(reduce[std::size_t(r)] >= 0.25);
+    CHECK(exchange[std::size_t(r)] >= 0.25);
+    if (r >= 2) CHECK(broadcast[std::size_t(r)] >= 0.25);
   }
   opt.link.bytes_per_second = -1;
   CHECK_THROWS_WITH_AS(run_threads(
