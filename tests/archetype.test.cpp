@@ -246,3 +246,23 @@ TEST_CASE("a process grid and an engine over it build on the archetype backend")
   CHECK(res.boundary);
   CHECK(engine.steps() == 1);
 }
+
+// This program links no optional component, zp::aio included: an engine asked to offload to NVMe
+// is refused when it is built, saying what to link.
+TEST_CASE("without zp::aio, an engine offloading to NVMe is refused naming the component") {
+#ifdef ZP_WITH_AIO
+  FAIL("built with zp::aio");
+#endif
+  Comm world(archetype_world());
+  zp::test::Mlp<float> model;
+  zp::EngineConfig optimizer = small_buckets(1), params = small_buckets(1);
+  optimizer.offload_optimizer = true;
+  optimizer.optimizer_nvme = zp::NvmeOptions{.path = "/nonexistent/zp-swap"};
+  params.offload_optimizer = params.offload_param = true;
+  params.optimizer_nvme = params.param_nvme = optimizer.optimizer_nvme;
+  for (const zp::EngineConfig& c : {optimizer, params})
+    CHECK_THROWS_WITH_AS((zp::Engine<Archetype, float, 3>(world, model, c)),
+                         doctest::Contains("this program was built without zp::aio (io_uring); "
+                                           "link the zp::aio component"),
+                         zp::Error);
+}
