@@ -1486,6 +1486,31 @@ TEST_CASE_TEMPLATE(
       });
     };
   };
+  // With the smallest module persistent (gathered for good), the others keep secondary shards:
+  // the plan the memory check reads counts those, as the engine holds them.
+  run_threads(4, [&](Collective<Threads>& comm) {
+    Mlp<T> model;
+    auto cfg = test_config(2, 2);
+    cfg.hpz_partition_size = 2;
+    cfg.persist_threshold = std::size_t(-1);
+    {
+      Mlp<T> probe_model;
+      const zp::Engine<Threads, T, 3> probe(comm, probe_model, cfg);  // every module persists
+      const zp::Layout& L = probe.layout();
+      for (int m = 0; m < L.module_count(); ++m)
+        cfg.persist_threshold = std::min(cfg.persist_threshold, L.module(m).used);
+    }
+    zp::Engine<Threads, T, 3> engine(comm, model, cfg);
+    for (int t = 0; t < 2; ++t) zp::test::micro_step(engine, model, (t * 4 + comm.rank()) * 2, 2);
+    const zp::Layout& L = engine.layout();
+    std::size_t kept = 0, persistent = 0;
+    for (int m = 0; m < L.module_count(); ++m)
+      (L.module(m).used <= cfg.persist_threshold ? persistent : kept) += L.module(m).size / 2;
+    REQUIRE(persistent > 0);
+    REQUIRE(kept > 0);
+    CHECK(engine.memory().secondary == kept * sizeof(T));
+    CHECK(engine.memory_plan().host.secondary == kept * sizeof(T));
+  });
   zp::test::expect_invalid(hpz2(std::integral_constant<int, 3>{}, 3),
                            {"hpz_partition_size 2 does not divide the 3 data-parallel ranks"});
   zp::test::expect_invalid(
@@ -2207,6 +2232,25 @@ TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at constr
                                           zp::optim::AdamW{.lr = -1});
         },
         {"lr"});
+    c = test_config(2, 1);
+    c.optimizer_options.threads = 0;
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
+                             {"engine: optimizer_options.threads must be >= 1, got 0"});
+  });
+}
+
+// Scratch slots past one a segment would hold nothing: a huge bucket_slots keeps the layout's
+// segments + 1 (its bytes, counted as they are allocated, never wrap).
+TEST_CASE("bucket_slots past the segments keeps one slot a segment, plus one") {
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto c = test_config(2, 1);
+    c.bucket_slots = std::size_t(1) << 61;
+    zp::Engine<Threads, float, 2> engine(comm, model, c);
+    zp::test::micro_step(engine, model, 2 * comm.rank(), 2);
+    const zp::Layout& L = engine.layout();
+    const std::size_t slots = std::size_t(L.segment_count()) + 1;
+    CHECK(engine.memory().buckets == slots * L.largest_segment() * sizeof(float));
   });
 }
 

@@ -204,12 +204,14 @@ TEST_CASE("invalid scaler settings are errors that name the value") {
 }
 
 TEST_CASE("every non-finite or out-of-range scaler setting is an error naming it and its value") {
+  zp::test::expect_invalid([] { zp::LossScaler::fixed(3.2e38f); },
+                           {"a fixed scale must be positive and below 3e38, got 3.2e+38"});
   for (const Bad& b : not_positive_or_finite) {
     const float bad = b.value;
     const std::string got = b.text;
     CAPTURE(bad);
     zp::test::expect_invalid([&] { zp::LossScaler::fixed(bad); },
-                             {"loss scaler: a fixed scale", got});
+                             {"loss scaler: a fixed scale must be positive and below 3e38", got});
     zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.initial_scale = bad}); },
                              {"loss scaler: initial_scale", got});
     zp::test::expect_invalid([&] { zp::LossScaler::dynamic({.min_scale = bad}); },

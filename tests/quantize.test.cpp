@@ -144,7 +144,20 @@ TEST_CASE("bad formats and sizes are errors naming them") {
       [&] {
         zp::quant::quantize(std::span<const float>(x), {.block = 0}, std::span(q), std::span(s));
       },
-      {"block size 0"});
+      {"block size 0 must be in [1, 2^31]"});
+  // A block past 2^31 would wrap the count of blocks (to 0 here, for 10 values and no scales).
+  zp::test::expect_invalid(
+      [&] {
+        zp::quant::quantize(std::span<const float>(x), {.block = std::size_t(-1)}, std::span(q),
+                            std::span<float>());
+      },
+      {"block size 18446744073709551615 must be in [1, 2^31]"});
+  zp::test::expect_invalid(
+      [&] {
+        zp::quant::quantize(std::span<const float>(x), {.bits = Bits(3)}, std::span(q),
+                            std::span(s));
+      },
+      {"bits must be int8 or int4, got 3"});
   zp::test::expect_invalid(
       [&] {
         zp::quant::quantize(std::span<const float>(x), {.block = 4}, std::span(q), std::span(s));

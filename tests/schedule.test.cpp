@@ -99,6 +99,16 @@ TEST_CASE("OneCycle goes up, comes down, then decays, with momentum moving the o
   CHECK(s.momentum(4) == Approx(0.85));
   CHECK(s.lr(24) == Approx(1e-4 / (1 + 0.5 * 1.0)));  // 5 steps past the cycle: one decay interval
   CHECK(s.lr(29) == Approx(1e-4 / (1 + 0.5 * 2.0)));
+  // Past the cycle the momentum grows by decay_mom_rate (DeepSpeed's rule) until it would leave
+  // Adam's beta1 range, which is an error naming the step and the settings.
+  OneCycle grow = s;
+  grow.decay_mom_rate = 0.05;
+  CHECK(grow.momentum(24) == Approx(0.9 * 1.05));
+  CHECK(grow.momentum(29) == Approx(0.9 * 1.1));
+  zp::test::expect_invalid(
+      [&] { (void)grow.momentum(34); },
+      {"schedule: OneCycle: the momentum at step 34 is 1.035",
+       "cycle_max_mom 0.9 x (1 + decay_mom_rate 0.05 x 3)", "outside Adam's beta1 range [0, 1)"});
 }
 
 TEST_CASE("a schedule chosen at run time gives the same values") {
@@ -179,9 +189,14 @@ TEST_CASE("every inconsistent step count or ratio of a schedule is an error nami
   expect_bad(OneCycle{.cycle_min_mom = 0.95, .cycle_max_mom = 0.9},
              {"schedule: OneCycle: cycle_min_mom (0.95) must be <= cycle_max_mom (0.9)"});
   expect_bad(OneCycle{.cycle_min_mom = qnan},
-             {"schedule: OneCycle: cycle_min_mom must be finite and >= 0, got nan"});
+             {"schedule: OneCycle: cycle_min_mom must be in [0, 1), got nan"});
   expect_bad(OneCycle{.cycle_max_mom = inf},
-             {"schedule: OneCycle: cycle_max_mom must be finite and >= 0, got inf"});
+             {"schedule: OneCycle: cycle_max_mom must be in [0, 1), got inf"});
+  // The momentum is Adam's beta1.
+  expect_bad(OneCycle{.cycle_max_mom = 1.0},
+             {"schedule: OneCycle: cycle_max_mom must be in [0, 1), got 1"});
+  expect_bad(OneCycle{.cycle_min_mom = -0.1},
+             {"schedule: OneCycle: cycle_min_mom must be in [0, 1), got -0.1"});
   expect_bad(OneCycle{.decay_mom_rate = -inf},
              {"schedule: OneCycle: decay_mom_rate must be finite, got -inf"});
   const std::int64_t most = std::numeric_limits<std::int64_t>::max();

@@ -393,7 +393,9 @@ class GradBuckets {
   static std::size_t kept_slots(const Layout& layout, std::size_t slots) {
     int most = 1;
     for (const auto& m : layout.modules()) most = std::max(most, m.end_segment - m.first_segment);
-    return std::max<std::size_t>(slots, std::size_t(most) + 1);
+    // No more than one a segment (each holds one bucket's): a larger `slots` would only waste.
+    return std::min(std::max<std::size_t>(slots, std::size_t(most) + 1),
+                    std::size_t(layout.segment_count()) + 1);
   }
   void add_slot() {
     free_.push_back(int(slots_.size()));

@@ -183,8 +183,8 @@ struct EngineConfig {
   // type the gradients accumulate in at stages 2 and 3 (grad_accum_dtype) and the reduction's at
   // stage 1. 0: the whole data-parallel group (plain ZeRO). Must divide the data-parallel size.
   int shard_group_size = 0;
-  // Stage 2/3 scratch buckets kept (at least a module's segments + 1); more while buckets wait
-  // for ones before them in the launch order (bucket.hpp).
+  // Stage 2/3 scratch buckets kept (at least a module's segments + 1, at most the layout's
+  // segments + 1); more while buckets wait for ones before them in the launch order (bucket.hpp).
   std::size_t bucket_slots = 2;
   optim::cpu::Options optimizer_options{};
   // Rank 0's initial values win; else each rank's own (under hybrid sharding each shard rank's
@@ -257,6 +257,8 @@ struct EngineConfig {
     ZP_EXPECT(ranks_per_node >= 0,
               "engine: ranks_per_node must be >= 0 (0: the backend's node layout), got ",
               ranks_per_node);
+    ZP_EXPECT(optimizer_options.threads >= 1,
+              "engine: optimizer_options.threads must be >= 1, got ", optimizer_options.threads);
   }
 };
 

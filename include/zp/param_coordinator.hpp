@@ -256,7 +256,8 @@ class ParamCoordinator {
   std::size_t max_live_params() const noexcept { return cap_; }
 
   // The least a step's gathers will hold at once, in account()'s categories, for the engine's
-  // check before it allocates (engine_agreement.hpp): secondary, hpZ's shards over `hpz` ranks;
+  // check before it allocates (engine_agreement.hpp): secondary, hpZ's shards over `hpz` ranks
+  // of the modules that do not persist (a persistent one stays gathered);
   // gathered, every persistent module and the most the first micro-step's forward holds where
   // its guards run in the layout's order (which the coordinator predicts before any ran): at
   // module m, m, the kept modules before it and what its prefetch (`prefetch` elements ahead,
@@ -273,7 +274,7 @@ class ParamCoordinator {
       const auto& mod = L.module(m);
       persistent[std::size_t(m)] = persists(mod, persist_threshold);
       if (persistent[std::size_t(m)]) r.gathered += mod.size * sizeof(T);
-      if (hpz > 1) r.secondary += mod.size / hpz * sizeof(T);
+      if (hpz > 1 && !persistent[std::size_t(m)]) r.secondary += mod.size / hpz * sizeof(T);
     }
     const std::vector<bool> kept = reuse_of(L, ModuleOrder(M).last(), reuse).kept;
     const std::size_t cap = budget(L, kept, persistent, max_live_params);

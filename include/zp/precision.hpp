@@ -59,7 +59,7 @@ class LossScaler {
   static LossScaler fixed(float scale,
                           std::int64_t max_skipped_in_row = default_max_skipped_in_row) {
     ZP_EXPECT(scale > 0 && scale < 3.0e38f,
-              "loss scaler: a fixed scale must be positive and finite, got ", scale);
+              "loss scaler: a fixed scale must be positive and below 3e38, got ", scale);
     return LossScaler(Kind::fixed, DynamicScale{.initial_scale = scale}, max_skipped_in_row);
   }
   static LossScaler dynamic(const DynamicScale& config = {}) {

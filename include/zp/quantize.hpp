@@ -55,8 +55,14 @@ struct Format {
   ZP_HOST_DEVICE std::size_t code_bytes(std::size_t n) const {
     return bits == Bits::int8 ? n : (n + 1) / 2;
   }
+  // Blocks past 2^31 values would gain nothing (a scale per 2^31 values is one for any tensor)
+  // and wrap blocks(n).
+  static constexpr std::size_t max_block = std::size_t(1) << 31;
   void check() const {
-    ZP_EXPECT(block >= 1, "quantize: block size ", block, " must be at least 1");
+    ZP_EXPECT(bits == Bits::int8 || bits == Bits::int4, "quantize: bits must be int8 or int4, got ",
+              int(bits));
+    ZP_EXPECT(block >= 1 && block <= max_block, "quantize: block size ", block,
+              " must be in [1, 2^31]");
     ZP_EXPECT(bits == Bits::int8 || block % 2 == 0, "quantize: block size ", block,
               " is odd; int4 packs two codes a byte, so its blocks must be even");
   }

@@ -171,8 +171,11 @@ struct OneCycle {
               ") + cycle_second_step_size (", cycle_second_step_size, ") overflows");
     ZP_EXPECT(decay_step_size >= 0, "schedule: OneCycle: decay_step_size must be >= 0, got ",
               decay_step_size);
-    zp::detail::expect_finite_non_negative(cycle_min_mom, "schedule: OneCycle", "cycle_min_mom");
-    zp::detail::expect_finite_non_negative(cycle_max_mom, "schedule: OneCycle", "cycle_max_mom");
+    // The momentum is Adam's beta1: in [0, 1).
+    ZP_EXPECT(cycle_min_mom >= 0 && cycle_min_mom < 1,
+              "schedule: OneCycle: cycle_min_mom must be in [0, 1), got ", cycle_min_mom);
+    ZP_EXPECT(cycle_max_mom >= 0 && cycle_max_mom < 1,
+              "schedule: OneCycle: cycle_max_mom must be in [0, 1), got ", cycle_max_mom);
     ZP_EXPECT(cycle_min_mom <= cycle_max_mom, "schedule: OneCycle: cycle_min_mom (", cycle_min_mom,
               ") must be <= cycle_max_mom (", cycle_max_mom, ")");
     ZP_EXPECT(std::isfinite(decay_mom_rate),
@@ -207,7 +210,11 @@ struct OneCycle {
     detail::check_iteration(it);
     if (!cycle_momentum) return cycle_max_mom;
     if (it < cycle_size()) return cycle_max_mom - (cycle_max_mom - cycle_min_mom) * height(it);
-    return cycle_max_mom * (1.0 + decay_mom_rate * decay_interval(it));
+    const double m = cycle_max_mom * (1.0 + decay_mom_rate * decay_interval(it));
+    ZP_EXPECT(m >= 0 && m < 1, "schedule: OneCycle: the momentum at step ", it, " is ", m,
+              " (cycle_max_mom ", cycle_max_mom, " x (1 + decay_mom_rate ", decay_mom_rate, " x ",
+              decay_interval(it), ")), outside Adam's beta1 range [0, 1)");
+    return m;
   }
 };
 

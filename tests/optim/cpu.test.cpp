@@ -530,16 +530,37 @@ TEST_CASE("every invalid AdamW and Adam hyper-parameter is an error naming it an
                                  {std::string(who) + ": " + field + " must be " + range, b.text});
       }
     }
+    // eps 0 would divide 0 by 0 where the gradients were all 0.
+    O zero_eps = base;
+    zero_eps.eps = 0.0f;
+    zp::test::expect_invalid([&] { validate(zero_eps); },
+                             {std::string(who) + ": eps must be > 0", "got 0"});
     // The boundaries stay valid.
     O edge = base;
-    edge.lr = edge.beta1 = edge.beta2 = edge.eps = edge.weight_decay = 0.0f;
+    edge.lr = edge.beta1 = edge.beta2 = edge.weight_decay = 0.0f;
+    edge.eps = std::numeric_limits<float>::denorm_min();
     CHECK_NOTHROW(validate(edge));
     edge.beta1 = edge.beta2 = std::nextafter(1.0f, 0.0f);
-    edge.lr = edge.eps = edge.weight_decay = std::numeric_limits<float>::max();
+    edge.lr = edge.eps = std::numeric_limits<float>::max();
+    CHECK_NOTHROW(validate(edge));
+    edge.lr = 0.0f;
+    edge.weight_decay = std::numeric_limits<float>::max();
     CHECK_NOTHROW(validate(edge));
   };
   each(AdamW{}, "AdamW");
   each(Adam{}, "Adam");
+  // Decoupled decay (AdamW's, Lion's) multiplies the weights by 1 - lr x weight_decay: at 1 or
+  // more it zeroes or flips them. Adam's L2 term has no such bound.
+  for (const float lr : {0.5f, 0.25f}) {
+    CAPTURE(lr);
+    zp::test::expect_invalid(
+        [&] { validate(AdamW{.lr = lr, .weight_decay = 1.0f / lr}); },
+        {"AdamW: lr x weight_decay must be < 1", lr == 0.5f ? "got 0.5 x 2" : "got 0.25 x 4"});
+    zp::test::expect_invalid([&] { validate(Lion{.lr = lr, .weight_decay = 1.0f / lr}); },
+                             {"Lion: lr x weight_decay must be < 1"});
+    CHECK_NOTHROW(validate(AdamW{.lr = lr, .weight_decay = std::nextafter(1.0f / lr, 0.0f)}));
+    CHECK_NOTHROW(validate(Adam{.lr = lr, .weight_decay = 1.0f / lr}));
+  }
 }
 
 TEST_CASE(
@@ -688,7 +709,8 @@ TEST_CASE(
   each_field(Lion{}, {&Lion::lr, &Lion::beta1, &Lion::beta2, &Lion::weight_decay});
 }
 
-TEST_CASE("an out-of-range instruction set is an error naming its number and the valid ones") {
+TEST_CASE(
+    "an out-of-range instruction set or thread count is an error naming it and the valid ones") {
   CHECK(std::string(cpu::name(cpu::Isa(7))) == "unknown");
   std::vector<float> master(10), grad(10);
   for (int bad : {7, 4, -1}) {
@@ -702,5 +724,17 @@ TEST_CASE("an out-of-range instruction set is an error naming its number and the
         {"optimizer: instruction set " + number, "best, portable, avx2, avx512"});
     zp::test::expect_invalid([&] { cpu::grad_stats(std::span<const float>(grad), options); },
                              {number});
+  }
+  for (int threads : {0, -3}) {
+    const Options options{.threads = threads};
+    const std::string what =
+        "optimizer: threads must be at least 1, got " + std::to_string(threads);
+    zp::test::expect_invalid(
+        [&] {
+          cpu::step(Sgd{}, {1}, ShardView<float, float>{master, grad, {}, master}, options);
+        },
+        {what});
+    zp::test::expect_invalid([&] { cpu::grad_stats(std::span<const float>(grad), options); },
+                             {what});
   }
 }

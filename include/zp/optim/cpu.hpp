@@ -43,7 +43,10 @@ namespace simd = optim::detail::simd;
 // Tiles smaller than this are not worth a thread.
 inline constexpr std::size_t min_tile = std::size_t(1) << 16;
 
-inline Isa resolve(Isa isa) {
+// The options checked; returns the level to run.
+inline Isa resolve(const Options& o) {
+  ZP_EXPECT(o.threads >= 1, "optimizer: threads must be at least 1, got ", o.threads);
+  const Isa isa = o.isa;
   if (isa == Isa::best) return best_isa();
   ZP_EXPECT(isa >= Isa::best && isa <= Isa::avx512, "optimizer: instruction set Isa(",
             static_cast<int>(isa), ") is not one of best, portable, avx2, avx512 (0 to 3)");
@@ -52,11 +55,17 @@ inline Isa resolve(Isa isa) {
   return isa;
 }
 
-// Runs f(begin, end) over [0, n) split into one tile per thread, tiles aligned to 64 elements.
+// The tiles parallel_tiles splits n elements into for `threads` threads (at least 1).
+inline std::size_t tiles(std::size_t n, int threads) {
+  const std::size_t most = std::max<std::size_t>(1, (n + min_tile - 1) / min_tile);
+  return std::min<std::size_t>(std::size_t(std::max(threads, 1)), most);
+}
+
+// Runs f(begin, end, k) over [0, n) split into tiles(n, threads) tiles, the k-th on a thread of
+// its own, tiles aligned to 64 elements.
 template <class F>
 void parallel_tiles(std::size_t n, int threads, F&& f) {
-  const std::size_t most = std::max<std::size_t>(1, (n + min_tile - 1) / min_tile);
-  const std::size_t t = std::min<std::size_t>(std::max(threads, 1), most);
+  const std::size_t t = tiles(n, threads);
   if (t == 1) {
     f(std::size_t(0), n, std::size_t(0));
     return;
@@ -244,12 +253,12 @@ double sumsq_tile(Isa isa, const G* g, std::size_t begin, std::size_t end) {
 // thread count (summation order), finite does not. An inf/nan makes sumsq inf/nan and finite false.
 template <class G>
 GradStats grad_stats(std::span<const G> grad, const Options& options = {}) {
-  const Isa isa = detail::resolve(options.isa);
-  const int threads = std::max(options.threads, 1);
-  std::vector<double> partial(std::size_t(threads), 0.0);
-  detail::parallel_tiles(grad.size(), threads, [&](std::size_t b, std::size_t e, std::size_t k) {
-    partial[k] = detail::sumsq_tile<G>(isa, grad.data(), b, e);
-  });
+  const Isa isa = detail::resolve(options);
+  std::vector<double> partial(detail::tiles(grad.size(), options.threads), 0.0);
+  detail::parallel_tiles(grad.size(), options.threads,
+                         [&](std::size_t b, std::size_t e, std::size_t k) {
+                           partial[k] = detail::sumsq_tile<G>(isa, grad.data(), b, e);
+                         });
   double sum = 0;
   for (double x : partial) sum += x;
   return {sum, std::isfinite(sum)};
@@ -273,7 +282,7 @@ void step(const Opt& opt, const StepScalars& s, const ShardView<T, G>& shard,
                           shard.param.data(),
                           optim::detail::used_slots(opt)};
   for (int k = 0; k < b.slots; ++k) b.state[k] = shard.state[std::size_t(k)].data();
-  const Isa isa = detail::resolve(options.isa);
+  const Isa isa = detail::resolve(options);
   const auto c = optim::detail::prepare(optim::detail::for_view(opt, shard.decay), s);
   detail::parallel_tiles(n, options.threads, [&](std::size_t begin, std::size_t end, std::size_t) {
     detail::step_tile<Opt, T, G>(isa, c, b, begin, end);

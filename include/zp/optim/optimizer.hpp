@@ -132,7 +132,17 @@ inline void expect_in(const char* opt, const char* field, float x, Range r) {
 }  // namespace detail
 
 namespace detail {
-// AdamW and Adam share their rules (torch.optim.Adam's).
+// Decoupled weight decay multiplies the weights by 1 - lr x weight_decay: at 1 or more it zeroes
+// them or flips their sign every step.
+inline void expect_decay_below_one(const char* opt, float lr, float weight_decay) {
+  ZP_EXPECT(double(lr) * double(weight_decay) < 1.0, opt,
+            ": lr x weight_decay must be < 1 (decoupled decay multiplies the weights by 1 - lr x "
+            "weight_decay), got ",
+            lr, " x ", weight_decay);
+}
+
+// AdamW and Adam share their rules (torch.optim.Adam's), but for eps, which must be positive: with
+// 0, an element whose gradients were all 0 so far divides 0 by 0.
 template <class O>
 void validate_adam(const O& o) {
   const char* n = type_name(o);
@@ -140,12 +150,18 @@ void validate_adam(const O& o) {
   expect_in(n, "beta1", o.beta1, Range::unit_open);
   expect_in(n, "beta2", o.beta2, Range::unit_open);
   expect_in(n, "eps", o.eps, Range::non_negative);
+  ZP_EXPECT(o.eps > 0.0f, n,
+            ": eps must be > 0 (with 0, an element whose gradients were all 0 "
+            "divides 0 by 0), got 0");
   expect_in(n, "weight_decay", o.weight_decay, Range::non_negative);
 }
 }  // namespace detail
 
 // Throw zp::Error(invalid_argument) naming the first bad hyper-parameter and its value.
-inline void validate(const AdamW& o) { detail::validate_adam(o); }
+inline void validate(const AdamW& o) {
+  detail::validate_adam(o);
+  detail::expect_decay_below_one("AdamW", o.lr, o.weight_decay);
+}
 inline void validate(const Adam& o) { detail::validate_adam(o); }
 inline void validate(const Sgd& o) {
   using detail::Range;
@@ -163,6 +179,7 @@ inline void validate(const Lion& o) {
   detail::expect_in("Lion", "beta1", o.beta1, Range::unit_closed);
   detail::expect_in("Lion", "beta2", o.beta2, Range::unit_closed);
   detail::expect_in("Lion", "weight_decay", o.weight_decay, Range::non_negative);
+  detail::expect_decay_below_one("Lion", o.lr, o.weight_decay);
 }
 
 // "AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01)": every field, each
