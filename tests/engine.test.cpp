@@ -2236,6 +2236,20 @@ TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at constr
     c.optimizer_options.threads = 0;
     zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
                              {"engine: optimizer_options.threads must be >= 1, got 0"});
+    c = test_config(2, 1);
+    c.quantized_weights = zp::quant::Format{.block = 0};
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 3> e(comm, model, c); },
+                             {"quantize: block size 0 must be in [1, 2^31]"});
+  });
+  // Settings bad on one rank only: checked before anything is laid out, and agreed on, so the
+  // other rank's error names the value too.
+  run_threads(2, [&](Collective<Threads>& comm) {
+    Mlp<float> model;
+    auto c = test_config(2, 1);
+    if (comm.rank() == 1) c.max_grad_norm = std::nanf("");
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 2> e(comm, model, c); },
+                             {comm.rank() == 1 ? "engine: max_grad_norm is NaN"
+                                               : "rank 1 failed: engine: max_grad_norm is NaN"});
   });
 }
 
@@ -2631,6 +2645,35 @@ TEST_CASE("estimate_memory is the plan an engine of that model and config checks
   zp::test::expect_invalid(
       [&] { zp::Engine<Threads, zp::bf16, 3>::estimate_memory(model, 0, test_config(2, 1)); },
       {"estimate_memory for 0 ranks; expected at least 1"});
+  // Settings an engine would refuse are refused here too, with the engine's messages.
+  const auto refused = [&]<int Stage>(std::integral_constant<int, Stage>, int ranks,
+                                      void (*set)(zp::EngineConfig&),
+                                      std::initializer_list<std::string> what) {
+    auto c = test_config(2, 1);
+    set(c);
+    zp::test::expect_invalid(
+        [&] { zp::Engine<Threads, zp::bf16, Stage>::estimate_memory(model, ranks, c); }, what);
+  };
+  constexpr std::integral_constant<int, 2> two{};
+  constexpr std::integral_constant<int, 3> three{};
+  refused(three, 4, [](zp::EngineConfig& c) { c.shard_group_size = 3; },
+          {"shard_group_size 3 does not divide the 4 data-parallel ranks"});
+  refused(three, 4, [](zp::EngineConfig& c) { c.hpz_partition_size = 3; },
+          {"hpz_partition_size 3 does not divide the 4 data-parallel ranks"});
+  refused(three, 4,
+          [](zp::EngineConfig& c) {
+            c.shard_group_size = 2;
+            c.hpz_partition_size = 4;
+          },
+          {"hpz_partition_size 4 does not divide the 2 ranks of the shard group"});
+  refused(three, 4,
+          [](zp::EngineConfig& c) {
+            c.quantized_gradients = zp::zero_quantized_gradients;
+            c.ranks_per_node = 8;
+          },
+          {"ranks_per_node 8 does not divide the 4 data-parallel ranks"});
+  refused(two, 4, [](zp::EngineConfig& c) { c.quantized_weights = zp::zero_quantized_weights; },
+          {"quantized weight gathers (zero_quantized_weights) need ZeRO stage 3", "got stage 2"});
 }
 
 // zp.test.engine.memory_cgroup runs this in a memory cgroup of ZP_TEST_MEMORY_LIMIT bytes without

@@ -132,7 +132,7 @@ class Engine {
   // memory the check before allocating counts too (expect_memory).
   template <Model<T> M>
   Engine(MemoryPeers peers, Collective<B>& comm, M& model, EngineConfig config, Opt optimizer)
-      : shard_(hybrid_group(comm, config.shard_group_size, true)),
+      : shard_(hybrid_group(comm, checked(comm, config, optimizer).shard_group_size, true)),
         replicas_(hybrid_group(comm, config.shard_group_size, false)),
         dp_(&comm),
         comm_(shard_ ? &*shard_ : &comm),
@@ -150,30 +150,6 @@ class Engine {
               config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
-    config_.check();
-    ZP_EXPECT(config_.hpz_partition_size == 1 || Stage == 3,
-              "engine: a secondary partition (zero_hpz_partition_size ", config_.hpz_partition_size,
-              ") needs ZeRO stage 3 (below it no parameters are gathered), got stage ", Stage);
-    ZP_EXPECT(!config_.quantized_gradients || Stage >= 2,
-              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 (a "
-              "reduce_scatter to quantize), got stage ",
-              Stage);
-    ZP_EXPECT(config_.reshard_after_forward || Stage == 3,
-              "engine: keeping parameters gathered after forward (reshard_after_forward = false) "
-              "needs ZeRO stage 3 (below it no parameters are gathered), got stage ",
-              Stage);
-    ZP_EXPECT(!config_.quantized_weights || Stage == 3,
-              "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
-              "it no parameters are gathered), got stage ",
-              Stage);
-    // On a device the swapped shard is stepped by the CPU, so the master weights and state must
-    // be in host memory too.
-    ZP_EXPECT(!config_.param_nvme || S == MemorySpace::host || config_.offload_optimizer ||
-                  config_.optimizer_nvme,
-              "engine: parameters on NVMe (offload_param: nvme) on a device backend need the "
-              "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
-              "swapped shard");
-    optim::validate(opt_);
     // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
     // failed to open on one rank is an error on all.
     on_every_rank(*dp_, [&] { part_.expect_swap_opened(); });
@@ -193,8 +169,7 @@ class Engine {
     // ranks_per_node consecutive ranks, then across them.
     Collective<B>& zero = *comm_;  // ZeRO++'s groups are inside the shard group
     const auto nodes_of = [&](int h, const char* what) {
-      ZP_EXPECT(zero.size() % h == 0, "engine: ", what, " ", h, " does not divide the ",
-                zero.size(), shard_ ? " ranks of the shard group" : " data-parallel ranks");
+      check_nodes(h, what, zero.size(), shard_.has_value());
       return zero.split(zero.rank() / h, zero.rank() % h);
     };
     if (config_.hpz_partition_size > 1)
@@ -395,9 +370,15 @@ class Engine {
   // qgZ scratch takes ranks_per_node 0 as one node (the backend's layout is not known here).
   template <Model<T> M>
   static MemoryPlan estimate_memory(M& model, int ranks, const EngineConfig& config) {
-    config.check();
+    check_settings(config, Opt{});
     ZP_EXPECT(ranks >= 1, "engine: estimate_memory for ", ranks, " ranks; expected at least 1");
+    check_shard_group(config.shard_group_size, ranks);
     const int zero = config.shard_group_size > 0 ? config.shard_group_size : ranks;
+    const bool shard_group = zero != ranks;
+    if (config.hpz_partition_size > 1)
+      check_nodes(config.hpz_partition_size, "hpz_partition_size", zero, shard_group);
+    if (config.quantized_gradients && config.ranks_per_node > 0)
+      check_nodes(config.ranks_per_node, "ranks_per_node", zero, shard_group);
     const BatchConfig batch = resolve_batch(config.batch, ranks);
     const GradPrecision p =
         GradPrecision::resolve(dtype_of<T>, Stage, config.grad_accum_dtype,
@@ -496,6 +477,53 @@ class Engine {
     if (pending_) std::rethrow_exception(std::exchange(pending_, nullptr));
   }
 
+  // The settings' own checks (the constructor runs them agreed on by every rank, before anything
+  // is laid out or allocated; estimate_memory too).
+  static void check_settings(const EngineConfig& c, const Opt& opt) {
+    c.check();
+    ZP_EXPECT(c.hpz_partition_size == 1 || Stage == 3,
+              "engine: a secondary partition (zero_hpz_partition_size ", c.hpz_partition_size,
+              ") needs ZeRO stage 3 (below it no parameters are gathered), got stage ", Stage);
+    ZP_EXPECT(!c.quantized_gradients || Stage >= 2,
+              "engine: quantized gradients (zero_quantized_gradients) need ZeRO stage 2 or 3 (a "
+              "reduce_scatter to quantize), got stage ",
+              Stage);
+    ZP_EXPECT(c.reshard_after_forward || Stage == 3,
+              "engine: keeping parameters gathered after forward (reshard_after_forward = false) "
+              "needs ZeRO stage 3 (below it no parameters are gathered), got stage ",
+              Stage);
+    ZP_EXPECT(!c.quantized_weights || Stage == 3,
+              "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
+              "it no parameters are gathered), got stage ",
+              Stage);
+    // On a device the swapped shard is stepped by the CPU, so the master weights and state must
+    // be in host memory too.
+    ZP_EXPECT(!c.param_nvme || S == MemorySpace::host || c.offload_optimizer || c.optimizer_nvme,
+              "engine: parameters on NVMe (offload_param: nvme) on a device backend need the "
+              "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
+              "swapped shard");
+    optim::validate(opt);
+  }
+  // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
+  // naming the value there.
+  static const EngineConfig& checked(Collective<B>& comm, const EngineConfig& c, const Opt& opt) {
+    on_every_rank(comm, [&] { check_settings(c, opt); });
+    return c;
+  }
+
+  // A shard group of `size` >= 0 ranks out of `dp` (0: all of them).
+  static void check_shard_group(int size, int dp) {
+    ZP_EXPECT(size == 0 || Stage >= 1, "engine: hybrid sharding (shard_group_size ", size,
+              ") needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing), got stage ", Stage);
+    ZP_EXPECT(size == 0 || dp % size == 0, "engine: shard_group_size ", size,
+              " does not divide the ", dp, " data-parallel ranks");
+  }
+  // ZeRO++'s nodes of h ranks (`what` names the setting) in the `zero` ranks ZeRO shards over.
+  static void check_nodes(int h, const char* what, int zero, bool shard_group) {
+    ZP_EXPECT(h >= 1 && zero % h == 0, "engine: ", what, " ", h, " does not divide the ", zero,
+              shard_group ? " ranks of the shard group" : " data-parallel ranks");
+  }
+
   // Hybrid sharding's groups of the data-parallel group dp: a shard group (shard_group_size
   // consecutive ranks) or the replicas (the ranks of this one's index in every shard group);
   // none where the size is 0 or the whole group. Every rank first learns every rank's size, so
@@ -507,12 +535,7 @@ class Engine {
       ZP_EXPECT(s.same(), "engine: the ranks' shard_group_size differ (from ", s.lo, " to ", s.hi,
                 "; rank ", dp.rank(), " has ", size,
                 "); every rank must build the same model with the same zp configuration");
-      ZP_EXPECT(size >= 0, "engine: shard_group_size must be >= 0 (0: the whole data-parallel ",
-                "group), got ", size);
-      ZP_EXPECT(size == 0 || Stage >= 1, "engine: hybrid sharding (shard_group_size ", size,
-                ") needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing), got stage ", Stage);
-      ZP_EXPECT(size == 0 || dp.size() % size == 0, "engine: shard_group_size ", size,
-                " does not divide the ", dp.size(), " data-parallel ranks");
+      check_shard_group(size, dp.size());
     }
     if (size == 0 || size == dp.size()) return std::nullopt;
     return shards ? dp.split(dp.rank() / size, dp.rank() % size)

@@ -259,6 +259,8 @@ struct EngineConfig {
               ranks_per_node);
     ZP_EXPECT(optimizer_options.threads >= 1,
               "engine: optimizer_options.threads must be >= 1, got ", optimizer_options.threads);
+    if (quantized_weights) quantized_weights->check();
+    if (quantized_gradients) quantized_gradients->check();
   }
 };
 
