@@ -266,11 +266,12 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* progr
     std::from_chars(buf, std::to_chars(buf, buf + sizeof buf, x).ptr, d);
     return d;
   };
-  const zp::schedule::WarmupCosineLR flags =
-      std::get<zp::schedule::WarmupCosineLR>(flag_schedule(t));
+  const auto from_flags = std::get<zp::schedule::WarmupCosineLR>(flag_schedule(t));
+  constexpr std::string_view schedule_params = "scheduler.params.";
   for (const std::string& key : dc.auto_keys) {
-    const std::string_view param =
-        key.starts_with("scheduler.params.") ? std::string_view(key).substr(17) : "";
+    const std::string_view param = key.starts_with(schedule_params)
+                                       ? std::string_view(key).substr(schedule_params.size())
+                                       : "";
     bool filled = key == "train_batch_size" || key == "optimizer.params.betas" ||
                   key == "optimizer.params.eps" || key == "optimizer.params.weight_decay";
     if (key == "train_micro_batch_size_per_gpu") {
@@ -291,7 +292,7 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* progr
             }
             if constexpr (requires { x.warmup_num_steps; })
               if (param == "warmup_num_steps")
-                x.warmup_num_steps = flags.warmup_num_steps, filled = true;
+                x.warmup_num_steps = from_flags.warmup_num_steps, filled = true;
             if constexpr (requires { x.total_num_steps; })
               if (param == "total_num_steps") x.total_num_steps = t.steps, filled = true;
           },

@@ -55,8 +55,8 @@ struct Format {
   ZP_HOST_DEVICE std::size_t code_bytes(std::size_t n) const {
     return bits == Bits::int8 ? n : (n + 1) / 2;
   }
-  // Blocks past 2^31 values would gain nothing (a scale per 2^31 values is one for any tensor)
-  // and wrap blocks(n).
+  // Blocks of at most 2^31 values: a larger one would wrap blocks(n), to save at most one
+  // 4-byte scale per 2^31 values.
   static constexpr std::size_t max_block = std::size_t(1) << 31;
   void check() const {
     ZP_EXPECT(bits == Bits::int8 || bits == Bits::int4, "quantize: bits must be int8 or int4, got ",

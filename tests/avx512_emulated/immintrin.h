@@ -2,9 +2,9 @@
 // programs built to run zp's AVX-512 loops on a CPU without AVX-512 (tests/CMakeLists.txt's
 // *.avx512_emulated tests; this directory comes first on their include path).
 //
-// The intrinsics are SIMDe's portable definitions (Debian's libsimde-dev), under their Intel
-// names; the few that SIMDe 0.7 lacks are below, built from SIMDe's 256-bit ones or written out
-// lane by lane from Intel's definitions. __builtin_cpu_supports answers yes for every AVX-512
+// The AVX-512 intrinsics are SIMDe's portable definitions (Debian's libsimde-dev), under their
+// Intel names; the 15 that SIMDe 0.7 lacks are below, built from two 256-bit halves (AVX2's own
+// intrinsics) or written out lane by lane from Intel's definitions. __builtin_cpu_supports answers yes for every AVX-512
 // feature (ZP_EMULATE_AVX512_BF16=0 takes avx512bf16 back, for the loops without it) and asks
 // the CPU for the rest. The programs are built for AVX2 (-mavx2 -mfma -mf16c), and zp's target
 // attributes are defined here first to add nothing: with AVX-512's, the compiler would vectorise
