@@ -532,9 +532,11 @@ std::vector<std::byte> load_checkpoint(E& engine, const std::filesystem::path& d
               });
             });
     user = rd->user_blob();
+    // Its own checks too (a loss scale too large for this engine's accumulation): after the
+    // buffers, so that a failure leaves the engine unusable, not half loaded.
+    engine.optimizer() = opt;
+    engine.restore({m.step, 0, m.scaler});
   });
-  engine.optimizer() = opt;
-  engine.restore({m.step, 0, m.scaler});
   return user;
 }
 

@@ -326,6 +326,7 @@ class Engine {
               "engine: restore(): progress must be at an "
               "accumulation boundary with step >= 0, got step ",
               p.step, ", micro-step ", p.micro_step);
+    check_unscale(p.scaler.scale, batch_.gradient_accumulation_steps);
     config_.loss_scaler.load(p.scaler);
     step_ = p.step;
     if constexpr (Stage == 3) params_->release_all();
@@ -380,6 +381,7 @@ class Engine {
     if (config.quantized_gradients && config.ranks_per_node > 0)
       check_nodes(config.ranks_per_node, "ranks_per_node", zero, shard_group);
     const BatchConfig batch = resolve_batch(config.batch, ranks);
+    check_unscale(config.loss_scaler.scale(), batch.gradient_accumulation_steps);
     const GradPrecision p =
         GradPrecision::resolve(dtype_of<T>, Stage, config.grad_accum_dtype,
                                config.communication_dtype, batch.gradient_accumulation_steps);
@@ -507,8 +509,18 @@ class Engine {
   // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
   // naming the value there.
   static const EngineConfig& checked(Collective<B>& comm, const EngineConfig& c, const Opt& opt) {
-    on_every_rank(comm, [&] { check_settings(c, opt); });
+    on_every_rank(comm, [&] {
+      check_settings(c, opt);
+      check_unscale(c.loss_scaler.scale(),
+                    resolve_batch(c.batch, comm.size()).gradient_accumulation_steps);
+    });
     return c;
+  }
+  // The gradients are unscaled by the loss scale times the accumulation steps, in fp32.
+  static void check_unscale(double scale, std::int64_t gas) {
+    ZP_EXPECT(scale * double(gas) <= std::numeric_limits<float>::max(), "engine: the loss scale ",
+              scale, " x gradient_accumulation_steps ", gas,
+              " is past fp32's range: the gradients cannot be unscaled; use a smaller scale");
   }
 
   // A shard group of `size` >= 0 ranks out of `dp` (0: all of them).
@@ -629,12 +641,11 @@ class Engine {
   // factor. Under tensor parallelism, TP ranks other than 0 leave out their replicated
   // parameters: TP rank 0 counts them (norm and overflow) for the group, whose copies are equal.
   // Under hybrid sharding the first shard group counts the norm, the others' pieces are equal.
+  // The unscale factor fits fp32: check_unscale passed the scale at construction and restore(),
+  // and a dynamic scale grows only up to 2^64 (times any int64 accumulation count, < 2e38).
   float reduce_statistics() {
-    const double scale = config_.loss_scaler.scale(),
-                 unscale = scale * double(batch_.gradient_accumulation_steps);
-    ZP_EXPECT(unscale <= std::numeric_limits<float>::max(), "engine: the loss scale ", scale,
-              " x gradient_accumulation_steps ", batch_.gradient_accumulation_steps,
-              " is past fp32's range: the gradients cannot be unscaled; use a smaller scale");
+    const double unscale =
+        double(config_.loss_scaler.scale()) * double(batch_.gradient_accumulation_steps);
     // A hyper-parameter invalid on some ranks only must not leave the others waiting in the
     // all_reduce: the gate makes every rank skip the step, and end_step() throws everywhere.
     invalid_.clear();
