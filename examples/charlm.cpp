@@ -319,7 +319,8 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
 template <class B>
 void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
   examples::with_engine<B>(
-      program, o, o, comm.size(), comm.rank() == 0, examples::small_model_buckets(),
+      program, o, o, comm.size(), comm.rank() == 0, std::uint64_t(Dims{}.hidden),
+      examples::small_model_buckets(),
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) { train<E>(comm, o, c, ec, opt, sched); });
 }

@@ -405,7 +405,7 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const examples::Corpus&
   // engines are those of fp32 and bf16.
   // A model sized to fill a GPU: the engine's buckets.
   examples::with_engine<B, zp::Types<float, zp::bf16>>(
-      program, o, o, comm.size(), comm.rank() == 0, zp::EngineConfig{},
+      program, o, o, comm.size(), comm.rank() == 0, std::uint64_t(o.hidden), zp::EngineConfig{},
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) { train<E>(comm, o, corpus, ec, opt, sched); });
 }

@@ -151,6 +151,7 @@ inline int to_int(const Program& p, const std::string& flag, const std::string& 
 struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
+  bool precision_given = false;  // --precision given (a --config takes it only for its "auto")
   float lr = 3e-3f;
   std::uint64_t init_seed = 1;  // --init-seed: the initial weights' random draw
   bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
@@ -195,6 +196,7 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     if (v != "fp32" && v != "bf16" && v != "fp16")
       bad(p, "--precision expects fp32, bf16 or fp16, got '" + v + "'");
     o.precision = v;
+    o.precision_given = true;
   } else if (a == "--lr") {
     char* end = nullptr;
     o.lr = std::strtof(v.c_str(), &end);

@@ -544,7 +544,8 @@ void dispatch(zp::Collective<B>& world, const Options& o, const Data& data) {
                         std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
   zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   examples::with_engine<B>(
-      program, o, o, grid.shape().dp, world.rank() == 0, examples::small_model_buckets(),
+      program, o, o, grid.shape().dp, world.rank() == 0, std::uint64_t(o.d_model),
+      examples::small_model_buckets(),
       [&]<class E>(std::type_identity<E>, const zp::EngineConfig& ec, const zp::optim::AdamW& opt,
                    const zp::schedule::Any& sched) {
         zp::EngineConfig with_filter = ec;

@@ -86,9 +86,10 @@ inline constexpr const char* run_usage = ZP_EXAMPLES_CHECKPOINT_USAGE
     "  --config FILE      a DeepSpeed ds_config.json: it sets the stage, precision, batch, "
     "optimizer\n"
     "                     (AdamW only here), scheduler, clipping, loss scaling, buckets, offload\n"
-    "                     and ZeRO++ (--stage, --precision, --offload-*, --zero-*,\n"
-    "                     --shard-group-size and --max-reuse-distance with it are errors); its\n"
-    "                     \"auto\" keys are filled from --micro-batch, --accum, --lr\n"
+    "                     and ZeRO++ (--stage, --offload-*, --zero-*, --shard-group-size and\n"
+    "                     --max-reuse-distance with it are errors); its \"auto\" keys are\n"
+    "                     filled from --micro-batch, --accum, --lr, --steps, --precision and\n"
+    "                     the model's width, as Hugging Face's Trainer fills them\n"
     "  --zero-quantized-weights  stage 3: gather the parameters as int8 with a scale per 2048\n"
     "                     (ZeRO++'s qwZ; in a --config: zero_quantized_weights)\n"
     "  --zero-hpz-partition-size N  stage 3: also keep 1/N of each gathered module, so gathers\n"
@@ -182,7 +183,6 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
   check_checkpoint_flags(p, o);
   static constexpr std::pair<const char*, const char*> config_sets[] = {
       {"--stage", "zero_optimization.stage"},
-      {"--precision", "bf16.enabled or fp16.enabled"},
       {"--offload-optimizer", "zero_optimization.offload_optimizer"},
       {"--offload-param", "zero_optimization.offload_param"},
       {"--zero-quantized-weights", "zero_optimization.zero_quantized_weights"},
@@ -209,11 +209,15 @@ inline zp::EngineConfig small_model_buckets() {
   return ec;
 }
 
+// The gradient clipping of the flags (and of a config's "auto" gradient_clipping): Hugging Face's
+// default max_grad_norm.
+inline constexpr float flag_max_grad_norm = 1.0f;
+
 // The engine settings of the training flags (without --config) on top of `ec` (its buckets):
-// clipping at 1, fp16 with a dynamic scale.
+// clipping at flag_max_grad_norm, fp16 with a dynamic scale.
 inline zp::EngineConfig flag_config(const TrainFlags& t, const RunFlags& r, zp::EngineConfig ec) {
   ec.batch = {.micro_batch_per_rank = t.micro_batch, .gradient_accumulation_steps = t.accum};
-  ec.max_grad_norm = 1.0f;
+  ec.max_grad_norm = flag_max_grad_norm;
   ec.steps_per_print = t.log_every;
   ec.wall_clock_breakdown = r.breakdown;
   ec.offload_optimizer = t.offload;
@@ -252,13 +256,18 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
 }
 
 #if ZP_DEMO_IO
-// A config's "auto" keys, filled from the flags as Hugging Face's Trainer fills them from its
-// arguments: train_micro_batch_size_per_gpu (--micro-batch), gradient_accumulation_steps
-// (--accum), the optimizer's lr (--lr; "auto" betas, eps and weight_decay keep their defaults,
-// which are the Trainer's too) and the schedule's warmup_min_lr (0), warmup_max_lr (--lr),
-// warmup_num_steps (flag_schedule's: 5% of --steps) and total_num_steps (--steps); a
-// WarmupCosineLR's base_lr is the optimizer's lr. Any other "auto" is an error naming it.
-inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* program) {
+// A config's "auto" keys, filled from the flags and the model as Hugging Face's Trainer fills them
+// from its arguments: train_micro_batch_size_per_gpu (--micro-batch),
+// gradient_accumulation_steps (--accum), gradient_clipping (the flags' max_grad_norm), fp16/bf16
+// .enabled (--precision, zp::ds::fill_precision), the optimizer's lr (--lr; "auto" betas, eps and
+// weight_decay keep their defaults, which are the Trainer's too), the schedule's warmup_min_lr
+// (0), warmup_max_lr (--lr), warmup_num_steps (flag_schedule's: 5% of --steps) and
+// total_num_steps (--steps), and from the model's width `hidden`: reduce_bucket_size hidden^2,
+// stage3_prefetch_bucket_size 0.9 hidden^2 and stage3_param_persistence_threshold 10 hidden. A
+// WarmupCosineLR's base_lr is the optimizer's lr. Any other "auto" is an error naming it, and so
+// is --precision where the config writes the precision.
+inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hidden,
+                      const char* program) {
   // A float lr as the decimal it was written as (0.004, not 0.004000000189989805).
   const auto decimal = [](float x) {
     char buf[32];
@@ -272,13 +281,31 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* progr
     const std::string_view param = key.starts_with(schedule_params)
                                        ? std::string_view(key).substr(schedule_params.size())
                                        : "";
+    constexpr std::string_view zero = "zero_optimization.";
+    const std::string_view size =
+        key.starts_with(zero) ? std::string_view(key).substr(zero.size()) : std::string_view();
     bool filled = key == "train_batch_size" || key == "optimizer.params.betas" ||
-                  key == "optimizer.params.eps" || key == "optimizer.params.weight_decay";
+                  key == "optimizer.params.eps" || key == "optimizer.params.weight_decay" ||
+                  key.ends_with("16.enabled");  // fp16, bf16 or bfloat16: below
     if (key == "train_micro_batch_size_per_gpu") {
       dc.batch.micro_batch_per_rank = t.micro_batch;
       filled = true;
     } else if (key == "gradient_accumulation_steps") {
       dc.batch.gradient_accumulation_steps = t.accum;
+      filled = true;
+    } else if (key == "gradient_clipping") {
+      dc.engine.max_grad_norm = flag_max_grad_norm;
+      filled = true;
+    } else if (size == "reduce_bucket_size") {
+      dc.reduce_bucket_size = hidden * hidden;
+      filled = true;
+    } else if (size == "stage3_prefetch_bucket_size" || size == "prefetch_bucket_size") {
+      dc.prefetch_bucket_size = hidden * hidden * 9 / 10;
+      dc.engine.prefetch = std::size_t(dc.prefetch_bucket_size);
+      filled = true;
+    } else if (size == "stage3_param_persistence_threshold" ||
+               size == "param_persistence_threshold") {
+      dc.engine.persist_threshold = std::size_t(10 * hidden);
       filled = true;
     } else if (key == "optimizer.params.lr") {
       std::visit([&](auto& opt) { opt.lr = t.lr; }, dc.optimizer);
@@ -302,8 +329,20 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* progr
       throw zp::Error(zp::Errc::invalid_argument,
                       zp::detail::cat(dc.source, ": ", key, " is \"auto\", which ", program,
                                       " does not fill (it fills the micro-batch, accumulation, "
-                                      "learning rate and warmup/total steps from its flags)"));
+                                      "learning rate, warmup/total steps, clipping and precision "
+                                      "from its flags and the ZeRO sizes from the model)"));
   }
+  const bool auto_precision = std::ranges::any_of(
+      dc.auto_keys, [](const std::string& k) { return k.ends_with("16.enabled"); });
+  if (t.precision_given && !auto_precision)
+    throw zp::Error(zp::Errc::invalid_argument,
+                    zp::detail::cat(program, ": --precision with --config ", dc.source,
+                                    ": the config sets the precision (fp16.enabled, bf16.enabled); "
+                                    "write \"auto\" there to take it from --precision"));
+  if (auto_precision)
+    zp::ds::fill_precision(dc, t.precision == "fp32"   ? zp::ds::Precision::fp32
+                               : t.precision == "fp16" ? zp::ds::Precision::fp16
+                                                       : zp::ds::Precision::bf16);
   if (dc.scheduler) {
     if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
       std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
@@ -313,17 +352,18 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, const char* progr
 #endif
 
 // Calls f(std::type_identity<E>, EngineConfig, AdamW, schedule) for the engine --config describes
-// (its "auto" keys filled from the flags, fill_auto; described on the lead rank),
+// (its "auto" keys filled from the flags and the model's width `hidden`, fill_auto; described on
+// the lead rank),
 // or else the one the flags do (flag_config on top of `buckets`), of the element types TypeList
 // (a config asking for another is an error naming them). `dp`: the data-parallel ranks the
 // config's batch triad spans.
 template <zp::Backend B, class TypeList = zp::AllTypes, class F>
 void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int dp, bool lead,
-                 const zp::EngineConfig& buckets, F&& f) {
+                 std::uint64_t hidden, const zp::EngineConfig& buckets, F&& f) {
 #if ZP_DEMO_IO
   if (!r.config.empty()) {
     zp::ds::Config dc = zp::ds::load(r.config);
-    fill_auto(dc, t, p.name);
+    fill_auto(dc, t, hidden, p.name);
     if (lead) std::printf("%s: %s\n%s", p.name, r.config.c_str(), zp::ds::describe(dc).c_str());
     const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(t);
     using Stages = zp::ds::Stages<0, 1, 2, 3>;
@@ -345,7 +385,7 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
     return;
   }
 #endif
-  (void)dp;
+  (void)dp, (void)hidden;
   if (lead && r.quantized_weights)
     std::printf(
         "%s: stage 3's parameter gathers quantized to int8, a scale per %zu values "

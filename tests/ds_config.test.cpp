@@ -193,14 +193,18 @@ Fields fields(const Config& c) {
   f["engine.align"] = str(e.align);
   f["engine.bucket_slots"] = str(e.bucket_slots);
   f["engine.broadcast_initial_params"] = str(e.broadcast_initial_params);
-  const zp::LossScaler& ls = e.loss_scaler;
-  f["scaler.kind"] = str(int(ls.kind()));
-  f["scaler.scale"] = str(ls.scale());
-  f["scaler.initial_scale"] = str(ls.config().initial_scale);
-  f["scaler.window"] = str(ls.config().window);
-  f["scaler.hysteresis"] = str(ls.config().hysteresis);
-  f["scaler.consecutive_hysteresis"] = str(ls.config().consecutive_hysteresis);
-  f["scaler.min_scale"] = str(ls.config().min_scale);
+  // The engine's loss scaler and the fp16 section's (kept for an "auto" fp16.enabled).
+  for (const auto& [name, ls] :
+       {std::pair{"scaler", &e.loss_scaler}, {"fp16_scaler", &c.fp16_scaler}}) {
+    const std::string k = name;
+    f[k + ".kind"] = str(int(ls->kind()));
+    f[k + ".scale"] = str(ls->scale());
+    f[k + ".initial_scale"] = str(ls->config().initial_scale);
+    f[k + ".window"] = str(ls->config().window);
+    f[k + ".hysteresis"] = str(ls->config().hysteresis);
+    f[k + ".consecutive_hysteresis"] = str(ls->config().consecutive_hysteresis);
+    f[k + ".min_scale"] = str(ls->config().min_scale);
+  }
   f["reduce_bucket_size"] = str(c.reduce_bucket_size);
   f["prefetch_bucket_size"] = str(c.prefetch_bucket_size);
   f["offload.device"] = str(int(c.offload_optimizer.device));
@@ -552,16 +556,24 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}", R"({"train_batch_size": "auto"})", {"auto_keys"}},
       {"{}", R"({"gradient_accumulation_steps": "auto"})", {"auto_keys"}},
       {"{}", fp16, {"precision", "scaler.kind", "scaler.scale", "scaler.initial_scale"}},
-      {"{}", R"({"fp16": {"enabled": false, "loss_scale": 8}})", {}},
+      {"{}",
+       R"({"fp16": {"enabled": false, "loss_scale": 8}})",
+       {"fp16_scaler.kind", "fp16_scaler.scale", "fp16_scaler.initial_scale"}},
+      {"{}", R"({"fp16": {"enabled": "auto"}})", {"auto_keys"}},
       {fp16,
        R"({"fp16": {"loss_scale": 128}})",
-       {"scaler.kind", "scaler.scale", "scaler.initial_scale"}},
+       {"scaler.kind", "scaler.scale", "scaler.initial_scale", "fp16_scaler.kind",
+        "fp16_scaler.scale", "fp16_scaler.initial_scale"}},
       {fp16, R"({"fp16": {"loss_scale": 0}})", {}},
-      {fp16, R"({"fp16": {"initial_scale_power": 8}})", {"scaler.scale", "scaler.initial_scale"}},
-      {fp16, R"({"fp16": {"loss_scale_window": 500}})", {"scaler.window"}},
-      {fp16, R"({"fp16": {"hysteresis": 4}})", {"scaler.hysteresis"}},
-      {fp16, R"({"fp16": {"consecutive_hysteresis": true}})", {"scaler.consecutive_hysteresis"}},
-      {fp16, R"({"fp16": {"min_loss_scale": 2}})", {"scaler.min_scale"}},
+      {fp16,
+       R"({"fp16": {"initial_scale_power": 8}})",
+       {"scaler.scale", "scaler.initial_scale", "fp16_scaler.scale", "fp16_scaler.initial_scale"}},
+      {fp16, R"({"fp16": {"loss_scale_window": 500}})", {"scaler.window", "fp16_scaler.window"}},
+      {fp16, R"({"fp16": {"hysteresis": 4}})", {"scaler.hysteresis", "fp16_scaler.hysteresis"}},
+      {fp16,
+       R"({"fp16": {"consecutive_hysteresis": true}})",
+       {"scaler.consecutive_hysteresis", "fp16_scaler.consecutive_hysteresis"}},
+      {fp16, R"({"fp16": {"min_loss_scale": 2}})", {"scaler.min_scale", "fp16_scaler.min_scale"}},
       {fp16, R"({"fp16": {"auto_cast": false, "fp16_master_weights_and_grads": false}})", {}},
       {"{}", R"({"bf16": {"enabled": true}})", {"precision"}},
       {"{}", R"({"bfloat16": {"enabled": true}})", {"precision"}},
@@ -714,6 +726,7 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
        R"({"scheduler": {"params": {"decay_mom_rate": 0.1}}})",
        {"scheduler.decay_mom_rate"}},
       {"{}", R"({"gradient_clipping": 1.0})", {"engine.max_grad_norm"}},
+      {"{}", R"({"gradient_clipping": "auto"})", {"auto_keys"}},
       {"{}", R"({"steps_per_print": 1})", {"steps_per_print"}},
       {"{}", R"({"wall_clock_breakdown": true})", {"wall_clock_breakdown"}},
       {"{}", R"({"communication_data_type": "bf16"})", {"communication_data_type"}},
@@ -771,8 +784,8 @@ TEST_CASE("malformed configs are errors naming the key path and what was expecte
       {R"({"train_batch_size": 8, "fp16": true})", {"fp16: expected an object {...}, got true"}},
       {R"({"train_batch_size": 8, "zero_optimization": {"overlap_comm": 1}})",
        {"zero_optimization.overlap_comm: expected true or false, got 1"}},
-      {R"({"train_batch_size": 8, "gradient_clipping": "auto"})",
-       {R"(gradient_clipping: expected a finite number >= 0, got "auto")",
+      {R"({"train_batch_size": 8, "steps_per_print": "auto"})",
+       {R"(steps_per_print: expected a non-negative integer, got "auto")",
         "accepted only for the batch sizes"}},
       {R"([{"train_batch_size": 8}])",
        {"ds_config.json: expected a JSON object {...} at the top level"}},
@@ -970,8 +983,82 @@ TEST_CASE("\"auto\" is a placeholder the program fills: recorded, defaulted, not
       [&] { parse_text(R"({"train_batch_size": 8, "zero_optimization": {"stage": "auto"}})"); },
       {R"(zero_optimization.stage: expected a ZeRO stage 0, 1, 2 or 3, got "auto")",
        "accepted only for the batch sizes"});
-  expect_invalid([&] { parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": "auto"}})"); },
-                 {R"(fp16.enabled: expected true or false, got "auto")"});
+  expect_invalid(
+      [&] { parse_text(R"({"train_batch_size": 8, "fp16": {"loss_scale_window": "auto"}})"); },
+      {R"(fp16.loss_scale_window: expected a positive integer, got "auto")",
+       "accepted only for the batch sizes"});
+}
+
+TEST_CASE(
+    "Hugging Face's other \"auto\" keys: clipping and the ZeRO sizes keep DeepSpeed's "
+    "defaults, the precision is fp32 until fill_precision") {
+  // Hugging Face's ZeRO-3 example, with a dynamic scale of its own.
+  const Config c = parse_text(R"({"fp16": {"enabled": "auto", "loss_scale": 0,
+      "loss_scale_window": 500, "initial_scale_power": 12, "hysteresis": 3, "min_loss_scale": 2},
+      "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "train_batch_size": "auto",
+      "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}})");
+  for (const char* k :
+       {"fp16.enabled", "bf16.enabled", "gradient_clipping", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold"})
+    CHECK_MESSAGE(c.is_auto(k), k);
+  CHECK(c.auto_keys.size() == 9);
+  CHECK(c.engine.max_grad_norm == 0.0f);
+  CHECK(c.reduce_bucket_size == 500'000'000u);
+  CHECK(c.prefetch_bucket_size == 50'000'000u);
+  CHECK(c.engine.persist_threshold == 100'000u);
+  CHECK(c.precision == Precision::fp32);
+  CHECK(c.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);
+  const std::string described = zp::ds::describe(c);
+  CHECK(described.find("  precision: fp32\n") != std::string::npos);
+  CHECK(described.find("    fp16.loss_scale_window: 500 (unused: fp16 is off)\n") !=
+        std::string::npos);
+  // The fp16 section's scaler is kept for the program's fill.
+  const zp::LossScaler& kept = c.fp16_scaler;
+  REQUIRE(kept.kind() == zp::LossScaler::Kind::dynamic);
+  CHECK(kept.scale() == 4096.0f);
+  CHECK(kept.config().window == 500);
+  CHECK(kept.config().hysteresis == 3);
+  CHECK(kept.config().min_scale == 2.0f);
+
+  Config fp16 = c;
+  zp::ds::fill_precision(fp16, Precision::fp16);
+  CHECK(fp16.precision == Precision::fp16);
+  CHECK(fp16.dtype() == zp::DType::f16);
+  REQUIRE(fp16.engine.loss_scaler.kind() == zp::LossScaler::Kind::dynamic);
+  CHECK(fp16.engine.loss_scaler.scale() == 4096.0f);
+  CHECK(fp16.engine.loss_scaler.config().window == 500);
+  CHECK(zp::ds::engine_config<zp::fp16>(
+            [&] {
+              Config b = fp16;
+              b.batch.micro_batch_per_rank = 1;
+              return b;
+            }(),
+            2)
+            .loss_scaler.config()
+            .hysteresis == 3);
+  for (const Precision p : {Precision::bf16, Precision::fp32}) {
+    Config x = fp16;  // filled again: the "auto" keys still decide
+    zp::ds::fill_precision(x, p);
+    CHECK(x.precision == p);
+    CHECK(x.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);
+  }
+  // A key written true or false keeps its value; with the other one filled on, both are on.
+  Config written = parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": true},
+      "bfloat16": {"enabled": "auto"}})");
+  CHECK(written.is_auto("bfloat16.enabled"));
+  zp::ds::fill_precision(written, Precision::fp32);
+  CHECK(written.precision == Precision::fp16);
+  CHECK(written.engine.loss_scaler.scale() == 65536.0f);
+  expect_invalid([&] { zp::ds::fill_precision(written, Precision::bf16); },
+                 {"ds_config.json: fp16.enabled: is true, and the program's precision bf16 fills "
+                  "the \"auto\" bfloat16.enabled: both would be enabled; enable one"});
+  Config bf16 = parse_text(R"({"train_batch_size": 8, "bf16": {"enabled": true}})");
+  zp::ds::fill_precision(bf16, Precision::fp16);  // nothing "auto": as written
+  CHECK(bf16.precision == Precision::bf16);
+  CHECK(bf16.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);
 }
 
 TEST_CASE("NaN and infinity in a JSON value built by the program are errors too") {

@@ -2,7 +2,7 @@
 # zp_demo, zp_gpt and the device demo --config (issue #20): a DeepSpeed ds_config.json sets the
 # stage, precision, batch (its "auto" micro-batch from --micro-batch), optimizer, scheduler and
 # clipping, on a dp 2 x pp 2 grid for zp_gpt; the run prints what it read, uses it, and trains;
-# Hugging Face's "auto" keys come from the flags; a misspelt key is refused naming the key it
+# Hugging Face's "auto" keys come from the flags and the model; a misspelt key is refused naming the key it
 # meant. zp_gpt trains the same with either pipeline
 # schedule, then resumes from a checkpoint saved with the config.
 #   trainer_config.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
@@ -92,6 +92,43 @@ if "$demo" --config "$dir/unfilled.json" "${auto_args[@]}" --steps 4 > "$dir/unf
 fi
 grep -q "unfilled.json: scheduler.params.cos_min_ratio is \"auto\", which zp_demo does not fill" "$dir/unfilled.log"
 echo "zp_demo --config: \"auto\" keys filled from the flags, others refused"
+
+# Hugging Face's ZeRO-3 example: the precision from --precision (the trainer's bf16 without it),
+# clipping at the flags' 1, and the ZeRO sizes from the model's width (zp_gpt's --d-model 32:
+# reduce_bucket_size 32^2, stage3_prefetch_bucket_size 0.9 x 32^2, persistence 10 x 32).
+cat > "$dir/hf.json" <<'JSON'
+{
+  "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 500,
+           "initial_scale_power": 12, "hysteresis": 2, "min_loss_scale": 1},
+  "bf16": {"enabled": "auto"},
+  "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                        "stage3_prefetch_bucket_size": "auto",
+                        "stage3_param_persistence_threshold": "auto"},
+  "gradient_clipping": "auto",
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": "auto"
+}
+JSON
+hf_args=(--config "$dir/hf.json" --ranks 2 --steps 4 --log-every 2 --layers 1 --d-model 32
+         --heads 4 --context 16 --micro-batch 2)
+"$gpt" "${hf_args[@]}" --precision fp16 > "$dir/hf-fp16.log"
+grep -q "precision: fp16, dynamic loss scale (initial 4096, window 500, hysteresis 2," "$dir/hf-fp16.log"
+grep -q "zero: stage 3, reduce_bucket_size 1024 elements" "$dir/hf-fp16.log"
+grep -q "param_persistence_threshold 320, .*prefetch_bucket_size 921 " "$dir/hf-fp16.log"
+grep -q "gradient_clipping: 1$" "$dir/hf-fp16.log"
+grep -q "ZeRO stage 3 over dp, backend threads, f16$" "$dir/hf-fp16.log"
+grep -Eq "summary: loss [0-9.]+ -> [0-9.]+ in 4 steps" "$dir/hf-fp16.log"
+"$gpt" "${hf_args[@]}" > "$dir/hf-bf16.log"
+grep -q "precision: bf16$" "$dir/hf-bf16.log"
+grep -q "ZeRO stage 3 over dp, backend threads, bf16$" "$dir/hf-bf16.log"
+# --precision where the config writes the precision is refused.
+if "$gpt" --config "$dir/ds.json" --ranks 2 --steps 2 --precision fp32 > "$dir/written.log" 2>&1; then
+  echo "zp_gpt took --precision beside a config that sets it"
+  exit 1
+fi
+grep -q -- "--precision with --config $dir/ds.json: the config sets the precision" "$dir/written.log"
+echo "zp_gpt --config: Hugging Face's ZeRO-3 example, its precision, clipping and sizes filled"
 
 sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"
 for prog in "$demo" "$gpt" "$sim"; do

@@ -39,10 +39,12 @@
 // names the source, the full key path and what was expected:
 //   ds_config.json: zero_optimization.stage3_max_live_parameters: expected a non-negative integer, got "many"
 //
-// "auto" (Hugging Face's placeholder) is accepted where the launching program fills values: the
-// batch keys ("auto" = not given; resolve_batch completes the triad for the world size) and the
-// optimizer's and scheduler's params (the DeepSpeed default is kept). Each such key's path is
-// listed in Config::auto_keys so the program can fill it, e.g. from its own flags.
+// "auto" (Hugging Face's placeholder) is accepted where its Trainer fills values from its own
+// arguments and the model: the batch keys ("auto" = not given; resolve_batch completes the triad
+// for the world size), the optimizer's and scheduler's params, gradient_clipping,
+// reduce_bucket_size, stage3_prefetch_bucket_size and stage3_param_persistence_threshold (the
+// DeepSpeed default is kept) and fp16.enabled / bf16.enabled (off until fill_precision). Each such
+// key's path is listed in Config::auto_keys so the program can fill it, e.g. from its own flags.
 //
 // What a Config may hold but zp's engine does not do yet (with_engine raises the error, so the
 // value stays visible in describe()): a grad_accum_dtype or communication_data_type other than
@@ -134,6 +136,10 @@ struct Config {
   // prefetch (stage3_prefetch_bucket_size).
   // batch and bucket_bytes are set by engine_config<T>(), which knows the world size and T.
   EngineConfig engine = defaults();
+  // The loss scaler the fp16 section describes, enabled or not (DeepSpeed's dynamic scale from
+  // 2^16 without one): engine.loss_scaler while the precision is fp16, and what fill_precision
+  // turns on for an "auto" fp16.enabled.
+  LossScaler fp16_scaler = LossScaler::dynamic({});
   // zero_optimization.reduce_bucket_size and stage3_prefetch_bucket_size, in elements.
   std::uint64_t reduce_bucket_size = 500'000'000;
   std::uint64_t prefetch_bucket_size = 50'000'000;
@@ -223,8 +229,9 @@ inline Ctx context(const std::string& source, std::vector<std::string>* auto_key
              .placeholder = "auto",
              .placeholders = auto_keys,
              .placeholder_hint =
-                 " (\"auto\" is accepted only for the batch sizes and the optimizer's and "
-                 "scheduler's params)",
+                 " (\"auto\" is accepted only for the batch sizes, the optimizer's and "
+                 "scheduler's params, gradient_clipping, fp16/bf16.enabled and the three ZeRO "
+                 "sizes Hugging Face fills from the hidden size)",
              .foreign = "DeepSpeed"};
 }
 
@@ -248,7 +255,7 @@ struct Fp16Section {
 using Fp16Key = Key<Fp16Section>;
 inline constexpr Fp16Key fp16_keys[] = {
     Fp16Key::read(
-        "enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; }),
+        "enabled", boolean(false).or_placeholder(), [](auto& s) -> auto& { return s.enabled; }),
     Fp16Key::read(
         "loss_scale", real_f32(0, Real::non_negative),
         [](auto& s) -> auto& { return s.loss_scale; }),
@@ -275,7 +282,7 @@ struct Bf16Section {
 };
 using Bf16Key = Key<Bf16Section>;
 inline constexpr Bf16Key bf16_keys[] = {Bf16Key::read(
-    "enabled", boolean(false), [](auto& s) -> auto& { return s.enabled; })};
+    "enabled", boolean(false).or_placeholder(), [](auto& s) -> auto& { return s.enabled; })};
 
 inline constexpr Choice offload_devices[] = {{"none", std::int64_t(OffloadDevice::none)},
                                              {"cpu", std::int64_t(OffloadDevice::cpu)},
@@ -336,14 +343,15 @@ inline constexpr ConfigKey zero_keys[] = {
         "stage", integer(0, 0, 3, "a ZeRO stage 0, 1, 2 or 3"),
         [](auto& c) -> auto& { return c.stage; }),
     ConfigKey::read(
-        "reduce_bucket_size", integer(500'000'000, 1, max_i64, "a positive integer (elements)"),
+        "reduce_bucket_size",
+        integer(500'000'000, 1, max_i64, "a positive integer (elements)").or_placeholder(),
         [](auto& c) -> auto& { return c.reduce_bucket_size; }),
     ConfigKey::read(
-        "stage3_prefetch_bucket_size", count(50'000'000),
+        "stage3_prefetch_bucket_size", count(50'000'000).or_placeholder(),
         [](auto& c) -> auto& { return c.prefetch_bucket_size; })
         .or_alias("prefetch_bucket_size"),
     ConfigKey::read(
-        "stage3_param_persistence_threshold", count(100'000),
+        "stage3_param_persistence_threshold", count(100'000).or_placeholder(),
         [](auto& c) -> auto& { return c.engine.persist_threshold; })
         .or_alias("param_persistence_threshold"),
     ConfigKey::read(
@@ -642,7 +650,7 @@ inline constexpr ConfigKey root_keys[] = {
     ConfigKey::object("optimizer", read_optimizer).if_given().listed(list_optimizer),
     ConfigKey::object("scheduler", read_scheduler).if_given().listed(list_scheduler),
     ConfigKey::read(
-        "gradient_clipping", real_f32(0, Real::non_negative),
+        "gradient_clipping", real_f32(0, Real::non_negative).or_placeholder(),
         [](auto& c) -> auto& { return c.engine.max_grad_norm; }),
     ConfigKey::read(
         "steps_per_print", count(10), [](auto& c) -> auto& { return c.steps_per_print; }),
@@ -704,9 +712,7 @@ inline void read_fp16(const Ctx& c, const json& j, const std::string& path, Conf
     c.fail(join(path, "min_loss_scale"),
            "must be <= the initial scale 2^initial_scale_power = ", initial, ", got ",
            s.min_loss_scale);
-  if (!s.enabled) return;
-  cfg.precision = Precision::fp16;
-  cfg.engine.loss_scaler = c.checked(path, [&] {
+  cfg.fp16_scaler = c.checked(path, [&] {
     return s.loss_scale > 0 ? LossScaler::fixed(s.loss_scale)
                             : LossScaler::dynamic(
                                   DynamicScale{.initial_scale = float(initial),
@@ -715,6 +721,9 @@ inline void read_fp16(const Ctx& c, const json& j, const std::string& path, Conf
                                                .consecutive_hysteresis = s.consecutive_hysteresis,
                                                .min_scale = s.min_loss_scale});
   });
+  if (!s.enabled) return;
+  cfg.precision = Precision::fp16;
+  cfg.engine.loss_scaler = cfg.fp16_scaler;
 }
 
 // path: "bf16" or its older name "bfloat16", whichever is given.
@@ -861,13 +870,13 @@ inline void read_scheduler(const Ctx& c, const json& j, const std::string& path,
 
 // ---- what describe() lists for the sections read by a function -----------------------------------
 
-// fp16 as the Config holds it: enabled (the precision) and the loss scaler. The dynamic scaler's
-// keys are kept only when fp16 is on without a fixed loss_scale; otherwise their defaults show,
-// marked unused.
+// fp16 as the Config holds it: enabled (the precision) and the section's loss scaler. The dynamic
+// scaler's keys are kept only without a fixed loss_scale (otherwise their defaults show); each
+// key the run does not use is marked so.
 inline Fp16Section fp16_of(const Config& cfg) {
   Fp16Section s;
   s.enabled = cfg.precision == Precision::fp16;
-  const LossScaler& ls = cfg.engine.loss_scaler;
+  const LossScaler& ls = cfg.fp16_scaler;
   if (ls.kind() == LossScaler::Kind::fixed) s.loss_scale = ls.scale();
   if (ls.kind() == LossScaler::Kind::dynamic) {
     const DynamicScale& d = ls.config();
@@ -882,10 +891,11 @@ inline Fp16Section fp16_of(const Config& cfg) {
 inline void list_fp16(const Config& cfg, const std::string& path, Listing& out) {
   const std::size_t first = out.size();
   list_object(fp16_keys, fp16_of(cfg), path, out);
-  if (cfg.engine.loss_scaler.kind() == LossScaler::Kind::dynamic) return;
+  const bool off = cfg.precision != Precision::fp16;
+  if (!off && cfg.fp16_scaler.kind() == LossScaler::Kind::dynamic) return;
   for (std::size_t i = first; i < out.size(); ++i)
-    if (out[i].path != join(path, "enabled") && out[i].path != join(path, "loss_scale"))
-      out[i].value += " (unused: no dynamic loss scaling)";
+    if (out[i].path != join(path, "enabled") && (off || out[i].path != join(path, "loss_scale")))
+      out[i].value += off ? " (unused: fp16 is off)" : " (unused: no dynamic loss scaling)";
 }
 
 // "optimizer" and "scheduler": their table's keys, with "params" replaced by the lines of the
@@ -1012,6 +1022,25 @@ inline Config parse(std::string_view text, std::string_view source_name) {
 // be read (missing, not a regular file, over 16 MiB) is Errc::io.
 inline Config load(const std::filesystem::path& path) {
   return parse(zp::detail::read_whole_file(path, std::uint64_t(16) << 20), path.string());
+}
+
+// Fills fp16.enabled and bf16.enabled where c writes "auto", for a program whose model is of
+// precision p, as Hugging Face's Trainer fills them from its --fp16 and --bf16: an "auto" one is
+// enabled when it names p, one written true or false keeps its value. The precision follows (fp16
+// with the fp16 section's loss scaler); a written true beside a filled one is an error naming both.
+inline void fill_precision(Config& c, Precision p) {
+  const bool fp16_auto = c.is_auto("fp16.enabled");
+  const char* bf16_key = c.is_auto("bfloat16.enabled") ? "bfloat16.enabled" : "bf16.enabled";
+  const bool bf16_auto = c.is_auto(bf16_key);
+  const bool fp16 = fp16_auto ? p == Precision::fp16 : c.precision == Precision::fp16;
+  const bool bf16 = bf16_auto ? p == Precision::bf16 : c.precision == Precision::bf16;
+  if (fp16 && bf16)
+    detail::context(c.source, nullptr)
+        .fail(fp16_auto ? bf16_key : "fp16.enabled", "is true, and the program's precision ",
+              detail::ds_name(p), " fills the \"auto\" ", fp16_auto ? "fp16.enabled" : bf16_key,
+              ": both would be enabled; enable one");
+  c.precision = fp16 ? Precision::fp16 : bf16 ? Precision::bf16 : Precision::fp32;
+  c.engine.loss_scaler = fp16 ? c.fp16_scaler : LossScaler::none();
 }
 
 // ---- describe --------------------------------------------------------------------------------
