@@ -77,8 +77,8 @@ bool result_ok(int threads) {
   adamw_scalar_loop(AdamW{}, 3, 0.5f, b.master.data(), b.grad.data(), b.m.data(), b.v.data(),
                     bv.param.data(), n);
   for (std::size_t i = 0; i < n; ++i)
-    if (std::abs(a.master[i] - b.master[i]) > 1e-6f * std::abs(b.master[i]) + 1e-9f ||
-        std::abs(a.m[i] - b.m[i]) > 1e-6f * std::abs(b.m[i]) + 1e-12f)
+    if (!(std::abs(a.master[i] - b.master[i]) <= 1e-6f * std::abs(b.master[i]) + 1e-9f) ||
+        !(std::abs(a.m[i] - b.m[i]) <= 1e-6f * std::abs(b.m[i]) + 1e-12f))  // NaN: unequal
       return false;
   return true;
 }

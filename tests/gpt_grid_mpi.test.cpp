@@ -38,6 +38,11 @@ void check(Collective<Mpi>& world, zp::GridShape shape) {
   const g::Agreement a = g::compare(r, ref);
   CHECK(a.max_diff <= tolerance);
   CHECK(a.compared > 0);
+  REQUIRE(r.norms.size() == ref.norms.size());
+  REQUIRE(r.losses.size() == ref.losses.size());
+  if (r.last_stage && shape.dp == 1)  // with dp > 1 a rank sees its replica's loss only
+    for (std::size_t s = 0; s < r.losses.size(); ++s)
+      CHECK(r.losses[s] == doctest::Approx(ref.losses[s]).epsilon(1e-5));
   for (std::size_t s = 0; s < r.norms.size(); ++s)
     CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
   double worst = a.max_diff;

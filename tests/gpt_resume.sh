@@ -50,6 +50,7 @@ printf step10 > "$dir/g10/latest"
 "$gpt" "${args20[@]}" "${grid[@]}" --checkpoint-dir "$dir/g10" --resume \
   --log-json "$dir/g-resumed.jsonl" > "$dir/g-resumed.log"
 diff <(losses "$dir/g.jsonl") <(losses "$dir/g-resumed.jsonl")
+[ "$(losses "$dir/g.jsonl" | wc -l)" -eq 10 ]
 echo "2 x 2 x 2 grid: resume from step 10 logs the uninterrupted run's losses"
 "$gpt" "${args20[@]}" --ranks 1 --stage 0 --decay matrices --checkpoint-dir "$dir/g" --resume \
   --export "$dir/g-one" --sample 40 > "$dir/g-one.log"
@@ -74,6 +75,7 @@ printf step10 > "$dir/h10/latest"
 "$gpt" "${args20[@]}" "${hy[@]}" --checkpoint-dir "$dir/h10" --resume \
   --log-json "$dir/h-resumed.jsonl" > "$dir/h-resumed.log"
 diff <(losses "$dir/h.jsonl") <(losses "$dir/h-resumed.jsonl")
+[ "$(losses "$dir/h.jsonl" | wc -l)" -eq 10 ]
 "$gpt" "${args20[@]}" --ranks 1 --checkpoint-dir "$dir/h" --resume --export "$dir/h-one" \
   > "$dir/h-one.log"
 cmp "$dir/h-grid/model.safetensors" "$dir/h-one/model.safetensors"

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "random.hpp"
+#include "seed_report.hpp"
 #include "zp/backend/mpi.hpp"
 
 namespace zp::test {

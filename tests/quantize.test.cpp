@@ -116,11 +116,13 @@ TEST_CASE("an inf or NaN makes its block NaN and leaves the others exact") {
       for (std::size_t i = 0; i < x.size(); ++i) x[i] = float(int(i % 5) - 2);
       x[11] = bad;  // block 1
       std::vector<std::uint8_t> q(f.code_bytes(24));
-      std::vector<float> s(3), back(24);
+      std::vector<float> s(3, -1.0f), back(24, 1e30f);  // unwritten: caught below
       zp::quant::quantize(std::span<const float>(x), f, std::span(q), std::span(s));
       zp::quant::dequantize(f, std::span<const std::uint8_t>(q), std::span<const float>(s),
                             std::span(back));
       CHECK(std::isnan(s[1]));
+      for (std::size_t b : {0, 2})  // absmax 2 in the exact blocks
+        CHECK(s[b] == doctest::Approx(2.0 / f.qmax()).epsilon(1e-6));
       for (std::size_t i = 0; i < 24; ++i) {
         CAPTURE(i);
         if (i / 8 == 1)
@@ -356,7 +358,7 @@ TEST_CASE_TEMPLATE("the AVX-512 and AVX2 paths (int8, int4) give the portable wo
                                               std::vector<std::uint8_t>(f.code_bytes(n), 0x55)};
             std::vector<float> s[2] = {std::vector<float>(f.blocks(n), -1.0f),
                                        std::vector<float>(f.blocks(n), -2.0f)};
-            std::vector<T> back[2] = {std::vector<T>(n), std::vector<T>(n)};
+            std::vector<T> back[2] = {std::vector<T>(n, T(-3.0f)), std::vector<T>(n, T(5.0f))};
             std::vector<float> acc[2];
             for (int k = 0; k < 2; ++k) {
               const auto path = k ? zp::quant::Path::portable : vector_path;

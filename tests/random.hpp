@@ -5,7 +5,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
+#include <source_location>
+#include <vector>
 
 namespace zp::test {
 
@@ -23,12 +26,34 @@ inline float hash_uniform(std::uint64_t seed, std::uint64_t i) {
       double(mix(x + 0x94d049bb133111ebull - 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
 }
 
-// A new seed every run, or ZP_TEST_SEED's value to repeat a failing one (tests print the
-// seeds they use).
-inline std::uint64_t fresh_seed() {
-  if (const char* e = std::getenv("ZP_TEST_SEED")) return std::strtoull(e, nullptr, 10);
-  std::random_device rd;
-  return (std::uint64_t(rd()) << 32) | rd();
+// The seeds fresh_seed drew during the running test case, with their call sites: a failed test
+// case prints them (seed_report.hpp, in the tests' mains).
+struct DrawnSeed {
+  std::source_location at;
+  std::uint64_t seed;
+};
+struct DrawnSeeds {
+  std::mutex m;
+  std::vector<DrawnSeed> seeds;  // the first 32 of the test case
+};
+inline DrawnSeeds& drawn_seeds() {
+  static DrawnSeeds d;
+  return d;
+}
+
+// A new seed every call, or ZP_TEST_SEED's value to repeat a failing one.
+inline std::uint64_t fresh_seed(std::source_location at = std::source_location::current()) {
+  std::uint64_t v;
+  if (const char* e = std::getenv("ZP_TEST_SEED")) {
+    v = std::strtoull(e, nullptr, 10);
+  } else {
+    std::random_device rd;
+    v = (std::uint64_t(rd()) << 32) | rd();
+  }
+  DrawnSeeds& d = drawn_seeds();
+  std::lock_guard lk(d.m);
+  if (d.seeds.size() < 32) d.seeds.push_back({at, v});
+  return v;
 }
 
 // The seed of this test program's run (fresh_seed), printed once with how to repeat the run.

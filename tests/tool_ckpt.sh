@@ -24,7 +24,8 @@ test "$(grep -c "^ok" "$dir.verify")" = 2
 test -s "$dir/export/model.safetensors.index.json"
 # Again as one file into the same folder: the split files go (their index would shadow it).
 "$tool" export "$dir/ckpt" "$dir/export" --master
-test -s "$dir/export/model.safetensors" && test ! -e "$dir/export/model.safetensors.index.json"
+test -s "$dir/export/model.safetensors"
+test ! -e "$dir/export/model.safetensors.index.json"
 if ls "$dir/export"/model-*-of-*.safetensors 2> /dev/null; then echo "an earlier export's shards stayed"; exit 1; fi
 "$tool" reshard "$dir/ckpt" --ranks 3
 test "$(cat "$dir/ckpt/latest")" = step6-3ranks
@@ -67,11 +68,13 @@ grep -q "^  step3  .*unreadable: checkpoint manifest $p/step3/manifest.json" "$d
 # prune refuses while a save holds the directory, touching nothing.
 if flock "$p/.zp-save.lock" "$tool" prune "$p" --keep 2 2> "$dir.err"; then echo "prune ran beside a save"; exit 1; fi
 grep -q "$p is locked by another checkpoint save" "$dir.err"
-test -d "$p/.step15.partial" && test -d "$p/step6"
+test -d "$p/.step15.partial"
+test -d "$p/step6"
 # It keeps the two newest up to latest, keeps the unreadable one, and removes the leftover.
 "$tool" prune "$p" --keep 2 | tee "$dir.prune"
 grep -qx "removed $p/.step15.partial (left by a save that did not finish)" "$dir.prune"
-grep -qx "removed $p/step6" "$dir.prune" && grep -qx "removed $p/copy6" "$dir.prune"
+grep -qx "removed $p/step6" "$dir.prune"
+grep -qx "removed $p/copy6" "$dir.prune"
 grep -qx "pruned $p: 2 checkpoints removed" "$dir.prune"
 test "$(find "$p" -mindepth 1 -maxdepth 1 -printf '%f\n' | LC_ALL=C sort | tr '\n' ' ')" = ".zp-save.lock latest step12 step3 step9 "
 # A step past latest's stays; a latest that does not read removes nothing, with status 1.
@@ -81,7 +84,8 @@ test -d "$p/step12"
 echo step3 > "$p/latest"
 if "$tool" prune "$p" --keep 1 > /dev/null 2> "$dir.err"; then echo "prune passed an unreadable latest"; exit 1; fi
 grep -q "$p/step3: .latest. names it but its manifest does not read; nothing removed" "$dir.err"
-test -d "$p/step9" && test -d "$p/step12"
+test -d "$p/step9"
+test -d "$p/step12"
 if "$tool" prune "$dir/none" --keep 1 2> "$dir.err"; then echo "prune passed a missing directory"; exit 1; fi
 grep -q "checkpoint: $dir/none: No such file or directory" "$dir.err"
 if "$tool" prune "$p/latest" --keep 1 2> "$dir.err"; then echo "prune passed a file"; exit 1; fi
@@ -106,6 +110,7 @@ usage_error "--keep expects an integer in [1, 2147483647], got '0'" prune "$p" -
 usage_error "list does not take --tag" list "$p" --tag step9
 usage_error "list takes one directory" list "$p" "$p"
 "$tool" --help > "$dir.err"
-grep -q "usage: zp_ckpt list    DIR" "$dir.err" && grep -q "zp_ckpt prune   DIR --keep N" "$dir.err"
+grep -q "usage: zp_ckpt list    DIR" "$dir.err"
+grep -q "zp_ckpt prune   DIR --keep N" "$dir.err"
 rm -rf "$dir" "$dir.info" "$dir.verify" "$dir.demo" "$dir.err" "$dir.list" "$dir.prune" "$dir.reshard"
 echo "zp_ckpt: ok"

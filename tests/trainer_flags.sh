@@ -55,7 +55,11 @@ for prog in "$demo" "$gpt" "$sim"; do
   "$prog" --help > "$dir/help.log"  # the usage on stdout, exit status 0, nothing trained
   grep -q "^usage: $(basename "$prog") \[options\]" "$dir/help.log"
   "$prog" --steps 5 -h > "$dir/help.log"
-  grep -q "^usage: " "$dir/help.log" && ! grep -q "^step" "$dir/help.log"
+  grep -q "^usage: " "$dir/help.log"
+  if grep -q "^step" "$dir/help.log"; then
+    echo "$prog -h trained"
+    exit 1
+  fi
 done
 for prog in "$demo" "$gpt"; do
   refused 1 "shard_group_size 3 does not divide the 4 data-parallel ranks" \

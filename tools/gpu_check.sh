@@ -65,7 +65,7 @@ if [[ -n "${ZP_GPU_BIN:-}" && $PHASE != binaries ]]; then
   # machine (PyTorch's wheels, else its toolkit).
   BUILD=$ZP_GPU_BIN
   CUBLAS_LIB=$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null || true)
-  export LD_LIBRARY_PATH="$PWD/$BUILD/lib:${CUBLAS_LIB:+$CUBLAS_LIB:}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$(cd "$BUILD" && pwd)/lib:${CUBLAS_LIB:+$CUBLAS_LIB:}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   missing=$(ldd "$BUILD"/tests/* "$BUILD"/bench/* "$BUILD"/examples/* 2>&1 | grep "not found" | sort -u)
   if [[ -z $missing ]]; then log "prebuilt binaries from $BUILD"; else
     log "prebuilt binaries miss libraries here, building instead:"; echo "$missing" | tee -a "$OUT/summary.txt"
@@ -105,9 +105,10 @@ if [[ $PHASE == binaries ]]; then  # the binaries and the libraries the GPU mach
   for t in $GPU_TESTS; do cp "$BUILD/tests/zp.test.$t" "$G/tests/"; done
   for b in $GPU_BENCHES; do cp "$BUILD/bench/$b" "$G/bench/"; done
   for e in zp_demo_gpu zp_demo zp_gpt; do cp "$BUILD/examples/$e" "$G/examples/"; done
-  for lib in libcudart.so.13 libbenchmark.so.1debian; do
-    cp -L "$(ldd "$G/bench/zp_bench_optim_cuda" | awk -v l="$lib" '$1 == l { print $3 }')" "$G/lib/"
-  done
+  copy_lib() { cp -L "$(ldd "$1" | awk -v l="$2" '$1 == l { print $3 }')" "$G/lib/"; }
+  for lib in libcudart.so.13 libbenchmark.so.1debian; do copy_lib "$G/bench/zp_bench_optim_cuda" $lib; done
+  # zp_demo and zp_gpt link liburing (zp::aio) where this machine has it.
+  if ldd "$G/examples/zp_demo" | grep -q "liburing.so.2 "; then copy_lib "$G/examples/zp_demo" liburing.so.2; fi
   if [[ -n "${ZP_GPU_BASE:-}" ]]; then  # the benchmarks as they were at that revision, for ab
     base=$(mktemp -d)
     git worktree add -q --detach "$base/src" "$ZP_GPU_BASE" || { log "no revision $ZP_GPU_BASE"; exit 1; }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "../device_or_skip.hpp"
+#include "../random.hpp"
 #include <zp/device/memory.hpp>
 #include <zp/optim/cpu.hpp>
 #include <zp/optim/gpu.hpp>
@@ -59,7 +60,7 @@ int uses_slot_count(const O& o) {
 template <class O, class T, class G>
 void compare(const O& opt, std::size_t n, int steps, int overflow_at) {
   CAPTURE(n);
-  std::mt19937_64 rng(n * 7919 + steps);
+  std::mt19937_64 rng(zp::test::fresh_seed());
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> master(n), s0(n), s1(n);
   std::vector<G> grad(n);
@@ -134,7 +135,7 @@ TEST_CASE("the device step matches the CPU step bit for bit and skips on the dev
 TEST_CASE("unaligned shards take the element-wise path and still match") {
   const std::size_t n = 1001;
   std::vector<float> master(n + 1, 0.5f), s0(n + 1), s1(n + 1), grad(n + 1), param(n + 1);
-  std::mt19937_64 rng(std::random_device{}());
+  std::mt19937_64 rng(zp::test::fresh_seed());
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto& g : grad) g = normal(rng);
   DeviceArray<float> dm(master), d0(s0), d1(s1), dg(grad), dp(param);
@@ -167,9 +168,7 @@ TEST_CASE(
     "shard, in batches; a bad shard anywhere enqueues nothing") {
   using Item = zp::optim::gpu::detail::StepItem<AdamW, bf16, bf16>;
   constexpr int shards = 2 * zp::device::Batch<Item>::N + 3;  // three batches
-  const std::uint64_t seed = std::random_device{}();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(zp::test::fresh_seed());
   std::normal_distribution<float> normal(0.0f, 1.0f);
   // Disjoint shards of 0-300 elements in one buffer, each after a gap of 0-3 (unaligned ones
   // take the element-wise path); the gaps must stay as they were.
