@@ -31,6 +31,16 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
+if not __debug__:
+    sys.exit("gpt_hf_check.py: its checks are asserts; run it without -O / PYTHONOPTIMIZE")
+
+
+def fresh_seed(what):
+    """A new seed, or ZP_TEST_SEED's to repeat a failing run; printed."""
+    seed = int(os.environ.get("ZP_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"{what}: seed {seed} (ZP_TEST_SEED={seed} repeats it)")
+    return seed
+
 
 def layer_norm(x, w, b, eps):
     mean = x.mean(-1, keepdims=True)
@@ -102,7 +112,7 @@ def transformers_eval_loss(model, ids, context):
 
 
 def check_trained(gpt, work):
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(fresh_seed("the evaluation text"))
     text = os.path.join(work, "pattern.txt")
     with open(text, "w") as f:
         f.write("abcdefgh" * 400)
@@ -201,7 +211,7 @@ def check_trained(gpt, work):
     # loaded weights (--steps 0 --eval) on a random text equals transformers' on the same windows
     # (each of context + 1 characters starting where the last one's targets end; the last one
     # short, and 3 windows a forward, so one forward is padded).
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed("transformers' GPT-2 for --init-from")
     saved = os.path.join(work, "transformers_saved")
     model = save_transformers_gpt2(saved, seed, vocab_size=len(byte_of_id), n_positions=64,
                                    n_embd=32, n_layer=1, n_head=4)
@@ -243,7 +253,7 @@ def write_tokens(path, ids):
 
 def check_tokens(gpt, work):
     """zp_gpt --tokens: training on llm.c's token files."""
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(fresh_seed("the token files"))
     shape = [gpt, "--layers", "1", "--d-model", "32", "--heads", "4", "--context", "16",
              "--micro-batch", "4", "--ranks", "2", "--lr", "1e-2"]
 
@@ -330,8 +340,7 @@ def main():
     if len(sys.argv) > 3:
         check_trained(sys.argv[3], work)
         check_tokens(sys.argv[3], work)
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
+    seed = fresh_seed("the exported model")
     subprocess.run([exporter, work, str(seed)], check=True)
     hf = os.path.join(work, "hf")
     with open(os.path.join(hf, "config.json")) as f:
