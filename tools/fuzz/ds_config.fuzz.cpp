@@ -1,4 +1,5 @@
-// Fuzz target: zp::ds::parse over arbitrary text, and describe() of what it accepts.
+// Fuzz target: zp::ds::parse over arbitrary text, and describe() of what it accepts, as read and
+// with its precision filled for each element type (fill_precision).
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -18,10 +19,11 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       "zero_quantized_weights": true, "zero_hpz_partition_size": 2,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 4},
       "offload_param": {"device": "cpu"}}})");
-  zp::fuzz::seed("fp16.json", R"({"train_batch_size": "auto", "fp16": {"enabled": true,
+  zp::fuzz::seed("fp16.json", R"({"train_batch_size": "auto", "fp16": {"enabled": "auto",
     "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
     "min_loss_scale": 1}, "zero_optimization": {"stage": 2, "zero_quantized_gradients": true},
-    "aio": {"block_size": 1048576, "queue_depth": 8}, "activation_checkpointing": {}})");
+    "aio": {"block_size": 1048576, "queue_depth": 8}, "activation_checkpointing": {},
+    "bf16": {"enabled": "auto"}, "gradient_clipping": "auto"})");
   return 0;
 }
 
@@ -30,6 +32,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto c =
         zp::ds::parse(std::string_view(reinterpret_cast<const char*>(data), size), "fuzz");
     (void)zp::ds::describe(c);
+    using zp::ds::Precision;
+    for (const Precision p : {Precision::fp32, Precision::fp16, Precision::bf16})
+      zp::fuzz::refused_or_read([&] {
+        auto filled = c;
+        zp::ds::fill_precision(filled, p);
+        (void)zp::ds::describe(filled);
+      });
   });
   return 0;
 }
