@@ -2261,6 +2261,12 @@ TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at constr
     zp::test::expect_invalid([&] { zp::Engine<Threads, float, 2> e(comm, model, c); },
                              {comm.rank() == 1 ? "engine: max_grad_norm is NaN"
                                                : "rank 1 failed: engine: max_grad_norm is NaN"});
+    // An instruction set forced on one rank (one whose CPU lacks it, on a mixed cluster).
+    c = test_config(2, 1);
+    if (comm.rank() == 1) c.optimizer_options.isa = zp::optim::cpu::Isa(7);
+    zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
+                             {"optimizer: instruction set Isa(7) is not one of best, portable, "
+                              "avx2, avx512 (0 to 3)"});
   });
 }
 

@@ -369,6 +369,43 @@ TEST_CASE("a checkpoint load that fails halfway leaves the engine unusable on ev
   CHECK(loaded == saved);
 }
 
+// A whole-model gather reads each rank's piece from its swap: where one rank's read fails, that
+// rank still joins every gather, and every rank gets its error naming the file, even where the
+// caller catches it and goes on (before, the others waited in the gather it never joined). The
+// ranks' swaps are on two drives, and rank 1's files are truncated.
+TEST_CASE("a swap read failing on one rank in a whole-model gather is an error on every rank") {
+  TempDir drive0("swap0"), drive1("swap1"), out("export");
+  std::vector<std::string> gathered(2), exported(2);
+  run_threads(2, [&](Collective<Threads>& comm) {
+    const std::size_t r = std::size_t(comm.rank());
+    Mlp<float> model;
+    zp::Engine<Threads, float, 2> e(comm, model, nvme_config(r ? drive1.path : drive0.path));
+    train(e, model, 0, 2);
+    comm.barrier();
+    if (r == 1)
+      for (const auto& f : swap_files(drive1.path)) fs::resize_file(f, 4096);
+    comm.barrier();
+    try {
+      (void)e.gather_master();
+    } catch (const zp::Error& x) {
+      gathered[r] = x.what();
+    }
+    try {
+      zp::export_safetensors(e, out.path, {.master = true});
+    } catch (const zp::Error& x) {
+      exported[r] = x.what();
+    }
+    comm.barrier();  // both came back: neither waits in a gather
+  });
+  for (std::size_t r = 0; r < 2; ++r)
+    for (const std::string& what : {gathered[r], exported[r]}) {
+      INFO(what);
+      CHECK(what.find(".swap'") != std::string::npos);
+      CHECK((r == 1 || what.find("rank 1 failed: ") != std::string::npos));
+    }
+  CHECK(!fs::exists(out.path / "model.safetensors"));  // nothing published
+}
+
 // Unlinked, a file lives on while it is open: the job keeps its state and trains on unchanged.
 TEST_CASE("a swap file deleted under a running job loses nothing") {
   TempDir drive("swap");

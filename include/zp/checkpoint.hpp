@@ -582,10 +582,12 @@ void export_safetensors(E& engine, const std::filesystem::path& dir, const Expor
       err = std::current_exception();
     }
   };
-  if (master)
-    for_each_whole_segment<Field::master>(comm, part, 0, emit);
-  else
-    for_each_whole_segment<Field::param>(comm, part, 0, emit);
+  const std::exception_ptr unread =  // this rank's piece, unread: the gathers went on
+      master ? for_each_whole_segment<Field::master>(comm, part, 0, emit)
+             : for_each_whole_segment<Field::param>(comm, part, 0, emit);
+  on_every_grid_rank(engine, [&] {  // agreed first: rank 0 wrote that rank's piece unread
+    if (unread) std::rethrow_exception(unread);
+  });
   on_every_grid_rank(engine, [&] {
     if (err) std::rethrow_exception(err);
     if (out) out->finish();

@@ -1380,9 +1380,8 @@ class ConsolidatedWriter {
   }
   void next_tensor() {
     ++tensor_;
-    if (tensor_ == first_[file_]) {  // that file is complete
-      w_->commit();
-      w_.reset();
+    if (tensor_ == first_[file_]) {  // that file is complete; the last one commits in finish(),
+      if (file_ + 1 < first_.size()) w_->commit(), w_.reset();  // once every rank agreed
       return;
     }
     left_ = tensor_bytes(tensor_);

@@ -259,6 +259,9 @@ struct EngineConfig {
               ranks_per_node);
     ZP_EXPECT(optimizer_options.threads >= 1,
               "engine: optimizer_options.threads must be >= 1, got ", optimizer_options.threads);
+    // A forced instruction set this rank's CPU lacks (a mixed cluster) fails here, agreed on,
+    // not at the first step on this rank alone.
+    (void)optim::cpu::detail::resolve(optimizer_options);
     if (quantized_weights) quantized_weights->check();
     if (quantized_gradients) quantized_gradients->check();
   }

@@ -188,13 +188,17 @@ void unbind_views(const Partitioned<T, Stage, S>& part, const BoundParameters<T>
 // segment order: fn(s, the whole segment s, in host memory if `host` else in S, host). A field
 // the stage keeps whole is read in place; a sharded one is all-gathered, one segment buffer at a
 // time, so no rank holds more than one segment of it. Collective where F is sharded: every rank
-// visits every segment.
+// visits every segment, and a rank whose own piece cannot be read (a swap file's I/O error)
+// still joins every gather and calls fn no more: its error is returned, for the caller to agree
+// on (the others' fn saw that rank's piece unwritten), where a throw would leave them waiting.
 template <Field F, class T, int Stage, MemorySpace S, Backend B, class Fn>
-void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int k,
-                            Fn&& fn) {
+[[nodiscard]] std::exception_ptr for_each_whole_segment(Collective<B>& comm,
+                                                        const Partitioned<T, Stage, S>& part, int k,
+                                                        Fn&& fn) {
   using U = typename Partitioned<T, Stage, S>::template elem<F>;
   const Layout& L = part.layout();
   Buffer<U, S> segment, staged;
+  std::exception_ptr failed;
   for (int s = 0; s < L.segment_count(); ++s) {
     const std::size_t size = L.segment(s).size;
     if constexpr (Partitioned<T, Stage, S>::whole(F)) {
@@ -204,17 +208,34 @@ void for_each_whole_segment(Collective<B>& comm, const Partitioned<T, Stage, S>&
     } else {
       if (segment.size() < size)
         segment = Buffer<U, S>(L.largest_segment(), "whole model: one segment");
-      part.template access<F>(s, Extent::piece, k, Access::read, [&](Owned<U> piece, bool host) {
-        comm.all_gather(space_view<S>(std::span<const U>(piece.span), host, staged),
+      bool gathered = false;
+      if (!failed) {
+        try {
+          part.template access<F>(
+              s, Extent::piece, k, Access::read, [&](Owned<U> piece, bool host) {
+                gathered = true;  // from here on a failure is the collective's, on every rank
+                comm.all_gather(space_view<S>(std::span<const U>(piece.span), host, staged),
+                                segment.span(0, size));
+              });
+        } catch (...) {
+          if (gathered) throw;
+          failed = std::current_exception();
+        }
+      }
+      if (!gathered) {  // this rank's slot, in place: the others get what it holds
+        const std::size_t piece = L.segment(s).piece;
+        comm.all_gather(std::span<const U>(segment.span(std::size_t(comm.rank()) * piece, piece)),
                         segment.span(0, size));
-      });
-      fn(s, std::span<const U>(segment.span(0, size)), false);
+      }
+      if (!failed) fn(s, std::span<const U>(segment.span(0, size)), false);
     }
   }
+  return failed;
 }
 
 // Field F of the whole model on every rank, unpadded, in forward order (the concatenation of the
-// parameters as the model visits them). Collective where F is sharded.
+// parameters as the model visits them). Collective where F is sharded; then a piece that one
+// rank could not read is an error on every rank.
 template <Field F, class T, int Stage, MemorySpace S, Backend B>
 auto gather_whole(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int k = 0) {
   using U = typename Partitioned<T, Stage, S>::template elem<F>;
@@ -222,15 +243,20 @@ auto gather_whole(Collective<B>& comm, const Partitioned<T, Stage, S>& part, int
   std::vector<U> out(L.used()), staged;
   std::vector<std::size_t> at(L.params().size());  // each parameter's place in forward order
   for (std::size_t p = 1; p < at.size(); ++p) at[p] = at[p - 1] + L.params()[p - 1].size;
-  for_each_whole_segment<F>(comm, part, k, [&](int s, std::span<const U> values, bool host) {
-    const auto& seg = L.segment(s);
-    const std::span<const U> h = host_view<S>(values, host, staged);
-    for (int p : seg.params) {
-      const auto& lp = L.params()[std::size_t(p)];
-      std::copy_n(h.begin() + std::ptrdiff_t(lp.offset - seg.offset), lp.size,
-                  out.begin() + std::ptrdiff_t(at[std::size_t(p)]));
-    }
-  });
+  const std::exception_ptr failed =
+      for_each_whole_segment<F>(comm, part, k, [&](int s, std::span<const U> values, bool host) {
+        const auto& seg = L.segment(s);
+        const std::span<const U> h = host_view<S>(values, host, staged);
+        for (int p : seg.params) {
+          const auto& lp = L.params()[std::size_t(p)];
+          std::copy_n(h.begin() + std::ptrdiff_t(lp.offset - seg.offset), lp.size,
+                      out.begin() + std::ptrdiff_t(at[std::size_t(p)]));
+        }
+      });
+  if constexpr (!Partitioned<T, Stage, S>::whole(F))  // a piece one rank could not read
+    on_every_rank(comm, [&] {
+      if (failed) std::rethrow_exception(failed);
+    });
   return out;
 }
 
