@@ -221,7 +221,8 @@ bench_phase() {
   log "GPU demo (tokens/s and loss):"
   local steps="--steps 200 --log-every 100"
   # A size that fills the GPU (#16): 71M parameters, 8192 rows a step, so 6 x 71M x 8192 = 3.5
-  # TFLOP of bf16 matrix products a step (not yet run).
+  # TFLOP of matrix products a step (not yet run), in fp32 (the demo's cublasSgemm on fp32 copies
+  # of its bf16 weights): FP32 rates, not bf16 tensor-core ones.
   local fill="--hidden 8192 --precision bf16 --steps 50 --log-every 25"
   for args in "--ranks 1 --stage 0 $steps" "--ranks 4 --stage 3 $steps" \
               "--ranks 4 --stage 3 --offload-optimizer cpu $steps" \

@@ -195,14 +195,17 @@ void verify_everywhere(E& engine, const Reader& rd) {
   });
 }
 
-// Runs f, which writes the engine's buffers (a load, after its checks passed), on every rank of
-// the grid. A failure on any rank leaves the state half written: it makes the engine unusable
-// on every rank as it is thrown there.
+// Runs f, which writes the engine's buffers (a load, after its checks passed), then writes back
+// what the swaps cached, on every rank of the grid. A failure on any rank leaves the state half
+// written: it makes the engine unusable on every rank as it is thrown there.
 template <class E>
 void writing(E& engine, const char* call, const std::filesystem::path& from,
              detail::FunctionRef<void()> f) {
   try {
-    on_every_grid_rank(engine, f);
+    on_every_grid_rank(engine, [&] {
+      f();
+      engine.partition().flush_swaps();
+    });
   } catch (const std::exception& e) {
     engine.mark_unusable(detail::cat(call, " of ", from.string(),
                                      " failed after it began to write the state (",

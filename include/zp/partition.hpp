@@ -228,6 +228,12 @@ class Partitioned {
   // parameter shard (stage 3), or null.
   Swap<float>* swap() const noexcept { return swap_.get(); }
   Swap<T>* param_swap() const noexcept { return param_swap_.get(); }
+  // Writes back what the swaps hold only in their caches: a writing step (a load) ends with it,
+  // so its write errors are the step's, agreed on, not a later read's on one rank.
+  void flush_swaps() const {
+    if (swap_) swap_->flush();
+    if (param_swap_) param_swap_->flush();
+  }
   // Whether field f lives in a swap file (access() reaches it, owned() does not).
   bool swapped(Field f) const noexcept {
     return f == Field::param ? bool(param_swap_)

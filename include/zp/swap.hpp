@@ -191,6 +191,7 @@ class Swap {
     file_->write(bounce_->span(), offset(cached_f_, cached_c_));
     dirty_ = false;
   }
+  bool dirty() const noexcept { return dirty_; }  // a run written only to the cache
 
   // ---- reading ahead (one field: element i lies at byte i * sizeof(U) of the file) ----------
 

@@ -136,6 +136,7 @@ void load_initial_values(Collective<B>& comm, const Partitioned<T, Stage, S>& pa
           });
     });
   }
+  unless_failed([&] { part.flush_swaps(); });
   init = Buffer<T, S>();
   on_every_rank(
       comm,
