@@ -301,6 +301,7 @@ template <class B>
 std::uint64_t shared_seed(Collective<B>& comm, std::uint64_t local) {
   std::int64_t s = std::int64_t(local & 0x7fffffffffffull);
   comm.broadcast(std::span<std::int64_t>(&s, 1), 0);
+  redrawn(local, std::uint64_t(s));  // ZP_TEST_SEED=s repeats it on every rank
   return std::uint64_t(s);
 }
 

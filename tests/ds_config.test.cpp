@@ -1045,16 +1045,26 @@ TEST_CASE(
     CHECK(x.precision == p);
     CHECK(x.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);
   }
-  // A key written true or false keeps its value; with the other one filled on, both are on.
-  Config written = parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": true},
+  // A key written true or false (or not given) must agree with the program's precision, as
+  // Hugging Face's Trainer checks it.
+  const Config written = parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": true},
       "bfloat16": {"enabled": "auto"}})");
   CHECK(written.is_auto("bfloat16.enabled"));
-  zp::ds::fill_precision(written, Precision::fp32);
-  CHECK(written.precision == Precision::fp16);
-  CHECK(written.engine.loss_scaler.scale() == 65536.0f);
-  expect_invalid([&] { zp::ds::fill_precision(written, Precision::bf16); },
-                 {"ds_config.json: fp16.enabled: is true, and the program's precision bf16 fills "
-                  "the \"auto\" bfloat16.enabled: both would be enabled; enable one"});
+  Config agreed = written;
+  zp::ds::fill_precision(agreed, Precision::fp16);
+  CHECK(agreed.precision == Precision::fp16);
+  CHECK(agreed.engine.loss_scaler.scale() == 65536.0f);
+  for (const Precision p : {Precision::bf16, Precision::fp32}) {
+    Config x = written;
+    expect_invalid([&] { zp::ds::fill_precision(x, p); },
+                   {"ds_config.json: fp16.enabled: is true, which the program's precision ",
+                    "(filling the \"auto\" one) contradicts: write \"auto\" there too, or false"});
+  }
+  Config absent = parse_text(R"({"train_batch_size": 8, "fp16": {"enabled": "auto"}})");
+  expect_invalid([&] { zp::ds::fill_precision(absent, Precision::bf16); },
+                 {"bf16.enabled: is false (or not given), which the program's precision bf16"});
+  zp::ds::fill_precision(absent, Precision::fp32);
+  CHECK(absent.precision == Precision::fp32);
   Config bf16 = parse_text(R"({"train_batch_size": 8, "bf16": {"enabled": true}})");
   zp::ds::fill_precision(bf16, Precision::fp16);  // nothing "auto": as written
   CHECK(bf16.precision == Precision::bf16);

@@ -139,8 +139,10 @@ TEST_CASE("on mpi qgZ's quantized reduce_scatter gives the threads backend's bit
   const int n = comm.size(), h = 2;
   const zp::quant::Format f{.bits = zp::quant::Bits::int4, .block = 16};
   const std::size_t piece = 75;
-  std::int64_t seed = std::int64_t(zp::test::fresh_seed() >> 1);
+  const std::uint64_t drawn = zp::test::fresh_seed();
+  std::int64_t seed = std::int64_t(drawn >> 1);
   comm.broadcast(std::span<std::int64_t>(&seed, 1), 0);
+  zp::test::redrawn(drawn, std::uint64_t(seed) << 1);  // rank 0's draw, but for its last bit
   auto input = [&](int r) {
     std::mt19937_64 rng(std::uint64_t(seed) + std::uint64_t(r));
     std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -40,9 +40,12 @@ void check(Collective<Mpi>& world, zp::GridShape shape) {
   CHECK(a.compared > 0);
   REQUIRE(r.norms.size() == ref.norms.size());
   REQUIRE(r.losses.size() == ref.losses.size());
-  if (r.last_stage && shape.dp == 1)  // with dp > 1 a rank sees its replica's loss only
+  std::int64_t loss_checked = r.last_stage && shape.dp == 1;  // dp > 1: the replica's loss only
+  if (loss_checked)
     for (std::size_t s = 0; s < r.losses.size(); ++s)
       CHECK(r.losses[s] == doctest::Approx(ref.losses[s]).epsilon(1e-5));
+  world.all_reduce(std::span<std::int64_t>(&loss_checked, 1), zp::ReduceOp::sum);
+  if (shape.dp == 1) CHECK(loss_checked == shape.tp);  // each of the last stage's TP ranks
   for (std::size_t s = 0; s < r.norms.size(); ++s)
     CHECK(r.norms[s] == doctest::Approx(ref.norms[s]).epsilon(1e-5));
   double worst = a.max_diff;

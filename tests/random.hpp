@@ -56,6 +56,15 @@ inline std::uint64_t fresh_seed(std::source_location at = std::source_location::
   return v;
 }
 
+// A drawn seed this process replaced by another's (an MPI test takes rank 0's draw): the report
+// names the one that repeats the run.
+inline void redrawn(std::uint64_t drawn, std::uint64_t used) {
+  DrawnSeeds& d = drawn_seeds();
+  std::lock_guard lk(d.m);
+  for (DrawnSeed& x : d.seeds)
+    if (x.seed == drawn) x.seed = used;
+}
+
 // The seed of this test program's run (fresh_seed), printed once with how to repeat the run.
 inline std::uint64_t run_seed(const char* program) {
   static const std::uint64_t s = [program] {

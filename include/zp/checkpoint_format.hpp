@@ -40,6 +40,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <span>
@@ -1332,12 +1333,15 @@ class ConsolidatedWriter {
     if (progress_) progress_(written_, total_);
   }
 
-  // Commits the last file and writes the index (split exports). Every tensor must be written.
+  // Commits the files, in order, and writes the index (split exports). Every tensor must be
+  // written. Nothing is published before: an export that fails (on any rank) leaves no file.
   void finish() {
     while (tensor_ < tensors_.size() && tensors_[tensor_].elements() == 0) next_tensor();
     ZP_EXPECT(tensor_ == tensors_.size(), "export: tensor '",
               tensors_[std::min(tensor_, tensors_.size() - 1)].name, "' was not written");
-    if (w_) w_->commit(), w_.reset();
+    if (w_) complete_.push_back(std::move(w_));
+    for (auto& w : complete_) w->commit();
+    complete_.clear();
     const int n = int(first_.size()) - 1;
     if (n > 1) {
       std::map<std::string, std::string> map;
@@ -1354,9 +1358,10 @@ class ConsolidatedWriter {
     file_ = f;
     std::vector<safetensors::TensorInfo> mine(tensors_.begin() + std::ptrdiff_t(first_[f - 1]),
                                               tensors_.begin() + std::ptrdiff_t(first_[f]));
-    w_.emplace(dir_ / (n == 1 ? std::string("model.safetensors")
-                              : safetensors::shard_file_name(int(f), n)),
-               std::move(mine), std::map<std::string, std::string>{{"format", "pt"}});
+    w_ = std::make_unique<safetensors::Writer>(
+        dir_ /
+            (n == 1 ? std::string("model.safetensors") : safetensors::shard_file_name(int(f), n)),
+        std::move(mine), std::map<std::string, std::string>{{"format", "pt"}});
     left_ = tensor_bytes(tensor_);
   }
   std::uint64_t tensor_bytes(std::size_t i) const {
@@ -1380,8 +1385,8 @@ class ConsolidatedWriter {
   }
   void next_tensor() {
     ++tensor_;
-    if (tensor_ == first_[file_]) {  // that file is complete; the last one commits in finish(),
-      if (file_ + 1 < first_.size()) w_->commit(), w_.reset();  // once every rank agreed
+    if (tensor_ == first_[file_]) {  // that file is complete: committed in finish()
+      complete_.push_back(std::move(w_));
       return;
     }
     left_ = tensor_bytes(tensor_);
@@ -1392,7 +1397,8 @@ class ConsolidatedWriter {
   std::vector<std::size_t> first_;  // first tensor of each file, then tensors_.size()
   std::uint64_t total_ = 0, left_ = 0, written_ = 0;
   std::size_t tensor_ = 0, file_ = 0;
-  std::optional<safetensors::Writer> w_;
+  std::unique_ptr<safetensors::Writer> w_;                      // the file being written
+  std::vector<std::unique_ptr<safetensors::Writer>> complete_;  // written, not yet committed
   Progress progress_;
 };
 

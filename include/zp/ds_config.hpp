@@ -1025,22 +1025,28 @@ inline Config load(const std::filesystem::path& path) {
 }
 
 // Fills fp16.enabled and bf16.enabled where c writes "auto", for a program whose model is of
-// precision p, as Hugging Face's Trainer fills them from its --fp16 and --bf16: an "auto" one is
-// enabled when it names p, one written true or false keeps its value. The precision follows (fp16
-// with the fp16 section's loss scaler); a written true beside a filled one is an error naming both.
+// precision p, as Hugging Face's Trainer fills them from its --fp16 and --bf16: the precision
+// becomes p (fp16 with the fp16 section's loss scaler). As the Trainer's, a key written true or
+// false (or not given: false) must agree with p, else it is an error naming it. Without an "auto"
+// one, c is left as written.
 inline void fill_precision(Config& c, Precision p) {
-  const bool fp16_auto = c.is_auto("fp16.enabled");
   const char* bf16_key = c.is_auto("bfloat16.enabled") ? "bfloat16.enabled" : "bf16.enabled";
-  const bool bf16_auto = c.is_auto(bf16_key);
-  const bool fp16 = fp16_auto ? p == Precision::fp16 : c.precision == Precision::fp16;
-  const bool bf16 = bf16_auto ? p == Precision::bf16 : c.precision == Precision::bf16;
-  if (fp16 && bf16)
-    detail::context(c.source, nullptr)
-        .fail(fp16_auto ? bf16_key : "fp16.enabled", "is true, and the program's precision ",
-              detail::ds_name(p), " fills the \"auto\" ", fp16_auto ? "fp16.enabled" : bf16_key,
-              ": both would be enabled; enable one");
-  c.precision = fp16 ? Precision::fp16 : bf16 ? Precision::bf16 : Precision::fp32;
-  c.engine.loss_scaler = fp16 ? c.fp16_scaler : LossScaler::none();
+  const bool fp16_auto = c.is_auto("fp16.enabled"), bf16_auto = c.is_auto(bf16_key);
+  if (!fp16_auto && !bf16_auto) return;
+  const auto agree = [&](bool is_auto, const char* key, Precision of) {
+    const bool on = c.precision == of;  // as written
+    if (!is_auto && on != (p == of))
+      detail::context(c.source, nullptr)
+          .fail(key, "is ", on ? "true" : "false (or not given)",
+                ", which the program's precision ", detail::ds_name(p),
+                " (filling the \"auto\" one) contradicts: write \"auto\" there "
+                "too, or ",
+                p == of ? "true" : "false");
+  };
+  agree(fp16_auto, "fp16.enabled", Precision::fp16);
+  agree(bf16_auto, bf16_key, Precision::bf16);
+  c.precision = p;
+  c.engine.loss_scaler = p == Precision::fp16 ? c.fp16_scaler : LossScaler::none();
 }
 
 // ---- describe --------------------------------------------------------------------------------

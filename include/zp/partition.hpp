@@ -229,7 +229,8 @@ class Partitioned {
   Swap<float>* swap() const noexcept { return swap_.get(); }
   Swap<T>* param_swap() const noexcept { return param_swap_.get(); }
   // Writes back what the swaps hold only in their caches: a writing step (a load) ends with it,
-  // so its write errors are the step's, agreed on, not a later read's on one rank.
+  // so the errors of those writes are the step's, agreed on, not a later read's on one rank (with
+  // O_DIRECT; through the page cache the kernel may still report one later).
   void flush_swaps() const {
     if (swap_) swap_->flush();
     if (param_swap_) param_swap_->flush();

@@ -214,9 +214,9 @@ template <Field F, class T, int Stage, MemorySpace S, Backend B, class Fn>
         try {
           part.template access<F>(
               s, Extent::piece, k, Access::read, [&](Owned<U> piece, bool host) {
+                const auto in = space_view<S>(std::span<const U>(piece.span), host, staged);
                 gathered = true;  // from here on a failure is the collective's, on every rank
-                comm.all_gather(space_view<S>(std::span<const U>(piece.span), host, staged),
-                                segment.span(0, size));
+                comm.all_gather(in, segment.span(0, size));
               });
         } catch (...) {
           if (gathered) throw;
