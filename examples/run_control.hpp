@@ -286,7 +286,7 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
         key.starts_with(zero) ? std::string_view(key).substr(zero.size()) : std::string_view();
     bool filled = key == "train_batch_size" || key == "optimizer.params.betas" ||
                   key == "optimizer.params.eps" || key == "optimizer.params.weight_decay" ||
-                  key.ends_with("16.enabled");  // fp16, bf16 or bfloat16: below
+                  key.ends_with("16.enabled");  // fp16, bf16 or bfloat16: fill_precision below
     if (key == "train_micro_batch_size_per_gpu") {
       dc.batch.micro_batch_per_rank = t.micro_batch;
       filled = true;
@@ -332,17 +332,15 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
                                       "learning rate, warmup/total steps, clipping and precision "
                                       "from its flags and the ZeRO sizes from the model)"));
   }
-  const bool auto_precision = std::ranges::any_of(
-      dc.auto_keys, [](const std::string& k) { return k.ends_with("16.enabled"); });
+  const bool auto_precision =
+      zp::ds::fill_precision(dc, t.precision == "fp32"   ? zp::ds::Precision::fp32
+                                 : t.precision == "fp16" ? zp::ds::Precision::fp16
+                                                         : zp::ds::Precision::bf16);
   if (t.precision_given && !auto_precision)
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat(program, ": --precision with --config ", dc.source,
                                     ": the config sets the precision (fp16.enabled, bf16.enabled); "
                                     "write \"auto\" there to take it from --precision"));
-  if (auto_precision)
-    zp::ds::fill_precision(dc, t.precision == "fp32"   ? zp::ds::Precision::fp32
-                               : t.precision == "fp16" ? zp::ds::Precision::fp16
-                                                       : zp::ds::Precision::bf16);
   if (dc.scheduler) {
     if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
       std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);

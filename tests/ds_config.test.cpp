@@ -1024,7 +1024,7 @@ TEST_CASE(
   CHECK(kept.config().min_scale == 2.0f);
 
   Config fp16 = c;
-  zp::ds::fill_precision(fp16, Precision::fp16);
+  CHECK(zp::ds::fill_precision(fp16, Precision::fp16));
   CHECK(fp16.precision == Precision::fp16);
   CHECK(fp16.dtype() == zp::DType::f16);
   REQUIRE(fp16.engine.loss_scaler.kind() == zp::LossScaler::Kind::dynamic);
@@ -1066,7 +1066,7 @@ TEST_CASE(
   zp::ds::fill_precision(absent, Precision::fp32);
   CHECK(absent.precision == Precision::fp32);
   Config bf16 = parse_text(R"({"train_batch_size": 8, "bf16": {"enabled": true}})");
-  zp::ds::fill_precision(bf16, Precision::fp16);  // nothing "auto": as written
+  CHECK(!zp::ds::fill_precision(bf16, Precision::fp16));  // nothing "auto": as written
   CHECK(bf16.precision == Precision::bf16);
   CHECK(bf16.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);
 }

@@ -1028,11 +1028,11 @@ inline Config load(const std::filesystem::path& path) {
 // precision p, as Hugging Face's Trainer fills them from its --fp16 and --bf16: the precision
 // becomes p (fp16 with the fp16 section's loss scaler). As the Trainer's, a key written true or
 // false (or not given: false) must agree with p, else it is an error naming it. Without an "auto"
-// one, c is left as written.
-inline void fill_precision(Config& c, Precision p) {
+// one, c is left as written and the result is false.
+inline bool fill_precision(Config& c, Precision p) {
   const char* bf16_key = c.is_auto("bfloat16.enabled") ? "bfloat16.enabled" : "bf16.enabled";
   const bool fp16_auto = c.is_auto("fp16.enabled"), bf16_auto = c.is_auto(bf16_key);
-  if (!fp16_auto && !bf16_auto) return;
+  if (!fp16_auto && !bf16_auto) return false;
   const auto agree = [&](bool is_auto, const char* key, Precision of) {
     const bool on = c.precision == of;  // as written
     if (!is_auto && on != (p == of))
@@ -1047,6 +1047,7 @@ inline void fill_precision(Config& c, Precision p) {
   agree(bf16_auto, bf16_key, Precision::bf16);
   c.precision = p;
   c.engine.loss_scaler = p == Precision::fp16 ? c.fp16_scaler : LossScaler::none();
+  return true;
 }
 
 // ---- describe --------------------------------------------------------------------------------
