@@ -1162,6 +1162,34 @@ TEST_CASE(
   }
 }
 
+// Every rank must save into one directory that all of them see. A rank given another one is an
+// error on every rank, and nothing is published: with a leftover staging directory there, the
+// rank's own check passes and it writes its file into it; rank 0 then finds its file missing.
+TEST_CASE("ranks that save into different directories fail together and publish nothing") {
+  TempDir a("save-a"), b("save-b");
+  fs::create_directories(b.path / ".q.partial");  // a crashed save's leftover
+  on_two_ranks([&](E2& e, Mlp<float>& m) {
+    train(e, m, 0, 1);
+    zp::save_checkpoint(e, a.path, "p");
+    const auto saved = snapshot(e);
+    train(e, m, 1, 2);
+    const bool first = e.comm().rank() == 0;
+    zp::test::expect_invalid(
+        [&] { zp::save_checkpoint(e, first ? a.path : a.path / "elsewhere", "q"); },
+        {"rank 1 does not see the staging directory",
+         (a.path / "elsewhere" / ".q.partial").string(), "same directory"});
+    zp::test::expect_error(zp::Errc::io,
+                           [&] { zp::save_checkpoint(e, first ? a.path : b.path, "q"); },
+                           {"not publishing", "rank 1's file", "is missing", "same directory"});
+    CHECK(!fs::exists(a.path / "q"));
+    CHECK(zp::ckpt::Reader::read_latest(a.path) == "p");
+    zp::ckpt::Reader(a.path).verify();
+    zp::load_checkpoint(e, a.path);
+    auto loaded = snapshot(e);
+    if (first) check_same(saved, loaded);
+  });
+}
+
 TEST_CASE("ranks that would load different checkpoints fail together before reading anything") {
   TempDir a("agree-a"), b("agree-b");
   on_two_ranks([&](E2& e, Mlp<float>& m) {

@@ -322,6 +322,11 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   std::pair<std::size_t, int> current{std::size_t(-1), -1};  // its (field, segment)
   on_every_grid_rank(engine, [&] {
     if (!writes) return;
+    std::error_code ec;
+    ZP_EXPECT(std::filesystem::is_directory(staging, ec), "checkpoint: rank ", w,
+              " does not see the staging directory ", staging.string(),
+              " that rank 0 made for this save; every rank must pass the same directory, on a "
+              "file system all ranks share");
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(w, m.world_size), m, L, w, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {

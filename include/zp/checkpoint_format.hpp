@@ -1204,6 +1204,7 @@ class Publisher : public DirectoryWriter {
   // a copy of an older checkpoint, or one made while a newer was saved, never moves it back.
   // Returns whether `latest` names the new tag.
   bool publish(const Manifest& m, const std::optional<std::string>& if_latest = std::nullopt) {
+    expect_files(m);
     const std::string text = to_json(m).dump(1);
     detail::write_file_atomic(staging_ / "manifest.json",
                               std::as_bytes(std::span<const char>(text)));
@@ -1229,6 +1230,28 @@ class Publisher : public DirectoryWriter {
   static std::filesystem::path made(const std::filesystem::path& dir) {
     create_directories_durably(dir, "checkpoint");
     return dir;
+  }
+
+  // Every file the manifest lists is in the staging directory at its size: a rank that wrote
+  // its file elsewhere (another directory, a file system this one does not share) never leaves
+  // a published checkpoint without it.
+  void expect_files(const Manifest& m) const {
+    for (std::size_t r = 0; r < m.files.size(); ++r) {
+      const auto p = staging_ / m.files[r].name;
+      std::error_code ec;
+      const auto st = std::filesystem::symlink_status(p, ec);
+      const bool file = !ec && std::filesystem::is_regular_file(st);
+      const std::uintmax_t size = file ? std::filesystem::file_size(p, ec) : 0;
+      if (!file || ec || size != m.files[r].bytes)
+        throw Error(Errc::io,
+                    detail::cat("checkpoint: not publishing ", (dir() / tag_).string(), ": rank ",
+                                r, "'s file ", p.string(),
+                                !file ? std::string(" is missing")
+                                      : detail::cat(" has ", size, " bytes, not the ",
+                                                    m.files[r].bytes, " that rank wrote"),
+                                "; every rank must save into the same directory, on a file "
+                                "system all ranks share"));
+    }
   }
 
   std::string tag_;
