@@ -300,8 +300,7 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
       dc.reduce_bucket_size = hidden * hidden;
       filled = true;
     } else if (size == "stage3_prefetch_bucket_size" || size == "prefetch_bucket_size") {
-      dc.prefetch_bucket_size = hidden * hidden * 9 / 10;
-      dc.engine.prefetch = std::size_t(dc.prefetch_bucket_size);
+      dc.engine.prefetch = std::size_t(hidden * hidden * 9 / 10);
       filled = true;
     } else if (size == "stage3_param_persistence_threshold" ||
                size == "param_persistence_threshold") {

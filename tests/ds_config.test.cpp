@@ -206,7 +206,6 @@ Fields fields(const Config& c) {
     f[k + ".min_scale"] = str(ls->config().min_scale);
   }
   f["reduce_bucket_size"] = str(c.reduce_bucket_size);
-  f["prefetch_bucket_size"] = str(c.prefetch_bucket_size);
   f["offload.device"] = str(int(c.offload_optimizer.device));
   f["offload.pin_memory"] = str(c.offload_optimizer.pin_memory);
   f["offload.nvme_path"] = c.offload_optimizer.nvme_path;
@@ -418,7 +417,6 @@ TEST_CASE("the example configs of REFERENCE.md parse to the values they state") 
     CHECK(c.engine.max_grad_norm == 1.0f);
     CHECK(c.stage == 3);
     CHECK(c.reduce_bucket_size == 50'000'000u);
-    CHECK(c.prefetch_bucket_size == 50'000'000u);
     CHECK(c.engine.prefetch == 50'000'000u);
     CHECK(c.engine.persist_threshold == 100'000u);
     CHECK(c.engine.max_live_params == 1'000'000'000u);
@@ -579,12 +577,8 @@ TEST_CASE("each supported key changes exactly the field it maps to") {
       {"{}", R"({"bfloat16": {"enabled": true}})", {"precision"}},
       {"{}", R"({"zero_optimization": {"stage": 3}})", {"stage"}},
       {"{}", R"({"zero_optimization": {"reduce_bucket_size": 1e6}})", {"reduce_bucket_size"}},
-      {"{}",
-       R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0}})",
-       {"prefetch_bucket_size", "engine.prefetch"}},
-      {"{}",
-       R"({"zero_optimization": {"prefetch_bucket_size": 123}})",
-       {"prefetch_bucket_size", "engine.prefetch"}},
+      {"{}", R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0}})", {"engine.prefetch"}},
+      {"{}", R"({"zero_optimization": {"prefetch_bucket_size": 123}})", {"engine.prefetch"}},
       {"{}",
        R"({"zero_optimization": {"stage3_param_persistence_threshold": 10}})",
        {"engine.persist_threshold"}},
@@ -1007,7 +1001,7 @@ TEST_CASE(
   CHECK(c.auto_keys.size() == 9);
   CHECK(c.engine.max_grad_norm == 0.0f);
   CHECK(c.reduce_bucket_size == 500'000'000u);
-  CHECK(c.prefetch_bucket_size == 50'000'000u);
+  CHECK(c.engine.prefetch == 50'000'000u);
   CHECK(c.engine.persist_threshold == 100'000u);
   CHECK(c.precision == Precision::fp32);
   CHECK(c.engine.loss_scaler.kind() == zp::LossScaler::Kind::none);

@@ -2267,6 +2267,23 @@ TEST_CASE("max_grad_norm NaN and invalid optimizer values are rejected at constr
     zp::test::expect_invalid([&] { zp::Engine<Threads, float, 1> e(comm, model, c); },
                              {"optimizer: instruction set Isa(7) is not one of best, portable, "
                               "avx2, avx512 (0 to 3)"});
+    // The NVMe settings, the parameters' offload and the gradient types: each was found only
+    // as the buffers were allocated, on the bad rank alone.
+    const auto bad_on_rank_1 = [&](void (*set)(zp::EngineConfig&), const std::string& what) {
+      auto bad = test_config(2, 1);
+      if (comm.rank() == 1) set(bad);
+      zp::test::expect_invalid([&] { zp::Engine<Threads, float, 2> e(comm, model, bad); },
+                               {comm.rank() == 1 ? what : "rank 1 failed: " + what});
+    };
+    bad_on_rank_1(
+        [](zp::EngineConfig& b) {
+          b.optimizer_nvme = zp::NvmeOptions{.path = "/nonexistent", .buffer_count = 1};
+        },
+        "offload to nvme: buffer_count 1 is not in [2, 64]");
+    bad_on_rank_1([](zp::EngineConfig& b) { b.offload_param = true; },
+                  "engine: parameters offloaded (offload_param: cpu) need ZeRO stage 3");
+    bad_on_rank_1([](zp::EngineConfig& b) { b.grad_accum_dtype = zp::DType::bf16; },
+                  "engine: grad_accum_dtype must be f32 or the model's f32, got bf16");
   });
 }
 
@@ -2693,6 +2710,15 @@ TEST_CASE("estimate_memory is the plan an engine of that model and config checks
           {"ranks_per_node 8 does not divide the 4 data-parallel ranks"});
   refused(two, 4, [](zp::EngineConfig& c) { c.quantized_weights = zp::zero_quantized_weights; },
           {"quantized weight gathers (zero_quantized_weights) need ZeRO stage 3", "got stage 2"});
+  refused(two, 4, [](zp::EngineConfig& c) { c.param_nvme = zp::NvmeOptions{.path = "/nvme"}; },
+          {"parameters offloaded (offload_param: nvme) need ZeRO stage 3", "got stage 2"});
+  refused(three, 4,
+          [](zp::EngineConfig& c) {
+            c.optimizer_nvme = zp::NvmeOptions{.path = "/nvme", .block_size = 1000};
+          },
+          {"offload to nvme: block_size 1000 is not a multiple of 4096"});
+  refused(three, 4, [](zp::EngineConfig& c) { c.communication_dtype = zp::DType::f16; },
+          {"communication_dtype must be f32 or the model's bf16, got f16"});
 }
 
 // zp.test.engine.memory_cgroup runs this in a memory cgroup of ZP_TEST_MEMORY_LIMIT bytes without

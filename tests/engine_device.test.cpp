@@ -35,6 +35,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -587,6 +588,49 @@ TEST_CASE("model states past a device's free memory are refused on every rank, n
                            {"not enough device memory: ranks 0, 1, 2, 3 need ", "free on "});
   });
 }
+
+#if defined(ZP_DEVICE_SIM)
+// ZeRO-Offload's page-locked staging is allocated by the first step. Where that fails on one rank
+// (the simulator's fail_pinned: the next cudaMallocHost, whichever rank makes it), the step fails
+// on every rank, agreed on, and every engine is unusable (that rank's shard may be half
+// updated); before, that rank alone threw and the other waited in the parameters' all_gather.
+TEST_CASE("ZeRO-Offload's step failing on one rank fails on every rank, which then agree") {
+  using B = zp::backend::CudaThreads;
+  struct FailPinned {
+    explicit FailPinned(std::uint64_t n) {
+      auto o = zp::device::sim::options_from_env();
+      o.fail_pinned = n;
+      zp::device::sim::configure(o);
+    }
+    ~FailPinned() { zp::device::sim::configure(zp::device::sim::options_from_env()); }
+  };
+  std::optional<FailPinned> fail;
+  const std::uint64_t seed = zp::test::run_seed("engine_device.test offload failure");
+  zp::backend::run_cuda_threads(2, [&](zp::Collective<B>& comm) {
+    Fed<float> model(seed);
+    zp::Engine<B, float, 2> engine(comm, model, config(1), zp::optim::AdamW{.lr = 1e-2f});
+    const std::uint64_t grads = seed + std::uint64_t(comm.rank());
+    for (int micro = 0; micro < 2; ++micro) {
+      if (micro == 1) {  // the next page-locked allocation is the step's staging, on one rank
+        comm.barrier();
+        if (comm.rank() == 0) fail.emplace(1);
+        comm.barrier();
+      }
+      for (int m = 0; m < 3; ++m) auto g = engine.forward(m);
+      for (int m = 2; m >= 0; --m) {
+        auto g = engine.backward(m);
+        model.template backward<B::memory>(m, grads, 0, micro);
+      }
+      if (micro == 0) CHECK(!engine.step().boundary);
+    }
+    zp::test::expect_error(zp::Errc::cuda, [&] { engine.step(); },
+                           {"simulated device: cudaMallocHost of ", "fail_pinned"});
+    zp::test::expect_invalid([&] { auto g = engine.forward(0); },
+                             {"unusable since the optimizer step offloaded to the CPU failed"});
+    comm.barrier();  // the ranks still agree on their collectives
+  });
+}
+#endif
 
 TEST_CASE_TEMPLATE(
     "the engine on one device (1, 2, 4 cuda_threads ranks; on a GPU nccl at world size 1) equals "

@@ -140,9 +140,8 @@ struct Config {
   // 2^16 without one): engine.loss_scaler while the precision is fp16, and what fill_precision
   // turns on for an "auto" fp16.enabled.
   LossScaler fp16_scaler = LossScaler::dynamic({});
-  // zero_optimization.reduce_bucket_size and stage3_prefetch_bucket_size, in elements.
+  // zero_optimization.reduce_bucket_size, in elements.
   std::uint64_t reduce_bucket_size = 500'000'000;
-  std::uint64_t prefetch_bucket_size = 50'000'000;
   OffloadOptimizer offload_optimizer{};
   OffloadParam offload_param{};
   std::uint64_t sub_group_size = 1'000'000'000;  // zero_optimization.sub_group_size (NVMe swap)
@@ -348,7 +347,7 @@ inline constexpr ConfigKey zero_keys[] = {
         [](auto& c) -> auto& { return c.reduce_bucket_size; }),
     ConfigKey::read(
         "stage3_prefetch_bucket_size", count(50'000'000).or_placeholder(),
-        [](auto& c) -> auto& { return c.prefetch_bucket_size; })
+        [](auto& c) -> auto& { return c.engine.prefetch; })
         .or_alias("prefetch_bucket_size"),
     ConfigKey::read(
         "stage3_param_persistence_threshold", count(100'000).or_placeholder(),
@@ -767,7 +766,6 @@ inline void read_zero(const Ctx& c, const json& j, const std::string& path, Conf
   if (cfg.mics_shard_size > 0 && cfg.stage == 0)
     c.fail(join(path, "mics_shard_size"), "hybrid sharding needs stage 1, 2 or 3, got stage 0",
            " (stage 0 shards nothing)");
-  cfg.engine.prefetch = std::size_t(cfg.prefetch_bucket_size);
 }
 
 inline float optimizer_lr(const AnyOptimizer& o) {
@@ -1121,8 +1119,8 @@ inline std::string describe(const Config& c) {
       cat("  zero: stage ", c.stage, ", reduce_bucket_size ", c.reduce_bucket_size, " elements\n");
   out += cat("  stage 3: max_live_parameters ", c.engine.max_live_params,
              ", param_persistence_threshold ", c.engine.persist_threshold, ", max_reuse_distance ",
-             c.engine.max_reuse_distance, ", prefetch_bucket_size ", c.prefetch_bucket_size,
-             c.prefetch_bucket_size ? " (elements gathered ahead)" : " (no prefetch)",
+             c.engine.max_reuse_distance, ", prefetch_bucket_size ", c.engine.prefetch,
+             c.engine.prefetch ? " (elements gathered ahead)" : " (no prefetch)",
              ", zero_quantized_weights ", c.zero_quantized_weights, ", zero_hpz_partition_size ",
              c.engine.hpz_partition_size, ", zero_quantized_gradients ", c.zero_quantized_gradients,
              "\n");

@@ -319,7 +319,9 @@ class Engine {
   using Progress = EngineProgress;  // where training stands (engine_config.hpp)
   Progress progress() const noexcept { return {step_, micro_, config_.loss_scaler.state()}; }
   // Continues from `p` (after a checkpoint's buffers were written into partition()); stage 3's
-  // gathered copies are dropped, they would be stale. Only at an accumulation boundary.
+  // gathered copies are dropped, they would be stale. Only at an accumulation boundary. It does
+  // not communicate: every rank calls it with the same `p`, inside the caller's agreement on
+  // the load (load_checkpoint's ckpt::writing), so a refusal is every rank's.
   void restore(const Progress& p) {
     expect_at_boundary("restore()");
     ZP_EXPECT(p.step >= 0 && p.micro_step == 0,
@@ -498,6 +500,10 @@ class Engine {
               "engine: quantized weight gathers (zero_quantized_weights) need ZeRO stage 3 (below "
               "it no parameters are gathered), got stage ",
               Stage);
+    ZP_EXPECT((!c.offload_param && !c.param_nvme) || Stage == 3,
+              "engine: parameters offloaded (offload_param: ", c.param_nvme ? "nvme" : "cpu",
+              ") need ZeRO stage 3 (each rank keeps only its shard of them), got stage ", Stage);
+    (void)GradPrecision::resolve(dtype_of<T>, Stage, c.grad_accum_dtype, c.communication_dtype, 1);
     // On a device the swapped shard is stepped by the CPU, so the master weights and state must
     // be in host memory too.
     ZP_EXPECT(!c.param_nvme || S == MemorySpace::host || c.offload_optimizer || c.optimizer_nvme,
@@ -709,14 +715,17 @@ class Engine {
       else
         apply_update<false>(part_, opt_, scalars, o, gate, offload_, decays_);
     };
-    if (!part_.swap() && !part_.param_swap()) {
+    // On NVMe an I/O failure, and on a device ZeRO-Offload's copies and page-locked staging, may
+    // fail on one rank and leave its shard half updated: every rank stops.
+    const bool nvme = part_.swap() || part_.param_swap();
+    if (!nvme && (S == MemorySpace::host || !read)) {
       update();
-    } else {  // an I/O failure on one rank leaves that shard half updated: every rank stops
+    } else {
       try {
         in_context("step()", [&] { on_every_grid_rank(*this, update, stats_.word()); });
       } catch (const std::exception& e) {  // a std::bad_alloc too: the shard is half updated
-        mark_unusable(
-            detail::cat("the optimizer step on NVMe failed (", detail::message_of(e), ")"));
+        mark_unusable(detail::cat("the optimizer step ", nvme ? "on NVMe" : "offloaded to the CPU",
+                                  " failed (", detail::message_of(e), ")"));
         throw;
       }
     }

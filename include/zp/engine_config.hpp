@@ -264,6 +264,8 @@ struct EngineConfig {
     (void)optim::cpu::detail::resolve(optimizer_options);
     if (quantized_weights) quantized_weights->check();
     if (quantized_gradients) quantized_gradients->check();
+    if (optimizer_nvme) optimizer_nvme->check();
+    if (param_nvme) param_nvme->check();
   }
 };
 

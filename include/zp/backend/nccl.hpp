@@ -26,7 +26,8 @@
 // aborts the communicator (ncclCommAbort, so the GPU work does not hang either) and throws
 // zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every call on it throws
 // Errc::aborted. A backend destroyed during stack unwinding aborts its communicator instead of
-// destroying it (ncclCommDestroy could wait for peers that never come). Creation and split
+// destroying it (ncclCommDestroy could wait for peers that never come); otherwise the last
+// one waits for its stream up to the timeout, and aborts past it or on an NCCL error. Creation and split
 // block until every rank joins: NCCL's non-blocking mode would bound them, but it launches each
 // later collective from a new host thread, a cost not yet measured on a GPU.
 // bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
@@ -194,6 +195,29 @@ struct Context final : device::Watched {
     }
   }
   void poll(std::chrono::steady_clock::duration waited) override { poll(waited, nullptr); }
+  // Whether the stream ran out before the timeout, with no NCCL error: a peer that died with an
+  // operation in flight must not hang this rank's teardown (aborting ends the kernels instead).
+  bool drained() const noexcept {
+    if (!stream) return true;
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+      const cudaError_t e = cudaStreamQuery(stream);
+      if (e == cudaSuccess) return true;
+      if (e != cudaErrorNotReady) {
+        dropped(e, "cudaStreamQuery");
+        return false;
+      }
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm, &async);
+      if ((async != ncclSuccess && async != ncclInProgress) ||
+          std::chrono::steady_clock::now() - start > opt.timeout)
+        return false;
+      if (spins > 1000)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else
+        std::this_thread::yield();
+    }
+  }
   static void dropped(cudaError_t e, const char* call) noexcept {
     if (e != cudaSuccess)
       zp::detail::log_dropped(detail::cat("nccl backend: ", call).c_str(), cudaGetErrorString(e));
@@ -202,11 +226,14 @@ struct Context final : device::Watched {
     int prev = -1;
     cudaGetDevice(&prev);
     cudaSetDevice(device);
-    if (comm) {
-      if (stream) dropped(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (comm && !drained()) {
+      abort(detail::cat("rank ", rank, ": its stream did not finish within the timeout (",
+                        opt.timeout.count(), " ms) or NCCL reported an error as it was destroyed"));
+      zp::detail::log_dropped("nccl backend: ncclCommDestroy", abort_reason.c_str());
+    }
+    if (comm)
       if (const ncclResult_t r = ncclCommDestroy(comm); r != ncclSuccess)
         zp::detail::log_dropped("nccl backend: ncclCommDestroy", ncclGetErrorString(r));
-    }
     if (scratch) dropped(cudaFree(scratch), "cudaFree");
     if (ready) device::destroy_event(ready);
     if (stream) device::destroy_stream(stream);

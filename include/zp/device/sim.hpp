@@ -76,6 +76,9 @@ struct Options {
   // Each task waits, with probability 1/4, a random time up to this before it runs (0: never).
   std::chrono::microseconds max_delay{0};
   std::size_t memory_limit = 0;  // bytes of device memory (0: unlimited)
+  // The n-th page-locked allocation from configure() on fails, as cudaMallocHost does when the
+  // host runs out of it (0: none): one rank's failure, for the tests of its agreement.
+  std::uint64_t fail_pinned = 0;
   // The ordering site (runtime.hpp's `site` names) whose waits, records and stream-ordered frees
   // are dropped: a mutation, to prove a test catches its absence (empty: none).
   std::string drop;
@@ -202,6 +205,7 @@ class Device {
     std::call_once(configured_, [] {});
     Quiet q;
     std::lock_guard lock(m_);
+    pinned_countdown_ = o.fail_pinned;
     options_ = std::move(o);
   }
   bool dropped(const char* site) { return !options().drop.empty() && options().drop == site; }
@@ -279,6 +283,13 @@ class Device {
 
   void* allocate_pinned(std::size_t bytes) {
     if (bytes == 0) return nullptr;
+    {
+      Quiet q;
+      std::lock_guard lock(m_);
+      if (pinned_countdown_ && --pinned_countdown_ == 0)
+        throw Error(Errc::cuda, detail::cat("simulated device: cudaMallocHost of ", bytes,
+                                            " bytes failed: out of memory (Options::fail_pinned)"));
+    }
     void* p = ::operator new(bytes, std::align_val_t(alignment));
     Quiet q;
     std::lock_guard lock(m_);
@@ -376,6 +387,7 @@ class Device {
   std::map<void*, Block> blocks_;           // every device block, live or pooled
   std::multimap<std::size_t, void*> pool_;  // freed blocks by size, reused for that size only
   std::map<void*, Block> pinned_;           // page-locked host blocks (always live)
+  std::uint64_t pinned_countdown_ = 0;      // Options::fail_pinned's, under m_
   std::size_t reserved_ = 0, in_use_ = 0;
 };
 
