@@ -337,7 +337,7 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
           zp::Engine<Threads, T, 2> engine(comm, model, cfg);
         });
       },
-      {"parameters offloaded to NVMe or host memory need ZeRO stage 3", "got stage 2"});
+      {"parameters offloaded (offload_param: nvme) need ZeRO stage 3", "got stage 2"});
 #endif
   zp::test::expect_invalid(
       [&] {
@@ -348,7 +348,7 @@ TEST_CASE_TEMPLATE("offloaded optimizer state, in host memory or on NVMe, trains
           zp::Engine<Threads, T, 2> engine(comm, model, cfg);
         });
       },
-      {"parameters offloaded to NVMe or host memory need ZeRO stage 3", "got stage 2"});
+      {"parameters offloaded (offload_param: cpu) need ZeRO stage 3", "got stage 2"});
 }
 
 // EngineConfig::weight_decay_filter: after one step from the same weights every element's
