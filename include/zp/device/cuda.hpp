@@ -152,7 +152,8 @@ inline std::int64_t memory_free() {
                       used = cuda_detail::pool_bytes(cudaMemPoolAttrUsedMemCurrent);
   return std::int64_t(free + (reserved - std::min(reserved, used)));
 }
-// The current device's index, name and UUID: unique to it (a MIG instance has its own UUID).
+// The current device's name and UUID: unique to it (a MIG instance has its own UUID), and the
+// same in every process that sees it, whatever its index there (CUDA_VISIBLE_DEVICES orders).
 inline std::string device_name() {
   int d = 0;
   check(cudaGetDevice(&d), "cudaGetDevice");
@@ -166,7 +167,7 @@ inline std::string device_name() {
     uuid += hex[b & 15];
     if (i == 3 || i == 5 || i == 7 || i == 9) uuid += '-';
   }
-  return detail::cat("device ", d, " (", p.name, ", GPU-", uuid, ")");
+  return detail::cat(p.name, " GPU-", uuid);
 }
 
 #if defined(__CUDACC__)
