@@ -2048,6 +2048,32 @@ TEST_CASE("settings that differ across a replica's pipeline stages are an error 
   }
 }
 
+// ZeRO++'s quantization would let a tensor-parallel grid's replicated parameters drift apart
+// (a block mixes them with this rank's slice of a split parameter): refused on every rank, and
+// allowed at tp 1 (a pipeline grid).
+TEST_CASE("quantized gathers or gradients on a tensor-parallel grid are refused on every rank") {
+  for (const bool weights : {true, false}) {
+    CAPTURE(weights);
+    run_threads(4, [&](Collective<Threads>& world) {
+      auto cfg = test_config(2, 1);
+      if (weights)
+        cfg.quantized_weights = zp::zero_quantized_weights;
+      else
+        cfg.quantized_gradients = zp::zero_quantized_gradients;
+      {
+        zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 2, .pp = 1});
+        Mlp<float> model;
+        zp::test::expect_invalid([&] { zp::Engine<Threads, float, 3> engine(grid, model, cfg); },
+                                 {weights ? "quantized weight gathers" : "quantized gradients",
+                                  "with tensor parallelism (tp 2) are not supported"});
+      }
+      zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 1, .pp = 2});
+      Mlp<float> model(grid.coords().pp == 0 ? std::vector<int>{8, 16, 8} : std::vector<int>{8, 4});
+      zp::Engine<Threads, float, 3> engine(grid, model, cfg);
+    });
+  }
+}
+
 TEST_CASE("a rank whose model lacks initial values is an error naming them on every rank") {
   std::mutex m;
   std::vector<std::string> errors;

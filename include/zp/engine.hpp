@@ -111,7 +111,7 @@ class Engine {
   template <Model<T> M>
   Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
       : Engine(MemoryPeers{&grid.model_parallel(), grid.world_rank()}, grid.dp(), model,
-               std::move(config), optimizer) {
+               checked_for_grid(std::move(config), grid.shape()), optimizer) {
     if (grid.model_parallel().size() > 1) {
       mp_ = &grid.model_parallel();
       grid_ = grid.shape();
@@ -511,6 +511,23 @@ class Engine {
               "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
               "swapped shard");
     optim::validate(opt);
+  }
+  // ZeRO++'s quantization on a tensor-parallel grid: a block's scale is the absmax of values of
+  // a replicated parameter (a layer norm) and of this rank's slice of a split one beside it, so
+  // the replicated parameters' dequantized values, gradients and then master weights would
+  // differ between the TP ranks (a checkpoint keeps TP rank 0's). Refused until blocks keep to
+  // one parameter and to TP-independent boundaries.
+  static EngineConfig checked_for_grid(EngineConfig c, const GridShape& g) {
+    ZP_EXPECT(g.tp == 1 || (!c.quantized_weights && !c.quantized_gradients),
+              "engine: ZeRO++'s quantized ",
+              c.quantized_weights ? "weight gathers (zero_quantized_weights)"
+                                  : "gradients (zero_quantized_gradients)",
+              " with tensor parallelism (tp ", g.tp,
+              ") are not supported: a quantization block would mix replicated parameters with "
+              "this rank's slice of split ones, so the replicated parameters would drift apart "
+              "between the tensor-parallel ranks; use them at tp 1 (pipeline and data "
+              "parallelism, and hpZ, are fine)");
+    return c;
   }
   // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
   // naming the value there.
