@@ -377,11 +377,17 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
 // SIGTERM (a scheduler's notice before it ends a job, `kill`) and SIGINT (Ctrl-C) ask a trainer
 // to stop after the step in flight: its ranks agree on the step (run_control.hpp: end_step), save
 // it where --checkpoint-dir is given, and the process exits with 128 + the signal's number. The
-// handler gives the signal back its default action, so a second one ends the process at once.
+// handler gives both signals back their default action, so a second one of either kind ends the
+// process at once.
 namespace stop_signal {
 inline volatile std::sig_atomic_t received = 0;
 inline std::atomic<int> stopped_for{0};  // the signal a trainer stopped for (exit_status)
-inline void on_signal(int sig) { received = sig; }
+inline void on_signal(int sig) {
+  received = sig;
+  struct sigaction dfl {};  // sigaction is async-signal-safe
+  dfl.sa_handler = SIG_DFL;
+  for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &dfl, nullptr);
+}
 // From here on the signals stop the run (once per process; the trainers call it before their
 // first step, so a signal during start-up still ends the process at once).
 inline void install() {
@@ -389,8 +395,9 @@ inline void install() {
   std::call_once(once, [] {
     struct sigaction sa {};
     sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART | SA_RESETHAND;  // no EINTR in the I/O; the next signal is fatal
+    sigemptyset(&sa.sa_mask);  // the other one waits for the handler, then finds it fatal
+    for (int s : {SIGTERM, SIGINT}) sigaddset(&sa.sa_mask, s);
+    sa.sa_flags = SA_RESTART;  // no EINTR in the I/O
     for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &sa, nullptr);
   });
 }

@@ -52,6 +52,27 @@ stop_and_resume() {
 }
 
 stop_and_resume demo TERM run 80 "$demo" --ranks 2 --stage 2 --micro-batch 4 --log-every 1000
+
+# A second signal, of either kind, ends the process at once: SIGINT then SIGTERM kills it (by
+# SIGTERM, no stop reported, nothing more saved), where the first alone would finish its step.
+dir=$work/twice
+mkdir -p "$dir"
+"$demo" --ranks 2 --steps 100000 --micro-batch 512 --log-every 1000 --save-every 10 \
+  --checkpoint-dir "$dir/ckpt" > "$dir/log" 2>&1 &
+pid=$!
+for _ in $(seq 1200); do
+  [ -f "$dir/ckpt/latest" ] && break
+  sleep 0.05
+done
+kill -INT "$pid"
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+if [ "$rc" -ne 143 ] || grep -q "stopped after step" "$dir/log"; then
+  echo "twice: SIGINT then SIGTERM did not end the run at once (exit code $rc):"; cat "$dir/log"
+  exit 1
+fi
+echo "twice: SIGINT then SIGTERM ended the run at once (exit code $rc)"
 stop_and_resume gpt INT run 60 "$gpt" --ranks 4 --pp 2 --stage 1 --layers 2 --d-model 32 \
   --heads 4 --context 16 --micro-batch 4 --log-every 1000
 stop_and_resume sim TERM run 80 "$sim" --ranks 2 --stage 3 --micro-batch 4 --log-every 1000
