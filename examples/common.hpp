@@ -151,7 +151,9 @@ inline int to_int(const Program& p, const std::string& flag, const std::string& 
 struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
-  bool precision_given = false;  // --precision given (a --config takes it only for its "auto")
+  // The flags given: a --config takes --micro-batch, --accum, --lr and --precision only for its
+  // "auto" keys, and a value it writes must agree with a flag given (run_control.hpp).
+  std::vector<std::string> given;
   float lr = 3e-3f;
   std::uint64_t init_seed = 1;  // --init-seed: the initial weights' random draw
   bool offload = false;  // --offload-optimizer cpu: ZeRO-Offload (EngineConfig::offload_optimizer)
@@ -160,6 +162,9 @@ struct TrainFlags {
   std::string param_nvme;      // --offload-param nvme:DIR (EngineConfig::param_nvme)
   std::vector<std::string> text;
 
+  bool was_given(std::string_view flag) const {
+    return std::find(given.begin(), given.end(), flag) != given.end();
+  }
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
   zp::DType dtype() const {
     return precision == "fp32"   ? zp::DType::f32
@@ -196,7 +201,6 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     if (v != "fp32" && v != "bf16" && v != "fp16")
       bad(p, "--precision expects fp32, bf16 or fp16, got '" + v + "'");
     o.precision = v;
-    o.precision_given = true;
   } else if (a == "--lr") {
     char* end = nullptr;
     o.lr = std::strtof(v.c_str(), &end);
@@ -215,6 +219,7 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
   } else {
     return false;
   }
+  o.given.push_back(a);
   return true;
 }
 

@@ -21,6 +21,7 @@
 #include <initializer_list>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -265,7 +266,8 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
 // total_num_steps (--steps), and from the model's width `hidden`: reduce_bucket_size hidden^2,
 // stage3_prefetch_bucket_size 0.9 hidden^2 and stage3_param_persistence_threshold 10 hidden. A
 // WarmupCosineLR's base_lr is the optimizer's lr. Any other "auto" is an error naming it, and so
-// is --precision where the config writes the precision.
+// is --precision where the config writes the precision, and --lr given beside a config whose lr
+// differs (with_engine checks --micro-batch and --accum against the completed batch).
 inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hidden,
                       const char* program) {
   // A float lr as the decimal it was written as (0.004, not 0.004000000189989805).
@@ -335,11 +337,19 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
       zp::ds::fill_precision(dc, t.precision == "fp32"   ? zp::ds::Precision::fp32
                                  : t.precision == "fp16" ? zp::ds::Precision::fp16
                                                          : zp::ds::Precision::bf16);
-  if (t.precision_given && !auto_precision)
+  if (t.was_given("--precision") && !auto_precision)
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat(program, ": --precision with --config ", dc.source,
                                     ": the config sets the precision (fp16.enabled, bf16.enabled); "
                                     "write \"auto\" there to take it from --precision"));
+  const float lr = std::visit([](const auto& opt) { return opt.lr; }, dc.optimizer);
+  if (t.was_given("--lr") && lr != t.lr)
+    throw zp::Error(
+        zp::Errc::invalid_argument,
+        zp::detail::cat(program, ": --lr ", t.lr, " with --config ", dc.source,
+                        ": the config's optimizer lr is ", lr,
+                        dc.optimizer_given ? "" : " (DeepSpeed's default: it has no optimizer)",
+                        "; write \"lr\": \"auto\" there to take it from --lr"));
   if (dc.scheduler) {
     if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
       std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
@@ -374,6 +384,15 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
                     ec.batch.gradient_accumulation_steps, " accumulation steps; ", p.name,
                     " takes at most ", max_micro_batch, " x ", max_accum,
                     " (as --micro-batch and --accum)");
+          // A batch flag given must agree with the config's batch (as written or completed).
+          for (const auto& [flag, key, value, want] :
+               {std::tuple{"--micro-batch", "train_micro_batch_size_per_gpu",
+                           ec.batch.micro_batch_per_rank, std::int64_t(t.micro_batch)},
+                {"--accum", "gradient_accumulation_steps", ec.batch.gradient_accumulation_steps,
+                 std::int64_t(t.accum)}})
+            ZP_EXPECT(!t.was_given(flag) || value == want, p.name, ": ", flag, " ", want,
+                      " with --config ", r.config, ": the config's ", key, " is ", value, " at ",
+                      dp, " data-parallel ranks; write \"auto\" there to take it from ", flag);
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
           ec.ranks_per_node = r.ranks_per_node;      // the launcher's knowledge, not the config's
           ec.reshard_after_forward = !r.no_reshard;  // no ds_config key says it

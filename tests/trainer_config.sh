@@ -128,6 +128,25 @@ if "$gpt" --config "$dir/ds.json" --ranks 2 --steps 2 --precision fp32 > "$dir/w
   exit 1
 fi
 grep -q -- "--precision with --config $dir/ds.json: the config sets the precision" "$dir/written.log"
+# So are --accum and --lr where the config's value differs (as written, or DeepSpeed's default lr
+# without an optimizer section), and --micro-batch where the batch it completes differs; equal
+# values are accepted.
+echo '{"train_batch_size": 16, "gradient_accumulation_steps": 2}' > "$dir/batch.json"
+for bad in "--accum 4|$dir/ds.json|gradient_accumulation_steps is 2" \
+           "--lr 0.01|$dir/ds.json|optimizer lr is 0.002;" \
+           "--lr 0.01|$dir/batch.json|optimizer lr is 0.001 (DeepSpeed's default" \
+           "--micro-batch 3|$dir/batch.json|train_micro_batch_size_per_gpu is 4 at 2"; do
+  IFS='|' read -r flag config says <<< "$bad"
+  # shellcheck disable=SC2086  # the flag and its value
+  if "$demo" --config "$config" --ranks 2 --steps 2 $flag > "$dir/differs.log" 2>&1; then
+    echo "zp_demo took $flag beside $config, which differs"
+    exit 1
+  fi
+  grep -qF -- "$flag with --config $config: the config's $says" "$dir/differs.log" ||
+    { cat "$dir/differs.log"; exit 1; }
+done
+"$demo" --config "$dir/batch.json" --ranks 2 --steps 2 --micro-batch 4 --accum 2 --lr 0.001 \
+  > "$dir/agrees.log"
 echo "zp_gpt --config: Hugging Face's ZeRO-3 example, its precision, clipping and sizes filled"
 
 sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"
