@@ -195,14 +195,14 @@ const examples::Program program{"zp_demo", usage, examples::run_usage};
 
 Options parse(int argc, char** argv) {
   Options o;
-  const std::vector<std::string> given = examples::parse_args(
+  o.given = examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
         return examples::parse_train_flag(program, o, a, v) ||
                examples::parse_run_flag(program, o, a, v);
       },
       examples::run_switches);
-  examples::check_run_flags(program, o, given);
+  examples::check_run_flags(program, o, o.given);
   examples::default_text(program, o.text);
   return o;
 }

@@ -299,8 +299,8 @@ Options parse(int argc, char** argv) {
       return examples::parse_run_flag(program, o, a, v);
     return true;
   };
-  const auto given = examples::parse_args(program, argc, argv, flag, examples::run_switches);
-  examples::check_run_flags(program, o, given);
+  o.given = examples::parse_args(program, argc, argv, flag, examples::run_switches);
+  examples::check_run_flags(program, o, o.given);
   examples::default_text(program, o.text);
   return o;
 }

@@ -151,8 +151,9 @@ inline int to_int(const Program& p, const std::string& flag, const std::string& 
 struct TrainFlags {
   int stage = 3, ranks = 4, accum = 1, steps = 600, micro_batch = 32, log_every = 50;
   std::string backend = "threads", precision = "bf16";
-  // The flags given: a --config takes --micro-batch, --accum, --lr and --precision only for its
-  // "auto" keys, and a value it writes must agree with a flag given (run_control.hpp).
+  // The flags on the command line (parse_args'): a --config takes --micro-batch, --accum, --lr
+  // and --precision only for its "auto" keys, and a value it writes must agree with a flag given
+  // (run_control.hpp).
   std::vector<std::string> given;
   float lr = 3e-3f;
   std::uint64_t init_seed = 1;  // --init-seed: the initial weights' random draw
@@ -162,9 +163,7 @@ struct TrainFlags {
   std::string param_nvme;      // --offload-param nvme:DIR (EngineConfig::param_nvme)
   std::vector<std::string> text;
 
-  bool was_given(std::string_view flag) const {
-    return std::find(given.begin(), given.end(), flag) != given.end();
-  }
+  bool was_given(std::string_view flag) const { return gave(given, flag); }
   // The element type --precision names (fp32, bf16 or fp16), for zp::dispatch.
   zp::DType dtype() const {
     return precision == "fp32"   ? zp::DType::f32
@@ -219,7 +218,6 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
   } else {
     return false;
   }
-  o.given.push_back(a);
   return true;
 }
 
@@ -387,10 +385,19 @@ inline Corpus load_corpus_or_exit(const Program& p, const std::vector<std::strin
 namespace stop_signal {
 inline volatile std::sig_atomic_t received = 0;
 inline std::atomic<int> stopped_for{0};  // the signal a trainer stopped for (exit_status)
+inline std::atomic<int> handled{0};      // lock-free, so async-signal-safe
+static_assert(std::atomic<int>::is_always_lock_free);
 inline void on_signal(int sig) {
-  received = sig;
-  struct sigaction dfl {};  // sigaction is async-signal-safe
+  struct sigaction dfl {};  // sigaction and raise are async-signal-safe
   dfl.sa_handler = SIG_DFL;
+  // The second signal can reach another thread while the first one's handler runs: it ends the
+  // process as soon as this handler returns (the signal is blocked until then).
+  if (handled.exchange(sig) != 0) {
+    ::sigaction(sig, &dfl, nullptr);
+    ::raise(sig);
+    return;
+  }
+  received = sig;
   for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &dfl, nullptr);
 }
 // From here on the signals stop the run (once per process; the trainers call it before their

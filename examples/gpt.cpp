@@ -135,7 +135,7 @@ constexpr std::initializer_list<const char*> gpt_switches = {"--recompute", "--e
 
 Options parse(int argc, char** argv) {
   Options o;
-  const std::vector<std::string> given = examples::parse_args(
+  o.given = examples::parse_args(
       program, argc, argv,
       [&](const std::string& a, const std::string& v) {
         if (a == "--recompute") {
@@ -205,10 +205,10 @@ Options parse(int argc, char** argv) {
         return true;
       },
       examples::run_switches, gpt_switches);
-  examples::check_run_flags(program, o, given);
+  examples::check_run_flags(program, o, o.given);
   if (!o.sampling.count)
     for (const char* f : {"--prompt", "--temperature", "--top-k", "--seed"})
-      if (examples::gave(given, f))
+      if (examples::gave(o.given, f))
         examples::bad(program, std::string(f) + " without --sample N: nothing is sampled");
   if (o.eval_every && o.eval.empty())
     examples::bad(program, "--eval-every without --eval PATH: nothing to evaluate");
@@ -224,9 +224,9 @@ Options parse(int argc, char** argv) {
                                " modules of the model (--layers + 2)");
   if (!o.tokens.empty() && !o.text.empty())
     examples::bad(program, "--text and --tokens: train on a text or on token files, not both");
-  if (o.tokens.empty() && examples::gave(given, "--vocab"))
+  if (o.tokens.empty() && examples::gave(o.given, "--vocab"))
     examples::bad(program, "--vocab without --tokens: a text's vocabulary is its characters");
-  if (!o.tokens.empty() && o.sampling.count && !examples::gave(given, "--prompt"))
+  if (!o.tokens.empty() && o.sampling.count && !examples::gave(o.given, "--prompt"))
     examples::bad(program, "--sample with --tokens needs --prompt: the token ids to continue");
   if (o.tokens.empty()) examples::default_text(program, o.text);
   return o;

@@ -10,6 +10,8 @@
 // ({"byte_of_id": [...]}: the byte each token id stands for).
 #pragma once
 
+#include <unistd.h>  // access
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -174,6 +176,23 @@ inline void check_checkpoint_flags(const Program& p, const CheckpointFlags& o) {
     bad(p, "--save-every, --keep-checkpoints and --resume need --checkpoint-dir");
 #if !ZP_DEMO_IO
   if (!o.checkpoint_dir.empty() || !o.export_dir.empty()) refuse_io(p);
+#else
+  // Checked before the training, not found by the first save or the export at its end: the
+  // directory, or the nearest existing one it would be made in, must be a writable directory.
+  for (const auto& [flag, dir] :
+       {std::pair<std::string, const std::string*>{"--checkpoint-dir", &o.checkpoint_dir},
+        {"--export", &o.export_dir}}) {
+    if (dir->empty()) continue;
+    std::error_code ec;
+    std::filesystem::path at = std::filesystem::absolute(*dir, ec);
+    while (!std::filesystem::exists(at, ec) && at.has_relative_path()) at = at.parent_path();
+    const std::string where =
+        at == std::filesystem::absolute(*dir, ec) ? "" : ": " + at.string() + ", where it goes,";
+    if (!std::filesystem::is_directory(at, ec))
+      bad(p, flag + " " + *dir + where + " is not a directory");
+    if (::access(at.c_str(), W_OK | X_OK) != 0)
+      bad(p, flag + " " + *dir + where + " is not writable: " + std::strerror(errno));
+  }
 #endif
 }
 

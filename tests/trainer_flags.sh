@@ -27,7 +27,14 @@ refused() {
   fi
 }
 
+: > "$dir/a-file"
 for prog in "$demo" "$gpt" "$sim"; do
+  # Found before the training, not by the first save or the export at its end.
+  refused 2 "--checkpoint-dir $dir/a-file is not a directory" "$prog" --checkpoint-dir \
+    "$dir/a-file" --save-every 5
+  refused 2 "--checkpoint-dir $dir/a-file/ckpt: $dir/a-file, where it goes, is not a directory" \
+    "$prog" --checkpoint-dir "$dir/a-file/ckpt" --resume
+  refused 2 "--export $dir/a-file is not a directory" "$prog" --export "$dir/a-file"
   refused 2 "--micro-batch expects an integer in [1, 65536], got '10abc'" "$prog" --micro-batch 10abc
   refused 2 "--ranks expects an integer in [1, 256], got ' 2'" "$prog" --ranks " 2"
   refused 2 "--ranks expects an integer in [1, 256], got '+2'" "$prog" --ranks +2
