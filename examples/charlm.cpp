@@ -256,7 +256,7 @@ void train(zp::Collective<B>& comm, const Options& o, const Corpus& corpus,
     }
   };
 
-  const int first_step = examples::resume(engine, comm, program, o, corpus);
+  const int first_step = examples::resume(engine, comm, program, o, corpus, o.steps);
   examples::JsonLog json(o, lead);
   zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();
@@ -330,6 +330,5 @@ void dispatch(zp::Collective<B>& comm, const Options& o, const Corpus& c) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const Corpus corpus = examples::load_corpus_or_exit(program, o.text, 100);
-  return examples::launch(program, argc, argv, o.backend, o.ranks,
-                          [&](auto& comm) { dispatch(comm, o, corpus); });
+  return examples::launch(program, argc, argv, o, [&](auto& comm) { dispatch(comm, o, corpus); });
 }

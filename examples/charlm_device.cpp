@@ -336,14 +336,18 @@ void train(zp::Collective<B>& comm, const Options& o, const examples::Corpus& co
                 "backend %s, %d ranks, %s, micro-batch %d x accumulation %d%s%s\n",
                 corpus.ids.size(), dims.vocab, engine.layout().used(), E::stage, B::name, n,
                 zp::name(zp::dtype_of<T>), micro_batch, accum,
-                cfg.offload_optimizer ? ", optimizer offloaded to the CPU" : "",
-                cfg.offload_param ? ", parameters offloaded" : "");
+                cfg.optimizer_nvme      ? ", optimizer state on NVMe, stepped by the CPU"
+                : cfg.offload_optimizer ? ", optimizer offloaded to the CPU"
+                                        : "",
+                cfg.param_nvme      ? ", parameters on NVMe"
+                : cfg.offload_param ? ", parameters offloaded"
+                                    : "");
   const std::size_t last_start = corpus.ids.size() - std::size_t(dims.context) - 1;
   std::uniform_int_distribution<std::size_t> pick(0, last_start);
   std::vector<int> c(static_cast<std::size_t>(micro_batch) * std::size_t(dims.context)),
       t(static_cast<std::size_t>(micro_batch));
   const bool lead = r == 0;
-  const int first_step = examples::resume(engine, comm, program, o, corpus);
+  const int first_step = examples::resume(engine, comm, program, o, corpus, o.steps);
   examples::JsonLog json(o, lead);
   zp::StepTimes sum;  // over the steps after the first (which pays for first touches)
   const auto t0 = std::chrono::steady_clock::now();

@@ -204,7 +204,8 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     char* end = nullptr;
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
-      bad(p, "--lr expects a number in (0, 1], got '" + v + "'");
+      bad(p, "--lr expects a number in (0, 1], got '" + v + "'" +
+                 (!v.empty() && *end == '\0' && o.lr == 0.0f ? " (0 as a float)" : ""));
   } else if (a == "--offload-optimizer" || a == "--offload-param") {
     const bool nvme = v.starts_with("nvme:") && v.size() > 5;
     if (v != "cpu" && v != "none" && !nvme)
@@ -426,19 +427,26 @@ inline int exit_status() {
 
 // ---- launching ------------------------------------------------------------------------------
 
-// Runs train(comm) on every rank: one MPI process per rank (backend "mpi", under mpirun) or
-// `ranks` threads. Returns the exit status (128 + the signal's number for a run stopped by one);
+// Runs train(comm) on every rank: one MPI process per rank (--backend mpi, under mpirun, whose
+// process count a --ranks given must equal) or --ranks threads. Returns the exit status (128 + the signal's number for a run stopped by one);
 // errors are printed, on MPI by each rank before its exception leaves the communicator (that
 // aborts the job; where train's own communicators, a ProcessGrid's, go first, the abort gives
 // the text of a zp::Error itself).
 template <class Train>
-int launch(const Program& p, int& argc, char**& argv, const std::string& backend, int ranks,
-           Train&& train) {
+int launch(const Program& p, int& argc, char**& argv, const TrainFlags& t, Train&& train) {
   try {
-    if (backend == "mpi") {
+    if (t.backend == "mpi") {
 #if ZP_DEMO_MPI
       zp::backend::MpiEnvironment env(&argc, &argv);
       zp::Collective<zp::backend::Mpi> comm(env.world());
+      if (t.was_given("--ranks") && t.ranks != comm.size()) {  // every rank sees it: no abort
+        if (comm.rank() == 0)
+          std::fprintf(stderr,
+                       "%s: --ranks %d with --backend mpi: the job has %d processes (mpirun -n "
+                       "sets them; leave --ranks out)\n",
+                       p.name, t.ranks, comm.size());
+        return 2;
+      }
       try {
         train(comm);
       } catch (const std::exception& e) {
@@ -451,7 +459,7 @@ int launch(const Program& p, int& argc, char**& argv, const std::string& backend
                  " was built without MPI (zp::mpi was not found at configure time)");
 #endif
     } else {
-      zp::backend::run_threads(ranks,
+      zp::backend::run_threads(t.ranks,
                                [&](zp::Collective<zp::backend::Threads>& comm) { train(comm); });
     }
   } catch (const std::exception& e) {

@@ -483,7 +483,7 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
   };
   auto eval_loss = [&](gpt::Model<T>& full) { return gpt::evaluate(full, eval, micro_batch); };
 
-  const int first_step = examples::resume(engine, world, program, o, data.corpus);
+  const int first_step = examples::resume(engine, world, program, o, data.corpus, o.steps);
   examples::JsonLog json(o, lead);
   const auto t0 = std::chrono::steady_clock::now();
   double eval_secs = 0;  // --eval-every's, left out of the tokens/s
@@ -562,6 +562,5 @@ void dispatch(zp::Collective<B>& world, const Options& o, const Data& data) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const Data data = load_data(o);
-  return examples::launch(program, argc, argv, o.backend, o.ranks,
-                          [&](auto& comm) { dispatch(comm, o, data); });
+  return examples::launch(program, argc, argv, o, [&](auto& comm) { dispatch(comm, o, data); });
 }

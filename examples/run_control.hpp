@@ -214,6 +214,10 @@ inline void check_run_flags(const Program& p, const RunFlags& o,
     for (const auto& [flag, key] : config_sets)
       if (gave(given, flag))
         bad(p, std::string(flag) + " with --config: the config sets it (" + key + ")");
+  // The nodes are qgZ's alone (with --config, with_engine checks the config asks for it).
+  if (o.config.empty() && o.ranks_per_node && !o.quantized_gradients)
+    bad(p, "--ranks-per-node " + std::to_string(o.ranks_per_node) +
+               " needs --zero-quantized-gradients (the nodes are its two hops')");
 #if !ZP_DEMO_IO
   if (!o.config.empty()) refuse_io(p);
 #endif
@@ -413,6 +417,10 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
                       " with --config ", r.config, ": the config's ", key, " is ", value, " at ",
                       dp, " data-parallel ranks; write \"auto\" there to take it from ", flag);
           ec.wall_clock_breakdown = ec.wall_clock_breakdown || r.breakdown;
+          ZP_EXPECT(!r.ranks_per_node || ec.quantized_gradients, p.name, ": --ranks-per-node ",
+                    r.ranks_per_node, " with --config ", r.config,
+                    ": the config does not set zero_optimization.zero_quantized_gradients, whose "
+                    "two hops the nodes are");
           ec.ranks_per_node = r.ranks_per_node;      // the launcher's knowledge, not the config's
           ec.reshard_after_forward = !r.no_reshard;  // no ds_config key says it
           f(e, ec, o, sched);
@@ -499,11 +507,12 @@ inline std::string vocabulary_of(std::span<const std::byte> state) {
 // Without zp::io the helpers below do nothing: check_run_flags refused their flags.
 
 // --resume: loads D/latest and returns the step to go on from; 0 (said on rank 0) when D has no
-// checkpoint yet, so one command line serves a job's first start and every restart. A
-// checkpoint of another vocabulary is an error naming both. Collective.
+// checkpoint yet, so one command line serves a job's first start and every restart (and said
+// where the checkpoint is at or past `steps`, --steps: nothing to train). A checkpoint of another
+// vocabulary is an error naming both. Collective.
 template <class E, class Comm>
-int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
-           const Corpus& corpus) {
+int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, const Corpus& corpus,
+           int steps) {
   if (!o.resume) return 0;
 #if ZP_DEMO_IO
   std::error_code ec;  // an error (EACCES, ESTALE) counts as not seeing it
@@ -519,6 +528,19 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
                                     "); the checkpoint directory must be one file system that "
                                     "every rank sees"));
   if (!here) {
+    // Checkpoints that `latest` does not name (it was removed, or a tag copied in alone): a
+    // start from step 0 would fail at its first save of one of their tags, after the training.
+    // A crashed save's unnamed tag is not one: its note has the next save remove it.
+    const std::filesystem::path dir = o.checkpoint_dir;
+    const auto tags = zp::ckpt::checkpoint_tags(dir);
+    if (!tags.empty() && !std::filesystem::exists(dir / zp::ckpt::DirectoryWriter::intent_name, ec))
+      throw zp::Error(
+          zp::Errc::invalid_argument,
+          zp::detail::cat("--resume: ", o.checkpoint_dir, " holds checkpoints (",
+                          tags.front().second, tags.size() > 1 ? ", ..." : "",
+                          ") but no `latest` naming one: write the tag to resume "
+                          "from into ",
+                          (dir / "latest").string(), ", or move them away to start at step 0"));
     if (comm.rank() == 0)
       std::printf("%s: no checkpoint in %s yet: starting at step 0\n", p.name,
                   o.checkpoint_dir.c_str());
@@ -569,9 +591,12 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
     std::printf("resumed from %s/%s at step %lld (%lld updates applied)\n",
                 o.checkpoint_dir.c_str(), zp::ckpt::Reader::read_latest(o.checkpoint_dir).c_str(),
                 static_cast<long long>(done), static_cast<long long>(engine.steps()));
+  if (comm.rank() == 0 && done >= steps)
+    std::printf("%s: the checkpoint is at step %lld, not before --steps %d: nothing to train\n",
+                p.name, static_cast<long long>(done), steps);
   return int(done);
 #else
-  (void)engine, (void)comm, (void)p, (void)corpus;
+  (void)engine, (void)comm, (void)p, (void)corpus, (void)steps;
   return 0;
 #endif
 }

@@ -44,3 +44,23 @@ kill_and_resume threads "$demo" --ranks 2
 if [ -n "$mpiexec" ]; then
   kill_and_resume mpi "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi
 fi
+
+# A checkpoint at or past --steps: said, nothing trained. Checkpoints without a `latest` naming
+# one: refused before training (a start from step 0 would fail at its first save of their tags).
+dir=$work/demo-resume-edges
+rm -rf "$dir" && mkdir -p "$dir"
+"$demo" --ranks 2 --steps 10 --micro-batch 4 --log-every 100 --save-every 10 \
+  --checkpoint-dir "$dir/ckpt" > "$dir/first.log"
+"$demo" --ranks 2 --steps 5 --micro-batch 4 --checkpoint-dir "$dir/ckpt" --resume > "$dir/past.log"
+grep -q "zp_demo: the checkpoint is at step 10, not before --steps 5: nothing to train" \
+  "$dir/past.log"
+if grep -q "summary:" "$dir/past.log"; then echo "trained past the checkpoint's step"; exit 1; fi
+mkdir "$dir/copy" && cp -r "$dir/ckpt/step10" "$dir/copy/"
+if "$demo" --ranks 2 --steps 20 --micro-batch 4 --checkpoint-dir "$dir/copy" --resume \
+  --save-every 5 > "$dir/copy.log" 2>&1; then
+  echo "resumed from step 0 beside a checkpoint that latest does not name"; exit 1
+fi
+grep -qF -- "--resume: $dir/copy holds checkpoints (step10) but no \`latest\` naming one" \
+  "$dir/copy.log"
+rm -rf "$dir"
+echo "a checkpoint past --steps said; checkpoints without latest refused"

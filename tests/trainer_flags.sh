@@ -3,9 +3,9 @@
 # training, with exit status 2 (1 for a file that cannot be read or a setting the engine
 # refuses) and a message naming the flag and what was wrong; --help (-h) prints the usage and
 # exits 0.
-#   trainer_flags.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir>
+#   trainer_flags.sh <zp_demo> <zp_gpt> <zp_demo_sim> <work dir> [mpiexec]
 set -euo pipefail
-demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags
+demo=$1 gpt=$2 sim=$3 dir=$4/trainer-flags mpiexec=${5:-}
 rm -rf "$dir" && mkdir -p "$dir"
 echo '{"zero_optimization": {"stage": 1}}' > "$dir/ds.json"
 echo '{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4096}' > "$dir/accum.json"
@@ -54,6 +54,8 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
   refused 2 "--precision expects fp32, bf16 or fp16, got 'fp8'" "$prog" --precision fp8
   refused 2 "--lr expects a number in (0, 1], got '2'" "$prog" --lr 2
+  refused 2 "--lr expects a number in (0, 1], got '1e-50' (0 as a float)" "$prog" --lr 1e-50
+  refused 2 "--ranks-per-node 2 needs --zero-quantized-gradients" "$prog" --ranks-per-node 2
   refused 2 "--offload-optimizer expects none, cpu or nvme:DIR (a directory on the drive), got 'nvme:'" \
     "$prog" --offload-optimizer nvme:
   refused 2 "--init-seed expects an integer in [0, 2147483647], got '-1'" "$prog" --init-seed -1
@@ -114,5 +116,12 @@ echo '{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": true}}' > "$dir/
 refused 1 "fp16.enabled: config asks for precision fp16, this program was built with element types {fp32, bf16}" \
   "$sim" --config "$dir/fp16.json"
 refused 2 "--backend expects cuda_threads or nccl, got 'threads'" "$sim" --backend threads
+# Under MPI the processes are the ranks: a --ranks that differs is refused, not ignored.
+if [ -n "$mpiexec" ]; then
+  for prog in "$demo" "$gpt"; do
+    refused 2 "--ranks 4 with --backend mpi: the job has 2 processes" \
+      "$mpiexec" -n 2 --oversubscribe "$prog" --backend mpi --ranks 4
+  done
+fi
 rm -rf "$dir"
 echo "trainer flags: every mistake refused before training"

@@ -15,11 +15,11 @@ seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(1 2 3 4 5)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-zeropp="--zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients"
+zeropp="--zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients --ranks-per-node 2"
 for prog in gpt demo; do
   for seed in "${seeds[@]}"; do
     for mode in off on; do
-      flags="--ranks 4 --ranks-per-node 2 --precision bf16 --steps 300 --init-seed $seed"
+      flags="--ranks 4 --precision bf16 --steps 300 --init-seed $seed"
       [ $mode = on ] && flags="$flags $zeropp"
       # shellcheck disable=SC2086
       "$build/examples/zp_$prog" $flags --log-json "$work/$prog.$mode.$seed.json" \

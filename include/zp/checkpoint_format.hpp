@@ -1055,6 +1055,9 @@ class DirectoryWriter {
   }
 
   const std::filesystem::path& dir() const noexcept { return dir_; }
+  // The publishing intent's file name (Publisher): a tag published but not yet in `latest`,
+  // which the next writer removes.
+  static constexpr std::string_view intent_name = ".zp-publishing";
   // What taking the directory removed (file names), for a tool to report.
   const std::vector<std::string>& cleaned() const noexcept { return cleaned_; }
   // Whether a file name in a checkpoint directory is what a writer leaves only while it runs or
@@ -1062,7 +1065,7 @@ class DirectoryWriter {
   // publishing intent or its temporary.
   static bool unfinished(std::string_view name) noexcept {
     return (name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
-           name.starts_with("latest.tmp.") || name.starts_with(".zp-publishing");
+           name.starts_with("latest.tmp.") || name.starts_with(intent_name);
   }
 
   struct Pruned {
@@ -1113,7 +1116,7 @@ class DirectoryWriter {
   }
 
  protected:
-  std::filesystem::path intent() const { return dir_ / ".zp-publishing"; }
+  std::filesystem::path intent() const { return dir_ / intent_name; }
 
   static void remove(const std::filesystem::path& p) {
     std::error_code ec;
