@@ -205,7 +205,9 @@ inline bool parse_train_flag(const Program& p, TrainFlags& o, const std::string&
     o.lr = std::strtof(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.lr > 0.0f) || o.lr > 1.0f)
       bad(p, "--lr expects a number in (0, 1], got '" + v + "'" +
-                 (!v.empty() && *end == '\0' && o.lr == 0.0f ? " (0 as a float)" : ""));
+                 (!v.empty() && *end == '\0' && o.lr == 0.0f && std::strtod(v.c_str(), nullptr) != 0
+                      ? " (0 as a float)"
+                      : ""));
   } else if (a == "--offload-optimizer" || a == "--offload-param") {
     const bool nvme = v.starts_with("nvme:") && v.size() > 5;
     if (v != "cpu" && v != "none" && !nvme)

@@ -288,7 +288,8 @@ inline zp::schedule::Any flag_schedule(const TrainFlags& t) {
 // (0), warmup_max_lr (--lr), warmup_num_steps (flag_schedule's: 5% of --steps) and
 // total_num_steps (--steps), and from the model's width `hidden`: reduce_bucket_size hidden^2,
 // stage3_prefetch_bucket_size 0.9 hidden^2 and stage3_param_persistence_threshold 10 hidden. A
-// WarmupCosineLR's base_lr is the optimizer's lr. Any other "auto" is an error naming it, and so
+// WarmupCosineLR's base_lr is the optimizer's lr; without a scheduler section it is
+// flag_schedule's, peaking there. Any other "auto" is an error naming it, and so
 // is --precision where the config writes the precision, and --lr given beside a config whose lr
 // differs (with_engine checks --micro-batch and --accum against the completed batch).
 inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hidden,
@@ -365,14 +366,19 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
                     zp::detail::cat(program, ": --precision with --config ", dc.source,
                                     ": the config sets the precision (fp16.enabled, bf16.enabled); "
                                     "write \"auto\" there to take it from --precision"));
+  // The config's lr is the one used (the peak of the flags' schedule without a scheduler
+  // section): a --lr given must agree (to an ulp: the two parse the decimal differently).
   const float lr = std::visit([](const auto& opt) { return opt.lr; }, dc.optimizer);
-  if (t.was_given("--lr") && lr != t.lr)
+  if (t.was_given("--lr") && lr != t.lr && std::nextafter(lr, t.lr) != t.lr)
     throw zp::Error(
         zp::Errc::invalid_argument,
         zp::detail::cat(program, ": --lr ", t.lr, " with --config ", dc.source,
                         ": the config's optimizer lr is ", lr,
                         dc.optimizer_given ? "" : " (DeepSpeed's default: it has no optimizer)",
                         "; write \"lr\": \"auto\" there to take it from --lr"));
+  // Without a scheduler section, the flags' schedule around the config's optimizer, as Hugging
+  // Face's Trainer makes its scheduler around a config's optimizer (its peak set below).
+  if (!dc.scheduler) dc.scheduler = flag_schedule(t);
   if (dc.scheduler) {
     if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
       std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
@@ -395,7 +401,7 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
     zp::ds::Config dc = zp::ds::load(r.config);
     fill_auto(dc, t, hidden, p.name);
     if (lead) std::printf("%s: %s\n%s", p.name, r.config.c_str(), zp::ds::describe(dc).c_str());
-    const zp::schedule::Any sched = dc.scheduler ? *dc.scheduler : flag_schedule(t);
+    const zp::schedule::Any sched = *dc.scheduler;  // fill_auto's, if the config has none
     using Stages = zp::ds::Stages<0, 1, 2, 3>;
     using Optimizers = zp::ds::Optimizers<zp::optim::AdamW>;  // the demos'; a user lists theirs
     zp::ds::with_engine<B, TypeList, Stages, Optimizers>(
@@ -516,31 +522,39 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, co
   if (!o.resume) return 0;
 #if ZP_DEMO_IO
   std::error_code ec;  // an error (EACCES, ESTALE) counts as not seeing it
+  const std::filesystem::path dir = o.checkpoint_dir;
+  // 2: `latest`. 1: checkpoints that no `latest` names (it was removed, or a tag copied in
+  // alone): a start from step 0 would fail at its first save of one of their tags, after the
+  // training; a crashed save's unnamed tag is not one (its note has the next save remove it).
+  // 0: no checkpoint.
+  const auto tags = zp::ckpt::checkpoint_tags(dir);
   const std::int64_t here =
-      std::filesystem::exists(std::filesystem::path(o.checkpoint_dir) / "latest", ec) ? 1 : 0;
-  std::int64_t seen[2] = {here, -here};  // max: whether any rank sees it, and whether all do
+      std::filesystem::exists(dir / "latest", ec) ? 2
+      : !tags.empty() && !std::filesystem::exists(dir / zp::ckpt::DirectoryWriter::intent_name, ec)
+          ? 1
+          : 0;
+  std::int64_t seen[2] = {here, -here};  // max: what any rank sees, and whether all see it
   all_reduce_host(comm, std::span<std::int64_t>(seen), zp::ReduceOp::max);
   if (seen[0] != -seen[1])  // a start from step 0 here would drop the checkpoint the others see
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat("--resume: ", o.checkpoint_dir,
-                                    "/latest is seen by some ranks and not by others (rank ",
-                                    comm.rank(), ": ", here ? "seen" : "not seen",
+                                    "/latest or its checkpoints are seen by some ranks and not by "
+                                    "others (rank ",
+                                    comm.rank(), ": ",
+                                    here == 2 ? "latest"
+                                    : here    ? "checkpoints"
+                                              : "nothing",
                                     "); the checkpoint directory must be one file system that "
                                     "every rank sees"));
+  if (here == 1)
+    throw zp::Error(
+        zp::Errc::invalid_argument,
+        zp::detail::cat("--resume: ", o.checkpoint_dir, " holds checkpoints (", tags.front().second,
+                        tags.size() > 1 ? ", ..." : "",
+                        ") but no `latest` naming one: write the tag to resume from "
+                        "into ",
+                        (dir / "latest").string(), ", or move them away to start at step 0"));
   if (!here) {
-    // Checkpoints that `latest` does not name (it was removed, or a tag copied in alone): a
-    // start from step 0 would fail at its first save of one of their tags, after the training.
-    // A crashed save's unnamed tag is not one: its note has the next save remove it.
-    const std::filesystem::path dir = o.checkpoint_dir;
-    const auto tags = zp::ckpt::checkpoint_tags(dir);
-    if (!tags.empty() && !std::filesystem::exists(dir / zp::ckpt::DirectoryWriter::intent_name, ec))
-      throw zp::Error(
-          zp::Errc::invalid_argument,
-          zp::detail::cat("--resume: ", o.checkpoint_dir, " holds checkpoints (",
-                          tags.front().second, tags.size() > 1 ? ", ..." : "",
-                          ") but no `latest` naming one: write the tag to resume "
-                          "from into ",
-                          (dir / "latest").string(), ", or move them away to start at step 0"));
     if (comm.rank() == 0)
       std::printf("%s: no checkpoint in %s yet: starting at step 0\n", p.name,
                   o.checkpoint_dir.c_str());

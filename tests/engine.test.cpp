@@ -2066,6 +2066,16 @@ TEST_CASE("quantized gathers or gradients on a tensor-parallel grid are refused 
         zp::test::expect_invalid([&] { zp::Engine<Threads, float, 3> engine(grid, model, cfg); },
                                  {weights ? "quantized weight gathers" : "quantized gradients",
                                   "with tensor parallelism (tp 2) are not supported"});
+        // Asked for on one rank only: every rank is refused, not only that rank's groups.
+        const bool one = world.rank() == 3;
+        zp::test::expect_invalid(
+            [&] {
+              zp::Engine<Threads, float, 3> engine(grid, model, one ? cfg : test_config(2, 1));
+            },
+            {one ? (weights ? "quantized weight gathers (zero_quantized_weights)"
+                            : "gradients (zero_quantized_gradients)")
+                 : "weight gathers or gradients (on another rank)",
+             "with tensor parallelism (tp 2) are not supported"});
       }
       zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 1, .pp = 2});
       Mlp<float> model(grid.coords().pp == 0 ? std::vector<int>{8, 16, 8} : std::vector<int>{8, 4});

@@ -597,15 +597,20 @@ TEST_CASE("model states past a device's free memory are refused on every rank, n
 TEST_CASE("ZeRO-Offload's step failing on one rank fails on every rank, which then agree") {
   using B = zp::backend::CudaThreads;
   struct FailPinned {
-    explicit FailPinned(std::uint64_t n) {
-      auto o = zp::device::sim::options_from_env();
-      o.fail_pinned = n;
-      zp::device::sim::configure(o);
-    }
-    ~FailPinned() { zp::device::sim::configure(zp::device::sim::options_from_env()); }
+    explicit FailPinned(std::uint64_t n) { zp::device::sim::fail_pinned(n); }
+    ~FailPinned() { zp::device::sim::fail_pinned(0); }
   };
   std::optional<FailPinned> fail;
   const std::uint64_t seed = zp::test::run_seed("engine_device.test offload failure");
+  // The agreement is every rank's or none's: offloaded on some ranks only is refused.
+  zp::backend::run_cuda_threads(2, [&](zp::Collective<B>& comm) {
+    Fed<float> model(seed);
+    zp::test::expect_invalid(
+        [&] { zp::Engine<B, float, 2> e(comm, model, config(comm.rank() == 1 ? 1 : 0)); },
+        {"differ in their optimizer state or parameters on NVMe, or the optimizer offloaded on a "
+         "device backend (this rank: no state, no params on NVMe, ",
+         comm.rank() == 1 ? "offloaded)" : "not offloaded)"});
+  });
   zp::backend::run_cuda_threads(2, [&](zp::Collective<B>& comm) {
     Fed<float> model(seed);
     zp::Engine<B, float, 2> engine(comm, model, config(1), zp::optim::AdamW{.lr = 1e-2f});

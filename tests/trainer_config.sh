@@ -147,6 +147,8 @@ for bad in "--accum 4|$dir/ds.json|gradient_accumulation_steps is 2" \
 done
 "$demo" --config "$dir/batch.json" --ranks 2 --steps 2 --micro-batch 4 --accum 2 --lr 0.001 \
   > "$dir/agrees.log"
+# Without a scheduler section the flags' schedule runs, peaking at the config's lr.
+grep -q "scheduler: WarmupCosineLR(base_lr=0.001, total_num_steps=2," "$dir/agrees.log"
 echo "zp_gpt --config: Hugging Face's ZeRO-3 example, its precision, clipping and sizes filled"
 
 sed 's/zero_optimization/zero_optimisation/' "$dir/ds.json" > "$dir/bad.json"

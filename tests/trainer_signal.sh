@@ -53,8 +53,9 @@ stop_and_resume() {
 
 stop_and_resume demo TERM run 80 "$demo" --ranks 2 --stage 2 --micro-batch 4 --log-every 1000
 
-# A second signal, of either kind, ends the process at once: SIGINT then SIGTERM kills it (by
-# SIGTERM, no stop reported, nothing more saved), where the first alone would finish its step.
+# A second signal, of either kind, ends the process at once: SIGINT then SIGTERM kills it (no
+# stop reported, nothing more saved), where the first alone would finish its step. Threads may
+# take the two in either order, so the killing one is either.
 dir=$work/twice
 mkdir -p "$dir"
 "$demo" --ranks 2 --steps 100000 --micro-batch 512 --log-every 1000 --save-every 10 \
@@ -68,7 +69,7 @@ kill -INT "$pid"
 kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
-if [ "$rc" -ne 143 ] || grep -q "stopped after step" "$dir/log"; then
+if { [ "$rc" -ne 143 ] && [ "$rc" -ne 130 ]; } || grep -q "stopped after step" "$dir/log"; then
   echo "twice: SIGINT then SIGTERM did not end the run at once (exit code $rc):"; cat "$dir/log"
   exit 1
 fi

@@ -111,7 +111,7 @@ class Engine {
   template <Model<T> M>
   Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
       : Engine(MemoryPeers{&grid.model_parallel(), grid.world_rank()}, grid.dp(), model,
-               checked_for_grid(std::move(config), grid.shape()), optimizer) {
+               checked_for_grid(std::move(config), grid), optimizer) {
     if (grid.model_parallel().size() > 1) {
       mp_ = &grid.model_parallel();
       grid_ = grid.shape();
@@ -120,7 +120,8 @@ class Engine {
       coords_.dp = comm_->rank();
       // The replica's ranks clip, scale and skip a step together: settings agreed over it too.
       expect_same_engine_everywhere(*mp_, part_.layout(), Stage, dtype_of<T>, config_, batch_,
-                                    precision_, opt_, std::span<const char>(decays_), true);
+                                    precision_, opt_, std::span<const char>(decays_),
+                                    S == MemorySpace::device, true);
     }
   }
 
@@ -150,8 +151,9 @@ class Engine {
               config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
-    // Where a rank keeps its optimizer state need not agree (the results do), but a swap that
-    // failed to open on one rank is an error on all.
+    // Where a rank keeps its optimizer state need not agree on a host backend (the results do;
+    // on a device ZeRO-Offload's step is agreed on, so expect_same_engine_everywhere compares
+    // it), but a swap that failed to open on one rank is an error on all.
     on_every_rank(*dp_, [&] { part_.expect_swap_opened(); });
     const Layout& L = part_.layout();
     if (config_.weight_decay_filter) {  // empty where every parameter decays
@@ -160,7 +162,7 @@ class Engine {
         decays_.clear();
     }
     expect_same_engine_everywhere(*dp_, L, Stage, dtype_of<T>, config_, batch_, precision_, opt_,
-                                  std::span<const char>(decays_));
+                                  std::span<const char>(decays_), S == MemorySpace::device);
     load_initial_values(*dp_, part_, std::span<View<T>* const>(bound_.values),
                         config_.broadcast_initial_params, replicas_ ? &*replicas_ : nullptr,
                         config_.initializer, stats_.word());
@@ -517,12 +519,20 @@ class Engine {
   // the replicated parameters' dequantized values, gradients and then master weights would
   // differ between the TP ranks (a checkpoint keeps TP rank 0's). Refused until blocks keep to
   // one parameter and to TP-independent boundaries.
-  static EngineConfig checked_for_grid(EngineConfig c, const GridShape& g) {
-    ZP_EXPECT(g.tp == 1 || (!c.quantized_weights && !c.quantized_gradients),
-              "engine: ZeRO++'s quantized ",
-              c.quantized_weights ? "weight gathers (zero_quantized_weights)"
-                                  : "gradients (zero_quantized_gradients)",
-              " with tensor parallelism (tp ", g.tp,
+  // Agreed over the grid (its DP groups, then their TP x PP groups: every rank), so a setting on
+  // some ranks only is an error on all.
+  static EngineConfig checked_for_grid(EngineConfig c, ProcessGrid<B>& grid) {
+    const int tp = grid.shape().tp;
+    if (tp == 1) return c;  // the same shape on every rank (the grid agreed on it)
+    const bool mine = c.quantized_weights || c.quantized_gradients;
+    std::int64_t any = mine ? 1 : 0;
+    all_reduce_host(grid.dp(), std::span<std::int64_t>(&any, 1), ReduceOp::max);
+    all_reduce_host(grid.model_parallel(), std::span<std::int64_t>(&any, 1), ReduceOp::max);
+    ZP_EXPECT(any == 0, "engine: ZeRO++'s quantized ",
+              !mine                 ? "weight gathers or gradients (on another rank)"
+              : c.quantized_weights ? "weight gathers (zero_quantized_weights)"
+                                    : "gradients (zero_quantized_gradients)",
+              " with tensor parallelism (tp ", tp,
               ") are not supported: a quantization block would mix replicated parameters with "
               "this rank's slice of split ones, so the replicated parameters would drift apart "
               "between the tensor-parallel ranks; use them at tp 1 (pipeline and data "

@@ -76,12 +76,14 @@ inline std::uint64_t decay_hash(std::span<const char> decays) {
 // (first_difference), so a difference names what differs, on every rank. `model_parallel`: comm
 // is a replica's TP x PP group, whose ranks hold different parts of the model, each gathered
 // and reduced over its own data-parallel group: their layouts and stage 3 and bucket settings
-// are not compared, the rest (stepped together: one norm, one skip) is.
+// are not compared, the rest (stepped together: one norm, one skip) is. `device`: the engine's
+// buffers are device memory (where ZeRO-Offload's step is agreed on, as the NVMe one is).
 template <Backend B, class Opt>
 void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype,
                                    const EngineConfig& c, const BatchConfig& batch,
                                    const GradPrecision& precision, const Opt& opt,
-                                   std::span<const char> decays, bool model_parallel = false) {
+                                   std::span<const char> decays, bool device,
+                                   bool model_parallel = false) {
   const LossScaler& ls = c.loss_scaler;
   const DynamicScale& d = ls.config();
   const std::string parts[] = {
@@ -104,10 +106,13 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", hpz_partition_size=", c.hpz_partition_size, ", quantized gradients block ",
                   c.quantized_gradients ? c.quantized_gradients->block : 0,
                   ", ranks_per_node=", c.ranks_per_node, ")"),
-      // The NVMe step adds an agreement to every step: all ranks or none.
-      detail::cat("optimizer state or parameters on NVMe (this rank: ",
+      // The NVMe step, and ZeRO-Offload's on a device, add an agreement to every step: all ranks
+      // or none.
+      detail::cat("optimizer state or parameters on NVMe, or the optimizer offloaded on a device "
+                  "backend (this rank: ",
                   c.optimizer_nvme ? "state" : "no state", ", ",
-                  c.param_nvme ? "params" : "no params", ")"),
+                  c.param_nvme ? "params" : "no params", " on NVMe, ",
+                  device && c.offload_optimizer ? "offloaded" : "not offloaded", ")"),
       detail::cat("parameters that take weight decay (this rank: ",
                   decays.empty() ? L.params().size()
                                  : std::size_t(std::count(decays.begin(), decays.end(), 1)),
@@ -136,7 +141,10 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                      c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
                      c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
                 .value(),
-      detail::Fnv1a().all(c.optimizer_nvme.has_value(), c.param_nvme.has_value()).value(),
+      detail::Fnv1a()
+          .all(c.optimizer_nvme.has_value(), c.param_nvme.has_value(),
+               device && c.offload_optimizer)
+          .value(),
       model_parallel ? 0 : decay_hash(decays)};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
   if (k == 0) detail::throw_layout_difference(comm, L, c);

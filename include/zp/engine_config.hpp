@@ -243,7 +243,8 @@ struct EngineConfig {
   bool wall_clock_breakdown = false;
   int steps_per_print = 10;
 
-  // The settings no other part checks (the batch, layout, scaler and optimizer check their own).
+  // The settings' own checks, for the engine to run before it lays out or allocates anything (the
+  // batch, layout, scaler and optimizer check their own).
   void check() const {
     ZP_EXPECT(!std::isnan(max_grad_norm),
               "engine: max_grad_norm is NaN; use a positive norm to clip, or 0 for "

@@ -27,7 +27,9 @@
 // zp::Error(Errc::nccl) or zp::Error(Errc::timeout); afterwards every call on it throws
 // Errc::aborted. A backend destroyed during stack unwinding aborts its communicator instead of
 // destroying it (ncclCommDestroy could wait for peers that never come); otherwise the last
-// one waits for its stream up to the timeout, and aborts past it or on an NCCL error. Creation and split
+// one waits for its stream up to the timeout, and aborts past it or on an NCCL error (a drained
+// stream then goes to ncclCommDestroy, which some NCCL versions finalize with the peers: not yet
+// run on a GPU). Creation and split
 // block until every rank joins: NCCL's non-blocking mode would bound them, but it launches each
 // later collective from a new host thread, a cost not yet measured on a GPU.
 // bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
@@ -229,7 +231,8 @@ struct Context final : device::Watched {
     if (comm && !drained()) {
       abort(detail::cat("rank ", rank, ": its stream did not finish within the timeout (",
                         opt.timeout.count(), " ms) or NCCL reported an error as it was destroyed"));
-      zp::detail::log_dropped("nccl backend: ncclCommDestroy", abort_reason.c_str());
+      zp::detail::log_dropped("nccl backend: teardown aborted the communicator",
+                              abort_reason.c_str());
     }
     if (comm)
       if (const ncclResult_t r = ncclCommDestroy(comm); r != ncclSuccess)

@@ -76,9 +76,6 @@ struct Options {
   // Each task waits, with probability 1/4, a random time up to this before it runs (0: never).
   std::chrono::microseconds max_delay{0};
   std::size_t memory_limit = 0;  // bytes of device memory (0: unlimited)
-  // The n-th page-locked allocation from configure() on fails, as cudaMallocHost does when the
-  // host runs out of it (0: none): one rank's failure, for the tests of its agreement.
-  std::uint64_t fail_pinned = 0;
   // The ordering site (runtime.hpp's `site` names) whose waits, records and stream-ordered frees
   // are dropped: a mutation, to prove a test catches its absence (empty: none).
   std::string drop;
@@ -205,8 +202,12 @@ class Device {
     std::call_once(configured_, [] {});
     Quiet q;
     std::lock_guard lock(m_);
-    pinned_countdown_ = o.fail_pinned;
     options_ = std::move(o);
+  }
+  void fail_pinned(std::uint64_t n) {
+    Quiet q;
+    std::lock_guard lock(m_);
+    pinned_countdown_ = n;
   }
   bool dropped(const char* site) { return !options().drop.empty() && options().drop == site; }
   std::uint64_t next_stream_id() { return stream_ids_.fetch_add(1) + 1; }
@@ -288,7 +289,7 @@ class Device {
       std::lock_guard lock(m_);
       if (pinned_countdown_ && --pinned_countdown_ == 0)
         throw Error(Errc::cuda, detail::cat("simulated device: cudaMallocHost of ", bytes,
-                                            " bytes failed: out of memory (Options::fail_pinned)"));
+                                            " bytes failed: out of memory (sim::fail_pinned)"));
     }
     void* p = ::operator new(bytes, std::align_val_t(alignment));
     Quiet q;
@@ -387,7 +388,7 @@ class Device {
   std::map<void*, Block> blocks_;           // every device block, live or pooled
   std::multimap<std::size_t, void*> pool_;  // freed blocks by size, reused for that size only
   std::map<void*, Block> pinned_;           // page-locked host blocks (always live)
-  std::uint64_t pinned_countdown_ = 0;      // Options::fail_pinned's, under m_
+  std::uint64_t pinned_countdown_ = 0;      // sim::fail_pinned's, under m_
   std::size_t reserved_ = 0, in_use_ = 0;
 };
 
@@ -524,6 +525,9 @@ namespace sim {
 inline void configure(Options o) { sim_detail::Device::get().configure(std::move(o)); }
 // Clears a sticky error (tests of the simulator itself).
 inline void reset() { sim_detail::Device::get().reset(); }
+// The n-th page-locked allocation from now on fails, as cudaMallocHost does when the host runs
+// out of it (0: none): one rank's failure, for the tests of its agreement.
+inline void fail_pinned(std::uint64_t n) { sim_detail::Device::get().fail_pinned(n); }
 }  // namespace sim
 
 inline bool dropped(const char* site) { return sim_detail::Device::get().dropped(site); }
