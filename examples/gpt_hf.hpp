@@ -10,8 +10,6 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <span>
 #include <string>
 #include <vector>
@@ -120,9 +118,8 @@ template <class T>
 void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   const Config& c = m.config();
   const auto cfg_path = dir / "config.json";
-  std::ifstream f(cfg_path);
-  ZP_EXPECT(f.good(), "gpt: cannot read ", cfg_path.string());
-  const std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  // A regular file of at most 16 MiB (a FIFO is refused, not waited on).
+  const std::string text = zp::detail::read_whole_file(cfg_path, std::uint64_t(16) << 20);
   const nlohmann::json j = zp::detail::parse_json(text, cfg_path.string(), zp::Errc::io);
   ZP_EXPECT(j.is_object(), cfg_path.string(), ": not a JSON object");
   bool tied = true;
@@ -150,6 +147,15 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     const std::string act = j.value("activation_function", std::string("gelu_new"));
     ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '", act,
               "' is not gelu_new, the tanh GELU of this model");
+    // The keys that change GPT-2's arithmetic must hold this model's values (absent: GPT-2's).
+    const double eps = j.value("layer_norm_epsilon", 1e-5);
+    ZP_EXPECT(eps == 1e-5, cfg_path.string(), ": layer_norm_epsilon ", eps,
+              " is not 1e-05, this model's");
+    for (const auto& [key, want] : {std::pair{"scale_attn_weights", true},
+                                    {"scale_attn_by_inverse_layer_idx", false},
+                                    {"add_cross_attention", false}})
+      ZP_EXPECT(j.value(key, want) == want, cfg_path.string(), ": ", key, " is ",
+                want ? "false" : "true", "; this model has GPT-2's ", want ? "true" : "false");
     tied = j.value("tie_word_embeddings", true);
     positions = num("n_positions");
   } catch (const nlohmann::json::exception& e) {

@@ -183,7 +183,8 @@ def check_trained(gpt, work):
 
     # What cannot be loaded is an error naming it.
     def refused(directory, needle):
-        r = subprocess.run(args + ["--init-from", directory], capture_output=True, text=True)
+        r = subprocess.run(args + ["--init-from", directory], capture_output=True, text=True,
+                           timeout=60)
         assert r.returncode != 0 and needle in r.stderr, (needle, r.stderr)
     bad = os.path.join(work, "bad")
     os.makedirs(bad)
@@ -204,8 +205,19 @@ def check_trained(gpt, work):
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(dict(cfg_tied, vocab_size=99), f)
     refused(bad, "vocab_size 99 is not this model's vocabulary")
+    # Keys that change the arithmetic (transformers would compute another model).
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(dict(cfg_tied, layer_norm_epsilon=1e-3), f)
+    refused(bad, "layer_norm_epsilon 0.001 is not 1e-05, this model's")
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(dict(cfg_tied, scale_attn_by_inverse_layer_idx=True), f)
+    refused(bad, "scale_attn_by_inverse_layer_idx is true; this model has GPT-2's false")
+    # A FIFO is refused, not waited on.
+    os.remove(os.path.join(bad, "config.json"))
+    os.mkfifo(os.path.join(bad, "config.json"))
+    refused(bad, "not a regular file")
     print("a missing tensor, a transposed one, an extra one, another architecture, another "
-          "vocabulary: refused")
+          "vocabulary, another layer norm epsilon or attention scaling, a FIFO config: refused")
 
     # A GPT-2 that transformers saved, fine-tuned from on a 2 x 2 x 2 grid: zp_gpt's loss of the
     # loaded weights (--steps 0 --eval) on a random text equals transformers' on the same windows
