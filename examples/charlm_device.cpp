@@ -433,15 +433,7 @@ int main(int argc, char** argv) {
       int processes = 0, rank = 0;
       MPI_Comm_size(MPI_COMM_WORLD, &processes);
       MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-      if (o.was_given("--ranks") && o.ranks != processes) {  // as launch() under mpi
-        if (rank == 0)
-          std::fprintf(stderr,
-                       ZP_DEMO_NAME
-                       ": --ranks %d with --backend nccl: the job has %d processes "
-                       "(mpirun -n sets them; leave --ranks out)\n",
-                       o.ranks, processes);
-        return 2;
-      }
+      if (!examples::ranks_match_job(ZP_DEMO_NAME, o, "nccl", processes, rank)) return 2;
       zp::Collective<zp::backend::Nccl> comm(
           zp::backend::nccl_from_mpi(MPI_COMM_WORLD));  // sets the device
       zp::device::Stream compute;  // the model's and the engine's; nccl communicates on its own

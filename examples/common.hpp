@@ -429,6 +429,19 @@ inline int exit_status() {
 
 // ---- launching ------------------------------------------------------------------------------
 
+// Under an MPI launcher the processes are the ranks: a --ranks given must be their count. False
+// (said on rank 0) where it is not; every rank finds it alike, so each returns without an abort.
+inline bool ranks_match_job(const char* name, const TrainFlags& t, const char* backend,
+                            int processes, int rank) {
+  if (!t.was_given("--ranks") || t.ranks == processes) return true;
+  if (rank == 0)
+    std::fprintf(stderr,
+                 "%s: --ranks %d with --backend %s: the job has %d processes (mpirun -n sets "
+                 "them; leave --ranks out)\n",
+                 name, t.ranks, backend, processes);
+  return false;
+}
+
 // Runs train(comm) on every rank: one MPI process per rank (--backend mpi, under mpirun, whose
 // process count a --ranks given must equal) or --ranks threads. Returns the exit status (128 + the signal's number for a run stopped by one);
 // errors are printed, on MPI by each rank before its exception leaves the communicator (that
@@ -441,14 +454,7 @@ int launch(const Program& p, int& argc, char**& argv, const TrainFlags& t, Train
 #if ZP_DEMO_MPI
       zp::backend::MpiEnvironment env(&argc, &argv);
       zp::Collective<zp::backend::Mpi> comm(env.world());
-      if (t.was_given("--ranks") && t.ranks != comm.size()) {  // every rank sees it: no abort
-        if (comm.rank() == 0)
-          std::fprintf(stderr,
-                       "%s: --ranks %d with --backend mpi: the job has %d processes (mpirun -n "
-                       "sets them; leave --ranks out)\n",
-                       p.name, t.ranks, comm.size());
-        return 2;
-      }
+      if (!ranks_match_job(p.name, t, "mpi", comm.size(), comm.rank())) return 2;
       try {
         train(comm);
       } catch (const std::exception& e) {

@@ -379,11 +379,9 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
   // Without a scheduler section, the flags' schedule around the config's optimizer, as Hugging
   // Face's Trainer makes its scheduler around a config's optimizer (its peak set below).
   if (!dc.scheduler) dc.scheduler = flag_schedule(t);
-  if (dc.scheduler) {
-    if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
-      std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
-    std::visit([](const auto& x) { x.check(); }, *dc.scheduler);
-  }
+  if (auto* cosine = std::get_if<zp::schedule::WarmupCosineLR>(&*dc.scheduler))
+    std::visit([&](const auto& opt) { cosine->base_lr = decimal(opt.lr); }, dc.optimizer);
+  std::visit([](const auto& x) { x.check(); }, *dc.scheduler);
 }
 #endif
 

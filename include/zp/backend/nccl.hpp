@@ -156,6 +156,15 @@ class DeviceScope {
 
 // Shared by a backend and its outstanding work handles; watched by the host synchronisations
 // of the threads that use it.
+// A host wait's pause between polls: yields first, then sleeps (a wait past a millisecond or so
+// is a slow peer, not a kernel about to end).
+inline void pause(int spins) noexcept {
+  if (spins > 1000)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  else
+    std::this_thread::yield();
+}
+
 struct Context final : device::Watched {
   ncclComm_t comm = nullptr;
   device::stream_t stream = nullptr;
@@ -214,10 +223,7 @@ struct Context final : device::Watched {
       if ((async != ncclSuccess && async != ncclInProgress) ||
           std::chrono::steady_clock::now() - start > opt.timeout)
         return false;
-      if (spins > 1000)
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else
-        std::this_thread::yield();
+      pause(spins);
     }
   }
   static void dropped(cudaError_t e, const char* call) noexcept {
@@ -312,10 +318,7 @@ class Op {
         release();
         throw;
       }
-      if (spins > 1000)
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else
-        std::this_thread::yield();
+      pause(spins);
     }
     release();
   }
