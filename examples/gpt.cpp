@@ -351,7 +351,7 @@ void estimate(zp::ProcessGrid<B>& grid, const Options& o, const Data& data,
   const auto [first, end] = gpt::pipeline_stage(cfg, o.pp, grid.coords().pp);
   gpt::Model<T> model(cfg, o.init_seed, zp::tp::Group<float>(grid.tp()), {first, end},
                       gpt::Model<T>::InitialValues::on_request);
-  const zp::MemoryPlan p = E::estimate_memory(model, grid.shape().dp, ec);
+  const zp::MemoryPlan p = E::estimate_memory(model, grid.shape().dp, ec, grid.shape().tp);
   if (grid.world_rank() != 0) return;
   const zp::MemoryReport& m = p.host;
   std::printf(

@@ -2048,40 +2048,46 @@ TEST_CASE("settings that differ across a replica's pipeline stages are an error 
   }
 }
 
-// ZeRO++'s quantization would let a tensor-parallel grid's replicated parameters drift apart
-// (a block mixes them with this rank's slice of a split parameter): refused on every rank, and
-// allowed at tp 1 (a pipeline grid).
-TEST_CASE("quantized gathers or gradients on a tensor-parallel grid are refused on every rank") {
-  for (const bool weights : {true, false}) {
-    CAPTURE(weights);
-    run_threads(4, [&](Collective<Threads>& world) {
-      auto cfg = test_config(2, 1);
-      if (weights)
-        cfg.quantized_weights = zp::zero_quantized_weights;
-      else
-        cfg.quantized_gradients = zp::zero_quantized_gradients;
-      {
+// ZeRO++'s quantization lays out a tensor-parallel grid's segments by kind (layout.hpp), and
+// on some TP ranks only it would let the replicated parameters drift apart: settings that differ
+// between the replica's TP ranks (each DP group agreeing inside) are an error on every rank, as
+// they are on one rank of a DP group.
+TEST_CASE(
+    "ZeRO++ quantization that differs between tensor-parallel ranks is an error on every rank") {
+  for (const bool weights : {true, false})
+    for (const bool one_rank : {false, true}) {
+      CAPTURE(weights);
+      CAPTURE(one_rank);
+      std::mutex m;
+      std::vector<std::pair<int, std::string>> errors;  // by TP rank
+      run_threads(4, [&](Collective<Threads>& world) {
         zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 2, .pp = 1});
+        auto cfg = test_config(2, 1);
+        // TP rank 1's DP group, or world rank 3 alone.
+        if (one_rank ? world.rank() == 3 : grid.coords().tp == 1) {
+          if (weights)
+            cfg.quantized_weights = zp::zero_quantized_weights;
+          else
+            cfg.quantized_gradients = zp::zero_quantized_gradients;
+        }
         Mlp<float> model;
-        zp::test::expect_invalid([&] { zp::Engine<Threads, float, 3> engine(grid, model, cfg); },
-                                 {weights ? "quantized weight gathers" : "quantized gradients",
-                                  "with tensor parallelism (tp 2) are not supported"});
-        // Asked for on one rank only: every rank is refused, not only that rank's groups.
-        const bool one = world.rank() == 3;
-        zp::test::expect_invalid(
-            [&] {
-              zp::Engine<Threads, float, 3> engine(grid, model, one ? cfg : test_config(2, 1));
-            },
-            {one ? (weights ? "quantized weight gathers (zero_quantized_weights)"
-                            : "gradients (zero_quantized_gradients)")
-                 : "weight gathers or gradients (on another rank)",
-             "with tensor parallelism (tp 2) are not supported"});
-      }
-      zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 1, .pp = 2});
-      Mlp<float> model(grid.coords().pp == 0 ? std::vector<int>{8, 16, 8} : std::vector<int>{8, 4});
-      zp::Engine<Threads, float, 3> engine(grid, model, cfg);
-    });
-  }
+        try {
+          zp::Engine<Threads, float, 3> engine(grid, model, cfg);
+        } catch (const zp::Error& e) {
+          std::lock_guard lk(m);
+          errors.emplace_back(grid.coords().tp, e.what());
+        }
+      });
+      // Each DP group agreeing inside: the replica's check names it on every rank. One rank:
+      // its DP group's check names it there, and the other group's ranks, waiting in the
+      // replica's check, are told their communicator lost those ranks.
+      REQUIRE(errors.size() == 4);
+      for (const auto& [tp, e] : errors)
+        CHECK_MESSAGE((e.find("differ in their ZeRO++ quantization (this rank: quantized weights "
+                              "block ") != std::string::npos ||
+                       (one_rank && tp == 0 && e.find("was poisoned") != std::string::npos)),
+                      e);
+    }
 }
 
 TEST_CASE("a rank whose model lacks initial values is an error naming them on every rank") {
@@ -2716,7 +2722,10 @@ TEST_CASE("estimate_memory is the plan an engine of that model and config checks
   Mlp<zp::bf16> model;
   zp::test::expect_invalid(
       [&] { zp::Engine<Threads, zp::bf16, 3>::estimate_memory(model, 0, test_config(2, 1)); },
-      {"estimate_memory for 0 ranks; expected at least 1"});
+      {"estimate_memory for 0 ranks and tp 1; expected at least 1 of each"});
+  zp::test::expect_invalid(
+      [&] { zp::Engine<Threads, zp::bf16, 3>::estimate_memory(model, 2, test_config(2, 1), 0); },
+      {"estimate_memory for 2 ranks and tp 0; expected at least 1 of each"});
   // Settings an engine would refuse are refused here too, with the engine's messages.
   const auto refused = [&]<int Stage>(std::integral_constant<int, Stage>, int ranks,
                                       void (*set)(zp::EngineConfig&),

@@ -40,6 +40,7 @@ struct Run {
   // k / micro_batches, so it sees the global batch of every replica.
   bool reference = false;
   bool recompute = false;  // activation checkpointing (gpt::Activations)
+  bool zeropp = false;     // stage 3: ZeRO++'s qwZ and qgZ, in nodes of one DP rank
   int layers = grid::cfg.layers;
 
   gpt::Config config() const {
@@ -83,10 +84,22 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   ec.first_bucket_bytes = 1024;
   ec.align = 4;
   ec.max_grad_norm = max_grad_norm;
+  if (run.zeropp) {
+    ec.quantized_weights = zp::zero_quantized_weights;
+    ec.quantized_gradients = zp::zero_quantized_gradients;
+    ec.ranks_per_node = 1;
+  }
   // eps 1e-4: gradients that are zero up to rounding (the key bias: softmax ignores a constant
   // added to every score) must not turn rounding into +-lr steps (see engine.test.cpp).
-  zp::Engine<B, float, Stage> engine(
-      grid, model, ec, zp::optim::AdamW{.lr = lr, .eps = 1e-4f, .weight_decay = 0.01f});
+  using E = zp::Engine<B, float, Stage>;
+  // The estimate lays the part out as the engine does (ZeRO++ cuts its segments by kind).
+  const zp::MemoryReport want = E::estimate_memory(model, run.shape.dp, ec, run.shape.tp).host;
+  E engine(grid, model, ec, zp::optim::AdamW{.lr = lr, .eps = 1e-4f, .weight_decay = 0.01f});
+  const zp::MemoryReport got = engine.memory_plan().host;
+  CHECK(want.params == got.params);
+  CHECK(want.master == got.master);
+  CHECK(want.buckets == got.buckets);
+  CHECK(want.gathered == got.gathered);
   model.release_initial_values();  // as zp_gpt does: nothing reads them now (ASan would see)
   const std::size_t rows = std::size_t(micro_batch) * std::size_t(cfg.context);
   zp::pipeline::Runner<B, float> runner(grid.pp(), run.schedule, run.micro_batches,
@@ -153,7 +166,7 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   }
   const std::uint64_t P = engine.layout().total() * sizeof(float), n = std::uint64_t(run.shape.dp);
   const std::uint64_t stats = zp::Engine<B, float, Stage>::statistics_count * sizeof(double);
-  if (n > 1) {
+  if (n > 1 && !run.zeropp) {
     if (Stage == 0) CHECK(dp[zp::CollOp::all_reduce].bytes == std::uint64_t(steps) * (P + stats));
     if (Stage == 1) CHECK(dp[zp::CollOp::reduce_scatter].bytes == std::uint64_t(steps) * P);
     if (Stage >= 2) CHECK(dp[zp::CollOp::reduce_scatter].bytes == mb * P);

@@ -8,7 +8,8 @@
 # exports the same bytes; a --resume into a directory with no checkpoint yet starts at step 0
 # and says so; a checkpoint resumed with another text is refused naming both vocabularies. The
 # grid trains with --decay matrices, which its checkpoint keeps: a resume without it is refused.
-# Hybrid sharding (shard groups of 2 of dp 4, x tp 2) resumes exactly and exports its checkpoint.
+# Hybrid sharding (shard groups of 2 of dp 4, x tp 2) resumes exactly and exports its checkpoint,
+# and so does ZeRO++ (qwZ and qgZ) on a dp 2 x tp 2 grid.
 #   gpt_resume.sh <zp_gpt> <work dir>
 set -euo pipefail
 gpt=$1 dir=$2/gpt-resume
@@ -80,6 +81,24 @@ diff <(losses "$dir/h.jsonl") <(losses "$dir/h-resumed.jsonl")
   > "$dir/h-one.log"
 cmp "$dir/h-grid/model.safetensors" "$dir/h-one/model.safetensors"
 echo "hybrid sharding on a grid: resume logs the same losses; export equals the checkpoint's"
+# ZeRO++ (qwZ, qgZ over 2 nodes of 1) on a dp 2 x tp 2 grid, whose segments are cut by kind: a
+# resume from step 10 logs the uninterrupted run's losses and exports its bytes, and the
+# checkpoint loaded on one rank (another layout) exports them too.
+zq=(--ranks 4 --tp 2 --stage 3 --zero-quantized-weights --zero-quantized-gradients
+  --ranks-per-node 1)
+"$gpt" "${args20[@]}" "${zq[@]}" --checkpoint-dir "$dir/q" --save-every 10 \
+  --log-json "$dir/q.jsonl" --export "$dir/q-grid" > "$dir/q.log"
+cp -r "$dir/q" "$dir/q10"
+printf step10 > "$dir/q10/latest"
+"$gpt" "${args20[@]}" "${zq[@]}" --checkpoint-dir "$dir/q10" --resume \
+  --log-json "$dir/q-resumed.jsonl" --export "$dir/q-resumed" > "$dir/q-resumed.log"
+diff <(losses "$dir/q.jsonl") <(losses "$dir/q-resumed.jsonl")
+[ "$(losses "$dir/q.jsonl" | wc -l)" -eq 10 ]
+cmp "$dir/q-grid/model.safetensors" "$dir/q-resumed/model.safetensors"
+"$gpt" "${args20[@]}" --ranks 1 --checkpoint-dir "$dir/q" --resume --export "$dir/q-one" \
+  > "$dir/q-one.log"
+cmp "$dir/q-grid/model.safetensors" "$dir/q-one/model.safetensors"
+echo "ZeRO++ on a tensor-parallel grid: resume is bitwise; export equals the checkpoint's"
 
 if "$gpt" "${args[@]}" --steps 40 --ranks 2 --checkpoint-dir "$dir/g" --resume \
   > "$dir/g-decay.log" 2>&1; then

@@ -3,11 +3,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "random.hpp"
 #include "temp_dir.hpp"
 #include "zero_mlp.hpp"
+#include "zp/tensor_parallel.hpp"
 
 using zp::Extent;
 using zp::Field;
@@ -91,6 +94,62 @@ TEST_CASE(
       CHECK(L.used() == 0 + 1 + 7 + 4099 + 13 + 4 + 65537 + 21);
       CHECK(L.segment(0).module == 4);  // the last module first
     }
+}
+
+// ZeRO++ on a tensor-parallel grid: each TP rank lays out its own part, whose split parameters'
+// slices may differ in size (a vocabulary of 13 over 2 ranks: 7 and 6). With by_tp_kind a segment
+// holds one kind only, and every segment holding replicated parameters is the same on every TP
+// rank (parameters, padding, pieces), so their quantization blocks are too.
+TEST_CASE(
+    "by_tp_kind: a replicated parameter's segment is the same on every tensor-parallel rank") {
+  const std::uint64_t seed = zp::test::fresh_seed();
+  std::uint64_t draws = 0;
+  const auto below = [&](std::uint64_t n) { return zp::test::mix(seed + ++draws) % n; };
+  for (int trial = 0; trial < 200; ++trial) {
+    CAPTURE(trial);
+    const int ranks = 1 + int(below(4)), tp = 2 + int(below(3));
+    const zp::LayoutOptions o{.bucket_elems = 8 + below(64),
+                              .first_bucket_elems = 1 + below(32),
+                              .align = 1 + below(4),
+                              .by_tp_kind = true};
+    // The model: modules of parameters of random kinds and sizes; a split one has a part of
+    // its full size on each TP rank, the first n % tp parts one larger (none empty).
+    std::vector<ParamInfo> whole;
+    const int modules = 1 + int(below(4));
+    for (int m = 0; m < modules; ++m)
+      for (std::size_t i = 0, n = 1 + below(6); i < n; ++i)
+        whole.push_back({"m" + std::to_string(m) + ".p" + std::to_string(i), m,
+                         std::size_t(tp) + below(40),
+                         below(2) ? zp::TensorParallel::split : zp::TensorParallel::replicated});
+    std::vector<Layout> parts;
+    for (int r = 0; r < tp; ++r) {
+      std::vector<ParamInfo> part = whole;
+      for (auto& p : part)
+        if (p.tp == zp::TensorParallel::split) p.size = zp::tp::split(p.size, tp, r).size();
+      parts.emplace_back(part, ranks, o);
+      check_invariants(parts.back(), o);
+      for (const auto& g : parts.back().segments())
+        for (int p : g.params)
+          CHECK(part[std::size_t(p)].tp == part[std::size_t(g.params.front())].tp);
+    }
+    // A replicated parameter's segment, by the names it holds, its used, padded and piece sizes
+    // and the parameter's place in it, on each TP rank.
+    const auto segment_of = [](const Layout& L, const std::string& name) {
+      for (const auto& p : L.params())
+        if (p.name == name) {
+          const auto& g = L.segment(p.segment);
+          std::vector<std::string> names;
+          for (int q : g.params) names.push_back(L.params()[std::size_t(q)].name);
+          return std::tuple(names, g.used, g.size, g.piece, p.offset - g.offset);
+        }
+      FAIL("no parameter ", name);
+      return std::tuple(std::vector<std::string>{}, 0ul, 0ul, 0ul, 0ul);
+    };
+    for (const auto& p : whole)
+      if (p.tp == zp::TensorParallel::replicated)
+        for (int r = 1; r < tp; ++r)
+          CHECK(segment_of(parts[std::size_t(r)], p.name) == segment_of(parts[0], p.name));
+  }
 }
 
 TEST_CASE("the layout fingerprint changes with any name, size, module or rank count") {

@@ -68,9 +68,10 @@ namespace zp {
 
 namespace ckpt {
 
-// Version 5 added optimizer.no_weight_decay, 4 the loss scaler's skipped_in_row, 3 the manifest's
-// own checksum; 4, 3, 2 (without it) and 1 (no grid either) are read.
-inline constexpr int format_version = 5;
+// Version 6 added layout.by_tp_kind, 5 optimizer.no_weight_decay, 4 the loss scaler's
+// skipped_in_row, 3 the manifest's own checksum; 5, 4, 3, 2 (without it) and 1 (no grid either)
+// are read.
+inline constexpr int format_version = 6;
 inline constexpr const char* format_name = "zp-checkpoint";
 
 inline std::string rank_file_name(int rank, int ranks) {
@@ -178,7 +179,8 @@ inline nlohmann::json to_json(const Manifest& m) {
   j["dtype"] = name(m.dtype);
   j["layout"] = {{"bucket_elems", m.layout.bucket_elems},
                  {"first_bucket_elems", m.layout.first_bucket_elems},
-                 {"align", m.layout.align}};
+                 {"align", m.layout.align},
+                 {"by_tp_kind", m.layout.by_tp_kind}};
   json ps = json::array();
   for (const auto& p : m.params)
     ps.push_back(
@@ -347,7 +349,9 @@ inline constexpr LayoutKey layout_keys[] = {
         "first_bucket_elems", whole(1, max_elements),
         [](auto& o) -> auto& { return o.first_bucket_elems; }),
     LayoutKey::read(
-        "align", whole(1, std::int64_t(1) << 20), [](auto& o) -> auto& { return o.align; })};
+        "align", whole(1, std::int64_t(1) << 20), [](auto& o) -> auto& { return o.align; }),
+    LayoutKey::read(  // absent: false, which only versions before 6 may be (manifest_from_json)
+        "by_tp_kind", boolean(false), [](auto& o) -> auto& { return o.by_tp_kind; })};
 
 using BatchKey = Key<BatchConfig>;
 inline constexpr BatchKey batch_keys[] = {
@@ -429,6 +433,9 @@ inline void read_parts(const Ctx& c, const json& v, const std::string& path, Man
       p.place.shape = m.params[it->second].place.shape;
       c.checked(at, [&] { p.place.check("the part"); });
       p.size = p.place.size();
+      // As the engine's model gave it (a grid's split parameters have their Placement), for the
+      // layout (LayoutOptions::by_tp_kind).
+      p.tp = p.place.is_whole() ? TensorParallel::replicated : TensorParallel::split;
       part.push_back(std::move(p));
     }
     m.parts.push_back(std::move(part));
@@ -618,6 +625,8 @@ inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& s
   }
   if (m.version >= 5 && !j.at("optimizer").contains("no_weight_decay"))
     c.fail("optimizer.no_weight_decay", "missing");
+  if (m.version >= 6 && !j.at("layout").contains("by_tp_kind"))
+    c.fail("layout.by_tp_kind", "missing");
   schema::check_sizes(c, m);
   if (m.version >= 3) {  // last: a value out of range is named as such, not as a checksum
     const auto it = j.find("manifest_crc32c");

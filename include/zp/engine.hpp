@@ -101,7 +101,7 @@ class Engine {
   // engine lives.
   template <Model<T> M>
   Engine(Collective<B>& comm, M& model, EngineConfig config = {}, Opt optimizer = {})
-      : Engine(MemoryPeers{}, comm, model, std::move(config), optimizer) {}
+      : Engine(MemoryPeers{}, 1, comm, model, std::move(config), optimizer) {}
 
   // 3D parallelism (grid.hpp): ZeRO over the grid's DP group; the model holds one TP x PP part
   // of the network (its TP-split parameters marked TensorParallel::split), and the gradient
@@ -110,8 +110,8 @@ class Engine {
   // TP rank 0 only). The grid must outlive the engine. Collective over the world.
   template <Model<T> M>
   Engine(ProcessGrid<B>& grid, M& model, EngineConfig config = {}, Opt optimizer = {})
-      : Engine(MemoryPeers{&grid.model_parallel(), grid.world_rank()}, grid.dp(), model,
-               checked_for_grid(std::move(config), grid), optimizer) {
+      : Engine(MemoryPeers{&grid.model_parallel(), grid.world_rank()}, grid.shape().tp, grid.dp(),
+               model, std::move(config), optimizer) {
     if (grid.model_parallel().size() > 1) {
       mp_ = &grid.model_parallel();
       grid_ = grid.shape();
@@ -129,10 +129,12 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
  private:
-  // The constructor over the data-parallel group `comm`; `peers`: the ranks besides it whose
-  // memory the check before allocating counts too (expect_memory).
+  // The constructor over the data-parallel group `comm` of a grid of `tp` tensor-parallel ranks;
+  // `peers`: the ranks besides it whose memory the check before allocating counts too
+  // (expect_memory).
   template <Model<T> M>
-  Engine(MemoryPeers peers, Collective<B>& comm, M& model, EngineConfig config, Opt optimizer)
+  Engine(MemoryPeers peers, int tp, Collective<B>& comm, M& model, EngineConfig config,
+         Opt optimizer)
       : shard_(hybrid_group(comm, checked(comm, config, optimizer).shard_group_size, true)),
         replicas_(hybrid_group(comm, config.shard_group_size, false)),
         dp_(&comm),
@@ -144,11 +146,12 @@ class Engine {
         precision_(GradPrecision::resolve(dtype_of<T>, Stage, config_.grad_accum_dtype,
                                           config_.communication_dtype,
                                           batch_.gradient_accumulation_steps)),
-        part_(with_room(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T))),
-                        peers),
-              comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
-              config_.offload_optimizer, nvme(config_.optimizer_nvme), nvme(config_.param_nvme),
-              config_.offload_param),
+        part_(
+            with_room(Layout(bound_.params, comm_->size(), layout_options(config_, sizeof(T), tp)),
+                      peers),
+            comm_->rank(), optim::state_slots<Opt>, precision_.f32_buffer(Stage),
+            config_.offload_optimizer, nvme(config_.optimizer_nvme), nvme(config_.param_nvme),
+            config_.offload_param),
         buckets_(*comm_, part_, config_.bucket_slots, precision_),
         mods_(part_.layout().module_count()) {
     // Where a rank keeps its optimizer state need not agree on a host backend (the results do;
@@ -372,11 +375,13 @@ class Engine {
   // What an engine of this type would check and allocate per rank (memory_plan()) for `model`
   // on `ranks` data-parallel ranks with `config`, with no communicator and nothing allocated:
   // to size a job before starting it (DeepSpeed's estimate_zero*_model_states_mem_needs). Its
-  // qgZ scratch takes ranks_per_node 0 as one node (the backend's layout is not known here).
+  // qgZ scratch takes ranks_per_node 0 as one node (the backend's layout is not known here). On
+  // a grid: `model` is one TP x PP part, `ranks` the DP ranks, `tp` the grid's TP ranks.
   template <Model<T> M>
-  static MemoryPlan estimate_memory(M& model, int ranks, const EngineConfig& config) {
+  static MemoryPlan estimate_memory(M& model, int ranks, const EngineConfig& config, int tp = 1) {
     check_settings(config, Opt{});
-    ZP_EXPECT(ranks >= 1, "engine: estimate_memory for ", ranks, " ranks; expected at least 1");
+    ZP_EXPECT(ranks >= 1 && tp >= 1, "engine: estimate_memory for ", ranks, " ranks and tp ", tp,
+              "; expected at least 1 of each");
     check_shard_group(config.shard_group_size, ranks);
     const int zero = config.shard_group_size > 0 ? config.shard_group_size : ranks;
     const bool shard_group = zero != ranks;
@@ -389,7 +394,7 @@ class Engine {
     const GradPrecision p =
         GradPrecision::resolve(dtype_of<T>, Stage, config.grad_accum_dtype,
                                config.communication_dtype, batch.gradient_accumulation_steps);
-    return plan(Layout(describe_parameters<T>(model), zero, layout_options(config, sizeof(T))),
+    return plan(Layout(describe_parameters<T>(model), zero, layout_options(config, sizeof(T), tp)),
                 config, p, zero);
   }
 
@@ -513,31 +518,6 @@ class Engine {
               "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
               "swapped shard");
     optim::validate(opt);
-  }
-  // ZeRO++'s quantization on a tensor-parallel grid: a block's scale is the absmax of values of
-  // a replicated parameter (a layer norm) and of this rank's slice of a split one beside it, so
-  // the replicated parameters' dequantized values, gradients and then master weights would
-  // differ between the TP ranks (a checkpoint keeps TP rank 0's). Refused until blocks keep to
-  // one parameter and to TP-independent boundaries.
-  // Agreed over the grid (its DP groups, then their TP x PP groups: every rank), so a setting on
-  // some ranks only is an error on all.
-  static EngineConfig checked_for_grid(EngineConfig c, ProcessGrid<B>& grid) {
-    const int tp = grid.shape().tp;
-    if (tp == 1) return c;  // the same shape on every rank (the grid agreed on it)
-    const bool mine = c.quantized_weights || c.quantized_gradients;
-    std::int64_t any = mine ? 1 : 0;
-    all_reduce_host(grid.dp(), std::span<std::int64_t>(&any, 1), ReduceOp::max);
-    all_reduce_host(grid.model_parallel(), std::span<std::int64_t>(&any, 1), ReduceOp::max);
-    ZP_EXPECT(any == 0, "engine: ZeRO++'s quantized ",
-              !mine                 ? "weight gathers or gradients (on another rank)"
-              : c.quantized_weights ? "weight gathers (zero_quantized_weights)"
-                                    : "gradients (zero_quantized_gradients)",
-              " with tensor parallelism (tp ", tp,
-              ") are not supported: a quantization block would mix replicated parameters with "
-              "this rank's slice of split ones, so the replicated parameters would drift apart "
-              "between the tensor-parallel ranks; use them at tp 1 (pipeline and data "
-              "parallelism, and hpZ, are fine)");
-    return c;
   }
   // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
   // naming the value there.

@@ -101,11 +101,16 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", reshard_after_forward=", c.reshard_after_forward,
                   ", max_reuse_distance=", c.max_reuse_distance, ", bucket_slots=", c.bucket_slots,
                   ", broadcast_initial_params=", c.broadcast_initial_params, ", initializer ",
-                  c.initializer ? "set" : "unset", ", quantized weights block ",
-                  c.quantized_weights ? c.quantized_weights->block : 0,
-                  ", hpz_partition_size=", c.hpz_partition_size, ", quantized gradients block ",
-                  c.quantized_gradients ? c.quantized_gradients->block : 0,
+                  c.initializer ? "set" : "unset", ", hpz_partition_size=", c.hpz_partition_size,
                   ", ranks_per_node=", c.ranks_per_node, ")"),
+      // Compared over a replica's TP x PP ranks too: under tensor parallelism it lays out the
+      // segments (layout.hpp), and replicated parameters quantized on some TP ranks only would
+      // drift apart.
+      detail::cat("ZeRO++ quantization (this rank: quantized weights block ",
+                  c.quantized_weights ? c.quantized_weights->block : 0,
+                  ", quantized gradients block ",
+                  c.quantized_gradients ? c.quantized_gradients->block : 0, " of ",
+                  c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, " bits)"),
       // The NVMe step, and ZeRO-Offload's on a device, add an agreement to every step: all ranks
       // or none.
       detail::cat("optimizer state or parameters on NVMe, or the optimizer offloaded on a device "
@@ -135,12 +140,13 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
           : detail::Fnv1a()
                 .all(c.max_live_params, c.persist_threshold, c.prefetch, c.reshard_after_forward,
                      c.max_reuse_distance, c.bucket_slots, c.broadcast_initial_params,
-                     c.initializer != nullptr,
-                     c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
-                     c.hpz_partition_size,
-                     c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
-                     c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, c.ranks_per_node)
+                     c.initializer != nullptr, c.hpz_partition_size, c.ranks_per_node)
                 .value(),
+      detail::Fnv1a()
+          .all(c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
+               c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
+               c.quantized_gradients ? int(c.quantized_gradients->bits) : 0)
+          .value(),
       detail::Fnv1a()
           .all(c.optimizer_nvme.has_value(), c.param_nvme.has_value(),
                device && c.offload_optimizer)

@@ -270,14 +270,16 @@ struct EngineConfig {
   }
 };
 
-// The layout an engine's config asks for, for elements of `elem_bytes` bytes.
-inline LayoutOptions layout_options(const EngineConfig& c, std::size_t elem_bytes) {
+// The layout an engine's config asks for, for elements of `elem_bytes` bytes, on a grid of `tp`
+// tensor-parallel ranks (ZeRO++'s quantization there cuts segments by kind: layout.hpp).
+inline LayoutOptions layout_options(const EngineConfig& c, std::size_t elem_bytes, int tp) {
   ZP_EXPECT(c.bucket_bytes >= elem_bytes && c.first_bucket_bytes >= elem_bytes,
             "engine: bucket_bytes (", c.bucket_bytes, ") and first_bucket_bytes (",
             c.first_bucket_bytes, ") must each hold at least one element (", elem_bytes, " bytes)");
   return {.bucket_elems = c.bucket_bytes / elem_bytes,
           .first_bucket_elems = c.first_bucket_bytes / elem_bytes,
-          .align = c.align};
+          .align = c.align,
+          .by_tp_kind = tp > 1 && (c.quantized_weights || c.quantized_gradients)};
 }
 
 // Where training stands: what a checkpoint (checkpoint.hpp) saves besides the buffers.

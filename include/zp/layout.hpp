@@ -9,6 +9,11 @@
 // piece: that is the ZeRO layout of Collective's in-place reduce_scatter and all_gather, so a
 // segment is reduced and gathered in place with one call. Rank r's shard is the concatenation
 // of its pieces (shard space, `shard` elements, piece of segment s at segment.shard_offset).
+// With by_tp_kind a segment also holds parameters of one TensorParallel kind only: ZeRO++ on a
+// tensor-parallel grid quantizes each piece in blocks, and a block that mixed a replicated
+// parameter with this TP rank's slice of a split one would give the replicated one a scale, so
+// values, that differ between the TP ranks. Cut so, a replicated run's segments are the same on
+// every TP rank (whatever the split slices' sizes before them), and so are its blocks.
 // Shards are disjoint, cover the buffer and have equal sizes. Padding per segment is less than
 // ranks * align elements, so total - Psi < segments * ranks * align.
 //
@@ -55,6 +60,7 @@ struct LayoutOptions {
   std::size_t bucket_elems = std::size_t(1) << 23;        // per segment (bucket), at most
   std::size_t first_bucket_elems = std::size_t(1) << 19;  // the first bucket in backward order
   std::size_t align = 16;                                 // piece sizes are multiples of this
+  bool by_tp_kind = false;  // segments keep to one TensorParallel kind (see the top)
 };
 
 class Layout {
@@ -83,7 +89,8 @@ class Layout {
 
   Layout() = default;
 
-  // Lays out `params` (forward order, as describe_parameters returns them) for `ranks` ranks.
+  // Lays out `params` (forward order, as describe_parameters returns them) for `ranks` ranks
+  // (by_tp_kind: by each one's tp).
   Layout(std::span<const ParamInfo> params, int ranks, const LayoutOptions& opt = {})
       : ranks_(ranks), options_(opt) {
     ZP_EXPECT(ranks >= 1, "layout: ranks must be >= 1, got ", ranks);
@@ -126,7 +133,9 @@ class Layout {
       while (i > 0 && params[i - 1].module == m) {
         --i;
         const std::size_t cap = segments_.empty() ? opt.first_bucket_elems : opt.bucket_elems;
-        if (any && seg.used + params[i].size > cap) {
+        const bool other_kind =
+            opt.by_tp_kind && any && params[i].tp != params[std::size_t(seg.params.back())].tp;
+        if (any && (seg.used + params[i].size > cap || other_kind)) {
           close(seg);
           seg = Segment{};
           seg.module = m;
