@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -1116,15 +1118,35 @@ TEST_CASE(
     "two jobs saving into one directory at once: one saves, the other fails and publishes "
     "nothing") {
   TempDir dir("race");
-  // The lock is the contract: while another saver holds it, a save fails on every rank at once.
+  // The lock is the contract: while another writer holds it past lock_wait, a save fails on
+  // every rank.
   {
     zp::detail::DirectoryLock other(dir.path, ".zp-save.lock", "checkpoint save");
     on_two_ranks([&](E2& e, Mlp<float>&) {
-      zp::test::expect_error(zp::Errc::io, [&] { zp::save_checkpoint(e, dir.path, "t0"); },
-                             {".zp-save.lock", "only one may write into a directory at a time"});
+      zp::test::expect_error(zp::Errc::io,
+                             [&] {
+                               zp::save_checkpoint(e, dir.path, "t0", {},
+                                                   {.lock_wait = std::chrono::milliseconds(100)});
+                             },
+                             {".zp-save.lock is held, waited 100 ms",
+                              "only one may write into a directory at a time"});
     });
     CHECK(!fs::exists(dir.path / "t0"));
     CHECK(!fs::exists(dir.path / "latest"));
+  }
+  // A writer that lets go within lock_wait (zp_ckpt prune beside a training run): the save
+  // waits for it and completes.
+  {
+    std::optional<zp::detail::DirectoryLock> other;
+    other.emplace(dir.path, ".zp-save.lock", "checkpoint save");
+    std::thread release([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      other.reset();
+    });
+    on_two_ranks([&](E2& e, Mlp<float>&) { zp::save_checkpoint(e, dir.path, "t0"); });
+    release.join();
+    CHECK(zp::ckpt::Reader::read_latest(dir.path) == "t0");
+    zp::ckpt::Reader(dir.path).verify();
   }
   // Real races: two 2-rank jobs, trained to different steps, save the same tag at the same time.
   for (int round = 0; round < 4; ++round) {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -273,6 +274,9 @@ struct SaveOptions {
   // prune: never one at or past the new one's step, nor one whose manifest does not read). A
   // removal that fails is a warning on stderr, not an error: the save is complete. 0: keep all.
   std::size_t keep_last = 0;
+  // How long rank 0 waits for another writer of the directory (zp_ckpt prune, a reshard) to let
+  // go of it before the save fails naming the lock (a second job saving there still fails).
+  std::chrono::milliseconds lock_wait{10000};
 };
 
 // Saves the engine's complete training state under <dir>/<tag> (checkpoint_format.hpp), with
@@ -309,7 +313,7 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
   on_every_grid_rank(engine, [&] {
     ckpt::describe_grid(m, std::move(parts));
     ckpt::describe_decay(m, engine);
-    if (w == 0 && writes) pub.emplace(dir, tag);
+    if (w == 0 && writes) pub.emplace(dir, tag, options.lock_wait);
   });
 
   // Every rank writes its pieces straight from the engine's buffers (a swapped field's and a

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -1047,18 +1048,19 @@ inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const
 }
 
 // The one writer of a checkpoint directory (a save, a reshard, zp_ckpt's prune): it holds
-// <dir>/.zp-save.lock while it lives, so writers never interleave (a second fails at once, naming
-// the lock). Taking the directory completes what crashed writers left: a tag published but not
+// <dir>/.zp-save.lock while it lives, so writers never interleave (a second waits up to
+// `lock_wait` for the first, then fails naming the lock). Taking the directory completes what crashed writers left: a tag published but not
 // named in `latest` (see Publisher) is removed, and so are staging directories and temporaries.
 class DirectoryWriter {
  public:
   // `dir` must exist.
-  explicit DirectoryWriter(std::filesystem::path dir) : dir_(std::move(dir)) {
+  explicit DirectoryWriter(std::filesystem::path dir, std::chrono::milliseconds lock_wait = {})
+      : dir_(std::move(dir)) {
     std::error_code ec;
     const bool is_dir = std::filesystem::is_directory(dir_, ec);
     ZP_EXPECT(is_dir, "checkpoint: ", dir_.string(),
               ec ? ": " + ec.message() : std::string(" is not a directory"));
-    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save");
+    lock_.emplace(dir_, ".zp-save.lock", "checkpoint save", lock_wait);
     roll_back_unnamed();
     remove_leftovers();
   }
@@ -1195,8 +1197,9 @@ class DirectoryWriter {
 // tag, with the same command line.
 class Publisher : public DirectoryWriter {
  public:
-  Publisher(const std::filesystem::path& dir, const std::string& tag)
-      : DirectoryWriter(made(dir)), tag_(tag) {
+  Publisher(const std::filesystem::path& dir, const std::string& tag,
+            std::chrono::milliseconds lock_wait = {})
+      : DirectoryWriter(made(dir), lock_wait), tag_(tag) {
     namespace fs = std::filesystem;
     std::error_code ec;
     ZP_EXPECT(!fs::exists(fs::symlink_status(dir / tag, ec)), "checkpoint: ", (dir / tag).string(),

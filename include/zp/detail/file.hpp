@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "zp/error.hpp"
@@ -406,21 +408,30 @@ inline void rename_no_replace(const std::filesystem::path& from, const std::file
 
 // An exclusive advisory lock on <dir>/<name> (created if missing), held until destroyed or the
 // process dies (flock: the kernel drops it with the last descriptor, so a killed holder never
-// leaves a stale lock). Taking it never waits: a lock held elsewhere, by another process or by
-// another DirectoryLock of this one, is an Errc::io naming the lock file.
+// leaves a stale lock). A lock held elsewhere, by another process or by another DirectoryLock of
+// this one, is waited for up to `wait` (polled: a short job such as zp_ckpt prune finishes),
+// then an Errc::io naming the lock file.
 class DirectoryLock {
  public:
-  DirectoryLock(const std::filesystem::path& dir, const char* name, const char* what)
+  DirectoryLock(const std::filesystem::path& dir, const char* name, const char* what,
+                std::chrono::milliseconds wait = {})
       : path_(dir / name) {
     fd_ = ::open(path_.c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd_ < 0) throw_io("create lock file", path_, errno);
-    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const auto until = std::chrono::steady_clock::now() + wait;
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
+      if (err == EWOULDBLOCK && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
       ::close(fd_);
       if (err == EWOULDBLOCK)
-        throw Error(Errc::io, cat(what, ": ", dir.native(), " is locked by another ", what, " (",
-                                  path_.native(),
-                                  " is held); only one may write into a directory at a time"));
+        throw Error(Errc::io,
+                    cat(what, ": ", dir.native(), " is locked by another ", what, " (",
+                        path_.native(), " is held",
+                        wait.count() > 0 ? cat(", waited ", wait.count(), " ms") : std::string(),
+                        "); only one may write into a directory at a time"));
       throw_io("lock", path_, err);
     }
   }
