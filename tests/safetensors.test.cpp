@@ -316,6 +316,16 @@ TEST_CASE("every malformed header is an error naming the file, the tensor and th
           "tensor 'w': dtype is not a string but 32");
   rejects(raw_file(R"({"w":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", 4),
           "tensor 'w': unknown dtype 'F33'");
+  // Names from the file are shortened, and their control characters written as \xNN: a NUL
+  // used to end the message there, a newline or escape sequence reached the terminal.
+  rejects(
+      raw_file(R"({"a\u0000b\n\u001b[2J":{"dtype":"F3\u0000","shape":[1],"data_offsets":[0,4]}})",
+               4),
+      "tensor 'a\\x00b\\x0a\\x1b[2J': unknown dtype 'F3\\x00'");
+  rejects(raw_file("{\"" + std::string(1000, 'n') +
+                       R"(":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})",
+                   4),
+          "tensor '" + std::string(57, 'n') + "...': unknown dtype 'F33'");
   rejects(raw_file(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
           "tensor 'w': shape is not an array of non-negative integers but [-1]");
   rejects(raw_file(R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,4]}})", 4),

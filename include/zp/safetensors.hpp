@@ -104,7 +104,8 @@ struct TensorInfo {
   // The product of the shape (an overflow is an error naming the tensor).
   std::uint64_t elements() const {
     std::uint64_t n = 1;
-    for (std::uint64_t d : shape) n = zp::detail::checked_mul(n, d, "tensor '", name, "'");
+    for (std::uint64_t d : shape)
+      n = zp::detail::checked_mul(n, d, "tensor '", zp::detail::text_excerpt(name), "'");
     return n;
   }
   std::uint64_t bytes() const noexcept { return end - begin; }
@@ -135,6 +136,7 @@ inline std::optional<std::uint64_t> byte_size(const std::vector<std::uint64_t>& 
 }
 
 using zp::detail::json_excerpt;
+using zp::detail::text_excerpt;  // a name from a file, for a message
 
 inline std::string known_dtypes() {
   std::string s;
@@ -176,14 +178,14 @@ class Writer {
       ZP_EXPECT(t.name != "__metadata__", f,
                 ": '__metadata__' is reserved and cannot name a tensor");
       const bool first = names.insert(t.name).second;
-      ZP_EXPECT(first, f, ": tensor '", t.name, "' is declared twice");
+      ZP_EXPECT(first, f, ": tensor '", detail::text_excerpt(t.name), "' is declared twice");
       const auto size = element_size(t.dtype);
-      ZP_EXPECT(size, f, ": tensor '", t.name, "': unknown dtype '", t.dtype, "' (the format has ",
-                detail::known_dtypes(), ")");
+      ZP_EXPECT(size, f, ": tensor '", detail::text_excerpt(t.name), "': unknown dtype '",
+                detail::text_excerpt(t.dtype), "' (the format has ", detail::known_dtypes(), ")");
       const auto bytes = detail::byte_size(t.shape, *size);
       const bool fits = bytes && !__builtin_add_overflow(at, *bytes, &t.end);
-      ZP_EXPECT(fits, f, ": tensor '", t.name, "': shape ", detail::shape_text(t.shape), " of ",
-                t.dtype, " does not fit in a 64-bit file");
+      ZP_EXPECT(fits, f, ": tensor '", detail::text_excerpt(t.name), "': shape ",
+                detail::shape_text(t.shape), " of ", t.dtype, " does not fit in a 64-bit file");
       t.begin = std::exchange(at, t.end);
     }
     total_ = at;
@@ -217,8 +219,9 @@ class Writer {
     ZP_EXPECT(!committed_, path_.native(), ": write after commit");
     ZP_EXPECT(data.size() <= total_ - written_, path_.native(), ": writing ", data.size(),
               " bytes at data offset ", written_, " runs past the end of ",
-              tensors_.empty() ? std::string("the data (no tensors are declared)")
-                               : "the last tensor '" + tensors_.back().name + "'",
+              tensors_.empty()
+                  ? std::string("the data (no tensors are declared)")
+                  : "the last tensor '" + detail::text_excerpt(tensors_.back().name) + "'",
               " at ", total_);
     file_->write(data);
     written_ += data.size();
@@ -231,8 +234,8 @@ class Writer {
           written_ + std::min<std::uint64_t>(data.size_bytes(), total_ - written_);
       for (auto t = first_unfinished(); t != tensors_.end() && t->begin < stop; ++t)
         ZP_EXPECT(t->bytes() == 0 || t->dtype == dtype_name(dtype_of<T>), path_.native(),
-                  ": tensor '", t->name, "' stores ", t->dtype, ", not ", dtype_name(dtype_of<T>),
-                  " (the elements written)");
+                  ": tensor '", detail::text_excerpt(t->name), "' stores ", t->dtype, ", not ",
+                  dtype_name(dtype_of<T>), " (the elements written)");
     }
     write(std::as_bytes(data));
   }
@@ -243,7 +246,7 @@ class Writer {
     if (written_ != total_) {
       const TensorInfo& t = *first_unfinished();
       throw Error(Errc::invalid_argument,
-                  zp::detail::cat(path_.native(), ": tensor '", t.name,
+                  zp::detail::cat(path_.native(), ": tensor '", detail::text_excerpt(t.name),
                                   "' is incomplete: ", written_ - t.begin, " of its ", t.bytes(),
                                   " bytes were written"));
     }
@@ -315,8 +318,8 @@ class Reader {
   void read(std::string_view name, std::uint64_t byte_offset, std::span<std::byte> out) const {
     const TensorInfo& t = at(name);
     ZP_EXPECT(byte_offset <= t.bytes() && out.size() <= t.bytes() - byte_offset, path().native(),
-              ": tensor '", name, "' holds ", t.bytes(), " bytes; cannot read ", out.size(),
-              " bytes at byte offset ", byte_offset);
+              ": tensor '", detail::text_excerpt(name), "' holds ", t.bytes(),
+              " bytes; cannot read ", out.size(), " bytes at byte offset ", byte_offset);
     file_.read_at(data_start_ + t.begin + byte_offset, out);
   }
   // Reads out.size() elements of tensor `name` from element `first_element` on; the tensor must
@@ -326,8 +329,8 @@ class Reader {
                      std::span<T, Extent> out) const {
     const TensorInfo& t = at(name);
     const char* want = dtype_name(dtype_of<T>);
-    ZP_EXPECT(t.dtype == want, path().native(), ": tensor '", name, "' stores ", t.dtype, ", not ",
-              want, " (the element type asked for)");
+    ZP_EXPECT(t.dtype == want, path().native(), ": tensor '", detail::text_excerpt(name),
+              "' stores ", t.dtype, ", not ", want, " (the element type asked for)");
     const std::uint64_t n = t.elements();
     ZP_EXPECT(first_element <= n && out.size() <= n - first_element, path().native(), ": tensor '",
               name, "' has ", n, " elements; cannot read ", out.size(), " from element ",
@@ -349,7 +352,8 @@ class Reader {
         if (!v.is_object()) throw corrupt("__metadata__ is not an object but ", json_excerpt(v));
         for (const auto& [k, s] : v.items()) {
           if (!s.is_string())
-            throw corrupt("__metadata__ entry '", k, "' is not a string but ", json_excerpt(s));
+            throw corrupt("__metadata__ entry '", detail::text_excerpt(k), "' is not a string but ",
+                          json_excerpt(s));
           metadata_[k] = s.get<std::string>();
         }
         continue;
@@ -367,11 +371,13 @@ class Reader {
     for (const TensorInfo& t : tensors_) {
       const std::string range = zp::detail::cat("data_offsets [", t.begin, ", ", t.end, ")");
       if (t.begin < at)
-        throw corrupt("tensor '", t.name, "': ", range, " overlap tensor '", prev->name, "' at [",
-                      prev->begin, ", ", prev->end, ")");
+        throw corrupt("tensor '", detail::text_excerpt(t.name), "': ", range, " overlap tensor '",
+                      detail::text_excerpt(prev->name), "' at [", prev->begin, ", ", prev->end,
+                      ")");
       if (t.begin > at)
-        throw corrupt("tensor '", t.name, "': ", range, " leave a gap after ",
-                      prev ? "tensor '" + prev->name + "'" : std::string("the start of the data"),
+        throw corrupt("tensor '", detail::text_excerpt(t.name), "': ", range, " leave a gap after ",
+                      prev ? "tensor '" + detail::text_excerpt(prev->name) + "'"
+                           : std::string("the start of the data"),
                       " at ", at);
       at = t.end;
       prev = &t;
@@ -387,14 +393,16 @@ class Reader {
   TensorInfo tensor(const std::string& name, const detail::json& v) const {
     using detail::json_excerpt;
     if (!v.is_object())
-      throw corrupt("tensor '", name, "': entry is not an object but ", json_excerpt(v));
+      throw corrupt("tensor '", detail::text_excerpt(name), "': entry is not an object but ",
+                    json_excerpt(v));
     for (const auto& [k, x] : v.items())
       if (k != "dtype" && k != "shape" && k != "data_offsets")
-        throw corrupt("tensor '", name, "': unexpected field '", k,
-                      "' (an entry has dtype, shape and data_offsets)");
+        throw corrupt("tensor '", detail::text_excerpt(name), "': unexpected field '",
+                      detail::text_excerpt(k), "' (an entry has dtype, shape and data_offsets)");
     const auto field = [&](const char* k) -> const detail::json& {
       const auto it = v.find(k);
-      if (it == v.end()) throw corrupt("tensor '", name, "': missing field '", k, "'");
+      if (it == v.end())
+        throw corrupt("tensor '", detail::text_excerpt(name), "': missing field '", k, "'");
       return *it;
     };
     const auto unsigned_array = [&](const char* k, const detail::json& a) {
@@ -405,36 +413,39 @@ class Reader {
           r.push_back(x.get<std::uint64_t>());
         }
       if (!a.is_array() || r.size() != a.size())
-        throw corrupt("tensor '", name, "': ", k, " is not an array of non-negative integers but ",
-                      json_excerpt(a));
+        throw corrupt("tensor '", detail::text_excerpt(name), "': ", k,
+                      " is not an array of non-negative integers but ", json_excerpt(a));
       return r;
     };
     TensorInfo t;
     t.name = name;
     const detail::json& dtype = field("dtype");
     if (!dtype.is_string())
-      throw corrupt("tensor '", name, "': dtype is not a string but ", json_excerpt(dtype));
+      throw corrupt("tensor '", detail::text_excerpt(name), "': dtype is not a string but ",
+                    json_excerpt(dtype));
     t.dtype = dtype.get<std::string>();
     const auto size = element_size(t.dtype);
-    if (!size) throw corrupt("tensor '", name, "': unknown dtype '", t.dtype, "'");
+    if (!size)
+      throw corrupt("tensor '", detail::text_excerpt(name), "': unknown dtype '",
+                    detail::text_excerpt(t.dtype), "'");
     t.shape = unsigned_array("shape", field("shape"));
     const auto offsets = unsigned_array("data_offsets", field("data_offsets"));
     if (offsets.size() != 2)
-      throw corrupt("tensor '", name, "': data_offsets has ", offsets.size(),
+      throw corrupt("tensor '", detail::text_excerpt(name), "': data_offsets has ", offsets.size(),
                     " entries, not [begin, end]");
     t.begin = offsets[0];
     t.end = offsets[1];
     if (t.begin > t.end)
-      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end,
-                    ") end before they begin");
+      throw corrupt("tensor '", detail::text_excerpt(name), "': data_offsets [", t.begin, ", ",
+                    t.end, ") end before they begin");
     const auto bytes = detail::byte_size(t.shape, *size);
     if (!bytes)
-      throw corrupt("tensor '", name, "': shape ", detail::shape_text(t.shape), " of ", t.dtype,
-                    " holds more than 2^64 bytes");
+      throw corrupt("tensor '", detail::text_excerpt(name), "': shape ",
+                    detail::shape_text(t.shape), " of ", t.dtype, " holds more than 2^64 bytes");
     if (*bytes != t.bytes())
-      throw corrupt("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, ") hold ",
-                    t.bytes(), " bytes but shape ", detail::shape_text(t.shape), " of ", t.dtype,
-                    " needs ", *bytes);
+      throw corrupt("tensor '", detail::text_excerpt(name), "': data_offsets [", t.begin, ", ",
+                    t.end, ") hold ", t.bytes(), " bytes but shape ", detail::shape_text(t.shape),
+                    " of ", t.dtype, " needs ", *bytes);
     return t;
   }
 
@@ -500,10 +511,12 @@ inline Index read_index(const std::filesystem::path& path) {
   Index index{total->get<std::uint64_t>(), {}};
   for (const auto& [name, file] : map->items()) {
     if (!file.is_string())
-      throw bad("weight_map entry '", name, "' is not a file name but ", json_excerpt(file));
+      throw bad("weight_map entry '", detail::text_excerpt(name), "' is not a file name but ",
+                json_excerpt(file));
     const std::string s = file.get<std::string>();
     if (s.empty() || s == "." || s == ".." || s.find('/') != std::string::npos)
-      throw bad("weight_map entry '", name, "' names '", s, "', not a file next to the index");
+      throw bad("weight_map entry '", detail::text_excerpt(name), "' names '",
+                detail::text_excerpt(s), "', not a file next to the index");
     index.weight_map.emplace(name, s);
   }
   return index;

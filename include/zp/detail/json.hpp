@@ -27,9 +27,22 @@ namespace zp::detail {
 // Deeper than any file zp reads (a ds_config is 4 levels, a manifest 5, a safetensors header 3).
 inline constexpr std::size_t json_max_depth = 32;
 
-// A key or value for a message: at most 60 characters, so a hostile multi-MiB key stays short.
+// A key or value for a message: at most 60 characters, so a hostile multi-MiB key stays short,
+// and control characters as \xNN, so a NUL does not end the message and a newline or escape
+// sequence from a file does not reach the terminal.
 inline std::string text_excerpt(std::string_view s) {
-  return s.size() <= 60 ? std::string(s) : std::string(s.substr(0, 57)) + "...";
+  const std::string_view kept = s.size() <= 60 ? s : s.substr(0, 57);
+  std::string out;
+  for (const char c : kept) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7f) {
+      out += c;
+      continue;
+    }
+    constexpr char hex[] = "0123456789abcdef";
+    out += {'\\', 'x', hex[u >> 4], hex[u & 15]};
+  }
+  return kept.size() < s.size() ? out + "..." : out;
 }
 // A JSON value as it appears in a message: its text (strings quoted), shortened.
 inline std::string json_excerpt(const nlohmann::json& v) {
