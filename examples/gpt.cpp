@@ -356,10 +356,11 @@ void estimate(zp::ProcessGrid<B>& grid, const Options& o, const Data& data,
   const zp::MemoryReport& m = p.host;
   std::printf(
       "memory plan per rank (MiB, before allocating): params %.3f  grads %.3f  fp32 master %.3f  "
-      "optimizer state %.3f  = model states %.3f; buckets %.3f  gathered at least %.3f\n",
+      "optimizer state %.3f  = model states %.3f; buckets %.3f  gathered at least %.3f  "
+      "persistent %.3f\n",
       examples::mib(m.params), examples::mib(m.grads), examples::mib(m.master),
       examples::mib(m.optimizer_state), examples::mib(m.model_states()), examples::mib(m.buckets),
-      examples::mib(m.gathered));
+      examples::mib(m.gathered - m.persistent), examples::mib(m.persistent));
   if (m.swap_buffers)
     std::printf("        NVMe swap buffers: %.3f MiB\n", examples::mib(m.swap_buffers));
   if (m.secondary)

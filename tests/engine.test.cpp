@@ -2048,46 +2048,57 @@ TEST_CASE("settings that differ across a replica's pipeline stages are an error 
   }
 }
 
-// ZeRO++'s quantization lays out a tensor-parallel grid's segments by kind (layout.hpp), and
-// on some TP ranks only it would let the replicated parameters drift apart: settings that differ
-// between the replica's TP ranks (each DP group agreeing inside) are an error on every rank, as
-// they are on one rank of a DP group.
+// ZeRO++ on a tensor-parallel grid keeps the replicated parameters alike only if every TP rank
+// quantizes them alike (layout.hpp's by_tp_kind): quantization on some TP ranks only, or TP
+// ranks laying out the replicated parameters differently (another align, another model part),
+// is an error on every rank, each DP group agreeing inside; as is a setting on one rank of a DP
+// group (named there; the other group's ranks, waiting in the replica's check, are told their
+// communicator lost those ranks). Without quantization TP ranks may lay out differently.
 TEST_CASE(
     "ZeRO++ quantization that differs between tensor-parallel ranks is an error on every rank") {
-  for (const bool weights : {true, false})
-    for (const bool one_rank : {false, true}) {
-      CAPTURE(weights);
-      CAPTURE(one_rank);
-      std::mutex m;
-      std::vector<std::pair<int, std::string>> errors;  // by TP rank
-      run_threads(4, [&](Collective<Threads>& world) {
-        zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 2, .pp = 1});
-        auto cfg = test_config(2, 1);
-        // TP rank 1's DP group, or world rank 3 alone.
-        if (one_rank ? world.rank() == 3 : grid.coords().tp == 1) {
-          if (weights)
-            cfg.quantized_weights = zp::zero_quantized_weights;
-          else
-            cfg.quantized_gradients = zp::zero_quantized_gradients;
-        }
-        Mlp<float> model;
-        try {
-          zp::Engine<Threads, float, 3> engine(grid, model, cfg);
-        } catch (const zp::Error& e) {
-          std::lock_guard lk(m);
-          errors.emplace_back(grid.coords().tp, e.what());
-        }
-      });
-      // Each DP group agreeing inside: the replica's check names it on every rank. One rank:
-      // its DP group's check names it there, and the other group's ranks, waiting in the
-      // replica's check, are told their communicator lost those ranks.
-      REQUIRE(errors.size() == 4);
-      for (const auto& [tp, e] : errors)
-        CHECK_MESSAGE((e.find("differ in their ZeRO++ quantization (this rank: quantized weights "
-                              "block ") != std::string::npos ||
-                       (one_rank && tp == 0 && e.find("was poisoned") != std::string::npos)),
-                      e);
+  enum class Case { weights_on_tp1, gradients_on_tp1, weights_on_rank3, align, widths, plain };
+  for (const Case k : {Case::weights_on_tp1, Case::gradients_on_tp1, Case::weights_on_rank3,
+                       Case::align, Case::widths, Case::plain}) {
+    CAPTURE(int(k));
+    std::mutex m;
+    std::vector<std::pair<int, std::string>> errors;  // by TP rank
+    run_threads(4, [&](Collective<Threads>& world) {
+      zp::ProcessGrid<Threads> grid(world, {.dp = 2, .tp = 2, .pp = 1});
+      const bool tp1 = grid.coords().tp == 1;
+      auto cfg = test_config(2, 1);
+      if (k != Case::plain) cfg.quantized_weights = zp::zero_quantized_weights;
+      if (k == Case::weights_on_tp1 && !tp1) cfg.quantized_weights.reset();
+      if (k == Case::weights_on_rank3 && world.rank() != 3) cfg.quantized_weights.reset();
+      if (k == Case::gradients_on_tp1) {
+        cfg.quantized_weights.reset();
+        if (tp1) cfg.quantized_gradients = zp::zero_quantized_gradients;
+      }
+      if ((k == Case::align || k == Case::plain) && tp1) cfg.align = 8;
+      Mlp<float> model(k == Case::widths && tp1 ? std::vector<int>{8, 12, 4}
+                                                : std::vector<int>{8, 16, 4});
+      try {
+        zp::Engine<Threads, float, 3> engine(grid, model, cfg);
+      } catch (const zp::Error& e) {
+        std::lock_guard lk(m);
+        errors.emplace_back(grid.coords().tp, e.what());
+      }
+    });
+    if (k == Case::plain) {
+      CHECK(errors.empty());
+      continue;
     }
+    REQUIRE(errors.size() == 4);
+    for (const auto& [tp, e] : errors)
+      CHECK_MESSAGE(
+          (k == Case::weights_on_rank3
+               ? e.find(
+                     "differ in their ZeRO++ quantization (this rank: quantized weights block ") !=
+                         std::string::npos ||
+                     (tp == 0 && e.find("was poisoned") != std::string::npos)
+               : e.find("ZeRO++'s quantization on a tensor-parallel grid (tp 2) needs every TP "
+                        "rank to quantize the replicated parameters alike") != std::string::npos),
+          e);
+  }
 }
 
 TEST_CASE("a rank whose model lacks initial values is an error naming them on every rank") {

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # zp_gpt --estimate-memory prints, without training, the plan the engine checks before it
 # allocates (Engine::estimate_memory); a one-step run of the same flags reports what it
-# allocated. Their model states and buckets must agree (stage 1 with the optimizer offloaded,
-# stage 3 with hybrid sharding, and a 2 x 2 grid), and the estimate must not train.
+# allocated. Their model states and buckets must agree, and the least stage 3 gathers planned
+# (besides the persistent modules) must not exceed the run's peak of them (stage 1 with the
+# optimizer offloaded, stage 3 with hybrid sharding, 2 x 2 grids at stages 2 and 3; the
+# embedding and head persist at stage 3), and the estimate must not train.
 #   gpt_estimate_memory.sh <zp_gpt> <work dir>
 set -euo pipefail
 gpt=$1 dir=$2/gpt-estimate-memory
@@ -21,8 +23,14 @@ check() {
       echo "$*: $f planned '$got' MiB, allocated '$want' MiB"; cat "$dir/plan.log"; exit 1
     fi
   done
+  local least peak
+  least=$(field "gathered at least" "$dir/plan.log") peak=$(field "gathered peak" "$dir/run.log")
+  if ! awk -v a="$least" -v b="$peak" 'BEGIN { exit !(a != "" && b != "" && a + 0 <= b + 0) }'; then
+    echo "$*: planned at least '$least' MiB gathered, the run's peak was '$peak' MiB"; exit 1
+  fi
   echo "$*: $(grep '^memory plan' "$dir/plan.log")"
 }
 check --ranks 2 --stage 1 --offload-optimizer cpu
 check --ranks 4 --stage 3 --shard-group-size 2
 check --ranks 4 --stage 2 --tp 2
+check --ranks 4 --stage 3 --tp 2

@@ -108,6 +108,7 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   for (int k = 0; k < runner.slots(); ++k) slots.emplace_back(cfg, micro_batch, run.recompute);
   zp::CommStats dp = grid.dp().stats();  // after the engine's set-up collectives
   const zp::OpStats mp0 = grid.model_parallel().stats()[zp::CollOp::all_reduce];
+  const zp::OpStats tp0 = grid.tp().stats()[zp::CollOp::all_reduce];  // the engine's checks
   RankResult out;
   out.last_stage = grid.coords().pp == run.shape.pp - 1;
   for (int step = 0; step < steps; ++step) {
@@ -136,7 +137,8 @@ RankResult train(zp::Collective<B>& world, const Run& run) {
   // Communication of the whole run (steps x micro-batches), from the groups' counters.
   const std::uint64_t mb = std::uint64_t(steps) * std::uint64_t(run.micro_batches);
   const std::uint64_t act = rows * std::uint64_t(cfg.d_model) * sizeof(float);
-  const auto& tp = grid.tp().stats()[zp::CollOp::all_reduce];
+  zp::OpStats tp = grid.tp().stats()[zp::CollOp::all_reduce];
+  tp -= tp0;
   if (run.shape.tp > 1) {
     // Per micro-batch: 4 all_reduces of b x s x h per block (2 forward, 2 backward), 1 for the
     // embedding's output, 1 for the head's input gradient, and the loss's 1 + 2 of b x s.

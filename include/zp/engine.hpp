@@ -123,6 +123,7 @@ class Engine {
                                     precision_, opt_, std::span<const char>(decays_),
                                     S == MemorySpace::device, true);
     }
+    if (grid.shape().tp > 1) expect_quantized_alike(grid);
   }
 
   Engine(const Engine&) = delete;
@@ -465,6 +466,7 @@ class Engine {
           L, c.persist_threshold, std::size_t(c.hpz_partition_size), c.prefetch, c.max_live_params,
           c.reshard_after_forward ? c.max_reuse_distance : SIZE_MAX, c.param_nvme.has_value());
       in_s.gathered = least.gathered;
+      in_s.persistent = least.persistent;
       in_s.secondary = least.secondary;
     }
     return m;
@@ -518,6 +520,39 @@ class Engine {
               "optimizer offloaded too (offload_optimizer: cpu or nvme): the CPU steps the "
               "swapped shard");
     optim::validate(opt);
+  }
+  // ZeRO++ on a tensor-parallel grid keeps the replicated parameters alike only if every TP rank
+  // quantizes them alike: the same formats and, with the segments cut by kind (layout.hpp), the
+  // same replicated segments, pieces and qgZ nodes. Not so where a split parameter is whole on
+  // some TP ranks (so replicated) and left out on others (its slice empty), or bucket sizes,
+  // align, the shard group or the nodes differ between the TP ranks (each DP group agreeing
+  // inside). Compared over each TP group; the verdict agreed over the grid (its DP groups, then
+  // the replicas' TP x PP groups: every rank), so every rank names it.
+  void expect_quantized_alike(ProcessGrid<B>& grid) {
+    const Layout& L = part_.layout();
+    detail::Fnv1a h;
+    h.all(quantization_fingerprint(config_), L.options().by_tp_kind);
+    if (L.options().by_tp_kind) {
+      h.all(comm_->size(), config_.ranks_per_node);
+      for (const auto& g : L.segments()) {
+        if (bound_.params[std::size_t(g.params.front())].tp != TensorParallel::replicated) continue;
+        h.all(g.used, g.size, g.piece);
+        for (int p : g.params) {
+          const auto& lp = L.params()[std::size_t(p)];
+          h.all(std::string_view(lp.name), lp.size, lp.offset - g.offset);
+        }
+      }
+    }
+    std::int64_t differ = same_on_every_rank(grid.tp(), h.value()) ? 0 : 1;
+    all_reduce_host(grid.dp(), std::span<std::int64_t>(&differ, 1), ReduceOp::max);
+    all_reduce_host(grid.model_parallel(), std::span<std::int64_t>(&differ, 1), ReduceOp::max);
+    ZP_EXPECT(differ == 0, "engine: ZeRO++'s quantization on a tensor-parallel grid (tp ",
+              grid.shape().tp,
+              ") needs every TP rank to quantize the replicated parameters alike, and a TP group ",
+              "differs: in the quantization settings, or in how its ranks lay out the "
+              "replicated parameters (the same replicated parameters in each module, and the "
+              "same bucket_bytes, first_bucket_bytes, align, shard_group_size and ranks_per_node, "
+              "on every TP rank); else they would drift apart");
   }
   // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
   // naming the value there.

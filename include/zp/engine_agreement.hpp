@@ -72,11 +72,21 @@ inline std::uint64_t decay_hash(std::span<const char> decays) {
   return h.value();
 }
 
+// ZeRO++'s quantization formats' fingerprint (none: 0s).
+inline std::uint64_t quantization_fingerprint(const EngineConfig& c) {
+  return detail::Fnv1a()
+      .all(c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
+           c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
+           c.quantized_gradients ? int(c.quantized_gradients->bits) : 0)
+      .value();
+}
+
 // Everything that must agree across ranks, as fingerprints compared in one all_reduce
 // (first_difference), so a difference names what differs, on every rank. `model_parallel`: comm
 // is a replica's TP x PP group, whose ranks hold different parts of the model, each gathered
-// and reduced over its own data-parallel group: their layouts and stage 3 and bucket settings
-// are not compared, the rest (stepped together: one norm, one skip) is. `device`: the engine's
+// and reduced over its own data-parallel group: their layouts and stage 3, bucket and ZeRO++
+// settings are not compared (a tensor-parallel grid's engine compares what ZeRO++ needs alike
+// over its TP ranks), the rest (stepped together: one norm, one skip) is. `device`: the engine's
 // buffers are device memory (where ZeRO-Offload's step is agreed on, as the NVMe one is).
 template <Backend B, class Opt>
 void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int stage, DType dtype,
@@ -103,9 +113,6 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", broadcast_initial_params=", c.broadcast_initial_params, ", initializer ",
                   c.initializer ? "set" : "unset", ", hpz_partition_size=", c.hpz_partition_size,
                   ", ranks_per_node=", c.ranks_per_node, ")"),
-      // Compared over a replica's TP x PP ranks too: under tensor parallelism it lays out the
-      // segments (layout.hpp), and replicated parameters quantized on some TP ranks only would
-      // drift apart.
       detail::cat("ZeRO++ quantization (this rank: quantized weights block ",
                   c.quantized_weights ? c.quantized_weights->block : 0,
                   ", quantized gradients block ",
@@ -142,11 +149,7 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                      c.max_reuse_distance, c.bucket_slots, c.broadcast_initial_params,
                      c.initializer != nullptr, c.hpz_partition_size, c.ranks_per_node)
                 .value(),
-      detail::Fnv1a()
-          .all(c.quantized_weights ? c.quantized_weights->block : std::size_t(0),
-               c.quantized_gradients ? c.quantized_gradients->block : std::size_t(0),
-               c.quantized_gradients ? int(c.quantized_gradients->bits) : 0)
-          .value(),
+      model_parallel ? 0 : quantization_fingerprint(c),
       detail::Fnv1a()
           .all(c.optimizer_nvme.has_value(), c.param_nvme.has_value(),
                device && c.offload_optimizer)

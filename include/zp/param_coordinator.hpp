@@ -258,7 +258,8 @@ class ParamCoordinator {
   // The least a step's gathers will hold at once, in account()'s categories, for the engine's
   // check before it allocates (engine_agreement.hpp): secondary, hpZ's shards over `hpz` ranks
   // of the modules that do not persist (a persistent one stays gathered);
-  // gathered, every persistent module and the most the first micro-step's forward holds where
+  // persistent, every persistent module; gathered, those and the most (non-persistent; account()'s
+  // gathered_peak) the first micro-step's forward holds where
   // its guards run in the layout's order (which the coordinator predicts before any ran): at
   // module m, m, the kept modules before it and what its prefetch (`prefetch` elements ahead,
   // one module with the parameters on NVMe, `one_ahead`) adds without evicting, up to the
@@ -273,7 +274,7 @@ class ParamCoordinator {
     for (int m = 0; m < M; ++m) {
       const auto& mod = L.module(m);
       persistent[std::size_t(m)] = persists(mod, persist_threshold);
-      if (persistent[std::size_t(m)]) r.gathered += mod.size * sizeof(T);
+      if (persistent[std::size_t(m)]) r.persistent += mod.size * sizeof(T);
       if (hpz > 1 && !persistent[std::size_t(m)]) r.secondary += mod.size / hpz * sizeof(T);
     }
     const std::vector<bool> kept = reuse_of(L, ModuleOrder(M).last(), reuse).kept;
@@ -298,7 +299,7 @@ class ParamCoordinator {
       most = std::max(most, live);
       if (kept[std::size_t(m)]) kept_live += L.module(m).size;
     }
-    r.gathered += most * sizeof(T);
+    r.gathered = r.persistent + most * sizeof(T);
     return r;
   }
 
