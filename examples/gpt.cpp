@@ -310,7 +310,7 @@ void export_hf(const gpt::Model<T>& model, std::span<const T> whole, const Optio
                const Data& data) {
 #if ZP_DEMO_IO
   gpt::write_hf(model, whole, o.export_dir);
-  if (!data.tokens()) examples::write_vocab(o.export_dir, data.corpus);
+  examples::write_vocab(o.export_dir, data.tokens() ? nullptr : &data.corpus);
   std::printf("exported %s: config.json and model.safetensors (Hugging Face GPT-2)%s\n",
               o.export_dir.c_str(), data.tokens() ? "" : ", vocab.json");
 #else

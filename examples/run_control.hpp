@@ -147,7 +147,7 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
   else if (a == "--zero-quantized-gradients")
     o.quantized_gradients = true;
   else if (a == "--ranks-per-node")
-    o.ranks_per_node = to_int(p, a, v, 1, 1 << 20);
+    o.ranks_per_node = to_int(p, a, v, 0, 1 << 20);
   else if (a == "--shard-group-size")
     o.shard_group = to_int(p, a, v, 1, 1 << 20);
   else if (a == "--no-reshard-after-forward")
@@ -661,14 +661,27 @@ bool end_step(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
 }
 
 // DIR/vocab.json: {"byte_of_id": [...]}, the byte each token id stands for.
-inline void write_vocab(const std::string& dir, const Corpus& c) {
+// dir/vocab.json beside the model just exported there: the corpus's, or none (c null: token
+// ids, no vocabulary). An earlier export's would describe another model, so where this one is
+// not written (none, or its write failed) it goes.
+inline void write_vocab(const std::string& dir, const Corpus* c) {
 #if ZP_DEMO_IO
+  const std::filesystem::path path = std::filesystem::path(dir) / "vocab.json";
+  const auto remove_stale = [&] {
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+  };
+  if (!c) return remove_stale();
   std::string json = "{\"byte_of_id\": [";
-  for (std::size_t i = 0; i < c.chars.size(); ++i)
-    json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c.chars[i])));
+  for (std::size_t i = 0; i < c->chars.size(); ++i)
+    json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c->chars[i])));
   json += "]}\n";
-  zp::detail::write_file_atomic(std::filesystem::path(dir) / "vocab.json",
-                                std::as_bytes(std::span<const char>(json)));
+  try {
+    zp::detail::write_file_atomic(path, std::as_bytes(std::span<const char>(json)));
+  } catch (...) {
+    remove_stale();
+    throw;
+  }
 #else
   (void)dir, (void)c;
 #endif
@@ -681,7 +694,7 @@ void export_model(E& engine, const CheckpointFlags& o, const Corpus& c, bool lea
 #if ZP_DEMO_IO
   zp::export_safetensors(engine, o.export_dir);
   if (lead) {
-    write_vocab(o.export_dir, c);
+    write_vocab(o.export_dir, &c);
     std::printf("exported %s/model.safetensors and vocab.json\n", o.export_dir.c_str());
   }
 #else

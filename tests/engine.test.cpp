@@ -2056,9 +2056,17 @@ TEST_CASE("settings that differ across a replica's pipeline stages are an error 
 // communicator lost those ranks). Without quantization TP ranks may lay out differently.
 TEST_CASE(
     "ZeRO++ quantization that differs between tensor-parallel ranks is an error on every rank") {
-  enum class Case { weights_on_tp1, gradients_on_tp1, weights_on_rank3, align, widths, plain };
+  enum class Case {
+    weights_on_tp1,
+    gradients_on_tp1,
+    weights_on_rank3,
+    weights_on_dp0,
+    align,
+    widths,
+    plain
+  };
   for (const Case k : {Case::weights_on_tp1, Case::gradients_on_tp1, Case::weights_on_rank3,
-                       Case::align, Case::widths, Case::plain}) {
+                       Case::weights_on_dp0, Case::align, Case::widths, Case::plain}) {
     CAPTURE(int(k));
     std::mutex m;
     std::vector<std::pair<int, std::string>> errors;  // by TP rank
@@ -2069,6 +2077,7 @@ TEST_CASE(
       if (k != Case::plain) cfg.quantized_weights = zp::zero_quantized_weights;
       if (k == Case::weights_on_tp1 && !tp1) cfg.quantized_weights.reset();
       if (k == Case::weights_on_rank3 && world.rank() != 3) cfg.quantized_weights.reset();
+      if (k == Case::weights_on_dp0 && grid.coords().dp != 0) cfg.quantized_weights.reset();
       if (k == Case::gradients_on_tp1) {
         cfg.quantized_weights.reset();
         if (tp1) cfg.quantized_gradients = zp::zero_quantized_gradients;
@@ -2090,7 +2099,11 @@ TEST_CASE(
     REQUIRE(errors.size() == 4);
     for (const auto& [tp, e] : errors)
       CHECK_MESSAGE(
-          (k == Case::weights_on_rank3
+          (k == Case::weights_on_dp0
+               ? e.find(
+                     "differ in their ZeRO++ quantization (this rank: quantized weights block ") !=
+                     std::string::npos
+           : k == Case::weights_on_rank3
                ? e.find(
                      "differ in their ZeRO++ quantization (this rank: quantized weights block ") !=
                          std::string::npos ||

@@ -289,6 +289,11 @@ def check_tokens(gpt, work):
                 open(os.path.join(as_tokens, name), "rb") as b:
             assert a.read() == b.read(), f"{name}: --tokens trained otherwise than --text"
     assert not os.path.exists(os.path.join(as_tokens, "vocab.json"))
+    # Into the text run's export: its vocab.json would describe another model, and goes.
+    subprocess.run(shape + ["--steps", "1", "--tokens", tokens_path, "--vocab",
+                            str(len(id_of_byte)), "--export", as_text],
+                   check=True, stdout=subprocess.DEVNULL)
+    assert not os.path.exists(os.path.join(as_text, "vocab.json"))
     print("a text and a token file of its ids: the same exported model, byte for byte")
 
     # Ids above a byte's, in two training files and a validation file: transformers on the

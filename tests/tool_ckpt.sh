@@ -31,7 +31,7 @@ if ls "$dir/export"/model-*-of-*.safetensors 2> /dev/null; then echo "an earlier
 test "$(cat "$dir/ckpt/latest")" = step6-3ranks
 # A copy of an older checkpoint does not move latest back to it.
 "$tool" reshard "$dir/ckpt" --tag step3 --ranks 3 | tee "$dir.reshard"
-grep -q "latest names a newer checkpoint and stays" "$dir.reshard"
+grep -q "latest names another checkpoint and stays" "$dir.reshard"
 test "$(cat "$dir/ckpt/latest")" = step6-3ranks
 "$tool" info "$dir/ckpt" > "$dir.info"
 grep -q "saved by 3 ranks" "$dir.info"

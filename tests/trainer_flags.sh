@@ -56,6 +56,7 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--lr expects a number in (0, 1], got '2'" "$prog" --lr 2
   refused 2 "--lr expects a number in (0, 1], got '1e-50' (0 as a float)" "$prog" --lr 1e-50
   refused 2 "--ranks-per-node 2 needs --zero-quantized-gradients" "$prog" --ranks-per-node 2
+  refused 2 "--ranks-per-node expects an integer in [0, 1048576], got '-1'" "$prog" --ranks-per-node -1
   refused 2 "--offload-optimizer expects none, cpu or nvme:DIR (a directory on the drive), got 'nvme:'" \
     "$prog" --offload-optimizer nvme:
   refused 2 "--init-seed expects an integer in [0, 2147483647], got '-1'" "$prog" --init-seed -1
@@ -123,5 +124,8 @@ if [ -n "$mpiexec" ]; then
       "$mpiexec" -n 2 --oversubscribe "$prog" --backend mpi --ranks 4
   done
 fi
+# --ranks-per-node 0 is the default its help names (the backend's nodes), not a mistake.
+"$gpt" --ranks 2 --stage 2 --zero-quantized-gradients --ranks-per-node 0 --steps 1 > "$dir/rpn.log"
+grep -q "summary:" "$dir/rpn.log"
 rm -rf "$dir"
 echo "trainer flags: every mistake refused before training"

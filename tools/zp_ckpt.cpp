@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
       const bool latest = zp::ckpt::reshard(rd, pos[0], out_tag, ranks, progress_lines("reshard"));
       std::printf("resharded %s for %d ranks as %s/%s (%s)\n", rd.path().c_str(), ranks,
                   pos[0].c_str(), out_tag.c_str(),
-                  latest ? "now latest" : "latest names a newer checkpoint and stays");
+                  latest ? "now latest" : "latest names another checkpoint and stays");
       return 0;
     }
   } catch (const std::exception& e) {

@@ -96,7 +96,14 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                                    bool model_parallel = false) {
   const LossScaler& ls = c.loss_scaler;
   const DynamicScale& d = ls.config();
+  // ZeRO++'s quantization first: on a tensor-parallel grid it changes the layout too, and the
+  // setting is what to name.
   const std::string parts[] = {
+      detail::cat("ZeRO++ quantization (this rank: quantized weights block ",
+                  c.quantized_weights ? c.quantized_weights->block : 0,
+                  ", quantized gradients block ",
+                  c.quantized_gradients ? c.quantized_gradients->block : 0, " of ",
+                  c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, " bits)"),
       "the model's parameters and their layout",
       detail::cat("ZeRO stage and element type (this rank: stage ", stage, ", ", name(dtype), ")"),
       detail::cat("batch or gradient precision (this rank: micro_batch_per_rank=",
@@ -113,11 +120,6 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                   ", broadcast_initial_params=", c.broadcast_initial_params, ", initializer ",
                   c.initializer ? "set" : "unset", ", hpz_partition_size=", c.hpz_partition_size,
                   ", ranks_per_node=", c.ranks_per_node, ")"),
-      detail::cat("ZeRO++ quantization (this rank: quantized weights block ",
-                  c.quantized_weights ? c.quantized_weights->block : 0,
-                  ", quantized gradients block ",
-                  c.quantized_gradients ? c.quantized_gradients->block : 0, " of ",
-                  c.quantized_gradients ? int(c.quantized_gradients->bits) : 0, " bits)"),
       // The NVMe step, and ZeRO-Offload's on a device, add an agreement to every step: all ranks
       // or none.
       detail::cat("optimizer state or parameters on NVMe, or the optimizer offloaded on a device "
@@ -130,6 +132,7 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                                  : std::size_t(std::count(decays.begin(), decays.end(), 1)),
                   " of ", L.params().size(), ", EngineConfig::weight_decay_filter)")};
   const std::uint64_t h[] = {
+      model_parallel ? 0 : quantization_fingerprint(c),
       model_parallel ? 0 : L.hash(),
       detail::Fnv1a().all(stage, dtype).value(),
       detail::Fnv1a()
@@ -149,14 +152,13 @@ void expect_same_engine_everywhere(Collective<B>& comm, const Layout& L, int sta
                      c.max_reuse_distance, c.bucket_slots, c.broadcast_initial_params,
                      c.initializer != nullptr, c.hpz_partition_size, c.ranks_per_node)
                 .value(),
-      model_parallel ? 0 : quantization_fingerprint(c),
       detail::Fnv1a()
           .all(c.optimizer_nvme.has_value(), c.param_nvme.has_value(),
                device && c.offload_optimizer)
           .value(),
       model_parallel ? 0 : decay_hash(decays)};
   const std::size_t k = first_difference(comm, std::span<const std::uint64_t>(h));
-  if (k == 0) detail::throw_layout_difference(comm, L, c);
+  if (k == 1) detail::throw_layout_difference(comm, L, c);
   if (k < std::size(h))
     throw Error(
         Errc::invalid_argument,
