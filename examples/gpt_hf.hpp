@@ -131,7 +131,8 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
       return j[key].get<long long>();
     };
     ZP_EXPECT(j.value("model_type", std::string()) == "gpt2", cfg_path.string(),
-              ": model_type is '", j.value("model_type", std::string()), "', not gpt2");
+              ": model_type is '", zp::detail::text_excerpt(j.value("model_type", std::string())),
+              "', not gpt2");
     const auto same = [&](const char* key, long long want, const char* what) {
       ZP_EXPECT(num(key) == want, cfg_path.string(), ": ", key, " ", num(key), " is not this ",
                 what, " (", want, ")");
@@ -143,10 +144,11 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     ZP_EXPECT(num("n_positions") >= c.context, cfg_path.string(), ": n_positions ",
               num("n_positions"), " is less than --context ", c.context);
     ZP_EXPECT(!j.contains("n_inner") || j["n_inner"].is_null() || j["n_inner"] == 4 * c.d_model,
-              cfg_path.string(), ": n_inner ", j["n_inner"].dump(), " is not 4 x n_embd");
+              cfg_path.string(), ": n_inner ", zp::detail::json_excerpt(j["n_inner"]),
+              " is not 4 x n_embd");
     const std::string act = j.value("activation_function", std::string("gelu_new"));
-    ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '", act,
-              "' is not gelu_new, the tanh GELU of this model");
+    ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '",
+              zp::detail::text_excerpt(act), "' is not gelu_new, the tanh GELU of this model");
     // The keys that change GPT-2's arithmetic must hold this model's values (absent: GPT-2's).
     const double eps = j.value("layer_norm_epsilon", 1e-5);
     ZP_EXPECT(eps == 1e-5, cfg_path.string(), ": layer_norm_epsilon ", eps,
@@ -163,8 +165,8 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   }
   const zp::safetensors::Reader r(dir / "model.safetensors");
   for (const auto& t : r.tensors())
-    ZP_EXPECT(hf_gpt2_tensor(t.name, c), r.path().string(), ": tensor '", t.name,
-              "' is not one of GPT-2's with n_layer ", c.layers);
+    ZP_EXPECT(hf_gpt2_tensor(t.name, c), r.path().string(), ": tensor '",
+              zp::detail::text_excerpt(t.name), "' is not one of GPT-2's with n_layer ", c.layers);
   std::vector<float> buf;
   const auto read = [&](const std::string& name, std::vector<std::uint64_t> shape) {
     const auto& t = r.at(name);

@@ -660,18 +660,21 @@ bool end_step(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
   return true;
 }
 
-// DIR/vocab.json: {"byte_of_id": [...]}, the byte each token id stands for.
-// dir/vocab.json beside the model just exported there: the corpus's, or none (c null: token
-// ids, no vocabulary). An earlier export's would describe another model, so where this one is
-// not written (none, or its write failed) it goes.
+// dir/vocab.json, {"byte_of_id": [...]} (the byte each token id stands for), beside the model
+// just exported there: the corpus's, or none (c null: token ids, no vocabulary). An earlier
+// export's would describe another model, so where this one is not written (none, or its write
+// failed) it goes; one that cannot be removed is an error.
 inline void write_vocab(const std::string& dir, const Corpus* c) {
 #if ZP_DEMO_IO
   const std::filesystem::path path = std::filesystem::path(dir) / "vocab.json";
-  const auto remove_stale = [&] {
-    std::error_code ec;
+  std::error_code ec;
+  if (!c) {
     std::filesystem::remove(path, ec);
-  };
-  if (!c) return remove_stale();
+    if (ec)
+      throw zp::Error(zp::Errc::io, "cannot remove " + path.string() +
+                                        ", an earlier export's vocabulary: " + ec.message());
+    return;
+  }
   std::string json = "{\"byte_of_id\": [";
   for (std::size_t i = 0; i < c->chars.size(); ++i)
     json += (i ? ", " : "") + std::to_string(int(static_cast<unsigned char>(c->chars[i])));
@@ -679,7 +682,7 @@ inline void write_vocab(const std::string& dir, const Corpus* c) {
   try {
     zp::detail::write_file_atomic(path, std::as_bytes(std::span<const char>(json)));
   } catch (...) {
-    remove_stale();
+    std::filesystem::remove(path, ec);  // (the write's error is the one to report)
     throw;
   }
 #else

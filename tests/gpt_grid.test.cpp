@@ -117,7 +117,6 @@ TEST_CASE("4 pipeline stages and 4 tensor-parallel ranks (one module, one head e
   check_grid<3>({.dp = 1, .tp = 4, .pp = 1}, zp::pipeline::Schedule::one_f_one_b);
 }
 
-// Activation checkpointing changes when a block's activations are computed, not their values:
 // ZeRO++ quantizes each piece of a segment in blocks; a segment that mixed a replicated tensor
 // with this TP rank's slice of split ones (the vocabulary of 13 splits into 7 and 6 rows, so
 // even the offsets differ) gave the replicated tensor other values on each TP rank, then other
@@ -162,6 +161,7 @@ TEST_CASE("ZeRO++ on tensor-parallel grids keeps every replicated tensor the sam
   }
 }
 
+// Activation checkpointing changes when a block's activations are computed, not their values:
 // every rank's parameters, gradient norms and losses are bitwise those of the same grid keeping
 // them, under tensor parallelism (its all_reduces run again), pipelines and ZeRO stage 3 (the
 // backward's gathered weights); the TP counters add the recomputed forwards (gpt_grid.hpp).

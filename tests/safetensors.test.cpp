@@ -322,6 +322,13 @@ TEST_CASE("every malformed header is an error naming the file, the tensor and th
       raw_file(R"({"a\u0000b\n\u001b[2J":{"dtype":"F3\u0000","shape":[1],"data_offsets":[0,4]}})",
                4),
       "tensor 'a\\x00b\\x0a\\x1b[2J': unknown dtype 'F3\\x00'");
+  // U+009B (CSI, a C1 control: 0xc2 0x9b in UTF-8) escaped; a long name cut before a character.
+  rejects(raw_file(R"({"a\u009bb":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", 4),
+          "tensor 'a\\xc2\\x9bb': unknown dtype 'F33'");
+  std::string accents;
+  for (int i = 0; i < 40; ++i) accents += "\xc3\xa9";  // U+00E9, 2 bytes each
+  rejects(raw_file("{\"" + accents + R"(":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", 4),
+          "tensor '" + accents.substr(0, 56) + "...': unknown dtype 'F33'");
   rejects(raw_file("{\"" + std::string(1000, 'n') +
                        R"(":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})",
                    4),

@@ -87,14 +87,16 @@ int info(zp::ckpt::Reader& rd) {
       "  saved by %d ranks (dp %d x tp %d x pp %d) at ZeRO stage %d, %s parameters, optimizer %s "
       "%s\n",
       m.world_size, m.grid.dp, m.grid.tp, m.grid.pp, m.stage, zp::name(m.dtype),
-      m.optimizer.c_str(), m.hyper.dump().c_str());
+      zp::detail::text_excerpt(m.optimizer).c_str(), m.hyper.dump().c_str());
   std::printf("  %zu parameters, %zu elements in %d modules; fields:", m.params.size(), elements,
               m.params.back().module + 1);
-  for (const auto& f : m.fields) std::printf(" %s", f.c_str());
+  // (names from the manifest: shortened, control characters escaped)
+  for (const auto& f : m.fields) std::printf(" %s", zp::detail::text_excerpt(f).c_str());
   if (!m.no_weight_decay.empty()) {
     const std::size_t n = m.no_weight_decay.size(), shown = std::min<std::size_t>(n, 8);
     std::printf("\n  no weight decay on %zu of them:", n);
-    for (std::size_t i = 0; i < shown; ++i) std::printf(" %s", m.no_weight_decay[i].c_str());
+    for (std::size_t i = 0; i < shown; ++i)
+      std::printf(" %s", zp::detail::text_excerpt(m.no_weight_decay[i]).c_str());
     if (shown < n) std::printf(" ... (%zu more)", n - shown);
   }
   std::printf(

@@ -275,7 +275,9 @@ struct SaveOptions {
   // removal that fails is a warning on stderr, not an error: the save is complete. 0: keep all.
   std::size_t keep_last = 0;
   // How long rank 0 waits for another writer of the directory (zp_ckpt prune, a reshard) to let
-  // go of it before the save fails naming the lock (a second job saving there still fails).
+  // go of it before the save fails naming the lock (a second job saving there still fails). The
+  // other ranks wait meanwhile in the save's agreement, which the communicator's timeout bounds:
+  // keep it below that (a wait past it is a timeout error, or an MPI job's abort).
   std::chrono::milliseconds lock_wait{10000};
 };
 
@@ -438,8 +440,9 @@ void expect_every_param_loaded(E& engine, const Reader& rd, std::span<const Matc
   reduce_over_grid(engine, std::span<std::int64_t>(held), ReduceOp::max);
   on_every_grid_rank(engine, [&] {
     for (std::size_t i = 0; i < held.size(); ++i)
-      ZP_EXPECT(held[i], "checkpoint ", rd.path().string(), " has parameter '", m.params[i].name,
-                "' (", m.params[i].size, " elements), which the model does not have");
+      ZP_EXPECT(held[i], "checkpoint ", rd.path().string(), " has parameter '",
+                detail::text_excerpt(m.params[i].name), "' (", m.params[i].size,
+                " elements), which the model does not have");
   });
 }
 
@@ -447,7 +450,7 @@ void expect_every_param_loaded(E& engine, const Reader& rd, std::span<const Matc
 template <class O>
 void load_hyper(O& o, const Manifest& m, const std::string& where) {
   ZP_EXPECT(m.optimizer == optim::detail::type_name(o), "checkpoint ", where,
-            " was saved with optimizer ", m.optimizer, ", the engine uses ",
+            " was saved with optimizer ", detail::text_excerpt(m.optimizer), ", the engine uses ",
             optim::detail::type_name(o));
   optim::detail::for_each_field(o, [&](const char* key, auto& x) {
     const auto it = m.hyper.find(key);

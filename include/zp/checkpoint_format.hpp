@@ -253,9 +253,9 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // A table per JSON object of the manifest, walked by detail/json_keys.hpp (types, ranges,
 // "missing", the key path in every message); the functions here read the arrays and check what
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
-// key is required but those version 1 lacks (grid, parts, a parameter's shape) and versions 1-3
-// lack (skipped_in_row), which the readers require from the version that added them once the
-// tables are read; keys no table declares (zp_version, or one a newer zp adds) are skipped, and
+// key is required but those version 1 lacks (grid, parts, a parameter's shape), versions 1-3
+// (skipped_in_row), 1-4 (no_weight_decay) and 1-5 (by_tp_kind), which the readers require from
+// the version that added them once the tables are read; keys no table declares (zp_version, or one a newer zp adds) are skipped, and
 // manifest_crc32c (version 3) is checked last. The integers are JSON integers (zp writes no
 // others), each in the range of the member it lands in.
 namespace schema {
@@ -1293,6 +1293,7 @@ inline bool reshard(Reader& rd, const std::filesystem::path& dir, const std::str
   m.world_size = ranks;
   m.grid = {ranks, 1, 1};
   m.parts = data_parallel_parts(m.params);
+  m.layout.by_tp_kind = false;  // a data-parallel grid: every part whole
   m.files.clear();
   const Layout L = m.layout_of(0);
   Publisher pub(dir, tag);

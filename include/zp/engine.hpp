@@ -533,7 +533,7 @@ class Engine {
     detail::Fnv1a h;
     h.all(quantization_fingerprint(config_), L.options().by_tp_kind);
     if (L.options().by_tp_kind) {
-      h.all(comm_->size(), config_.ranks_per_node);
+      h.all(comm_->size(), config_.quantized_gradients ? config_.ranks_per_node : 0);
       for (const auto& g : L.segments()) {
         if (bound_.params[std::size_t(g.params.front())].tp != TensorParallel::replicated) continue;
         h.all(g.used, g.size, g.piece);
@@ -543,16 +543,19 @@ class Engine {
         }
       }
     }
-    std::int64_t differ = same_on_every_rank(grid.tp(), h.value()) ? 0 : 1;
+    const bool mine = !same_on_every_rank(grid.tp(), h.value());
+    std::int64_t differ = mine;
     all_reduce_host(grid.dp(), std::span<std::int64_t>(&differ, 1), ReduceOp::max);
     all_reduce_host(grid.model_parallel(), std::span<std::int64_t>(&differ, 1), ReduceOp::max);
     ZP_EXPECT(differ == 0, "engine: ZeRO++'s quantization on a tensor-parallel grid (tp ",
               grid.shape().tp,
-              ") needs every TP rank to quantize the replicated parameters alike, and a TP group ",
-              "differs: in the quantization settings, or in how its ranks lay out the "
+              ") needs every TP rank to quantize the replicated parameters alike, and ",
+              mine ? "this rank's TP group (world rank " + std::to_string(grid.world_rank()) + ")"
+                   : std::string("another rank's TP group"),
+              " differs: in the quantization settings, or in how its ranks lay out the "
               "replicated parameters (the same replicated parameters in each module, and the "
-              "same bucket_bytes, first_bucket_bytes, align, shard_group_size and ranks_per_node, "
-              "on every TP rank); else they would drift apart");
+              "same bucket_bytes, first_bucket_bytes, align, shard_group_size and, with qgZ, "
+              "ranks_per_node, on every TP rank); else they would drift apart");
   }
   // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
   // naming the value there.

@@ -306,7 +306,8 @@ class Reader {
   // The tensor called `name`; a missing one is an error naming the file and the name.
   const TensorInfo& at(std::string_view name) const {
     const auto it = index_.find(name);
-    ZP_EXPECT(it != index_.end(), path().native(), ": no tensor named '", name, "'");
+    ZP_EXPECT(it != index_.end(), path().native(), ": no tensor named '",
+              detail::text_excerpt(name), "'");
     return tensors_[it->second];
   }
   // The "__metadata__" entries (empty when the file has none).
@@ -333,8 +334,8 @@ class Reader {
               "' stores ", t.dtype, ", not ", want, " (the element type asked for)");
     const std::uint64_t n = t.elements();
     ZP_EXPECT(first_element <= n && out.size() <= n - first_element, path().native(), ": tensor '",
-              name, "' has ", n, " elements; cannot read ", out.size(), " from element ",
-              first_element);
+              detail::text_excerpt(name), "' has ", n, " elements; cannot read ", out.size(),
+              " from element ", first_element);
     read(name, first_element * sizeof(T), std::as_writable_bytes(out));
   }
 

@@ -418,7 +418,7 @@ class DirectoryLock {
       : path_(dir / name) {
     fd_ = ::open(path_.c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd_ < 0) throw_io("create lock file", path_, errno);
-    const auto until = std::chrono::steady_clock::now() + wait;
+    const auto until = deadline_after(wait);
     while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       if (err == EWOULDBLOCK && std::chrono::steady_clock::now() < until) {

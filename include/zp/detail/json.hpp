@@ -27,22 +27,29 @@ namespace zp::detail {
 // Deeper than any file zp reads (a ds_config is 4 levels, a manifest 5, a safetensors header 3).
 inline constexpr std::size_t json_max_depth = 32;
 
-// A key or value for a message: at most 60 characters, so a hostile multi-MiB key stays short,
-// and control characters as \xNN, so a NUL does not end the message and a newline or escape
-// sequence from a file does not reach the terminal.
+// A key or value for a message: its first 57 bytes and "..." past 60 (cut before a UTF-8
+// character, not inside one), so a hostile multi-MiB key stays short; control characters (C0,
+// DEL and UTF-8's C1) as \xNN, so a NUL does not end the message and no escape sequence from a
+// file reaches the terminal (the result is then up to 4 times as long).
 inline std::string text_excerpt(std::string_view s) {
-  const std::string_view kept = s.size() <= 60 ? s : s.substr(0, 57);
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
+  std::size_t n = s.size();
+  if (n > 60)
+    for (n = 57; n > 54 && (byte(n) & 0xc0) == 0x80;) --n;  // s[n] continues a character
+  constexpr char hex[] = "0123456789abcdef";
   std::string out;
-  for (const char c : kept) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u != 0x7f) {
-      out += c;
+  for (std::size_t i = 0; i < n; ++i) {
+    const unsigned char u = byte(i);
+    const bool c1 = u == 0xc2 && i + 1 < n && byte(i + 1) >= 0x80 && byte(i + 1) < 0xa0;
+    if (u >= 0x20 && u != 0x7f && !c1) {
+      out += char(u);
       continue;
     }
-    constexpr char hex[] = "0123456789abcdef";
-    out += {'\\', 'x', hex[u >> 4], hex[u & 15]};
+    for (std::size_t k = i; k <= i + c1; ++k)
+      out += {'\\', 'x', hex[byte(k) >> 4], hex[byte(k) & 15]};
+    i += c1;
   }
-  return kept.size() < s.size() ? out + "..." : out;
+  return n < s.size() ? out + "..." : out;
 }
 // A JSON value as it appears in a message: its text (strings quoted), shortened.
 inline std::string json_excerpt(const nlohmann::json& v) {
