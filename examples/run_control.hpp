@@ -357,10 +357,7 @@ inline void fill_auto(zp::ds::Config& dc, const TrainFlags& t, std::uint64_t hid
                                       "learning rate, warmup/total steps, clipping and precision "
                                       "from its flags and the ZeRO sizes from the model)"));
   }
-  const bool auto_precision =
-      zp::ds::fill_precision(dc, t.precision == "fp32"   ? zp::ds::Precision::fp32
-                                 : t.precision == "fp16" ? zp::ds::Precision::fp16
-                                                         : zp::ds::Precision::bf16);
+  const bool auto_precision = zp::ds::fill_precision(dc, zp::ds::precision_of(t.dtype()));
   if (t.was_given("--precision") && !auto_precision)
     throw zp::Error(zp::Errc::invalid_argument,
                     zp::detail::cat(program, ": --precision with --config ", dc.source,

@@ -86,4 +86,21 @@ TEST_CASE("GPT on every grid of 4 mpi processes, every ZeRO stage, agrees with o
   every_grid<3>(world);
 }
 
+// ZeRO++ (qwZ and qgZ, tests/gpt_grid.test.cpp) on dp 2 x tp 2 processes: after 10 steps every
+// replicated tensor holds the same bits on every process (each holds it: pp 1).
+TEST_CASE("GPT with ZeRO++ on 2 x 2 mpi processes keeps every replicated tensor alike") {
+  Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(120)})};
+  REQUIRE(world.size() == 4);
+  const g::RankResult r = g::train<3>(world, {.seed = seed(), .shape = {2, 2, 1}, .zeropp = true});
+  std::int64_t replicated = 0;
+  for (std::size_t k = 0; k < r.names.size(); ++k) {
+    if (!r.slices[k].is_whole()) continue;
+    ++replicated;
+    const std::uint64_t h =
+        zp::detail::Fnv1a().bytes(r.values[k].data(), r.values[k].size() * sizeof(float)).value();
+    CHECK_MESSAGE(zp::same_on_every_rank(world, h), r.names[k], " differs between the processes");
+  }
+  CHECK(replicated > 0);
+}
+
 int main(int argc, char** argv) { return zp::test::mpi_main(argc, argv, "gpt_grid_mpi.test"); }

@@ -199,6 +199,11 @@ struct Config {
   }
 };
 
+// The precision that selects element type t (Config::dtype's inverse).
+inline Precision precision_of(DType t) noexcept {
+  return t == DType::bf16 ? Precision::bf16 : t == DType::f16 ? Precision::fp16 : Precision::fp32;
+}
+
 namespace detail {
 
 using json = nlohmann::json;
