@@ -1135,15 +1135,24 @@ TEST_CASE(
     CHECK(!fs::exists(dir.path / "latest"));
   }
   // A writer that lets go within lock_wait (zp_ckpt prune beside a training run): the save
-  // waits for it and completes.
+  // waits for it and completes. Rank 0 takes the lock just before it saves, so the save finds
+  // it held.
   {
     std::optional<zp::detail::DirectoryLock> other;
-    other.emplace(dir.path, ".zp-save.lock", "checkpoint save");
-    std::thread release([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      other.reset();
+    std::thread release;
+    on_two_ranks([&](E2& e, Mlp<float>&) {
+      const bool lead = e.comm().rank() == 0;
+      if (lead) {
+        other.emplace(dir.path, ".zp-save.lock", "checkpoint save");
+        release = std::thread([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          other.reset();
+        });
+      }
+      const auto start = std::chrono::steady_clock::now();
+      zp::save_checkpoint(e, dir.path, "t0");
+      if (lead) CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(250));
     });
-    on_two_ranks([&](E2& e, Mlp<float>&) { zp::save_checkpoint(e, dir.path, "t0"); });
     release.join();
     CHECK(zp::ckpt::Reader::read_latest(dir.path) == "t0");
     zp::ckpt::Reader(dir.path).verify();

@@ -33,4 +33,4 @@ check() {
 check --ranks 2 --stage 1 --offload-optimizer cpu
 check --ranks 4 --stage 3 --shard-group-size 2
 check --ranks 4 --stage 2 --tp 2
-check --ranks 4 --stage 3 --tp 2
+check --ranks 4 --stage 3 --tp 2 --zero-quantized-weights --zero-quantized-gradients

@@ -154,8 +154,9 @@ TEST_CASE("ZeRO++ on tensor-parallel grids keeps every replicated tensor the sam
       replicated += name.find("ln_") != std::string::npos || name == "wpe.weight" ||
                     name.find("c_proj.bias") != std::string::npos;
     CHECK(holders.size() == replicated);
-    // int8 weights and gradients: an update moves by up to about lr (Adam), quantized or not.
-    CHECK(worst < 5 * g::lr);
+    // Bounded, not diverged: an update moves an element by about lr at most (Adam), so two runs
+    // part by at most 2 lr a step (it was 0.94 lr after the 10 steps here).
+    CHECK(worst < 2 * g::steps * g::lr);
     std::printf("gpt_grid: ZeRO++ dp %d x tp %d x pp %d: max |grid - single rank| = %.2e\n",
                 shape.dp, shape.tp, shape.pp, worst);
   }

@@ -290,6 +290,7 @@ def check_tokens(gpt, work):
             assert a.read() == b.read(), f"{name}: --tokens trained otherwise than --text"
     assert not os.path.exists(os.path.join(as_tokens, "vocab.json"))
     # Into the text run's export: its vocab.json would describe another model, and goes.
+    assert os.path.exists(os.path.join(as_text, "vocab.json"))
     subprocess.run(shape + ["--steps", "1", "--tokens", tokens_path, "--vocab",
                             str(len(id_of_byte)), "--export", as_text],
                    check=True, stdout=subprocess.DEVNULL)

@@ -255,9 +255,9 @@ inline constexpr std::int64_t max_elements = std::int64_t(1) << 48;
 // spans keys (names unique, modules in order, the files large enough for the parameters). Every
 // key is required but those version 1 lacks (grid, parts, a parameter's shape), versions 1-3
 // (skipped_in_row), 1-4 (no_weight_decay) and 1-5 (by_tp_kind), which the readers require from
-// the version that added them once the tables are read; keys no table declares (zp_version, or one a newer zp adds) are skipped, and
-// manifest_crc32c (version 3) is checked last. The integers are JSON integers (zp writes no
-// others), each in the range of the member it lands in.
+// the version that added them once the tables are read; keys no table declares (zp_version, or
+// one a newer zp adds) are skipped, and manifest_crc32c (version 3) is checked last. The integers
+// are JSON integers (zp writes no others), each in the range of the member it lands in.
 namespace schema {
 
 using namespace zp::detail::keys;  // the strict reader: Key, Spec, read_object, ...
@@ -871,8 +871,9 @@ class Reader {
       return {s.rank, local - s.slice.first,
               std::min({most, row, s.slice.first + s.slice.count - local})};
     }
-    throw Error(Errc::io, detail::cat("checkpoint ", path_.string(), ": no file holds element ",
-                                      full, " of parameter '", m_.params[p].name, "'"));
+    throw Error(Errc::io,
+                detail::cat("checkpoint ", path_.string(), ": no file holds element ", full,
+                            " of parameter '", detail::text_excerpt(m_.params[p].name), "'"));
   }
 
   std::filesystem::path path_;
@@ -1049,8 +1050,9 @@ inline std::filesystem::path staging_dir(const std::filesystem::path& dir, const
 
 // The one writer of a checkpoint directory (a save, a reshard, zp_ckpt's prune): it holds
 // <dir>/.zp-save.lock while it lives, so writers never interleave (a second waits up to
-// `lock_wait` for the first, then fails naming the lock). Taking the directory completes what crashed writers left: a tag published but not
-// named in `latest` (see Publisher) is removed, and so are staging directories and temporaries.
+// `lock_wait` for the first, then fails naming the lock). Taking the directory completes what
+// crashed writers left: a tag published but not named in `latest` (see Publisher) is removed,
+// and so are staging directories and temporaries.
 class DirectoryWriter {
  public:
   // `dir` must exist.

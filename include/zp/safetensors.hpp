@@ -105,7 +105,7 @@ struct TensorInfo {
   std::uint64_t elements() const {
     std::uint64_t n = 1;
     for (std::uint64_t d : shape)
-      n = zp::detail::checked_mul(n, d, "tensor '", zp::detail::text_excerpt(name), "'");
+      n = zp::detail::checked_mul(n, d, "tensor '", name, "'");  // (a file's: refused on reading)
     return n;
   }
   std::uint64_t bytes() const noexcept { return end - begin; }
