@@ -443,10 +443,10 @@ inline bool ranks_match_job(const char* name, const TrainFlags& t, const char* b
 }
 
 // Runs train(comm) on every rank: one MPI process per rank (--backend mpi, under mpirun, whose
-// process count a --ranks given must equal) or --ranks threads. Returns the exit status (128 + the signal's number for a run stopped by one);
-// errors are printed, on MPI by each rank before its exception leaves the communicator (that
-// aborts the job; where train's own communicators, a ProcessGrid's, go first, the abort gives
-// the text of a zp::Error itself).
+// process count a --ranks given must equal) or --ranks threads. Returns the exit status (128 +
+// the signal's number for a run stopped by one); errors are printed, on MPI by each rank before
+// its exception leaves the communicator (that aborts the job; where train's own communicators, a
+// ProcessGrid's, go first, the abort gives the text of a zp::Error itself).
 template <class Train>
 int launch(const Program& p, int& argc, char**& argv, const TrainFlags& t, Train&& train) {
   try {

@@ -257,13 +257,13 @@ class ParamCoordinator {
 
   // The least a step's gathers will hold at once, in account()'s categories, for the engine's
   // check before it allocates (engine_agreement.hpp): secondary, hpZ's shards over `hpz` ranks
-  // of the modules that do not persist (a persistent one stays gathered);
-  // persistent, every persistent module; gathered, those and the most (non-persistent; account()'s
-  // gathered_peak) the first micro-step's forward holds where
-  // its guards run in the layout's order (which the coordinator predicts before any ran): at
-  // module m, m, the kept modules before it and what its prefetch (`prefetch` elements ahead,
-  // one module with the parameters on NVMe, `one_ahead`) adds without evicting, up to the
-  // first gather that evicts. `reuse`: the constructor's max_reuse_distance.
+  // of the modules that do not persist (a persistent one stays gathered); persistent, every
+  // persistent module; gathered, those and the most (non-persistent: account()'s gathered_peak)
+  // the first micro-step's forward holds where its guards run in the layout's order (which the
+  // coordinator predicts before any ran): at module m, m, the kept modules before it and what its
+  // prefetch (`prefetch` elements ahead, one module with the parameters on NVMe, `one_ahead`)
+  // adds without evicting, up to the first gather that evicts. `reuse`: the constructor's
+  // max_reuse_distance.
   static MemoryReport least_working_set(const Layout& L, std::size_t persist_threshold,
                                         std::size_t hpz, std::size_t prefetch,
                                         std::size_t max_live_params, std::size_t reuse,

@@ -29,9 +29,9 @@
 // destroying it (ncclCommDestroy could wait for peers that never come); otherwise the last
 // one waits for its stream up to the timeout, and aborts past it or on an NCCL error (a drained
 // stream then goes to ncclCommDestroy, which some NCCL versions finalize with the peers: not yet
-// run on a GPU). Creation and split
-// block until every rank joins: NCCL's non-blocking mode would bound them, but it launches each
-// later collective from a new host thread, a cost not yet measured on a GPU.
+// run on a GPU). Creation and split block until every rank joins: NCCL's non-blocking mode would
+// bound them, but it launches each later collective from a new host thread, a cost not yet
+// measured on a GPU.
 // bf16/fp16 map to ncclBfloat16/ncclFloat16 and reduce with NCCL's own arithmetic (rounded to
 // 16 bits between steps, unlike the host backends' fp32 accumulation); avg is ncclAvg.
 // reduce_scatter and all_gather are in place when the buffers follow the ZeRO layout (NCCL's
