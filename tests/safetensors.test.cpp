@@ -416,6 +416,8 @@ TEST_CASE("the index of a split model round-trips and is validated") {
           "weight_map entry 'a' is not a file name but 3");
   rejects(R"({"metadata":{"total_size":5},"weight_map":{"a":"../x.safetensors"}})",
           "weight_map entry 'a' names '../x.safetensors', not a file next to the index");
+  rejects(R"({"metadata":{"total_size":5},"weight_map":{"a":"x\u001b[2J.safetensors"}})",
+          "weight_map entry 'a' names 'x\\x1b[2J.safetensors', not a file next to the index");
   expect_error(zp::Errc::io, [&] { (void)st::read_index(dir.path / "absent.json"); },
                {"cannot open"});
 }

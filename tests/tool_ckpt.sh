@@ -57,10 +57,10 @@ done
 p=$dir/prune
 "$demo" --steps 12 --micro-batch 4 --save-every 3 --log-every 12 --ranks 2 --stage 1 --checkpoint-dir "$p" > /dev/null
 "$tool" reshard "$p" --tag step6 --ranks 3 --out-tag copy6 > /dev/null
-mkdir "$p/.step15.partial"
+mkdir "$p/.step15.partial" "$p/.$(printf 'x\033[2J')y.partial"  # (that name's escape sequence printed escaped)
 echo '{' > "$p/step3/manifest.json"
 "$tool" list "$p" | tee "$dir.list"
-test "$(awk 'NR > 1 {printf "%s ", $1}' "$dir.list")" = "step6 copy6 step9 step12 step3 .step15.partial: "
+test "$(awk 'NR > 1 {printf "%s ", $1}' "$dir.list")" = 'step6 copy6 step9 step12 step3 .step15.partial: .x\x1b[2Jy.partial: '
 grep -q "^5 checkpoints in $p$" "$dir.list"
 grep -q "^  copy6   step 6 .* 3 ranks  stage 1  bf16 .* UTC$" "$dir.list"
 grep -q "^  step12 .*(latest)$" "$dir.list"
@@ -73,6 +73,7 @@ test -d "$p/step6"
 # It keeps the two newest up to latest, keeps the unreadable one, and removes the leftover.
 "$tool" prune "$p" --keep 2 | tee "$dir.prune"
 grep -qx "removed $p/.step15.partial (left by a save that did not finish)" "$dir.prune"
+grep -qxF "removed $p/.x\x1b[2Jy.partial (left by a save that did not finish)" "$dir.prune"
 grep -qx "removed $p/step6" "$dir.prune"
 grep -qx "removed $p/copy6" "$dir.prune"
 grep -qx "pruned $p: 2 checkpoints removed" "$dir.prune"

@@ -139,6 +139,10 @@ std::string size_text(std::uint64_t bytes) {
   return buf;
 }
 
+// A name found in a checkpoint directory, as printed: whole, with control characters escaped
+// (anyone may have made the entry).
+std::string shown(const std::string& name) { return zp::detail::text_excerpt(name, SIZE_MAX); }
+
 // Every checkpoint of `dir` in the order of training, as prune orders them
 // (ckpt::checkpoints_in_order), unreadable ones last, then what unfinished saves left (or a save
 // running now: list takes no lock).
@@ -192,7 +196,7 @@ int list(const std::filesystem::path& dir) {
     std::printf(
         "  %s: left by a save that did not finish, or one running now (the next save "
         "or prune removes it)\n",
-        name.c_str());
+        shown(name).c_str());
   return 0;
 }
 
@@ -201,7 +205,8 @@ int list(const std::filesystem::path& dir) {
 int prune(const std::filesystem::path& dir, std::size_t keep) {
   zp::ckpt::DirectoryWriter writer(dir);
   for (const auto& name : writer.cleaned())
-    std::printf("removed %s (left by a save that did not finish)\n", (dir / name).c_str());
+    std::printf("removed %s/%s (left by a save that did not finish)\n", dir.c_str(),
+                shown(name).c_str());
   const auto pruned = writer.prune(keep);
   for (const auto& tag : pruned.removed) std::printf("removed %s\n", (dir / tag).c_str());
   for (const auto& why : pruned.failed) std::fprintf(stderr, "zp_ckpt: prune: %s\n", why.c_str());

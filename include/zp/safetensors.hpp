@@ -515,7 +515,9 @@ inline Index read_index(const std::filesystem::path& path) {
       throw bad("weight_map entry '", detail::text_excerpt(name), "' is not a file name but ",
                 json_excerpt(file));
     const std::string s = file.get<std::string>();
-    if (s.empty() || s == "." || s == ".." || s.find('/') != std::string::npos)
+    // (nor one with a control character: the name reaches messages whole, in its file's path)
+    if (s.empty() || s == "." || s == ".." || s.find('/') != std::string::npos ||
+        detail::text_excerpt(s, SIZE_MAX) != s)
       throw bad("weight_map entry '", detail::text_excerpt(name), "' names '",
                 detail::text_excerpt(s), "', not a file next to the index");
     index.weight_map.emplace(name, s);

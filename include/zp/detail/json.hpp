@@ -27,15 +27,15 @@ namespace zp::detail {
 // Deeper than any file zp reads (a ds_config is 4 levels, a manifest 5, a safetensors header 3).
 inline constexpr std::size_t json_max_depth = 32;
 
-// A key or value for a message: its first 57 bytes and "..." past 60 (cut before a UTF-8
-// character, not inside one), so a hostile multi-MiB key stays short; control characters (C0,
-// DEL and UTF-8's C1) as \xNN, so a NUL does not end the message and no escape sequence from a
-// file reaches the terminal (the result is then up to 4 times as long).
-inline std::string text_excerpt(std::string_view s) {
+// A key or value for a message: its first most - 3 bytes and "..." past `most` (cut before a
+// UTF-8 character, not inside one), so a hostile multi-MiB key stays short; control characters
+// (C0, DEL and UTF-8's C1) as \xNN, so a NUL does not end the message and no escape sequence
+// from a file reaches the terminal (the result is then up to 4 times as long). `most` >= 6.
+inline std::string text_excerpt(std::string_view s, std::size_t most = 60) {
   const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
   std::size_t n = s.size();
-  if (n > 60)
-    for (n = 57; n > 54 && (byte(n) & 0xc0) == 0x80;) --n;  // s[n] continues a character
+  if (n > most)
+    for (n = most - 3; n > most - 6 && (byte(n) & 0xc0) == 0x80;) --n;  // s[n] continues one
   constexpr char hex[] = "0123456789abcdef";
   std::string out;
   for (std::size_t i = 0; i < n; ++i) {
