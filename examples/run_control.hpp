@@ -73,7 +73,7 @@ inline constexpr std::initializer_list<const char*> run_switches = {
   "  --save-every N     save a checkpoint every N steps (needs --checkpoint-dir) (default 0: "    \
   "never)\n"                                                                                      \
   "  --keep-checkpoints N  after each save keep the N newest checkpoints in D, removing older\n"  \
-  "                     ones (default: keep all)\n"                                               \
+  "                     ones (default 0: keep all)\n"                                             \
   "  --resume           continue from D/latest (any --ranks, --stage, --backend); a D without "   \
   "one\n"                                                                                         \
   "                     yet starts at step 0 and says so\n"                                       \
@@ -121,9 +121,9 @@ inline bool parse_checkpoint_flag(const Program& p, CheckpointFlags& o, const st
   if (a == "--resume")
     o.resume = true;
   else if (a == "--save-every")
-    o.save_every = to_int(p, a, v, 1, 10000000);
+    o.save_every = to_int(p, a, v, 0, 10000000);
   else if (a == "--keep-checkpoints")
-    o.keep_checkpoints = to_int(p, a, v, 1, 10000000);
+    o.keep_checkpoints = to_int(p, a, v, 0, 10000000);
   else if (a == "--checkpoint-dir")
     o.checkpoint_dir = v;
   else if (a == "--export")
@@ -149,7 +149,7 @@ inline bool parse_run_flag(const Program& p, RunFlags& o, const std::string& a,
   else if (a == "--ranks-per-node")
     o.ranks_per_node = to_int(p, a, v, 0, 1 << 20);
   else if (a == "--shard-group-size")
-    o.shard_group = to_int(p, a, v, 1, 1 << 20);
+    o.shard_group = to_int(p, a, v, 0, 1 << 20);
   else if (a == "--no-reshard-after-forward")
     o.no_reshard = true;
   else if (a == "--max-reuse-distance")

@@ -51,7 +51,7 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 1 "accum.json: a micro-batch of 4 x 4096 accumulation steps; $(basename "$prog") takes at most 65536 x 1024" \
     "$prog" --config "$dir/accum.json"
   refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
-  refused 2 "--keep-checkpoints expects an integer in [1, 10000000], got '0'" "$prog" --keep-checkpoints 0
+  refused 2 "--keep-checkpoints expects an integer in [0, 10000000], got '-1'" "$prog" --keep-checkpoints -1
   refused 2 "--precision expects fp32, bf16 or fp16, got 'fp8'" "$prog" --precision fp8
   refused 2 "--lr expects a number in (0, 1], got '2'" "$prog" --lr 2
   refused 2 "--lr expects a number in (0, 1], got '1e-50' (0 as a float)" "$prog" --lr 1e-50
@@ -111,7 +111,7 @@ refused 1 "token file $dir/ds.json is 36 bytes, shorter than the 1024-byte heade
   "$gpt" --tokens "$dir/ds.json"
 # The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
-refused 2 "--save-every expects an integer in [1, 10000000], got '0'" "$sim" --save-every 0
+refused 2 "--save-every expects an integer in [0, 10000000], got '-3'" "$sim" --save-every -3
 refused 2 "--precision fp16 is not offered by the device demo" "$sim" --precision fp16
 echo '{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": true}}' > "$dir/fp16.json"
 refused 1 "fp16.enabled: config asks for precision fp16, this program was built with element types {fp32, bf16}" \
@@ -124,8 +124,13 @@ if [ -n "$mpiexec" ]; then
       "$mpiexec" -n 2 --oversubscribe "$prog" --backend mpi --ranks 4
   done
 fi
-# --ranks-per-node 0 is the default its help names (the backend's nodes), not a mistake.
-"$gpt" --ranks 2 --stage 2 --zero-quantized-gradients --ranks-per-node 0 --steps 1 > "$dir/rpn.log"
+# A default the help names, given, is not a mistake: --ranks-per-node 0 (the backend's nodes),
+# --save-every 0 (never), --keep-checkpoints 0 (all), --shard-group-size 0 (plain ZeRO).
+"$gpt" --ranks 2 --stage 2 --zero-quantized-gradients --ranks-per-node 0 --steps 1 --save-every 0 \
+  --keep-checkpoints 0 --checkpoint-dir "$dir/zero" --shard-group-size 0 > "$dir/rpn.log"
 grep -q "summary:" "$dir/rpn.log"
+if grep -q "hybrid sharding" "$dir/rpn.log" || [ -e "$dir/zero/latest" ]; then
+  echo "a default given changed the run"; exit 1
+fi
 rm -rf "$dir"
 echo "trainer flags: every mistake refused before training"

@@ -25,12 +25,14 @@
 //   zp::pipeline::Runner<B, bf16> pipe(grid.pp(), zp::pipeline::Schedule::one_f_one_b,
 //                                      /*micro_batches=*/8, micro_batch * seq * hidden);
 //   std::vector<Saved> saved(pipe.slots());   // this stage's own per-micro-batch activations
+//   int backwards = 0;                         // the engine's accumulation steps: 8 as well
 //   auto stats = pipe.run(
 //       [&](int k, int slot, std::span<const bf16> in, std::span<bf16> out) {
 //         stage.forward(k, in, out, saved[slot]); },          // stage 0: in is empty (reads batch k)
 //       [&](int k, int slot, std::span<const bf16> out_grad, std::span<bf16> in_grad) {
-//         stage.backward(saved[slot], out_grad, in_grad); }); // last stage: out_grad is empty
-//   engine.step();                             // gradients summed over the 8 micro-batches
+//         stage.backward(saved[slot], out_grad, in_grad);     // last stage: out_grad is empty
+//         if (++backwards < 8) engine.step(); });             // ends a micro-step
+//   auto r = engine.step();  // after run(): the boundary, the 8 micro-batches' gradients averaged
 //
 // Communication per run(): 2m messages of activation_elems elements over each boundary (m
 // activations forward, m gradients back), point to point between neighbours only.
