@@ -28,6 +28,7 @@
 #include "zp/backend/threads.hpp"
 #include "zp/dispatch.hpp"
 #include "zp/engine.hpp"
+#include "zp/detail/file.hpp"
 #include "zp/error.hpp"
 #if ZP_DEMO_MPI
 #include "zp/backend/mpi.hpp"
@@ -59,16 +60,15 @@ struct Corpus {
   }
 };
 
-// The whole of the file at `path`; `what` names it in errors ("cannot read <what> '<path>'").
+// The whole of the regular file at `path` (a FIFO or a device such as /dev/zero, which would
+// never end, is an error); `what` names it in errors ("<what>: cannot read <path>: ...").
 inline std::string read_text(const std::string& path, const std::string& what) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw zp::Error(zp::Errc::io, what + " '" + path + "' is a directory, not a file");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw zp::Error(zp::Errc::io, "cannot read " + what + " '" + path + "'");
-  std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-  if (f.bad()) throw zp::Error(zp::Errc::io, "reading " + what + " '" + path + "' failed");
-  return text;
+  return zp::detail::with_context(
+      [&] { return zp::detail::read_whole_file(path, std::uint64_t(1) << 40); },
+      [&](const std::string& m) { return what + ": " + m; });
 }
 
 // The files concatenated, each followed by a newline.
@@ -444,9 +444,10 @@ inline bool ranks_match_job(const char* name, const TrainFlags& t, const char* b
 
 // Runs train(comm) on every rank: one MPI process per rank (--backend mpi, under mpirun, whose
 // process count a --ranks given must equal) or --ranks threads. Returns the exit status (128 +
-// the signal's number for a run stopped by one); errors are printed, on MPI by each rank before
-// its exception leaves the communicator (that aborts the job; where train's own communicators, a
-// ProcessGrid's, go first, the abort gives the text of a zp::Error itself).
+// the signal's number for a run stopped by one; 1 after an error); errors are printed, on MPI
+// by each rank before its exception leaves the communicator (that aborts the job; where train's
+// own communicators, a ProcessGrid's, go first, the abort gives the text of a zp::Error itself),
+// or once where every rank of the job raised it together.
 template <class Train>
 int launch(const Program& p, int& argc, char**& argv, const TrainFlags& t, Train&& train) {
   try {
@@ -458,6 +459,12 @@ int launch(const Program& p, int& argc, char**& argv, const TrainFlags& t, Train
       try {
         train(comm);
       } catch (const std::exception& e) {
+        // An error every rank raised together (a configuration the engine refused): said once,
+        // and MPI ends normally. Any other: each rank says its own, and the job is aborted.
+        if (zp::detail::every_rank_raises(&e)) {
+          if (comm.rank() == 0) std::fprintf(stderr, "%s: %s\n", p.name, e.what());
+          return 1;
+        }
         std::fprintf(stderr, "%s: rank %d: %s\n", p.name, comm.rank(), e.what());
         throw;
       }

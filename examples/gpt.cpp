@@ -539,10 +539,12 @@ void train(zp::Collective<B>& world, zp::ProcessGrid<B>& grid, const Options& o,
 template <class B>
 void dispatch(zp::Collective<B>& world, const Options& o, const Data& data) {
   const int n = world.size();
-  if (n % (o.tp * o.pp) != 0)
-    throw zp::Error(zp::Errc::invalid_argument,
-                    "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
-                        std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
+  zp::on_every_rank(world, [&] {  // agreed: an MPI job ends with the error, not an abort
+    if (n % (o.tp * o.pp) != 0)
+      throw zp::Error(zp::Errc::invalid_argument,
+                      "zp_gpt: " + std::to_string(n) + " ranks do not divide into --tp " +
+                          std::to_string(o.tp) + " x --pp " + std::to_string(o.pp));
+  });
   zp::ProcessGrid<B> grid(world, {.dp = n / (o.tp * o.pp), .tp = o.tp, .pp = o.pp});
   examples::with_engine<B>(
       program, o, o, grid.shape().dp, world.rank() == 0, std::uint64_t(o.d_model),

@@ -10,13 +10,16 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "gpt.hpp"
+#include "zp/checkpoint_format.hpp"
 #include "zp/detail/file.hpp"
 #include "zp/safetensors.hpp"
 
@@ -109,7 +112,7 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   zp::detail::write_file_atomic(dir / "config.json", std::as_bytes(std::span<const char>(text)));
 }
 
-// dir/config.json and dir/model.safetensors -> the parameters of `m`, this rank's part of the
+// dir/config.json and dir/model.safetensors (or its shards) -> the parameters of `m`, this rank's part of the
 // model (any grid: each tensor is read whole, one at a time, and the part's elements taken from
 // it). Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
 // another shape, an element type other than F32 or a tensor GPT-2 does not have (but the attention
@@ -126,13 +129,34 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   long long positions = 0;
   try {  // a key of the wrong JSON type is an error naming the file, as a missing one is
     const auto num = [&](const char* key) {
-      ZP_EXPECT(j.contains(key) && j[key].is_number_integer(), cfg_path.string(), ": no integer '",
-                key, "'");
+      ZP_EXPECT(j.contains(key) && j[key].is_number_integer() &&
+                    (!j[key].is_number_unsigned() ||
+                     j[key].get<std::uint64_t>() <= std::uint64_t(INT64_MAX)),
+                cfg_path.string(), ": no integer '", key, "' (",
+                j.contains(key) ? zp::detail::json_excerpt(j[key]) : "missing", ")");
       return j[key].get<long long>();
     };
-    ZP_EXPECT(j.value("model_type", std::string()) == "gpt2", cfg_path.string(),
-              ": model_type is '", zp::detail::text_excerpt(j.value("model_type", std::string())),
+    // An optional key: its value, which must have the type of `absent` (GPT-2's value).
+    const auto optional = [&]<class V>(const char* key, V absent) {
+      if (!j.contains(key) || j[key].is_null()) return absent;
+      const auto& v = j[key];
+      const bool typed = std::is_same_v<V, bool>          ? v.is_boolean()
+                         : std::is_same_v<V, std::string> ? v.is_string()
+                                                          : v.is_number();
+      ZP_EXPECT(typed, cfg_path.string(), ": ", key, " is ", zp::detail::json_excerpt(v),
+                ", not a ",
+                std::is_same_v<V, bool>          ? "boolean"
+                : std::is_same_v<V, std::string> ? "string"
+                                                 : "number");
+      return v.template get<V>();
+    };
+    ZP_EXPECT(optional("model_type", std::string()) == "gpt2", cfg_path.string(),
+              ": model_type is '", zp::detail::text_excerpt(optional("model_type", std::string())),
               "', not gpt2");
+    if (j.contains("architectures"))  // (what transformers builds from the directory)
+      ZP_EXPECT(j["architectures"] == nlohmann::json::array({"GPT2LMHeadModel"}), cfg_path.string(),
+                ": architectures is ", zp::detail::json_excerpt(j["architectures"]),
+                ", not [\"GPT2LMHeadModel\"]");
     const auto same = [&](const char* key, long long want, const char* what) {
       ZP_EXPECT(num(key) == want, cfg_path.string(), ": ", key, " ", num(key), " is not this ",
                 what, " (", want, ")");
@@ -146,34 +170,42 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     ZP_EXPECT(!j.contains("n_inner") || j["n_inner"].is_null() || j["n_inner"] == 4 * c.d_model,
               cfg_path.string(), ": n_inner ", zp::detail::json_excerpt(j["n_inner"]),
               " is not 4 x n_embd");
-    const std::string act = j.value("activation_function", std::string("gelu_new"));
+    const std::string act = optional("activation_function", std::string("gelu_new"));
     ZP_EXPECT(act == "gelu_new", cfg_path.string(), ": activation_function '",
               zp::detail::text_excerpt(act), "' is not gelu_new, the tanh GELU of this model");
     // The keys that change GPT-2's arithmetic must hold this model's values (absent: GPT-2's).
-    const double eps = j.value("layer_norm_epsilon", 1e-5);
+    const double eps = optional("layer_norm_epsilon", 1e-5);
     ZP_EXPECT(eps == 1e-5, cfg_path.string(), ": layer_norm_epsilon ", eps,
               " is not 1e-05, this model's");
     for (const auto& [key, want] : {std::pair{"scale_attn_weights", true},
                                     {"scale_attn_by_inverse_layer_idx", false},
                                     {"add_cross_attention", false}})
-      ZP_EXPECT(j.value(key, want) == want, cfg_path.string(), ": ", key, " is ",
+      ZP_EXPECT(optional(key, want) == want, cfg_path.string(), ": ", key, " is ",
                 want ? "false" : "true", "; this model has GPT-2's ", want ? "true" : "false");
-    tied = j.value("tie_word_embeddings", true);
+    tied = optional("tie_word_embeddings", true);
     positions = num("n_positions");
   } catch (const nlohmann::json::exception& e) {
     throw zp::Error(zp::Errc::invalid_argument, cfg_path.string() + ": " + e.what());
   }
-  const zp::safetensors::Reader r(dir / "model.safetensors");
-  for (const auto& t : r.tensors())
-    ZP_EXPECT(hf_gpt2_tensor(t.name, c), r.path().string(), ": tensor '",
-              zp::detail::text_excerpt(t.name), "' is not one of GPT-2's with n_layer ", c.layers);
+  // model.safetensors, or the files model.safetensors.index.json maps the tensors to (what
+  // save_pretrained writes for a model past its max_shard_size), each opened once.
+  const std::map<std::string, std::filesystem::path> files = zp::ckpt::safetensors_files(dir);
+  for (const auto& [name, file] : files)
+    ZP_EXPECT(hf_gpt2_tensor(name, c), file.string(), ": tensor '", zp::detail::text_excerpt(name),
+              "' is not one of GPT-2's with n_layer ", c.layers);
+  std::map<std::filesystem::path, zp::safetensors::Reader> open;
   std::vector<float> buf;
   const auto read = [&](const std::string& name, std::vector<std::uint64_t> shape) {
-    const auto& t = r.at(name);
-    ZP_EXPECT(t.shape == shape, r.path().string(), ": tensor '", name, "' has shape ",
+    const auto file = files.find(name);
+    ZP_EXPECT(file != files.end(), dir.string(), ": no tensor named '", name, "'");
+    auto r = open.find(file->second);
+    if (r == open.end())
+      r = open.emplace(file->second, zp::safetensors::Reader(file->second)).first;
+    const auto& t = r->second.at(name);
+    ZP_EXPECT(t.shape == shape, r->second.path().string(), ": tensor '", name, "' has shape ",
               nlohmann::json(t.shape).dump(), ", not ", nlohmann::json(shape).dump());
     buf.resize(std::size_t(t.elements()));
-    r.read_elements(name, 0, std::span<float>(buf));
+    r->second.read_elements(name, 0, std::span<float>(buf));
   };
   const std::size_t V = std::size_t(c.vocab), d = std::size_t(c.d_model);
   std::size_t k = 0;
@@ -182,7 +214,7 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     const auto& t = m.tensors()[k++];
     const zp::Placement& part = t.place;
     if (name == "lm_head.weight") {  // [d, V] here, nn.Linear's [V, d] there (or wte, tied)
-      read(tied && !r.contains(name) ? hf_name("wte.weight") : name, {V, d});
+      read(tied && !files.contains(name) ? hf_name("wte.weight") : name, {V, d});
       for (std::size_t i = 0; i < v.size(); ++i) {
         const std::size_t f = part.full_index(i);
         v[i] = T(buf[(f % V) * d + f / V]);

@@ -10,6 +10,7 @@
 // ({"byte_of_id": [...]}: the byte each token id stands for).
 #pragma once
 
+#include <fcntl.h>   // open
 #include <unistd.h>  // access
 
 #include <algorithm>
@@ -21,8 +22,10 @@
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
+#include <limits>
 #include <span>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -193,6 +196,11 @@ inline void check_checkpoint_flags(const Program& p, const CheckpointFlags& o) {
     if (::access(at.c_str(), W_OK | X_OK) != 0)
       bad(p, flag + " " + *dir + where + " is not writable: " + std::strerror(errno));
   }
+  // (the export could take the name of a tag or `latest`, which the saves and prune manage)
+  if (!o.export_dir.empty() && !o.checkpoint_dir.empty() &&
+      zp::detail::is_within(o.export_dir, o.checkpoint_dir))
+    bad(p, "--export " + o.export_dir + " is inside --checkpoint-dir " + o.checkpoint_dir +
+               ", whose entries the saves manage; export elsewhere");
 #endif
 }
 
@@ -461,16 +469,26 @@ void with_engine(const Program& p, const TrainFlags& t, const RunFlags& r, int d
 }
 
 // One JSON line per step on rank 0 (--log-json): the step, the loss, the gradient norm (before
-// clipping; null where it is not finite) and the step's phase times.
+// clipping; null where it is not finite) and the step's phase times. Each line is written out
+// at once; a write that fails (a full disk) is said on stderr and ends the log, not the run.
 class JsonLog {
  public:
-  JsonLog(const RunFlags& o, bool lead) {
-    if (lead && !o.log_json.empty() && !(f_ = std::fopen(o.log_json.c_str(), "a")))
-      throw zp::Error(zp::Errc::io,
-                      "cannot open --log-json " + o.log_json + ": " + std::strerror(errno));
+  JsonLog(const RunFlags& o, bool lead) : path_(o.log_json) {
+    if (!lead || path_.empty()) return;
+    // O_NONBLOCK: a FIFO that no process reads is an error now, not an open() that never returns
+    // (nor ends on SIGTERM); writes block again after.
+    const int fd =
+        ::open(path_.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    const int fl = fd < 0 ? -1 : ::fcntl(fd, F_GETFL);
+    if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 || !(f_ = ::fdopen(fd, "a"))) {
+      const int err = errno;
+      if (fd >= 0) ::close(fd);
+      throw zp::Error(zp::Errc::io, "cannot open --log-json " + path_ + ": " + std::strerror(err) +
+                                        (err == ENXIO ? " (a FIFO that no process reads)" : ""));
+    }
   }
   ~JsonLog() {
-    if (f_) std::fclose(f_);
+    if (f_ && std::fclose(f_) != 0) failed(errno);
   }
   JsonLog(const JsonLog&) = delete;
   JsonLog& operator=(const JsonLog&) = delete;
@@ -478,11 +496,25 @@ class JsonLog {
     if (!f_) return;
     char norm[32] = "null";  // JSON has no inf or NaN (an fp16 step that overflowed)
     if (std::isfinite(r.grad_norm)) std::snprintf(norm, sizeof norm, "%.6g", r.grad_norm);
-    std::fprintf(f_, "{\"step\":%d,\"loss\":%.6f,\"grad_norm\":%s,%s}\n", step, loss, norm,
-                 r.times.json_fields().c_str());
+    if (std::fprintf(f_, "{\"step\":%d,\"loss\":%.6f,\"grad_norm\":%s,%s}\n", step, loss, norm,
+                     r.times.json_fields().c_str()) < 0 ||
+        std::fflush(f_) != 0) {
+      const int err = errno;
+      std::fclose(f_);
+      f_ = nullptr;
+      failed(err, step);
+    }
   }
 
  private:
+  void failed(int err, int step = 0) const {
+    std::fprintf(stderr, "warning: --log-json %s: a write failed (%s); %s\n", path_.c_str(),
+                 std::strerror(err),
+                 step ? ("the log ends before step " + std::to_string(step)).c_str()
+                      : "its last lines may be lost");
+  }
+
+  std::string path_;
   std::FILE* f_ = nullptr;
 };
 
@@ -512,8 +544,8 @@ inline std::string vocabulary_of(std::span<const std::byte> state) {
 // where the checkpoint is at or past `steps`, --steps: nothing to train). A checkpoint of another
 // vocabulary is an error naming both. Collective.
 template <class E, class Comm>
-int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, const Corpus& corpus,
-           int steps) {
+int latest_step(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o,
+                const Corpus& corpus, int steps) {
   if (!o.resume) return 0;
 #if ZP_DEMO_IO
   std::error_code ec;  // an error (EACCES, ESTALE) counts as not seeing it
@@ -594,6 +626,12 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, co
   ZP_EXPECT(blob.size() >= sizeof done, "the checkpoint's user data (", blob.size(),
             " bytes) is not a step count and a vocabulary");
   std::memcpy(&done, blob.data(), sizeof done);
+  // (a step count no run reaches, or fewer steps than updates, is a corrupt file's, not a start)
+  ZP_EXPECT(done >= engine.steps() && done <= std::numeric_limits<int>::max(), "the checkpoint ",
+            o.checkpoint_dir, "/", zp::ckpt::Reader::read_latest(o.checkpoint_dir),
+            " says its run did ", done, " steps, not a count in [", engine.steps(),
+            " (the updates it applied), ", std::numeric_limits<int>::max(),
+            "]: its user data is corrupt");
   const std::string saved_vocab = vocabulary_of(blob);
   if (!saved_vocab.empty() && saved_vocab != text_vocab) throw vocab_error(saved_vocab);
   if (comm.rank() == 0)
@@ -608,6 +646,43 @@ int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, co
   (void)engine, (void)comm, (void)p, (void)corpus, (void)steps;
   return 0;
 #endif
+}
+
+// The tags a run from step `first` to `steps` saves (step<N> where --save-every divides N) must
+// not exist yet: a checkpoint is never overwritten, and the save that met one failed only after
+// the training up to it (a later checkpoint left when `latest` was set back to an earlier one;
+// a new run in a used directory).
+inline void expect_saves_free(const CheckpointFlags& o, int first, int steps) {
+#if ZP_DEMO_IO
+  if (!o.save_every) return;
+  const std::string unnamed = zp::ckpt::DirectoryWriter::publishing(o.checkpoint_dir);
+  for (const auto& [when, tag] : zp::ckpt::checkpoint_tags(o.checkpoint_dir)) {
+    if (tag == unnamed) continue;  // a crashed save's, which the next save removes
+    int n = 0;
+    const char* end = tag.data() + tag.size();
+    const auto [at, ec] =
+        std::from_chars(tag.data() + std::min<std::size_t>(4, tag.size()), end, n);
+    if (tag.starts_with("step") && ec == std::errc() && at == end &&
+        tag == "step" + std::to_string(n) && n > first && n <= steps && n % o.save_every == 0)
+      throw zp::Error(
+          zp::Errc::invalid_argument,
+          zp::detail::cat("--checkpoint-dir ", o.checkpoint_dir, " already holds ", tag,
+                          ", which this run would save at step ", n, " (it starts at step ", first,
+                          "); a checkpoint is never overwritten: remove it, or "
+                          "write its tag into latest and --resume"));
+  }
+#else
+  (void)o, (void)first, (void)steps;
+#endif
+}
+
+// latest_step, then expect_saves_free over the steps left. Collective.
+template <class E, class Comm>
+int resume(E& engine, Comm& comm, const Program& p, const CheckpointFlags& o, const Corpus& corpus,
+           int steps) {
+  const int first = latest_step(engine, comm, p, o, corpus, steps);
+  zp::on_every_rank(comm, [&] { expect_saves_free(o, first, steps); });
+  return first;
 }
 
 // Saves the checkpoint "step<N>" when --save-every divides the steps done; returns whether it

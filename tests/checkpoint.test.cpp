@@ -510,8 +510,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "what a killed save left (temporaries named for this pid, a staging directory) blocks no "
-    "later save, which removes it") {
+    "what a killed save left (temporaries named for this pid, a staging directory, a note) "
+    "blocks no later save, which removes it") {
   TempDir dir("leftovers");
   on_two_ranks([&](E2& e, Mlp<float>& m) {
     train(e, m, 0, 1);
@@ -527,6 +527,8 @@ TEST_CASE(
       std::ofstream(dir.path / (std::string(f) + ".tmp." + pid + "." + std::to_string(k)));
   fs::create_directory(dir.path / ".c.partial");
   std::ofstream(dir.path / ".c.partial" / "rank-00000-of-00002.safetensors") << "half";
+  // A publish note that names no tag (empty; zp writes it atomically) rolls nothing back.
+  std::ofstream(dir.path / ".zp-publishing").flush();
   on_two_ranks([&](E2& e, Mlp<float>& m) {
     zp::load_checkpoint(e, dir.path);
     train(e, m, e.steps(), 2);
@@ -1365,6 +1367,12 @@ TEST_CASE(
   on_two_ranks([&](E2& e, Mlp<float>&) {
     zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); },
                              {"optimizer.params.lr", "32-bit float", "1e+300"});
+  });
+  // ... and one the optimizer refuses names the checkpoint too.
+  put_text(manifest, with("/optimizer/params/lr", -1.0));
+  on_two_ranks([&](E2& e, Mlp<float>&) {
+    zp::test::expect_invalid([&] { zp::load_checkpoint(e, s.dir.path); },
+                             {"checkpoint ", ": optimizer.params: ", "lr", "-1"});
   });
 }
 

@@ -28,6 +28,7 @@
 #if ZP_TEST_IO
 #include "zp/checkpoint.hpp"
 #endif
+#include "expect_error.hpp"
 #include "zero_mlp.hpp"
 
 using zp::Collective;
@@ -320,6 +321,29 @@ TEST_CASE(
   teardown<1>(comm);
   teardown<2>(comm);
   teardown<3>(comm);
+}
+
+// A setting every rank refuses is an error raised on every rank of the job together: the
+// communicators it unwinds through (a grid's, split from the world) end without aborting the job
+// (before, the first one called MPI_Abort), and MPI stays usable. An error on one rank only
+// still aborts (tests/backend/mpi_failure).
+TEST_CASE("on mpi a setting every rank refuses unwinds through communicators without an abort") {
+  Collective<Mpi> world{Mpi(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)})};
+  zp::EngineConfig cfg = config(2, 1);
+  cfg.hpz_partition_size = world.size() + 1;
+  for (const int tp : {1, 2}) {
+    if (world.size() % tp) continue;
+    zp::test::expect_invalid(
+        [&] {
+          zp::ProcessGrid<Mpi> grid(world, {.dp = world.size() / tp, .tp = tp});
+          Mlp<float> model;
+          zp::Engine<Mpi, float, 3> engine(grid, model, cfg);
+        },
+        {"engine: hpz_partition_size ", " does not divide the "});
+    std::int64_t one = 1;
+    world.all_reduce(std::span<std::int64_t>(&one, 1), zp::ReduceOp::sum);
+    CHECK(one == world.size());
+  }
 }
 
 // The process grid on MPI processes: every 2 x 2 x 1 ... arrangement of 4 (or 2) processes gives

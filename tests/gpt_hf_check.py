@@ -82,15 +82,16 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def save_transformers_gpt2(directory, seed, **shape):
+def save_transformers_gpt2(directory, seed, max_shard_size="5GB", **shape):
     """A GPT-2 of `shape` (GPT2Config's keys) as transformers' save_pretrained writes it (tied
-    head), every parameter drawn from N(0, 0.3) so that no loss is near log(vocab) by chance."""
+    head; in files of at most max_shard_size, with an index past it), every parameter drawn from
+    N(0, 0.3) so that no loss is near log(vocab) by chance."""
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(bos_token_id=None, eos_token_id=None, **shape))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
     return GPT2LMHeadModel.from_pretrained(directory).eval()
 
 
@@ -212,12 +213,23 @@ def check_trained(gpt, work):
     with open(os.path.join(bad, "config.json"), "w") as f:
         json.dump(dict(cfg_tied, scale_attn_by_inverse_layer_idx=True), f)
     refused(bad, "scale_attn_by_inverse_layer_idx is true; this model has GPT-2's false")
+    # A key of another JSON type, a number past int64 and another architecture are named.
+    for change, needle in ((dict(layer_norm_epsilon="1e-5"),
+                            'layer_norm_epsilon is "1e-5", not a number'),
+                           (dict(tie_word_embeddings="yes"), 'tie_word_embeddings is "yes", not a boolean'),
+                           (dict(vocab_size=2**63), "no integer 'vocab_size' (9223372036854775808)"),
+                           (dict(architectures=["LlamaForCausalLM"]),
+                            'architectures is ["LlamaForCausalLM"], not ["GPT2LMHeadModel"]')):
+        with open(os.path.join(bad, "config.json"), "w") as f:
+            json.dump(dict(cfg_tied, **change), f)
+        refused(bad, needle)
     # A FIFO is refused, not waited on.
     os.remove(os.path.join(bad, "config.json"))
     os.mkfifo(os.path.join(bad, "config.json"))
     refused(bad, "not a regular file")
     print("a missing tensor, a transposed one, an extra one, another architecture, another "
-          "vocabulary, another layer norm epsilon or attention scaling, a FIFO config: refused")
+          "vocabulary, another layer norm epsilon or attention scaling, a key of another type, "
+          "a FIFO config: refused")
 
     # A GPT-2 that transformers saved, fine-tuned from on a 2 x 2 x 2 grid: zp_gpt's loss of the
     # loaded weights (--steps 0 --eval) on a random text equals transformers' on the same windows
@@ -225,8 +237,10 @@ def check_trained(gpt, work):
     # short, and 3 windows a forward, so one forward is padded).
     seed = fresh_seed("transformers' GPT-2 for --init-from")
     saved = os.path.join(work, "transformers_saved")
-    model = save_transformers_gpt2(saved, seed, vocab_size=len(byte_of_id), n_positions=64,
-                                   n_embd=32, n_layer=1, n_head=4)
+    model = save_transformers_gpt2(saved, seed, max_shard_size="20KB", vocab_size=len(byte_of_id),
+                                   n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    shards = [f for f in os.listdir(saved) if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in os.listdir(saved), shards
     eval_text = bytes(rng.choice(byte_of_id, size=61).tolist())
     with open(eval_path, "wb") as f:
         f.write(eval_text)
@@ -237,13 +251,14 @@ def check_trained(gpt, work):
     loss_zp = zp_eval_loss(r.stdout)
     ids = [id_of_byte[b] for b in eval_text]
     loss_hf = transformers_eval_loss(model, ids, 16)
-    print(f"zp_gpt --init-from a transformers GPT-2 on a 2x2x2 grid, --eval: loss {loss_zp:.7f} "
-          f"(zp), {loss_hf:.7f} (transformers) on {len(ids) - 1} predictions; seed {seed}")
+    print(f"zp_gpt --init-from a transformers GPT-2 in {len(shards)} files and an index, on a "
+          f"2x2x2 grid, --eval: loss {loss_zp:.7f} (zp), {loss_hf:.7f} (transformers) on "
+          f"{len(ids) - 1} predictions; seed {seed}")
     assert abs(loss_zp - loss_hf) <= 1e-5 * abs(loss_hf), (loss_zp, loss_hf)
     for content, needle in ((b"abcz", f"--eval {eval_path}: the character 'z' (byte 122) is not "
                                       "in the training text's vocabulary"),
                             (b"a", f"--eval {eval_path} is too short: 1 character(s), at least 2"),
-                            (None, f"cannot read --eval text '{eval_path}'")):
+                            (None, f"--eval text: cannot open {eval_path}: No such file")):
         if content is None:
             os.remove(eval_path)
         else:

@@ -101,6 +101,9 @@ usage_error() {  # <message> <arguments...>
 }
 usage_error "verify does not take --ranks" verify "$dir/ckpt" --ranks 2
 usage_error "info does not take --master" info "$dir/ckpt" --master
+usage_error "export's OUT $dir/ckpt/step3/ is inside DIR $dir/ckpt, whose entries are checkpoints" \
+  export "$dir/ckpt" "$dir/ckpt/step3/"
+test ! -e "$dir/ckpt/step3/model.safetensors"
 usage_error "--tag is given twice" info "$dir/ckpt" --tag step3 --tag step6
 usage_error "--tag expects a value, got an empty one" info "$dir/ckpt" --tag ""
 usage_error "--out-tag expects a value, got the flag '--ranks'" reshard "$dir/ckpt" --out-tag --ranks 2

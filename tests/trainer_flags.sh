@@ -35,6 +35,8 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--checkpoint-dir $dir/a-file/ckpt: $dir/a-file, where it goes, is not a directory" \
     "$prog" --checkpoint-dir "$dir/a-file/ckpt" --resume
   refused 2 "--export $dir/a-file is not a directory" "$prog" --export "$dir/a-file"
+  refused 2 "--export $dir/ck/../ck/latest is inside --checkpoint-dir $dir/ck, whose entries the saves manage" \
+    "$prog" --checkpoint-dir "$dir/ck" --export "$dir/ck/../ck/latest"
   refused 2 "--micro-batch expects an integer in [1, 65536], got '10abc'" "$prog" --micro-batch 10abc
   refused 2 "--ranks expects an integer in [1, 256], got ' 2'" "$prog" --ranks " 2"
   refused 2 "--ranks expects an integer in [1, 256], got '+2'" "$prog" --ranks +2
@@ -48,6 +50,7 @@ for prog in "$demo" "$gpt" "$sim"; do
   refused 2 "--offload-param with --config: the config sets it (zero_optimization.offload_param)" \
     "$prog" --config "$dir/ds.json" --offload-param cpu
   refused 1 "text file '$dir' is a directory, not a file" "$prog" --text "$dir"
+  refused 1 "text file: cannot read /dev/zero: not a regular file (a device)" "$prog" --text /dev/zero
   refused 1 "accum.json: a micro-batch of 4 x 4096 accumulation steps; $(basename "$prog") takes at most 65536 x 1024" \
     "$prog" --config "$dir/accum.json"
   refused 2 "--keep-checkpoints and --resume need --checkpoint-dir" "$prog" --keep-checkpoints 2
@@ -109,6 +112,33 @@ refused 2 "--sample with --tokens needs --prompt: the token ids to continue" \
   "$gpt" --tokens "$dir/ds.json" --sample 5
 refused 1 "token file $dir/ds.json is 36 bytes, shorter than the 1024-byte header" \
   "$gpt" --tokens "$dir/ds.json"
+# A checkpoint whose user data claims a step count no run reaches, sealed with valid checksums
+# as a buggy or hostile writer would, is refused at --resume (2^31 trained from step -2^31 + 1
+# and saved thousands of checkpoints; -3 saved step-2).
+"$demo" --ranks 2 --steps 2 --micro-batch 2 --save-every 2 --checkpoint-dir "$dir/seal" > /dev/null
+for bad in 2147483648 -3 1; do
+  python3 "$(dirname "$0")/seal_user_step.py" "$dir/seal/step2" $bad
+  refused 1 "the checkpoint $dir/seal/step2 says its run did $bad steps, not a count in [2 (the updates it applied), 2147483647]: its user data is corrupt" \
+    "$demo" --ranks 2 --steps 4 --micro-batch 2 --checkpoint-dir "$dir/seal" --resume
+done
+# A run that would save a tag the directory holds is refused before it trains (the save failed
+# after the training up to it): a new run in a used directory, a resume from an earlier step.
+refused 1 "--checkpoint-dir $dir/seal already holds step2, which this run would save at step 2 (it starts at step 0)" \
+  "$demo" --ranks 2 --steps 4 --micro-batch 2 --save-every 1 --checkpoint-dir "$dir/seal"
+"$demo" --ranks 2 --steps 2 --micro-batch 2 --save-every 1 --checkpoint-dir "$dir/back" > /dev/null
+echo step1 > "$dir/back/latest"
+refused 1 "--checkpoint-dir $dir/back already holds step2, which this run would save at step 2 (it starts at step 1)" \
+  "$demo" --ranks 2 --steps 3 --micro-batch 2 --save-every 1 --checkpoint-dir "$dir/back" --resume
+# A FIFO as --eval (or --text) is refused, not waited on.
+mkfifo "$dir/fifo"
+refused 1 "--eval text: cannot read $dir/fifo: not a regular file (a FIFO)" "$gpt" --eval "$dir/fifo"
+# --log-json: a FIFO no process reads is refused (its open never returned, not even on SIGTERM);
+# a write that fails is said, not ignored, and the run goes on.
+refused 1 "cannot open --log-json $dir/fifo: No such device or address (a FIFO that no process reads)" \
+  "$demo" --ranks 2 --steps 2 --log-json "$dir/fifo"
+"$demo" --ranks 2 --steps 2 --micro-batch 2 --log-json /dev/full > "$dir/full.log" 2>&1
+grep -q "^warning: --log-json /dev/full: a write failed (No space left on device); the log ends before step 1$" "$dir/full.log"
+grep -q "summary:" "$dir/full.log"
 # The device demo: no fp16 engines (nor from a config).
 refused 2 "--save-every, --keep-checkpoints and --resume need --checkpoint-dir" "$sim" --resume
 refused 2 "--save-every expects an integer in [0, 10000000], got '-3'" "$sim" --save-every -3
@@ -123,6 +153,31 @@ if [ -n "$mpiexec" ]; then
     refused 2 "--ranks 4 with --backend mpi: the job has 2 processes" \
       "$mpiexec" -n 2 --oversubscribe "$prog" --backend mpi --ranks 4
   done
+  # A setting every process refuses (the engine's, the grid's) is said once, and the job ends
+  # with status 1, not an abort.
+  mpi_refused() {
+    refused 1 "$@"
+    if [ "$(grep -c "zp: invalid argument:" "$dir/out.log")" != 1 ] ||
+      grep -q "MPI_ABORT\|aborting the job\|job is aborted" "$dir/out.log"; then
+      echo "${*:3}: not one error and a clean end:"; cat "$dir/out.log"; exit 1
+    fi
+  }
+  mpi_refused "engine: hpz_partition_size 3 does not divide the 2 data-parallel ranks" \
+    "$mpiexec" -n 2 --oversubscribe "$demo" --backend mpi --zero-hpz-partition-size 3
+  mpi_refused "engine: hpz_partition_size 3 does not divide the 2 data-parallel ranks" \
+    "$mpiexec" -n 4 --oversubscribe "$gpt" --backend mpi --tp 2 --zero-hpz-partition-size 3
+  mpi_refused "zp_gpt: 2 ranks do not divide into --tp 1 x --pp 4" \
+    "$mpiexec" -n 2 --oversubscribe "$gpt" --backend mpi --pp 4
+  # ZP_RANKS_PER_NODE that does not read, or differs between the processes (it hung in the
+  # node's splits, silently), is an error on every process.
+  refused 1 'ZP_RANKS_PER_NODE="abc" is not a positive number of ranks per node' \
+    "$mpiexec" -n 2 --oversubscribe -x ZP_RANKS_PER_NODE=abc "$demo" --backend mpi
+  refused 1 "the ranks ask for different ranks per node, from 0 to 1" \
+    "$mpiexec" -n 1 --oversubscribe -x ZP_RANKS_PER_NODE=1 "$demo" --backend mpi : \
+    -n 1 "$demo" --backend mpi
+  if grep -q "MPI_ABORT\|aborting the job\|job is aborted" "$dir/out.log"; then
+    echo "an error every process raised aborted the job:"; cat "$dir/out.log"; exit 1
+  fi
 fi
 # A default the help names, given, is not a mistake: --ranks-per-node 0 (the backend's nodes),
 # --save-every 0 (never), --keep-checkpoints 0 (all), --shard-group-size 0 (plain ZeRO).

@@ -300,6 +300,9 @@ int main(int argc, char** argv) {
     }
     if (cmd == "export") {
       if (pos.size() != 2) bad("export takes DIR OUT");
+      if (zp::detail::is_within(pos[1], pos[0]))  // (a tag's name, or into a checkpoint)
+        bad("export's OUT " + pos[1] + " is inside DIR " + pos[0] +
+            ", whose entries are checkpoints; export elsewhere");
       zp::ckpt::Reader rd(pos[0], tag);
       if (verify(rd)) return 1;
       eo.progress = progress_lines("export");

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <iterator>
 #include <span>
 #include <string>
@@ -92,6 +93,33 @@ bool same_on_every_rank(Collective<B>& comm, std::uint64_t h) {
   return first_difference(comm, std::span<const std::uint64_t>(one)) == std::size(one);
 }
 
+namespace detail {
+// The ranks of the job comm's backend runs in (an MPI job's processes); 0 where it has no such
+// notion (a thread rank's failure does not abort anything).
+template <Backend B>
+std::int64_t job_size(Collective<B>& comm) {
+  if constexpr (requires { comm.backend().job_size(); })
+    return comm.backend().job_size();
+  else
+    return 0;
+}
+// Rethrows err, which `ranks` ranks of comm's job agreed to raise together: where they are the
+// whole job, recorded so (raised_on_every_rank) for the backend that would abort it.
+template <Backend B>
+[[noreturn]] void rethrow_agreed(Collective<B>& comm, std::exception_ptr err, std::int64_t ranks) {
+  if (ranks == job_size(comm)) {
+    try {
+      std::rethrow_exception(err);
+    } catch (const std::exception& e) {
+      raised_on_every_rank(e.what());
+    } catch (...) {
+      raised_on_every_rank("an exception not derived from std::exception");
+    }
+  }
+  std::rethrow_exception(err);
+}
+}  // namespace detail
+
 // Runs the local part f of a collective operation on every rank; if it throws on any rank, every
 // rank throws: a failing rank its own error, the others one naming the first failing rank, its
 // error's category and (at most 4 KiB of) its message. f must not communicate. word: one element
@@ -140,18 +168,23 @@ void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
   broadcast_host(comm, std::span<std::int64_t>(words), int(first));
   std::string text(std::size_t(head[1]), '\0');
   std::memcpy(text.data(), words.data(), text.size());
-  if (err) std::rethrow_exception(err);
-  throw Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text));
+  if (!err)
+    err = std::make_exception_ptr(
+        Error(Errc(head[0]), detail::cat("rank ", first, " failed: ", text)));
+  detail::rethrow_agreed(comm, err, comm.size());
 }
 
-// on_every_rank over an engine's grid (its data-parallel group: the shard group, then the
-// replicas; then its model-parallel group): a failure on any rank of the grid is an error on
-// every rank, passed on group by group.
-template <class E>
-void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<double> word = {}) {
+// on_every_rank over groups that make up a grid (each rank in one group of each kind, as a
+// ProcessGrid's dp() and model_parallel(); null ones skipped), passed on group by group: a
+// failure on any rank of the grid is an error on every rank.
+template <Backend B>
+void on_every_rank_of(std::initializer_list<Collective<B>*> groups, detail::FunctionRef<void()> f,
+                      std::span<double> word = {}) {
   std::exception_ptr err;
   bool first = true;
-  for (auto* g : {&engine.comm(), engine.replicas(), engine.model_parallel()}) {
+  std::int64_t ranks = 1;
+  Collective<B>* one = nullptr;  // (for the job's size)
+  for (Collective<B>* g : groups) {
     if (!g) continue;
     try {
       if (first)
@@ -167,8 +200,17 @@ void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<doub
       err = std::current_exception();
     }
     first = false;
+    ranks *= g->size();
+    one = g;
   }
-  if (err) std::rethrow_exception(err);
+  if (err) detail::rethrow_agreed(*one, err, ranks);
+}
+
+// on_every_rank_of an engine's grid: its data-parallel group (the shard group, then the
+// replicas), then its model-parallel group.
+template <class E>
+void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<double> word = {}) {
+  on_every_rank_of({&engine.comm(), engine.replicas(), engine.model_parallel()}, f, word);
 }
 
 }  // namespace zp

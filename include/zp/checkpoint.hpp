@@ -330,9 +330,9 @@ void save_checkpoint(E& engine, const std::filesystem::path& dir, const std::str
     if (!writes) return;
     std::error_code ec;
     ZP_EXPECT(std::filesystem::is_directory(staging, ec), "checkpoint: rank ", w,
-              " does not see the staging directory ", staging.string(),
-              " that rank 0 made for this save; every rank must pass the same directory, on a "
-              "file system all ranks share");
+              " does not see the staging directory that rank 0 made for this save: it looked for ",
+              staging.string(),
+              "; every rank must pass the same directory, on a file system all ranks share");
     mine = ckpt::write_rank_file(
         staging / ckpt::rank_file_name(w, m.world_size), m, L, w, user,
         [&](std::size_t f, std::size_t p, ckpt::Slice s) -> std::span<const std::byte> {
@@ -468,7 +468,10 @@ void load_hyper(O& o, const Manifest& m, const std::string& where) {
           sizeof(V) * 8, "-bit float holds, got ", detail::json_excerpt(*it));
     x = it->template get<V>();
   });
-  optim::validate(o);
+  detail::with_context([&] { optim::validate(o); },
+                       [&](const std::string& why) {
+                         return detail::cat("checkpoint ", where, ": optimizer.params: ", why);
+                       });
 }
 
 }  // namespace ckpt

@@ -1080,6 +1080,18 @@ class DirectoryWriter {
     return (name.starts_with(".") && name.ends_with(".partial") && name.size() > 9) ||
            name.starts_with("latest.tmp.") || name.starts_with(intent_name);
   }
+  // The tag a crashed publish left unnamed in `dir` (its .zp-publishing note, which the next
+  // writer removes with the tag unless `latest` names it); "" where there is no note or it
+  // names no tag.
+  static std::string publishing(const std::filesystem::path& dir) {
+    try {
+      std::string tag = detail::read_whole_file(dir / intent_name, 256);
+      check_tag(tag);
+      return tag;
+    } catch (const Error&) {
+      return "";
+    }
+  }
 
   struct Pruned {
     std::vector<std::string> removed;  // tags
@@ -1154,14 +1166,14 @@ class DirectoryWriter {
   }
 
   // Completes what a crashed publish left: its tag, if `latest` does not name it, is removed.
+  // A note that names no tag (written atomically, so not by zp) rolls nothing back and goes too.
   void roll_back_unnamed() {
     namespace fs = std::filesystem;
     std::error_code ec;
     if (!fs::exists(fs::symlink_status(intent(), ec))) return;
-    const std::string tag = detail::read_whole_file(intent(), 256);
-    check_tag(tag, intent().string() + " holds");
-    const bool named =
-        fs::exists(fs::symlink_status(dir_ / "latest", ec)) && Reader::read_latest(dir_) == tag;
+    const std::string tag = publishing(dir_);
+    const bool named = tag.empty() || (fs::exists(fs::symlink_status(dir_ / "latest", ec)) &&
+                                       Reader::read_latest(dir_) == tag);
     if (!named && fs::exists(fs::symlink_status(dir_ / tag, ec))) {
       remove_tag(tag);
       cleaned_.push_back(tag);

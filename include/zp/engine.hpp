@@ -136,7 +136,8 @@ class Engine {
   template <Model<T> M>
   Engine(MemoryPeers peers, int tp, Collective<B>& comm, M& model, EngineConfig config,
          Opt optimizer)
-      : shard_(hybrid_group(comm, checked(comm, config, optimizer).shard_group_size, true)),
+      : shard_(
+            hybrid_group(comm, checked(comm, peers.mp, config, optimizer).shard_group_size, true)),
         replicas_(hybrid_group(comm, config.shard_group_size, false)),
         dp_(&comm),
         comm_(shard_ ? &*shard_ : &comm),
@@ -380,18 +381,11 @@ class Engine {
   // a grid: `model` is one TP x PP part, `ranks` the DP ranks, `tp` the grid's TP ranks.
   template <Model<T> M>
   static MemoryPlan estimate_memory(M& model, int ranks, const EngineConfig& config, int tp = 1) {
-    check_settings(config, Opt{});
     ZP_EXPECT(ranks >= 1 && tp >= 1, "engine: estimate_memory for ", ranks, " ranks and tp ", tp,
               "; expected at least 1 of each");
-    check_shard_group(config.shard_group_size, ranks);
+    check_config(config, Opt{}, ranks);
     const int zero = config.shard_group_size > 0 ? config.shard_group_size : ranks;
-    const bool shard_group = zero != ranks;
-    if (config.hpz_partition_size > 1)
-      check_nodes(config.hpz_partition_size, "hpz_partition_size", zero, shard_group);
-    if (config.quantized_gradients && config.ranks_per_node > 0)
-      check_nodes(config.ranks_per_node, "ranks_per_node", zero, shard_group);
     const BatchConfig batch = resolve_batch(config.batch, ranks);
-    check_unscale(config.loss_scaler.scale(), batch.gradient_accumulation_steps);
     const GradPrecision p =
         GradPrecision::resolve(dtype_of<T>, Stage, config.grad_accum_dtype,
                                config.communication_dtype, batch.gradient_accumulation_steps);
@@ -557,15 +551,25 @@ class Engine {
               "same bucket_bytes, first_bucket_bytes, align, shard_group_size and, with qgZ, "
               "ranks_per_node, on every TP rank); else they would drift apart");
   }
-  // check_settings on every rank of `comm`: settings bad on some ranks only are an error on all,
-  // naming the value there.
-  static const EngineConfig& checked(Collective<B>& comm, const EngineConfig& c, const Opt& opt) {
-    on_every_rank(comm, [&] {
-      check_settings(c, opt);
-      check_unscale(c.loss_scaler.scale(),
-                    resolve_batch(c.batch, comm.size()).gradient_accumulation_steps);
-    });
+  // check_config over the data-parallel group `comm` and, on a grid, the model-parallel one `mp`:
+  // a setting refused on any rank is an error on every rank of the grid, naming the value there
+  // (raised on the job's every rank at once, an MPI job ends with it, not an abort).
+  static const EngineConfig& checked(Collective<B>& comm, Collective<B>* mp, const EngineConfig& c,
+                                     const Opt& opt) {
+    on_every_rank_of({&comm, mp}, [&] { check_config(c, opt, comm.size()); });
     return c;
+  }
+  // What the settings c need of `ranks` data-parallel ranks, and of each other: the groups
+  // (shard group, hpZ's and qgZ's nodes given) must divide them, the loss scale must unscale.
+  static void check_config(const EngineConfig& c, const Opt& opt, int ranks) {
+    check_settings(c, opt);
+    check_shard_group(c.shard_group_size, ranks);
+    const int zero = c.shard_group_size > 0 ? c.shard_group_size : ranks;
+    if (c.hpz_partition_size > 1)
+      check_nodes(c.hpz_partition_size, "hpz_partition_size", zero, zero != ranks);
+    if (c.quantized_gradients && c.ranks_per_node > 0)
+      check_nodes(c.ranks_per_node, "ranks_per_node", zero, zero != ranks);
+    check_unscale(c.loss_scaler.scale(), resolve_batch(c.batch, ranks).gradient_accumulation_steps);
   }
   // The gradients are unscaled by the loss scale times the accumulation steps, in fp32.
   static void check_unscale(double scale, std::int64_t gas) {

@@ -51,14 +51,34 @@ namespace detail {
 // The newest zp::Error made on this thread, and how many exceptions were in flight then. The
 // MPI backend names it when an exception propagating through a communicator's destructor makes
 // it abort the job: a destructor cannot see that exception, and the abort ends the process
-// before any handler could print it.
+// before any handler could print it. every_rank: an agreement (agreement.hpp) found that every
+// rank of the job raises it at once, so no rank waits for another and nothing need be aborted.
 struct NewestError {
   std::string what;
   int in_flight = 0;
+  bool every_rank = false;
 };
 inline NewestError& newest_error() noexcept {
   thread_local NewestError e;
   return e;
+}
+// Records that the exception of what() `what`, about to be thrown, is raised on every rank of
+// the job at once.
+inline void raised_on_every_rank(const char* what) noexcept {
+  try {
+    newest_error() = {what, std::uncaught_exceptions(), true};
+  } catch (...) {  // no memory for the copy: the job is then aborted, as before
+  }
+}
+// Whether the exception now propagating (caught: `caught`, else the one in flight) is one that
+// every rank of the job raises at once (the newest zp::Error so recorded, and no exception came
+// after it). A non-zp exception thrown after such an error was handled, with no zp::Error made
+// in between, is taken for it: the job then ends at the other ranks' timeout, not at once.
+inline bool every_rank_raises(const std::exception* caught = nullptr) noexcept {
+  const NewestError& e = newest_error();
+  return e.every_rank &&
+         (caught ? e.in_flight == std::uncaught_exceptions() && e.what == caught->what()
+                 : e.in_flight + 1 == std::uncaught_exceptions());
 }
 }  // namespace detail
 

@@ -38,7 +38,9 @@
 //    stderr and calls MPI_Abort, so the whole job ends in bounded time with the reason.
 //  - A backend destroyed while an exception propagates (its rank failed; the others may be
 //    waiting for it in a collective) prints the rank and calls MPI_Abort instead of hanging.
-//    Exceptions every rank raises together (a detected mismatch) do not abort.
+//    Exceptions every rank raises together do not abort: a detected mismatch, and an error that
+//    an agreement over the whole job (on_every_rank over MPI_COMM_WORLD's ranks, agreement.hpp)
+//    raised on every rank, such as an engine's configuration error.
 //  - Every MPI call is checked (MPI_ERRORS_RETURN on zp's communicator): a failure throws
 //    zp::Error(Errc::mpi) with MPI_Error_string and the native code.
 //
@@ -396,6 +398,13 @@ class Mpi {
 
   int rank() const { return ctx_->rank; }
   int size() const { return ctx_->size; }
+  // The job's processes (MPI_COMM_WORLD's): an error agreed on by that many ranks is raised on
+  // all of them (agreement.hpp), so none aborts the job for it.
+  int job_size() const {
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+  }
   // zp's private communicator (for bootstrapping, e.g. the nccl backend).
   MPI_Comm comm() const { return ctx_->comm; }
   // Where this rank sits among nodes (mpi_node.hpp); one node of size() ranks without
@@ -529,9 +538,9 @@ class Mpi {
     c->received.assign(std::size_t(c->size), 0);
     if (opt.timeout.count() > 0) c->watchdog = mpi_detail::Watchdog::get();
     if (opt.shared_memory) {
-      c->node = std::make_unique<mpi_detail::NodeComm>(
-          comm, mpi_detail::requested_ranks_per_node(opt.ranks_per_node), opt.node_chunk_bytes,
-          opt.node_stream_bytes, opt.node_direct_bytes);
+      c->node = std::make_unique<mpi_detail::NodeComm>(comm, agreed_ranks_per_node(*c),
+                                                       opt.node_chunk_bytes, opt.node_stream_bytes,
+                                                       opt.node_direct_bytes);
       int level = MPI_THREAD_SINGLE;
       MPI_Query_thread(&level);
       c->node_async = level == MPI_THREAD_MULTIPLE;
@@ -540,21 +549,44 @@ class Mpi {
     unwinding_ = std::uncaught_exceptions();
   }
 
+  // The ranks per node every rank of c asks for (requested_ranks_per_node), compared before the
+  // node's splits, which would pair ranks that took different paths (a hang): a value that does
+  // not read, or one that differs, is an error on every rank.
+  int agreed_ranks_per_node(const mpi_detail::Context& c) const {
+    int mine = -1;
+    std::string bad;
+    try {
+      mine = mpi_detail::requested_ranks_per_node(c.opt.ranks_per_node);
+    } catch (const Error& e) {
+      bad = e.message();
+    }
+    int v[2] = {mine, -mine};
+    mpi_detail::check(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT, MPI_MAX, c.comm),
+                      "MPI_Allreduce (ranks per node)", c.rank);
+    if (v[0] == -v[1] && mine >= 0) return mine;
+    Error e(Errc::invalid_argument,
+            !bad.empty() ? bad
+                         : detail::cat("mpi backend: the ranks ask for different ranks per node, "
+                                       "from ",
+                                       -v[1], " to ", v[0],
+                                       " (MpiOptions::ranks_per_node, else ZP_RANKS_PER_NODE; 0: "
+                                       "the machines'; -1: a ZP_RANKS_PER_NODE that does not "
+                                       "read), this rank ",
+                                       mine, "; every rank must ask for the same"));
+    if (c.size == job_size()) detail::raised_on_every_rank(e.what());
+    throw e;
+  }
+
   void leave() noexcept {
     if (!ctx_) return;
-    if (std::uncaught_exceptions() > unwinding_ && ctx_->size > 1 && !ctx_rejected_together()) {
-      // The exception is this thread's newest zp::Error if that was made just before it began.
-      const detail::NewestError& e = detail::newest_error();
-      const bool named = !e.what.empty() && e.in_flight + 1 == std::uncaught_exceptions();
+    if (std::uncaught_exceptions() > unwinding_ && ctx_->size > 1 && !ctx_rejected_together() &&
+        !detail::every_rank_raises()) {
       mpi_detail::abort_job(detail::cat(
           "rank ", ctx_->rank, " of ", ctx_->size, " (world rank ", ctx_->world_rank,
           ") is leaving its communicator because an exception is propagating (after call #",
           ctx_->calls,
           "); the other ranks may be waiting for it in a collective, so the job is aborted",
-          named ? detail::cat(". This thread's newest zp::Error (the exception, unless one not "
-                              "from zp came after it): ",
-                              e.what)
-                : std::string()));
+          mpi_detail::propagating_error()));
     }
     ctx_.reset();
   }
@@ -606,22 +638,24 @@ class Mpi {
       std::copy_n(all.data() + std::size_t(r) * F, F, x.v);
       return x;
     };
+    const auto fail = [&](const std::string& why) {
+      Error e(Errc::invalid_argument, "mpi backend: " + why);
+      if (c.size == job_size()) detail::raised_on_every_rank(e.what());
+      throw e;
+    };
     const auto s0 = sig(0);
     for (int r = 1; r < c.size; ++r) {
       const auto sr = sig(r);
       if (!std::equal(sr.v, sr.v + F - 1, s0.v))
-        throw Error(Errc::invalid_argument,
-                    detail::cat("mpi backend: mismatched collective calls: rank 0 called ",
-                                s0.describe(), " but rank ", r, " called ", sr.describe(),
-                                " (call #", c.calls, " on rank ", c.rank,
-                                "); every rank must issue the same operations in the same order"));
+        fail(detail::cat("mismatched collective calls: rank 0 called ", s0.describe(), " but rank ",
+                         r, " called ", sr.describe(), " (call #", c.calls, " on rank ", c.rank,
+                         "); every rank must issue the same operations in the same order"));
     }
-    if (!local_error.empty()) throw Error(Errc::invalid_argument, "mpi backend: " + local_error);
+    if (!local_error.empty()) fail(local_error);
     int first = 0;
     while (first < c.size && sig(first).v[F - 1] == 0) ++first;
-    throw Error(Errc::invalid_argument,
-                detail::cat("mpi backend: rank ", first, " rejected its arguments to ",
-                            s.describe(), " (call #", c.calls, "); see that rank's error"));
+    fail(detail::cat("rank ", first, " rejected its arguments to ", s.describe(), " (call #",
+                     c.calls, "); see that rank's error"));
   }
 
   // Argument problems, checked before anything is issued; "" when fine.
@@ -945,7 +979,8 @@ static_assert(Backend<Mpi>);
 // calls MPI_Abort from its own thread), and finalises it on destruction. If MPI was already
 // initialised (by the application), it does nothing either way. Destroyed while an exception
 // propagates with more than one rank, it aborts the job instead of finalising (MPI_Finalize is
-// collective: the others would wait for this rank forever).
+// collective: the others would wait for this rank forever), unless every rank of the job raised
+// that exception together (an agreed error, agreement.hpp).
 class MpiEnvironment {
  public:
   MpiEnvironment() : MpiEnvironment(nullptr, nullptr) {}
@@ -970,10 +1005,11 @@ class MpiEnvironment {
     if (fin) return;
     int size = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (std::uncaught_exceptions() > unwinding_ && size > 1)
+    if (std::uncaught_exceptions() > unwinding_ && size > 1 && !detail::every_rank_raises())
       mpi_detail::abort_job(detail::cat("world rank ", mpi_detail::world_rank(),
                                         " is finalising MPI while an exception propagates; "
-                                        "aborting the job"));
+                                        "aborting the job",
+                                        mpi_detail::propagating_error()));
     MPI_Finalize();
   }
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -60,6 +61,17 @@ inline std::thread::id& main_thread_id_storage() {
   return id;
 }
 inline std::thread::id main_thread_id() { return main_thread_id_storage(); }
+
+// For the message of an abort while an exception propagates: the exception's text where it is
+// this thread's newest zp::Error (made just before it began), else "".
+inline std::string propagating_error() {
+  const detail::NewestError& e = detail::newest_error();
+  if (e.what.empty() || e.in_flight + 1 != std::uncaught_exceptions()) return "";
+  return detail::cat(
+      ". This thread's newest zp::Error (the exception, unless one not from zp "
+      "came after it): ",
+      e.what);
+}
 
 // Ends the job after printing why: MPI_Abort when MPI may be called from any thread,
 // otherwise _Exit (mpirun/mpiexec then terminate the other ranks).
