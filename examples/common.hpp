@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cerrno>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -23,12 +25,14 @@
 #include <system_error>
 #include <vector>
 
-#include <signal.h>  // sigaction
+#include <fcntl.h>     // open
+#include <signal.h>    // sigaction
+#include <sys/stat.h>  // fstat
+#include <unistd.h>    // read
 
 #include "zp/backend/threads.hpp"
 #include "zp/dispatch.hpp"
 #include "zp/engine.hpp"
-#include "zp/detail/file.hpp"
 #include "zp/error.hpp"
 #if ZP_DEMO_MPI
 #include "zp/backend/mpi.hpp"
@@ -60,15 +64,33 @@ struct Corpus {
   }
 };
 
-// The whole of the regular file at `path` (a FIFO or a device such as /dev/zero, which would
-// never end, is an error); `what` names it in errors ("<what>: cannot read <path>: ...").
+// The whole of the file at `path`: a regular file or a pipe (`--text <(zcat a.gz)`); a device
+// such as /dev/zero, which would never end, or a socket is an error. `what` names it in errors.
 inline std::string read_text(const std::string& path, const std::string& what) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw zp::Error(zp::Errc::io, what + " '" + path + "' is a directory, not a file");
-  return zp::detail::with_context(
-      [&] { return zp::detail::read_whole_file(path, std::uint64_t(1) << 40); },
-      [&](const std::string& m) { return what + ": " + m; });
+  const auto fail = [&](const std::string& why) {
+    throw zp::Error(zp::Errc::io, "cannot read " + what + " '" + path + "': " + why);
+  };
+  // O_NONBLOCK: a FIFO's open() does not wait for a writer (without one, the text is empty).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) fail(std::strerror(errno));
+  struct stat st {};
+  const int fl = ::fstat(fd, &st) == 0 ? ::fcntl(fd, F_GETFL) : -1;
+  std::string why = fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 ? std::strerror(errno)
+                    : S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode)         ? ""
+                                                                          : "not a file or a pipe";
+  std::string text;
+  char buf[1 << 16];
+  for (ssize_t n = 1; why.empty() && n != 0;) {
+    n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno != EINTR) why = std::strerror(errno);
+    if (n > 0) text.append(buf, std::size_t(n));
+  }
+  ::close(fd);
+  if (!why.empty()) fail(why);
+  return text;
 }
 
 // The files concatenated, each followed by a newline.

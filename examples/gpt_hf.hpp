@@ -153,7 +153,7 @@ void read_hf(Model<T>& m, const std::filesystem::path& dir) {
     ZP_EXPECT(optional("model_type", std::string()) == "gpt2", cfg_path.string(),
               ": model_type is '", zp::detail::text_excerpt(optional("model_type", std::string())),
               "', not gpt2");
-    if (j.contains("architectures"))  // (what transformers builds from the directory)
+    if (j.contains("architectures") && !j["architectures"].is_null())  // (what it builds)
       ZP_EXPECT(j["architectures"] == nlohmann::json::array({"GPT2LMHeadModel"}), cfg_path.string(),
                 ": architectures is ", zp::detail::json_excerpt(j["architectures"]),
                 ", not [\"GPT2LMHeadModel\"]");

@@ -10,8 +10,9 @@
 // ({"byte_of_id": [...]}: the byte each token id stands for).
 #pragma once
 
-#include <fcntl.h>   // open
-#include <unistd.h>  // access
+#include <fcntl.h>     // open
+#include <sys/stat.h>  // stat
+#include <unistd.h>    // access
 
 #include <algorithm>
 #include <cerrno>
@@ -483,8 +484,10 @@ class JsonLog {
     if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0 || !(f_ = ::fdopen(fd, "a"))) {
       const int err = errno;
       if (fd >= 0) ::close(fd);
+      struct stat st {};
+      const bool fifo = ::stat(path_.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
       throw zp::Error(zp::Errc::io, "cannot open --log-json " + path_ + ": " + std::strerror(err) +
-                                        (err == ENXIO ? " (a FIFO that no process reads)" : ""));
+                                        (fifo ? " (a FIFO that no process reads)" : ""));
     }
   }
   ~JsonLog() {
@@ -508,10 +511,9 @@ class JsonLog {
 
  private:
   void failed(int err, int step = 0) const {
-    std::fprintf(stderr, "warning: --log-json %s: a write failed (%s); %s\n", path_.c_str(),
-                 std::strerror(err),
-                 step ? ("the log ends before step " + std::to_string(step)).c_str()
-                      : "its last lines may be lost");
+    std::fprintf(stderr, "warning: --log-json %s: %s failed (%s)%s\n", path_.c_str(),
+                 step ? "a write" : "closing it", std::strerror(err),
+                 step ? ("; the log ends before step " + std::to_string(step)).c_str() : "");
   }
 
   std::string path_;
@@ -655,14 +657,25 @@ int latest_step(E& engine, Comm& comm, const Program& p, const CheckpointFlags& 
 inline void expect_saves_free(const CheckpointFlags& o, int first, int steps) {
 #if ZP_DEMO_IO
   if (!o.save_every) return;
-  const std::string unnamed = zp::ckpt::DirectoryWriter::publishing(o.checkpoint_dir);
-  for (const auto& [when, tag] : zp::ckpt::checkpoint_tags(o.checkpoint_dir)) {
-    if (tag == unnamed) continue;  // a crashed save's, which the next save removes
+  namespace fs = std::filesystem;
+  const fs::path dir = o.checkpoint_dir;
+  // A crashed save's tag that `latest` does not name is removed by the next save.
+  std::string unnamed = zp::ckpt::DirectoryWriter::publishing(dir);
+  std::error_code ec;
+  try {
+    if (fs::exists(fs::symlink_status(dir / "latest", ec)) &&
+        zp::ckpt::Reader::read_latest(dir) == unnamed)
+      unnamed.clear();
+  } catch (const zp::Error&) {  // (a `latest` the save replaces)
+  }
+  for (fs::directory_iterator it(dir, ec), last; !ec && it != last; it.increment(ec)) {
+    const std::string tag = it->path().filename().string();  // (any entry: a save needs the name)
+    if (tag == unnamed) continue;
     int n = 0;
     const char* end = tag.data() + tag.size();
-    const auto [at, ec] =
+    const auto [at, parse] =
         std::from_chars(tag.data() + std::min<std::size_t>(4, tag.size()), end, n);
-    if (tag.starts_with("step") && ec == std::errc() && at == end &&
+    if (tag.starts_with("step") && parse == std::errc() && at == end &&
         tag == "step" + std::to_string(n) && n > first && n <= steps && n % o.save_every == 0)
       throw zp::Error(
           zp::Errc::invalid_argument,

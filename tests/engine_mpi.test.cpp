@@ -340,9 +340,12 @@ TEST_CASE("on mpi a setting every rank refuses unwinds through communicators wit
           zp::Engine<Mpi, float, 3> engine(grid, model, cfg);
         },
         {"engine: hpz_partition_size ", " does not divide the "});
+    CHECK(zp::detail::newest_error().every_rank);
     std::int64_t one = 1;
     world.all_reduce(std::span<std::int64_t>(&one, 1), zp::ReduceOp::sum);
     CHECK(one == world.size());
+    // The collective forgot the record: a rank's own later failure aborts again.
+    CHECK_FALSE(zp::detail::newest_error().every_rank);
   }
 }
 

@@ -258,7 +258,7 @@ def check_trained(gpt, work):
     for content, needle in ((b"abcz", f"--eval {eval_path}: the character 'z' (byte 122) is not "
                                       "in the training text's vocabulary"),
                             (b"a", f"--eval {eval_path} is too short: 1 character(s), at least 2"),
-                            (None, f"--eval text: cannot open {eval_path}: No such file")):
+                            (None, f"cannot read --eval text '{eval_path}': No such file")):
         if content is None:
             os.remove(eval_path)
         else:

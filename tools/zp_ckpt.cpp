@@ -205,8 +205,7 @@ int list(const std::filesystem::path& dir) {
 int prune(const std::filesystem::path& dir, std::size_t keep) {
   zp::ckpt::DirectoryWriter writer(dir);
   for (const auto& name : writer.cleaned())
-    std::printf("removed %s/%s (left by a save that did not finish)\n", dir.c_str(),
-                shown(name).c_str());
+    std::printf("removed %s (left by a save that did not finish)\n", (dir / shown(name)).c_str());
   const auto pruned = writer.prune(keep);
   for (const auto& tag : pruned.removed) std::printf("removed %s\n", (dir / tag).c_str());
   for (const auto& why : pruned.failed) std::fprintf(stderr, "zp_ckpt: prune: %s\n", why.c_str());

@@ -104,16 +104,17 @@ std::int64_t job_size(Collective<B>& comm) {
     return 0;
 }
 // Rethrows err, which `ranks` ranks of comm's job agreed to raise together: where they are the
-// whole job, recorded so (raised_on_every_rank) for the backend that would abort it.
+// whole job, recorded so (raised_on_every_rank) for the backend that would abort it. Only a
+// zp::Error: the other ranks raise one of its category, so a handler treats all alike (a
+// failing rank's bad_alloc could escape a handler of zp::Error that caught the others').
 template <Backend B>
 [[noreturn]] void rethrow_agreed(Collective<B>& comm, std::exception_ptr err, std::int64_t ranks) {
   if (ranks == job_size(comm)) {
     try {
       std::rethrow_exception(err);
-    } catch (const std::exception& e) {
+    } catch (const Error& e) {
       raised_on_every_rank(e.what());
     } catch (...) {
-      raised_on_every_rank("an exception not derived from std::exception");
     }
   }
   std::rethrow_exception(err);
@@ -129,6 +130,7 @@ template <Backend B>
 template <Backend B>
 void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
                    std::span<double> word = {}) {
+  detail::every_rank_handled();  // an agreed error before this one was handled
   std::exception_ptr err;
   std::string msg;
   Errc category = Errc::io;
@@ -174,9 +176,11 @@ void on_every_rank(Collective<B>& comm, detail::FunctionRef<void()> f,
   detail::rethrow_agreed(comm, err, comm.size());
 }
 
-// on_every_rank over groups that make up a grid (each rank in one group of each kind, as a
-// ProcessGrid's dp() and model_parallel(); null ones skipped), passed on group by group: a
-// failure on any rank of the grid is an error on every rank.
+namespace detail {
+// on_every_rank over groups that make up a grid, passed on group by group: a failure on any rank
+// of the grid is an error on every rank. The groups must be orthogonal (each rank in one group of
+// each kind, as a ProcessGrid's dp() and model_parallel(); null ones skipped): their sizes'
+// product is then the grid's, which decides whether the whole job raised it.
 template <Backend B>
 void on_every_rank_of(std::initializer_list<Collective<B>*> groups, detail::FunctionRef<void()> f,
                       std::span<double> word = {}) {
@@ -203,14 +207,15 @@ void on_every_rank_of(std::initializer_list<Collective<B>*> groups, detail::Func
     ranks *= g->size();
     one = g;
   }
-  if (err) detail::rethrow_agreed(*one, err, ranks);
+  if (err) rethrow_agreed(*one, err, ranks);
 }
+}  // namespace detail
 
-// on_every_rank_of an engine's grid: its data-parallel group (the shard group, then the
+// on_every_rank over an engine's grid: its data-parallel group (the shard group, then the
 // replicas), then its model-parallel group.
 template <class E>
 void on_every_grid_rank(E& engine, detail::FunctionRef<void()> f, std::span<double> word = {}) {
-  on_every_rank_of({&engine.comm(), engine.replicas(), engine.model_parallel()}, f, word);
+  detail::on_every_rank_of({&engine.comm(), engine.replicas(), engine.model_parallel()}, f, word);
 }
 
 }  // namespace zp

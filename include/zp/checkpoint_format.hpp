@@ -1082,15 +1082,21 @@ class DirectoryWriter {
   }
   // The tag a crashed publish left unnamed in `dir` (its .zp-publishing note, which the next
   // writer removes with the tag unless `latest` names it); "" where there is no note or it
-  // names no tag.
+  // names no tag (not zp's: it writes the note atomically). A note that does not read is an
+  // error.
   static std::string publishing(const std::filesystem::path& dir) {
+    std::error_code ec;
+    if (!std::filesystem::exists(std::filesystem::symlink_status(dir / intent_name, ec))) return "";
+    const detail::InputFile note(dir / intent_name);
+    if (note.size() > 256) return "";
+    std::string tag(std::size_t(note.size()), '\0');
+    note.read_at(0, std::as_writable_bytes(std::span(tag)));
     try {
-      std::string tag = detail::read_whole_file(dir / intent_name, 256);
       check_tag(tag);
-      return tag;
     } catch (const Error&) {
       return "";
     }
+    return tag;
   }
 
   struct Pruned {
@@ -1466,19 +1472,19 @@ inline std::vector<std::uint64_t> shape_of(const ExportOptions& o, const std::st
   return s;
 }
 
-// Where a safetensors model lives: a file, an index, or a directory holding either. Maps each
-// tensor name to its file.
+// Where a safetensors model lives: a file, an index, or a directory holding either (both:
+// model.safetensors, as transformers' from_pretrained takes it). Maps each tensor name to its
+// file.
 inline std::map<std::string, std::filesystem::path> safetensors_files(
     const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path p = path;
-  if (fs::is_directory(p, ec)) {
-    if (fs::exists(p / "model.safetensors.index.json", ec))
-      p = p / "model.safetensors.index.json";
-    else
-      p = p / "model.safetensors";
-  }
+  if (fs::is_directory(p, ec))
+    p = fs::exists(p / "model.safetensors", ec) ||
+                !fs::exists(p / "model.safetensors.index.json", ec)
+            ? p / "model.safetensors"
+            : p / "model.safetensors.index.json";
   std::map<std::string, fs::path> files;
   if (p.extension() == ".json") {
     const auto idx = safetensors::read_index(p);

@@ -556,7 +556,7 @@ class Engine {
   // (raised on the job's every rank at once, an MPI job ends with it, not an abort).
   static const EngineConfig& checked(Collective<B>& comm, Collective<B>* mp, const EngineConfig& c,
                                      const Opt& opt) {
-    on_every_rank_of({&comm, mp}, [&] { check_config(c, opt, comm.size()); });
+    detail::on_every_rank_of({&comm, mp}, [&] { check_config(c, opt, comm.size()); });
     return c;
   }
   // What the settings c need of `ranks` data-parallel ranks, and of each other: the groups

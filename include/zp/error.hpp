@@ -70,10 +70,13 @@ inline void raised_on_every_rank(const char* what) noexcept {
   } catch (...) {  // no memory for the copy: the job is then aborted, as before
   }
 }
+// Forgets such a record: called where communication goes on, so the error was handled.
+inline void every_rank_handled() noexcept { newest_error().every_rank = false; }
 // Whether the exception now propagating (caught: `caught`, else the one in flight) is one that
 // every rank of the job raises at once (the newest zp::Error so recorded, and no exception came
-// after it). A non-zp exception thrown after such an error was handled, with no zp::Error made
-// in between, is taken for it: the job then ends at the other ranks' timeout, not at once.
+// after it). The next agreement or checked MPI call clears the record (every_rank_handled), so
+// only a non-zp exception thrown after such an error was handled and before any collective
+// could be taken for it: the job then ends at the other ranks' timeout, not at once.
 inline bool every_rank_raises(const std::exception* caught = nullptr) noexcept {
   const NewestError& e = newest_error();
   return e.every_rank &&

@@ -626,6 +626,7 @@ class Mpi {
     for (int i = 0; i < F - 1; ++i) same = same && buf[i] == -buf[F + i];
     if (same && buf[F - 1] == 0) {
       rejected_together_ = false;
+      detail::every_rank_handled();
       return;
     }
     // Slow path: learn every rank's call to name the difference.

@@ -389,16 +389,18 @@ inline std::string read_whole_file(const std::filesystem::path& path, std::uint6
 }
 
 // Whether `path` is `dir` or lies under it, both resolved as far as they exist (symbolic links,
-// "..", a trailing '/').
+// "..", a trailing '/'); false where either does not resolve.
 inline bool is_within(const std::filesystem::path& path, const std::filesystem::path& dir) {
-  const auto resolved = [](const std::filesystem::path& p) {
+  bool ok = true;
+  const auto resolved = [&](const std::filesystem::path& p) {
     std::error_code ec;
-    std::filesystem::path q =
-        std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+    std::filesystem::path q = std::filesystem::absolute(p, ec);
+    if (!ec) q = std::filesystem::weakly_canonical(q, ec);
+    ok = ok && !ec && !q.empty();
     return q.has_filename() ? q : q.parent_path();
   };
   const std::filesystem::path d = resolved(dir), p = resolved(path);
-  return std::mismatch(d.begin(), d.end(), p.begin(), p.end()).first == d.end();
+  return ok && std::mismatch(d.begin(), d.end(), p.begin(), p.end()).first == d.end();
 }
 
 // Renames `from` to `to` only if `to` does not exist (atomically where the file system supports
