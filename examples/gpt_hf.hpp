@@ -112,11 +112,12 @@ void write_hf(const Model<T>& layout, std::span<const T> whole, const std::files
   zp::detail::write_file_atomic(dir / "config.json", std::as_bytes(std::span<const char>(text)));
 }
 
-// dir/config.json and dir/model.safetensors (or its shards) -> the parameters of `m`, this rank's part of the
-// model (any grid: each tensor is read whole, one at a time, and the part's elements taken from
-// it). Another architecture, a shape that differs from m's config, a missing tensor, a tensor of
-// another shape, an element type other than F32 or a tensor GPT-2 does not have (but the attention
-// mask buffers older transformers saved, which are ignored) is an error naming it.
+// dir/config.json and dir/model.safetensors (or the shards its index names) -> the parameters of
+// `m`, this rank's part of the model (any grid: each tensor is read whole, one at a time, and
+// the part's elements taken from it). Another architecture, a shape that differs from m's
+// config, a config key of another JSON type, a missing tensor, a tensor of another shape, an
+// element type other than F32 or a tensor GPT-2 does not have (but the attention mask buffers
+// older transformers saved, which are ignored) is an error naming it.
 template <class T>
 void read_hf(Model<T>& m, const std::filesystem::path& dir) {
   const Config& c = m.config();

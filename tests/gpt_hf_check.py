@@ -216,8 +216,10 @@ def check_trained(gpt, work):
     # A key of another JSON type, a number past int64 and another architecture are named.
     for change, needle in ((dict(layer_norm_epsilon="1e-5"),
                             'layer_norm_epsilon is "1e-5", not a number'),
-                           (dict(tie_word_embeddings="yes"), 'tie_word_embeddings is "yes", not a boolean'),
-                           (dict(vocab_size=2**63), "no integer 'vocab_size' (9223372036854775808)"),
+                           (dict(tie_word_embeddings="yes"),
+                            'tie_word_embeddings is "yes", not a boolean'),
+                           (dict(vocab_size=2**63),
+                            "no integer 'vocab_size' (9223372036854775808)"),
                            (dict(architectures=["LlamaForCausalLM"]),
                             'architectures is ["LlamaForCausalLM"], not ["GPT2LMHeadModel"]')):
         with open(os.path.join(bad, "config.json"), "w") as f:
